@@ -1,0 +1,174 @@
+"""Parallel layout: world = pp * dp * tp, TP innermost; MoE groups, expert placement and
+pipeline stages. Pure arithmetic, no torch.distributed (see docs/layout.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .errors import PlanError
+
+
+@dataclass(frozen=True)
+class Coords:
+    rank: int
+    tp: int
+    dp: int
+    pp: int
+    ep: int        # rank inside the expert-parallel dimension of its MoE group
+    moe_tp: int    # rank inside the TP split of each expert it owns
+    moe_group: int  # index in the MoE group (m)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "ep": self.ep, "moe_tp": self.moe_tp}
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    ep_spans_dp: bool = False
+    # "linear" | "round_robin" | explicit map: one tuple of logical expert ids per ep rank
+    expert_placement: str | tuple[tuple[int, ...], ...] = "linear"
+    pp_layers: tuple[int, ...] | None = None  # layers per stage, explicit
+    allow_uneven: bool = False
+    include_mtp: bool = False
+
+    def __post_init__(self):
+        for k in ("tp", "pp", "dp", "ep"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"layout: {k} must be a positive integer, got {v!r}")
+        if isinstance(self.expert_placement, (list, tuple)):
+            m = tuple(tuple(int(e) for e in ids) for ids in self.expert_placement)
+            object.__setattr__(self, "expert_placement", m)
+            if len(m) != self.ep:
+                raise PlanError(f"layout: explicit expert map has {len(m)} entries, expected one per "
+                                f"ep rank (ep={self.ep})")
+            if any(e < 0 for ids in m for e in ids):
+                raise PlanError("layout: explicit expert map holds a negative expert id")
+        elif self.expert_placement not in ("linear", "round_robin"):
+            raise PlanError(f"layout: expert_placement must be 'linear', 'round_robin' or an explicit "
+                            f"map, got {self.expert_placement!r}")
+        if self.pp_layers is not None:
+            pl = tuple(int(x) for x in self.pp_layers)
+            object.__setattr__(self, "pp_layers", pl)
+            if len(pl) != self.pp or any(x < 0 for x in pl):
+                raise PlanError(f"layout: pp_layers {list(pl)} must give a non-negative layer count "
+                                f"for each of the pp={self.pp} stages")
+        if self.ep > self.moe_group_size:
+            raise PlanError(f"layout: ep={self.ep} exceeds the MoE group size {self.moe_group_size} "
+                            f"({self._moe_group_desc()})")
+        if self.moe_group_size % self.ep:
+            raise PlanError(f"layout: ep={self.ep} does not divide the MoE group size "
+                            f"{self.moe_group_size} ({self._moe_group_desc()})")
+
+    def _moe_group_desc(self) -> str:
+        return f"tp={self.tp} x dp={self.dp}, ep_spans_dp" if self.ep_spans_dp else f"tp={self.tp}"
+
+    # -- sizes ---------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def moe_group_size(self) -> int:
+        return self.tp * self.dp if self.ep_spans_dp else self.tp
+
+    @property
+    def moe_tp(self) -> int:
+        return self.moe_group_size // self.ep
+
+    # -- coordinates ---------------------------------------------------------
+    def coords(self, rank: int) -> Coords:
+        if not 0 <= rank < self.world_size:
+            raise PlanError(f"layout: rank {rank} outside world of size {self.world_size} ({self})")
+        tp_rank = rank % self.tp
+        dp_rank = (rank // self.tp) % self.dp
+        pp_rank = rank // (self.tp * self.dp)
+        m = dp_rank * self.tp + tp_rank if self.ep_spans_dp else tp_rank
+        return Coords(rank, tp_rank, dp_rank, pp_rank, m // self.moe_tp, m % self.moe_tp, m)
+
+    # -- experts -------------------------------------------------------------
+    def experts_of(self, ep_rank: int, num_experts: int) -> tuple[int, ...]:
+        """Logical expert ids owned by ``ep_rank`` (in local order)."""
+        self.check_experts(num_experts)
+        if self.expert_placement == "linear":
+            base, rem = divmod(num_experts, self.ep)
+            start = ep_rank * base + min(ep_rank, rem)
+            return tuple(range(start, start + base + (ep_rank < rem)))
+        if self.expert_placement == "round_robin":
+            return tuple(range(ep_rank, num_experts, self.ep))
+        return self.expert_placement[ep_rank]
+
+    def owners_of(self, expert: int, num_experts: int) -> tuple[int, ...]:
+        """ep ranks holding ``expert`` (several only with a redundant explicit map)."""
+        if self.expert_placement == "linear":
+            base, rem = divmod(num_experts, self.ep)
+            # first `rem` ranks own base+1 experts
+            cut = rem * (base + 1)
+            q = expert // (base + 1) if expert < cut else rem + (expert - cut) // base
+            return (q,)
+        if self.expert_placement == "round_robin":
+            return (expert % self.ep,)
+        return tuple(q for q, ids in enumerate(self.expert_placement) if expert in ids)
+
+    def check_experts(self, num_experts: int) -> None:
+        if isinstance(self.expert_placement, tuple):
+            seen = {e for ids in self.expert_placement for e in ids}
+            missing = sorted(set(range(num_experts)) - seen)
+            if missing:
+                raise PlanError(f"layout: explicit expert map misses experts {missing[:16]}"
+                                f"{' ...' if len(missing) > 16 else ''} of {num_experts}")
+            extra = sorted(e for e in seen if e >= num_experts)
+            if extra:
+                raise PlanError(f"layout: explicit expert map names experts {extra[:16]} but the "
+                                f"checkpoint has {num_experts}")
+        elif self.ep > num_experts:
+            raise PlanError(f"layout: ep={self.ep} exceeds the expert count {num_experts}")
+
+    # -- pipeline ------------------------------------------------------------
+    def stage_layers(self, num_layers: int) -> list[range]:
+        """Layer ranges per pp stage, like vLLM's get_pp_indices (or the explicit list)."""
+        if self.pp_layers is not None:
+            if sum(self.pp_layers) != num_layers:
+                raise PlanError(f"layout: pp_layers {list(self.pp_layers)} sum to {sum(self.pp_layers)}, "
+                                f"but the model has {num_layers} layers")
+            counts = list(self.pp_layers)
+        else:
+            if self.pp > num_layers:
+                raise PlanError(f"layout: pp={self.pp} exceeds the layer count {num_layers}")
+            counts = [num_layers // self.pp] * self.pp
+            rem = num_layers % self.pp
+            # the remainder goes to the stages before the last, from the second to last back
+            for i in range(rem):
+                counts[self.pp - 2 - i if self.pp > 1 else 0] += 1
+        out, s = [], 0
+        for c in counts:
+            out.append(range(s, s + c))
+            s += c
+        return out
+
+    def to_dict(self) -> dict:
+        ep_pl = self.expert_placement
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep,
+                "ep_spans_dp": self.ep_spans_dp,
+                "expert_placement": ep_pl if isinstance(ep_pl, str) else [list(x) for x in ep_pl],
+                "pp_layers": list(self.pp_layers) if self.pp_layers is not None else None,
+                "allow_uneven": self.allow_uneven, "include_mtp": self.include_mtp}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Layout":
+        kw = dict(d)
+        if isinstance(kw.get("expert_placement"), list):
+            kw["expert_placement"] = tuple(tuple(x) for x in kw["expert_placement"])
+        if kw.get("pp_layers") is not None:
+            kw["pp_layers"] = tuple(kw["pp_layers"])
+        return Layout(**kw)
+
+    def __str__(self) -> str:
+        s = f"tp={self.tp} pp={self.pp} dp={self.dp} ep={self.ep}"
+        if self.ep_spans_dp:
+            s += " ep_spans_dp"
+        return s

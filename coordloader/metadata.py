@@ -1,0 +1,101 @@
+"""Frozen checkpoint metadata: what the reader returns and the planner consumes.
+
+A tensor is described by one or more *source pieces*: boxes of the global tensor stored
+contiguously (row-major) in some file. A plain HF checkpoint has one piece per tensor
+covering the whole box; coordloader's own sharded format (``coordloader.save``) stores a
+tensor as several pieces in several files. The planner maps target slices onto source
+pieces the same way in both cases, so resharding needs no special path.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from math import prod
+from typing import Mapping
+
+Box = tuple[tuple[int, int], ...]  # one [start, stop) pair per dim
+
+
+def full_box(shape: tuple[int, ...]) -> Box:
+    return tuple((0, s) for s in shape)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def box_numel(box: Box) -> int:
+    return prod(b - a for a, b in box)
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    name: str            # path relative to the checkpoint directory (no separators)
+    size: int            # bytes on disk
+    header_len: int      # N, the little-endian u64 at the start of the file
+    header_sha256: str   # hash of the raw header bytes: part of the fingerprint
+    metadata: tuple[tuple[str, str], ...] = ()  # the file's __metadata__, sorted
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+
+@dataclass(frozen=True)
+class SourcePiece:
+    file: str    # FileInfo.name
+    box: Box     # region of the global tensor this piece holds
+    start: int   # absolute byte offset in the file
+    end: int     # absolute byte offset one past the last byte
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str                 # safetensors dtype name, e.g. "BF16"
+    shape: tuple[int, ...]     # global shape
+    pieces: tuple[SourcePiece, ...]
+
+    @property
+    def file(self) -> str:
+        """File of the first piece (the only one in a plain HF checkpoint)."""
+        return self.pieces[0].file
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def is_whole(self) -> bool:
+        return len(self.pieces) == 1 and self.pieces[0].box == full_box(self.shape)
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    root: str                              # absolute checkpoint directory
+    files: tuple[FileInfo, ...]            # sorted by name
+    tensors: Mapping[str, TensorInfo]      # insertion order: file, then offset
+    config: Mapping | None = None          # parsed config.json, if present
+    source_layout: Mapping | None = None   # coordloader sharded format: saving layout
+    _fp: list = field(default_factory=list, repr=False, compare=False)
+
+    def fingerprint(self) -> str:
+        """sha256 over file names, sizes and header hashes: changes whenever any
+        header or file size changes, independent of the directory's path."""
+        if not self._fp:
+            h = hashlib.sha256()
+            for f in self.files:
+                h.update(json.dumps([f.name, f.size, f.header_sha256]).encode())
+            self._fp.append(h.hexdigest())
+        return self._fp[0]
+
+    def file(self, name: str) -> FileInfo:
+        for f in self.files:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.end - p.start for t in self.tensors.values() for p in t.pieces)
