@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Single-node launch: torchrun over NPROC local ranks (CPU ranks over gloo, or one rank per GPU).
+#
+# Variables read (all optional):
+#   NPROC        ranks on this node (default: number of GPUs, else 2)
+#   CKPT         checkpoint directory (default: synthesize a tiny qwen3_moe under $TMPDIR)
+#   DEVICE       cpu | cuda (default: cuda when a GPU is visible, else cpu)
+#   PYTHON       interpreter (default: python)
+# Remaining arguments go to coordloader.load (layout flags: default --tp $NPROC).
+#
+#   NPROC=2 launch/local.sh --tp 2 --verify digest
+set -euo pipefail
+PYTHON=${PYTHON:-python}
+if [[ -z "${DEVICE:-}" ]]; then
+  if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    DEVICE=cuda
+  else
+    DEVICE=cpu
+  fi
+fi
+if [[ -z "${NPROC:-}" ]]; then
+  if [[ "$DEVICE" == cuda ]]; then
+    NPROC=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+  else
+    NPROC=2
+  fi
+fi
+if [[ -z "${CKPT:-}" ]]; then
+  CKPT="${TMPDIR:-/tmp}/coordloader-tiny-qwen3_moe"
+  if [[ ! -f "$CKPT/config.json" ]]; then
+    "$PYTHON" -m coordloader.synth --arch qwen3_moe --size tiny "$CKPT"
+  fi
+fi
+if [[ $# -eq 0 ]]; then
+  set -- --tp "$NPROC"
+fi
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+  -m coordloader.load "$CKPT" --device "$DEVICE" "$@"
