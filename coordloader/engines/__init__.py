@@ -1,0 +1,165 @@
+"""Loading engines: turn one rank's plan into tensors.
+
+Every engine implements the same contract::
+
+    engine.load_rank(meta, rank_plan, device, *, progress=None, out=None)
+        -> (dict[name, Tensor], LoadStats)
+
+``progress`` is an optional callable receiving byte counts as data lands; ``out`` an
+optional dict of preallocated destinations (``load_into`` hands the model's own
+parameters in, so nothing is loaded twice). Engines:
+
+- ``cpu``: slice-exact reader (``os.preadv`` of the plan's byte runs straight into the
+  tensors' memory, a few threads). The embedded default without CUDA.
+- ``safetensors``: the HF ``safetensors`` library (``get_slice``); baseline and fallback.
+- ``instanttensor``: InstantTensor over the device process group (CUDA/ROCm only).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..errors import LoadError
+from ..metadata import Box, box_shape, full_box
+from ..planmodel import TensorSlice
+from .. import dtypes
+
+ENGINE_NAMES = ("auto", "cpu", "safetensors", "instanttensor")
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class LoadStats:
+    """What one rank's load cost. ``bytes_read`` is what this rank read from storage
+    (for InstantTensor group mode: its share of the group's reads); ``bytes_held`` the
+    size of its local tensors."""
+    engine: str
+    tensors: int = 0
+    bytes_read: int = 0
+    bytes_held: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_held / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def read_amplification(self) -> float:
+        return self.bytes_read / self.bytes_held if self.bytes_held else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["gbps"] = self.gbps
+        d["read_amplification"] = self.read_amplification
+        return d
+
+
+def resolve_engine_name(name: str, device: Any = None) -> str:
+    """``auto`` = instanttensor on a CUDA machine (unless a CPU device was asked for),
+    else cpu."""
+    if name not in ENGINE_NAMES:
+        raise LoadError(f"unknown engine {name!r}; expected one of {', '.join(ENGINE_NAMES)}")
+    if name != "auto":
+        return name
+    if device is not None and torch.device(device).type != "cuda":
+        return "cpu"
+    return "instanttensor" if torch.cuda.is_available() else "cpu"
+
+
+def select_engine(name: str = "auto", device: Any = None, **options):
+    """Build the engine called ``name`` (``auto`` resolved for ``device``).
+
+    ``options`` go to the engine's constructor (the instanttensor engine takes ``plan``,
+    ``group`` and ``loader_config``; the cpu engine ``threads``)."""
+    name = resolve_engine_name(name, device)
+    if name == "cpu":
+        from .cpu import CpuEngine
+        return CpuEngine(**{k: v for k, v in options.items() if k in ("threads", "chunk_bytes")})
+    if name == "safetensors":
+        from .safetensors_engine import SafetensorsEngine
+        return SafetensorsEngine()
+    from .instanttensor_engine import InstantTensorEngine
+    return InstantTensorEngine(**{k: v for k, v in options.items()
+                                  if k in ("plan", "group", "loader_config")})
+
+
+# -- helpers shared by the engines ---------------------------------------------------
+
+def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | None = None,
+             *, rank: int | None = None) -> torch.Tensor:
+    """The destination of one slice: ``out[name]`` when given (checked), else a fresh
+    tensor. Padding rows (pieces not covering the local tensor) are zeroed: they must
+    never carry stale memory."""
+    dt = dtypes.torch_dtype(ts.dtype)
+    if out is not None and ts.name in out:
+        t = out[ts.name]
+        if tuple(t.shape) != tuple(ts.local_shape) or t.dtype != dt:
+            raise LoadError(f"destination has shape {list(t.shape)} dtype {t.dtype}, the plan "
+                            f"needs shape {list(ts.local_shape)} dtype {dt}",
+                            tensor=ts.name, rank=rank)
+        if not t.is_contiguous():
+            raise LoadError("destination tensor is not contiguous", tensor=ts.name, rank=rank)
+        if torch.device(device).type != t.device.type:
+            raise LoadError(f"destination lives on {t.device}, the engine loads to {device}",
+                            tensor=ts.name, rank=rank)
+    else:
+        t = torch.empty(ts.local_shape, dtype=dt, device=device)
+    if ts.needs_zero_fill:
+        t.zero_()
+    return t
+
+
+def slice_nbytes(ts: TensorSlice) -> int:
+    return ts.local_numel * dtypes.itemsize(ts.dtype)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def narrow_box(t: torch.Tensor, starts, shape) -> torch.Tensor:
+    for d, (s, n) in enumerate(zip(starts, shape)):
+        if s != 0 or n != t.shape[d]:
+            t = t.narrow(d, s, n)
+    return t
+
+
+def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
+                 src: torch.Tensor, src_box: Box) -> int:
+    """Copy the part of ``src`` (holding global box ``src_box``) that falls inside the
+    planned piece (global box ``piece_src`` placed at ``piece_dst`` in ``dst``).
+    Returns the number of elements copied."""
+    ov = intersect(piece_src, src_box)
+    if ov is None:
+        return 0
+    shape = box_shape(ov)
+    s = narrow_box(src, [lo - b0 for (lo, _), (b0, _) in zip(ov, src_box)], shape)
+    d = narrow_box(dst, [off + lo - p0 for off, (lo, _), (p0, _) in zip(piece_dst, ov, piece_src)],
+                   shape)
+    d.copy_(s)
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def piece_key(name: str, box: Box, shape: tuple[int, ...]) -> str:
+    """Key under which a source piece is stored in its file: the tensor's name when the
+    piece is the whole tensor, else ``name@a:b,c:d`` (coordloader's sharded format)."""
+    if tuple(box) == full_box(shape):
+        return name
+    return name + "@" + ",".join(f"{a}:{b}" for a, b in box)
+
+
+__all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "allocate",
+           "copy_overlap", "intersect", "piece_key"]

@@ -1,0 +1,277 @@
+"""InstantTensor engine (CUDA/ROCm).
+
+InstantTensor's distributed mode splits the raw bytes of a file set over a process group
+and all-gathers them, so every member receives every tensor of those files, one at a
+time, as zero-copy views into a ring buffer (``copy=False``). We consume each tensor as
+it streams: narrow it to this rank's planned pieces, copy into the preallocated
+destination, drop it. Tensors that only their owner needs (experts under EP) are better
+fetched with ``tensor_filter`` (exact names, ``process_group=None``): each rank reads
+only its own. The plan's ``load_groups`` say which file sets go which way (the planner's
+cost model); a plan without them loads every file in one group of all ranks.
+
+The handle API used (instanttensor 0.2.x): ``with safe_open(files, framework="pt",
+device=idx, process_group=pg, copy=False, ...) as f: for key, t in f.tensors(): ...``;
+keys stream in file order (the file list sorted), then data offset.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import time
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import LoadError
+from ..metadata import CheckpointMeta, box_shape
+from ..planmodel import LoadGroup, Plan, RankPlan
+from . import LoadStats, Progress, allocate, copy_overlap, intersect, piece_key, slice_nbytes
+
+# Arguments the engine sets itself: overriding them would break correctness.
+FIXED_ARGS = ("filename", "framework", "device", "process_group", "copy")
+ENGINE_ARGS = ("tensor_filter", "tensor_name_match_mode")
+
+
+def _instanttensor():
+    try:
+        import instanttensor
+    except Exception as e:  # ImportError, or a broken native extension
+        raise LoadError(f"the instanttensor engine needs the 'instanttensor' package: {e}") from None
+    return instanttensor
+
+
+def _safe_open():
+    """The callable used to open file sets; tests replace it with a CPU stand-in."""
+    return _instanttensor().safe_open
+
+
+def _allocation_device(device: torch.device) -> torch.device:
+    """Where destinations live: the CUDA device. Tests on CPU replace this."""
+    return device
+
+
+def tuning_options() -> tuple[str, ...]:
+    """Keyword arguments of ``instanttensor.safe_open`` a user may set."""
+    sig = inspect.signature(_instanttensor().safe_open)
+    return tuple(p for p in sig.parameters if p not in FIXED_ARGS + ENGINE_ARGS)
+
+
+def parse_loader_config(cfg: str | Mapping | None) -> dict:
+    """``--loader-config`` (JSON text or a mapping) -> keyword arguments for
+    ``instanttensor.safe_open``. Backend names become ``instanttensor.Backend`` (or
+    ``BackendPolicy``) members, case-sensitive; a list keeps its order (fallbacks)."""
+    if cfg is None or cfg == "":
+        return {}
+    if isinstance(cfg, str):
+        try:
+            cfg = json.loads(cfg)
+        except json.JSONDecodeError as e:
+            raise LoadError(f"--loader-config is not valid JSON: {e}") from None
+    if not isinstance(cfg, Mapping):
+        raise LoadError(f"--loader-config must be a JSON object, got {type(cfg).__name__}")
+    it = _instanttensor()
+    fixed = sorted(k for k in cfg if k in FIXED_ARGS + ENGINE_ARGS)
+    if fixed:
+        raise LoadError(f"--loader-config cannot set {', '.join(fixed)}: the engine sets "
+                        f"{', '.join(FIXED_ARGS + ENGINE_ARGS)} itself")
+    allowed = tuning_options()
+    unknown = sorted(k for k in cfg if k not in allowed)
+    if unknown:
+        raise LoadError(f"--loader-config has unknown option(s) {', '.join(unknown)}; "
+                        f"instanttensor.safe_open accepts {', '.join(allowed)}")
+    out = dict(cfg)
+    if "backend" in out and out["backend"] is not None:
+        members = {m.name: m for m in it.Backend}
+        members.update({m.name: m for m in getattr(it, "BackendPolicy", [])})
+
+        def conv(v):
+            if not isinstance(v, str):
+                if isinstance(v, tuple(type(m) for m in members.values())):
+                    return v
+                raise LoadError(f"--loader-config backend entries must be names, got {v!r}")
+            if v not in members:
+                raise LoadError(f"--loader-config: unknown backend {v!r}; valid names "
+                                f"(case-sensitive): {', '.join(members)}")
+            return members[v]
+
+        b = out["backend"]
+        if isinstance(b, (list, tuple)):
+            if not b:
+                raise LoadError("--loader-config: backend list is empty")
+            out["backend"] = [conv(v) for v in b]
+        else:
+            out["backend"] = conv(b)
+    return out
+
+
+def check_device(device: Any) -> torch.device:
+    """Refuse anything but an available CUDA device before InstantTensor is touched."""
+    if device is None:
+        if not torch.cuda.is_available():
+            raise LoadError("the instanttensor engine needs a CUDA device, and CUDA is not "
+                            "available here; use --engine cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise LoadError(f"the instanttensor engine loads onto CUDA devices only, got {dev}; "
+                        f"use --engine cpu (or safetensors) for {dev.type}")
+    if not torch.cuda.is_available():
+        raise LoadError(f"device {dev} asked for, but CUDA is not available here; "
+                        f"use --engine cpu")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+class InstantTensorEngine:
+    name = "instanttensor"
+
+    def __init__(self, plan: Plan | None = None, group: Any = None,
+                 loader_config: str | Mapping | None = None):
+        self.plan = plan
+        self.group = group
+        self.tuning = parse_loader_config(loader_config)
+
+    # -- load groups ---------------------------------------------------------------
+    def load_groups(self, meta: CheckpointMeta) -> tuple[LoadGroup, ...]:
+        if self.plan is not None and self.plan.load_groups:
+            return tuple(self.plan.load_groups)
+        world = self.plan.world_size if self.plan is not None else 1
+        files = tuple(f.name for f in meta.files)
+        return (LoadGroup(files=files, ranks=tuple(range(world)), mode="group"),)
+
+    def _process_groups(self, groups, world: int) -> list:
+        """One torch.distributed group per "group"-mode load group, created in plan order
+        on every rank (new_group is collective over the whole default group)."""
+        import torch.distributed as dist
+        distributed = dist.is_available() and dist.is_initialized() and world > 1
+        pgs = []
+        for g in groups:
+            if g.mode != "group" or not distributed or len(g.ranks) <= 1:
+                pgs.append(None)
+                continue
+            if tuple(g.ranks) == tuple(range(world)):
+                pgs.append(self.group if self.group is not None else dist.group.WORLD)
+                continue
+            # plan ranks are ranks of self.group; new_group wants global ranks
+            if self.group is not None and self.group is not dist.group.WORLD:
+                gr = [dist.get_global_rank(self.group, r) for r in g.ranks]
+            else:
+                gr = list(g.ranks)
+            pgs.append(dist.new_group(ranks=gr))
+        return pgs
+
+    # -- the load ------------------------------------------------------------------
+    def load_rank(self, meta: CheckpointMeta, rank_plan: RankPlan, device: Any = None, *,
+                  progress: Progress | None = None,
+                  out: Mapping[str, torch.Tensor] | None = None):
+        dev = check_device(device)
+        t0 = time.perf_counter()
+        rank = rank_plan.rank
+        world = self.plan.world_size if self.plan is not None else 1
+        groups = self.load_groups(meta)
+        known_files = {f.name for f in meta.files}
+        for g in groups:
+            bad = [f for f in g.files if f not in known_files]
+            if bad:
+                raise LoadError(f"plan load group names files not in the checkpoint: {bad}",
+                                rank=rank)
+            if g.mode not in ("group", "filtered"):
+                raise LoadError(f"plan load group mode {g.mode!r}; expected 'group' or 'filtered'",
+                                rank=rank)
+        pgs = self._process_groups(groups, world)
+
+        # key -> (tensor name, source piece); keys are unique within a checkpoint
+        keymap: dict[str, tuple] = {}
+        for info in meta.tensors.values():
+            for sp in info.pieces:
+                keymap[piece_key(info.name, sp.box, info.shape)] = (info, sp)
+        slices = rank_plan.by_name()
+        alloc_dev = _allocation_device(dev)
+        tensors: dict[str, torch.Tensor] = {}
+        held = 0
+        need: dict[str, set[str]] = {}   # file -> keys this rank must see
+        for ts in rank_plan.tensors:
+            info = meta.tensors.get(ts.name)
+            if info is None:
+                raise LoadError("planned tensor is not in the checkpoint", tensor=ts.name, rank=rank)
+            tensors[ts.name] = allocate(ts, alloc_dev, out, rank=rank)
+            held += slice_nbytes(ts)
+            for sp in info.pieces:
+                if any(intersect(pc.src, sp.box) is not None for pc in ts.pieces):
+                    need.setdefault(sp.file, set()).add(piece_key(info.name, sp.box, info.shape))
+
+        calls = []  # (files, process group or None, filter keys or None, group size)
+        covered: set[str] = set()
+        for g, pg in zip(groups, pgs):
+            if rank not in g.ranks:
+                continue
+            if g.mode == "group":
+                # every member takes part, needed or not: the group reads collectively
+                calls.append((list(g.files), pg, None, len(g.ranks) if pg is not None else 1))
+                covered.update(g.files)
+            else:
+                keys = sorted(k for f in g.files for k in need.get(f, ()))
+                covered.update(g.files)
+                if keys:
+                    calls.append((list(g.files), None, keys, 1))
+        rest = sorted(f for f in need if f not in covered)
+        if rest:
+            calls.append((rest, None, sorted(k for f in rest for k in need[f]), 1))
+
+        streamed = share = 0
+        seen: set[str] = set()
+        opener = _safe_open()
+        for files, pg, keys, gsize in calls:
+            paths = [os.path.join(meta.root, f) for f in files]
+            kwargs = dict(self.tuning)
+            if keys is not None:
+                kwargs.update(tensor_filter=keys, tensor_name_match_mode="exact")
+            try:
+                handle = opener(list(paths), framework="pt", device=dev.index, process_group=pg,
+                                copy=False, **kwargs)
+            except LoadError:
+                raise
+            except Exception as e:
+                raise LoadError(f"instanttensor.safe_open failed on {len(files)} file(s) "
+                                f"({files[0]}{', ...' if len(files) > 1 else ''}): "
+                                f"{type(e).__name__}: {e}", rank=rank) from None
+            try:
+                with handle as f:
+                    for key, t in f.tensors():
+                        ent = keymap.get(key)
+                        if ent is None:
+                            raise LoadError(f"instanttensor yielded key {key!r}, which the "
+                                            f"checkpoint metadata does not know (file changed?)",
+                                            rank=rank)
+                        info, sp = ent
+                        nb = t.numel() * t.element_size()
+                        streamed += nb
+                        share += nb // gsize
+                        ts = slices.get(info.name)
+                        if ts is None:
+                            continue  # another rank's tensor: dropped as it streams past
+                        src = t.reshape(box_shape(sp.box))
+                        dst = tensors[info.name]
+                        for pc in ts.pieces:
+                            copy_overlap(dst, pc.src, pc.dst, src, sp.box)
+                        seen.add(key)
+                        if progress is not None:
+                            progress(nb)
+            except LoadError:
+                raise
+            except Exception as e:
+                raise LoadError(f"instanttensor failed while streaming {files[0]}"
+                                f"{' and others' if len(files) > 1 else ''}: "
+                                f"{type(e).__name__}: {e}", rank=rank) from None
+        missing = sorted(k for ks in need.values() for k in ks if k not in seen)
+        if missing:
+            raise LoadError(f"instanttensor never delivered {len(missing)} needed key(s): "
+                            f"{missing[:8]}{' ...' if len(missing) > 8 else ''}", rank=rank)
+        if dev.type == "cuda" and torch.cuda.is_available() and alloc_dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return tensors, LoadStats(engine=self.name, tensors=len(tensors), bytes_read=share,
+                                  bytes_held=held, seconds=time.perf_counter() - t0,
+                                  extra={"bytes_streamed": streamed, "calls": len(calls),
+                                         "groups": [g.mode for g in groups]})

@@ -1,0 +1,96 @@
+"""Baseline engine over the HF ``safetensors`` library.
+
+For every planned piece it asks ``safe_open(file).get_slice(key)[...]`` for the part of
+each overlapping source piece (a plain HF checkpoint has one source piece per tensor;
+coordloader's sharded format may have several) and copies it into the preallocated
+local tensor. Independent of the plan's byte runs, so it doubles as a cross-check of the
+cpu engine and as the benchmark baseline.
+"""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import ExitStack
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import LoadError
+from ..metadata import CheckpointMeta, box_shape
+from ..planmodel import RankPlan
+from .. import dtypes
+from . import LoadStats, Progress, allocate, copy_overlap, intersect, piece_key, slice_nbytes
+
+
+class SafetensorsEngine:
+    name = "safetensors"
+
+    def load_rank(self, meta: CheckpointMeta, rank_plan: RankPlan, device: Any = "cpu", *,
+                  progress: Progress | None = None,
+                  out: Mapping[str, torch.Tensor] | None = None):
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise LoadError("the safetensors engine needs the 'safetensors' package "
+                            "(pip install safetensors)") from None
+        t0 = time.perf_counter()
+        device = torch.device(device if device is not None else "cpu")
+        rank = rank_plan.rank
+        tensors: dict[str, torch.Tensor] = {}
+        held = read = 0
+        with ExitStack() as stack:
+            handles: dict[str, Any] = {}
+
+            def handle(fname: str):
+                h = handles.get(fname)
+                if h is None:
+                    try:
+                        h = stack.enter_context(
+                            safe_open(os.path.join(meta.root, fname), framework="pt", device="cpu"))
+                    except Exception as e:
+                        raise LoadError(f"safetensors cannot open it: {e}", file=fname,
+                                        rank=rank) from None
+                    handles[fname] = h
+                return h
+
+            for ts in rank_plan.tensors:
+                info = meta.tensors.get(ts.name)
+                if info is None:
+                    raise LoadError("planned tensor is not in the checkpoint", tensor=ts.name,
+                                    rank=rank)
+                dt = dtypes.torch_dtype(ts.dtype)
+                dst = allocate(ts, "cpu", out if device.type == "cpu" else None, rank=rank)
+                held += slice_nbytes(ts)
+                isz = dtypes.itemsize(ts.dtype)
+                for pc in ts.pieces:
+                    for sp in info.pieces:
+                        ov = intersect(pc.src, sp.box)
+                        if ov is None:
+                            continue
+                        key = piece_key(ts.name, sp.box, info.shape)
+                        try:
+                            sl = handle(sp.file).get_slice(key)
+                            rel = tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(ov, sp.box))
+                            part = sl[rel] if rel else handle(sp.file).get_tensor(key)
+                        except LoadError:
+                            raise
+                        except Exception as e:
+                            raise LoadError(f"safetensors failed to read key {key!r}: {e}",
+                                            file=sp.file, tensor=ts.name, rank=rank) from None
+                        if part.dtype != dt:
+                            part = part.view(dt)
+                        part = part.reshape(box_shape(ov))
+                        n = copy_overlap(dst, pc.src, pc.dst, part, ov)
+                        read += n * isz
+                        if progress is not None:
+                            progress(n * isz)
+                tensors[ts.name] = dst
+        if device.type != "cpu":
+            for name, t in list(tensors.items()):
+                if out is not None and name in out:
+                    out[name].copy_(t)
+                    tensors[name] = out[name]
+                else:
+                    tensors[name] = t.to(device)
+        return tensors, LoadStats(engine=self.name, tensors=len(tensors), bytes_read=read,
+                                  bytes_held=held, seconds=time.perf_counter() - t0)

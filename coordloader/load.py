@@ -1,0 +1,602 @@
+"""Load a checkpoint onto every rank of a ``torch.distributed`` group.
+
+Library: ``load(ckpt, layout, ...) -> dict[name, Tensor]`` (this rank's tensors),
+``load_detailed(...)`` (tensors, plan, stats), ``load_into(model_or_state_dict, ...)``.
+Command line: ``torchrun --nproc-per-node N -m coordloader.load CKPT --tp .. --ep ..``.
+
+Phases, each ended by an agreement among the ranks (a failure anywhere stops every rank
+with the failing rank's message, never a hang):
+
+1. metadata: each rank reads the headers of a share of the files (``files[r::world]``),
+   ``all_gather_object``, every rank assembles the same ``CheckpointMeta``;
+2. plan: every rank builds the (pure) plan; the ranks compare ``Plan.digest()`` before any
+   tensor I/O;
+3. load: the engine moves this rank's bytes;
+4. verify: local check of names, dtypes, shapes, zero padding (``coordloader.verify`` for
+   the global and digest modes).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .errors import CollectiveError, CoordloaderError, LoadError, PlanError, VerifyError
+from .layout import Layout
+from .engines import ENGINE_NAMES, LoadStats, resolve_engine_name, select_engine
+
+VERIFY_MODES = ("none", "shapes", "digest", "full")
+
+
+@dataclass
+class LoadResult:
+    tensors: dict
+    plan: Any
+    meta: Any
+    stats: LoadStats
+    rank: int
+    world: int
+    phases: dict = field(default_factory=dict)   # phase -> seconds
+
+    @property
+    def rank_plan(self):
+        return self.plan.rank(self.rank)
+
+
+# -- process-group plumbing ------------------------------------------------------------
+
+def _dist():
+    import torch.distributed as dist
+    return dist if dist.is_available() else None
+
+
+def _collective():
+    """coordloader.collective (phase agreement over the rendezvous store), if present."""
+    try:
+        from . import collective
+    except ImportError:
+        return None
+    return collective
+
+
+@dataclass
+class _PlainGroup:
+    """Stand-in for collective.Group when that module is unavailable."""
+    rank: int
+    world: int
+    pg: Any = None
+    timeout_s: float = 600.0
+
+    def close(self):
+        pass
+
+
+def _resolve_group(group, rank, layout: Layout, timeout=None):
+    """-> (group handle or None, rank, world). ``group`` (a ProcessGroup or a
+    collective.Group) wins; else the default group when one is initialised; else
+    single-process use (``rank`` given, or a world-1 layout)."""
+    dist = _dist()
+    coll = _collective()
+    world_needed = layout.world_size
+    if group is None and dist is not None and dist.is_initialized():
+        group = dist.group.WORLD
+    if group is not None:
+        if coll is not None and isinstance(group, coll.Group):
+            handle = group
+        elif coll is not None:
+            handle = coll.wrap_group(group, timeout_s=timeout)
+        else:
+            handle = _PlainGroup(dist.get_rank(group), dist.get_world_size(group), group,
+                                 timeout or 600.0)
+        g_rank, g_world = handle.rank, handle.world
+        if rank is not None and rank != g_rank:
+            raise LoadError(f"rank={rank} given, but this process is rank {g_rank} of its group")
+        if g_world != world_needed:
+            raise LoadError(f"the process group has {g_world} ranks, the layout ({layout}) needs "
+                            f"{world_needed} = pp*dp*tp", rank=g_rank)
+        if g_world == 1:
+            return None, 0, 1
+        return handle, g_rank, g_world
+    if rank is None:
+        if world_needed != 1:
+            raise LoadError(f"the layout ({layout}) has {world_needed} ranks but no process group "
+                            f"is initialised: run under torchrun, pass group=, or pass rank= to "
+                            f"load one rank's share in this process")
+        rank = 0
+    if not 0 <= rank < world_needed:
+        raise LoadError(f"rank={rank} outside the layout's world of {world_needed} ({layout})")
+    return None, rank, world_needed
+
+
+def run_phase(name: str, group, rank: int, fn: Callable[[], Any]):
+    """Run one step on every rank, then agree: if any rank failed, every rank raises
+    (coordloader.collective.run_phase: a CollectiveError naming the failing rank and its
+    message). Without a group the step's own error propagates."""
+    if group is None:
+        return fn()
+    coll = _collective()
+    if coll is not None and isinstance(group, coll.Group):
+        return coll.run_phase(name, fn, group)
+    # fallback exchange over the process group (collective module absent)
+    err = None
+    result = None
+    try:
+        result = fn()
+    except CoordloaderError as e:
+        err = e
+    except Exception as e:  # an unexpected failure still must not strand the other ranks
+        err = LoadError(f"{type(e).__name__}: {e}", rank=rank)
+    status = None if err is None else (type(err).__name__, str(err))
+    statuses: list = [None] * group.world
+    try:
+        _dist().all_gather_object(statuses, status, group=group.pg)
+    except Exception as e:
+        if err is not None:
+            raise err
+        raise CollectiveError(f"phase {name}: status exchange failed (a rank died or timed "
+                              f"out?): {type(e).__name__}: {e}", rank=rank) from None
+    failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+    if err is not None:
+        raise err
+    if failed:
+        r, (cls, msg) = failed[0]
+        raise CollectiveError(f"phase {name}: rank {r}: {cls}: {msg}", rank=rank)
+    return result
+
+
+# -- phases -----------------------------------------------------------------------------
+
+def read_metadata(ckpt, group, rank: int, world: int):
+    """Headers split across ranks, gathered, assembled identically everywhere."""
+    from .metadata import CheckpointMeta
+    if isinstance(ckpt, CheckpointMeta):
+        return ckpt
+    from . import checkpoint
+    if group is None:
+        return checkpoint.read_checkpoint(os.fspath(ckpt))
+    root = os.fspath(ckpt)
+
+    def mine():
+        disc = checkpoint.discover(root)
+        return disc, [checkpoint.read_file_header(disc.root, n) for n in disc.files[rank::world]]
+
+    disc, headers = run_phase("metadata-read", group, rank, mine)
+    gathered: list = [None] * world
+    _dist().all_gather_object(gathered, headers, group=group.pg)
+    all_headers = [h for part in gathered for h in part]
+    return run_phase("metadata-assemble", group, rank,
+                     lambda: checkpoint.assemble(disc.root, disc, all_headers))
+
+
+def agree_on_plan(plan, group, rank: int, world: int) -> None:
+    """Every rank must have computed the same plan before any tensor I/O."""
+    if group is None:
+        return
+    d = plan.digest()
+    digests: list = [None] * world
+    _dist().all_gather_object(digests, d, group=group.pg)
+    if len(set(digests)) > 1:
+        by: dict[str, list[int]] = {}
+        for r, x in enumerate(digests):
+            by.setdefault(x, []).append(r)
+        major = max(by.values(), key=len)
+        odd = sorted(r for x, rs in by.items() if rs is not major for r in rs)
+        desc = "; ".join(f"ranks {rs} -> {x[:12]}" for x, rs in by.items())
+        raise PlanError(f"ranks disagree on the plan digest (differing ranks {odd}: {desc}); "
+                        f"they see a different checkpoint, layout, rules or coordloader version",
+                        rank=rank)
+
+
+def local_verify(tensors: Mapping[str, torch.Tensor], rank_plan) -> None:
+    """Names exact, dtype and shape per slice, padding (not covered by any piece) zero."""
+    from . import dtypes
+    want = rank_plan.by_name()
+    missing = sorted(set(want) - set(tensors))
+    extra = sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise VerifyError(f"tensor set differs from the plan: missing {missing[:8]}, unexpected "
+                          f"{extra[:8]}", rank=rank_plan.rank,
+                          report={"missing": missing, "unexpected": extra})
+    for name, ts in want.items():
+        t = tensors[name]
+        dt = dtypes.torch_dtype(ts.dtype)
+        if t.dtype != dt or tuple(t.shape) != tuple(ts.local_shape):
+            raise VerifyError(f"holds {t.dtype} {list(t.shape)}, the plan says {dt} "
+                              f"{list(ts.local_shape)}", tensor=name, rank=rank_plan.rank)
+        if ts.needs_zero_fill:
+            covered = torch.zeros(ts.local_shape, dtype=torch.bool, device=t.device)
+            for pc in ts.pieces:
+                idx = tuple(slice(o, o + (b - a)) for o, (a, b) in zip(pc.dst, pc.src))
+                covered[idx] = True
+            bits = t.view(dtypes.bits_dtype(ts.dtype)) if t.dim() else t.reshape(1)
+            if bool((bits[~covered] != 0).any()):
+                raise VerifyError("padding elements (outside every planned piece) are not zero",
+                                  tensor=name, rank=rank_plan.rank)
+
+
+def _verify(mode: str, tensors, plan, meta, rank: int, group) -> None:
+    if mode == "none":
+        return
+    try:
+        from . import verify as vmod
+    except ImportError:
+        vmod = None
+    fn = getattr(vmod, "verify_rank", None) if vmod is not None else None
+    if fn is not None:
+        fn(tensors, plan, rank, mode=mode, meta=meta, group=group)
+        return
+    if mode != "shapes":
+        raise VerifyError(f"--verify {mode} needs coordloader.verify, which is not available in "
+                          f"this installation; use --verify shapes", rank=rank)
+    local_verify(tensors, plan.rank(rank))
+
+
+# -- the library call ---------------------------------------------------------------------
+
+def _progress_callback(progress, total: int, rank: int):
+    """``progress``: False/None, True (tqdm bar on this process), or a callable(bytes)."""
+    if not progress:
+        return None, None
+    if callable(progress):
+        return progress, None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None, None
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, delay=1.0,
+               desc=f"rank {rank} load", file=sys.stderr, leave=False)
+    return bar.update, bar
+
+
+def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, device=None,
+                  engine: str = "auto", verify: str = "shapes", rules=None,
+                  progress: Any = False, loader_config=None, out=None,
+                  replicate_unmatched: bool = False, timeout: float | None = None) -> LoadResult:
+    """``load`` returning the plan and the load statistics too."""
+    if not isinstance(layout, Layout):
+        raise PlanError(f"layout must be a coordloader.Layout, got {type(layout).__name__}")
+    if verify not in VERIFY_MODES:
+        raise LoadError(f"unknown verify mode {verify!r}; expected one of {', '.join(VERIFY_MODES)}")
+    group, rank, world = _resolve_group(group, rank, layout, timeout)
+    if device is None:
+        name = resolve_engine_name(engine)
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if name == "instanttensor" and torch.cuda.is_available() else torch.device("cpu"))
+    device = torch.device(device)
+    eng_name = resolve_engine_name(engine, device)
+    phases: dict[str, float] = {}
+
+    t = time.perf_counter()
+    meta = read_metadata(ckpt, group, rank, world)
+    phases["metadata"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+
+    def build_plan():
+        from .plan import make_plan
+        kw = {"replicate_unmatched": True} if replicate_unmatched else {}
+        return make_plan(meta, layout, rules, **kw)
+
+    plan = run_phase("plan", group, rank, build_plan)
+    agree_on_plan(plan, group, rank, world)
+    phases["plan"] = time.perf_counter() - t
+
+    rank_plan = plan.rank(rank)
+    cb, bar = _progress_callback(progress, rank_plan.bytes_to_read, rank)
+
+    def do_load():
+        eng = select_engine(eng_name, device, plan=plan, group=group.pg if group is not None else None,
+                            loader_config=loader_config)
+        return eng.load_rank(meta, rank_plan, device, progress=cb, out=out)
+
+    t = time.perf_counter()
+    try:
+        tensors, stats = run_phase("load", group, rank, do_load)
+    finally:
+        if bar is not None:
+            bar.close()
+    phases["load"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    run_phase("verify", group, rank, lambda: _verify(verify, tensors, plan, meta, rank, group))
+    phases["verify"] = time.perf_counter() - t
+    return LoadResult(tensors, plan, meta, stats, rank, world, phases)
+
+
+def load(ckpt, layout: Layout, *, group=None, rank: int | None = None, device=None,
+         engine: str = "auto", verify: str = "shapes", rules=None, timeout=None,
+         progress: Any = False, loader_config=None) -> dict[str, torch.Tensor]:
+    """This rank's tensors (checkpoint names, local shapes) for ``layout``.
+
+    Uses ``group``, else the default process group when one is initialised, else loads
+    the share of ``rank`` (or of the only rank of a world-1 layout) in this process.
+    ``timeout`` (seconds) bounds how long a rank waits for the others at each phase
+    boundary; collectives inside a phase are bounded by the group's own timeout."""
+    return load_detailed(ckpt, layout, group=group, rank=rank, device=device, engine=engine,
+                         verify=verify, rules=rules, progress=progress, timeout=timeout,
+                         loader_config=loader_config).tensors
+
+
+@dataclass
+class LoadIntoResult:
+    loaded: list          # target names filled
+    skipped: list         # checkpoint tensors the name map dropped
+    not_loaded: list      # target entries no checkpoint tensor filled
+    stats: LoadStats | None = None
+
+
+def _target_dict(target) -> dict[str, torch.Tensor]:
+    if isinstance(target, torch.nn.Module):
+        d = dict(target.named_parameters())
+        d.update(dict(target.named_buffers()))
+        return d
+    if isinstance(target, Mapping):
+        return dict(target)
+    raise LoadError(f"load_into needs a torch.nn.Module or a mapping of tensors, got "
+                    f"{type(target).__name__}")
+
+
+def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = True,
+              **load_kw) -> LoadIntoResult:
+    """Load this rank's tensors straight into existing parameters/buffers.
+
+    ``name_map``: a mapping or a callable from checkpoint name to target name (None drops
+    the tensor). Shapes and dtypes must match exactly (a clear ``LoadError`` names both).
+    With ``strict``, a checkpoint tensor of this rank with no target entry is an error.
+    When every destination is contiguous and on the load device, the engine reads into it
+    directly; otherwise through a temporary and ``copy_``."""
+    dests = _target_dict(target)
+    if name_map is None:
+        mapf = lambda n: n  # noqa: E731
+    elif callable(name_map):
+        mapf = name_map
+    elif isinstance(name_map, Mapping):
+        mapf = lambda n: name_map.get(n, n)  # noqa: E731
+    else:
+        raise LoadError("name_map must be a mapping or a callable")
+    res = load_detailed(ckpt, layout, **load_kw)
+    loaded, skipped = [], []
+    with torch.no_grad():
+        for name, t in res.tensors.items():
+            tgt = mapf(name)
+            if tgt is None:
+                skipped.append(name)
+                continue
+            dst = dests.get(tgt)
+            if dst is None:
+                if strict:
+                    raise LoadError(f"no target entry {tgt!r} for this checkpoint tensor (pass "
+                                    f"name_map= or strict=False)", tensor=name, rank=res.rank)
+                skipped.append(name)
+                continue
+            if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
+                raise LoadError(f"target {tgt!r} is {dst.dtype} {list(dst.shape)}, this rank's "
+                                f"slice is {t.dtype} {list(t.shape)}", tensor=name, rank=res.rank)
+            dst.copy_(t)
+            loaded.append(tgt)
+    filled = set(loaded)
+    return LoadIntoResult(loaded, skipped, sorted(k for k in dests if k not in filled), res.stats)
+
+
+# -- command line -----------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m coordloader.load",
+        description="Load a safetensors checkpoint onto every rank of a torch.distributed job "
+                    "(run under torchrun: torchrun --nproc-per-node N -m coordloader.load CKPT "
+                    "...). Each rank ends up with exactly its slices for the layout.")
+    p.add_argument("checkpoint", help="checkpoint directory (or a .safetensors file)")
+    g = p.add_argument_group("layout")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1)")
+    g.add_argument("--ep-spans-dp", action="store_true",
+                   help="the MoE group spans TP x DP ranks (vLLM --enable-expert-parallel with DP)")
+    g.add_argument("--placement", default="linear",
+                   help="expert placement: linear (vLLM), round_robin, or a JSON list of expert "
+                        "id lists, one per ep rank (default linear)")
+    g.add_argument("--pp-layers", default=None,
+                   help="explicit layers per pipeline stage, comma separated (e.g. 13,12,12,11)")
+    g.add_argument("--allow-uneven", action="store_true",
+                   help="allow splits that do not divide (torch.chunk semantics)")
+    g.add_argument("--include-mtp", action="store_true",
+                   help="load DeepSeek MTP layers (index >= num_hidden_layers) on the last stage")
+    g.add_argument("--rules", default=None, help="JSON rule file overriding/extending the preset")
+    g.add_argument("--replicate-unmatched", action="store_true",
+                   help="replicate tensors no rule matches instead of failing")
+    e = p.add_argument_group("loading")
+    e.add_argument("--engine", default="auto", choices=ENGINE_NAMES,
+                   help="auto = instanttensor with CUDA, else cpu (default auto)")
+    e.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="where tensors go; cuda uses cuda:LOCAL_RANK (default: cuda when the "
+                        "engine is instanttensor/auto and CUDA is available, else cpu)")
+    e.add_argument("--loader-config", default=None, metavar="JSON",
+                   help="instanttensor tuning, e.g. '{\"backend\": [\"URING\", \"AIO\"], "
+                        "\"chunk_size\": 8388608, \"io_depth\": 64, \"buffer_size\": ...}'")
+    e.add_argument("--verify", default="shapes", choices=VERIFY_MODES,
+                   help="none, shapes (names/dtypes/shapes/zero padding; default), digest "
+                        "(content digests vs the manifest), full (re-read and compare bytes)")
+    e.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="bound on every collective, seconds (default 600)")
+    e.add_argument("--rank", type=int, default=None,
+                   help="without torchrun: load this rank's share in a single process")
+    o = p.add_argument_group("output")
+    o.add_argument("--report", default=None, metavar="FILE",
+                   help="write the per-rank summary (and the plan digest) as JSON")
+    o.add_argument("--dump", default=None, metavar="DIR",
+                   help="write each rank's tensors to DIR/rank-00000.safetensors, ...")
+    o.add_argument("--quiet", action="store_true", help="no progress bar, no summary table")
+    return p
+
+
+def _layout_from_args(a) -> Layout:
+    placement: Any = a.placement
+    if placement not in ("linear", "round_robin"):
+        try:
+            placement = json.loads(placement)
+        except json.JSONDecodeError:
+            raise PlanError(f"--placement must be linear, round_robin or a JSON list of lists, "
+                            f"got {a.placement!r}") from None
+    pp_layers = None
+    if a.pp_layers:
+        try:
+            pp_layers = tuple(int(x) for x in a.pp_layers.split(","))
+        except ValueError:
+            raise PlanError(f"--pp-layers must be comma-separated integers, got "
+                            f"{a.pp_layers!r}") from None
+    return Layout(tp=a.tp, pp=a.pp, dp=a.dp, ep=a.ep, ep_spans_dp=a.ep_spans_dp,
+                  expert_placement=placement, pp_layers=pp_layers,
+                  allow_uneven=a.allow_uneven, include_mtp=a.include_mtp)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def summary_rows(per_rank: list[dict]) -> tuple[list[dict], dict]:
+    total_held = sum(r["bytes_held"] for r in per_rank)
+    total_read = sum(r["bytes_read"] for r in per_rank)
+    wall = max((r["seconds"] for r in per_rank), default=0.0)
+    totals = {"tensors": sum(r["tensors"] for r in per_rank), "bytes_held": total_held,
+              "bytes_read": total_read, "seconds": wall,
+              "gbps": total_held / wall / 1e9 if wall > 0 else 0.0,
+              "read_amplification": total_read / total_held if total_held else 0.0}
+    return per_rank, totals
+
+
+def format_table(per_rank: list[dict], totals: dict) -> str:
+    head = f"{'rank':>5} {'tensors':>8} {'held':>12} {'read':>12} {'read/held':>9} " \
+           f"{'seconds':>8} {'GB/s':>7}"
+    lines = [head, "-" * len(head)]
+    for r in per_rank:
+        lines.append(f"{r['rank']:>5} {r['tensors']:>8} {_fmt_bytes(r['bytes_held']):>12} "
+                     f"{_fmt_bytes(r['bytes_read']):>12} {r['read_amplification']:>9.3f} "
+                     f"{r['seconds']:>8.3f} {r['gbps']:>7.2f}")
+    lines.append("-" * len(head))
+    lines.append(f"{'total':>5} {totals['tensors']:>8} {_fmt_bytes(totals['bytes_held']):>12} "
+                 f"{_fmt_bytes(totals['bytes_read']):>12} {totals['read_amplification']:>9.3f} "
+                 f"{totals['seconds']:>8.3f} {totals['gbps']:>7.2f}")
+    return "\n".join(lines)
+
+
+def _want_cuda(args) -> bool:
+    return args.device == "cuda" or (args.device is None and args.engine in ("auto", "instanttensor")
+                                     and torch.cuda.is_available())
+
+
+def _init_from_env(args):
+    """Form the group from torchrun's (or plain processes') environment: gloo for CPU,
+    nccl for CUDA, device cuda:LOCAL_RANK. Returns (group handle or None, device)."""
+    want_cuda = _want_cuda(args)
+    if want_cuda and not torch.cuda.is_available():
+        raise LoadError("--device cuda asked for, but CUDA is not available here")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+    if "WORLD_SIZE" not in os.environ:
+        return None, device
+    backend = "nccl" if want_cuda else "gloo"
+    coll = _collective()
+    if coll is not None:
+        g = coll.init_group(backend, timeout_s=args.timeout)
+        return (g if g.world > 1 else None), device
+    dist = _dist()
+    if want_cuda:
+        torch.cuda.set_device(local_rank)
+    try:
+        dist.init_process_group(backend=backend,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+    except Exception as e:
+        raise LoadError(f"cannot initialise the process group from the environment "
+                        f"(MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE): {type(e).__name__}: {e}") \
+            from None
+    return _PlainGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, args.timeout), device
+
+
+def _run(args) -> int:
+    layout = _layout_from_args(args)
+    group, device = _init_from_env(args)
+    try:
+        if group is not None:
+            if group.world != layout.world_size:
+                raise LoadError(f"launched with {group.world} ranks but the layout ({layout}) "
+                                f"needs {layout.world_size} = pp*dp*tp; use --nproc-per-node "
+                                f"{layout.world_size} (or change the layout)", rank=group.rank)
+            if args.rank is not None:
+                raise LoadError("--rank is for single-process use; under torchrun the rank "
+                                "comes from the environment")
+        rank0 = group is None or group.rank == 0
+        res = load_detailed(args.checkpoint, layout, group=group, rank=args.rank, device=device,
+                            engine=args.engine, verify=args.verify, rules=args.rules,
+                            progress=(not args.quiet) and rank0, loader_config=args.loader_config,
+                            replicate_unmatched=args.replicate_unmatched, timeout=args.timeout)
+        mine = dict(res.stats.to_dict(), rank=res.rank, phases=res.phases,
+                    coords=dict(res.rank_plan.coords))
+        if args.dump:
+            from .dump import dump_rank
+            mine["dump"] = run_phase("dump", group, res.rank, lambda: dump_rank(
+                args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
+                layout=layout.to_dict(), coords=dict(res.rank_plan.coords)))
+        if group is not None:
+            per_rank: list = [None] * group.world
+            _dist().all_gather_object(per_rank, mine, group=group.pg)
+        else:
+            per_rank = [mine]
+        def finish():
+            if not rank0:
+                return
+            rows, totals = summary_rows(per_rank)
+            if not args.quiet:
+                print(f"coordloader: {args.checkpoint} layout {layout} engine {res.stats.engine} "
+                      f"verify {args.verify} plan {res.plan.digest()[:12]}")
+                print(format_table(rows, totals), flush=True)
+            if args.report:
+                report = {"checkpoint": os.path.abspath(args.checkpoint),
+                          "layout": layout.to_dict(), "engine": res.stats.engine,
+                          "verify": args.verify, "plan_digest": res.plan.digest(),
+                          "ranks": rows, "totals": totals}
+                try:
+                    tmp = args.report + ".tmp"
+                    with open(tmp, "w") as f:
+                        json.dump(report, f, indent=2, sort_keys=True)
+                    os.replace(tmp, args.report)
+                except OSError as e:
+                    raise LoadError(f"cannot write the report: {e.strerror}", file=args.report,
+                                    rank=0) from None
+
+        # inside a phase: a failure on rank 0 (unwritable report) reaches every rank
+        run_phase("report", group, res.rank, finish)
+        return 0
+    finally:
+        if group is not None:
+            group.close()
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    coll = _collective()
+    if coll is not None:
+        with coll.exit_on_error():
+            return _run(args)
+    try:
+        return _run(args)
+    except CoordloaderError as e:
+        print(f"coordloader: rank {os.environ.get('RANK', '0')}: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

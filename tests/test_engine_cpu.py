@@ -1,0 +1,292 @@
+"""cpu and safetensors engines on hand-written safetensors files and hand-built plans.
+
+The helpers here (header parsing, byte runs of a box) are written independently of the
+checkpoint reader and the planner, so the engines are tested on their own."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from coordloader import dtypes
+from coordloader.engines import select_engine
+from coordloader.errors import LoadError
+from coordloader.metadata import CheckpointMeta, FileInfo, SourcePiece, TensorInfo, full_box
+from coordloader.planmodel import ByteRun, Piece, RankPlan, TensorSlice
+
+
+# -- helpers (also used by test_engine_instanttensor) ----------------------------------------
+
+def meta_of(root: str, files: list[str], sharded: dict | None = None) -> CheckpointMeta:
+    """CheckpointMeta of hand-written files. ``sharded``: name -> (dtype, shape, [(file,
+    key, box)]) for tensors stored as pieces (keys ``name@a:b,...``)."""
+    infos, entries = [], {}
+    for fname in sorted(files):
+        path = os.path.join(root, fname)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            raw = f.read(n)
+        hdr = json.loads(raw)
+        md = hdr.pop("__metadata__", {})
+        infos.append(FileInfo(fname, os.path.getsize(path), n, hashlib.sha256(raw).hexdigest(),
+                              tuple(sorted(md.items()))))
+        for k, v in sorted(hdr.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            entries[(fname, k)] = (v["dtype"], tuple(v["shape"]), 8 + n + v["data_offsets"][0],
+                                   8 + n + v["data_offsets"][1])
+    tensors = {}
+    claimed = set()
+    for name, (dt, shape, parts) in (sharded or {}).items():
+        pcs = []
+        for fname, key, box in parts:
+            e = entries[(fname, key)]
+            claimed.add((fname, key))
+            pcs.append(SourcePiece(fname, tuple(map(tuple, box)), e[2], e[3]))
+        tensors[name] = TensorInfo(name, dt, tuple(shape), tuple(pcs))
+    for (fname, k), (dt, shape, a, b) in entries.items():
+        if (fname, k) not in claimed:
+            tensors[k] = TensorInfo(k, dt, shape, (SourcePiece(fname, full_box(shape), a, b),))
+    return CheckpointMeta(root=root, files=tuple(infos), tensors=tensors)
+
+
+def _ravel(idx, shape) -> int:
+    off = 0
+    for i, s in zip(idx, shape):
+        off = off * s + i
+    return off
+
+
+def runs_for(info: TensorInfo, src: tuple, dst: tuple, local_shape: tuple, isz: int) -> list:
+    """Byte runs of the planned box ``src`` (placed at ``dst``), row by row, merged."""
+    runs = []
+    for sp in info.pieces:
+        ov = []
+        for (a, b), (c, d) in zip(src, sp.box):
+            ov.append((max(a, c), min(b, d)))
+        if any(lo >= hi for lo, hi in ov) and ov:
+            continue
+        sshape = tuple(b - a for a, b in sp.box)
+        if not ov:  # 0-dim tensor
+            runs.append(ByteRun(sp.file, sp.start, isz, 0))
+            continue
+        last = ov[-1]
+        for head in itertools.product(*[range(lo, hi) for lo, hi in ov[:-1]]):
+            g = tuple(head) + (last[0],)
+            so = sp.start + isz * _ravel([x - b0 for x, (b0, _) in zip(g, sp.box)], sshape)
+            do = isz * _ravel([o + x - a for o, x, (a, _) in zip(dst, g, src)], local_shape)
+            n = isz * (last[1] - last[0])
+            if runs and runs[-1].file == sp.file and runs[-1].offset + runs[-1].length == so \
+                    and runs[-1].dest + runs[-1].length == do:
+                r = runs[-1]
+                runs[-1] = ByteRun(r.file, r.offset, r.length + n, r.dest)
+            else:
+                runs.append(ByteRun(sp.file, so, n, do))
+    return runs
+
+
+def slice_of(meta, name, pieces, local_shape=None, replica=0) -> TensorSlice:
+    """pieces: list of (src box, dst offset)."""
+    info = meta.tensors[name]
+    if local_shape is None:
+        local_shape = tuple(b - a for a, b in pieces[0][0])
+    isz = dtypes.itemsize(info.dtype)
+    runs = []
+    for src, dst in pieces:
+        runs += runs_for(info, tuple(src), tuple(dst), tuple(local_shape), isz)
+    return TensorSlice(name, info.file, info.dtype, info.shape, tuple(local_shape),
+                       tuple(Piece(tuple(map(tuple, s)), tuple(d)) for s, d in pieces), replica,
+                       tuple(runs))
+
+
+def split_box(shape, dim, k, n):
+    size = shape[dim] // n
+    return tuple((k * size, (k + 1) * size) if d == dim else (0, s) for d, s in enumerate(shape))
+
+
+def reference(full: torch.Tensor, pieces, local_shape) -> torch.Tensor:
+    """Expected local tensor, by plain torch indexing of the whole tensor."""
+    out = torch.zeros(local_shape, dtype=full.dtype)
+    for src, dst in pieces:
+        sl_src = tuple(slice(a, b) for a, b in src)
+        sl_dst = tuple(slice(o, o + b - a) for o, (a, b) in zip(dst, src))
+        out[sl_dst] = full[sl_src]
+    return out
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    return a.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() == \
+        b.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    t = {
+        "embed.weight": torch.randn(10, 8, generator=g, dtype=torch.float32).to(torch.bfloat16),
+        "q.weight": torch.randn(8, 12, generator=g, dtype=torch.float32),
+        "o.weight": torch.randn(6, 16, generator=g, dtype=torch.float32).to(torch.float16),
+        "experts.w": torch.randint(-100, 100, (4, 6, 5), generator=g, dtype=torch.int64),
+        "fp8.weight": torch.randint(0, 255, (8, 8), generator=g, dtype=torch.uint8)
+        .view(torch.float8_e4m3fn),
+        "mask": torch.rand(7, generator=g) > 0.5,
+        "scalar": torch.tensor(3.5, dtype=torch.float32),
+    }
+    save_file({k: t[k] for k in ("embed.weight", "q.weight", "scalar")},
+              str(tmp_path / "a.safetensors"))
+    save_file({k: t[k] for k in ("o.weight", "experts.w", "fp8.weight", "mask")},
+              str(tmp_path / "b.safetensors"))
+    meta = meta_of(str(tmp_path), ["a.safetensors", "b.safetensors"])
+    return meta, t
+
+
+def plans_for(meta, n=2):
+    """Per rank: vocab-padded dim-0 split, dim-0, dim-1, middle-dim split, replicated."""
+    out = []
+    for k in range(n):
+        sl = []
+        # vocab 10 padded to 12 over 2 ranks: rank 0 rows 0..5, rank 1 rows 6..9 + 2 zero rows
+        rows = (k * 6, min(10, k * 6 + 6))
+        sl.append(slice_of(meta, "embed.weight", [(((rows[0], rows[1]), (0, 8)), (0, 0))],
+                           local_shape=(6, 8)))
+        sl.append(slice_of(meta, "q.weight", [(split_box((8, 12), 0, k, n), (0, 0))]))
+        sl.append(slice_of(meta, "o.weight", [(split_box((6, 16), 1, k, n), (0, 0))]))
+        sl.append(slice_of(meta, "experts.w", [(split_box((4, 6, 5), 1, k, n), (0, 0, 0))]))
+        # packed: two blocks of dim 0, each split, concatenated locally
+        blk = [((a * 4 + k * 2, a * 4 + k * 2 + 2), (0, 8)) for a in range(2)]
+        sl.append(slice_of(meta, "fp8.weight", [(blk[0], (0, 0)), (blk[1], (2, 0))],
+                           local_shape=(4, 8)))
+        sl.append(slice_of(meta, "mask", [(((0, 7),), (0,))], replica=k))
+        sl.append(slice_of(meta, "scalar", [((), ())], local_shape=(), replica=k))
+        out.append(RankPlan(k, {"tp": k}, tuple(sorted(sl, key=lambda s: s.name))))
+    return out
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_engines_match_reference_slices(ckpt, engine):
+    meta, full = ckpt
+    for rp in plans_for(meta):
+        eng = select_engine(engine, "cpu")
+        got, stats = eng.load_rank(meta, rp, "cpu")
+        assert sorted(got) == sorted(t.name for t in rp.tensors)
+        for ts in rp.tensors:
+            want = reference(full[ts.name], [(p.src, p.dst) for p in ts.pieces], ts.local_shape)
+            assert same_bytes(got[ts.name], want), (engine, rp.rank, ts.name)
+        assert stats.bytes_held == rp.bytes_held
+        assert stats.bytes_read == sum(p_bytes for p_bytes in
+                                       (ts.covered_numel * dtypes.itemsize(ts.dtype)
+                                        for ts in rp.tensors))
+        assert stats.bytes_read <= 1.01 * stats.bytes_held
+        assert stats.tensors == len(rp.tensors) and stats.seconds > 0
+
+
+def test_cpu_engine_threads_short_reads_and_progress(ckpt, monkeypatch):
+    meta, full = ckpt
+    real = os.preadv
+
+    def short(fd, bufs, off):  # the kernel may return fewer bytes: the engine must loop
+        mv = memoryview(bufs[0])
+        return real(fd, [mv[:3]], off)
+
+    monkeypatch.setattr(os, "preadv", short)
+    rp = plans_for(meta)[1]
+    seen = []
+    eng = select_engine("cpu", "cpu", threads=3, chunk_bytes=16)  # many tiny tasks
+    got, stats = eng.load_rank(meta, rp, "cpu", progress=seen.append)
+    for ts in rp.tensors:
+        want = reference(full[ts.name], [(p.src, p.dst) for p in ts.pieces], ts.local_shape)
+        assert same_bytes(got[ts.name], want), ts.name
+    assert sum(seen) == stats.bytes_read == rp.bytes_to_read
+
+
+def test_cpu_engine_reads_into_given_destinations(ckpt):
+    meta, full = ckpt
+    rp = plans_for(meta)[0]
+    out = {ts.name: torch.full(ts.local_shape, 7, dtype=dtypes.torch_dtype(ts.dtype))
+           if ts.dtype not in ("F8_E4M3", "BOOL") else
+           torch.empty(ts.local_shape, dtype=dtypes.torch_dtype(ts.dtype))
+           for ts in rp.tensors}
+    ptrs = {k: v.data_ptr() for k, v in out.items()}
+    got, _ = select_engine("cpu").load_rank(meta, rp, "cpu", out=out)
+    for ts in rp.tensors:
+        assert got[ts.name].data_ptr() == ptrs[ts.name]
+        want = reference(full[ts.name], [(p.src, p.dst) for p in ts.pieces], ts.local_shape)
+        assert same_bytes(out[ts.name], want)
+    bad = dict(out, **{"q.weight": torch.empty(3, 3)})
+    with pytest.raises(LoadError, match="q.weight"):
+        select_engine("cpu").load_rank(meta, rp, "cpu", out=bad)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_cpu_engine_errors_name_file_tensor_offset_and_leak_no_fd(ckpt, monkeypatch, tmp_path):
+    meta, _ = ckpt
+    rp = plans_for(meta)[0]
+    before = _fds()
+    for _ in range(30):
+        select_engine("cpu").load_rank(meta, rp, "cpu")
+    # EOF mid-read (file shrank between the size check and the read)
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: 0)
+    for _ in range(20):
+        with pytest.raises(LoadError) as ei:
+            select_engine("cpu", threads=2, chunk_bytes=8).load_rank(meta, rp, "cpu")
+        msg = str(ei.value)
+        assert "end of file at offset" in msg and ".safetensors" in msg and "tensor" in msg
+    monkeypatch.undo()
+    # the file changed size after its header was read
+    with open(tmp_path / "b.safetensors", "ab") as f:
+        f.write(b"\0" * 8)
+    with pytest.raises(LoadError, match="b.safetensors.*changed"):
+        select_engine("cpu").load_rank(meta, rp, "cpu")
+    os.remove(tmp_path / "a.safetensors")
+    with pytest.raises(LoadError, match="a.safetensors.*cannot open"):
+        select_engine("cpu").load_rank(meta, rp, "cpu")
+    assert _fds() == before
+
+
+def test_cpu_engine_refuses_runs_outside_tensor_or_file(ckpt):
+    meta, _ = ckpt
+    ts = slice_of(meta, "q.weight", [(split_box((8, 12), 0, 0, 2), (0, 0))])
+    r = ts.byte_runs[0]
+    over = ts.__class__(**{**ts.__dict__, "byte_runs": (ByteRun(r.file, r.offset, r.length + 4,
+                                                                r.dest),)})
+    with pytest.raises(LoadError, match="outside the local tensor"):
+        select_engine("cpu").load_rank(meta, RankPlan(0, {}, (over,)), "cpu")
+    fi = meta.file(r.file)
+    past = ts.__class__(**{**ts.__dict__, "byte_runs": (ByteRun(r.file, fi.size - 4, 8, 0),)})
+    with pytest.raises(LoadError, match="outside the data section"):
+        select_engine("cpu").load_rank(meta, RankPlan(0, {}, (past,)), "cpu")
+
+
+def test_multi_piece_sources(tmp_path):
+    """coordloader's sharded format: a tensor stored as pieces in two files."""
+    full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    save_file({"w@0:8,0:3": full[:, :3].contiguous()}, str(tmp_path / "p0.safetensors"))
+    save_file({"w@0:8,3:6": full[:, 3:].contiguous()}, str(tmp_path / "p1.safetensors"))
+    meta = meta_of(str(tmp_path), ["p0.safetensors", "p1.safetensors"], sharded={
+        "w": ("F32", (8, 6), [("p0.safetensors", "w@0:8,0:3", [(0, 8), (0, 3)]),
+                              ("p1.safetensors", "w@0:8,3:6", [(0, 8), (3, 6)])])})
+    for k in range(2):  # target: dim-0 split over 2 ranks (crosses both source pieces)
+        pieces = [(split_box((8, 6), 0, k, 2), (0, 0))]
+        rp = RankPlan(k, {}, (slice_of(meta, "w", pieces),))
+        want = reference(full, pieces, (4, 6))
+        for engine in ("cpu", "safetensors"):
+            got, stats = select_engine(engine).load_rank(meta, rp, "cpu")
+            assert same_bytes(got["w"], want), engine
+            assert stats.bytes_read == 4 * 6 * 4
+
+
+def test_select_engine_names():
+    assert select_engine("auto", "cpu").name == "cpu"
+    with pytest.raises(LoadError, match="unknown engine"):
+        select_engine("fast")
+    if not torch.cuda.is_available():
+        assert select_engine("auto").name == "cpu"
