@@ -1,0 +1,246 @@
+"""Content digests: linearity over exact partitions, sensitivity to changes, swaps and
+shifts, chunking invariance, and agreement with a pure-Python reference."""
+from __future__ import annotations
+
+import itertools
+from math import prod
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from coordloader.digest import (MASK64, SEED_COL, SEED_ROW, combine, digest, digest_local,
+                                flat_offset, hash_weight_py, hash_weights, iter_subboxes)
+from coordloader.errors import VerifyError
+from coordloader.metadata import box_numel, box_shape, full_box
+from coordloader.planmodel import Piece
+
+# (torch dtype, bytes per element); bool only takes 0/1 bytes
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,
+          torch.int16, torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn,
+          torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64]
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SETTINGS = settings(deadline=None, max_examples=60,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _size(dt):
+    return torch.empty((), dtype=dt).element_size()
+
+
+def make_tensor(raw: bytes, shape, dt) -> torch.Tensor:
+    if dt == torch.bool:
+        raw = bytes(b & 1 for b in raw)
+    t = torch.frombuffer(bytearray(raw), dtype=_INT[_size(dt)]).clone()
+    return t.view(dt).reshape(shape)
+
+
+def set_bits(t: torch.Tensor, flat_index: int, value: int) -> torch.Tensor:
+    """Copy of ``t`` with element ``flat_index`` set to the raw bit pattern ``value``."""
+    out = t.clone()
+    iv = out.view(_INT[out.element_size()]).reshape(-1)
+    w = out.element_size() * 8
+    v = value & ((1 << w) - 1)
+    if v >= 1 << (w - 1) and iv.dtype != torch.uint8:
+        v -= 1 << w
+    iv[flat_index] = v
+    return out
+
+
+def bits_of(t: torch.Tensor) -> list[int]:
+    w = t.element_size() * 8
+    return [x & ((1 << w) - 1) for x in t.reshape(-1).view(_INT[t.element_size()]).tolist()]
+
+
+@st.composite
+def tensors(draw, max_dims=3, max_side=6):
+    nd = draw(st.integers(1, max_dims))
+    shape = tuple(draw(st.lists(st.integers(1, max_side), min_size=nd, max_size=nd)))
+    dt = draw(st.sampled_from(DTYPES))
+    raw = draw(st.binary(min_size=prod(shape) * _size(dt), max_size=prod(shape) * _size(dt)))
+    return make_tensor(raw, shape, dt)
+
+
+@st.composite
+def partitions(draw, box, depth=3):
+    """A random exact partition of ``box`` into sub-boxes (guillotine cuts)."""
+    splittable = [d for d, (a, b) in enumerate(box) if b - a > 1]
+    if depth == 0 or not splittable or draw(st.integers(0, 3)) == 0:
+        return [box]
+    d = draw(st.sampled_from(splittable))
+    a, b = box[d]
+    cut = draw(st.integers(a + 1, b - 1))
+    left = box[:d] + ((a, cut),) + box[d + 1:]
+    right = box[:d] + ((cut, b),) + box[d + 1:]
+    return draw(partitions(left, depth - 1)) + draw(partitions(right, depth - 1))
+
+
+def sub(t, box):
+    for d, (a, b) in enumerate(box):
+        t = t.narrow(d, a, b - a)
+    return t
+
+
+def piece_sum(t, parts, chunk=None):
+    return combine(digest(sub(t, p), p, t.shape, chunk_elems=chunk) for p in parts)
+
+
+def reference(t: torch.Tensor) -> int:
+    """The documented definition, in plain Python."""
+    shape = tuple(t.shape)
+    C = shape[-1]
+    w = t.element_size() * 8
+    tot = 0
+    for i, v in enumerate(bits_of(t.contiguous())):
+        if w == 64:
+            v ^= v >> 32
+        tot += hash_weight_py(i // C, SEED_ROW) * hash_weight_py(i % C, SEED_COL) * v
+    return tot & MASK64
+
+
+def test_hash_matches_python_reference():
+    idx = torch.tensor([0, 1, 2, 12345, 2**40 + 7, 2**62], dtype=torch.int64)
+    got = [x & MASK64 for x in hash_weights(idx, SEED_ROW).tolist()]
+    assert got == [hash_weight_py(int(i), SEED_ROW) for i in idx]
+    assert all(g & 1 for g in got)
+
+
+@SETTINGS
+@given(tensors(max_side=5))
+def test_matches_reference(t):
+    assert digest(t, full_box(tuple(t.shape)), tuple(t.shape)) == reference(t)
+
+
+@SETTINGS
+@given(st.data())
+def test_partition_sums_to_whole_and_chunking_invariant(data):
+    t = data.draw(tensors())
+    whole = digest(t, full_box(tuple(t.shape)), tuple(t.shape))
+    parts = data.draw(partitions(full_box(tuple(t.shape))))
+    assert sum(box_numel(p) for p in parts) == t.numel()
+    chunk = data.draw(st.integers(1, max(1, t.numel())))
+    assert piece_sum(t, parts) == whole
+    assert piece_sum(t, parts, chunk) == whole
+    assert digest(t, full_box(tuple(t.shape)), tuple(t.shape), chunk_elems=chunk) == whole
+
+
+@SETTINGS
+@given(st.data())
+def test_single_element_change_detected(data):
+    t = data.draw(tensors())
+    parts = data.draw(partitions(full_box(tuple(t.shape))))
+    before = piece_sum(t, parts)
+    i = data.draw(st.integers(0, t.numel() - 1))
+    w = t.element_size() * 8
+    old = bits_of(t)[i]
+    new = data.draw(st.integers(0, 1 if t.dtype == torch.bool else (1 << w) - 1))
+    assume(new != old)
+    assert piece_sum(set_bits(t, i, new), parts) != before
+
+
+@SETTINGS
+@given(st.data())
+def test_swap_of_unequal_elements_detected(data):
+    t = data.draw(tensors())
+    assume(t.numel() >= 2)
+    parts = data.draw(partitions(full_box(tuple(t.shape))))
+    i = data.draw(st.integers(0, t.numel() - 1))
+    j = data.draw(st.integers(0, t.numel() - 1))
+    b = bits_of(t)
+    assume(i != j and b[i] != b[j])
+    swapped = set_bits(set_bits(t, i, b[j]), j, b[i])
+    assert piece_sum(swapped, parts) != piece_sum(t, parts)
+
+
+def test_sign_of_zero_swaps_in_64_bit_types_are_detected():
+    # +0.0/-0.0 differ by 2^63 in F64: odd weights alone would cancel that out.
+    for dt in (torch.float64, torch.int64, torch.uint64):
+        t = torch.zeros(2, 3, dtype=torch.int64)
+        t[0, 1] = -(2**63)
+        t = t.view(dt)
+        s = t.clone().view(torch.int64)
+        s[0, 1], s[1, 2] = 0, -(2**63)
+        assert digest(t, full_box((2, 3)), (2, 3)) != digest(s.view(dt), full_box((2, 3)), (2, 3))
+
+
+@SETTINGS
+@given(st.data())
+def test_shifted_piece_detected(data):
+    t = data.draw(tensors())
+    shape = tuple(t.shape)
+    parts = data.draw(partitions(full_box(shape)))
+    k = data.draw(st.integers(0, len(parts) - 1))
+    p = parts[k]
+    shifts = [(d, s) for d, (a, b) in enumerate(p) for s in (-1, 1) if 0 <= a + s and b + s <= shape[d]]
+    assume(shifts)
+    d, s = data.draw(st.sampled_from(shifts))
+    piece_data = sub(t, p)
+    assume(any(bits_of(piece_data)))   # an all-zero piece reads the same anywhere
+    moved = p[:d] + ((p[d][0] + s, p[d][1] + s),) + p[d + 1:]
+    # The rank holds the right bytes but claims (or was given) the wrong box.
+    assert digest(piece_data, moved, shape) != digest(piece_data, p, shape)
+    total = combine([digest(sub(t, q), q, shape) for j, q in enumerate(parts) if j != k]
+                    + [digest(piece_data, moved, shape)])
+    assert total != piece_sum(t, parts)
+
+
+@SETTINGS
+@given(st.data())
+def test_iter_subboxes_tile_contiguously(data):
+    nd = data.draw(st.integers(1, 4))
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=nd, max_size=nd)))
+    box = full_box(shape)
+    budget = data.draw(st.integers(1, prod(shape) + 2))
+    subs = list(iter_subboxes(box, budget))
+    offs = [flat_offset(box, s) for s in subs]
+    # consecutive, contiguous, within budget
+    pos = 0
+    for s, o in zip(subs, offs):
+        assert o == pos and box_numel(s) <= budget
+        pos += box_numel(s)
+    assert pos == prod(shape)
+
+
+def test_digest_local_pieces_and_non_contiguous_views():
+    g = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    whole = digest(g, full_box((8, 6)), (8, 6))
+    # a "packed" local tensor: rows 0-1 and 4-5 of the global tensor concatenated on dim 1
+    local = torch.cat([g[0:2], g[4:6]], dim=1)
+    pieces = [Piece(((0, 2), (0, 6)), (0, 0)), Piece(((4, 6), (0, 6)), (0, 6))]
+    ds = digest_local(local, pieces, (8, 6))
+    assert ds[0] == digest(g[0:2], ((0, 2), (0, 6)), (8, 6))
+    assert ds[1] == digest(g[4:6], ((4, 6), (0, 6)), (8, 6))
+    rest = [((2, 4), (0, 6)), ((6, 8), (0, 6))]
+    assert combine(ds + [digest(sub(g, b), b, (8, 6)) for b in rest]) == whole
+    # column slices (non-contiguous views) sum up too, at any chunk size
+    cols = [((0, 8), (0, 1)), ((0, 8), (1, 4)), ((0, 8), (4, 6))]
+    for chunk in (1, 5, None):
+        assert combine(digest(sub(g, b), b, (8, 6), chunk_elems=chunk) for b in cols) == whole
+
+
+def test_zero_dim_and_empty():
+    s = torch.tensor(3.5)
+    assert digest(s, (), ()) == digest(s.reshape(1), ((0, 1),), (1,)) != 0
+    e = torch.empty(0, 4)
+    assert digest(e, ((0, 0), (0, 4)), (0, 4)) == 0
+
+
+def test_bad_boxes_are_typed_errors():
+    t = torch.zeros(2, 3)
+    with pytest.raises(VerifyError, match="box shape"):
+        digest(t, ((0, 2), (0, 2)), (2, 3))
+    with pytest.raises(VerifyError, match="does not fit"):
+        digest(t, ((1, 3), (0, 3)), (2, 3))
+    with pytest.raises(VerifyError, match="outside the local tensor"):
+        digest_local(t, [Piece(((0, 2), (0, 3)), (1, 0))], (4, 3))
+
+
+def test_position_matters_not_just_content():
+    g = torch.randn(4, 4).to(torch.bfloat16)
+    a = digest(g[0:2], ((0, 2), (0, 4)), (4, 4))
+    b = digest(g[0:2], ((2, 4), (0, 4)), (4, 4))
+    c = digest(g[0:2].clone(), ((0, 2), (0, 4)), (4, 4))
+    assert a != b and a == c
+    # the same box in a tensor of a different shape has different weights
+    assert digest(g, full_box((4, 4)), (4, 4)) != digest(g.reshape(2, 8), full_box((2, 8)), (2, 8))
