@@ -1,0 +1,685 @@
+"""Strict safetensors checkpoint reader: discover the files, read and validate every
+header, check the index against the files, and return frozen ``CheckpointMeta``.
+
+Everything a crafted checkpoint could use against us is refused with a
+``CheckpointError`` that names the file (and tensor) and what was expected, *before*
+anything large is allocated or anything could block:
+
+* only regular files are opened (``os.stat`` first, then ``O_NONBLOCK`` and an ``fstat``
+  re-check), so a FIFO, socket, device or directory never blocks or streams forever;
+* the 8-byte header length is checked against the file size and a 100 MB cap before
+  the header is read, and only the header is read (``os.pread``), never the data;
+* the JSON parser refuses duplicate keys, NaN/Infinity, floats and over-long integers,
+  and deep nesting (``RecursionError`` is converted);
+* file names from an index are plain names (no separators, ``..``, NUL): nothing
+  outside the checkpoint directory is opened, except what a shard *symlink* in it points
+  at (hub cache snapshots link to ``../../blobs/<sha>``), which must be a regular file;
+* pickle checkpoints (``.bin``/``.pt``/``.pth``/``.ckpt``) are refused, never unpickled.
+
+The loader splits header reading over ranks: each rank calls ``read_file_header`` on a
+share of ``discover(root).files``, the ``FileHeader``s are all-gathered (they pickle),
+and every rank calls ``assemble``. ``read_checkpoint`` does all three in one process.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import stat
+from dataclasses import dataclass
+from hashlib import sha256
+from math import prod
+from typing import Any, Iterable, Mapping
+
+from .dtypes import SUPPORTED, itemsize
+from .errors import CheckpointError
+from .metadata import CheckpointMeta, FileInfo, SourcePiece, TensorInfo, box_shape
+
+MAX_HEADER_LEN = 100_000_000        # the safetensors format's own limit
+MAX_JSON_FILE = 256 * 1024 * 1024   # index / config.json size cap (a 91k-tensor index is ~9 MB)
+_MAX_INT_DIGITS = 19                # every valid offset/dim is < 2**63 < 10**19
+_INT_LIMIT = 1 << 63
+
+SINGLE_FILE = "model.safetensors"
+INDEX_SUFFIX = ".safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+_ITEMSIZE = {name: itemsize(name) for name in SUPPORTED}
+_DTYPE_LIST = ", ".join(SUPPORTED)
+_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+
+# (key, dtype, shape, start, end): one stored tensor of a file, absolute byte offsets.
+Entry = tuple[str, str, tuple[int, ...], int, int]
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """What ``discover`` found. Picklable; cheap to broadcast."""
+    root: str                                   # absolute checkpoint directory
+    files: tuple[str, ...]                      # safetensors files to read, sorted
+    kind: str                                   # "single" | "index" | "directory"
+    index_file: str | None = None               # name of the index, if one was used
+    weight_map: tuple[tuple[str, str], ...] | None = None   # index tensor -> file
+    coordloader: dict | None = None             # validated "coordloader" index section
+    config: dict | None = None                  # parsed config.json
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """One file's validated header. ``entries`` are sorted by offset; picklable."""
+    info: FileInfo
+    entries: tuple[Entry, ...]
+
+
+# --------------------------------------------------------------------------- strict JSON
+
+class _Reject(Exception):
+    """Raised inside the JSON hooks; converted to CheckpointError with the file name."""
+
+
+def _pairs_hook(pairs):
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _Reject(f"duplicate key {k[:200]!r} in JSON object (keys must be unique)")
+            seen.add(k)
+    return d
+
+
+def _const_hook(s):
+    raise _Reject(f"{s} is not valid JSON (expected finite numbers only)")
+
+
+def _int_hook(s):
+    if len(s) > _MAX_INT_DIGITS + (s[0] == "-"):
+        raise _Reject(f"integer {s[:24]}... with {len(s)} digits is out of range "
+                      f"(expected < 2**63)")
+    return int(s)
+
+
+def _float_hook_header(s):
+    raise _Reject(f"number {s[:40]} is not an integer (a safetensors header holds only "
+                  f"integers, strings, lists and objects)")
+
+
+def _float_hook_lenient(s):
+    if len(s) > 400:
+        raise _Reject(f"number with {len(s)} characters is out of range")
+    v = float(s)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise _Reject(f"number {s[:40]} overflows (expected a finite number)")
+    return v
+
+
+_HEADER_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_hook, parse_constant=_const_hook,
+                                   parse_int=_int_hook, parse_float=_float_hook_header)
+_INDEX_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_hook, parse_constant=_const_hook,
+                                  parse_int=_int_hook, parse_float=_float_hook_lenient)
+
+
+def _parse_json(raw: bytes, decoder: json.JSONDecoder, file: str, what: str) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{what} is not valid UTF-8 (byte {e.start}); expected a UTF-8 "
+                              f"JSON object", file=file) from None
+    try:
+        obj = decoder.decode(text)
+    except _Reject as e:
+        raise CheckpointError(f"{what}: {e}", file=file) from None
+    except RecursionError:
+        raise CheckpointError(f"{what} is nested too deeply (expected a flat JSON object)",
+                              file=file) from None
+    except ValueError as e:  # JSONDecodeError, int digit limits, ...
+        raise CheckpointError(f"{what} is not valid JSON ({str(e)[:200]}); expected a JSON "
+                              f"object", file=file) from None
+    if type(obj) is not dict:
+        raise CheckpointError(f"{what} is a JSON {type(obj).__name__}, expected a JSON object",
+                              file=file)
+    return obj
+
+
+# --------------------------------------------------------------------------- safe opening
+
+def _kind(mode: int) -> str:
+    for test, word in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a dangling symlink")):
+        if test(mode):
+            return word
+    return "not a regular file"
+
+
+def _check_name(name: Any, where: str, file: str | None) -> str:
+    """A file name from an index or a caller: a plain name inside the checkpoint dir."""
+    if type(name) is not str or not name:
+        raise CheckpointError(f"{where}: file name {name!r} is not a non-empty string",
+                              file=file)
+    bad = None
+    if "\x00" in name:
+        bad = "a NUL byte"
+    elif "/" in name or "\\" in name:
+        bad = "a path separator"
+    elif ".." in name:
+        bad = "'..'"
+    elif os.path.isabs(name) or name == ".":
+        bad = "an absolute or special path"
+    if bad:
+        raise CheckpointError(f"{where}: file name {name[:200]!r} contains {bad}; expected a "
+                              f"plain file name inside the checkpoint directory", file=file)
+    return name
+
+
+def _open_regular(path: str, name: str) -> tuple[int, os.stat_result]:
+    """Open a regular file (following symlinks) read-only without ever blocking."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise CheckpointError("symlink points to a missing file; expected a regular file",
+                                  file=name) from None
+        raise CheckpointError("file does not exist", file=name) from None
+    except OSError as e:
+        raise CheckpointError(f"cannot stat file: {e.strerror}", file=name) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"is {_kind(st.st_mode)}; expected a regular file", file=name)
+    try:
+        # O_NONBLOCK: belt and braces in case the path is swapped for a FIFO after stat.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CheckpointError(f"cannot open file: {e.strerror}", file=name) from None
+    try:
+        st2 = os.fstat(fd)
+        if not stat.S_ISREG(st2.st_mode) or (st2.st_ino, st2.st_dev) != (st.st_ino, st.st_dev):
+            raise CheckpointError("file changed type while being opened; expected a regular "
+                                  "file", file=name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st2
+
+
+def _pread_exact(fd: int, n: int, offset: int, name: str) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) == n:
+        return data
+    parts, got = [data], len(data)
+    while got < n:
+        more = os.pread(fd, n - got, offset + got)
+        if not more:
+            raise CheckpointError(f"file ended at byte {offset + got} while reading {n} header "
+                                  f"bytes (file shrank?)", file=name)
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def _read_json_file(path: str, name: str, decoder: json.JSONDecoder, what: str) -> dict:
+    fd, st = _open_regular(path, name)
+    try:
+        if st.st_size > MAX_JSON_FILE:
+            raise CheckpointError(f"{what} is {st.st_size} bytes; expected at most "
+                                  f"{MAX_JSON_FILE}", file=name)
+        raw = _pread_exact(fd, st.st_size, 0, name)
+    finally:
+        os.close(fd)
+    return _parse_json(raw, decoder, name, what)
+
+
+# --------------------------------------------------------------------------- one file
+
+def _root_dir(root: str) -> str:
+    root = os.path.abspath(os.fspath(root))
+    if os.path.isdir(root):
+        return root
+    return os.path.dirname(root)
+
+
+def read_file_header(root: str, name: str) -> FileHeader:
+    """Read and validate one safetensors file's header (never its data)."""
+    _check_name(name, "file", name)
+    path = os.path.join(_root_dir(root), name)
+    fd, st = _open_regular(path, name)
+    try:
+        size = st.st_size
+        if size < 8:
+            raise CheckpointError(f"file is {size} bytes; a safetensors file needs at least 8 "
+                                  f"(the little-endian u64 header length)", file=name)
+        n = int.from_bytes(_pread_exact(fd, 8, 0, name), "little")
+        # Both checks come before anything of size n is allocated or read.
+        if n > size - 8:
+            raise CheckpointError(f"header length {n} exceeds the file size {size} (expected at "
+                                  f"most {size - 8})", file=name)
+        if n > MAX_HEADER_LEN:
+            raise CheckpointError(f"header length {n} exceeds the {MAX_HEADER_LEN}-byte limit of "
+                                  f"the safetensors format", file=name)
+        raw = _pread_exact(fd, n, 8, name)
+    finally:
+        os.close(fd)
+    hdr = _parse_json(raw, _HEADER_DECODER, name, "header")
+    meta = hdr.pop("__metadata__", None)
+    metadata: tuple[tuple[str, str], ...] = ()
+    if meta is not None:
+        if type(meta) is not dict or any(type(v) is not str for v in meta.values()):
+            raise CheckpointError("__metadata__ must be a JSON object mapping strings to "
+                                  "strings", file=name)
+        metadata = tuple(sorted(meta.items()))
+    data_start = 8 + n
+    entries = _validate_entries(hdr, name, data_start, size)
+    info = FileInfo(name=name, size=size, header_len=n, header_sha256=sha256(raw).hexdigest(),
+                    metadata=metadata)
+    return FileHeader(info=info, entries=entries)
+
+
+def _numel(shape: list) -> int:
+    if len(shape) <= 8:
+        return prod(shape)
+    if 0 in shape:
+        return 0
+    n = 1
+    for d in shape:  # bail out early: a long list of huge dims must not build a huge int
+        n *= d
+        if n >= _INT_LIMIT:
+            return n
+    return n
+
+
+def _validate_entries(hdr: dict, file: str, data_start: int, size: int) -> tuple[Entry, ...]:
+    """Per-tensor checks, kept lean: ~90k tensors must validate in well under a second."""
+    rows = []
+    append = rows.append
+    for key, ent in hdr.items():
+        if type(ent) is not dict:
+            raise CheckpointError(f"entry is a JSON {type(ent).__name__}; expected an object "
+                                  f"with dtype, shape, data_offsets", file=file, tensor=key)
+        if len(ent) != 3 or ent.keys() != _ENTRY_KEYS:
+            missing = sorted(_ENTRY_KEYS - ent.keys())
+            extra = sorted(set(ent) - _ENTRY_KEYS)
+            raise CheckpointError(f"entry keys wrong (missing {missing}, unexpected "
+                                  f"{[k[:50] for k in extra[:5]]}); expected exactly dtype, "
+                                  f"shape, data_offsets", file=file, tensor=key)
+        dtype = ent["dtype"]
+        isz = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+        if isz is None:
+            raise CheckpointError(f"unknown dtype {str(dtype)[:40]!r}; expected one of "
+                                  f"{_DTYPE_LIST}", file=file, tensor=key)
+        shape = ent["shape"]
+        if type(shape) is not list:
+            raise CheckpointError(f"shape is {type(shape).__name__}; expected a list of "
+                                  f"non-negative integers", file=file, tensor=key)
+        for d in shape:
+            if type(d) is not int or d < 0:  # type() check: JSON true must not pass as 1
+                raise CheckpointError(f"shape has element {str(d)[:40]}; expected a list of "
+                                      f"non-negative integers", file=file, tensor=key)
+        offs = ent["data_offsets"]
+        if (type(offs) is not list or len(offs) != 2 or type(offs[0]) is not int
+                or type(offs[1]) is not int):
+            raise CheckpointError(f"data_offsets is {str(offs)[:80]}; expected two integers "
+                                  f"[begin, end]", file=file, tensor=key)
+        b, e = offs
+        if b < 0 or b > e:
+            raise CheckpointError(f"data_offsets [{b}, {e}]; expected 0 <= begin <= end",
+                                  file=file, tensor=key)
+        nbytes = _numel(shape) * isz
+        if e - b != nbytes:
+            what = (f"{nbytes}" if nbytes < _INT_LIMIT else "more than 2**63")
+            raise CheckpointError(f"data_offsets [{b}, {e}] span {e - b} bytes but shape "
+                                  f"{str(shape)[:80]} of {dtype} needs {what}", file=file,
+                                  tensor=key)
+        append((b, e, key, dtype, shape))
+    rows.sort()
+    # The data region must be tiled exactly: no overlaps, no gaps, ends at EOF.
+    pos = 0
+    prev = None
+    entries = []
+    for b, e, key, dtype, shape in rows:
+        if b != pos:
+            if b < pos:
+                raise CheckpointError(f"data_offsets [{b}, {e}] overlap tensor {prev!r} "
+                                      f"which ends at {pos}", file=file, tensor=key)
+            raise CheckpointError(f"gap of {b - pos} bytes before data_offsets [{b}, {e}] "
+                                  f"(expected tensors to be contiguous from {pos})", file=file,
+                                  tensor=key)
+        pos = e
+        prev = key
+        entries.append((key, dtype, tuple(shape), data_start + b, data_start + e))
+    if data_start + pos != size:
+        raise CheckpointError(f"tensor data ends at byte {data_start + pos} but the file is "
+                              f"{size} bytes (expected the data to end exactly at end of file)",
+                              file=file)
+    return tuple(entries)
+
+
+# --------------------------------------------------------------------------- discovery
+
+def _refuse_pickle(name: str):
+    raise CheckpointError("is a pickle checkpoint; coordloader loads only safetensors "
+                          "(pickle files are never unpickled) - convert it to .safetensors",
+                          file=name)
+
+
+def discover(root: str) -> Discovery:
+    """Find the files of a checkpoint: a directory in HF layout (index + shards, a single
+    model.safetensors, or loose *.safetensors), or a path to one .safetensors file."""
+    path = os.path.abspath(os.fspath(root))
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise CheckpointError("checkpoint path does not exist (expected a directory or a "
+                              ".safetensors file)", file=path) from None
+    if stat.S_ISREG(st.st_mode):
+        d, base = os.path.split(path)
+        if base.endswith(INDEX_SUFFIX):
+            return _discover_index(d, base, _read_config(d))
+        if base.endswith(PICKLE_SUFFIXES):
+            _refuse_pickle(base)
+        if not base.endswith(".safetensors"):
+            raise CheckpointError("is not a .safetensors file or an index (expected a "
+                                  "checkpoint directory or a .safetensors file)", file=path)
+        return Discovery(root=d, files=(base,), kind="single", config=_read_config(d))
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"checkpoint path is {_kind(st.st_mode)}; expected a directory "
+                              f"or a .safetensors file", file=path)
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as e:
+        raise CheckpointError(f"cannot list directory: {e.strerror}", file=path) from None
+    config = _read_config(path)
+    indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
+    if indexes:
+        if len(indexes) > 1:
+            if "model" + INDEX_SUFFIX not in indexes:
+                raise CheckpointError(f"several safetensors indexes {indexes[:5]}; expected one "
+                                      f"(or model{INDEX_SUFFIX})", file=path)
+            indexes = ["model" + INDEX_SUFFIX]
+        return _discover_index(path, indexes[0], config)
+    if SINGLE_FILE in names:
+        return Discovery(root=path, files=(SINGLE_FILE,), kind="single", config=config)
+    shards = tuple(n for n in names if n.endswith(".safetensors"))
+    if shards:
+        return Discovery(root=path, files=shards, kind="directory", config=config)
+    pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES) or n.endswith(".bin.index.json")]
+    if pickles:
+        _refuse_pickle(pickles[0])
+    raise CheckpointError("no .safetensors files and no model.safetensors.index.json found "
+                          "(expected a safetensors checkpoint directory)", file=path)
+
+
+def _read_config(d: str) -> dict | None:
+    p = os.path.join(d, "config.json")
+    if not os.path.lexists(p):
+        return None
+    return _read_json_file(p, "config.json", _INDEX_DECODER, "config.json")
+
+
+def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
+    idx = _read_json_file(os.path.join(d, index_name), index_name, _INDEX_DECODER, "index")
+    wm = idx.get("weight_map")
+    if type(wm) is not dict:
+        raise CheckpointError("index has no weight_map object; expected \"weight_map\": "
+                              "{tensor name: file name}", file=index_name)
+    files: set[str] = set()
+    checked: set[str] = set()
+    for tname, fname in wm.items():
+        if type(fname) is not str:
+            raise CheckpointError(f"weight_map value is {type(fname).__name__}; expected a "
+                                  f"file name string", file=index_name, tensor=tname)
+        if fname not in checked:
+            _check_name(fname, "weight_map", index_name)
+            if fname.endswith(PICKLE_SUFFIXES):
+                _refuse_pickle(fname)
+            if not fname.endswith(".safetensors"):
+                raise CheckpointError(f"weight_map names file {fname!r}; expected .safetensors "
+                                      f"files only", file=index_name, tensor=tname)
+            checked.add(fname)
+            files.add(fname)
+    section = idx.get("coordloader")
+    if section is not None:
+        section = _validate_section(section, index_name)
+        for spec in section["tensors"].values():
+            for p in spec["pieces"]:
+                files.add(p["file"])
+    for fname in sorted(files):
+        if not os.path.lexists(os.path.join(d, fname)):
+            raise CheckpointError(f"the index lists file {fname!r} which does not exist in the "
+                                  f"checkpoint directory", file=index_name)
+    return Discovery(root=d, files=tuple(sorted(files)), kind="index", index_file=index_name,
+                     weight_map=tuple(wm.items()), coordloader=section, config=config)
+
+
+def _is_box(box, ndim: int) -> bool:
+    return (type(box) is list and len(box) == ndim and
+            all(type(r) is list and len(r) == 2 and type(r[0]) is int and type(r[1]) is int
+                for r in box))
+
+
+def _validate_section(sec: Any, index_name: str) -> dict:
+    """Structure of the coordloader sharded-format section (contents vs files: assemble)."""
+    if type(sec) is not dict:
+        raise CheckpointError("\"coordloader\" section is not a JSON object", file=index_name)
+    if sec.get("version") != 1 or type(sec.get("version")) is not int:
+        raise CheckpointError(f"\"coordloader\" version {sec.get('version')!r}; expected 1",
+                              file=index_name)
+    if "layout" in sec and type(sec["layout"]) is not dict:
+        raise CheckpointError("\"coordloader\".layout is not a JSON object", file=index_name)
+    tensors = sec.get("tensors")
+    if type(tensors) is not dict:
+        raise CheckpointError("\"coordloader\".tensors is not a JSON object; expected "
+                              "{name: {dtype, shape, pieces}}", file=index_name)
+    for name, spec in tensors.items():
+        def bad(msg):
+            raise CheckpointError(f"coordloader section: {msg}", file=index_name, tensor=name)
+        if type(spec) is not dict:
+            bad("entry is not an object; expected {dtype, shape, pieces}")
+        if type(spec.get("dtype")) is not str or spec["dtype"] not in _ITEMSIZE:
+            bad(f"unknown dtype {str(spec.get('dtype'))[:40]!r}; expected one of {_DTYPE_LIST}")
+        shape = spec.get("shape")
+        if type(shape) is not list or any(type(x) is not int or x < 0 for x in shape):
+            bad(f"shape {str(shape)[:80]}; expected a list of non-negative integers")
+        pieces = spec.get("pieces")
+        if type(pieces) is not list or not pieces:
+            bad("pieces is not a non-empty list")
+        for p in pieces:
+            if type(p) is not dict or type(p.get("key")) is not str:
+                bad(f"piece {str(p)[:80]} is not an object with file, key, box")
+            _check_name(p.get("file"), f"coordloader section, tensor {name!r}", index_name)
+            if not p["file"].endswith(".safetensors"):
+                bad(f"piece file {p['file']!r}; expected a .safetensors file")
+            if not _is_box(p.get("box"), len(shape)):
+                bad(f"piece box {str(p.get('box'))[:80]}; expected {len(shape)} [start, stop] "
+                    f"integer pairs")
+    return sec
+
+
+# --------------------------------------------------------------------------- assembly
+
+def piece_key(name: str, box) -> str:
+    """Key under which the coordloader sharded format stores a piece of ``name``."""
+    return name + "@" + ",".join(f"{a}:{b}" for a, b in box)
+
+
+def assemble(root: str, discovery: Discovery, headers: Iterable[FileHeader]) -> CheckpointMeta:
+    """Cross-file checks (index vs files, duplicates, pieces tiling) -> CheckpointMeta."""
+    by_file: dict[str, FileHeader] = {}
+    for h in headers:
+        if h.info.name in by_file:
+            raise CheckpointError("header given twice to assemble", file=h.info.name)
+        by_file[h.info.name] = h
+    want = set(discovery.files)
+    if set(by_file) != want:
+        missing = sorted(want - set(by_file))
+        extra = sorted(set(by_file) - want)
+        raise CheckpointError(f"headers do not match the discovered files (missing {missing[:5]},"
+                              f" unexpected {extra[:5]})", file=discovery.index_file)
+    names = sorted(by_file)
+    files = tuple(by_file[n].info for n in names)
+    if discovery.coordloader is not None:
+        tensors = _assemble_sharded(discovery, by_file, names)
+        layout = discovery.coordloader.get("layout")
+    else:
+        tensors = _assemble_plain(discovery, by_file, names)
+        layout = None
+    return CheckpointMeta(root=discovery.root, files=files, tensors=tensors,
+                          config=discovery.config, source_layout=layout)
+
+
+def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    wm = dict(discovery.weight_map) if discovery.weight_map is not None else None
+    idx = discovery.index_file
+    for fname in names:
+        for key, dtype, shape, start, end in by_file[fname].entries:
+            if key in tensors:
+                raise CheckpointError(f"tensor is stored in both {tensors[key].file!r} and "
+                                      f"{fname!r}; expected each tensor in exactly one file",
+                                      file=fname, tensor=key)
+            tensors[key] = TensorInfo(key, dtype, shape, (
+                SourcePiece(fname, tuple((0, s) for s in shape), start, end),))
+    if wm is None:
+        return tensors
+    # After the duplicate check, so a tensor stored twice is reported as such.
+    for key, t in tensors.items():
+        fname = t.pieces[0].file
+        listed = wm.get(key)
+        if listed != fname:
+            if listed is None:
+                raise CheckpointError(f"tensor is in the file but not in the index {idx!r}",
+                                      file=fname, tensor=key)
+            raise CheckpointError(f"tensor is in the file but the index {idx!r} maps it "
+                                  f"to {listed!r}", file=fname, tensor=key)
+    if len(tensors) != len(wm):
+        for key, fname in wm.items():
+            if key not in tensors:
+                raise CheckpointError(f"the index {idx!r} lists the tensor in this file but "
+                                      f"the file does not contain it", file=fname, tensor=key)
+    return tensors
+
+
+def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorInfo]:
+    idx = discovery.index_file
+    stored: dict[tuple[str, str], Entry] = {}
+    for fname in names:
+        for ent in by_file[fname].entries:
+            stored[(fname, ent[0])] = ent
+    used: set[tuple[str, str]] = set()
+    order = []
+    spec_tensors = discovery.coordloader["tensors"]
+    wm = dict(discovery.weight_map or ())
+    for name, spec in spec_tensors.items():
+        dtype, shape = spec["dtype"], tuple(spec["shape"])
+        listed = wm.get(name)
+        pieces = []
+        for p in spec["pieces"]:
+            fname = p["file"]
+            box = tuple((a, b) for a, b in p["box"])
+            for d, (a, b) in enumerate(box):
+                if not 0 <= a <= b <= shape[d]:
+                    raise CheckpointError(f"piece box {list(map(list, box))} dim {d} [{a}, {b}) "
+                                          f"is outside the shape {list(shape)}", file=idx,
+                                          tensor=name)
+            whole = all(a == 0 and b == s for (a, b), s in zip(box, shape))
+            key = name if whole else piece_key(name, box)
+            if p["key"] != key:
+                raise CheckpointError(f"piece key {p['key'][:200]!r}; expected {key!r} for box "
+                                      f"{list(map(list, box))}", file=idx, tensor=name)
+            ent = stored.get((fname, key))
+            if ent is None:
+                raise CheckpointError(f"the index lists piece {key!r} in this file but the file "
+                                      f"does not contain it", file=fname, tensor=name)
+            if (fname, key) in used:
+                raise CheckpointError(f"piece {key!r} is listed twice in the index", file=fname,
+                                      tensor=name)
+            used.add((fname, key))
+            if ent[1] != dtype:
+                raise CheckpointError(f"piece {key!r} is stored as {ent[1]}; the index says "
+                                      f"{dtype}", file=fname, tensor=name)
+            if ent[2] != box_shape(box):
+                raise CheckpointError(f"piece {key!r} is stored with shape {list(ent[2])}; its "
+                                      f"box needs {list(box_shape(box))}", file=fname,
+                                      tensor=name)
+            pieces.append(SourcePiece(fname, box, ent[3], ent[4]))
+        if listed is None:
+            raise CheckpointError(f"tensor is in the coordloader section but not in the "
+                                  f"weight_map", file=idx, tensor=name)
+        if listed not in {p.file for p in pieces}:
+            raise CheckpointError(f"weight_map maps the tensor to {listed!r}, which holds none "
+                                  f"of its pieces", file=idx, tensor=name)
+        _check_tiling(name, shape, pieces, idx)
+        pieces.sort(key=lambda p: p.box)
+        first = min((p.file, p.start) for p in pieces)
+        order.append((first, name, TensorInfo(name, dtype, shape, tuple(pieces))))
+    if len(used) != len(stored):
+        for fname in names:
+            for ent in by_file[fname].entries:
+                if (fname, ent[0]) not in used:
+                    raise CheckpointError("key is stored in the file but the index's "
+                                          "coordloader section does not list it", file=fname,
+                                          tensor=ent[0])
+    for name in wm:
+        if name not in spec_tensors:
+            raise CheckpointError("tensor is in the weight_map but not in the coordloader "
+                                  "section", file=idx, tensor=name)
+    order.sort(key=lambda t: t[0])
+    return {name: t for _, name, t in order}
+
+
+def _check_tiling(name: str, shape: tuple[int, ...], pieces: list[SourcePiece],
+                  file: str | None) -> None:
+    """Pieces lie inside the shape (checked by the caller); they tile it exactly iff their
+    volumes add up to numel and no two overlap. Overlaps are found by a sweep, not all
+    pairs: along dim 0, at each distinct start the active boxes are checked recursively on
+    the remaining dims (1-D: sort and compare neighbours)."""
+    numel = prod(shape)
+    vol = sum(prod(b - a for a, b in p.box) for p in pieces)
+    boxes = [p.box for p in pieces if all(b > a for a, b in p.box)]  # empty boxes can't overlap
+    if len(boxes) < 2:
+        pair = None
+    elif not shape:  # two pieces of a scalar
+        pair = boxes[0], boxes[1]
+    else:
+        pair = _find_overlap(boxes, 0)
+    if pair:
+        raise CheckpointError(f"pieces {[list(r) for r in pair[0]]} and {[list(r) for r in pair[1]]}"
+                              f" overlap; expected the pieces to tile the tensor exactly once",
+                              file=file, tensor=name)
+    if vol != numel:
+        raise CheckpointError(f"pieces cover {vol} of {numel} elements of shape {list(shape)}; "
+                              f"expected them to tile the tensor exactly", file=file, tensor=name)
+
+
+def _find_overlap(boxes: list, dim: int):
+    """Return two overlapping boxes (all dims >= ``dim`` intersect), or None."""
+    if dim == len(boxes[0]) - 1:
+        srt = sorted(boxes, key=lambda bx: bx[dim])
+        far = srt[0]
+        for bx in srt[1:]:
+            if bx[dim][0] < far[dim][1]:
+                return far, bx
+            if bx[dim][1] > far[dim][1]:
+                far = bx
+        return None
+    srt = sorted(boxes, key=lambda bx: bx[dim][0])
+    active: list = []  # heap of (end, seq, box)
+    i, n = 0, len(srt)
+    while i < n:
+        s = srt[i][dim][0]
+        while active and active[0][0] <= s:
+            heapq.heappop(active)
+        while i < n and srt[i][dim][0] == s:
+            heapq.heappush(active, (srt[i][dim][1], i, srt[i]))
+            i += 1
+        if len(active) > 1:
+            pair = _find_overlap([a[2] for a in active], dim + 1)
+            if pair:
+                return pair
+    return None
+
+
+# --------------------------------------------------------------------------- all in one
+
+def read_checkpoint(root: str) -> CheckpointMeta:
+    """discover + read every header + assemble, in this process."""
+    disc = discover(root)
+    return assemble(root, disc, [read_file_header(disc.root, f) for f in disc.files])

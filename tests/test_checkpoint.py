@@ -1,0 +1,774 @@
+"""Strict checkpoint reader: one test per hostile / malformed input, plus the layouts it
+must accept. Files are built as raw bytes (tests/stfiles.py), not with our own writer."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import socket
+import struct
+import tracemalloc
+from contextlib import contextmanager
+from hashlib import sha256
+
+import pytest
+import torch
+
+from coordloader import checkpoint as ck
+from coordloader.checkpoint import (Discovery, FileHeader, assemble, discover, read_checkpoint,
+                                    read_file_header)
+from coordloader.errors import CheckpointError
+from coordloader.metadata import CheckpointMeta, FileInfo, SourcePiece, TensorInfo
+from stfiles import header_for, raw_file, write_index, write_raw, write_sharded, write_st
+
+M = "model.safetensors"
+
+
+@contextmanager
+def hard_timeout(seconds=10):
+    """A reader bug that blocks (e.g. opening a FIFO) fails the test instead of hanging."""
+    def boom(*_):
+        raise TimeoutError("reader blocked")
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def bad(path, *fragments, fn=read_checkpoint):
+    with hard_timeout():
+        with pytest.raises(CheckpointError) as ei:
+            fn(str(path))
+    msg = str(ei.value)
+    for f in fragments:
+        assert f in msg, f"{f!r} not in {msg!r}"
+    return ei.value
+
+
+def one(tmp_path, header, data=b"", **kw):
+    write_raw(tmp_path / M, header, data, **kw)
+    return tmp_path
+
+
+GOOD = [("a", "F32", [2, 3]), ("b", "BF16", [4]), ("c", "U8", [])]
+
+
+# ------------------------------------------------------------------ file size / length prefix
+
+def test_file_shorter_than_8_bytes(tmp_path):
+    (tmp_path / M).write_bytes(b"\x05\x00\x00")
+    bad(tmp_path, M, "3 bytes", "at least 8")
+
+
+def test_empty_file(tmp_path):
+    (tmp_path / M).write_bytes(b"")
+    bad(tmp_path, M, "0 bytes", "at least 8")
+
+
+def test_header_length_larger_than_file(tmp_path):
+    one(tmp_path, {}, length=1000)
+    bad(tmp_path, M, "header length 1000 exceeds the file size")
+
+
+def test_header_length_near_2_pow_64_no_allocation(tmp_path):
+    one(tmp_path, {}, length=2**64 - 1)
+    tracemalloc.start()
+    try:
+        bad(tmp_path, M, str(2**64 - 1), "exceeds the file size")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000
+
+
+def test_header_length_over_100mb_checked_before_reading(tmp_path):
+    # A sparse 200 MB file whose prefix claims a 150 MB header: refused by the cap, and
+    # nothing of that size is allocated.
+    p = tmp_path / M
+    with open(p, "wb") as f:
+        f.write(struct.pack("<Q", 150_000_000) + b"{}")
+        f.truncate(200_000_000)
+    tracemalloc.start()
+    try:
+        bad(tmp_path, M, "header length 150000000", "100000000-byte limit")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000
+
+
+# ------------------------------------------------------------------ JSON level
+
+def test_header_not_utf8(tmp_path):
+    one(tmp_path, b'{"a\xff\xfe": 1}')
+    bad(tmp_path, M, "not valid UTF-8", "JSON object")
+
+
+def test_header_not_json(tmp_path):
+    one(tmp_path, '{"a": {"dtype": ')
+    bad(tmp_path, M, "not valid JSON", "expected a JSON object")
+
+
+@pytest.mark.parametrize("text,kind", [("[1, 2]", "list"), ('"x"', "str"), ("7", "int"),
+                                       ("null", "NoneType")])
+def test_header_not_an_object(tmp_path, text, kind):
+    one(tmp_path, text)
+    bad(tmp_path, M, f"JSON {kind}", "expected a JSON object")
+
+
+def test_duplicate_keys_refused(tmp_path):
+    hdr = ('{"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
+           '"w": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}')
+    one(tmp_path, hdr, 2)
+    bad(tmp_path, M, "duplicate key 'w'")
+
+
+def test_duplicate_keys_inside_entry_refused(tmp_path):
+    hdr = '{"w": {"dtype": "U8", "dtype": "F32", "shape": [1], "data_offsets": [0, 1]}}'
+    one(tmp_path, hdr, 1)
+    bad(tmp_path, M, "duplicate key 'dtype'")
+
+
+@pytest.mark.parametrize("const", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_refused(tmp_path, const):
+    one(tmp_path, '{"w": {"dtype": "U8", "shape": [%s], "data_offsets": [0, 1]}}' % const, 1)
+    bad(tmp_path, M, const, "finite numbers")
+
+
+def test_huge_integer_refused(tmp_path):
+    one(tmp_path, '{"w": {"dtype": "U8", "shape": [%s], "data_offsets": [0, 1]}}' % ("9" * 5000), 1)
+    bad(tmp_path, M, "5000 digits", "2**63")
+
+
+def test_huge_float_refused(tmp_path):
+    one(tmp_path, '{"w": {"dtype": "U8", "shape": [1e999], "data_offsets": [0, 1]}}', 1)
+    bad(tmp_path, M, "1e999", "not an integer")
+
+
+@pytest.mark.parametrize("nest", ["[" * 100_000, '{"a":' * 100_000, "[1," * 50_000])
+def test_deeply_nested_json_refused(tmp_path, nest):
+    one(tmp_path, '{"w": ' + nest)
+    bad(tmp_path, M, "nested too deeply")
+
+
+def test_metadata_not_str_to_str(tmp_path):
+    hdr, n = header_for(GOOD, metadata={"format": "pt", "step": 3})
+    one(tmp_path, hdr, n)
+    bad(tmp_path, M, "__metadata__", "strings to strings")
+
+
+def test_metadata_not_an_object(tmp_path):
+    hdr, n = header_for(GOOD, metadata=["format", "pt"])
+    one(tmp_path, hdr, n)
+    bad(tmp_path, M, "__metadata__", "strings to strings")
+
+
+# ------------------------------------------------------------------ tensor entries
+
+def entry(tmp_path, ent, data=4, name="w"):
+    one(tmp_path, {name: ent}, data)
+    return tmp_path
+
+
+def test_entry_not_an_object(tmp_path):
+    entry(tmp_path, [1, 2])
+    bad(tmp_path, M, "tensor 'w'", "JSON list", "dtype, shape, data_offsets")
+
+
+def test_entry_missing_and_extra_keys(tmp_path):
+    entry(tmp_path, {"dtype": "U8", "shape": [4], "offsets": [0, 4]})
+    bad(tmp_path, M, "tensor 'w'", "missing ['data_offsets']", "unexpected ['offsets']")
+
+
+def test_unknown_dtype(tmp_path):
+    entry(tmp_path, {"dtype": "F4", "shape": [4], "data_offsets": [0, 4]})
+    bad(tmp_path, M, "tensor 'w'", "unknown dtype 'F4'", "BF16", "F8_E4M3", "U64")
+
+
+def test_dtype_not_a_string(tmp_path):
+    entry(tmp_path, {"dtype": ["U8"], "shape": [4], "data_offsets": [0, 4]})
+    bad(tmp_path, M, "tensor 'w'", "unknown dtype")
+
+
+@pytest.mark.parametrize("shape,frag", [(4, "shape is int"), ({"a": 4}, "shape is dict"),
+                                        ([2, -2], "element -2"), ([True, 4], "element True"),
+                                        ([4, "1"], "element 1"), ([[4]], "element [4]")])
+def test_shape_not_list_of_non_negative_ints(tmp_path, shape, frag):
+    entry(tmp_path, {"dtype": "U8", "shape": shape, "data_offsets": [0, 4]})
+    bad(tmp_path, M, "tensor 'w'", frag, "non-negative integers")
+
+
+@pytest.mark.parametrize("offs", [4, [0], [0, 4, 4], [False, 4], [0, "4"], None])
+def test_data_offsets_not_two_ints(tmp_path, offs):
+    entry(tmp_path, {"dtype": "U8", "shape": [4], "data_offsets": offs})
+    bad(tmp_path, M, "tensor 'w'", "expected two integers")
+
+
+def test_data_offsets_begin_after_end(tmp_path):
+    entry(tmp_path, {"dtype": "U8", "shape": [4], "data_offsets": [4, 0]})
+    bad(tmp_path, M, "tensor 'w'", "[4, 0]", "begin <= end")
+
+
+def test_data_offsets_negative(tmp_path):
+    entry(tmp_path, {"dtype": "U8", "shape": [4], "data_offsets": [-4, 0]})
+    bad(tmp_path, M, "tensor 'w'", "0 <= begin")
+
+
+def test_byte_length_mismatch(tmp_path):
+    entry(tmp_path, {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]})
+    bad(tmp_path, M, "tensor 'w'", "span 4 bytes", "needs 8")
+
+
+def test_huge_shape_no_overflow_no_allocation(tmp_path):
+    entry(tmp_path, {"dtype": "F64", "shape": [10**18, 10**18, 10**18], "data_offsets": [0, 4]})
+    bad(tmp_path, M, "tensor 'w'", "more than 2**63")
+
+
+def test_long_list_of_huge_dims_is_fast(tmp_path):
+    # 200k dims of 10**18: a naive product would build a 12-million-digit integer.
+    entry(tmp_path, {"dtype": "U8", "shape": [10**18] * 200_000, "data_offsets": [0, 4]})
+    bad(tmp_path, M, "tensor 'w'", "more than 2**63")
+
+
+def test_offsets_overlap(tmp_path):
+    one(tmp_path, {"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                   "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, 6)
+    bad(tmp_path, M, "tensor 'b'", "overlap tensor 'a'")
+
+
+def test_offsets_gap(tmp_path):
+    one(tmp_path, {"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                   "b": {"dtype": "U8", "shape": [4], "data_offsets": [6, 10]}}, 10)
+    bad(tmp_path, M, "tensor 'b'", "gap of 2 bytes")
+
+
+def test_data_not_starting_at_zero(tmp_path):
+    one(tmp_path, {"a": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, 6)
+    bad(tmp_path, M, "tensor 'a'", "gap of 2 bytes")
+
+
+def test_trailing_bytes_after_data(tmp_path):
+    hdr, n = header_for(GOOD)
+    one(tmp_path, hdr, n + 3)
+    e = bad(tmp_path, M, "end exactly at end of file")
+    assert e.file == M
+
+
+def test_data_beyond_end_of_file(tmp_path):
+    hdr, n = header_for(GOOD)
+    one(tmp_path, hdr, n - 1)
+    bad(tmp_path, M, "end exactly at end of file")
+
+
+def test_empty_header_with_data(tmp_path):
+    one(tmp_path, {}, 8)
+    bad(tmp_path, M, "end exactly at end of file")
+
+
+# ------------------------------------------------------------------ file types / paths
+
+def test_symlink_to_directory_refused(tmp_path):
+    (tmp_path / "d").mkdir()
+    os.symlink(tmp_path / "d", tmp_path / M)
+    bad(tmp_path, M, "is a directory", "regular file")
+
+
+def test_symlink_to_device_refused(tmp_path):
+    os.symlink("/dev/zero", tmp_path / M)
+    bad(tmp_path, M, "character device", "regular file")
+
+
+def test_fifo_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / M)
+    bad(tmp_path, M, "a FIFO", "regular file")
+
+
+def test_fifo_shard_in_index_refused(tmp_path):
+    wm = write_sharded(tmp_path, {"s1.safetensors": GOOD[:1], "s2.safetensors": GOOD[1:]})
+    os.unlink(tmp_path / "s2.safetensors")
+    os.mkfifo(tmp_path / "s2.safetensors")
+    assert wm
+    bad(tmp_path, "s2.safetensors", "a FIFO")
+
+
+def test_socket_refused(tmp_path):
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.bind(str(tmp_path / M))
+        bad(tmp_path, M, "a socket")
+    finally:
+        s.close()
+
+
+def test_dangling_symlink_refused(tmp_path):
+    os.symlink(tmp_path / "nowhere", tmp_path / M)
+    bad(tmp_path, M, "missing file")
+
+
+def test_read_file_header_refuses_path_names(tmp_path):
+    write_st(tmp_path / M, GOOD)
+    for name in ["../x.safetensors", "/etc/passwd", "a\\b.safetensors", "a\x00b"]:
+        with pytest.raises(CheckpointError, match="plain file name"):
+            read_file_header(str(tmp_path), name)
+
+
+# ------------------------------------------------------------------ index
+
+def sharded_ok(tmp_path):
+    return write_sharded(tmp_path, {"model-00001-of-00002.safetensors": GOOD[:2],
+                                    "model-00002-of-00002.safetensors": GOOD[2:]})
+
+
+def test_weight_map_missing(tmp_path):
+    sharded_ok(tmp_path)
+    write_index(tmp_path, None, raw='{"metadata": {}}')
+    bad(tmp_path, "model.safetensors.index.json", "no weight_map", "tensor name: file name")
+
+
+def test_weight_map_not_str_to_str(tmp_path):
+    sharded_ok(tmp_path)
+    write_index(tmp_path, {"a": ["model-00001-of-00002.safetensors"]})
+    bad(tmp_path, "model.safetensors.index.json", "tensor 'a'", "expected a file name string")
+
+
+@pytest.mark.parametrize("fname,frag", [
+    ("sub/x.safetensors", "path separator"), ("..\\x.safetensors", "path separator"),
+    ("../x.safetensors", "path separator"), ("..", "'..'"), ("x..safetensors", "'..'"),
+    ("/etc/passwd", "path separator"), ("x\x00.safetensors", "NUL"), ("", "non-empty")])
+def test_weight_map_unsafe_names(tmp_path, fname, frag):
+    wm = sharded_ok(tmp_path)
+    wm["a"] = fname
+    write_index(tmp_path, wm)
+    bad(tmp_path, "model.safetensors.index.json", frag)
+
+
+def test_weight_map_absolute_name_without_slash(tmp_path):
+    assert ck._check_name("x.safetensors", "t", None) == "x.safetensors"
+    with pytest.raises(CheckpointError, match="absolute"):
+        ck._check_name(".", "t", None)
+
+
+def test_index_listed_file_missing(tmp_path):
+    wm = sharded_ok(tmp_path)
+    wm["z"] = "model-00003-of-00003.safetensors"
+    write_index(tmp_path, wm)
+    bad(tmp_path, "model.safetensors.index.json", "model-00003-of-00003.safetensors",
+        "does not exist")
+
+
+def test_index_tensor_absent_from_its_file(tmp_path):
+    wm = sharded_ok(tmp_path)
+    wm["ghost"] = "model-00002-of-00002.safetensors"
+    write_index(tmp_path, wm)
+    bad(tmp_path, "model-00002-of-00002.safetensors", "tensor 'ghost'",
+        "does not contain it")
+
+
+def test_tensor_in_file_not_in_index(tmp_path):
+    wm = sharded_ok(tmp_path)
+    del wm["b"]
+    write_index(tmp_path, wm)
+    bad(tmp_path, "model-00001-of-00002.safetensors", "tensor 'b'", "not in the index")
+
+
+def test_tensor_in_file_index_says_other_file(tmp_path):
+    wm = sharded_ok(tmp_path)
+    wm["b"] = "model-00002-of-00002.safetensors"
+    write_index(tmp_path, wm)
+    bad(tmp_path, "model-00001-of-00002.safetensors", "tensor 'b'",
+        "maps it to 'model-00002-of-00002.safetensors'")
+
+
+def test_same_tensor_in_two_files_with_index(tmp_path):
+    write_sharded(tmp_path, {"s1.safetensors": GOOD[:2], "s2.safetensors": GOOD[1:]})
+    bad(tmp_path, "tensor 'b'", "stored in both 's1.safetensors' and 's2.safetensors'")
+
+
+def test_same_tensor_in_two_files_no_index(tmp_path):
+    write_sharded(tmp_path, {"s1.safetensors": GOOD[:2], "s2.safetensors": GOOD[1:]},
+                  index=False)
+    bad(tmp_path, "tensor 'b'", "stored in both 's1.safetensors' and 's2.safetensors'")
+
+
+def test_index_not_json_and_duplicate_keys(tmp_path):
+    sharded_ok(tmp_path)
+    write_index(tmp_path, None, raw='{"weight_map": {"a": "x.safetensors", '
+                                    '"a": "y.safetensors"}}')
+    bad(tmp_path, "model.safetensors.index.json", "duplicate key 'a'")
+    write_index(tmp_path, None, raw='{"weight_map": {"a": NaN}}')
+    bad(tmp_path, "model.safetensors.index.json", "NaN")
+    write_index(tmp_path, None, raw='{"weight_map": ' + "[" * 50_000)
+    bad(tmp_path, "model.safetensors.index.json", "nested too deeply")
+
+
+def test_index_is_a_fifo(tmp_path):
+    sharded_ok(tmp_path)
+    os.unlink(tmp_path / "model.safetensors.index.json")
+    os.mkfifo(tmp_path / "model.safetensors.index.json")
+    bad(tmp_path, "model.safetensors.index.json", "a FIFO")
+
+
+def test_bad_config_json(tmp_path):
+    write_st(tmp_path / M, GOOD)
+    (tmp_path / "config.json").write_text('{"a": 1, "a": 2}')
+    bad(tmp_path, "config.json", "duplicate key 'a'")
+    (tmp_path / "config.json").write_text('[1]')
+    bad(tmp_path, "config.json", "expected a JSON object")
+
+
+# ------------------------------------------------------------------ pickle checkpoints
+
+def test_pickle_directory_refused(tmp_path):
+    evil = tmp_path / "pytorch_model.bin"
+    evil.write_bytes(b"\x80\x04crash")
+    (tmp_path / "config.json").write_text("{}")
+    bad(tmp_path, "pytorch_model.bin", "only safetensors", "never unpickled")
+
+
+@pytest.mark.parametrize("ext", [".bin", ".pt", ".pth", ".ckpt"])
+def test_pickle_file_path_refused(tmp_path, ext):
+    p = tmp_path / ("model" + ext)
+    p.write_bytes(b"\x80\x04crash")
+    bad(p, "model" + ext, "only safetensors")
+
+
+def test_index_listing_pickle_refused(tmp_path):
+    wm = sharded_ok(tmp_path)
+    (tmp_path / "pytorch_model-00001.bin").write_bytes(b"x")
+    wm["a"] = "pytorch_model-00001.bin"
+    write_index(tmp_path, wm)
+    bad(tmp_path, "pytorch_model-00001.bin", "only safetensors")
+
+
+def test_no_checkpoint_at_all(tmp_path):
+    (tmp_path / "README.md").write_text("hi")
+    bad(tmp_path, "no .safetensors files")
+    bad(tmp_path / "missing", "does not exist")
+
+
+# ------------------------------------------------------------------ accepted layouts
+
+def check_bytes(meta: CheckpointMeta):
+    """Every tensor's absolute byte range holds the deterministic pattern of its offset."""
+    for t in meta.tensors.values():
+        for p in t.pieces:
+            with open(os.path.join(meta.root, p.file), "rb") as f:
+                f.seek(p.start)
+                data = f.read(p.end - p.start)
+            fi = meta.file(p.file)
+            rel = p.start - fi.data_start
+            assert data == bytes(((rel + i) * 7 + 3) & 0xFF for i in range(len(data)))
+
+
+def test_single_file(tmp_path):
+    tensors = [("z", "F16", [3, 2]), ("a", "I64", [2]), ("flag", "BOOL", [5]),
+               ("empty", "F32", [0, 7]), ("s", "F8_E4M3", [])]
+    hdr, n = header_for(tensors, metadata={"format": "pt", "b": "x"})
+    raw = raw_file(hdr, n)
+    (tmp_path / M).write_bytes(raw)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eps": 1e-6}))
+    meta = read_checkpoint(str(tmp_path))
+    assert meta.root == str(tmp_path)
+    assert meta.config == {"model_type": "llama", "eps": 1e-6}
+    hlen = struct.unpack("<Q", raw[:8])[0]
+    assert meta.files == (FileInfo(M, len(raw), hlen, sha256(raw[8:8 + hlen]).hexdigest(),
+                                   (("b", "x"), ("format", "pt"))),)
+    assert list(meta.tensors) == ["z", "a", "flag", "empty", "s"]
+    z = meta.tensors["z"]
+    assert z == TensorInfo("z", "F16", (3, 2), (SourcePiece(M, ((0, 3), (0, 2)), 8 + hlen,
+                                                            8 + hlen + 12),))
+    assert meta.tensors["empty"].pieces[0].start == meta.tensors["empty"].pieces[0].end
+    assert meta.tensors["s"].shape == ()
+    assert meta.total_bytes == n
+    check_bytes(meta)
+
+
+def test_tensors_sorted_by_offset_not_header_order(tmp_path):
+    hdr = {"late": {"dtype": "U8", "shape": [2], "data_offsets": [4, 6]},
+           "zero2": {"dtype": "U8", "shape": [0], "data_offsets": [4, 4]},
+           "early": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+           "zero1": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}}
+    one(tmp_path, hdr, 6)
+    meta = read_checkpoint(str(tmp_path))
+    assert list(meta.tensors) == ["zero1", "early", "zero2", "late"]
+
+
+def test_no_tensors(tmp_path):
+    one(tmp_path, {"__metadata__": {"k": "v"}})
+    meta = read_checkpoint(str(tmp_path))
+    assert meta.tensors == {} and meta.files[0].metadata == (("k", "v"),)
+
+
+def test_path_to_single_file(tmp_path):
+    write_st(tmp_path / "weights.safetensors", GOOD)
+    write_st(tmp_path / "other.safetensors", GOOD)
+    meta = read_checkpoint(str(tmp_path / "weights.safetensors"))
+    assert [f.name for f in meta.files] == ["weights.safetensors"]
+    assert meta.root == str(tmp_path)
+    d = discover(str(tmp_path / "weights.safetensors"))
+    h = read_file_header(str(tmp_path / "weights.safetensors"), "weights.safetensors")
+    assert assemble(str(tmp_path), d, [h]) == meta
+    check_bytes(meta)
+
+
+def test_sharded_with_index(tmp_path):
+    shards = {"model-00002-of-00003.safetensors": [("l1.w", "BF16", [4, 4]), ("l1.b", "F32", [4])],
+              "model-00001-of-00003.safetensors": [("embed", "F32", [8, 2])],
+              "model-00003-of-00003.safetensors": [("head", "F16", [2, 8]), ("l2.w", "U8", [3])]}
+    write_sharded(tmp_path, shards)
+    (tmp_path / "stray.safetensors").write_bytes(b"not used: the index decides")
+    meta = read_checkpoint(str(tmp_path))
+    assert [f.name for f in meta.files] == sorted(shards)
+    assert list(meta.tensors) == ["embed", "l1.w", "l1.b", "head", "l2.w"]
+    assert meta.tensors["head"].file == "model-00003-of-00003.safetensors"
+    assert all(t.is_whole for t in meta.tensors.values())
+    check_bytes(meta)
+
+
+def test_six_digit_zero_based_names(tmp_path):
+    shards = {f"model-{i:06d}-of-{3:06d}.safetensors": [(f"t{i}", "F32", [i + 1])]
+              for i in range(3)}
+    write_sharded(tmp_path, shards)
+    meta = read_checkpoint(str(tmp_path))
+    assert [f.name for f in meta.files] == [f"model-{i:06d}-of-000003.safetensors"
+                                            for i in range(3)]
+    assert list(meta.tensors) == ["t0", "t1", "t2"]
+
+
+def test_other_index_name(tmp_path):
+    write_sharded(tmp_path, {"a.safetensors": GOOD}, name="diffusion_pytorch_model"
+                  ".safetensors.index.json")
+    meta = read_checkpoint(str(tmp_path))
+    assert set(meta.tensors) == {"a", "b", "c"}
+
+
+def test_hub_cache_symlinks(tmp_path):
+    # snapshots/<rev>/<file> -> ../../blobs/<sha>: links leave the directory, targets are
+    # regular files: allowed.
+    blobs = tmp_path / "blobs"
+    snap = tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    wm = write_sharded(work, {"model-00001-of-00002.safetensors": GOOD[:1],
+                              "model-00002-of-00002.safetensors": GOOD[1:]})
+    assert wm
+    for i, name in enumerate(sorted(os.listdir(work))):
+        os.rename(work / name, blobs / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snap / name)
+    meta = read_checkpoint(str(snap))
+    assert len(meta.files) == 2 and set(meta.tensors) == {"a", "b", "c"}
+    check_bytes(meta)
+
+
+def test_directory_without_index(tmp_path):
+    write_sharded(tmp_path, {"part-b.safetensors": GOOD[1:], "part-a.safetensors": GOOD[:1]},
+                  index=False)
+    meta = read_checkpoint(str(tmp_path))
+    assert discover(str(tmp_path)).kind == "directory"
+    assert [f.name for f in meta.files] == ["part-a.safetensors", "part-b.safetensors"]
+    assert list(meta.tensors) == ["a", "b", "c"]
+
+
+def test_model_safetensors_preferred_without_index(tmp_path):
+    write_st(tmp_path / M, GOOD)
+    write_st(tmp_path / "consolidated.safetensors", GOOD)
+    assert discover(str(tmp_path)).files == (M,)
+    assert len(read_checkpoint(str(tmp_path)).tensors) == 3
+
+
+def test_pieces_pickle_and_split_reading(tmp_path):
+    sharded_ok(tmp_path)
+    disc = discover(str(tmp_path))
+    assert isinstance(disc, Discovery)
+    disc2 = pickle.loads(pickle.dumps(disc))
+    assert disc2 == disc
+    headers = [pickle.loads(pickle.dumps(read_file_header(str(tmp_path), f)))
+               for f in reversed(disc.files)]
+    assert all(isinstance(h, FileHeader) for h in headers)
+    assert assemble(str(tmp_path), disc2, headers) == read_checkpoint(str(tmp_path))
+    with pytest.raises(CheckpointError, match="missing"):
+        assemble(str(tmp_path), disc, headers[:1])
+    e = pickle.loads(pickle.dumps(CheckpointError("x", file="f", tensor="t")))
+    assert (e.file, e.tensor, str(e)) == ("f", "t", "file f, tensor 't': x")
+
+
+def test_fingerprint_changes_with_header(tmp_path):
+    write_st(tmp_path / M, GOOD)
+    fp1 = read_checkpoint(str(tmp_path)).fingerprint()
+    write_st(tmp_path / M, GOOD, metadata={"x": "y"})
+    assert read_checkpoint(str(tmp_path)).fingerprint() != fp1
+
+
+def test_cross_check_with_hf_safetensors(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from safetensors import safe_open
+    g = torch.Generator().manual_seed(0)
+    ts = {"w": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+          "b": torch.arange(7, dtype=torch.int64), "m": torch.rand(4, generator=g) > 0.5,
+          "e": torch.zeros(0, 3), "s": torch.tensor(2.5, dtype=torch.float64),
+          "q": torch.randn(3, 4, generator=g).to(torch.float8_e4m3fn)}
+    safetensors_torch.save_file(ts, str(tmp_path / M), metadata={"format": "pt"})
+    meta = read_checkpoint(str(tmp_path))
+    raw = (tmp_path / M).read_bytes()
+    with safe_open(str(tmp_path / M), "pt") as f:
+        assert set(f.keys()) == set(meta.tensors)
+        assert f.metadata() == dict(meta.files[0].metadata)
+        for name in f.keys():
+            t = f.get_tensor(name)
+            info = meta.tensors[name]
+            assert info.shape == tuple(t.shape)
+            p = info.pieces[0]
+            assert raw[p.start:p.end] == t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+# ------------------------------------------------------------------ coordloader sharded format
+
+def write_coordloader(d, tensors, *, layout=None, extra_keys=(), key_override=None,
+                      stored_override=None, wm_override=None):
+    """tensors: {name: (dtype, shape, [(file, box)])}. Writes each piece under its key
+    with the box's shape, the shard files, and an index with a coordloader section."""
+    files: dict[str, list] = {}
+    sec = {"version": 1, "layout": layout or {"tp": 2}, "tensors": {}}
+    wm = {}
+    for name, (dtype, shape, pieces) in tensors.items():
+        plist = []
+        for fname, box in pieces:
+            whole = all(a == 0 and b == s for (a, b), s in zip(box, shape))
+            key = name if whole else ck.piece_key(name, box)
+            if key_override and (name, tuple(map(tuple, box))) in key_override:
+                key = key_override[(name, tuple(map(tuple, box)))]
+            st_dtype, st_shape = dtype, [b - a for a, b in box]
+            if stored_override and key in stored_override:
+                st_dtype, st_shape = stored_override[key]
+            files.setdefault(fname, []).append((key, st_dtype, st_shape))
+            plist.append({"file": fname, "key": key, "box": [list(r) for r in box]})
+            wm.setdefault(name, fname)
+        sec["tensors"][name] = {"dtype": dtype, "shape": list(shape), "pieces": plist}
+    for fname, k in extra_keys:
+        files.setdefault(fname, []).append(k)
+    for fname, ents in files.items():
+        write_st(os.path.join(d, fname), ents)
+    write_index(d, wm_override if wm_override is not None else wm, coordloader=sec)
+
+
+def tp2(shape=(4, 6)):
+    r, c = shape
+    return {"w": ("BF16", list(shape), [("rank-0.safetensors", [[0, r // 2], [0, c // 2]]),
+                                        ("rank-1.safetensors", [[0, r // 2], [c // 2, c]]),
+                                        ("rank-0.safetensors", [[r // 2, r], [0, c // 2]]),
+                                        ("rank-1.safetensors", [[r // 2, r], [c // 2, c]])]),
+            "norm": ("F32", [6], [("rank-1.safetensors", [[0, 6]])]),
+            "bias": ("F32", [6], [("rank-0.safetensors", [[0, 3]]),
+                                  ("rank-1.safetensors", [[3, 6]])])}
+
+
+def test_coordloader_sharded_format(tmp_path):
+    write_coordloader(tmp_path, tp2(), layout={"tp": 2, "ep": 1})
+    meta = read_checkpoint(str(tmp_path))
+    assert meta.source_layout == {"tp": 2, "ep": 1}
+    w = meta.tensors["w"]
+    assert w.shape == (4, 6) and w.dtype == "BF16" and not w.is_whole
+    assert [p.box for p in w.pieces] == [((0, 2), (0, 3)), ((0, 2), (3, 6)), ((2, 4), (0, 3)),
+                                         ((2, 4), (3, 6))]
+    assert [p.file for p in w.pieces] == ["rank-0.safetensors", "rank-1.safetensors",
+                                          "rank-0.safetensors", "rank-1.safetensors"]
+    assert all(p.end - p.start == 2 * 3 * 2 for p in w.pieces)
+    assert meta.tensors["norm"].is_whole
+    assert list(meta.tensors) == ["w", "bias", "norm"]  # by first piece: file, then offset
+    assert meta.total_bytes == 4 * 6 * 2 + 6 * 4 + 6 * 4
+    check_bytes(meta)
+
+
+def test_coordloader_many_pieces_tile(tmp_path):
+    pieces = [(f"r{i % 4}.safetensors", [[0, 3], [i, i + 1]]) for i in range(64)]
+    write_coordloader(tmp_path, {"w": ("U8", [3, 64], pieces)})
+    assert len(read_checkpoint(str(tmp_path)).tensors["w"].pieces) == 64
+
+
+def test_coordloader_overlapping_pieces(tmp_path):
+    t = tp2()
+    # [0,3) on dim 1 of rows 2..4 overlaps [2,4)x[0,3) — replace it by [2,4)x[1,4) etc.
+    t["w"][2][2] = ("rank-0.safetensors", [[1, 3], [0, 3]])
+    write_coordloader(tmp_path, t)
+    bad(tmp_path, "tensor 'w'", "overlap", "tile the tensor exactly")
+
+
+def test_coordloader_pieces_leave_a_hole(tmp_path):
+    t = tp2()
+    del t["w"][2][3]
+    write_coordloader(tmp_path, t)
+    bad(tmp_path, "tensor 'w'", "cover 18 of 24 elements")
+
+
+def test_coordloader_box_outside_shape(tmp_path):
+    t = tp2()
+    t["bias"][2][1] = ("rank-1.safetensors", [[3, 7]])
+    write_coordloader(tmp_path, t)
+    bad(tmp_path, "tensor 'bias'", "outside the shape [6]")
+
+
+def test_coordloader_dtype_mismatch(tmp_path):
+    write_coordloader(tmp_path, tp2(), stored_override={"bias@0:3": ("I32", [3])})
+    bad(tmp_path, "rank-0.safetensors", "tensor 'bias'", "stored as I32", "index says F32")
+
+
+def test_coordloader_stored_shape_mismatch(tmp_path):
+    write_coordloader(tmp_path, tp2(), stored_override={"bias@0:3": ("F32", [1, 3])})
+    bad(tmp_path, "rank-0.safetensors", "tensor 'bias'", "shape [1, 3]", "needs [3]")
+
+
+def test_coordloader_key_not_in_section(tmp_path):
+    write_coordloader(tmp_path, tp2(), extra_keys=[("rank-1.safetensors", ("stray", "U8", [2]))])
+    bad(tmp_path, "rank-1.safetensors", "tensor 'stray'", "does not list it")
+
+
+def test_coordloader_wrong_key_format(tmp_path):
+    write_coordloader(tmp_path, tp2(), key_override={("bias", ((0, 3),)): "bias.part0"})
+    bad(tmp_path, "tensor 'bias'", "piece key 'bias.part0'", "expected 'bias@0:3'")
+
+
+def test_coordloader_piece_missing_from_file(tmp_path):
+    write_coordloader(tmp_path, tp2())
+    idx = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    idx["coordloader"]["tensors"]["norm"]["pieces"][0]["file"] = "rank-0.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(idx))
+    bad(tmp_path, "rank-0.safetensors", "tensor 'norm'", "does not contain it")
+
+
+def test_coordloader_tensor_missing_from_weight_map(tmp_path):
+    wm = {"w": "rank-0.safetensors", "bias": "rank-0.safetensors"}
+    write_coordloader(tmp_path, tp2(), wm_override=wm)
+    bad(tmp_path, "tensor 'norm'", "not in the weight_map")
+
+
+def test_coordloader_bad_section(tmp_path):
+    write_coordloader(tmp_path, tp2())
+    p = tmp_path / "model.safetensors.index.json"
+    idx = json.loads(p.read_text())
+    idx["coordloader"]["version"] = 2
+    p.write_text(json.dumps(idx))
+    bad(tmp_path, "model.safetensors.index.json", "version 2", "expected 1")
+    idx["coordloader"]["version"] = 1
+    idx["coordloader"]["tensors"]["w"]["pieces"][0]["file"] = "../rank-0.safetensors"
+    p.write_text(json.dumps(idx))
+    bad(tmp_path, "model.safetensors.index.json", "path separator")
+    idx["coordloader"]["tensors"]["w"]["pieces"][0]["file"] = "rank-0.safetensors"
+    idx["coordloader"]["tensors"]["w"]["pieces"][0]["box"] = [[0, 2]]
+    p.write_text(json.dumps(idx))
+    bad(tmp_path, "tensor 'w'", "expected 2 [start, stop] integer pairs")
+
+
+def test_overlap_sweep_cases():
+    f = ck._find_overlap
+    assert f([((0, 2), (0, 2)), ((2, 4), (0, 2)), ((0, 2), (2, 4)), ((2, 4), (2, 4))], 0) is None
+    assert f([((0, 3), (0, 2)), ((2, 4), (1, 2))], 0) is not None
+    assert f([((0, 3), (0, 1)), ((2, 4), (1, 2))], 0) is None  # touch on dim 0, not dim 1
+    assert f([((0, 10), (0, 1), (0, 5)), ((5, 6), (0, 1), (4, 9))], 0) is not None
+    # a long box starting first must still be checked against boxes starting later
+    assert f([((0, 100), (0, 1)), ((1, 2), (1, 2)), ((50, 51), (0, 1))], 0) is not None
