@@ -112,7 +112,11 @@ def check_device(device: Any) -> torch.device:
             raise LoadError("the instanttensor engine needs a CUDA device, and CUDA is not "
                             "available here; use --engine cpu")
         return torch.device("cuda", torch.cuda.current_device())
-    dev = torch.device(device)
+    try:
+        # an int is a CUDA index (instanttensor's convention), not "the current accelerator"
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise LoadError(f"bad device {device!r}: {e}") from None
     if dev.type != "cuda":
         raise LoadError(f"the instanttensor engine loads onto CUDA devices only, got {dev}; "
                         f"use --engine cpu (or safetensors) for {dev.type}")

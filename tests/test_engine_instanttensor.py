@@ -1,0 +1,229 @@
+"""InstantTensor engine contract tests on CPU.
+
+``FakeSafeOpen`` stands in for the CUDA-bound ``instanttensor.safe_open``: same
+signature (checked against the installed package), same observable behaviour — the file
+list is sorted in place, tensors stream in file-then-offset order, group mode yields every
+tensor of the files on every rank, ``tensor_filter`` with a process group raises
+ValueError, a non-CUDA device raises ValueError, and with ``copy=False`` each yielded
+tensor is a view into a ring buffer that is overwritten before the next yield (so an
+engine that keeps references instead of copying fails these tests)."""
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import json
+import os
+import re
+from typing import Literal, Optional, Union
+
+import pytest
+import torch
+
+import instanttensor
+from coordloader.engines import instanttensor_engine as ite
+from coordloader.engines import select_engine
+from coordloader.errors import LoadError
+from coordloader.planmodel import LoadGroup, Plan, RankPlan
+
+from test_engine_cpu import ckpt, plans_for, reference, same_bytes, meta_of, slice_of, split_box  # noqa: F401
+
+CALLS: list[dict] = []
+
+
+class FakeSafeOpen:
+    def __init__(self, filename: Union[str, list[str]], framework: str,
+                 device: Union[int, str, torch.device], process_group=None, *,
+                 buffer_size: Optional[int] = None, chunk_size: Optional[int] = None,
+                 concurrency: Optional[int] = None, io_depth: Optional[int] = None,
+                 max_free_mem_usage: Optional[float] = None, load_now: bool = True,
+                 copy: bool = True, backend=None,
+                 tensor_filter: Optional[list[str]] = None,
+                 tensor_name_match_mode: Literal["exact", "glob", "regex"] = "glob"):
+        if tensor_filter is not None and process_group is not None:
+            raise ValueError("tensor_filter requires process_group=None")
+        if isinstance(filename, str):
+            filename = [filename]
+        filename.sort()  # the real one sorts the caller's list in place
+        device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if device.type != "cuda":
+            raise ValueError("InstantTensor only supports CUDA devices for now")
+        if framework != "pt":
+            raise ValueError("InstantTensor only supports pytorch for now")
+        CALLS.append(dict(files=[os.path.basename(f) for f in filename], process_group=process_group,
+                          copy=copy, backend=backend, chunk_size=chunk_size, io_depth=io_depth,
+                          tensor_filter=tensor_filter, mode=tensor_name_match_mode))
+        if tensor_filter is None:
+            keep = lambda n: True  # noqa: E731
+        elif tensor_name_match_mode == "exact":
+            keep = set(tensor_filter).__contains__
+        elif tensor_name_match_mode == "glob":
+            keep = lambda n: any(fnmatch.fnmatchcase(n, p) for p in tensor_filter)  # noqa: E731
+        else:
+            keep = lambda n: any(re.fullmatch(p, n) for p in tensor_filter)  # noqa: E731
+        self.items = []
+        for f in filename:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                hdr = json.loads(fh.read(n))
+            hdr.pop("__metadata__", None)
+            for k, v in sorted(hdr.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                if keep(k):
+                    self.items.append((f, k, v, 8 + n))
+        self.copy = copy
+        self.entered = False
+
+    def __enter__(self):
+        self.entered = True
+        return self
+
+    def __exit__(self, *exc):
+        self.entered = False
+
+    def tensors(self):
+        from coordloader import dtypes
+        ring = torch.empty(1 << 16, dtype=torch.uint8)
+        for f, k, v, start in self.items:
+            a, b = v["data_offsets"]
+            ring.fill_(0xA5)  # the previous tensor's bytes are gone
+            with open(f, "rb") as fh:
+                fh.seek(start + a)
+                data = fh.read(b - a)
+            buf = ring[:len(data)]
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf)
+            t = buf.view(dtypes.torch_dtype(v["dtype"])).reshape(v["shape"])
+            yield k, (t.clone() if self.copy else t)
+
+
+def test_fake_signature_matches_real_instanttensor():
+    real = inspect.signature(instanttensor.safe_open)
+    fake = inspect.signature(FakeSafeOpen)
+    assert list(real.parameters) == list(fake.parameters)
+    for name, p in real.parameters.items():
+        q = fake.parameters[name]
+        assert (p.kind, p.default) == (q.kind, q.default), name
+
+
+def test_real_instanttensor_behaves_like_the_fake_on_refusals(ckpt):
+    """What the fake mimics is what the real package does (checked before any CUDA use)."""
+    meta, _ = ckpt
+    path = os.path.join(meta.root, "a.safetensors")
+    with pytest.raises(ValueError, match="tensor_filter requires process_group=None"):
+        instanttensor.safe_open([path], framework="pt", device=0, process_group=object(),
+                                tensor_filter=["x"])
+    with pytest.raises(ValueError, match="tensor_filter requires process_group=None"):
+        FakeSafeOpen([path], framework="pt", device=0, process_group=object(), tensor_filter=["x"])
+
+
+@pytest.fixture()
+def fake_cuda(monkeypatch):
+    CALLS.clear()
+    monkeypatch.setattr(ite, "_safe_open", lambda: FakeSafeOpen)
+    monkeypatch.setattr(ite, "_allocation_device", lambda dev: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return CALLS
+
+
+def _plan(meta, rps, groups=()):
+    from coordloader.layout import Layout
+    return Plan(Layout(tp=len(rps)), meta.fingerprint(), tuple(rps), (), tuple(groups))
+
+
+def _check(got, rp, full):
+    assert sorted(got) == sorted(t.name for t in rp.tensors)
+    for ts in rp.tensors:
+        want = reference(full[ts.name], [(p.src, p.dst) for p in ts.pieces], ts.local_shape)
+        assert same_bytes(got[ts.name], want), (rp.rank, ts.name)
+
+
+def test_group_mode_default_one_group_of_all_files(ckpt, fake_cuda):
+    meta, full = ckpt
+    rps = plans_for(meta)
+    plan = _plan(meta, rps)
+    for rp in rps:
+        eng = select_engine("instanttensor", "cuda:0", plan=plan)
+        got, stats = eng.load_rank(meta, rp, "cuda:0")
+        _check(got, rp, full)
+        assert stats.bytes_held == rp.bytes_held
+        assert stats.extra["bytes_streamed"] == meta.total_bytes  # every tensor streamed past
+    call = fake_cuda[-1]
+    assert call["files"] == ["a.safetensors", "b.safetensors"] and call["copy"] is False
+    assert call["tensor_filter"] is None and call["process_group"] is None  # world 1: no group
+
+
+def test_filtered_mode_reads_only_own_keys(ckpt, fake_cuda):
+    meta, full = ckpt
+    rps = plans_for(meta)
+    groups = [LoadGroup(("a.safetensors",), (0, 1), "group"),
+              LoadGroup(("b.safetensors",), (0, 1), "filtered")]
+    plan = _plan(meta, rps, groups)
+    rp = rps[1]
+    got, stats = select_engine("instanttensor", "cuda:0", plan=plan,
+                               loader_config='{"chunk_size": 4096}').load_rank(meta, rp, 0)
+    _check(got, rp, full)
+    assert [c["files"] for c in fake_cuda] == [["a.safetensors"], ["b.safetensors"]]
+    assert fake_cuda[1]["tensor_filter"] == sorted(["o.weight", "experts.w", "fp8.weight", "mask"])
+    assert fake_cuda[1]["mode"] == "exact" and fake_cuda[1]["process_group"] is None
+    assert all(c["chunk_size"] == 4096 for c in fake_cuda)
+
+
+def test_files_outside_every_group_are_still_loaded(ckpt, fake_cuda):
+    meta, full = ckpt
+    rps = plans_for(meta)
+    plan = _plan(meta, rps, [LoadGroup(("a.safetensors",), (0,), "group")])
+    got, _ = select_engine("instanttensor", "cuda:0", plan=plan).load_rank(meta, rps[1], "cuda:0")
+    _check(got, rps[1], full)
+    # rank 1 is in no group: everything it needs comes through one filtered call
+    assert len(fake_cuda) == 1 and fake_cuda[0]["files"] == ["a.safetensors", "b.safetensors"]
+    assert fake_cuda[0]["tensor_filter"] == sorted(t.name for t in rps[1].tensors)
+    CALLS.clear()
+    got, _ = select_engine("instanttensor", "cuda:0", plan=plan).load_rank(meta, rps[0], "cuda:0")
+    _check(got, rps[0], full)
+    assert [(c["files"], c["tensor_filter"] is None) for c in fake_cuda] == \
+        [(["a.safetensors"], True), (["b.safetensors"], False)]
+
+
+def test_multi_piece_sources_stream_by_piece_key(tmp_path, fake_cuda):
+    from safetensors.torch import save_file
+    full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    save_file({"w@0:8,0:3": full[:, :3].contiguous()}, str(tmp_path / "p0.safetensors"))
+    save_file({"w@0:8,3:6": full[:, 3:].contiguous()}, str(tmp_path / "p1.safetensors"))
+    meta = meta_of(str(tmp_path), ["p0.safetensors", "p1.safetensors"], sharded={
+        "w": ("F32", (8, 6), [("p0.safetensors", "w@0:8,0:3", [(0, 8), (0, 3)]),
+                              ("p1.safetensors", "w@0:8,3:6", [(0, 8), (3, 6)])])})
+    pieces = [(split_box((8, 6), 0, 1, 2), (0, 0))]
+    rp = RankPlan(1, {}, (slice_of(meta, "w", pieces),))
+    got, _ = select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp, rp])).load_rank(
+        meta, rp, "cuda:0")
+    assert same_bytes(got["w"], reference(full, pieces, (4, 6)))
+
+
+def test_non_cuda_device_refused_before_instanttensor(ckpt, monkeypatch):
+    meta, _ = ckpt
+    CALLS.clear()
+    monkeypatch.setattr(ite, "_safe_open", lambda: FakeSafeOpen)
+    rp = plans_for(meta)[0]
+    with pytest.raises(LoadError, match="CUDA devices only.*use --engine cpu"):
+        select_engine("instanttensor", "cpu").load_rank(meta, rp, "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(LoadError, match="CUDA is not available"):
+        select_engine("instanttensor").load_rank(meta, rp, "cuda:0")
+    assert CALLS == []
+
+
+def test_loader_config_conversion_and_refusals():
+    cfg = ite.parse_loader_config('{"backend": "URING", "chunk_size": 1048576, "io_depth": 8}')
+    assert cfg == {"backend": instanttensor.Backend.URING, "chunk_size": 1048576, "io_depth": 8}
+    cfg = ite.parse_loader_config({"backend": ["URING", "AIO"], "buffer_size": 1 << 20})
+    assert cfg["backend"] == [instanttensor.Backend.URING, instanttensor.Backend.AIO]
+    with pytest.raises(LoadError, match=r"unknown backend .uring.*AIO.*URING.*MMAP"):
+        ite.parse_loader_config('{"backend": "uring"}')
+    for key in ("filename", "framework", "device", "process_group", "copy", "tensor_filter"):
+        with pytest.raises(LoadError, match=f"cannot set {key}"):
+            ite.parse_loader_config({key: 1})
+    with pytest.raises(LoadError, match="unknown option.*chunk_sz.*chunk_size"):
+        ite.parse_loader_config('{"chunk_sz": 1}')
+    with pytest.raises(LoadError, match="not valid JSON"):
+        ite.parse_loader_config("{backend: URING}")
+    with pytest.raises(LoadError, match="backend list is empty"):
+        ite.parse_loader_config({"backend": []})
