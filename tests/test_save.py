@@ -1,0 +1,304 @@
+"""coordloader.save on hand-made plans: format, replicas, padding, overwrite, disk-full,
+crash between the shard writes and the index, distributed error agreement."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from coordloader import save as save_mod
+from coordloader.checkpoint import read_checkpoint
+from coordloader.consolidate import read_full
+from coordloader.errors import CollectiveError, SaveError
+from coordloader.layout import Layout
+from coordloader.planmodel import Piece, Plan, RankPlan, TensorSlice
+from coordloader.save import INDEX_NAME, save
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _full_tensors():
+    g = torch.Generator().manual_seed(1)
+    return {
+        "a.weight": torch.randn(8, 6, generator=g),                       # colwise
+        "b.weight": torch.randn(4, 6, generator=g).to(torch.bfloat16),    # rowwise (dim 1)
+        "n.weight": torch.randn(6, generator=g),                          # replicated
+        "embed.weight": torch.randn(10, 4, generator=g),                  # vocab, padded to 16
+        "gate_up.weight": torch.randn(8, 3, generator=g),                 # packed: 2 blocks of 4
+        "scalar": torch.tensor(3.5),                                      # 0-dim
+    }
+
+
+def _ts(name, full, local_shape, pieces, replica=0):
+    from coordloader.dtypes import from_torch
+    return TensorSlice(name, "f", from_torch(full.dtype), tuple(full.shape), tuple(local_shape),
+                       tuple(Piece(tuple(s), tuple(d)) for s, d in pieces), replica, ())
+
+
+def make_plan_and_locals():
+    """A 2-rank plan touching every case save must handle, and each rank's local dict."""
+    f = _full_tensors()
+    slices = {0: [], 1: []}
+    locs = {0: {}, 1: {}}
+    for r in (0, 1):
+        slices[r].append(_ts("a.weight", f["a.weight"], (4, 6), [(((4 * r, 4 * r + 4), (0, 6)), (0, 0))]))
+        locs[r]["a.weight"] = f["a.weight"][4 * r:4 * r + 4].clone()
+        slices[r].append(_ts("b.weight", f["b.weight"], (4, 3), [(((0, 4), (3 * r, 3 * r + 3)), (0, 0))]))
+        locs[r]["b.weight"] = f["b.weight"][:, 3 * r:3 * r + 3].clone()
+        slices[r].append(_ts("n.weight", f["n.weight"], (6,), [(((0, 6),), (0,))], replica=r))
+        locs[r]["n.weight"] = f["n.weight"].clone()
+        # vocab 10 padded to 16, 8 rows per rank: rank 0 rows 0..8, rank 1 rows 8..10 + 6 pad
+        rows = (0, 8) if r == 0 else (8, 10)
+        slices[r].append(_ts("embed.weight", f["embed.weight"], (8, 4), [((rows, (0, 4)), (0, 0))]))
+        loc = torch.full((8, 4), 7.0)  # padding filled with junk: it must never be written
+        loc[:rows[1] - rows[0]] = f["embed.weight"][rows[0]:rows[1]]
+        locs[r]["embed.weight"] = loc
+        # packed gate_up: blocks [0,4) and [4,8); rank r gets rows 2r..2r+2 of each block
+        slices[r].append(_ts("gate_up.weight", f["gate_up.weight"], (4, 3), [
+            (((2 * r, 2 * r + 2), (0, 3)), (0, 0)), (((4 + 2 * r, 4 + 2 * r + 2), (0, 3)), (2, 0))]))
+        locs[r]["gate_up.weight"] = torch.cat([f["gate_up.weight"][2 * r:2 * r + 2],
+                                               f["gate_up.weight"][4 + 2 * r:4 + 2 * r + 2]])
+        slices[r].append(_ts("scalar", f["scalar"], (), [((), ())], replica=r))
+        locs[r]["scalar"] = f["scalar"].clone()
+    ranks = tuple(RankPlan(r, {"tp": r, "dp": 0, "pp": 0, "ep": 0, "moe_tp": r},
+                           tuple(sorted(slices[r], key=lambda t: t.name))) for r in (0, 1))
+    return Plan(Layout(tp=2), "fp", ranks), locs, f
+
+
+def save_local(out, plan, locs, **kw):
+    res = []
+    for r in range(plan.world_size):
+        res.append(save(out, locs[r], plan, rank=r, **kw))
+    return res
+
+
+def assert_equal_ckpt(out, full):
+    meta = read_checkpoint(str(out))
+    assert set(meta.tensors) == set(full)
+    for n, t in full.items():
+        got = read_full(meta, n)
+        assert got.dtype == t.dtype and got.shape == t.shape, n
+        assert torch.equal(got.view(-1).view(torch.uint8) if got.dim() else got.reshape(1).view(torch.uint8),
+                           t.reshape(-1).contiguous().view(torch.uint8)), n
+    return meta
+
+
+def test_save_format_and_roundtrip(tmp_path):
+    plan, locs, full = make_plan_and_locals()
+    out = tmp_path / "ck"
+    res = save_local(out, plan, locs, config={"model_type": "toy"})
+    assert res[-1].published and not res[0].published
+    names = sorted(os.listdir(out))
+    assert names == sorted(["config.json", INDEX_NAME, "model-rank-00000-part-00000.safetensors",
+                            "model-rank-00001-part-00000.safetensors"])
+    idx = json.loads((out / INDEX_NAME).read_text())
+    sec = idx["coordloader"]
+    assert sec["version"] == 1 and sec["layout"]["tp"] == 2
+    # replicas written once, by the primary (rank 0)
+    assert [p["file"] for p in sec["tensors"]["n.weight"]["pieces"]] == ["model-rank-00000-part-00000.safetensors"]
+    assert sec["tensors"]["n.weight"]["pieces"][0]["key"] == "n.weight"
+    assert [p["key"] for p in sec["tensors"]["b.weight"]["pieces"]] == ["b.weight@0:4,0:3", "b.weight@0:4,3:6"]
+    assert len(sec["tensors"]["gate_up.weight"]["pieces"]) == 4
+    # padding rows never written: rank 1's piece of embed holds 2 rows
+    emb = {p["key"]: p["box"] for p in sec["tensors"]["embed.weight"]["pieces"]}
+    assert emb == {"embed.weight@0:8,0:4": [[0, 8], [0, 4]], "embed.weight@8:10,0:4": [[8, 10], [0, 4]]}
+    assert idx["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in full.values())
+    assert set(idx["weight_map"]) == set(full)
+    # shard files explain themselves
+    from safetensors import safe_open
+    with safe_open(str(out / "model-rank-00001-part-00000.safetensors"), "pt") as f:
+        md = f.metadata()
+        assert json.loads(md["embed.weight@8:10,0:4"]) == {"name": "embed.weight", "shape": [10, 4],
+                                                           "box": [[8, 10], [0, 4]]}
+        assert f.get_tensor("embed.weight@8:10,0:4").shape == (2, 4)
+        assert "n.weight" not in f.keys()
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "toy"}
+    assert_equal_ckpt(out, full)
+
+
+def test_max_shard_bytes_splits_parts(tmp_path):
+    plan, locs, full = make_plan_and_locals()
+    out = tmp_path / "ck"
+    res = save_local(out, plan, locs, max_shard_bytes=40)
+    assert len(res[0].files) > 2 and res[0].files[1] == "model-rank-00000-part-00001.safetensors"
+    assert_equal_ckpt(out, full)
+
+
+def test_refuses_existing_checkpoint_and_overwrite_replaces(tmp_path):
+    plan, locs, full = make_plan_and_locals()
+    out = tmp_path / "ck"
+    save_local(out, plan, locs, max_shard_bytes=40)
+    before = sorted(os.listdir(out))
+    with pytest.raises(SaveError, match="already exists.*overwrite=True"):
+        save(out, locs[0], plan, rank=0)
+    assert sorted(os.listdir(out)) == before
+    (out / "notes.txt").write_text("user file")
+    save_local(out, plan, locs, overwrite=True)  # one part per rank now
+    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model-rank-00000-part-00000.safetensors",
+                                              "model-rank-00001-part-00000.safetensors", "notes.txt"])
+    assert_equal_ckpt(out, full)
+
+
+def test_bad_inputs_name_tensor_and_rank(tmp_path):
+    plan, locs, _ = make_plan_and_locals()
+    bad = dict(locs[1])
+    del bad["a.weight"]
+    save(tmp_path / "x", locs[0], plan, rank=0)
+    with pytest.raises(SaveError, match=r"rank 1, tensor 'a.weight': .*missing"):
+        save(tmp_path / "x", bad, plan, rank=1)
+    bad = dict(locs[0], **{"b.weight": locs[0]["b.weight"].float()})
+    with pytest.raises(SaveError, match=r"tensor 'b.weight': dtype"):
+        save(tmp_path / "y", bad, plan, rank=0)
+    bad = dict(locs[0], **{"a.weight": torch.zeros(3, 6)})
+    with pytest.raises(SaveError, match=r"local shape \[3, 6\]"):
+        save(tmp_path / "z", bad, plan, rank=0)
+    with pytest.raises(SaveError, match="in order"):
+        save(tmp_path / "w", locs[1], plan, rank=1)
+    for d in ("x", "y", "z"):
+        assert not any(n.startswith(".coordloader") for n in os.listdir(tmp_path / d))
+
+
+@pytest.mark.parametrize("where", ["shard", "index"])
+def test_disk_full_keeps_previous_state(tmp_path, monkeypatch, where):
+    plan, locs, full = make_plan_and_locals()
+    out = tmp_path / "ck"
+    save_local(out, plan, locs)
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    new_locs = {r: {k: v * 2 if v.is_floating_point() else v for k, v in locs[r].items()} for r in locs}
+    real_write = os.write
+
+    def full_disk(fd, data):
+        if where == "shard" or len(bytes(data[:1])) and bytes(data[:1]) == b"{":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    if where == "shard":
+        monkeypatch.setattr(os, "write", full_disk)
+        with pytest.raises(SaveError, match=r"rank 0, file model-rank-00000-part-00000.safetensors: "
+                                            r"no space left on device"):
+            save(out, new_locs[0], plan, rank=0, overwrite=True)
+    else:
+        save(out, new_locs[0], plan, rank=0, overwrite=True)
+        monkeypatch.setattr(os, "write", full_disk)  # the JSON index/record writes fail
+        with pytest.raises(SaveError, match="no space left on device"):
+            save(out, new_locs[1], plan, rank=1, overwrite=True)
+    monkeypatch.setattr(os, "write", real_write)
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+    assert_equal_ckpt(out, full)
+
+
+_CRASH = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from test_save import make_plan_and_locals
+    from coordloader import save as sm
+    plan, locs, full = make_plan_and_locals()
+    stage = sys.argv[2]
+    def hook(s):
+        if s == stage:
+            os.kill(os.getpid(), signal.SIGKILL)
+    sm._test_hook = hook
+    for r in range(2):
+        sm.save(sys.argv[1], locs[r], plan, rank=r, overwrite=True)
+""")
+
+
+@pytest.mark.parametrize("stage", ["staged", "published-shards"])
+@pytest.mark.parametrize("previous", [False, True])
+def test_crash_before_index_leaves_no_checkpoint(tmp_path, stage, previous):
+    plan, locs, full = make_plan_and_locals()
+    out = tmp_path / "ck"
+    if previous:
+        save_local(out, plan, {r: {k: v + 1 if v.is_floating_point() else v for k, v in locs[r].items()}
+                               for r in locs})
+    script = tmp_path / "crash.py"
+    script.write_text(_CRASH.format(tests=os.path.join(ROOT, "tests")))
+    p = subprocess.run([sys.executable, str(script), str(out), stage], timeout=60, capture_output=True)
+    assert p.returncode == -signal.SIGKILL, p.stderr.decode()[-2000:]
+    top = os.listdir(out)
+    assert not [n for n in top if ".tmp" in n]
+    if stage == "staged":
+        # killed before anything was renamed into place: the old state is untouched
+        assert not [n for n in top if n.endswith(".safetensors")] or previous
+        if previous:
+            old = {n: t + 1 if t.is_floating_point() else t for n, t in full.items()}
+            assert_equal_ckpt(out, old)
+        else:
+            assert INDEX_NAME not in top
+    else:
+        # shards in place, index not yet: never looks complete (the old index went first)
+        assert INDEX_NAME not in top
+    save_local(out, plan, locs, overwrite=previous and stage == "staged")  # the re-run succeeds
+    assert not [n for n in os.listdir(out) if n.startswith(".coordloader")]
+    assert_equal_ckpt(out, full)
+
+
+# ---- distributed: two gloo processes -------------------------------------------------
+
+def _dist_worker(rank, port, out, fail_rank, q):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        plan, locs, _ = make_plan_and_locals()
+        mine = dict(locs[rank])
+        if rank == fail_rank:
+            del mine["b.weight"]
+        try:
+            r = save(out, mine, plan)
+            q.put((rank, "ok", r.published))
+        except Exception as e:  # noqa: BLE001
+            q.put((rank, type(e).__name__, str(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run2(out, fail_rank):
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    ps = [ctx.Process(target=_dist_worker, args=(r, port, str(out), fail_rank, q)) for r in range(2)]
+    for p in ps:
+        p.start()
+    res = {}
+    try:
+        for _ in range(2):
+            r = q.get(timeout=90)
+            res[r[0]] = r[1:]
+    finally:
+        for p in ps:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return res
+
+
+def test_distributed_save_and_error_agreement(tmp_path):
+    plan, locs, full = make_plan_and_locals()
+    res = _run2(tmp_path / "ok", fail_rank=-1)
+    assert res == {0: ("ok", True), 1: ("ok", False)}
+    assert_equal_ckpt(tmp_path / "ok", full)
+    ref = tmp_path / "ref"
+    save_local(ref, plan, locs)
+    for n in os.listdir(ref):  # same bytes as the single-process save
+        assert (ref / n).read_bytes() == (tmp_path / "ok" / n).read_bytes(), n
+    res = _run2(tmp_path / "bad", fail_rank=1)
+    assert res[1][0] in ("SaveError", "CollectiveError") and "b.weight" in res[1][1]
+    assert res[0][0] == "CollectiveError" and "rank 1" in res[0][1] and "b.weight" in res[0][1]
+    assert not os.path.exists(tmp_path / "bad" / INDEX_NAME)
+    assert not [n for n in os.listdir(tmp_path / "bad") if n.startswith(".coordloader")]
