@@ -1,0 +1,267 @@
+"""Writing safetensors files: exact headers, atomic replace, optional sparse (hole) data.
+
+Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N,
+N bytes of JSON (padded with spaces so the data region starts 8-aligned), then the data
+region; each tensor's ``data_offsets`` are relative to the data start, contiguous, and the
+last one ends at the end of the file.
+
+Two writers share one core:
+- ``write_safetensors(path, entries, ...)`` takes in-memory data (bytes / numpy / torch).
+- ``write_safetensors_stream(path, specs, chunks, ...)`` takes an iterator of byte chunks
+  covering the whole data region in order, so callers (synth) can generate data lazily and
+  never hold a large file in memory.
+Both write to ``path + ".tmp"``, fsync, and rename: a reader never sees a half-written file.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .errors import SaveError
+
+_ALIGN = 8
+_MAX_WRITE = 1 << 30  # one os.write call stays below 2 GiB (Linux caps a write at ~2 GiB)
+
+
+def _check_spec(path: str, key: Any, dtype: Any, shape: Any, seen: set[str]) -> int:
+    """Validates one (key, dtype, shape) and returns its byte length."""
+    if not isinstance(key, str) or not key:
+        raise SaveError(f"tensor key must be a non-empty str, got {key!r}", file=path)
+    if key == "__metadata__":
+        raise SaveError("'__metadata__' is reserved and cannot name a tensor", file=path)
+    if key in seen:
+        raise SaveError("duplicate tensor key", file=path, tensor=key)
+    seen.add(key)
+    if not isinstance(dtype, str) or not dtypes.is_known(dtype):
+        raise SaveError(f"unknown dtype {dtype!r}; expected one of {', '.join(dtypes.SUPPORTED)}",
+                        file=path, tensor=key)
+    if not isinstance(shape, (list, tuple)) or not all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise SaveError(f"shape must be a list of non-negative ints, got {shape!r}", file=path,
+                        tensor=key)
+    return math.prod(int(d) for d in shape) * dtypes.itemsize(dtype)
+
+
+def _layout(path: str, specs: Sequence[tuple[str, str, Sequence[int]]]) -> list[tuple[str, str, list[int], int, int]]:
+    seen: set[str] = set()
+    out = []
+    offset = 0
+    for key, dtype, shape in specs:
+        n = _check_spec(path, key, dtype, shape, seen)
+        out.append((key, dtype, [int(d) for d in shape], offset, offset + n))
+        offset += n
+    return out
+
+
+def _header_from_layout(layout, metadata: dict[str, str] | None, path: str = "<memory>") -> bytes:
+    head: dict[str, Any] = {}
+    if metadata:
+        if not isinstance(metadata, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise SaveError("__metadata__ must be a str -> str map", file=path)
+        head["__metadata__"] = dict(metadata)
+    for key, dtype, shape, begin, end in layout:
+        head[key] = {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+    raw = json.dumps(head, separators=(",", ":")).encode("utf-8")
+    # Pad so that 8 (length prefix) + header is a multiple of 8: the data region is aligned.
+    raw += b" " * (-len(raw) % _ALIGN)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def header_bytes(entries: Sequence[tuple], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length prefix plus the padded JSON header for ``entries``.
+
+    ``entries`` are (key, dtype, shape[, data]) tuples; data, if present, is ignored here.
+    """
+    return _header_from_layout(_layout("<memory>", [tuple(e[:3]) for e in entries]), metadata)
+
+
+def as_bytes(data: Any) -> memoryview:
+    """A flat byte view of bytes-like, numpy or torch data (no copy when already contiguous).
+
+    torch tensors of any dtype (bf16, fp8, bool, unsigned) are reinterpreted as uint8 first,
+    since numpy has no bf16/fp8 types.
+    """
+    if isinstance(data, (bytes, bytearray)):
+        return memoryview(data)
+    if isinstance(data, memoryview):
+        return data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    if isinstance(data, np.ndarray):
+        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        torch = None
+    if torch is not None and isinstance(data, torch.Tensor):
+        t = data.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous().reshape(-1)
+        if t.numel() == 0:
+            return memoryview(b"")
+        return memoryview(t.view(torch.uint8).numpy())
+    raise TypeError(f"unsupported tensor data type {type(data).__name__}")
+
+
+def _write_all(fd: int, buf: memoryview) -> None:
+    # os.write may write less than asked (signals, large sizes): loop until done.
+    buf = buf.cast("B") if buf.format != "B" else buf
+    while len(buf):
+        n = os.write(fd, buf[:_MAX_WRITE])
+        buf = buf[n:]
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    buf = buf.cast("B") if buf.format != "B" else buf
+    while len(buf):
+        n = os.pwrite(fd, buf[:_MAX_WRITE], offset)
+        buf = buf[n:]
+        offset += n
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: str, path: str, fd: int, fsync: bool = True) -> None:
+    """fsync + close ``fd`` (always closed on return or raise), then rename into place."""
+    try:
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    if fsync:
+        _fsync_dir(path)
+
+
+def _open_tmp(path: str) -> tuple[str, int]:
+    tmp = path + ".tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as e:
+        raise SaveError(f"cannot create {tmp}: {e.strerror}", file=path) from e
+    return tmp, fd
+
+
+def _abort(tmp: str, fd: int | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
+
+
+def write_safetensors(path: str, entries: Sequence[tuple], metadata: dict[str, str] | None = None,
+                      *, sparse: bool = False) -> int:
+    """Writes ``entries`` = [(key, dtype_name, shape, data), ...] in that order to ``path``.
+
+    data: bytes / bytearray / memoryview / numpy array / torch tensor (raw bytes are written;
+    their length must be numel * itemsize), or None when ``sparse`` (that range stays a file
+    hole, reading back as zeros and using no disk). Returns the file size.
+    """
+    path = os.fspath(path)
+    layout = _layout(path, [tuple(e[:3]) for e in entries])
+    header = _header_from_layout(layout, metadata, path)
+    bufs: list[memoryview | None] = []
+    for (key, dtype, shape, begin, end), entry in zip(layout, entries):
+        data = entry[3] if len(entry) > 3 else None
+        if data is None:
+            if not sparse:
+                raise SaveError("no data given (None is only allowed with sparse=True)", file=path,
+                                tensor=key)
+            bufs.append(None)
+            continue
+        try:
+            buf = as_bytes(data)
+        except (TypeError, RuntimeError, ValueError) as e:
+            raise SaveError(f"cannot take raw bytes of the data: {e}", file=path, tensor=key) from e
+        if len(buf) != end - begin:
+            raise SaveError(f"data has {len(buf)} bytes, expected {end - begin} for dtype {dtype} "
+                            f"shape {shape}", file=path, tensor=key)
+        bufs.append(buf)
+    total = len(header) + (layout[-1][4] if layout else 0)
+    tmp, fd = _open_tmp(path)
+    try:
+        if sparse:
+            # The file gets its final size first; only the header and given data are written,
+            # the rest is a hole.
+            os.ftruncate(fd, total)
+            _pwrite_all(fd, memoryview(header), 0)
+            for (_, _, _, begin, _), buf in zip(layout, bufs):
+                if buf is not None and len(buf):
+                    _pwrite_all(fd, buf, len(header) + begin)
+        else:
+            _write_all(fd, memoryview(header))
+            for buf in bufs:
+                _write_all(fd, buf)
+        fd, own = None, fd
+        _commit(tmp, path, own)
+    except OSError as e:
+        _abort(tmp, fd)
+        raise SaveError(f"write failed: {e.strerror or e}", file=path) from e
+    except BaseException:
+        _abort(tmp, fd)
+        raise
+    return total
+
+
+def write_safetensors_stream(path: str, specs: Sequence[tuple[str, str, Sequence[int]]],
+                             chunks: Iterable[Any] | None, metadata: dict[str, str] | None = None,
+                             *, fsync: bool = True) -> int:
+    """Like write_safetensors, but the data region comes from ``chunks``: byte-like pieces that
+    concatenated are exactly the data of ``specs`` in order. ``chunks=None`` leaves the whole
+    data region a hole (a metadata-only file). ``fsync=False`` skips the fsync (the rename is
+    still atomic for readers, but not crash-durable): for regenerable data such as synthetic
+    checkpoints, where fsync would bound the write to the disk's sustained speed.
+    Returns the file size."""
+    path = os.fspath(path)
+    layout = _layout(path, specs)
+    header = _header_from_layout(layout, metadata, path)
+    data_len = layout[-1][4] if layout else 0
+    tmp, fd = _open_tmp(path)
+    try:
+        if chunks is None:
+            os.ftruncate(fd, len(header) + data_len)
+            _pwrite_all(fd, memoryview(header), 0)
+        else:
+            _write_all(fd, memoryview(header))
+            written = 0
+            for chunk in chunks:
+                buf = as_bytes(chunk)
+                written += len(buf)
+                if written > data_len:
+                    raise SaveError(f"data chunks exceed the {data_len} bytes the header declares",
+                                    file=path)
+                _write_all(fd, buf)
+            if written != data_len:
+                raise SaveError(f"data chunks gave {written} bytes, the header declares {data_len}",
+                                file=path)
+        fd, own = None, fd
+        _commit(tmp, path, own, fsync)
+    except OSError as e:
+        _abort(tmp, fd)
+        raise SaveError(f"write failed: {e.strerror or e}", file=path) from e
+    except BaseException:
+        _abort(tmp, fd)
+        raise
+    return len(header) + data_len
