@@ -210,8 +210,8 @@ _CRASH = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("stage", ["staged", "published-shards"])
-@pytest.mark.parametrize("previous", [False, True])
+@pytest.mark.parametrize("stage,previous", [("staged", True), ("published-shards", True),
+                                            ("published-shards", False)])
 def test_crash_before_index_leaves_no_checkpoint(tmp_path, stage, previous):
     plan, locs, full = make_plan_and_locals()
     out = tmp_path / "ck"
@@ -242,20 +242,21 @@ def test_crash_before_index_leaves_no_checkpoint(tmp_path, stage, previous):
 
 # ---- distributed: two gloo processes -------------------------------------------------
 
-def _dist_worker(rank, port, out, fail_rank, q):
+def _dist_worker(rank, port, base, q):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         plan, locs, _ = make_plan_and_locals()
-        mine = dict(locs[rank])
-        if rank == fail_rank:
-            del mine["b.weight"]
-        try:
-            r = save(out, mine, plan)
-            q.put((rank, "ok", r.published))
-        except Exception as e:  # noqa: BLE001
-            q.put((rank, type(e).__name__, str(e)))
+        for out, fail_rank in (("ok", -1), ("bad", 1)):
+            mine = dict(locs[rank])
+            if rank == fail_rank:
+                del mine["b.weight"]
+            try:
+                r = save(os.path.join(base, out), mine, plan)
+                q.put((out, rank, "ok", r.published))
+            except Exception as e:  # noqa: BLE001
+                q.put((out, rank, type(e).__name__, str(e)))
     finally:
         dist.destroy_process_group()
 
@@ -267,38 +268,33 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run2(out, fail_rank):
+def test_distributed_save_and_error_agreement(tmp_path):
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    ps = [ctx.Process(target=_dist_worker, args=(r, port, str(out), fail_rank, q)) for r in range(2)]
+    ps = [ctx.Process(target=_dist_worker, args=(r, port, str(tmp_path), q)) for r in range(2)]
     for p in ps:
         p.start()
     res = {}
     try:
-        for _ in range(2):
-            r = q.get(timeout=90)
-            res[r[0]] = r[1:]
+        for _ in range(4):
+            r = q.get(timeout=120)
+            res[r[:2]] = r[2:]
     finally:
         for p in ps:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return res
-
-
-def test_distributed_save_and_error_agreement(tmp_path):
     plan, locs, full = make_plan_and_locals()
-    res = _run2(tmp_path / "ok", fail_rank=-1)
-    assert res == {0: ("ok", True), 1: ("ok", False)}
+    assert res[("ok", 0)] == ("ok", True) and res[("ok", 1)] == ("ok", False)
     assert_equal_ckpt(tmp_path / "ok", full)
     ref = tmp_path / "ref"
     save_local(ref, plan, locs)
     for n in os.listdir(ref):  # same bytes as the single-process save
         assert (ref / n).read_bytes() == (tmp_path / "ok" / n).read_bytes(), n
-    res = _run2(tmp_path / "bad", fail_rank=1)
-    assert res[1][0] in ("SaveError", "CollectiveError") and "b.weight" in res[1][1]
-    assert res[0][0] == "CollectiveError" and "rank 1" in res[0][1] and "b.weight" in res[0][1]
+    bad0, bad1 = res[("bad", 0)], res[("bad", 1)]
+    assert bad1[0] in ("SaveError", "CollectiveError") and "b.weight" in bad1[1]
+    assert bad0[0] == "CollectiveError" and "rank 1" in bad0[1] and "b.weight" in bad0[1], bad0
     assert not os.path.exists(tmp_path / "bad" / INDEX_NAME)
     assert not [n for n in os.listdir(tmp_path / "bad") if n.startswith(".coordloader")]
