@@ -1,0 +1,262 @@
+"""Per-tensor content digests of a checkpoint, kept next to it in
+``coordloader.manifest.json``, so ``--verify digest`` can check what ranks loaded against
+what is on disk without a second read.
+
+    python -m coordloader.manifest CKPT [--jobs N]
+
+Digests are computed streaming: each source piece is read in bounded chunks with
+``os.preadv`` into one reusable buffer per worker, never a whole shard in memory. A
+tensor stored as several pieces (coordloader's sharded format) gets the sum of its
+pieces' digests, which is the digest of the whole tensor because digests are linear over
+disjoint boxes. The manifest records the checkpoint fingerprint (file names, sizes,
+header hashes); a manifest whose fingerprint differs from the checkpoint's is refused.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from . import digest as dg
+from .dtypes import itemsize
+from .errors import CoordloaderError, SaveError, VerifyError
+from .metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
+
+MANIFEST_NAME = "coordloader.manifest.json"
+VERSION = 1
+READ_CHUNK_BYTES = 32 << 20   # per read; digest() then works through it in cache-sized chunks
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class TensorDigest:
+    dtype: str
+    shape: tuple[int, ...]
+    digest: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: str
+    fingerprint: str
+    algorithm: str
+    tensors: Mapping[str, TensorDigest]
+
+    def get(self, name: str) -> TensorDigest | None:
+        return self.tensors.get(name)
+
+
+def manifest_path(root: str) -> str:
+    return os.path.join(root, MANIFEST_NAME)
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, file: str) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise VerifyError(f"unexpected end of file at byte {offset + got} while reading "
+                              f"{len(view)} bytes at {offset}", file=file)
+        got += n
+
+
+def tensor_digest(meta: CheckpointMeta, info: TensorInfo, *, buf: bytearray | None = None,
+                  read_chunk_bytes: int = READ_CHUNK_BYTES) -> int:
+    """Digest of one checkpoint tensor read from disk in bounded chunks."""
+    size = itemsize(info.dtype)
+    budget = max(1, read_chunk_bytes // size)
+    if buf is None or len(buf) < min(budget, info.numel) * size:
+        buf = bytearray(min(budget, max(info.numel, 1)) * size)
+    mv = memoryview(buf)
+    total = 0
+    for sp in info.pieces:
+        # 0-d tensors are digested as one-element 1-d tensors (as digest() does)
+        box = sp.box if info.shape else ((0, 1),)
+        shape = tuple(info.shape) if info.shape else (1,)
+        if sp.end - sp.start != box_numel(box) * size:
+            raise VerifyError(f"source piece {[list(p) for p in sp.box]} spans {sp.end - sp.start} bytes, "
+                              f"expected {box_numel(box) * size}", file=sp.file, tensor=info.name)
+        try:
+            fd = os.open(os.path.join(meta.root, sp.file), os.O_RDONLY)
+        except OSError as e:
+            raise VerifyError(f"cannot open: {e.strerror}", file=sp.file, tensor=info.name) from None
+        try:
+            for sub in dg.iter_subboxes(box, budget):
+                n = box_numel(sub)
+                off = sp.start + dg.flat_offset(box, sub) * size
+                _pread_exact(fd, mv[:n * size], off, sp.file)
+                t = torch.frombuffer(buf, dtype=_INT_VIEW[size], count=n).view(box_shape(sub))
+                total += dg.digest(t, sub, shape)
+        finally:
+            os.close(fd)
+    return total & dg.MASK64
+
+
+def compute(meta: CheckpointMeta, *, jobs: int = 1, progress=None) -> dict[str, TensorDigest]:
+    """Digest every tensor of the checkpoint; ``jobs`` worker threads (reads and torch ops
+    release the GIL)."""
+    names = list(meta.tensors)
+
+    def one(name: str) -> tuple[str, TensorDigest]:
+        info = meta.tensors[name]
+        d = tensor_digest(meta, info)
+        if progress:
+            progress(name, info)
+        return name, TensorDigest(info.dtype, tuple(info.shape), d)
+
+    if jobs <= 1:
+        return dict(one(n) for n in names)
+    with ThreadPoolExecutor(max_workers=jobs) as ex:
+        return dict(ex.map(one, names))
+
+
+def to_json(meta: CheckpointMeta, digests: Mapping[str, TensorDigest]) -> dict:
+    return {
+        "format": "coordloader.manifest",
+        "version": VERSION,
+        "algorithm": dg.ALGORITHM,
+        "fingerprint": meta.fingerprint(),
+        "files": [{"name": f.name, "size": f.size, "header_sha256": f.header_sha256} for f in meta.files],
+        "tensors": {n: {"dtype": d.dtype, "shape": list(d.shape), "digest": dg.fmt(d.digest)}
+                    for n, d in digests.items()},
+    }
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """temp file + fsync + rename (+ directory fsync): readers see the old file or the
+    new one, never a torn one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise SaveError(f"cannot write manifest: {e}", file=path) from e
+    try:
+        dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass  # some filesystems refuse directory fsync; the rename itself is atomic
+
+
+def write_manifest(meta: CheckpointMeta, *, jobs: int = 1, path: str | None = None,
+                   progress=None) -> str:
+    digests = compute(meta, jobs=jobs, progress=progress)
+    path = path or manifest_path(meta.root)
+    blob = json.dumps(to_json(meta, digests), indent=1, sort_keys=False).encode() + b"\n"
+    write_atomic(path, blob)
+    return path
+
+
+def _staleness(doc: dict, meta: CheckpointMeta) -> str:
+    old = {f["name"]: f for f in doc.get("files", [])}
+    new = {f.name: f for f in meta.files}
+    what = []
+    for n in sorted(set(old) - set(new)):
+        what.append(f"file {n} is gone")
+    for n in sorted(set(new) - set(old)):
+        what.append(f"file {n} is new")
+    for n in sorted(set(old) & set(new)):
+        if old[n].get("size") != new[n].size:
+            what.append(f"file {n} changed size ({old[n].get('size')} -> {new[n].size} bytes)")
+        elif old[n].get("header_sha256") != new[n].header_sha256:
+            what.append(f"file {n} has a different header")
+    return "; ".join(what) or "the recorded fingerprint differs"
+
+
+def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) -> Manifest | None:
+    """The checkpoint's manifest, or None when there is none (unless ``required``).
+    Raises VerifyError for a malformed or stale manifest, naming what changed."""
+    path = manifest_path(root)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        if required:
+            raise VerifyError(f"no manifest; create it with `python -m coordloader.manifest {root}`",
+                              file=path) from None
+        return None
+    try:
+        doc = json.loads(raw)
+        if doc.get("format") != "coordloader.manifest" or doc.get("version") != VERSION:
+            raise ValueError(f"not a version-{VERSION} coordloader manifest")
+        if doc.get("algorithm") != dg.ALGORITHM:
+            raise ValueError(f"digest algorithm {doc.get('algorithm')!r}, this coordloader uses "
+                             f"{dg.ALGORITHM!r}; regenerate it")
+        tensors = {n: TensorDigest(str(t["dtype"]), tuple(int(s) for s in t["shape"]), int(t["digest"], 16))
+                   for n, t in doc["tensors"].items()}
+        fp = str(doc["fingerprint"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise VerifyError(f"malformed manifest: {e}", file=path) from None
+    if fp != meta.fingerprint():
+        raise VerifyError(f"stale manifest: the checkpoint changed since it was written "
+                          f"({_staleness(doc, meta)}); regenerate it with "
+                          f"`python -m coordloader.manifest {root}`", file=path)
+    missing = sorted(set(meta.tensors) - set(tensors))
+    extra = sorted(set(tensors) - set(meta.tensors))
+    if missing or extra:
+        raise VerifyError(f"manifest does not match the checkpoint's tensors (missing {missing[:5]}, "
+                          f"unexpected {extra[:5]})", file=path)
+    for n, t in tensors.items():
+        info = meta.tensors[n]
+        if t.dtype != info.dtype or t.shape != tuple(info.shape):
+            raise VerifyError(f"manifest records {t.dtype}{list(t.shape)}, checkpoint has "
+                              f"{info.dtype}{list(info.shape)}", file=path, tensor=n)
+    return Manifest(path, fp, doc["algorithm"], tensors)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m coordloader.manifest",
+                                 description="Write coordloader.manifest.json (per-tensor content "
+                                             "digests) next to a safetensors checkpoint.")
+    ap.add_argument("ckpt", help="checkpoint directory")
+    ap.add_argument("--jobs", type=int, default=1, help="worker threads (default 1)")
+    ap.add_argument("--check", action="store_true",
+                    help="recompute and compare with the existing manifest instead of writing")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        from .checkpoint import read_checkpoint
+        meta = read_checkpoint(args.ckpt)
+        t0 = time.perf_counter()
+        if args.check:
+            man = load_manifest(meta.root, meta, required=True)
+            got = compute(meta, jobs=args.jobs)
+            bad = [n for n, d in got.items() if d.digest != man.tensors[n].digest]
+            if bad:
+                print(f"coordloader.manifest: {len(bad)} tensor(s) differ from the manifest: "
+                      + ", ".join(bad[:10]), file=sys.stderr)
+                return 1
+            path = man.path
+        else:
+            path = write_manifest(meta, jobs=args.jobs)
+        dt = time.perf_counter() - t0
+        if not args.quiet:
+            nbytes = meta.total_bytes
+            print(f"{'checked' if args.check else 'wrote'} {path}: {len(meta.tensors)} tensors, "
+                  f"{nbytes / 1e6:.1f} MB in {dt:.2f} s ({nbytes / max(dt, 1e-9) / 1e9:.2f} GB/s)")
+        return 0
+    except CoordloaderError as e:
+        print(f"coordloader.manifest: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Manifest: streaming per-tensor digests, atomic write, stale manifests refused, CLI."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from coordloader import manifest as mf
+from coordloader.checkpoint import read_checkpoint
+from coordloader.digest import digest
+from coordloader.errors import SaveError, VerifyError
+from coordloader.metadata import full_box
+
+
+def tensors_a():
+    g = torch.Generator().manual_seed(1)
+    return {
+        "model.embed.weight": torch.randn(10, 8, generator=g).to(torch.bfloat16),
+        "model.layers.0.w": torch.randn(8, 8, generator=g),
+        "model.norm.weight": torch.randn(8, generator=g).to(torch.float16),
+        "model.scale": torch.tensor(3, dtype=torch.int64),
+        "model.mask": torch.tensor([True, False, True]),
+    }
+
+
+def write_hf(root, tensors, shards=2):
+    """A plain HF checkpoint: ``shards`` files and an index."""
+    os.makedirs(root, exist_ok=True)
+    names = list(tensors)
+    wm = {}
+    for s in range(shards):
+        fn = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in names[s::shards]}
+        save_file(part, os.path.join(root, fn))
+        wm.update({n: fn for n in part})
+    with open(os.path.join(root, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": wm}, f)
+    return str(root)
+
+
+def flip_byte(path, offset_from_end=3):
+    with open(path, "r+b") as f:
+        f.seek(-offset_from_end, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-offset_from_end, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_manifest_digests_equal_in_memory_digests(tmp_path):
+    ts = tensors_a()
+    root = write_hf(tmp_path / "ck", ts)
+    meta = read_checkpoint(root)
+    path = mf.write_manifest(meta, jobs=2)
+    assert os.path.basename(path) == mf.MANIFEST_NAME
+    m = mf.load_manifest(root, meta)
+    for n, t in ts.items():
+        assert m.tensors[n].digest == digest(t, full_box(tuple(t.shape)), tuple(t.shape)), n
+        assert m.tensors[n].shape == tuple(t.shape)
+    # bounded reads: tiny read chunks give the same digests
+    for n in ts:
+        assert mf.tensor_digest(meta, meta.tensors[n], read_chunk_bytes=5) == m.tensors[n].digest
+    # the checkpoint reader ignores the manifest file
+    assert read_checkpoint(root).fingerprint() == meta.fingerprint()
+
+
+def test_sharded_tensor_digest_is_sum_of_pieces(tmp_path):
+    root = tmp_path / "sh"
+    root.mkdir()
+    g = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
+    b = torch.arange(5, dtype=torch.int32)
+    save_file({"w@0:2,0:6": g[0:2].contiguous(), "b": b}, str(root / "s0.safetensors"))
+    save_file({"w@2:4,0:3": g[2:4, 0:3].contiguous(), "w@2:4,3:6": g[2:4, 3:6].contiguous()},
+              str(root / "s1.safetensors"))
+    idx = {"weight_map": {"w": "s0.safetensors", "b": "s0.safetensors"},
+           "coordloader": {"version": 1, "layout": {}, "tensors": {
+               "w": {"dtype": "F32", "shape": [4, 6], "pieces": [
+                   {"file": "s0.safetensors", "key": "w@0:2,0:6", "box": [[0, 2], [0, 6]]},
+                   {"file": "s1.safetensors", "key": "w@2:4,0:3", "box": [[2, 4], [0, 3]]},
+                   {"file": "s1.safetensors", "key": "w@2:4,3:6", "box": [[2, 4], [3, 6]]}]},
+               "b": {"dtype": "I32", "shape": [5], "pieces": [
+                   {"file": "s0.safetensors", "key": "b", "box": [[0, 5]]}]}}}}
+    (root / "model.safetensors.index.json").write_text(json.dumps(idx))
+    meta = read_checkpoint(str(root))
+    assert len(meta.tensors["w"].pieces) == 3
+    mf.write_manifest(meta)
+    m = mf.load_manifest(str(root), meta)
+    assert m.tensors["w"].digest == digest(g, full_box((4, 6)), (4, 6))
+    assert m.tensors["b"].digest == digest(b, full_box((5,)), (5,))
+
+
+def test_atomic_write_keeps_old_manifest_on_failure(tmp_path, monkeypatch):
+    root = write_hf(tmp_path / "ck", tensors_a())
+    meta = read_checkpoint(root)
+    path = mf.write_manifest(meta)
+    before = open(path, "rb").read()
+
+    def boom(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(mf.os, "replace", boom)
+    with pytest.raises(SaveError, match="No space left"):
+        mf.write_manifest(meta)
+    assert open(path, "rb").read() == before
+    assert [p for p in os.listdir(root) if ".tmp" in p] == []
+
+
+def test_stale_manifest_refused_naming_the_change(tmp_path):
+    ts = tensors_a()
+    root = write_hf(tmp_path / "ck", ts)
+    meta = read_checkpoint(root)
+    mf.write_manifest(meta)
+    # rewrite one shard with a changed tensor shape
+    ts2 = dict(ts)
+    ts2["model.layers.0.w"] = torch.zeros(8, 9)
+    write_hf(root, ts2)
+    meta2 = read_checkpoint(root)
+    with pytest.raises(VerifyError, match=r"stale manifest.*model-00002-of-00002.safetensors") as ei:
+        mf.load_manifest(root, meta2)
+    assert "changed size" in str(ei.value) or "different header" in str(ei.value)
+    # a flipped data byte keeps the fingerprint: the manifest still loads (digest catches it)
+    write_hf(root, ts)
+    meta3 = read_checkpoint(root)
+    mf.write_manifest(meta3)
+    flip_byte(os.path.join(root, "model-00001-of-00002.safetensors"))
+    assert mf.load_manifest(root, read_checkpoint(root)) is not None
+
+
+def test_missing_and_malformed_manifest(tmp_path):
+    root = write_hf(tmp_path / "ck", tensors_a())
+    meta = read_checkpoint(root)
+    assert mf.load_manifest(root, meta) is None
+    with pytest.raises(VerifyError, match="no manifest"):
+        mf.load_manifest(root, meta, required=True)
+    with open(mf.manifest_path(root), "w") as f:
+        f.write("{not json")
+    with pytest.raises(VerifyError, match="malformed manifest"):
+        mf.load_manifest(root, meta)
+
+
+def test_cli_writes_then_check_names_corrupted_tensor(tmp_path, capsys):
+    ts = tensors_a()
+    root = write_hf(tmp_path / "ck", ts, shards=1)
+    # one real subprocess for the module entry point; the rest in-process (fast)
+    r = subprocess.run([sys.executable, "-m", "coordloader.manifest", root, "--jobs", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stdout and os.path.exists(mf.manifest_path(root))
+    assert mf.main([root, "--check"]) == 0
+    meta = read_checkpoint(root)
+    last = max(meta.tensors.values(), key=lambda t: t.pieces[0].end)
+    flip_byte(os.path.join(root, last.file), offset_from_end=1)
+    capsys.readouterr()
+    assert mf.main([root, "--check"]) == 1
+    assert last.name in capsys.readouterr().err
+    assert mf.main([str(tmp_path / "nope")]) == 2
+    assert "error" in capsys.readouterr().err
