@@ -316,30 +316,22 @@ def _build_index(records: list[dict], layout_dict: dict, names_order: list[str])
     return index, digests
 
 
-def _fingerprint_of(root: str, files: list[str]):
-    """The reader's fingerprint of a directory holding exactly ``files`` (None when the
-    reader is not available)."""
-    try:
-        from .checkpoint import read_file_header
-        from .metadata import CheckpointMeta
-    except ImportError:
-        return None
-    infos = sorted((read_file_header(root, f).info for f in files), key=lambda i: i.name)
-    return CheckpointMeta(root=os.path.abspath(root), files=tuple(infos), tensors={}).fingerprint()
-
-
-def _manifest_doc(fingerprint: str, index: dict, digests: dict) -> dict | None:
+def _manifest_doc(stage_dir: str, files: list[str], index: dict, digests: dict) -> dict | None:
+    """The manifest of the staged files (fingerprint from their headers, exactly as the
+    reader computes it), with per-tensor digests summed from the pieces: no re-read.
+    None when the reader/manifest modules are unavailable."""
     try:
         from . import manifest as mf
+        from .checkpoint import read_file_header
     except ImportError:
         return None
-    builder = getattr(mf, "manifest_from_digests", None) or getattr(mf, "build_manifest", None)
+    from .metadata import CheckpointMeta
+    infos = sorted((read_file_header(stage_dir, f).info for f in files), key=lambda i: i.name)
+    meta = CheckpointMeta(root=os.path.abspath(stage_dir), files=tuple(infos), tensors={})
     tensors = index["coordloader"]["tensors"]
-    entries = {n: {"dtype": tensors[n]["dtype"], "shape": tensors[n]["shape"], "digest": d}
+    entries = {n: mf.TensorDigest(tensors[n]["dtype"], tuple(tensors[n]["shape"]), d)
                for n, d in digests.items()}
-    if builder is not None:
-        return builder(fingerprint, entries)
-    return None
+    return mf.to_json(meta, entries)
 
 
 def _publish(out_dir: str, stage: str, records: list[dict], plan, overwrite: bool,
@@ -369,8 +361,7 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, overwrite: boo
     # manifest: digests summed from the pieces' digests, against the new files' fingerprint
     wrote_manifest = False
     if digests:
-        fp = _fingerprint_of(stage_dir, shard_files)
-        doc = _manifest_doc(fp, index, digests) if fp is not None else None
+        doc = _manifest_doc(stage_dir, shard_files, index, digests)
         if doc is not None:
             p = os.path.join(stage_dir, MANIFEST_NAME)
             try:
