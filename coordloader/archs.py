@@ -160,17 +160,19 @@ _CONFIGS: dict[tuple[str, str], dict] = {
     ("deepseek_v3", "full"): _DEEPSEEK_V3_FULL,
     # Head dims chosen so q_b/kv_b/o_proj splits stay whole 128-blocks for tp <= 8.
     ("deepseek_v3", "small"): _derive(_DEEPSEEK_V3_FULL, hidden_size=1024, intermediate_size=2048,
-                                      moe_intermediate_size=256, n_routed_experts=64,
+                                      moe_intermediate_size=1024, n_routed_experts=32,
                                       n_group=8, topk_group=4, num_attention_heads=16,
                                       num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=256,
                                       num_hidden_layers=6, first_k_dense_replace=1,
                                       vocab_size=32768, max_position_embeddings=4096),
-    # 16 heads x (nope 64 + rope 64) and v 64: every per-rank split up to tp 8 is a multiple
-    # of 128; kv_a_proj_with_mqa has 128 + 64 = 192 rows, so its scale has a partial block
-    # (like the real 576 -> 5 blocks).
-    ("deepseek_v3", "tiny"): _derive(_DEEPSEEK_V3_FULL, hidden_size=256, intermediate_size=1024,
-                                     moe_intermediate_size=128, n_routed_experts=16, n_group=4,
-                                     topk_group=2, num_experts_per_tok=4, num_attention_heads=16,
+    # Every FP8 split up to tp 8 stays whole 128-blocks, as vLLM requires of block-quantised
+    # layers: 16 heads x (nope 64 + rope 64) for q_b, x (64 + v 64) for kv_b, x v 64 for o_proj;
+    # (moe_)intermediate 1024 = 8 x 128 for experts/MLPs at moe_tp 8. kv_a_proj_with_mqa has
+    # 128 + 64 = 192 rows, so its scale has a partial block (like the real 576 -> 5 blocks).
+    # hidden 128 and 8 experts keep it at ~8 MB.
+    ("deepseek_v3", "tiny"): _derive(_DEEPSEEK_V3_FULL, hidden_size=128, intermediate_size=1024,
+                                     moe_intermediate_size=1024, n_routed_experts=8, n_group=4,
+                                     topk_group=2, num_experts_per_tok=2, num_attention_heads=16,
                                      num_key_value_heads=16, q_lora_rank=128, kv_lora_rank=128,
                                      qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
                                      num_hidden_layers=2, first_k_dense_replace=1,
