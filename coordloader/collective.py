@@ -1,0 +1,693 @@
+"""Error agreement and timeouts for every distributed phase of coordloader.
+
+A multi-rank load is a sequence of *phases* (metadata, plan, load, verify, dump/save).
+Each phase runs on every rank; at its end the ranks agree on whether it succeeded.
+If any rank failed, *every* rank raises the same :class:`CollectiveError` naming the
+failing ranks and their causes, instead of one rank dying and the others sitting in a
+collective until a watchdog fires. If a rank never arrives (crashed, SIGKILLed, never
+started), every surviving rank raises within the timeout, naming the missing ranks.
+
+API (all a phase needs)::
+
+    from coordloader.collective import init_group, run_phase, exit_on_error
+
+    def main():
+        with exit_on_error():                      # one line on stderr, exit code 1
+            group = init_group(timeout_s=60)       # env:// rendezvous, gloo/nccl
+            meta = run_phase("metadata", read_share, group, ckpt)
+            plan = run_phase("plan", make_plan, group, meta, layout)
+            out = run_phase("load", engine.load, group, plan)
+            group.close()
+
+- ``init_group(backend=None, timeout_s=None) -> Group`` initialises torch.distributed from
+  MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE (torchrun or plain processes). Backend:
+  ``nccl`` when CUDA is available, else ``gloo``. ``timeout_s`` (default 300) is both the
+  process-group timeout (bounds every collective made inside a phase) and the bound on
+  how long a rank waits for the others at a phase boundary. Without RANK/WORLD_SIZE in the
+  environment it returns a single-process group (``pg=None``, world 1).
+- ``wrap_group(pg=None, timeout_s=None) -> Group`` adopts a process group the caller has
+  already initialised (library use: ``coordloader.load(..., group=pg)``).
+- ``run_phase(name, fn, group, *args, **kw)`` runs ``fn(*args, **kw)`` on this rank and
+  returns its value once all ranks succeeded. Any exception is caught and turned into
+  ``"<ErrorType>: <text>"`` (CoordloaderError context such as file/tensor is kept) and
+  shared; if any rank failed, every rank raises ``CollectiveError("phase dump: rank 2:
+  SaveError: ...")`` listing every failing rank (identical messages are merged: ``ranks
+  1,3``). On the failing rank the original exception is the ``__cause__``. With
+  ``group=None`` or world 1, ``fn`` just runs and its own exception propagates unchanged.
+  Every rank must call the same phases in the same order (the DESIGN's collective
+  discipline); a rank that is in a different phase is reported by name.
+- ``Group.close()`` ends the group (the rank hosting the store waits, bounded, until the
+  others are done with it) and destroys the process group it created.
+- ``exit_on_error()`` (context manager or decorator) for entry points: any exception
+  becomes one line ``coordloader: rank R: <message>`` on stderr (full traceback only when
+  COORDLOADER_DEBUG=1) and exit code 1 (2 for the ``usage_errors`` given, 130 on Ctrl-C).
+
+How the agreement works, and why this way
+-----------------------------------------
+The status exchange does **not** go through the process group. It uses the rendezvous
+TCPStore as a status board: at phase ``seq`` each rank writes ``<seq>/s/<rank>`` = its
+(phase, ok, type, message), bumps a failure counter if it failed, bumps an arrival
+counter, and sets an event key when it fails or is the last to arrive. Every rank then
+blocks in ``store.wait([event], timeout)`` - a server-side wait with a deadline.
+
+- A timeout on the store is a clean exception after which the store is still usable, so
+  a rank can then ask which status keys exist and name the ranks that did not arrive.
+  Every rank can do that, not only rank 0. By contrast ``dist.monitored_barrier`` reports
+  missing ranks on rank 0 only (the others see rank 0's abort as an unrelated connection
+  error), and a gloo collective that timed out leaves the process group unusable, with an
+  error naming peer addresses, not ranks. NCCL collectives with a dead peer hang until the
+  watchdog kills the process.
+- It costs O(1) store requests per rank per phase on success (set, add, wait, add) and
+  needs no device memory, so it behaves the same under gloo and nccl.
+- A SIGKILLed rank simply never writes its key: the others time out at the boundary and
+  name it. If the rank that dies hosts the store (rank 0 with plain processes; under
+  torchrun the agent hosts it and survives), every other rank's pending store call fails
+  at once with a connection error, reported as "lost contact with rank 0".
+- Once any rank has reported a failure the others stop waiting for stragglers after
+  ``grace_s`` (default min(5, timeout)): the job has failed anyway; a short grace collects
+  more causes. So a rank stuck in a collective with a dead peer (gloo timeout ``T``) then
+  exits within ``T + grace_s``.
+- The store host must outlive the others' last reads: on failure it waits (bounded) for
+  an acknowledgement from every rank that reported, and ``close()`` does the same on
+  success.
+
+Timeouts: ``timeout_s`` bounds each wait, not the phase's own work. A rank waits at a
+boundary at most ``timeout_s`` for the others, so it must exceed the expected skew between
+ranks finishing a phase (e.g. uneven load sizes).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import pickle
+import re
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+from .errors import CollectiveError, CoordloaderError
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_GRACE_S = 5.0
+_MAX_MESSAGE = 2000          # per-rank message cap: the board must stay small at any scale
+_NAMESPACES: dict[str, int] = {}   # per-store-identity counter; same order on every rank
+
+
+# --------------------------------------------------------------------------- messages
+
+def describe_exception(exc: BaseException, rank: int | None = None) -> tuple[str, str]:
+    """(type name, one-line message) of an exception, never losing its text.
+
+    A CoordloaderError's own "rank R" is dropped when it equals the reporting rank: the
+    phase message already says which rank it was."""
+    if isinstance(exc, CoordloaderError):
+        parts = []
+        if exc.rank is not None and exc.rank != rank:
+            parts.append(f"rank {exc.rank}")
+        if exc.file is not None:
+            parts.append(f"file {exc.file}")
+        if exc.tensor is not None:
+            parts.append(f"tensor {exc.tensor!r}")
+        text = (", ".join(parts) + ": " + exc.message) if parts else exc.message
+    else:
+        text = str(exc)
+        if not text and exc.args:
+            text = repr(exc.args)
+    text = _one_line(text) or "(no message)"
+    return type(exc).__name__, text[:_MAX_MESSAGE]
+
+
+def _one_line(text: str) -> str:
+    # C++ errors from torch carry multi-line backtraces; keep the first meaningful part.
+    text = text.split("\nException raised from")[0]
+    text = re.sub(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", text)
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _ranges(ranks) -> str:
+    ranks = sorted(ranks)
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if j == i else
+                   f"{ranks[i]},{ranks[j]}" if j == i + 1 else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _rank_word(ranks) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + _ranges(ranks)
+
+
+def _phase_error(phase: str, failures: dict[int, tuple[str, str]], notes: list[str],
+                 local: BaseException | None = None, missing=()) -> CollectiveError:
+    """One CollectiveError naming every failing rank; ``notes`` (dead / late ranks, lost
+    store) come first because they are usually the root cause of the others' errors."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for r, (t, m) in sorted(failures.items()):
+        groups.setdefault((t, m), []).append(r)
+    parts = list(notes) + [f"{_rank_word(rs)}: {t}: {m}" for (t, m), rs in groups.items()]
+    err = CollectiveError(f"phase {phase}: " + "; ".join(parts))
+    err.phase = phase
+    err.failures = dict(failures)
+    err.missing = list(missing)
+    err.local_error = local
+    return err
+
+
+@dataclass(eq=False)
+class Group:
+    """This rank's view of the group: rank, world size, process group, status board.
+
+    ``pg`` is the torch ProcessGroup (None in a single process). ``store`` is the status
+    board (a PrefixStore over the rendezvous TCPStore); None means the fallback exchange
+    over the process group (see ``wrap_group``)."""
+    rank: int
+    world: int
+    pg: Any = None
+    store: Any = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    grace_s: float = DEFAULT_GRACE_S
+    backend: str | None = None
+    store_host: bool = False        # this process runs the store server (rank 0, no agent)
+    store_desc: str = ""            # for messages: "127.0.0.1:29500 (hosted by rank 0)"
+    owns_pg: bool = False
+    _hb_stop: Any = field(default=None, repr=False)
+    _seq: int = field(default=0, repr=False)
+    _prev: str | None = field(default=None, repr=False)
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def barrier(self, name: str) -> None:
+        """A phase that does nothing: all ranks meet, with the timeout and naming."""
+        run_phase(name, _noop, self)
+
+    def close(self) -> None:
+        """End the group. The store host waits (at most timeout_s) for every rank to
+        reach close(), so nobody loses the store while still reading it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._hb_stop is not None:
+            self._hb_stop.set()
+        if self.store is not None and self.world > 1:
+            with contextlib.suppress(Exception):
+                if self.store_host:
+                    self.store.wait([f"close/{r}" for r in range(self.world) if r != self.rank],
+                                    timedelta(seconds=self.timeout_s))
+                else:
+                    self.store.set(f"close/{self.rank}", b"1")
+        if self.owns_pg:
+            import torch.distributed as dist
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.pg)
+
+
+def _noop():
+    return None
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise CollectiveError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def init_group(backend: str | None = None, timeout_s: float | None = None, *,
+               grace_s: float | None = None) -> Group:
+    """Form the group from the environment (torchrun or plain processes).
+
+    Steps, each bounded by ``timeout_s``: connect to the rendezvous TCPStore at
+    MASTER_ADDR:MASTER_PORT (rank 0 hosts it, or the torchrun agent does), announce this
+    rank on it and wait for all WORLD_SIZE ranks (so a rank that never starts is named),
+    then ``init_process_group`` over the same store with ``timeout=timeout_s``."""
+    import torch
+    import torch.distributed as dist
+
+    timeout_s = float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
+    grace = float(grace_s if grace_s is not None else min(DEFAULT_GRACE_S, timeout_s))
+    if dist.is_available() and dist.is_initialized():
+        return wrap_group(None, timeout_s, grace_s=grace)
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if rank is None or world is None:
+        return Group(rank=0, world=1, timeout_s=timeout_s, grace_s=grace)
+    if world < 1 or not 0 <= rank < world:
+        raise CollectiveError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
+    addr = os.environ.get("MASTER_ADDR")
+    port = _env_int("MASTER_PORT")
+    if not addr or port is None:
+        raise CollectiveError("MASTER_ADDR and MASTER_PORT must be set when RANK and "
+                              "WORLD_SIZE are (torchrun sets all four)")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    host = rank == 0 and not agent
+    who = "the torchrun agent" if agent else "rank 0"
+    desc = f"{addr}:{port} (hosted by {who})"
+    td = timedelta(seconds=timeout_s)
+    if not host and not _wait_for_port(addr, port, timeout_s):
+        raise CollectiveError(f"group did not form: cannot reach the rendezvous store at {desc} "
+                              f"within {timeout_s:g} s; {who} did not start or is unreachable",
+                              rank=rank)
+    try:
+        base = dist.TCPStore(addr, port, world, is_master=host, timeout=td,
+                             wait_for_workers=False, multi_tenant=True)
+    except Exception as exc:  # noqa: BLE001 - turned into a clear message
+        t, m = describe_exception(exc)
+        if host:
+            msg = f"group did not form: cannot start the rendezvous store on {addr}:{port}: {t}: {m}"
+        else:
+            msg = (f"group did not form: cannot reach the rendezvous store at {desc} within "
+                   f"{timeout_s:g} s; {who} did not start or is unreachable ({t}: {m})")
+        raise CollectiveError(msg, rank=rank) from exc
+    # A namespace per group so restarts (torchrun agent store) and repeated init never
+    # read stale keys; every rank computes the same name.
+    ns = _namespace(f"{addr}:{port}", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    board = dist.PrefixStore(ns, base)
+    group = Group(rank=rank, world=world, store=board, timeout_s=timeout_s, grace_s=grace,
+                  backend=backend, store_host=host, store_desc=desc)
+    group._base_store = base  # keep the server (rank 0) alive as long as the group
+    _join(group)
+    _start_heartbeat(group, addr, port, ns)
+    if backend == "nccl":
+        local = _env_int("LOCAL_RANK")
+        torch.cuda.set_device(local if local is not None else rank % torch.cuda.device_count())
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore(ns + "pg", base), rank=rank,
+                                world_size=world, timeout=td)
+    except Exception as exc:  # noqa: BLE001
+        t, m = describe_exception(exc)
+        raise CollectiveError(f"group formed but init_process_group({backend!r}) failed: "
+                              f"{t}: {m}", rank=rank) from exc
+    group.pg = dist.group.WORLD
+    group.owns_pg = True
+    return group
+
+
+def _wait_for_port(addr: str, port: int, timeout_s: float) -> bool:
+    """Poll until something listens on addr:port. TCPStore's own client connect retries
+    with randomised back-off (about 13 s for a 5 s timeout here), which would break the
+    "exit within the timeout" promise; a plain socket poll keeps the bound exact."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            with socket.create_connection((addr, port), timeout=min(1.0, left)):
+                return True
+        except OSError:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+HEARTBEAT_S = 0.5
+
+
+def _start_heartbeat(group: Group, addr: str, port: int, ns: str) -> None:
+    """Bump ``hb/<rank>`` every HEARTBEAT_S from a daemon thread on its own store
+    connection (the main one may sit in a long wait). A rank missing at a boundary whose
+    counter stopped moving is reported as dead, not merely late. Counters, not clocks:
+    hosts' clocks need not agree."""
+    import threading
+    import torch.distributed as dist
+    try:
+        conn = dist.TCPStore(addr, port, group.world, is_master=False,
+                             timeout=timedelta(seconds=group.timeout_s), wait_for_workers=False)
+    except Exception:  # noqa: BLE001 - liveness is a diagnostic aid, never fatal
+        return
+    st = dist.PrefixStore(ns, conn)
+    stop = threading.Event()
+    key = f"hb/{group.rank}"
+
+    def beat():
+        while True:
+            try:
+                st.add(key, 1)
+            except Exception:  # noqa: BLE001 - store gone: the main thread will say so
+                return
+            if stop.wait(HEARTBEAT_S):
+                return
+
+    threading.Thread(target=beat, name="coordloader-heartbeat", daemon=True).start()
+    group._hb_stop = stop
+    group._hb_conn = conn
+
+
+def _heartbeats(group: Group, ranks) -> dict[int, int] | None:
+    if group._hb_stop is None or not ranks:
+        return None
+    try:
+        return {r: group.store.add(f"hb/{r}", 0) for r in ranks}
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _namespace(identity: str, restart: str) -> str:
+    n = _NAMESPACES.get(identity, 0)
+    _NAMESPACES[identity] = n + 1
+    return f"coordloader/r{restart}/g{n}"
+
+
+def _join(group: Group) -> None:
+    """Every rank announces itself; wait for all, naming those that never came."""
+    st, world = group.store, group.world
+    try:
+        st.set(f"join/{group.rank}", f"{socket.gethostname()}:{os.getpid()}")
+        st.wait([f"join/{r}" for r in range(world)], timedelta(seconds=group.timeout_s))
+        return
+    except Exception as exc:  # noqa: BLE001
+        if _is_lost(exc):
+            raise _lost(group, "group formation", exc) from exc
+        cause = exc
+    present = _present(group, "join/")
+    missing = [r for r in range(world) if r not in present]
+    if present is None:
+        msg = (f"group did not form within {group.timeout_s:g} s and the store "
+               f"{group.store_desc} went away")
+    else:
+        msg = (f"group did not form within {group.timeout_s:g} s: {_rank_word(missing)} "
+               f"did not join (joined: {_ranges(present)})")
+    _ack_and_linger(group, "join", present or [])
+    raise CollectiveError(msg, rank=group.rank) from cause
+
+
+def wrap_group(pg=None, timeout_s: float | None = None, *, grace_s: float | None = None) -> Group:
+    """Adopt an already initialised torch.distributed (``pg`` None = the default group).
+
+    The status board uses the default group's store when torch exposes it (it always has
+    so far, via a private accessor); otherwise the exchange falls back to
+    ``all_gather_object`` over ``pg``, which is bounded by the group's own timeout but
+    cannot name ranks that did not arrive."""
+    import torch.distributed as dist
+
+    timeout_s = float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
+    grace = float(grace_s if grace_s is not None else min(DEFAULT_GRACE_S, timeout_s))
+    if not (dist.is_available() and dist.is_initialized()):
+        if pg is None:
+            return Group(rank=0, world=1, timeout_s=timeout_s, grace_s=grace)
+        raise CollectiveError("wrap_group: torch.distributed is not initialised")
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    store = None
+    try:
+        base = dist.distributed_c10d._get_default_store()
+        name = getattr(pg, "group_name", None) if pg is not None else "world"
+        store = dist.PrefixStore(_namespace(f"wrap/{name}", "0"), base)
+    except Exception:  # noqa: BLE001 - private API gone: use the fallback exchange
+        store = None
+    return Group(rank=rank, world=world, pg=pg if pg is not None else dist.group.WORLD,
+                 store=store, timeout_s=timeout_s, grace_s=grace,
+                 backend=str(dist.get_backend(pg)), store_host=False,
+                 store_desc="the default group's store")
+
+
+# --------------------------------------------------------------------------- phases
+
+def run_phase(name: str, fn: Callable, group: Group | None, *args, **kw):
+    """Run ``fn(*args, **kw)`` here, agree with every rank, return its value.
+
+    Raises CollectiveError on every rank if any rank failed or did not arrive within
+    ``group.timeout_s``. With no group or world 1 it is just ``fn(*args, **kw)``."""
+    if group is None or group.world <= 1:
+        return fn(*args, **kw)
+    if group._closed:
+        raise CollectiveError(f"phase {name}: the group is closed", rank=group.rank)
+    local: BaseException | None = None
+    value = None
+    try:
+        value = fn(*args, **kw)
+        status = (name, True, "", "")
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the others
+        local = exc
+        status = (name, False) + describe_exception(exc, group.rank)
+    if group.store is None:
+        _agree_over_pg(name, group, status, local)
+    else:
+        _agree_over_store(name, group, status, local)
+    if local is not None and not isinstance(local, Exception):
+        raise local  # KeyboardInterrupt / SystemExit: others were told, keep its meaning
+    return value
+
+
+def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
+    st, rank, world = group.store, group.rank, group.world
+    seq = group._seq
+    group._seq += 1
+    k = f"{seq}/{name}"
+    ok = status[1]
+    try:
+        st.set(f"{seq}/s/{rank}", pickle.dumps(status))
+        if not ok:
+            st.add(f"{k}/f", 1)
+            st.set(f"{k}/ev", b"f")        # wake the others now: no need to wait for all
+        if st.add(f"{k}/n", 1) == world:
+            st.set(f"{k}/ev", b"a")
+    except Exception as exc:  # noqa: BLE001
+        raise _lost(group, name, exc, local) from (local or exc)
+    try:
+        st.wait([f"{k}/ev"], timedelta(seconds=group.timeout_s))
+        timed_out = False
+    except Exception as exc:  # noqa: BLE001
+        if _is_lost(exc):
+            raise _lost(group, name, exc, local) from (local or exc)
+        timed_out = True
+    if not timed_out:
+        try:
+            nfail = st.add(f"{k}/f", 0)
+        except Exception as exc:  # noqa: BLE001
+            raise _lost(group, name, exc, local) from (local or exc)
+        if nfail == 0:
+            _cleanup(group, seq, name)
+            return
+        # A failure is known: give stragglers a short grace to report, then stop.
+        # Check liveness as we wait: stop early once every missing rank is dead.
+        grace_end = time.monotonic() + min(group.grace_s, group.timeout_s)
+        keys = [f"{seq}/s/{r}" for r in range(world)]
+        while True:
+            statuses = _read_statuses(group, seq) or {}
+            waiting = [r for r in range(world) if r not in statuses]
+            before = _heartbeats(group, waiting)
+            step = min(3 * HEARTBEAT_S, grace_end - time.monotonic())
+            if not waiting or step <= 0:
+                break
+            with contextlib.suppress(Exception):
+                st.wait(keys, timedelta(seconds=step))
+            after = _heartbeats(group, waiting)
+            if before is not None and after is not None and before == after:
+                break   # every rank still missing has stopped beating: dead
+    statuses = _read_statuses(group, seq)
+    if statuses is None:
+        raise _lost(group, name, RuntimeError("store went away while reading statuses"),
+                    local) from local
+    failures = {r: (s[2], s[3]) for r, s in statuses.items() if not s[1]}
+    for r, s in statuses.items():   # collective discipline: same phase at the same step
+        if s[0] != name and s[1]:
+            failures[r] = ("PhaseMismatch", f"is in phase {s[0]!r} at step {seq}, "
+                                            f"not {name!r}")
+    missing = [r for r in range(world) if r not in statuses]
+    dead = _dead_ranks(group, missing)
+    late = [r for r in missing if r not in dead]
+    notes = []
+    if dead:
+        notes.append(f"{_rank_word(dead)} died or hung hard (no heartbeat for "
+                     f"{3 * HEARTBEAT_S:g} s) before reaching the end of the phase")
+    if late:
+        if timed_out:
+            notes.append(f"{_rank_word(late)} did not arrive within {group.timeout_s:g} s")
+        else:
+            notes.append(f"{_rank_word(late)} did not report within "
+                         f"{min(group.grace_s, group.timeout_s):g} s of the failure")
+    if timed_out and missing:
+        notes[-1] += f" (arrived: {_ranges(statuses) or 'none'})"
+    err = _phase_error(name, failures, notes, local, missing)
+    _ack_and_linger(group, str(seq), list(statuses))
+    raise err from local
+
+
+def _dead_ranks(group: Group, missing: list[int]) -> list[int]:
+    """Of the missing ranks, those whose heartbeat does not move over 3 beats."""
+    before = _heartbeats(group, missing)
+    if before is None:
+        return []
+    time.sleep(3 * HEARTBEAT_S)
+    after = _heartbeats(group, missing)
+    if after is None:
+        return []
+    return [r for r in missing if after[r] == before[r]]
+
+
+def _read_statuses(group: Group, seq: int) -> dict[int, tuple] | None:
+    keys = [f"{seq}/s/{r}" for r in range(group.world)]
+    try:
+        present = [r for r, key in zip(range(group.world), keys) if group.store.check([key])]
+        values = group.store.multi_get([keys[r] for r in present]) if present else []
+    except Exception:  # noqa: BLE001
+        return None
+    out = {}
+    for r, v in zip(present, values):
+        try:
+            out[r] = pickle.loads(bytes(v))
+        except Exception:  # noqa: BLE001 - a corrupt status is still a failure to report
+            out[r] = ("?", False, "CollectiveError", "unreadable status on the board")
+    return out
+
+
+def _present(group: Group, prefix: str) -> list[int] | None:
+    try:
+        return [r for r in range(group.world) if group.store.check([f"{prefix}{r}"])]
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _ack_and_linger(group: Group, tag: str, present: list[int]) -> None:
+    """On failure: say we are done reading; the store host waits (bounded) for every
+    rank that reported to say the same, so its exit does not cut them off."""
+    st = group.store
+    with contextlib.suppress(Exception):
+        if not group.store_host:
+            st.set(f"ack/{tag}/{group.rank}", b"1")
+            return
+        others = [r for r in present if r != group.rank]
+        if others:
+            st.wait([f"ack/{tag}/{r}" for r in others],
+                    timedelta(seconds=max(group.grace_s, 1.0)))
+
+
+def _cleanup(group: Group, seq: int, name: str) -> None:
+    # Everyone has arrived at `seq`, so everyone has finished reading step seq-1.
+    prev, group._prev = group._prev, f"{seq}/{name}"
+    if prev is None:
+        return
+    with contextlib.suppress(Exception):
+        group.store.delete_key(f"{seq - 1}/s/{group.rank}")
+        if group.rank == 0:
+            for suffix in ("n", "f", "ev"):
+                group.store.delete_key(f"{prev}/{suffix}")
+
+
+def _is_lost(exc: BaseException) -> bool:
+    """A store call failed because the connection broke (DistNetworkError: the server
+    process is gone), not because its deadline passed (DistStoreError)."""
+    import torch.distributed as dist
+    return isinstance(exc, (dist.DistNetworkError, ConnectionError))
+
+
+def _lost(group: Group, phase: str, exc: BaseException, local=None) -> CollectiveError:
+    t, m = describe_exception(exc)
+    who = "rank 0" if "rank 0" in group.store_desc else group.store_desc
+    failures = {}
+    if local is not None:
+        failures[group.rank] = describe_exception(local, group.rank)
+    note = (f"lost contact with the coordination store {group.store_desc}: {who} exited or "
+            f"died ({t}: {m})")
+    return _phase_error(phase, failures, [note], local)
+
+
+def _agree_over_pg(name: str, group: Group, status: tuple, local) -> None:
+    """Fallback without a store: one all_gather_object over the process group."""
+    import torch.distributed as dist
+    group._seq += 1
+    gathered: list = [None] * group.world
+    try:
+        dist.all_gather_object(gathered, status, group=group.pg)
+    except Exception as exc:  # noqa: BLE001
+        t, m = describe_exception(exc)
+        failures = {group.rank: describe_exception(local, group.rank)} if local else {}
+        raise _phase_error(name, failures, [f"status exchange failed "
+                           f"(a rank died or timed out after {group.timeout_s:g} s): {t}: {m}"],
+                           local) from (local or exc)
+    failures = {r: (s[2], s[3]) for r, s in enumerate(gathered) if not s[1]}
+    failures.update({r: ("PhaseMismatch", f"is in phase {s[0]!r}, not {name!r}")
+                     for r, s in enumerate(gathered) if s[1] and s[0] != name})
+    if failures:
+        raise _phase_error(name, failures, [], local) from local
+
+
+# --------------------------------------------------------------------------- CLI
+
+class _ExitOnError(contextlib.ContextDecorator):
+    def __init__(self, rank, usage_errors):
+        self.rank = rank
+        self.usage_errors = tuple(usage_errors)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, exc, tb):
+        if exc is None or isinstance(exc, SystemExit):
+            return False
+        rank = self.rank() if callable(self.rank) else self.rank
+        if rank is None:
+            rank = os.environ.get("RANK", "0")
+        if isinstance(exc, KeyboardInterrupt):
+            code, text = 130, "interrupted"
+        else:
+            code = 2 if self.usage_errors and isinstance(exc, self.usage_errors) else 1
+            t, m = describe_exception(exc, _as_int(rank))
+            # A CollectiveError already reads "phase X: rank 2: SaveError: ..."; anything
+            # else is labelled with its type so the cause is never lost.
+            text = m if isinstance(exc, CollectiveError) else f"{t}: {m}"
+        if os.environ.get("COORDLOADER_DEBUG") == "1":
+            traceback.print_exception(et, exc, tb, file=sys.stderr)
+        sys.stderr.write(f"coordloader: rank {rank}: {text}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        if _dist_initialised():
+            # After a failed collective the process group's C++ destructors may abort
+            # ("terminate called without an active exception", exit -6) or block on a
+            # dead peer; the message is out, so leave with the promised code right now.
+            os._exit(code)
+        raise SystemExit(code)
+
+
+def _dist_initialised() -> bool:
+    if "torch.distributed" not in sys.modules:
+        return False
+    try:
+        import torch.distributed as dist
+        return dist.is_available() and dist.is_initialized()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _as_int(v):
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def exit_on_error(fn: Callable | None = None, *, rank=None, usage_errors=()):
+    """Entry-point guard: ``with exit_on_error(): ...`` or ``@exit_on_error``.
+
+    Prints ``coordloader: rank R: <message>`` (one line) and exits 1; 2 for exceptions in
+    ``usage_errors``; 130 on KeyboardInterrupt. ``rank`` may be an int or a callable
+    returning it (default: $RANK, else 0). COORDLOADER_DEBUG=1 adds the traceback.
+    When torch.distributed is initialised it leaves with ``os._exit`` (after flushing):
+    a broken process group's destructors can abort or hang at interpreter exit."""
+    guard = _ExitOnError(rank, usage_errors)
+    if fn is None:
+        return guard
+
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        with guard:
+            return fn(*a, **k)
+    return wrapper
+
+
+__all__ = ["Group", "init_group", "wrap_group", "run_phase", "exit_on_error",
+           "describe_exception", "DEFAULT_TIMEOUT_S", "DEFAULT_GRACE_S"]

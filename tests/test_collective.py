@@ -1,0 +1,248 @@
+"""Fault tests for coordloader.collective with real processes.
+
+Four plain processes (no torchrun) over gloo on 127.0.0.1, each given MASTER_ADDR /
+MASTER_PORT / RANK / WORLD_SIZE like a Slurm or Kubernetes launch would. Every test has a
+hard bound (subprocess deadline) and kills its children on the way out."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from coordloader.collective import (_ranges, describe_exception, exit_on_error, run_phase,
+                                    Group)
+from coordloader.errors import CheckpointError, CollectiveError, SaveError
+
+TIMEOUT = 5.0          # the group's timeout inside the children
+HARD = 60.0            # the harness's own bound per test
+REPO = Path(__file__).resolve().parents[1]
+
+DRIVER = r'''
+import os, sys, time, signal
+from coordloader.collective import init_group, run_phase, exit_on_error
+from coordloader.errors import SaveError
+
+mode = sys.argv[1]
+mark = sys.argv[2]
+
+
+def main():
+    with open(mark + "-started-" + os.environ["RANK"], "w") as f:
+        f.write(repr(time.time()))   # the harness measures from here, not interpreter start
+    g = init_group(timeout_s=float(os.environ["CL_TIMEOUT"]))
+    r = g.rank
+    assert run_phase("metadata", lambda: r, g) == r
+    if mode == "error":
+        def dump():
+            if r == 2:   # an error only rank 2 can see
+                raise SaveError("cannot create rank-00002.safetensors: Permission denied",
+                                file="/out/rank-00002.safetensors")
+            return r
+        run_phase("dump", dump, g)
+    elif mode == "kill":
+        def load():
+            if r == 2:   # dies in the middle of the phase, no chance to report
+                with open(mark, "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.5)
+            import torch, torch.distributed as dist
+            t = torch.ones(1)
+            dist.all_reduce(t)   # a real collective with the dead peer inside the phase
+            return r
+        run_phase("load", load, g)
+    elif mode == "plain_error":
+        run_phase("plan", lambda: 1 / (r - 1), g)
+    elif mode == "happy":
+        out = run_phase("load", lambda: {"rank": r, "x": r * 10}, g)
+        again = run_phase("verify", lambda: out["x"] + 1, g)
+        print("VALUE", out["rank"], out["x"], again, flush=True)
+    g.close()
+    print("DONE", flush=True)
+
+
+with exit_on_error():
+    main()
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path: Path, mode: str, ranks, world: int = 4, timeout: float = TIMEOUT):
+    """Start `ranks` of a `world`-rank group; return {rank: (rc, out, err, end_time)}."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    mark = tmp_path / "killed_at"
+    port = _free_port()
+    procs = {}
+    t0 = time.time()
+    try:
+        for r in ranks:
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       RANK=str(r), WORLD_SIZE=str(world), CL_TIMEOUT=str(timeout),
+                       PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            env.pop("COORDLOADER_DEBUG", None)
+            procs[r] = subprocess.Popen([sys.executable, str(script), mode, str(mark)], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        cwd=str(tmp_path), start_new_session=True)
+        ends = {}
+        while len(ends) < len(procs):
+            if time.time() - t0 > HARD:
+                pytest.fail(f"ranks {sorted(set(procs) - set(ends))} still running after "
+                            f"{HARD} s: hang")
+            for r, p in procs.items():
+                if r not in ends and p.poll() is not None:
+                    ends[r] = time.time()
+            time.sleep(0.02)
+        res = {}
+        for r, p in procs.items():
+            out, err = p.communicate()
+            res[r] = (p.returncode, out.decode(), err.decode(), ends[r])
+        killed_at = float(mark.read_text()) if mark.exists() else None
+        for r in res:
+            f = Path(f"{mark}-started-{r}")
+            res[r] = res[r] + (float(f.read_text()) if f.exists() else t0,)
+        return res, t0, killed_at
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                with _suppress():
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return True
+
+
+def _line(err: str, rank: int) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith(f"coordloader: rank {rank}: ")]
+    assert len(lines) == 1, f"rank {rank} stderr:\n{err}"
+    return lines[0]
+
+
+def test_happy_path_returns_value_on_every_rank(tmp_path):
+    res, _, _ = _launch(tmp_path, "happy", range(4))
+    for r, (rc, out, err, *_) in res.items():
+        assert rc == 0, f"rank {r}: {err}"
+        assert f"VALUE {r} {r * 10} {r * 10 + 1}" in out and "DONE" in out
+
+
+def test_error_on_one_rank_stops_every_rank_with_its_message(tmp_path):
+    res, t0, _ = _launch(tmp_path, "error", range(4))
+    for r, (rc, out, err, *_) in res.items():
+        assert rc == 1, f"rank {r}: rc {rc}\n{err}"
+        line = _line(err, r)
+        assert "phase dump: rank 2: SaveError:" in line
+        assert "Permission denied" in line and "/out/rank-00002.safetensors" in line
+        assert "Traceback" not in err
+        assert "DONE" not in out
+
+
+def test_sigkilled_rank_is_named_by_every_survivor_within_timeout(tmp_path):
+    res, t0, killed_at = _launch(tmp_path, "kill", range(4))
+    assert killed_at is not None
+    assert res[2][0] == -signal.SIGKILL
+    for r in (0, 1, 3):
+        rc, out, err, end, _ = res[r]
+        assert rc == 1, f"rank {r}: rc {rc}\n{err}"
+        line = _line(err, r)
+        assert "phase load: rank 2 died" in line, line
+        assert end - killed_at < TIMEOUT + 10, f"rank {r} exited {end - killed_at:.1f} s after the kill"
+
+
+def test_rank_that_never_joins_is_named(tmp_path):
+    res, t0, _ = _launch(tmp_path, "happy", (0, 1, 3))
+    for r, (rc, out, err, end, started) in res.items():
+        assert rc == 1, f"rank {r}: rc {rc}\n{err}"
+        line = _line(err, r)
+        assert "group did not form within 5 s: rank 2 did not join (joined: 0,1,3)" in line, line
+        assert end - started < TIMEOUT + 10, f"rank {r} took {end - started:.1f} s"
+
+
+def test_missing_rank_0_is_reported_by_the_others(tmp_path):
+    res, t0, _ = _launch(tmp_path, "happy", (1, 2, 3))
+    for r, (rc, out, err, end, started) in res.items():
+        assert rc == 1, f"rank {r}: rc {rc}\n{err}"
+        line = _line(err, r)
+        assert "cannot reach the rendezvous store" in line and "rank 0 did not start" in line
+        assert end - started < TIMEOUT + 10, f"rank {r} took {end - started:.1f} s"
+
+
+def test_foreign_exception_keeps_type_and_text(tmp_path):
+    res, _, _ = _launch(tmp_path, "plain_error", range(4))
+    for r, (rc, out, err, *_) in res.items():
+        assert rc == 1
+        assert "phase plan: rank 1: ZeroDivisionError: division by zero" in _line(err, r)
+
+
+# ----------------------------------------------------------------- in-process unit tests
+
+def test_single_process_runs_fn_and_keeps_the_typed_error():
+    assert run_phase("plan", lambda a, b=0: a + b, None, 2, b=3) == 5
+    with pytest.raises(CheckpointError):
+        run_phase("metadata", _raise_ckpt, Group(rank=0, world=1))
+
+
+def _raise_ckpt():
+    raise CheckpointError("bad header", file="a.safetensors")
+
+
+def test_describe_exception_keeps_context_and_drops_own_rank():
+    t, m = describe_exception(CheckpointError("bad", file="x", tensor="w", rank=3), rank=3)
+    assert (t, m) == ("CheckpointError", "file x, tensor 'w': bad")
+    t, m = describe_exception(RuntimeError("[/src/gloo/pair.cc:553] Connection\n closed"))
+    assert (t, m) == ("RuntimeError", "Connection closed")
+    assert describe_exception(KeyError())[1] == "(no message)"
+
+
+def test_rank_ranges():
+    assert _ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7,8"
+    assert _ranges([]) == ""
+
+
+def test_exit_on_error_prints_one_line_and_exit_codes(capsys, monkeypatch):
+    monkeypatch.delenv("COORDLOADER_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as ei:
+        with exit_on_error(rank=3):
+            raise SaveError("disk full", file="/o/r.safetensors")
+    assert ei.value.code == 1
+    err = capsys.readouterr().err
+    assert err == "coordloader: rank 3: SaveError: file /o/r.safetensors: disk full\n"
+
+    @exit_on_error(rank=lambda: 1, usage_errors=(ValueError,))
+    def bad_usage():
+        raise ValueError("--tp must be positive")
+    with pytest.raises(SystemExit) as ei:
+        bad_usage()
+    assert ei.value.code == 2
+    assert capsys.readouterr().err == "coordloader: rank 1: ValueError: --tp must be positive\n"
+
+    with pytest.raises(SystemExit) as ei:
+        with exit_on_error(rank=0):
+            raise CollectiveError("phase dump: rank 2: SaveError: x")
+    assert capsys.readouterr().err == "coordloader: rank 0: phase dump: rank 2: SaveError: x\n"
+
+    monkeypatch.setenv("COORDLOADER_DEBUG", "1")
+    with pytest.raises(SystemExit):
+        with exit_on_error(rank=0):
+            raise KeyError("k")
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.endswith("coordloader: rank 0: KeyError: 'k'\n")
+    with exit_on_error(rank=0):
+        pass   # no exception: nothing printed, no exit
+    assert capsys.readouterr().err == ""
