@@ -1,0 +1,524 @@
+"""Prove that each rank's tensor set matches its slice of the checkpoint.
+
+Modes (each includes the ones before it):
+
+* ``shapes`` — local: loaded names equal the plan's names exactly, each dtype and local
+  shape matches, padding (local regions no piece covers, e.g. vocab padding rows) is zero.
+  Global: ranks all-gather a compact view (names, piece boxes, replica ids — no data) and
+  every rank checks the exact cover on it: primary pieces tile each tensor once, every
+  replica piece equals a primary piece, no checkpoint tensor is held by nobody.
+* ``digest`` — each rank digests its pieces (``coordloader.digest``, on the tensors' own
+  device); per tensor the primary digests must sum to the manifest's digest and each
+  replica's digest must equal its primary's. Without a manifest only the replica check
+  is possible, and the report says so.
+* ``full`` — additionally re-reads every piece through the HF ``safetensors`` library and
+  compares bytes (slow, thorough; names the first differing element).
+
+Collective discipline: local work never raises (problems become findings), then *one*
+``all_gather_object`` carries every rank's view, findings and digests; every rank
+evaluates the same gathered data with the same pure function, so all ranks reach the same
+verdict and every rank raises ``VerifyError`` with the same report.
+"""
+from __future__ import annotations
+
+import time
+from math import prod
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from . import digest as dg
+from .dtypes import from_torch, itemsize, torch_dtype
+from .errors import CollectiveError, CoordloaderError, VerifyError
+from .metadata import Box, box_numel, box_shape, full_box
+
+MODES = ("none", "shapes", "digest", "full")
+_LEVEL = {m: i for i, m in enumerate(MODES)}
+FULL_CHUNK_BYTES = 64 << 20
+MAX_FINDINGS_PER_RANK = 200     # keep the gathered payload small when everything is wrong
+
+
+# --------------------------------------------------------------------------- boxes
+
+def _boxes_overlap(a: Box, b: Box) -> bool:
+    return all(x0 < y1 and y0 < x1 for (x0, x1), (y0, y1) in zip(a, b))
+
+
+def box_subtract(box: Box, cut: Box) -> list[Box]:
+    """``box`` minus ``cut`` as disjoint boxes (at most 2 per dim)."""
+    if not _boxes_overlap(box, cut):
+        return [box]
+    out = []
+    rest = list(box)
+    for d, ((a, b), (c0, c1)) in enumerate(zip(box, cut)):
+        if a < c0:
+            out.append(tuple(rest[:d]) + ((a, c0),) + tuple(rest[d + 1:]))
+        if c1 < b:
+            out.append(tuple(rest[:d]) + ((c1, b),) + tuple(rest[d + 1:]))
+        rest[d] = (max(a, c0), min(b, c1))
+    return [o for o in out if box_numel(o) > 0]
+
+
+def uncovered(whole: Box, pieces: Iterable[Box], limit: int = 4096) -> list[Box] | None:
+    """Regions of ``whole`` no piece covers; None if tracking them grows past ``limit``."""
+    left = [whole]
+    for p in pieces:
+        nxt = []
+        for b in left:
+            nxt.extend(box_subtract(b, p))
+        left = nxt
+        if len(left) > limit:
+            return None
+    return left
+
+
+def _fmt_box(b: Box) -> str:
+    return "[" + ",".join(f"{a}:{c}" for a, c in b) + "]"
+
+
+def check_cover(name: str, shape: tuple[int, ...], primaries: Sequence[tuple[int, Box]],
+                replicas: Sequence[tuple[int, Box]]) -> list[str]:
+    """Exact-cover problems of one tensor, given (rank, box) of its primary and replica
+    pieces over all ranks. Overlaps are found with a sweep over dim 0 (sort by start, keep
+    the pieces whose dim-0 interval is still open), so disjoint tilings cost n log n."""
+    problems = []
+    whole = full_box(shape) if shape else ((0, 1),)
+    norm = lambda b: b if shape else ((0, 1),)  # noqa: E731  (0-d: one element)
+    prim = []
+    for r, b in primaries:
+        b = norm(b)
+        if len(b) != len(whole) or any(not (0 <= x0 < x1 <= s) for (x0, x1), (_, s) in zip(b, whole)):
+            problems.append(f"rank {r} holds primary piece {_fmt_box(b)} outside the tensor's shape "
+                            f"{list(shape)}")
+        else:
+            prim.append((r, b))
+    prim.sort(key=lambda rb: (rb[1][0][0], rb[0]))
+    active: list[tuple[int, Box]] = []
+    for r, b in prim:
+        active = [(r2, b2) for r2, b2 in active if b2[0][1] > b[0][0]]
+        for r2, b2 in active:
+            if _boxes_overlap(b, b2):
+                problems.append(f"primary pieces overlap: rank {r2} {_fmt_box(b2)} and rank {r} "
+                                f"{_fmt_box(b)} (a region loaded twice as primary)")
+        active.append((r, b))
+    total = sum(box_numel(b) for _, b in prim)
+    if not problems and total != box_numel(whole):
+        gaps = uncovered(whole, [b for _, b in prim])
+        where = (", ".join(_fmt_box(g) for g in gaps[:4]) + (" ..." if len(gaps) > 4 else "")
+                 if gaps else "")
+        problems.append(f"primary pieces cover {total} of {box_numel(whole)} elements"
+                        + (f"; held by no rank: {where}" if where else ""))
+    pboxes = {b for _, b in prim}
+    for r, b in replicas:
+        if norm(b) not in pboxes:
+            problems.append(f"rank {r} holds replica piece {_fmt_box(norm(b))} that matches no "
+                            f"primary piece")
+    return problems
+
+
+# --------------------------------------------------------------------------- local work
+
+def _finding(rank, check, detail, tensor=None, piece=None, box=None, ranks=None) -> dict:
+    """One problem. ``rank``: the rank at fault when it is known; ``ranks``: the ranks
+    involved (e.g. every holder of a tensor whose digest sum is wrong)."""
+    return {"rank": rank, "ranks": sorted(ranks) if ranks is not None else
+            ([rank] if rank is not None else []), "tensor": tensor, "piece": piece,
+            "box": [list(p) for p in box] if box is not None else None,
+            "check": check, "detail": detail}
+
+
+def _int_bits(t: torch.Tensor) -> torch.Tensor:
+    v = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    t = t.reshape(1) if t.dim() == 0 else t
+    return t if t.dtype == v else t.view(v)
+
+
+def _narrow(t: torch.Tensor, box: Box, offset: Sequence[int]) -> torch.Tensor:
+    for d, ((a, b), o) in enumerate(zip(box, offset)):
+        t = t.narrow(d, o, b - a)
+    return t
+
+
+def _check_padding(t: torch.Tensor, ts) -> str | None:
+    if t.dim() == 0:
+        return None
+    local = full_box(tuple(ts.local_shape))
+    dst = [tuple((o, o + (b - a)) for o, (a, b) in zip(p.dst, p.src)) for p in ts.pieces]
+    gaps = uncovered(local, dst)
+    if gaps is None:
+        return "too many disjoint padding regions to check"
+    bits = _int_bits(t)
+    for g in gaps:
+        region = _narrow(bits, g, [a for a, _ in g])
+        nz = int(torch.count_nonzero(region).item())
+        if nz:
+            return (f"padding region {_fmt_box(g)} (covered by no piece) has {nz} non-zero "
+                    f"element(s); padding must be zero")
+    return None
+
+
+class _FullReader:
+    """Re-reads checkpoint pieces through the HF safetensors library (independent of the
+    engines that did the load)."""
+
+    def __init__(self, meta):
+        self.meta = meta
+        self.handles: dict[str, Any] = {}
+
+    def _open(self, file: str):
+        if file not in self.handles:
+            import os
+
+            from safetensors import safe_open
+            self.handles[file] = safe_open(os.path.join(self.meta.root, file), framework="pt")
+        return self.handles[file]
+
+    def compare(self, name: str, local: torch.Tensor, piece) -> str | None:
+        info = self.meta.tensors.get(name)
+        if info is None:
+            return "not in the checkpoint"
+        shape = tuple(info.shape)
+        if not shape:
+            sp = info.pieces[0]
+            ref = self._open(sp.file).get_tensor(name)
+            a, b = _int_bits(ref.to(local.device)), _int_bits(local)
+            return None if torch.equal(a, b) else "scalar differs from the checkpoint"
+        budget = max(1, FULL_CHUNK_BYTES // itemsize(info.dtype))
+        for sp in info.pieces:
+            inter = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(piece.src, sp.box))
+            if any(a >= b for a, b in inter):
+                continue
+            key = name if sp.box == full_box(shape) else _piece_key(name, sp.box)
+            sl = self._open(sp.file).get_slice(key)
+            for sub in dg.iter_subboxes(inter, budget):
+                ref = sl[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(sub, sp.box))]
+                mine = _narrow(local, sub, [o + a - p0 for o, (a, _), (p0, _) in
+                                            zip(piece.dst, sub, piece.src)])
+                rb, mb = _int_bits(ref.to(local.device)), _int_bits(mine)
+                if tuple(rb.shape) != tuple(mb.shape):
+                    return f"re-read {list(rb.shape)} elements, holds {list(mb.shape)}"
+                if not torch.equal(rb, mb):
+                    diff = rb != mb
+                    n = int(diff.sum().item())
+                    first = [int(x) for x in diff.nonzero()[0].tolist()]
+                    at = [a + i for (a, _), i in zip(sub, first)]
+                    w = rb.element_size() * 8
+                    mask = (1 << w) - 1
+                    got = int(mb[tuple(first)].item()) & mask
+                    want = int(rb[tuple(first)].item()) & mask
+                    return (f"{n} element(s) differ from {sp.file} in {_fmt_box(sub)}; first at "
+                            f"global index {at}: holds bits 0x{got:0{w // 4}x}, checkpoint has "
+                            f"0x{want:0{w // 4}x}")
+        return None
+
+
+def _piece_key(name: str, box) -> str:
+    try:
+        from .checkpoint import piece_key
+        return piece_key(name, box)
+    except ImportError:  # same agreed format (brief: coordloader sharded format)
+        return name + "@" + ",".join(f"{a}:{b}" for a, b in box)
+
+
+def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, meta=None) -> dict:
+    """This rank's share of the verification: compact view, local findings and (digest
+    mode) per-piece digests. Never raises for a data problem: everything is a finding, so
+    the rank still joins the collective that follows."""
+    rank = rank_plan.rank
+    level = _LEVEL[mode]
+    findings: list[dict] = []
+    view = []
+    digests: dict[str, list[str]] = {}
+    stats = {"tensors": 0, "bytes_digested": 0, "digest_s": 0.0, "bytes_compared": 0, "full_s": 0.0}
+    want = rank_plan.by_name()
+    try:
+        missing = sorted(set(want) - set(tensors))
+        extra = sorted(set(tensors) - set(want))
+        for n in missing:
+            findings.append(_finding(rank, "missing", "planned for this rank but not loaded", n))
+        for n in extra:
+            findings.append(_finding(rank, "unexpected", "loaded but not in this rank's plan", n))
+        full = _FullReader(meta) if level >= _LEVEL["full"] and meta is not None else None
+        if level >= _LEVEL["full"] and meta is None:
+            findings.append(_finding(rank, "full", "--verify full needs the checkpoint metadata"))
+        for name, ts in want.items():
+            if name not in tensors:
+                continue
+            t = tensors[name]
+            view.append((name, ts.dtype, tuple(ts.global_shape), ts.replica,
+                         tuple(tuple(tuple(x) for x in p.src) for p in ts.pieces)))
+            stats["tensors"] += 1
+            try:
+                dt = torch_dtype(ts.dtype)
+                if t.dtype != dt or tuple(t.shape) != tuple(ts.local_shape):
+                    findings.append(_finding(rank, "shape", f"holds {from_torch_safe(t.dtype)} "
+                                             f"{list(t.shape)}, the plan says {ts.dtype} "
+                                             f"{list(ts.local_shape)}", name))
+                    continue
+                if ts.needs_zero_fill:
+                    bad = _check_padding(t, ts)
+                    if bad:
+                        findings.append(_finding(rank, "padding", bad, name))
+                if level >= _LEVEL["digest"]:
+                    t0 = time.perf_counter()
+                    ds = dg.digest_local(t, ts.pieces, ts.global_shape)
+                    stats["digest_s"] += time.perf_counter() - t0
+                    stats["bytes_digested"] += ts.covered_numel * t.element_size()
+                    digests[name] = [dg.fmt(d) for d in ds]
+                if full is not None:
+                    t0 = time.perf_counter()
+                    for i, p in enumerate(ts.pieces):
+                        bad = full.compare(name, t, p)
+                        if bad:
+                            findings.append(_finding(rank, "bytes", bad, name, i, p.src))
+                    stats["full_s"] += time.perf_counter() - t0
+                    stats["bytes_compared"] += ts.covered_numel * t.element_size()
+            except CoordloaderError as e:
+                findings.append(_finding(rank, "error", e.message, name))
+            except Exception as e:  # noqa: BLE001 — a local crash must still reach the collective
+                findings.append(_finding(rank, "error", f"{type(e).__name__}: {e}", name))
+    except Exception as e:  # noqa: BLE001
+        findings.append(_finding(rank, "error", f"{type(e).__name__}: {e}"))
+    if len(findings) > MAX_FINDINGS_PER_RANK:
+        n = len(findings)
+        findings = findings[:MAX_FINDINGS_PER_RANK] + [
+            _finding(rank, "truncated", f"{n - MAX_FINDINGS_PER_RANK} more finding(s) on this rank")]
+    return {"rank": rank, "view": view, "findings": findings, "digests": digests, "stats": stats}
+
+
+def from_torch_safe(dt: torch.dtype) -> str:
+    try:
+        return from_torch(dt)
+    except CoordloaderError:
+        return str(dt)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+def evaluate(payloads: Sequence[dict], mode: str, *, meta=None, manifest=None,
+             manifest_error: str | None = None, excluded: Iterable[str] = (),
+             complete: bool = True) -> dict:
+    """The verdict over every rank's payload (pure: every rank computes the same one).
+
+    ``complete`` says the payloads are the whole world; otherwise (one rank of a larger
+    plan checked in a single process) the global cover and manifest sums are skipped."""
+    level = _LEVEL[mode]
+    failures = [f for p in sorted(payloads, key=lambda p: p["rank"]) for f in p["findings"]]
+    checks = ["local"]
+    notes = []
+    bad_local = {(f["rank"], f["tensor"]) for f in failures if f["tensor"] is not None}
+    bad_tensor = {t for _, t in bad_local}
+
+    # -- gathered view: per tensor, who holds which pieces
+    holders: dict[str, dict] = {}
+    for p in payloads:
+        r = p["rank"]
+        for name, dtype, gshape, replica, boxes in p["view"]:
+            h = holders.setdefault(name, {"decl": {}, "prim": [], "repl": []})
+            h["decl"].setdefault((dtype, tuple(gshape)), []).append(r)
+            for i, b in enumerate(boxes):
+                (h["prim"] if replica == 0 else h["repl"]).append((r, i, tuple(b)))
+
+    cover_ok: set[str] = set()
+    if complete:
+        checks.append("cover")
+        for name in sorted(holders):
+            h = holders[name]
+            decl = h["decl"]
+            info = meta.tensors.get(name) if meta is not None else None
+            if info is not None:
+                truth = (info.dtype, tuple(info.shape))
+                wrong = {k: v for k, v in decl.items() if k != truth}
+                for (dt, gs), rs in wrong.items():
+                    failures.append(_finding(rs[0], "cover", f"ranks {rs} plan it as {dt} {list(gs)}, "
+                                             f"the checkpoint has {truth[0]} {list(truth[1])}", name))
+            elif meta is not None:
+                rs = sorted({r for v in decl.values() for r in v})
+                failures.append(_finding(rs[0], "cover", f"held by ranks {rs} but not in the "
+                                         "checkpoint", name))
+                continue
+            if len(decl) > 1:
+                desc = "; ".join(f"ranks {rs}: {dt} {list(gs)}" for (dt, gs), rs in decl.items())
+                failures.append(_finding(min(min(v) for v in decl.values()), "cover",
+                                         f"ranks disagree on dtype/shape ({desc})", name))
+                continue
+            (_, gshape), = decl.keys()
+            probs = check_cover(name, gshape, [(r, b) for r, _, b in h["prim"]],
+                                [(r, b) for r, _, b in h["repl"]])
+            for msg in probs:
+                rs = sorted({r for r, _, _ in h["prim"] + h["repl"]})
+                failures.append(_finding(rs[0] if len(rs) == 1 else None, "cover", msg, name,
+                                         ranks=rs))
+            if not probs:
+                cover_ok.add(name)
+        if meta is not None:
+            skip = set(excluded)
+            for name in meta.tensors:
+                if name not in holders and name not in skip:
+                    failures.append(_finding(None, "cover", "checkpoint tensor held by no rank "
+                                             "(and not excluded by the plan)", name))
+    else:
+        notes.append("global cover and manifest sums skipped: only this rank's share was "
+                     "checked (no process group)")
+
+    # -- digests
+    manifest_info = None
+    if level >= _LEVEL["digest"]:
+        if manifest_error:
+            failures.append(_finding(None, "manifest", manifest_error))
+        if manifest is not None:
+            checks.append("digest-manifest")
+            manifest_info = f"compared with {manifest.path}"
+        else:
+            checks.append("digest-replicas")
+            manifest_info = ("no manifest: checked replicas against primaries only (create one "
+                             "with `python -m coordloader.manifest CKPT`)")
+            notes.append(manifest_info)
+        dig = {p["rank"]: p["digests"] for p in payloads}
+        for name in sorted(holders):
+            h = holders[name]
+            if complete and name not in cover_ok:
+                continue
+            if name in bad_tensor:
+                notes.append(f"{name}: digests not compared (local check failed)")
+                continue
+            prim_d = {}
+            for r, i, b in h["prim"]:
+                d = dig.get(r, {}).get(name)
+                if d is not None:
+                    prim_d[b] = (r, i, int(d[i], 16))
+            for r, i, b in h["repl"]:
+                d = dig.get(r, {}).get(name)
+                if d is None or b not in prim_d:
+                    continue
+                pr, pi, pd = prim_d[b]
+                if int(d[i], 16) != pd:
+                    failures.append(_finding(r, "digest", f"replica digest {d[i]} differs from the "
+                                             f"primary copy on rank {pr} (piece {pi}): {dg.fmt(pd)}",
+                                             name, i, b))
+            if manifest is not None and complete:
+                md = manifest.get(name)
+                if md is None:
+                    failures.append(_finding(None, "digest", "not in the manifest", name))
+                    continue
+                got = dg.combine(d for _, _, d in prim_d.values())
+                if got != md.digest:
+                    who = ", ".join(f"rank {r} piece {i} {_fmt_box(b)}"
+                                    for b, (r, i, _) in sorted(prim_d.items(), key=lambda kv: kv[1][0]))
+                    rs = sorted({r for r, _, _ in prim_d.values()})
+                    failures.append(_finding(rs[0] if len(rs) == 1 else None, "digest",
+                                             f"content differs from the manifest: primary pieces sum "
+                                             f"to {dg.fmt(got)}, manifest has {dg.fmt(md.digest)}; "
+                                             f"held by {who}", name, ranks=rs))
+    if level >= _LEVEL["full"]:
+        checks.append("full")
+
+    stats: dict[str, Any] = {}
+    for key in ("tensors", "bytes_digested", "digest_s", "bytes_compared", "full_s"):
+        stats[key] = sum(p["stats"].get(key, 0) for p in payloads)
+    if stats["digest_s"] > 0:
+        stats["digest_gbps"] = stats["bytes_digested"] / stats["digest_s"] / 1e9
+    return {"ok": not failures, "mode": mode, "ranks": sorted(p["rank"] for p in payloads),
+            "checks": checks, "manifest": manifest_info, "notes": notes,
+            "failures": failures, "stats": stats}
+
+
+def render(f: dict) -> str:
+    parts = []
+    if f.get("rank") is not None:
+        parts.append(f"rank {f['rank']}")
+    elif f.get("ranks"):
+        parts.append(f"ranks {f['ranks']}")
+    if f.get("tensor") is not None:
+        parts.append(f"tensor {f['tensor']!r}")
+    if f.get("piece") is not None:
+        parts.append(f"piece {f['piece']}" + (f" {_fmt_box(tuple(map(tuple, f['box'])))}" if f.get("box") else ""))
+    return (", ".join(parts) + ": " if parts else "") + f"[{f['check']}] {f['detail']}"
+
+
+# --------------------------------------------------------------------------- entry point
+
+def _process_group(group):
+    """None for single-process use; else the torch ProcessGroup (accepts a ProcessGroup,
+    coordloader.collective.Group or anything with a ``pg`` attribute)."""
+    if group is None:
+        return None
+    pg = getattr(group, "pg", group)
+    if pg is None:
+        return None
+    import torch.distributed as dist
+    if dist.get_world_size(pg) <= 1:
+        return None
+    return pg
+
+
+def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str | None = None,
+                meta=None, manifest=None, group=None, plan=None, rank: int | None = None) -> dict:
+    """Verify this rank's loaded ``tensors`` against ``rank_plan``; returns the report, or
+    raises ``VerifyError(report=...)`` on every rank when any rank found a problem.
+
+    Call forms: ``verify_rank(tensors, rank_plan, mode, ...)`` or
+    ``verify_rank(tensors, plan, rank, mode=..., ...)`` (a whole ``Plan`` and this rank's
+    index; the plan also supplies the excluded tensors and the world size).
+
+    ``manifest``: a ``manifest.Manifest``; None = load ``coordloader.manifest.json`` from
+    ``meta.root`` when ``meta`` is given (digest/full modes); False = do not use one.
+    ``group``: None = single process (no collectives); else a ProcessGroup or a
+    ``coordloader.collective.Group``; every member must call verify_rank."""
+    for a in args:
+        if isinstance(a, str):
+            mode = a
+        elif isinstance(a, int) and not isinstance(a, bool):
+            rank = a
+        else:
+            raise TypeError(f"verify_rank: unexpected positional argument {a!r}")
+    mode = mode or "shapes"
+    if mode not in MODES:
+        raise VerifyError(f"unknown verify mode {mode!r}; expected one of {', '.join(MODES)}")
+    if hasattr(rank_plan, "ranks") and hasattr(rank_plan, "rank") and callable(rank_plan.rank):
+        plan = rank_plan
+        if rank is None:
+            raise TypeError("verify_rank: a whole Plan needs this process's rank")
+        rank_plan = plan.rank(rank)
+    if mode == "none":
+        return {"ok": True, "mode": "none", "ranks": [rank_plan.rank], "checks": [], "notes": [],
+                "failures": [], "manifest": None, "stats": {}}
+    t_start = time.perf_counter()
+    pg = _process_group(group)
+
+    manifest_error = None
+    if _LEVEL[mode] >= _LEVEL["digest"] and manifest is None and meta is not None:
+        try:
+            from .manifest import load_manifest
+            manifest = load_manifest(meta.root, meta)
+        except CoordloaderError as e:
+            manifest, manifest_error = None, str(e)
+        except Exception as e:  # noqa: BLE001
+            manifest, manifest_error = None, f"cannot read the manifest: {type(e).__name__}: {e}"
+    if manifest is False:
+        manifest = None
+
+    payload = local_payload(tensors, rank_plan, mode, meta=meta)
+    if pg is None:
+        payloads = [payload]
+        complete = plan is None or plan.world_size == 1
+    else:
+        import torch.distributed as dist
+        world = dist.get_world_size(pg)
+        payloads = [None] * world
+        try:
+            dist.all_gather_object(payloads, payload, group=pg)
+        except Exception as e:
+            raise CollectiveError(f"verify: exchanging findings failed (a rank died or timed out?): "
+                                  f"{type(e).__name__}: {e}", rank=rank_plan.rank) from None
+        complete = True
+    report = evaluate(payloads, mode, meta=meta, manifest=manifest, manifest_error=manifest_error,
+                      excluded=plan.excluded if plan is not None else (), complete=complete)
+    report["rank"] = rank_plan.rank
+    report["seconds"] = time.perf_counter() - t_start
+    if not report["ok"]:
+        fl = report["failures"]
+        head = "; ".join(render(f) for f in fl[:5]) + (f"; ... ({len(fl) - 5} more)" if len(fl) > 5 else "")
+        raise VerifyError(f"verify {mode} failed ({len(fl)} problem(s)): {head}",
+                          rank=rank_plan.rank, report=report)
+    return report

@@ -1,0 +1,266 @@
+"""Verification, single process: each failure is broken on purpose and the exact diagnosis
+asserted. A 2-rank world is simulated by running every rank's local share
+(``local_payload``) and the shared verdict (``evaluate``) — the same two functions
+``verify_rank`` runs around its one all_gather."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from coordloader import verify as vf
+from coordloader.checkpoint import read_checkpoint
+from coordloader.errors import VerifyError
+from coordloader.layout import Layout
+from coordloader.manifest import load_manifest, write_manifest
+from coordloader.planmodel import Piece, Plan, RankPlan, TensorSlice
+
+
+def make_ckpt(root):
+    g = torch.Generator().manual_seed(7)
+    ts = {
+        "embed": torch.randn(10, 8, generator=g).to(torch.bfloat16),   # vocab 10, padded to 12
+        "w_col": torch.randn(8, 6, generator=g),
+        "w_row": torch.randn(6, 8, generator=g).to(torch.bfloat16),
+        "norm": torch.randn(8, generator=g).to(torch.float16),
+    }
+    os.makedirs(root, exist_ok=True)
+    save_file(ts, os.path.join(root, "model.safetensors"))
+    return str(root), ts
+
+
+def ts_(name, dtype, gshape, lshape, pieces, replica=0, strategy="colwise"):
+    return TensorSlice(name, "model.safetensors", dtype, tuple(gshape), tuple(lshape),
+                       tuple(Piece(tuple(map(tuple, s)), tuple(d)) for s, d in pieces), replica, (),
+                       strategy)
+
+
+def tp2_plan(meta) -> Plan:
+    ranks = []
+    for r in range(2):
+        emb_rows = (6 * r, min(6 * r + 6, 10))
+        tensors = (
+            ts_("embed", "BF16", (10, 8), (6, 8), [((emb_rows, (0, 8)), (0, 0))], strategy="vocab"),
+            ts_("norm", "F16", (8,), (8,), [(((0, 8),), (0,))], replica=r, strategy="replicate"),
+            ts_("w_col", "F32", (8, 6), (4, 6), [(((4 * r, 4 * r + 4), (0, 6)), (0, 0))]),
+            ts_("w_row", "BF16", (6, 8), (6, 4), [(((0, 6), (4 * r, 4 * r + 4)), (0, 0))],
+                strategy="rowwise"),
+        )
+        ranks.append(RankPlan(r, {"tp": r, "dp": 0, "pp": 0, "ep": 0, "moe_tp": 0}, tensors))
+    return Plan(Layout(tp=2), meta.fingerprint(), tuple(ranks))
+
+
+def simulate_load(full: dict, rank_plan) -> dict:
+    """What a correct engine produces for ``rank_plan`` (zero padding included)."""
+    out = {}
+    for ts in rank_plan.tensors:
+        src = full[ts.name]
+        local = torch.zeros(ts.local_shape, dtype=src.dtype)
+        for p in ts.pieces:
+            dst = tuple(slice(o, o + b - a) for o, (a, b) in zip(p.dst, p.src))
+            local[dst] = src[tuple(slice(a, b) for a, b in p.src)]
+        out[ts.name] = local
+    return out
+
+
+def world(per_rank, plan, mode, meta=None, manifest=None, manifest_error=None):
+    payloads = [vf.local_payload(per_rank[r], plan.rank(r), mode, meta=meta)
+                for r in range(plan.world_size)]
+    # payloads travel through all_gather_object: they must pickle
+    payloads = pickle.loads(pickle.dumps(payloads))
+    return vf.evaluate(payloads, mode, meta=meta, manifest=manifest, manifest_error=manifest_error,
+                       excluded=plan.excluded)
+
+
+def checks(report):
+    return [(f["rank"], f["tensor"], f["check"]) for f in report["failures"]]
+
+
+@pytest.fixture
+def setup(tmp_path):
+    root, full = make_ckpt(tmp_path / "ck")
+    meta = read_checkpoint(root)
+    write_manifest(meta)
+    man = load_manifest(root, meta)
+    plan = tp2_plan(meta)
+    loaded = [simulate_load(full, plan.rank(r)) for r in range(2)]
+    return root, full, meta, man, plan, loaded
+
+
+def test_correct_load_passes_every_mode(setup):
+    root, full, meta, man, plan, loaded = setup
+    for mode in ("shapes", "digest", "full"):
+        rep = world(loaded, plan, mode, meta=meta, manifest=man)
+        assert rep["ok"], rep["failures"]
+    rep = world(loaded, plan, "digest", meta=meta, manifest=man)
+    assert rep["checks"] == ["local", "cover", "digest-manifest"]
+    assert rep["stats"]["bytes_digested"] > 0
+
+
+def test_flipped_byte_after_manifest_names_the_tensor(setup):
+    root, full, meta, man, plan, loaded = setup
+    path = os.path.join(root, "model.safetensors")
+    meta_w = meta.tensors["w_col"].pieces[0]
+    # flip a byte inside w_col rows 4..8 (rank 1's slice): last row's first element
+    off = meta_w.start + (7 * 6) * 4 + 1
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x40]))
+    meta2 = read_checkpoint(root)
+    assert meta2.fingerprint() == meta.fingerprint()          # headers/sizes unchanged
+    full2 = load_file(path)
+    loaded2 = [simulate_load(full2, plan.rank(r)) for r in range(2)]
+    # shapes: nothing to see
+    assert world(loaded2, plan, "shapes", meta=meta2, manifest=man)["ok"]
+    rep = world(loaded2, plan, "digest", meta=meta2, manifest=man)
+    # the manifest holds whole-tensor digests: the sum is wrong, every holder is named
+    assert checks(rep) == [(None, "w_col", "digest")] and rep["failures"][0]["ranks"] == [0, 1]
+    assert "differs from the manifest" in rep["failures"][0]["detail"]
+    assert "rank 1 piece 0 [4:8,0:6]" in rep["failures"][0]["detail"]
+    # full mode re-reads the (now flipped) file and finds the loaded bytes equal to it; the
+    # manifest still flags the content. With the pre-flip tensors loaded, full pinpoints it.
+    rep = world(loaded, plan, "full", meta=meta2, manifest=None, manifest_error=None)
+    assert checks(rep) == [(1, "w_col", "bytes")]
+    f = rep["failures"][0]
+    assert f["piece"] == 0 and "first at global index [7, 0]" in f["detail"]
+
+
+def test_every_rank_loading_tp_rank0_slice(setup):
+    root, full, meta, man, plan, loaded = setup
+    wrong = [loaded[0], {k: v.clone() for k, v in loaded[0].items()}]
+    # rank 1's embed must still be zero-padded (rank 0's slice has no padding): the shapes
+    # match, so the local check passes apart from padding
+    wrong[1]["embed"][4:] = 0
+    rep = world(wrong, plan, "shapes", meta=meta, manifest=man)
+    assert rep["ok"], rep["failures"]
+    rep = world(wrong, plan, "digest", meta=meta, manifest=man)
+    bad = {(t, c) for _, t, c in checks(rep)}
+    assert bad == {("embed", "digest"), ("w_col", "digest"), ("w_row", "digest")}
+    # without a manifest the only evidence is replicas (norm is identical): it says so
+    rep = world(wrong, plan, "digest", meta=meta, manifest=None)
+    assert rep["ok"] and "no manifest" in rep["manifest"]
+
+
+def test_missing_tensor(setup):
+    root, full, meta, man, plan, loaded = setup
+    del loaded[1]["w_col"]
+    rep = world(loaded, plan, "shapes", meta=meta)
+    assert (1, "w_col", "missing") in checks(rep)
+    cover = [f for f in rep["failures"] if f["check"] == "cover"]
+    assert cover and cover[0]["tensor"] == "w_col" and "held by no rank: [4:8,0:6]" in cover[0]["detail"]
+
+
+def test_extra_tensor(setup):
+    root, full, meta, man, plan, loaded = setup
+    loaded[0]["bogus"] = torch.zeros(2)
+    rep = world(loaded, plan, "shapes", meta=meta)
+    assert checks(rep) == [(0, "bogus", "unexpected")]
+
+
+def test_wrong_dtype_and_shape(setup):
+    root, full, meta, man, plan, loaded = setup
+    loaded[0]["w_col"] = loaded[0]["w_col"].to(torch.float16)
+    loaded[1]["w_row"] = loaded[1]["w_row"][:, :3]
+    rep = world(loaded, plan, "digest", meta=meta, manifest=man)
+    assert checks(rep) == [(0, "w_col", "shape"), (1, "w_row", "shape")]
+    assert "F16" in rep["failures"][0]["detail"] and "[6, 3]" in rep["failures"][1]["detail"]
+
+
+def test_padding_rows_not_zero(setup):
+    root, full, meta, man, plan, loaded = setup
+    loaded[1]["embed"][5, 3] = -0.0      # bits non-zero although the value compares equal
+    rep = world(loaded, plan, "shapes", meta=meta)
+    assert checks(rep) == [(1, "embed", "padding")]
+    assert "[4:6,0:8]" in rep["failures"][0]["detail"]
+
+
+def test_replica_differs_from_primary_without_manifest(setup):
+    root, full, meta, man, plan, loaded = setup
+    loaded[1]["norm"][2] += 1
+    rep = world(loaded, plan, "digest", meta=meta, manifest=None)
+    assert checks(rep) == [(1, "norm", "digest")]
+    assert "primary copy on rank 0" in rep["failures"][0]["detail"]
+
+
+def test_rank_with_a_different_plan_breaks_the_cover(setup):
+    root, full, meta, man, plan, loaded = setup
+    # rank 1 planned (and loaded) as if it were tp rank 0
+    p0 = plan.rank(0)
+    bogus = Plan(plan.layout, plan.fingerprint, (p0, RankPlan(1, p0.coords, tuple(
+        t if t.name != "norm" else plan.rank(1).by_name()["norm"] for t in p0.tensors))))
+    rep = world([loaded[0], loaded[0]], bogus, "shapes", meta=meta)
+    msgs = {(f["tensor"], f["check"]) for f in rep["failures"]}
+    assert ("w_col", "cover") in msgs and ("embed", "cover") in msgs
+    assert any("overlap" in f["detail"] for f in rep["failures"])
+
+
+def test_stale_manifest_in_digest_mode(setup):
+    root, full, meta, man, plan, loaded = setup
+    full2 = dict(full)
+    full2["norm"] = torch.zeros(9, dtype=torch.float16)
+    save_file(full2, os.path.join(root, "model.safetensors"))
+    meta2 = read_checkpoint(root)
+    # verify_rank loads the manifest itself from meta.root and must refuse it
+    one = Plan(Layout(), meta2.fingerprint(), (RankPlan(0, {"tp": 0}, (
+        ts_("w_col", "F32", (8, 6), (8, 6), [(((0, 8), (0, 6)), (0, 0))]),)),),
+        excluded=tuple(n for n in meta2.tensors if n != "w_col"))
+    with pytest.raises(VerifyError, match="stale manifest") as ei:
+        vf.verify_rank({"w_col": full["w_col"]}, one, 0, mode="digest", meta=meta2)
+    assert [f["check"] for f in ei.value.report["failures"]] == ["manifest"]
+
+
+def test_verify_rank_single_process_world_one(setup):
+    root, full, meta, man, plan, loaded = setup
+    rp = RankPlan(0, {"tp": 0}, tuple(
+        ts_(n, {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}[t.dtype],
+            t.shape, t.shape, [(tuple((0, s) for s in t.shape), (0,) * t.dim())])
+        for n, t in sorted(full.items())))
+    one = Plan(Layout(), meta.fingerprint(), (rp,))
+    tensors = {n: t.clone() for n, t in full.items()}
+    for mode in ("none", "shapes", "digest", "full"):
+        rep = vf.verify_rank(tensors, rp, mode, meta=meta)
+        assert rep["ok"] and rep["mode"] == mode
+    # the loader's call form: (tensors, plan, rank, mode=..., meta=..., group=...)
+    rep = vf.verify_rank(tensors, one, 0, mode="digest", meta=meta, group=None)
+    assert rep["checks"][-1] == "digest-manifest"
+    tensors["w_row"][0, 0] += 1
+    with pytest.raises(VerifyError) as ei:
+        vf.verify_rank(tensors, rp, "digest", meta=meta)
+    assert ei.value.rank == 0 and "tensor 'w_row'" in str(ei.value)
+    assert ei.value.report["failures"][0]["check"] == "digest"
+    with pytest.raises(VerifyError) as ei:
+        vf.verify_rank(tensors, rp, "full", meta=meta, manifest=False)
+    f = ei.value.report["failures"][0]
+    assert (f["tensor"], f["check"], f["piece"]) == ("w_row", "bytes", 0)
+    # VerifyError with its report survives pickling (it crosses ranks)
+    e2 = pickle.loads(pickle.dumps(ei.value))
+    assert e2.report["failures"][0]["tensor"] == "w_row"
+
+
+def test_one_rank_of_a_larger_plan_in_a_single_process(setup):
+    root, full, meta, man, plan, loaded = setup
+    rep = vf.verify_rank(loaded[1], plan, 1, mode="digest", meta=meta)
+    assert rep["ok"] and any("skipped" in n for n in rep["notes"])
+
+
+def test_cover_checker_finds_gaps_overlaps_and_stray_replicas():
+    p = vf.check_cover("t", (4, 4), [(0, ((0, 2), (0, 4))), (1, ((2, 4), (0, 2)))], [])
+    assert p == ["primary pieces cover 12 of 16 elements; held by no rank: [2:4,2:4]"]
+    p = vf.check_cover("t", (4, 4), [(0, ((0, 3), (0, 4))), (1, ((2, 4), (0, 4)))], [])
+    assert len(p) == 1 and "overlap" in p[0] and "rank 0" in p[0] and "rank 1" in p[0]
+    p = vf.check_cover("t", (4,), [(0, ((0, 4),))], [(1, ((0, 2),))])
+    assert p == ["rank 1 holds replica piece [0:2] that matches no primary piece"]
+    p = vf.check_cover("t", (4,), [(0, ((0, 5),))], [])
+    assert "outside" in p[0]
+    assert vf.check_cover("s", (), [(0, ())], [(1, ())]) == []
+
+
+def test_unknown_mode():
+    with pytest.raises(VerifyError, match="unknown verify mode"):
+        vf.verify_rank({}, RankPlan(0, {}, ()), "bytes")
