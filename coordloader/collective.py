@@ -180,6 +180,7 @@ class Group:
     store_desc: str = ""            # for messages: "127.0.0.1:29500 (hosted by rank 0)"
     owns_pg: bool = False
     _hb_stop: Any = field(default=None, repr=False)
+    _failed: bool = field(default=False, repr=False)   # a phase failed: close() must not wait
     _seq: int = field(default=0, repr=False)
     _prev: str | None = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
@@ -200,7 +201,9 @@ class Group:
         self._closed = True
         if self._hb_stop is not None:
             self._hb_stop.set()
-        if self.store is not None and self.world > 1:
+        # After a failed phase the failure path has already waited for the others' acks;
+        # waiting again for close() of ranks that may be dead would break the bound.
+        if self.store is not None and self.world > 1 and not self._failed:
             with contextlib.suppress(Exception):
                 if self.store_host:
                     self.store.wait([f"close/{r}" for r in range(self.world) if r != self.rank],
@@ -433,10 +436,14 @@ def run_phase(name: str, fn: Callable, group: Group | None, *args, **kw):
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the others
         local = exc
         status = (name, False) + describe_exception(exc, group.rank)
-    if group.store is None:
-        _agree_over_pg(name, group, status, local)
-    else:
-        _agree_over_store(name, group, status, local)
+    try:
+        if group.store is None:
+            _agree_over_pg(name, group, status, local)
+        else:
+            _agree_over_store(name, group, status, local)
+    except CollectiveError:
+        group._failed = True
+        raise
     if local is not None and not isinstance(local, Exception):
         raise local  # KeyboardInterrupt / SystemExit: others were told, keep its meaning
     return value
