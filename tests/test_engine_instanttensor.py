@@ -81,7 +81,9 @@ class FakeSafeOpen:
 
     def tensors(self):
         from coordloader import dtypes
-        ring = torch.empty(1 << 16, dtype=torch.uint8)
+        # like the real buffer: at least the largest tensor, reused for every tensor
+        ring = torch.empty(max([v["data_offsets"][1] - v["data_offsets"][0]
+                                for _, _, v, _ in self.items] + [1]), dtype=torch.uint8)
         for f, k, v, start in self.items:
             a, b = v["data_offsets"]
             ring.fill_(0xA5)  # the previous tensor's bytes are gone
