@@ -48,7 +48,8 @@ def _check_spec(path: str, key: Any, dtype: Any, shape: Any, seen: set[str]) -> 
     return math.prod(int(d) for d in shape) * dtypes.itemsize(dtype)
 
 
-def _layout(path: str, specs: Sequence[tuple[str, str, Sequence[int]]]) -> list[tuple[str, str, list[int], int, int]]:
+def _layout(path: str, specs: Sequence[tuple[str, str, Sequence[int]]]
+            ) -> list[tuple[str, str, list[int], int, int]]:
     seen: set[str] = set()
     out = []
     offset = 0

@@ -84,6 +84,7 @@ def tensor_chunks(seed: int, name: str, dtype: str, shape, chunk: int = _CHUNK
     nbytes = math.prod(shape) * dtypes.itemsize(dtype)
     if nbytes == 0:
         return
+    chunk = max(8, chunk - chunk % 8)  # whole 64-bit words: same stream for any chunk size
     bg = np.random.Philox(key=_tensor_key(seed, name))
     masks = _masks(dtype, positive=name.endswith("_scale_inv"))
     done = 0
@@ -234,22 +235,23 @@ def synthesize(out_dir: str, arch: str, size: str = "tiny", *, shards: int | Non
             _write_json(os.path.join(work, "model.safetensors.index.json"),
                         {"metadata": {"total_size": total},
                          "weight_map": dict(sorted(weight_map.items()))})
-        _swap_in(work, out_dir)
+        _swap_in(work, out_dir, overwrite)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return out_dir
 
 
-def _swap_in(work: str, out_dir: str) -> None:
-    # rename(2) replaces an empty directory atomically; a non-empty one (overwrite) is moved
-    # aside first and deleted after the new one is in place.
+def _swap_in(work: str, out_dir: str, overwrite: bool) -> None:
+    # rename(2) replaces an absent or empty directory atomically; a non-empty one (overwrite)
+    # is moved aside first and deleted after the new one is in place.
     old = None
     if os.path.isdir(out_dir) and os.listdir(out_dir):
+        if not overwrite:  # something appeared in OUT while we were writing
+            raise SaveError("output directory became non-empty while writing; nothing replaced",
+                            file=out_dir)
         old = work + ".old"
         os.rename(out_dir, old)
-    elif os.path.isdir(out_dir):
-        os.rmdir(out_dir)
     os.rename(work, out_dir)
     if old:
         shutil.rmtree(old, ignore_errors=True)

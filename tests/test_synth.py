@@ -143,7 +143,8 @@ def _expect_bert(cfg: dict) -> dict[str, tuple[str, tuple]]:
         want[name + ".bias"] = ("F32", (H,))
 
     want["bert.embeddings.word_embeddings.weight"] = ("F32", (V, H))
-    want["bert.embeddings.position_embeddings.weight"] = ("F32", (cfg["max_position_embeddings"], H))
+    P = cfg["max_position_embeddings"]
+    want["bert.embeddings.position_embeddings.weight"] = ("F32", (P, H))
     want["bert.embeddings.token_type_embeddings.weight"] = ("F32", (cfg["type_vocab_size"], H))
     norm("bert.embeddings.LayerNorm")
     for n in range(cfg["num_hidden_layers"]):
@@ -317,6 +318,21 @@ def test_deterministic_by_seed_and_independent_of_sharding(tmp_path):
     # Different tensors of the same shape differ (shifted/swapped slices stay detectable).
     assert not torch.equal(ta["model.layers.0.mlp.experts.0.up_proj.weight"],
                            ta["model.layers.0.mlp.experts.1.up_proj.weight"])
+
+
+def test_file_content_is_tensor_bytes_for_any_chunking(tiny):
+    root = tiny["deepseek_v3"]
+    for fname in checkpoint_headers(root):
+        with safe_open(os.path.join(root, fname), framework="pt") as f:
+            for name in list(f.keys())[:40]:
+                t = f.get_tensor(name)
+                raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                dt = read_header(os.path.join(root, fname))[1][name]["dtype"]
+                assert raw == synth.tensor_bytes(7, name, dt, tuple(t.shape)), name
+    want = synth.tensor_bytes(1, "x", "BF16", (3, 1001))
+    for chunk in (8, 1000, 1003, 5):
+        got = b"".join(bytes(c) for c in synth.tensor_chunks(1, "x", "BF16", (3, 1001), chunk))
+        assert got == want, chunk
 
 
 # ---------------------------------------------------------------- full, metadata only
