@@ -1,0 +1,135 @@
+"""``python -m coordloader.bench {plan,load,verify,save,all}``: argument parsing and the
+run of the chosen sections. Each section is independent: one that fails is reported and
+the others still run. The last line printed is always the headline (report.headline)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+from . import report
+from .common import machine_info, optional
+
+SECTIONS = ("load", "verify", "save", "plan")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m coordloader.bench",
+        description="Benchmark coordloader's planner, engines and verification against "
+                    "baselines on this machine's storage; writes a markdown table, a JSON "
+                    "file and PNG plots, and prints the headline ratio as the last line.")
+    ap.add_argument("what", choices=("plan", "load", "verify", "save", "all"),
+                    help="which benchmark: plan (planner + cover on DeepSeek-V3 metadata), "
+                         "load (engines vs baselines), verify (digest cost), save (save and "
+                         "resharded load), all")
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer repeats, no cold-cache runs, fewer planner layouts "
+                         "(under 5 minutes on 2 cores)")
+    ap.add_argument("--ckpt", metavar="PATH",
+                    help="checkpoint for load/verify/save (default: synthesize --arch/--size "
+                         "once under $COORDLOADER_BENCH_CACHE or /tmp/coordloader-bench)")
+    ap.add_argument("--plan-ckpt", metavar="PATH",
+                    help="checkpoint whose metadata the plan bench uses (default: a "
+                         "metadata-only synthesized full DeepSeek-V3)")
+    ap.add_argument("--arch", default="qwen3_moe", help="architecture to synthesize (default "
+                                                        "qwen3_moe)")
+    ap.add_argument("--size", default="small", choices=("tiny", "small", "full"),
+                    help="size to synthesize (default small, ~1.2 GB for qwen3_moe)")
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks of the load "
+                                                      "benches (default 2)")
+    ap.add_argument("--out", metavar="DIR", default="bench-out",
+                    help="output directory for results.md, results.json and plots "
+                         "(default bench-out)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="repeats per method, medians reported (default 3; 1 with --quick)")
+    ap.add_argument("--cold-repeats", type=int, default=1,
+                    help="cold-cache repeats per method (default 1)")
+    ap.add_argument("--no-cold", action="store_true", help="skip cold-cache runs")
+    ap.add_argument("--worlds", metavar="N,N,...",
+                    help="rank counts for the plan bench (default 8,16,...,1024; with --quick "
+                         "8,64,1024)")
+    ap.add_argument("--methods", metavar="M,M,...",
+                    help="load methods to run (default: all that apply): ceiling, preadv, cpu, "
+                         "st_whole, st_slice, load_e2e, it_raw, it_engine")
+    ap.add_argument("--timeout", type=float, default=900.0,
+                    help="seconds before a stuck rank is killed (default 900)")
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    t_start = time.perf_counter()
+    repeats = a.repeats if a.repeats is not None else (1 if a.quick else 3)
+    if repeats < 1:
+        print("--repeats must be >= 1", file=sys.stderr)
+        return 2
+    sections = SECTIONS if a.what == "all" else (a.what,)
+    results: dict = {"machine": machine_info(), "quick": a.quick, "repeats": repeats,
+                     "argv": sys.argv[1:] if argv is None else list(argv), "errors": {}}
+    log = _logger()
+
+    ckpt = None
+
+    def load_ckpt() -> str:
+        nonlocal ckpt
+        if ckpt is None:
+            from .common import cached_checkpoint
+            ckpt = os.path.abspath(a.ckpt) if a.ckpt else cached_checkpoint(a.arch, a.size,
+                                                                           log=log)
+        return ckpt
+
+    for sec in sections:
+        try:
+            if sec == "load":
+                from .load_bench import bench_load
+                methods = a.methods.split(",") if a.methods else None
+                results["load"] = bench_load(load_ckpt(), tp=a.tp, repeats=repeats,
+                                             cold=not (a.no_cold or a.quick),
+                                             cold_repeats=a.cold_repeats, methods=methods,
+                                             timeout=a.timeout, log=log)
+            elif sec == "verify":
+                from .verify_bench import bench_verify
+                results["verify"] = bench_verify(load_ckpt(), tp=a.tp, repeats=repeats,
+                                                 load_section=results.get("load"),
+                                                 timeout=a.timeout, log=log)
+            elif sec == "save":
+                if optional("coordloader.save") is None:
+                    results["save"] = {"notes": ["coordloader.save not available: skipped"]}
+                    continue
+                from .save_bench import bench_save
+                results["save"] = bench_save(load_ckpt(), tp=a.tp, repeats=repeats,
+                                             timeout=a.timeout, log=log)
+            elif sec == "plan":
+                from .common import cached_checkpoint
+                from .plan_bench import QUICK_WORLDS, bench_plan
+                pc = (os.path.abspath(a.plan_ckpt) if a.plan_ckpt else
+                      cached_checkpoint("deepseek_v3", "full", metadata_only=True, log=log))
+                worlds = ([int(x) for x in a.worlds.split(",")] if a.worlds else
+                          (QUICK_WORLDS if a.quick else None))
+                results["plan"] = bench_plan(pc, worlds=worlds, repeats=min(repeats, 3),
+                                             log=log)
+        except Exception as e:  # one section's failure must not hide the others' figures
+            results["errors"][sec] = f"{type(e).__name__}: {e}"
+            log(f"[bench] {sec} failed: {type(e).__name__}: {e}")
+            log(traceback.format_exc())
+    results["seconds"] = time.perf_counter() - t_start
+    from .plots import write_plots
+    plots, note = write_plots(a.out, results)
+    results["plots"] = plots
+    if note:
+        results.setdefault("notes", []).append(note)
+    paths = report.write(a.out, results)
+    print(report.render(results))
+    print(f"wrote {paths['markdown']}, {paths['json']}"
+          + (", " + ", ".join(plots) if plots else "") + f" in {results['seconds']:.0f} s")
+    print(report.headline(results))
+    return 1 if results["errors"] else 0
+
+
+def _logger():
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+    return log

@@ -1,0 +1,202 @@
+"""``bench load``: the engines and the baselines side by side, per rank, warm and cold.
+
+Each method runs as ``world`` separate rank processes started together (runner.py), on
+the same plan; per repeat the load time is the slowest rank's wall. Methods alternate
+within a repeat so a noisy neighbour on a shared machine hits them all alike.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .common import (can_drop_caches, ckpt_files, dir_bytes, median, optional, rate)
+from .runner import MethodFailed, repeat_method, run_ranks
+
+CPU_METHODS = ["ceiling", "preadv", "cpu", "st_whole", "st_slice"]
+CUDA_METHODS = ["it_raw", "it_engine"]
+RSS_FACTOR, RSS_SLACK = 1.3, 300e6
+
+
+def prepare(ckpt: str, layout) -> tuple[Any, Any]:
+    from ..checkpoint import read_checkpoint
+    from ..plan import make_plan
+    meta = read_checkpoint(ckpt)
+    plan = make_plan(meta, layout)
+    cover = optional("coordloader.cover")
+    if cover is not None:
+        cover.validate_cover(plan, meta)
+    return meta, plan
+
+
+def summarize(key: str, label: str, runs, *, bytes_key: str = "bytes_held") -> dict:
+    """Medians over repeats; per rank and for the load as a whole (slowest rank)."""
+    world = len(runs[0].ranks)
+    per_rank = []
+    for r in range(world):
+        rs = [run.ranks[r] for run in runs]
+        wall = median(x["wall"] for x in rs)
+        held = rs[0]["bytes_held"]
+        req = median(x["bytes_requested"] for x in rs)
+        useful = held if bytes_key == "bytes_held" else req
+        per_rank.append({
+            "rank": r, "wall_s": wall, "bytes_held": held, "bytes_read": req,
+            "read_amplification": (req / held) if held else None,
+            "gbps": rate(useful, wall),
+            "rss_peak": max(x["rss_peak"] for x in rs),
+            "rss_ready": max(x["rss_ready"] for x in rs),
+            "io_rchar": median(x["io_rchar"] for x in rs),
+            "io_read_bytes": median(x["io_read_bytes"] for x in rs),
+            "checksum": rs[0]["checksum"],
+            "checksums_stable": len({x["checksum"] for x in rs}) == 1,
+            "extra": rs[0].get("extra", {}),
+        })
+    wall = median(run.wall for run in runs)
+    useful = sum(p["bytes_held"] if bytes_key == "bytes_held" else p["bytes_read"]
+                 for p in per_rank)
+    return {"key": key, "label": label, "repeats": len(runs), "wall_s": wall,
+            "walls_s": [run.wall for run in runs], "ranks": per_rank,
+            "gbps_per_rank": median(p["gbps"] for p in per_rank),
+            "gbps_total": rate(useful, wall),
+            "bytes_read_per_rank": max(p["bytes_read"] for p in per_rank),
+            "bytes_held_per_rank": max(p["bytes_held"] for p in per_rank),
+            "read_amplification": max((p["read_amplification"] or 0) for p in per_rank),
+            "rss_peak_per_rank": max(p["rss_peak"] for p in per_rank)}
+
+
+def _run_set(methods, repeats, *, cold, common, log) -> tuple[dict, dict]:
+    from .methods import METHODS
+    runs: dict[str, list] = {m: [] for m in methods}
+    failed: dict[str, str] = {}
+    first = True
+    for i in range(repeats):
+        for m in methods:
+            if m in failed:
+                continue
+            t0 = time.perf_counter()
+            try:
+                kw = dict(common)
+                if not cold and first:
+                    kw["warm_paths"] = ckpt_files(common["ckpt"])
+                first = False
+                runs[m] += repeat_method(m, 1, cold=cold, log=log, **kw)
+            except MethodFailed as e:
+                failed[m] = str(e)
+                log(f"[bench] {m} failed: {str(e).splitlines()[0]}")
+                continue
+            log(f"[bench]   {'cold' if cold else 'warm'} #{i + 1} {m:10s} "
+                f"{runs[m][-1].wall:7.3f} s  ({time.perf_counter() - t0:.1f} s with start-up)")
+    out = {}
+    for m in methods:
+        if runs[m]:
+            s = summarize(m, METHODS[m].label, runs[m],
+                          bytes_key="bytes_requested" if m == "ceiling" else "bytes_held")
+            out[m] = s
+    return out, failed
+
+
+def _compare(rows: dict, world: int) -> dict:
+    """Ratios against the cpu engine, checksum agreement, the targets."""
+    cpu = rows.get("cpu")
+    ref_sums = None
+    for k in ("cpu", "preadv", "st_slice", "st_whole"):
+        if k in rows:
+            ref_sums = [p["checksum"] for p in rows[k]["ranks"]]
+            break
+    for k, row in rows.items():
+        if cpu:
+            row["time_vs_cpu"] = row["wall_s"] / cpu["wall_s"]
+        sums = [p["checksum"] for p in row["ranks"]]
+        if all(s is None for s in sums):
+            row["same_tensors"] = None
+        else:
+            row["same_tensors"] = (sums == ref_sums
+                                   and all(p["checksums_stable"] for p in row["ranks"]))
+    targets = {}
+    if cpu and "st_whole" in rows:
+        x = rows["st_whole"]["wall_s"] / cpu["wall_s"]
+        targets["cpu_vs_whole_read"] = {"value": x, "target": ">= 3.0", "ok": x >= 3.0}
+    if cpu and "preadv" in rows:
+        x = cpu["gbps_per_rank"] / rows["preadv"]["gbps_per_rank"]
+        targets["cpu_vs_preadv_rate"] = {"value": x, "target": ">= 0.8", "ok": x >= 0.8}
+    if cpu and "ceiling" in rows:
+        x = cpu["gbps_per_rank"] / rows["ceiling"]["gbps_per_rank"]
+        targets["cpu_vs_page_cache_ceiling"] = {"value": x, "target": "(info)", "ok": None}
+    if cpu:
+        worst = None
+        for p in cpu["ranks"]:
+            limit = RSS_FACTOR * p["bytes_held"] + RSS_SLACK
+            v = p["rss_peak"] / limit
+            worst = v if worst is None or v > worst else worst
+        targets["cpu_rss_vs_limit"] = {"value": worst,
+                                       "target": "<= 1.0 (peak RSS / (1.3 x held + 300 MB))",
+                                       "ok": worst <= 1.0}
+    return targets
+
+
+def bench_load(ckpt: str, *, tp: int = 2, repeats: int = 3, cold: bool = True,
+               cold_repeats: int = 1, methods: list[str] | None = None,
+               timeout: float = 900.0, log=print) -> dict:
+    import torch
+    from ..layout import Layout
+    layout = Layout(tp=tp)
+    t0 = time.perf_counter()
+    meta, plan = prepare(ckpt, layout)
+    log(f"[bench] load: {ckpt} ({dir_bytes(ckpt) / 1e9:.2f} GB in {len(meta.files)} files, "
+        f"{len(meta.tensors)} tensors), layout {layout}, plan in {time.perf_counter() - t0:.2f} s")
+    notes = []
+    if methods is None:
+        methods = list(CPU_METHODS)
+        if optional("coordloader.load") is not None:
+            methods.append("load_e2e")
+        if torch.cuda.is_available():
+            methods += CUDA_METHODS
+        else:
+            notes.append("(d) raw instanttensor.safe_open and (e) the coordloader instanttensor "
+                         "engine need CUDA: skipped on this machine")
+    common = dict(ckpt=ckpt, layout=layout, meta=meta, plan=plan, world=layout.world_size,
+                  timeout=timeout,
+                  device="cuda" if torch.cuda.is_available() else "cpu")
+    # CUDA methods need a cuda device; CPU methods run on the CPU either way
+    out: dict[str, Any] = {"ckpt": ckpt, "checkpoint_bytes": dir_bytes(ckpt),
+                           "files": len(meta.files), "tensors": len(meta.tensors),
+                           "layout": layout.to_dict(), "world": layout.world_size,
+                           "repeats": repeats, "notes": notes, "failed": {}}
+    cpu_methods = [m for m in methods if m not in CUDA_METHODS]
+    cuda_methods = [m for m in methods if m in CUDA_METHODS]
+    warm, failed = _run_set(cpu_methods, repeats, cold=False,
+                            common={**common, "device": "cpu"}, log=log)
+    if cuda_methods:
+        w2, f2 = _run_set(cuda_methods, repeats, cold=False, common=common, log=log)
+        warm.update(w2)
+        failed.update(f2)
+    out["failed"].update(failed)
+    out["warm"] = warm
+    out["targets"] = _compare(warm, layout.world_size)
+    if cold and can_drop_caches():
+        cold_rows, failed = _run_set(cpu_methods, cold_repeats, cold=True,
+                                     common={**common, "device": "cpu"}, log=log)
+        out["cold"] = cold_rows
+        _compare(cold_rows, layout.world_size)
+        out["failed"].update({f"{k} (cold)": v for k, v in failed.items()})
+    elif cold:
+        out["cold"] = None
+        notes.append("cold cache not available (cannot write /proc/sys/vm/drop_caches)")
+    else:
+        out["cold"] = None
+        notes.append("cold-cache runs not requested")
+    if "cpu" in warm and "st_whole" in warm:
+        out["headline"] = {"ratio": warm["st_whole"]["wall_s"] / warm["cpu"]["wall_s"],
+                           "cpu_s": warm["cpu"]["wall_s"], "whole_s": warm["st_whole"]["wall_s"]}
+    return out
+
+
+def bench_single(method: str, ckpt: str, layout, *, repeats: int, options: dict | None = None,
+                 timeout: float = 900.0, log=print, meta=None, plan=None) -> dict:
+    """Warm repeats of one method (used by the verify and save benches)."""
+    from .methods import METHODS
+    if meta is None or plan is None:
+        meta, plan = prepare(ckpt, layout)
+    runs = [run_ranks(method, ckpt=ckpt, layout=layout, meta=meta, plan=plan,
+                      world=layout.world_size, options=options, timeout=timeout, log=log)
+            for _ in range(repeats)]
+    return summarize(method, METHODS[method].label, runs)

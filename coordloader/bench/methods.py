@@ -1,0 +1,338 @@
+"""The load methods compared by ``bench load``, each run inside one rank's own process.
+
+Every method gets the same rank plan and must leave the rank holding its slices in its
+own memory: results are written into tensors the method allocated (never a lazy view of
+an mmap), and a checksum of every local tensor, taken after the timed section, is compared
+across methods by the runner so no method can win by doing less.
+
+A method is a pair ``setup(ctx) -> state`` (untimed: open nothing that the real load
+would have to open, only allocate what the method's definition says is preallocated)
+and ``run(ctx, state) -> (tensors or None, bytes_requested, extra)`` (timed).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..dtypes import itemsize, torch_dtype
+
+
+@dataclass
+class RankContext:
+    ckpt: str
+    rank: int
+    world: int
+    layout: Any                 # coordloader.layout.Layout
+    meta: Any                   # CheckpointMeta
+    plan: Any                   # Plan
+    rank_plan: Any              # RankPlan
+    device: str = "cpu"
+    group: Any = None           # torch.distributed group, when the method needs one
+    options: dict = field(default_factory=dict)
+
+    @property
+    def files(self) -> list[str]:
+        return [os.path.join(self.meta.root, f.name) for f in self.meta.files]
+
+
+@dataclass(frozen=True)
+class Method:
+    key: str
+    label: str
+    setup: Callable
+    run: Callable
+    needs_group: bool = False
+    needs_cuda: bool = False
+    holds_slice: bool = True     # leaves the rank's planned tensors (checksum compared)
+    note: str = ""
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+def _alloc(ts, device="cpu") -> torch.Tensor:
+    t = torch.empty(ts.local_shape, dtype=torch_dtype(ts.dtype), device=device)
+    if ts.needs_zero_fill:      # vocab padding rows: zero, like every engine does
+        t.zero_()
+    return t
+
+
+def _region(t: torch.Tensor, starts, box) -> torch.Tensor:
+    for d, (s, (a, b)) in enumerate(zip(starts, box)):
+        if s != 0 or b - a != t.shape[d]:
+            t = t.narrow(d, s, b - a)
+    return t
+
+
+def _copy_pieces(dst: torch.Tensor, ts, full: torch.Tensor) -> int:
+    """Copy the planned pieces of ``full`` (the whole global tensor) into ``dst``."""
+    n = 0
+    for p in ts.pieces:
+        src = _region(full, [a for a, _ in p.src], p.src)
+        _region(dst, p.dst, p.src).copy_(src)
+        n += src.numel()
+    return n * itemsize(ts.dtype)
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """Order-independent over names, sensitive to every byte's value and (through the
+    strided second sum) to most displacements. Cheap enough to run on 1 GB after the
+    timed section; it also touches every byte of every result."""
+    acc = []
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)
+        s1 = int(t.sum(dtype=torch.int64))
+        s2 = int(t[1::7].sum(dtype=torch.int64)) if t.numel() > 1 else 0
+        acc.append(f"{name}:{tuple(tensors[name].shape)}:{s1}:{s2}")
+    import hashlib
+    return hashlib.sha256("\n".join(acc).encode()).hexdigest()[:16]
+
+
+def _plan_runs(ctx):
+    """(path, offset, length, slice name, dest) for the rank's byte runs, by file and
+    offset (forward reads)."""
+    out = []
+    for ts in ctx.rank_plan.tensors:
+        for r in ts.byte_runs:
+            out.append((os.path.join(ctx.meta.root, r.file), r.offset, r.length, ts.name, r.dest))
+    out.sort(key=lambda x: (x[0], x[1]))
+    return out
+
+
+# -- (e0) coordloader cpu engine ----------------------------------------------------------
+
+def _cpu_setup(ctx):
+    from ..engines import select_engine
+    return select_engine("cpu", "cpu", **ctx.options.get("engine_options", {}))
+
+
+def _cpu_run(ctx, engine):
+    tensors, stats = engine.load_rank(ctx.meta, ctx.rank_plan, "cpu")
+    return tensors, stats.bytes_read, {"engine_seconds": stats.seconds,
+                                       "engine_extra": dict(stats.extra)}
+
+
+# -- (b) every rank reads every tensor whole with safetensors, then narrows -------------
+
+def _st_whole_setup(ctx):
+    return None
+
+
+def _st_whole_run(ctx, _):
+    """The default-loader pattern: iterate over every tensor of every file, get_tensor
+    (a full copy), narrow to what this rank holds, copy into the parameter, drop it."""
+    from safetensors import safe_open
+    wanted = ctx.rank_plan.by_name()
+    out, read = {}, 0
+    for path in ctx.files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                full = f.get_tensor(key)
+                read += full.numel() * full.element_size()
+                ts = wanted.get(key)
+                if ts is None:
+                    continue
+                dst = _alloc(ts)
+                _copy_pieces(dst, ts, full)
+                out[key] = dst
+                del full
+    return out, read, {}
+
+
+# -- (c) HF safetensors get_slice, per rank -----------------------------------------------
+
+def _st_slice_run(ctx, _):
+    from safetensors import safe_open
+    by_file: dict[str, list] = {}
+    for ts in ctx.rank_plan.tensors:
+        by_file.setdefault(ts.file, []).append(ts)
+    out, read = {}, 0
+    for fname, slices in by_file.items():
+        with safe_open(os.path.join(ctx.meta.root, fname), framework="pt", device="cpu") as f:
+            for ts in slices:
+                dst = _alloc(ts)
+                sl = f.get_slice(ts.name)
+                for p in ts.pieces:
+                    part = sl[tuple(slice(a, b) for a, b in p.src)]
+                    _region(dst, p.dst, p.src).copy_(part)
+                    read += part.numel() * part.element_size()
+                out[ts.name] = dst
+    return out, read, {}
+
+
+# -- (a) page-cache ceiling: whole files, sequential, into a preallocated buffer --------
+
+def _ceiling_setup(ctx):
+    total = sum(os.path.getsize(p) for p in ctx.files)
+    buf = bytearray(total)      # zero-filled: its pages are faulted in before timing
+    return buf
+
+
+def _ceiling_run(ctx, buf):
+    mv = memoryview(buf)
+    pos, chunk = 0, 64 << 20
+    for path in ctx.files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            off, size = 0, os.fstat(fd).st_size
+            while off < size:
+                n = os.preadv(fd, [mv[pos:pos + min(chunk, size - off)]], off)
+                if n <= 0:
+                    raise OSError(f"short read in {path} at {off}")
+                off += n
+                pos += n
+        finally:
+            os.close(fd)
+    return None, pos, {}
+
+
+# -- (a') one thread, os.preadv of exactly the plan's byte ranges ----------------------
+
+def _preadv_setup(ctx):
+    # preallocated destinations (torch.empty: pages are faulted in by the reads, as in
+    # the engine), plus the run list: the timed part is nothing but the reads
+    tensors = {ts.name: _alloc(ts) for ts in ctx.rank_plan.tensors}
+    views = {n: _byte_view(t) for n, t in tensors.items()}
+    return tensors, views, _plan_runs(ctx)
+
+
+def _preadv_run(ctx, state):
+    tensors, views, runs = state
+    fds: dict[str, int] = {}
+    read = 0
+    try:
+        for path, off, length, name, dest in runs:
+            fd = fds.get(path)
+            if fd is None:
+                fd = fds[path] = os.open(path, os.O_RDONLY)
+            mv = views[name][dest:dest + length]
+            got = 0
+            while got < length:
+                n = os.preadv(fd, [mv[got:]], off + got)
+                if n <= 0:
+                    raise OSError(f"short read in {path} at {off + got}")
+                got += n
+            read += length
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return tensors, read, {"runs": len(runs)}
+
+
+# -- (d) raw instanttensor.safe_open, distributed over the group -------------------------
+
+def _it_raw_setup(ctx):
+    return {ts.name: _alloc(ts, ctx.device) for ts in ctx.rank_plan.tensors}
+
+
+def _it_raw_run(ctx, dsts):
+    """Every group member receives every tensor of the files (InstantTensor splits the
+    reads and all-gathers): narrow the planned pieces into the destinations, drop the
+    rest. This is what a user gets from InstantTensor without a planner."""
+    import instanttensor
+    wanted = ctx.rank_plan.by_name()
+    dev = torch.device(ctx.device)
+    read = 0
+    with instanttensor.safe_open(ctx.files, framework="pt", device=dev.index or 0,
+                                 process_group=ctx.group, copy=False) as f:
+        for name, t in f.tensors():
+            read += t.numel() * t.element_size()
+            ts = wanted.get(name)
+            if ts is not None:
+                _copy_pieces(dsts[name], ts, t)
+    torch.cuda.synchronize(dev)
+    # InstantTensor reads ~1/world of the bytes per rank and all-gathers the rest
+    return dsts, read // max(1, ctx.world), {"bytes_received": read}
+
+
+# -- (e) coordloader instanttensor engine -------------------------------------------------
+
+def _it_engine_setup(ctx):
+    from ..engines import select_engine
+    return select_engine("instanttensor", ctx.device, plan=ctx.plan, group=ctx.group,
+                         loader_config=ctx.options.get("loader_config"))
+
+
+def _it_engine_run(ctx, engine):
+    tensors, stats = engine.load_rank(ctx.meta, ctx.rank_plan, ctx.device)
+    torch.cuda.synchronize(torch.device(ctx.device))
+    return tensors, stats.bytes_read, {"engine_extra": dict(stats.extra)}
+
+
+# -- coordloader.load end to end (headers split over ranks, plan agreed, load, verify) --
+
+def _load_e2e_setup(ctx):
+    from ..load import load_detailed
+    return load_detailed
+
+
+def _load_e2e_run(ctx, load_detailed):
+    verify = ctx.options.get("verify", "shapes")
+    ckpt = ctx.options.get("load_ckpt", ctx.ckpt)
+    layout = ctx.options.get("load_layout", ctx.layout)
+    res = load_detailed(ckpt, layout, group=ctx.group, device=ctx.device,
+                        engine=ctx.options.get("engine", "cpu"), verify=verify)
+    return res.tensors, res.stats.bytes_read, {"verify": verify, "phases": dict(res.phases)}
+
+
+# -- digest of every planned piece (the cost --verify digest adds on top of a load) ------
+
+def _digest_setup(ctx):
+    from ..engines import select_engine
+    tensors, _ = select_engine("cpu", "cpu").load_rank(ctx.meta, ctx.rank_plan, "cpu")
+    return tensors
+
+
+def _digest_run(ctx, tensors):
+    from ..digest import digest_local
+    n = 0
+    for ts in ctx.rank_plan.tensors:
+        digest_local(tensors[ts.name], ts.pieces, ts.global_shape)
+        n += ts.covered_numel * itemsize(ts.dtype)
+    return tensors, n, {}
+
+
+# -- coordloader.save of the rank's share (tensors loaded untimed first) ----------------
+
+def _save_setup(ctx):
+    from ..engines import select_engine
+    tensors, _ = select_engine("cpu", "cpu").load_rank(ctx.meta, ctx.rank_plan, "cpu")
+    return tensors
+
+
+def _save_run(ctx, tensors):
+    from ..save import save
+    out = ctx.options["save_dir"]
+    save(out, tensors, ctx.plan, group=ctx.group, overwrite=True,
+         digests=ctx.options.get("save_digests", True))
+    n = sum(t.numel() * t.element_size() for ts, t in
+            ((ts, tensors[ts.name]) for ts in ctx.rank_plan.tensors) if ts.replica == 0)
+    return None, n, {"primary_bytes": n}
+
+
+METHODS: dict[str, Method] = {m.key: m for m in [
+    Method("cpu", "coordloader cpu engine", _cpu_setup, _cpu_run),
+    Method("preadv", "(a') preadv of the same byte ranges, 1 thread", _preadv_setup, _preadv_run),
+    Method("ceiling", "(a) page-cache ceiling: whole files, sequential", _ceiling_setup,
+           _ceiling_run, holds_slice=False),
+    Method("st_whole", "(b) safetensors whole read + narrow", _st_whole_setup, _st_whole_run),
+    Method("st_slice", "(c) safetensors get_slice per rank", _st_whole_setup, _st_slice_run),
+    Method("it_raw", "(d) instanttensor.safe_open distributed + narrow", _it_raw_setup,
+           _it_raw_run, needs_group=True, needs_cuda=True),
+    Method("it_engine", "(e) coordloader instanttensor engine", _it_engine_setup,
+           _it_engine_run, needs_group=True, needs_cuda=True),
+    Method("load_e2e", "coordloader.load() end to end (gloo)", _load_e2e_setup, _load_e2e_run,
+           needs_group=True),
+    Method("digest", "digest of every planned piece", _digest_setup, _digest_run),
+    Method("save", "coordloader.save of the rank's primary pieces", _save_setup, _save_run,
+           needs_group=True, holds_slice=False),
+]}

@@ -1,0 +1,191 @@
+"""Markdown tables, the JSON file and the headline line of a bench run."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+HEADLINE_PREFIX = "headline:"
+
+
+def _f(x, fmt="{:.3f}", none="–") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return none
+    return fmt.format(x)
+
+
+def _mb(n) -> str:
+    return _f(None if n is None else n / 1e6, "{:,.0f} MB")
+
+
+def _ok(v) -> str:
+    return {True: "yes", False: "**NO**", None: "–"}[v]
+
+
+def load_table(rows: dict, title: str) -> str:
+    if not rows:
+        return ""
+    out = [f"**{title}**", "",
+           "| method | wall s (slowest rank, median) | GB/s per rank | per-rank walls s | "
+           "bytes read / rank | read ampl. | peak RSS / rank | time vs cpu engine | "
+           "same tensors |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    for key, r in rows.items():
+        walls = ", ".join(_f(p["wall_s"]) for p in r["ranks"])
+        out.append(f"| {r['label']} (`{key}`) | {_f(r['wall_s'])} | {_f(r['gbps_per_rank'], '{:.2f}')}"
+                   f" | {walls} | {_mb(r['bytes_read_per_rank'])} | "
+                   f"{_f(r['read_amplification'], '{:.2f}')} | {_mb(r['rss_peak_per_rank'])} | "
+                   f"{_f(r.get('time_vs_cpu'), '{:.2f}x')} | {_ok(r.get('same_tensors'))} |")
+    return "\n".join(out) + "\n"
+
+
+def load_section(sec: dict) -> str:
+    out = [f"### Load: {os.path.basename(sec['ckpt'].rstrip('/'))}, "
+           f"{sec['checkpoint_bytes'] / 1e9:.2f} GB in {sec['files']} files, "
+           f"{sec['world']} ranks at tp={sec['layout']['tp']}, {sec['repeats']} repeats", ""]
+    first = next(iter(sec["warm"].values()), None)
+    if first:
+        out.append(f"Bytes held per rank: {first['bytes_held_per_rank'] / 1e6:,.0f} MB. "
+                   "GB/s = bytes held / wall (the ceiling row: file bytes / wall). "
+                   "Peak RSS includes the interpreter and torch (~220 MB).")
+        out.append("")
+    out.append(load_table(sec["warm"], "Warm page cache"))
+    if sec.get("cold"):
+        out.append(load_table(sec["cold"], "Cold page cache (dropped before each run)"))
+    if sec.get("targets"):
+        out += ["| target | value | goal | met |", "|---|---:|---|:---:|"]
+        for k, t in sec["targets"].items():
+            out.append(f"| {k} | {_f(t['value'], '{:.2f}')} | {t['target']} | {_ok(t['ok'])} |")
+        out.append("")
+    for n in sec.get("notes", []):
+        out.append(f"- {n}")
+    for k, v in sec.get("failed", {}).items():
+        out.append(f"- **{k} failed**: {v.splitlines()[0]}")
+    return "\n".join(out) + "\n"
+
+
+def plan_section(sec: dict) -> str:
+    out = [f"### Plan + exact-cover validation: DeepSeek-V3 full metadata "
+           f"({sec['tensors']:,} tensors, {sec['files']} files, "
+           f"{sec['described_bytes'] / 1e9:.0f} GB described; headers read in "
+           f"{sec['metadata_s']:.2f} s)", "",
+           "| ranks | layout | slices | pieces | byte runs | plan s | cover s | total s | "
+           "slices/s | target |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in sec["rows"]:
+        tgt = f"< {r['target_s']:.0f} s: {_ok(r['ok'])}" if "target_s" in r else ""
+        out.append(f"| {r['world']} | {r['layout']} | {r['slices']:,} | {r['pieces']:,} | "
+                   f"{r['byte_runs']:,} | {r['plan_s']:.2f} | {r['cover_s']:.2f} | "
+                   f"{r['total_s']:.2f} | {r['slices_per_s']:,.0f} | {tgt} |")
+    return "\n".join(out) + "\n"
+
+
+def verify_section(sec: dict) -> str:
+    d = sec["digest"]
+    out = [f"### Verify: content digests, {sec['layout']['tp']} ranks at tp={sec['layout']['tp']}",
+           "", "| what | value |", "|---|---:|",
+           f"| digest of every planned piece, per rank | {d['gbps_per_rank']:.2f} GB/s, "
+           f"{d['wall_s']:.3f} s |",
+           f"| cpu engine load of the same slices | {sec['cpu_load']['wall_s']:.3f} s |",
+           f"| digest time / load time | {100 * sec['digest_fraction_of_load']:.0f}% |"]
+    m = sec.get("manifest") or {}
+    if m.get("written"):
+        out.append(f"| manifest (whole checkpoint, 1 thread) | {m['gbps']:.2f} GB/s, "
+                   f"{m['seconds']:.2f} s |")
+    e = sec.get("e2e")
+    if e:
+        out.append(f"| load(verify='shapes') end to end | {e['shapes']['wall_s']:.3f} s |")
+        out.append(f"| load(verify='digest') end to end | {e['digest']['wall_s']:.3f} s |")
+        out.append(f"| digest mode adds | {100 * e['digest_adds']:.0f}% (target < 25%: "
+                   f"{_ok(e['digest_adds'] < 0.25)}) |")
+        for mode in ("shapes", "digest"):
+            ph = ", ".join(f"{k} {v:.3f}" for k, v in e[mode]["phases"].items())
+            out.append(f"| phases, verify='{mode}' (s, slowest rank) | {ph} |")
+    out.append("")
+    for n in sec.get("notes", []):
+        out.append(f"- {n}")
+    return "\n".join(out) + "\n"
+
+
+def save_section(sec: dict) -> str:
+    if "save" not in sec:
+        return "### Save\n\n" + "\n".join(f"- {n}" for n in sec.get("notes", [])) + "\n"
+    s = sec["save"]
+    out = [f"### Save and resharded load (saved at {sec['layout_saved']}, "
+           f"loaded at {sec['layout_loaded']})", "", "| what | wall s | GB/s per rank |",
+           "|---|---:|---:|",
+           f"| coordloader.save, per rank (primary pieces, digests on) | {s['wall_s']:.3f} | "
+           f"{s['gbps_per_rank']:.2f} |"]
+    for k, r in sec.get("loads", {}).items():
+        out.append(f"| {k.replace('_', ' ')} load at {sec['layout_loaded']} | {r['wall_s']:.3f} | "
+                   f"{r['gbps_per_rank']:.2f} |")
+    if "resharded_vs_direct" in sec:
+        out.append(f"| resharded / direct (cpu engine) | {sec['resharded_vs_direct']:.2f}x | "
+                   f"same tensors: {_ok(sec['same_tensors'])} |")
+    out.append("")
+    for n in sec.get("notes", []):
+        out.append(f"- {n}")
+    return "\n".join(out) + "\n"
+
+
+def headline(results: dict) -> str:
+    """One line, always the last one printed. Format (stable, parsed by tests):
+    ``headline: coordloader cpu engine X.XXx faster than safetensors whole-read+narrow ...``
+    or, without a load section, the planner's or ``headline: n/a (...)``."""
+    load = results.get("load") or {}
+    h = load.get("headline")
+    if h:
+        return (f"{HEADLINE_PREFIX} coordloader cpu engine {h['ratio']:.2f}x faster than "
+                f"safetensors whole-read+narrow ({h['cpu_s']:.3f} s vs {h['whole_s']:.3f} s "
+                f"median wall, {load['world']} ranks, warm page cache)")
+    plan = results.get("plan")
+    if plan and plan.get("rows"):
+        big = plan["rows"][-1]
+        return (f"{HEADLINE_PREFIX} planner+cover {big['total_s']:.2f} s for {big['world']} ranks "
+                f"({big['slices']:,} slices, {big['slices_per_s']:,.0f} slices/s)")
+    ver = results.get("verify")
+    if ver:
+        return (f"{HEADLINE_PREFIX} digest {ver['digest']['gbps_per_rank']:.2f} GB/s per rank, "
+                f"{100 * ver['target']['value']:.0f}% on top of a cpu load")
+    sv = results.get("save")
+    if sv and "save" in sv:
+        return (f"{HEADLINE_PREFIX} save {sv['save']['gbps_per_rank']:.2f} GB/s per rank, "
+                f"resharded load {sv['resharded_vs_direct']:.2f}x the direct load time")
+    return f"{HEADLINE_PREFIX} n/a (no load section ran)"
+
+
+def render(results: dict) -> str:
+    m = results["machine"]
+    parts = [f"## Results ({m['time']}, {m.get('cpu_model', '?')}, {m['cpus']} CPUs, "
+             f"{m.get('mem_total_gb', '?')} GB RAM, torch {m['torch']}, "
+             f"{'CUDA' if m['cuda'] else 'no GPU'})", ""]
+    if results.get("quick"):
+        parts.append("_--quick run: fewer repeats and layouts; indicative only._\n")
+    if results.get("load"):
+        parts.append(load_section(results["load"]))
+    if results.get("plan"):
+        parts.append(plan_section(results["plan"]))
+    if results.get("verify"):
+        parts.append(verify_section(results["verify"]))
+    if results.get("save"):
+        parts.append(save_section(results["save"]))
+    for k, v in results.get("errors", {}).items():
+        parts.append(f"- **{k} bench failed**: {v}")
+    return "\n".join(parts)
+
+
+def write(out_dir: str, results: dict) -> dict[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    md = os.path.join(out_dir, "results.md")
+    js = os.path.join(out_dir, "results.json")
+    with open(md, "w") as f:
+        f.write(render(results))
+    with open(js, "w") as f:
+        json.dump(results, f, indent=1, default=_json_default)
+    return {"markdown": md, "json": js}
+
+
+def _json_default(o):
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    return str(o)
