@@ -141,7 +141,29 @@ def test_nan_and_infinity_refused(tmp_path, const):
 
 def test_huge_integer_refused(tmp_path):
     one(tmp_path, '{"w": {"dtype": "U8", "shape": [%s], "data_offsets": [0, 1]}}' % ("9" * 5000), 1)
-    bad(tmp_path, M, "5000 digits", "2**63")
+    bad(tmp_path, M, "5000 digits")
+
+
+def test_huge_integer_refused_without_int_digit_limit(tmp_path):
+    # With Python's int digit limit switched off the reader parses ints itself and refuses
+    # long ones before converting (a 100 MB integer would take minutes to convert).
+    import sys
+    one(tmp_path, '{"w": {"dtype": "U8", "shape": [%s], "data_offsets": [0, 1]}}' % ("9" * 5000), 1)
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        bad(tmp_path, M, "5000 digits", "2**63")
+    finally:
+        sys.set_int_max_str_digits(old)
+
+
+@pytest.mark.parametrize("ent,frag", [
+    ({"dtype": "U8", "shape": [2**63], "data_offsets": [0, 1]}, "below 2**63"),
+    ({"dtype": "U8", "shape": [1], "data_offsets": [2**64 + 1, 2**64 + 2]}, "end < 2**63"),
+    ({"dtype": "U8", "shape": [1], "data_offsets": [0, 10**40]}, "end < 2**63")])
+def test_integers_at_least_2_pow_63_refused(tmp_path, ent, frag):
+    entry(tmp_path, ent, 1)
+    bad(tmp_path, M, "tensor 'w'", frag)
 
 
 def test_huge_float_refused(tmp_path):
