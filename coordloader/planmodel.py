@@ -55,7 +55,8 @@ class TensorSlice:
 
     @property
     def bytes_to_read(self) -> int:
-        return sum(r.length for r in self.byte_runs)
+        total = getattr(self.byte_runs, "total_bytes", None)  # coordloader.runs.RunList
+        return total if total is not None else sum(r.length for r in self.byte_runs)
 
     def to_json(self) -> dict:
         files = {r.file for r in self.byte_runs}
@@ -144,9 +145,73 @@ class Plan:
         return d
 
     def digest(self) -> str:
-        """sha256 of the canonical JSON: equal plans give equal digests on any machine."""
+        """sha256 over a canonical encoding of every field: equal plans give equal digests on
+        any machine. Not the hash of to_json() (that expands millions of byte runs): the
+        header is canonical JSON, then each slice contributes a canonical encoding of its
+        fields, with byte runs as little-endian int64 arrays; encodings of pieces and runs
+        shared between replicas are computed once."""
         if not self._digest:
-            blob = json.dumps(self.to_json(with_digest=False), sort_keys=True,
-                              separators=(",", ":")).encode()
-            self._digest.append(hashlib.sha256(blob).hexdigest())
+            self._digest.append(_plan_digest(self))
         return self._digest[0]
+
+
+def _canon(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _runs_digest(runs) -> bytes:
+    # Short lists: JSON of the expanded runs; long ones: int64 arrays. The choice depends on
+    # the number of runs only, so a RunList and a tuple of the same runs hash alike.
+    if len(runs) <= 64:
+        groups = getattr(runs, "groups", None)
+        if groups is not None and all(g[4] == 1 for g in groups):
+            return b"S" + repr([(g[0], g[1], g[2], g[3]) for g in groups]).encode()
+        return b"S" + repr([(r.file, r.offset, r.length, r.dest) for r in runs]).encode()
+    import numpy as np
+    arrays = getattr(runs, "arrays", None)
+    if arrays is not None:
+        files, fi, off, ln, dst = arrays()
+    else:
+        files, fidx = [], {}
+        for r in runs:
+            if r.file not in fidx:
+                fidx[r.file] = len(files)
+                files.append(r.file)
+        fi = np.fromiter((fidx[r.file] for r in runs), np.int64)
+        off = np.fromiter((r.offset for r in runs), np.int64)
+        ln = np.fromiter((r.length for r in runs), np.int64)
+        dst = np.fromiter((r.dest for r in runs), np.int64)
+    h = hashlib.sha256(_canon(list(files)))
+    for a in (fi, off, ln, dst):
+        h.update(np.ascontiguousarray(a, dtype="<i8").tobytes())
+    return h.digest()
+
+
+def _plan_digest(plan: "Plan") -> str:
+    h = hashlib.sha256(b"coordloader-plan-v1")
+    h.update(_canon({
+        "version": SCHEMA_VERSION, "fingerprint": plan.fingerprint,
+        "layout": plan.layout.to_dict(), "excluded": list(plan.excluded),
+        "load_groups": [{"files": list(g.files), "ranks": list(g.ranks), "mode": g.mode}
+                        for g in plan.load_groups]}))
+    base_cache: dict = {}
+    runs_cache: dict = {}
+    for rp in plan.ranks:
+        h.update(b"\x00R" + _canon([rp.rank, dict(rp.coords), len(rp.tensors)]))
+        for t in rp.tensors:
+            # the planner marks replicas with "_base", the slice whose other fields they copy
+            key = id(t.__dict__.get("_base", t))
+            b = base_cache.get(key)
+            if b is None:
+                rd = runs_cache.get(id(t.byte_runs))
+                if rd is None:
+                    rd = runs_cache[id(t.byte_runs)] = _runs_digest(t.byte_runs)
+                # repr of str/int tuples is canonical (and the same on every CPython)
+                b = (repr((
+                    t.name, t.file, t.dtype, tuple(t.global_shape), tuple(t.local_shape),
+                    t.strategy, tuple((tuple(map(tuple, p.src)), tuple(p.dst)) for p in t.pieces)
+                )).encode() + b"\x00" + rd)
+                base_cache[key] = b
+            h.update(b)
+            h.update(t.replica.to_bytes(8, "little"))
+    return h.hexdigest()

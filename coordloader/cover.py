@@ -1,0 +1,238 @@
+"""Exact-cover validation.
+
+For every checkpoint tensor the primary pieces (replica 0) over all ranks must tile the
+tensor exactly once; every replica must hold exactly the boxes of some primary; every
+tensor is held unless excluded on purpose. For a plan we also check each slice on its
+own: pieces inside the tensor and inside the local shape, byte runs inside the tensor's
+bytes in its files and adding up to the pieces' volume.
+
+Sort/sweep based: per tensor the boxes are sorted along the dim where their starts vary
+most and swept with an active list, so a valid tiling costs O(n log n) per tensor
+(O(n*k) with k boxes overlapping along the sweep dim). Slices that share their pieces and
+runs objects (the planner shares them across replicas) are checked once.
+"""
+from __future__ import annotations
+
+import gc
+from math import prod
+from typing import Iterable, Mapping, Sequence
+
+from .dtypes import itemsize
+from .errors import PlanError
+
+Box = tuple
+
+
+def _as_box(p) -> Box:
+    src = getattr(p, "src", p)
+    return tuple((int(a), int(b)) for a, b in src)
+
+
+def tiling_problem(boxes: Sequence[Box], shape: Sequence[int]) -> tuple | None:
+    """None if ``boxes`` tile ``shape`` exactly once, else (kind, i, j, detail):
+    kind "outside" (box i is empty or leaves the tensor), "overlap" (boxes i and j
+    intersect), "gap" (the boxes cover fewer elements than the tensor)."""
+    nd = len(shape)
+    total = 0
+    for i, b in enumerate(boxes):
+        if len(b) != nd:
+            return ("outside", i, None, f"box {list(map(list, b))} has {len(b)} dims, tensor has {nd}")
+        v = 1
+        for (a, c), s in zip(b, shape):
+            if not (0 <= a < c <= s):
+                return ("outside", i, None, f"box {list(map(list, b))} is empty or outside shape "
+                                            f"{list(shape)}")
+            v *= c - a
+        total += v
+    n = len(boxes)
+    if n > 1 and nd:
+        # sweep along the dim where the boxes' starts vary most
+        d = max(range(nd), key=lambda k: len({b[k][0] for b in boxes})) if nd > 1 else 0
+        order = sorted(range(n), key=lambda i: boxes[i][d][0])
+        active: list[int] = []
+        for i in order:
+            b = boxes[i]
+            s0 = b[d][0]
+            if active:
+                active = [j for j in active if boxes[j][d][1] > s0]
+                for j in active:
+                    o = boxes[j]
+                    if all(max(x[0], y[0]) < min(x[1], y[1]) for x, y in zip(o, b)):
+                        return ("overlap", j, i, f"boxes {list(map(list, o))} and "
+                                                 f"{list(map(list, b))} overlap")
+            active.append(i)
+    elif n > 1 and not nd:
+        return ("overlap", 0, 1, "a scalar is held twice")
+    numel = prod(shape)
+    if total != numel:
+        return ("gap", None, None, f"primary pieces cover {total} of {numel} elements")
+    return None
+
+
+def _core(prim: Mapping[str, list], reps: Mapping[str, list], shapes: Mapping[str, Sequence[int]],
+          excluded: Iterable[str], err) -> None:
+    """prim/reps: name -> [(rank, boxes tuple, key)], ``key`` an identity shortcut: a
+    replica whose key equals a primary's key holds the same boxes."""
+    excluded = set(excluded)
+    for name in prim.keys() | reps.keys():
+        if name not in shapes:
+            r = (prim.get(name) or reps.get(name))[0][0]
+            raise err("tensor is not in the checkpoint", tensor=name, rank=r)
+        if name in excluded:
+            r = (prim.get(name) or reps.get(name))[0][0]
+            raise err("tensor is excluded from the plan but a rank holds it", tensor=name, rank=r)
+    for name, shape in shapes.items():
+        ps = prim.get(name)
+        if not ps:
+            if name in excluded:
+                continue
+            rs = reps.get(name)
+            if rs:
+                raise err(f"only replicas of this tensor are held (no primary copy, shape "
+                          f"{list(shape)})", tensor=name, rank=rs[0][0])
+            raise err(f"no rank holds this tensor (shape {list(shape)}) and it is not excluded",
+                      tensor=name)
+        if len(ps) == 1:
+            flat = ps[0][1]
+            owner = None
+        else:
+            flat, owner = [], []
+            for r, bx, _ in ps:
+                flat.extend(bx)
+                owner.extend([r] * len(bx))
+        prob = tiling_problem(flat, shape)
+        if prob is not None:
+            kind, i, j, detail = prob
+            ri = None if i is None else (ps[0][0] if owner is None else owner[i])
+            if kind == "overlap":
+                rj = ps[0][0] if owner is None else owner[j]
+                raise err(f"duplicated primary: {detail} (ranks {ri} and {rj}; tensor shape "
+                          f"{list(shape)})", tensor=name, rank=rj)
+            if kind == "outside":
+                raise err(f"piece outside the tensor: {detail}", tensor=name, rank=ri)
+            raise err(f"missing piece: {detail} (tensor shape {list(shape)}; held by ranks "
+                      f"{sorted({p[0] for p in ps})[:16]})", tensor=name)
+        rs = reps.get(name)
+        if rs:
+            keys = {p[2] for p in ps}
+            sets = None
+            for r, bx, k in rs:
+                if k in keys:
+                    continue
+                if sets is None:
+                    sets = {tuple(p[1]) for p in ps}
+                if tuple(bx) not in sets:
+                    raise err(f"replica that equals no primary: boxes {[list(map(list, b)) for b in bx]}",
+                              tensor=name, rank=r)
+
+
+def check_cover(views: Iterable, shapes: Mapping[str, Sequence[int]], *, excluded: Iterable[str] = (),
+                error: type = PlanError) -> None:
+    """Validate gathered per-rank views: ``views`` = [(rank, [(name, pieces, replica), ...])]
+    with pieces as Piece objects or source boxes ([[start, stop], ...]); ``shapes`` = the
+    checkpoint's {name: shape}. Raises ``error`` (PlanError by default; the verifier may
+    pass VerifyError) naming the rank and tensor: missing piece, duplicated primary,
+    replica that equals no primary, piece outside the tensor, unknown tensor."""
+    prim: dict[str, list] = {}
+    reps: dict[str, list] = {}
+    for rank, entries in views:
+        for name, pieces, replica in entries:
+            bx = tuple(_as_box(p) for p in pieces)
+            (prim if replica == 0 else reps).setdefault(name, []).append((rank, bx, (rank, name)))
+    _core(prim, reps, {k: tuple(v) for k, v in shapes.items()}, excluded, error)
+
+
+def validate_cover(plan, meta) -> None:
+    """Raise PlanError unless ``plan`` covers ``meta`` exactly (see module doc)."""
+    was = gc.isenabled()
+    gc.disable()   # many small tuples, all kept until the end: avoid repeated GC scans
+    try:
+        _validate_cover(plan, meta)
+    finally:
+        if was:
+            gc.enable()
+
+
+def _validate_cover(plan, meta) -> None:
+    tensors = meta.tensors
+    prim: dict[str, list] = {}
+    reps: dict[str, list] = {}
+    checked: set = set()
+    ranges: dict[str, dict] = {}
+    for rp in plan.ranks:
+        r = rp.rank
+        for s in rp.tensors:
+            key = (id(s.pieces), id(s.byte_runs), s.local_shape, s.name)
+            if key not in checked:
+                _check_slice(s, tensors, ranges, r)
+                checked.add(key)
+            if s.replica == 0:
+                prim.setdefault(s.name, []).append((r, tuple(p.src for p in s.pieces), id(s.pieces)))
+            else:
+                reps.setdefault(s.name, []).append((r, None, id(s.pieces)))
+    # replicas whose pieces object is not shared with a primary need their boxes
+    for name, rs in reps.items():
+        keys = {p[2] for p in prim.get(name, ())}
+        for i, (r, bx, k) in enumerate(rs):
+            if k not in keys:
+                s = next(x for x in plan.ranks[r].tensors if x.name == name)
+                rs[i] = (r, tuple(p.src for p in s.pieces), ("rank", r))
+    _core(prim, reps, {n: t.shape for n, t in tensors.items()}, plan.excluded, PlanError)
+
+
+def _check_slice(s, tensors, ranges, rank) -> None:
+    t = tensors.get(s.name)
+    if t is None:
+        raise PlanError("tensor is not in the checkpoint", tensor=s.name, rank=rank)
+    if tuple(s.global_shape) != t.shape or s.dtype != t.dtype:
+        raise PlanError(f"slice says {s.dtype}{list(s.global_shape)}, checkpoint has "
+                        f"{t.dtype}{list(t.shape)}", tensor=s.name, rank=rank)
+    nd = len(t.shape)
+    ls = s.local_shape
+    if len(ls) != nd:
+        raise PlanError(f"local shape {list(ls)} has a different rank than {list(t.shape)}",
+                        tensor=s.name, rank=rank)
+    covered = 0
+    for p in s.pieces:
+        v = 1
+        for (a, b), o, g, l in zip(p.src, p.dst, t.shape, ls):
+            if not (0 <= a < b <= g) or not (0 <= o and o + b - a <= l):
+                raise PlanError(f"piece {[list(x) for x in p.src]} -> {list(p.dst)} lies outside the "
+                                f"tensor {list(t.shape)} or the local shape {list(ls)}",
+                                tensor=s.name, rank=rank)
+            v *= b - a
+        covered += v
+    if len(s.pieces) > 1:
+        dboxes = [tuple((o, o + b - a) for (a, b), o in zip(p.src, p.dst)) for p in s.pieces]
+        prob = tiling_problem(dboxes, ls)
+        if prob is not None and prob[0] != "gap":
+            raise PlanError(f"pieces overlap in the local tensor: {prob[3]}", tensor=s.name, rank=rank)
+    if covered > prod(ls):
+        raise PlanError(f"pieces hold {covered} elements but the local shape {list(ls)} has "
+                        f"{prod(ls)}", tensor=s.name, rank=rank)
+    isz = itemsize(t.dtype)
+    runs = s.byte_runs
+    total = getattr(runs, "total_bytes", None)
+    if total is None:
+        total = sum(r.length for r in runs)
+    if total != covered * isz:
+        raise PlanError(f"byte runs add up to {total} bytes, the pieces hold {covered * isz}",
+                        tensor=s.name, rank=rank)
+    rg = ranges.get(s.name)
+    if rg is None:
+        rg = ranges[s.name] = {}
+        for sp in t.pieces:
+            rg.setdefault(sp.file, []).append((sp.start, sp.end))
+    lbytes = prod(ls) * isz
+    groups = getattr(runs, "groups", None)
+    if groups is None:
+        groups = [(r.file, r.offset, r.length, r.dest, 1, 0, 0) for r in runs]
+    for f, o, ln, d, c, ss, ds in groups:
+        last_o, last_d = o + (c - 1) * ss, d + (c - 1) * ds
+        spans = rg.get(f, ())
+        if not any(a <= min(o, last_o) and max(o, last_o) + ln <= b for a, b in spans):
+            raise PlanError(f"byte run {o}+{ln} in {f} lies outside the tensor's bytes {spans}",
+                            tensor=s.name, rank=rank)
+        if min(d, last_d) < 0 or max(d, last_d) + ln > lbytes:
+            raise PlanError(f"byte run to dest {d}+{ln} lies outside the local tensor ({lbytes} "
+                            f"bytes)", tensor=s.name, rank=rank)

@@ -1,0 +1,151 @@
+"""Architecture presets: ordered rules whose split dims follow vLLM's weight loaders
+(QKVParallelLinear by heads, MergedColumnParallelLinear gate/up on dim 0,
+RowParallelLinear on dim 1 with a replicated bias, VocabParallelEmbedding/ParallelLMHead
+padded to 64 rows, ReplicatedLinear for MLA's a-projections and routers, FusedMoE experts
+placed by EP and split by the MoE TP size). Head and expert counts come from config.json."""
+from __future__ import annotations
+
+from typing import Mapping
+
+from ..errors import PlanError
+from .ruleset import Rule, make_rule
+
+PRESETS = ("llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3", "bert")
+
+# config.json "architectures" entries -> preset
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "LlamaModel": "llama",
+    "Qwen2ForCausalLM": "qwen2", "Qwen2Model": "qwen2",
+    "Qwen3ForCausalLM": "qwen3_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v3",
+    "BertModel": "bert", "BertForMaskedLM": "bert", "BertForSequenceClassification": "bert",
+    "BertForPreTraining": "bert",
+}
+_MODEL_TYPES = {
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3_moe",
+    "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "deepseek_v3": "deepseek_v3",
+    "deepseek_v2": "deepseek_v3", "bert": "bert",
+}
+
+
+def detect_preset(config: Mapping | None) -> str | None:
+    """Preset name from config.json (``architectures`` first, then ``model_type``)."""
+    if not config:
+        return None
+    for a in config.get("architectures") or ():
+        if a in _ARCHITECTURES:
+            return _ARCHITECTURES[a]
+    return _MODEL_TYPES.get(config.get("model_type"))
+
+
+def _cfg_int(config: Mapping, *keys, default=None, preset: str = "") -> int | None:
+    for k in keys:
+        v = config.get(k)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"config.json: {k} must be a positive integer, got {v!r} "
+                                f"(preset {preset})")
+            return v
+    return default
+
+
+def num_experts_of(config: Mapping | None) -> int | None:
+    if not config:
+        return None
+    return _cfg_int(config, "n_routed_experts", "num_experts", "num_local_experts")
+
+
+def block_of(config: Mapping | None) -> list[int]:
+    q = (config or {}).get("quantization_config") or {}
+    b = q.get("weight_block_size")
+    return list(b) if isinstance(b, (list, tuple)) and b else [128, 128]
+
+
+def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
+    if name not in PRESETS:
+        raise PlanError(f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}")
+    config = config or {}
+    src = f"preset:{name}"
+
+    def R(pattern, strategy, **params):
+        return make_rule(pattern, strategy, params, regex=True, source=src)
+
+    if name == "bert":
+        return _bert(config, R)
+
+    heads = _cfg_int(config, "num_attention_heads", preset=name)
+    kv_heads = _cfg_int(config, "num_key_value_heads", default=heads, preset=name)
+
+    def need(v, key):
+        if v is None:
+            raise PlanError(f"preset {name}: config.json lacks {key}, needed to split attention "
+                            f"heads; pass a rule file with explicit num_heads")
+        return v
+
+    rules = [
+        R(r".*_scale_inv", "scale", block=block_of(config)),
+        # MTP layers carry their own embedding and head: same vocab split
+        R(r"(?:.*\.)?embed_tokens\.weight", "vocab"),
+        R(r"lm_head\.weight", "vocab", stage="last"),
+        R(r".*\.shared_head\.head\.weight", "vocab"),
+    ]
+    if name == "deepseek_v3":
+        rules += [
+            R(r".*\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight", "replicate"),
+            R(r".*\.self_attn\.(q_b_proj|kv_b_proj|q_proj)\.weight", "heads",
+              num_heads=need(heads, "num_attention_heads")),
+            R(r".*\.self_attn\.o_proj\.weight", "rowwise"),
+            R(r".*\.mlp\.gate\.(weight|e_score_correction_bias)", "replicate"),
+            R(r".*\.eh_proj\.weight", "replicate"),
+        ]
+    else:
+        rules += [
+            R(r".*\.self_attn\.q_proj\.(weight|bias)", "heads", num_heads=need(heads, "num_attention_heads")),
+            R(r".*\.self_attn\.[kv]_proj\.(weight|bias)", "heads",
+              num_heads=need(kv_heads, "num_key_value_heads"), kv=True),
+            R(r".*\.self_attn\.o_proj\.(weight|bias)", "rowwise"),
+        ]
+    n_exp = num_experts_of(config)
+    exp = {"num_experts": n_exp} if n_exp else {}
+    if name == "mixtral":
+        rules += [
+            R(r".*\.block_sparse_moe\.gate\.weight", "replicate"),
+            R(r".*\.block_sparse_moe\.experts\.\d+\.w[13]\.weight", "expert", dim=0, **exp),
+            R(r".*\.block_sparse_moe\.experts\.\d+\.w2\.weight", "expert", dim=1, **exp),
+        ]
+    if name in ("qwen3_moe", "qwen2"):
+        rules += [R(r".*\.mlp\.gate\.weight", "replicate"),
+                  R(r".*\.mlp\.shared_expert_gate\.weight", "replicate"),
+                  R(r".*\.mlp\.shared_expert\.(gate|up)_proj\.weight", "colwise"),
+                  R(r".*\.mlp\.shared_expert\.down_proj\.weight", "rowwise")]
+    rules += [
+        R(r".*\.experts\.\d+\.(gate|up)_proj\.weight", "expert", dim=0, **exp),
+        R(r".*\.experts\.\d+\.down_proj\.weight", "expert", dim=1, **exp),
+        # dense MLP and DeepSeek's shared experts: like vLLM's MLP (merged gate/up, row down)
+        R(r".*\.mlp\.(shared_experts\.)?(gate|up)_proj\.(weight|bias)", "colwise"),
+        R(r".*\.mlp\.(shared_experts\.)?down_proj\.(weight|bias)", "rowwise"),
+        R(r".*norm\.(weight|bias)", "replicate"),          # all norms incl. q_norm/k_norm, enorm/hnorm
+        R(r".*rotary_emb\.inv_freq", "replicate"),
+    ]
+    return rules
+
+
+def _bert(config, R) -> list[Rule]:
+    heads = _cfg_int(config, "num_attention_heads", preset="bert")
+    if heads is None:
+        raise PlanError("preset bert: config.json lacks num_attention_heads")
+    p = r"(?:.*\.)?"
+    return [
+        R(p + r"embeddings\.word_embeddings\.weight", "vocab", stage="first"),
+        R(p + r"embeddings\.(position_embeddings|token_type_embeddings)\.weight", "replicate",
+          stage="first"),
+        R(p + r"embeddings\.(LayerNorm\.(weight|bias)|position_ids|token_type_ids)", "replicate",
+          stage="first"),
+        R(r".*\.attention\.self\.(query|key|value)\.(weight|bias)", "heads", num_heads=heads),
+        R(r".*\.attention\.output\.dense\.(weight|bias)", "rowwise"),
+        R(r".*\.intermediate\.dense\.(weight|bias)", "colwise"),
+        R(r".*\.output\.dense\.(weight|bias)", "rowwise"),
+        R(r".*LayerNorm\.(weight|bias)", "replicate"),
+        R(p + r"pooler\.dense\.(weight|bias)", "replicate", stage="last"),
+    ]

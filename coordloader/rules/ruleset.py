@@ -1,0 +1,164 @@
+"""Ordered sharding rules: ``{pattern, strategy, params}``; the first rule whose pattern
+matches the whole tensor name wins. Patterns are globs (``*`` matches any run of
+characters, dots included) unless the rule says ``"regex": true`` or the pattern starts
+with ``re:``.
+
+Rule files (JSON) are either a list of rules, or an object::
+
+    {"preset": "llama" | "auto" | null, "mode": "extend" | "replace", "rules": [...]}
+
+With ``extend`` (the default) the file's rules are tried before the preset's, so they
+override it for the names they match and the preset still covers the rest; ``replace``
+drops the preset."""
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from ..errors import PlanError
+from .strategies import check_params
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    strategy: str
+    params: tuple[tuple[str, Any], ...] = ()
+    regex: bool = False
+    source: str = "preset"          # "preset:<name>" or the rule file; for messages/warnings
+
+    @property
+    def param_dict(self) -> dict:
+        return dict(self.params)
+
+    @property
+    def regex_text(self) -> str:
+        if self.regex:
+            return self.pattern
+        # fnmatch.translate anchors with \Z and wraps in (?s:...); strip the anchor, we
+        # fullmatch anyway and want to combine patterns into one alternation.
+        t = fnmatch.translate(self.pattern)
+        return t[:-2] if t.endswith(r"\Z") else t
+
+    def to_dict(self) -> dict:
+        d = {"pattern": self.pattern, "strategy": self.strategy, "params": _jsonable(self.param_dict)}
+        if self.regex:
+            d["regex"] = True
+        return d
+
+
+def _jsonable(v):
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    return v
+
+
+def make_rule(pattern: str, strategy: str, params: dict | None = None, *, regex: bool | None = None,
+              source: str = "preset", where: str | None = None) -> Rule:
+    where = where or f"rule {pattern!r} ({source})"
+    if not isinstance(pattern, str) or not pattern:
+        raise PlanError(f"{where}: pattern must be a non-empty string")
+    if regex is None:
+        regex = pattern.startswith("re:")
+    if pattern.startswith("re:"):
+        pattern = pattern[3:]
+        regex = True
+    p = check_params(strategy, params or {}, where)
+    if regex:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise PlanError(f"{where}: bad regular expression: {e}") from None
+    return Rule(pattern, strategy, tuple(sorted(p.items())), bool(regex), source)
+
+
+def rule_from_dict(d: Any, source: str, index: int) -> Rule:
+    where = f"{source}: rule #{index}"
+    if not isinstance(d, dict):
+        raise PlanError(f"{where}: expected an object with pattern, strategy, params")
+    extra = set(d) - {"pattern", "strategy", "params", "regex", "comment"}
+    if extra:
+        raise PlanError(f"{where}: unknown keys {sorted(extra)}")
+    for k in ("pattern", "strategy"):
+        if k not in d:
+            raise PlanError(f"{where}: missing {k!r}")
+    return make_rule(d["pattern"], d["strategy"], d.get("params") or {}, regex=d.get("regex"),
+                     source=source, where=f"{where} ({d['pattern']!r})")
+
+
+class RuleSet:
+    """Ordered rules with a fast first-match lookup (one combined regex)."""
+
+    def __init__(self, rules: Sequence[Rule], *, user_count: int = 0, preset: str | None = None):
+        self.rules: tuple[Rule, ...] = tuple(rules)
+        self.user_count = user_count          # the first `user_count` rules came from the user
+        self.preset = preset
+        self._compiled = [re.compile(r.regex_text) for r in self.rules]
+        # One alternation of named wrappers: fullmatch tries the alternatives in order, so
+        # the first rule that matches the whole name wins. Back-references and named groups
+        # inside user regexes would shift, so those rule sets fall back to a loop.
+        self._combined = None
+        if self.rules and not any(re.search(r"\\\d|\(\?P[<=]", r.regex_text) for r in self.rules):
+            alt = "|".join(f"(?P<r{i}>{r.regex_text})" for i, r in enumerate(self.rules))
+            try:
+                self._combined = re.compile(alt)
+            except (re.error, AssertionError, OverflowError):  # e.g. too many groups
+                self._combined = None
+        self._group_index = {f"r{i}": i for i in range(len(self.rules))}
+
+    def match(self, name: str) -> int | None:
+        """Index of the first rule matching ``name``, or None."""
+        if self._combined is not None:
+            m = self._combined.fullmatch(name)
+            if m is None:
+                return None
+            # the wrapper group of the matching alternative closes last
+            return self._group_index[m.lastgroup]
+        for i, c in enumerate(self._compiled):
+            if c.fullmatch(name):
+                return i
+        return None
+
+    def __len__(self):
+        return len(self.rules)
+
+    def __repr__(self):
+        return f"RuleSet(preset={self.preset!r}, {len(self.rules)} rules, {self.user_count} user)"
+
+    def to_list(self) -> list[dict]:
+        return [r.to_dict() for r in self.rules]
+
+
+def parse_rule_file(data: Any, source: str) -> tuple[list[Rule], str | None, str]:
+    """-> (rules, preset or 'auto' or None, mode)."""
+    if isinstance(data, list):
+        return [rule_from_dict(d, source, i) for i, d in enumerate(data)], "auto", "extend"
+    if not isinstance(data, dict):
+        raise PlanError(f"{source}: a rule file is a JSON list of rules or an object with 'rules'")
+    extra = set(data) - {"preset", "mode", "rules", "comment"}
+    if extra:
+        raise PlanError(f"{source}: unknown keys {sorted(extra)}")
+    mode = data.get("mode", "extend")
+    if mode not in ("extend", "replace"):
+        raise PlanError(f"{source}: mode must be 'extend' or 'replace', got {mode!r}")
+    rules = data.get("rules", [])
+    if not isinstance(rules, list):
+        raise PlanError(f"{source}: 'rules' must be a list")
+    preset = data.get("preset", "auto")
+    return [rule_from_dict(d, source, i) for i, d in enumerate(rules)], preset, mode
+
+
+def load_rule_file(path: str) -> tuple[list[Rule], str | None, str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise PlanError(f"cannot read rule file {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise PlanError(f"rule file {path} is not valid JSON: {e}") from None
+    return parse_rule_file(data, path)
