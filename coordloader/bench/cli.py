@@ -66,6 +66,13 @@ def main(argv=None) -> int:
     if repeats < 1:
         print("--repeats must be >= 1", file=sys.stderr)
         return 2
+    if a.methods:
+        from .methods import METHODS
+        bad = [m for m in a.methods.split(",") if m not in METHODS]
+        if bad:
+            print(f"unknown method(s) {', '.join(bad)}; expected some of "
+                  f"{', '.join(METHODS)}", file=sys.stderr)
+            return 2
     sections = SECTIONS if a.what == "all" else (a.what,)
     results: dict = {"machine": machine_info(), "quick": a.quick, "repeats": repeats,
                      "argv": sys.argv[1:] if argv is None else list(argv), "errors": {}}

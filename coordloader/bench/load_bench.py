@@ -157,7 +157,11 @@ def bench_load(ckpt: str, *, tp: int = 2, repeats: int = 3, cold: bool = True,
                   timeout=timeout,
                   device="cuda" if torch.cuda.is_available() else "cpu")
     # CUDA methods need a cuda device; CPU methods run on the CPU either way
+    runs = [sum(len(ts.byte_runs) for ts in rp.tensors) for rp in plan.ranks]
+    held = [rp.bytes_held for rp in plan.ranks]
     out: dict[str, Any] = {"ckpt": ckpt, "checkpoint_bytes": dir_bytes(ckpt),
+                           "byte_runs_per_rank": runs,
+                           "mean_run_bytes": [h / n if n else None for h, n in zip(held, runs)],
                            "files": len(meta.files), "tensors": len(meta.tensors),
                            "layout": layout.to_dict(), "world": layout.world_size,
                            "repeats": repeats, "notes": notes, "failed": {}}

@@ -45,6 +45,11 @@ def load_section(sec: dict) -> str:
            f"{sec['world']} ranks at tp={sec['layout']['tp']}, {sec['repeats']} repeats", ""]
     first = next(iter(sec["warm"].values()), None)
     if first:
+        runs = sec.get("byte_runs_per_rank") or []
+        if runs:
+            out.append(f"The plan reads {max(runs):,} byte runs per rank (mean "
+                       f"{min(x for x in sec['mean_run_bytes'] if x):,.0f} bytes: every row of a "
+                       f"dim-1 slice is its own run).")
         out.append(f"Bytes held per rank: {first['bytes_held_per_rank'] / 1e6:,.0f} MB. "
                    "GB/s = bytes held / wall (the ceiling row: file bytes / wall). "
                    "Peak RSS includes the interpreter and torch (~220 MB).")

@@ -1,0 +1,108 @@
+"""Smoke tests of the bench machinery (``python -m coordloader.bench``) on a tiny
+checkpoint: rank processes, the output files, the table, the headline line. The real
+benchmark is never run here."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("safetensors")
+
+HEADLINE = re.compile(r"^headline: coordloader cpu engine (\d+\.\d+)x faster than safetensors "
+                      r"whole-read\+narrow \((\d+\.\d+) s vs (\d+\.\d+) s median wall, 2 ranks, "
+                      r"warm page cache\)$")
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from coordloader.synth import synthesize
+    return synthesize(str(tmp_path_factory.mktemp("bench") / "qwen3_moe-tiny"), "qwen3_moe", "tiny")
+
+
+def _bench(args, timeout=120):
+    env = {**os.environ, "COORDLOADER_BENCH_CACHE": "/nonexistent-bench-cache"}
+    return subprocess.run([sys.executable, "-m", "coordloader.bench", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
+    out = tmp_path / "out"
+    p = _bench(["load", "--ckpt", tiny_ckpt, "--repeats", "1", "--no-cold", "--out", str(out),
+                "--methods", "ceiling,preadv,cpu,st_whole,st_slice"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = p.stdout.rstrip("\n").splitlines()
+    m = HEADLINE.match(lines[-1])
+    assert m, lines[-1]
+    ratio, cpu_s, whole_s = (float(x) for x in m.groups())
+    assert ratio == pytest.approx(whole_s / cpu_s, rel=0.02, abs=0.01)
+
+    md = (out / "results.md").read_text()
+    assert "| method |" in md and "(`cpu`)" in md and "(`st_whole`)" in md
+    res = json.loads((out / "results.json").read_text())
+    warm = res["load"]["warm"]
+    assert set(warm) == {"ceiling", "preadv", "cpu", "st_whole", "st_slice"}
+    # every slice-holding method left each rank exactly the same tensors
+    for k in ("preadv", "cpu", "st_whole", "st_slice"):
+        assert warm[k]["same_tensors"] is True, k
+        assert [r["rank"] for r in warm[k]["ranks"]] == [0, 1]
+        for r in warm[k]["ranks"]:
+            assert r["bytes_held"] > 0 and r["wall_s"] > 0 and r["rss_peak"] > 0
+    # the whole-read baseline reads every tensor whole: about twice what a tp=2 rank holds
+    assert warm["st_whole"]["read_amplification"] > 1.5
+    assert warm["cpu"]["read_amplification"] <= 1.01
+    assert warm["ceiling"]["bytes_read_per_rank"] == res["load"]["checkpoint_bytes"]
+    if res["plots"]:
+        assert (out / "load_gbps.png").stat().st_size > 1000
+    assert "cold-cache runs not requested" in res["load"]["notes"]
+
+
+def test_plan_bench_on_small_metadata(tmp_path):
+    from coordloader.synth import synthesize
+    ckpt = synthesize(str(tmp_path / "dsv3"), "deepseek_v3", "tiny", metadata_only=True)
+    out = tmp_path / "out"
+    p = _bench(["plan", "--plan-ckpt", ckpt, "--worlds", "8,16", "--repeats", "1",
+                "--out", str(out)])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    last = p.stdout.rstrip("\n").splitlines()[-1]
+    assert re.match(r"^headline: planner\+cover \d+\.\d+ s for 16 ranks \([\d,]+ slices, "
+                    r"[\d,]+ slices/s\)$", last), last
+    rows = json.loads((out / "results.json").read_text())["plan"]["rows"]
+    assert [r["world"] for r in rows] == [8, 16]
+    # pp=2 splits the layers over stages: the same slices, spread over twice the ranks
+    assert rows[1]["slices"] >= rows[0]["slices"] > 0
+
+
+def test_unknown_method_is_refused(tmp_path, capsys):
+    from coordloader.bench.cli import main
+    assert main(["load", "--ckpt", str(tmp_path), "--methods", "cpu,nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_compare_flags_different_tensors():
+    from coordloader.bench.load_bench import _compare
+
+    def row(wall, sums, held=100, peak=200e6):
+        return {"wall_s": wall, "gbps_per_rank": held / wall / 1e9, "ranks": [
+            {"checksum": s, "checksums_stable": True, "bytes_held": held, "rss_peak": peak}
+            for s in sums]}
+    rows = {"cpu": row(1.0, ["a", "b"]), "st_whole": row(4.0, ["a", "b"]),
+            "preadv": row(0.9, ["a", "X"]), "ceiling": row(0.5, [None, None])}
+    t = _compare(rows, 2)
+    assert rows["st_whole"]["same_tensors"] is True
+    assert rows["preadv"]["same_tensors"] is False      # a rank got other bytes: flagged
+    assert rows["ceiling"]["same_tensors"] is None      # holds no slices: not compared
+    assert t["cpu_vs_whole_read"]["value"] == pytest.approx(4.0) and t["cpu_vs_whole_read"]["ok"]
+    assert t["cpu_vs_preadv_rate"]["value"] == pytest.approx(0.9)
+    assert t["cpu_rss_vs_limit"]["ok"]
+
+
+def test_headline_fallbacks():
+    from coordloader.bench.report import headline
+    assert headline({}) == "headline: n/a (no load section ran)"
+    h = headline({"load": {"world": 2, "headline": {"ratio": 3.5, "cpu_s": 0.2, "whole_s": 0.7}}})
+    assert HEADLINE.match(h)
