@@ -44,6 +44,7 @@ class LoadResult:
     rank: int
     world: int
     phases: dict = field(default_factory=dict)   # phase -> seconds
+    verify_report: dict | None = None
 
     @property
     def rank_plan(self):
@@ -221,21 +222,30 @@ def local_verify(tensors: Mapping[str, torch.Tensor], rank_plan) -> None:
                                   tensor=name, rank=rank_plan.rank)
 
 
-def _verify(mode: str, tensors, plan, meta, rank: int, group) -> None:
-    if mode == "none":
-        return
+def _verify_fn():
     try:
         from . import verify as vmod
     except ImportError:
-        vmod = None
-    fn = getattr(vmod, "verify_rank", None) if vmod is not None else None
+        return None
+    return getattr(vmod, "verify_rank", None)
+
+
+def run_verify(mode: str, tensors, plan, meta, rank: int, group) -> dict:
+    """coordloader.verify.verify_rank when available (it gathers and agrees itself and
+    raises VerifyError with the report on every rank); else the local check, agreed."""
+    if mode == "none":
+        return {"ok": True, "mode": "none"}
+    fn = _verify_fn()
     if fn is not None:
-        fn(tensors, plan, rank, mode=mode, meta=meta, group=group)
-        return
-    if mode != "shapes":
-        raise VerifyError(f"--verify {mode} needs coordloader.verify, which is not available in "
-                          f"this installation; use --verify shapes", rank=rank)
-    local_verify(tensors, plan.rank(rank))
+        return fn(tensors, plan, rank, mode=mode, meta=meta, group=group)
+
+    def local():
+        if mode != "shapes":
+            raise VerifyError(f"--verify {mode} needs coordloader.verify, which is not available "
+                              f"in this installation; use --verify shapes", rank=rank)
+        local_verify(tensors, plan.rank(rank))
+        return {"ok": True, "mode": mode}
+    return run_phase("verify", group, rank, local)
 
 
 # -- the library call ---------------------------------------------------------------------
@@ -305,9 +315,9 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
     phases["load"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    run_phase("verify", group, rank, lambda: _verify(verify, tensors, plan, meta, rank, group))
+    report = run_verify(verify, tensors, plan, meta, rank, group)
     phases["verify"] = time.perf_counter() - t
-    return LoadResult(tensors, plan, meta, stats, rank, world, phases)
+    return LoadResult(tensors, plan, meta, stats, rank, world, phases, report)
 
 
 def load(ckpt, layout: Layout, *, group=None, rank: int | None = None, device=None,
@@ -544,6 +554,9 @@ def _run(args) -> int:
                             replicate_unmatched=args.replicate_unmatched, timeout=args.timeout)
         mine = dict(res.stats.to_dict(), rank=res.rank, phases=res.phases,
                     coords=dict(res.rank_plan.coords))
+        if res.verify_report is not None:
+            mine["verify"] = {k: v for k, v in res.verify_report.items()
+                              if k in ("ok", "mode", "notes", "stats")}
         if args.dump:
             from .dump import dump_rank
             mine["dump"] = run_phase("dump", group, res.rank, lambda: dump_rank(
