@@ -476,6 +476,9 @@ def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
         for spec in section["tensors"].values():
             for p in spec["pieces"]:
                 files.add(p["file"])
+    if not files:
+        raise CheckpointError("the index lists no files (empty weight_map); expected tensor "
+                              "name -> file name entries", file=index_name)
     for fname in sorted(files):
         if not os.path.lexists(os.path.join(d, fname)):
             raise CheckpointError(f"the index lists file {fname!r} which does not exist in the "

@@ -374,6 +374,35 @@ def test_weight_map_absolute_name_without_slash(tmp_path):
         ck._check_name(".", "t", None)
 
 
+def test_index_empty_weight_map(tmp_path):
+    sharded_ok(tmp_path)
+    write_index(tmp_path, {})
+    bad(tmp_path, "model.safetensors.index.json", "lists no files")
+
+
+def test_no_fd_leak_on_errors(tmp_path):
+    cases = []
+    for i, (hdr, data, kw) in enumerate([({}, b"", {"length": 2**64 - 1}), ("[1]", b"", {}),
+                                         ({"w": {"dtype": "X"}}, b"", {}),
+                                         (header_for(GOOD)[0], 5, {})]):
+        d = tmp_path / f"c{i}"
+        d.mkdir()
+        write_raw(d / M, hdr, data, **kw)
+        cases.append(d)
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / M)
+    cases.append(tmp_path / "fifo")
+    (tmp_path / "ok").mkdir()
+    write_st(tmp_path / "ok" / M, GOOD)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(40):
+        for d in cases:
+            with pytest.raises(CheckpointError):
+                read_checkpoint(str(d))
+        read_checkpoint(str(tmp_path / "ok"))
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def test_index_listed_file_missing(tmp_path):
     wm = sharded_ok(tmp_path)
     wm["z"] = "model-00003-of-00003.safetensors"
