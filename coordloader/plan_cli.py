@@ -1,0 +1,170 @@
+"""``python -m coordloader.plan CKPT --tp 8 --ep 8 ...``: plan a layout, validate the
+cover, print a per-rank table, optionally write the plan as JSON (docs/plan-schema.md).
+Errors (bad layout, rules, checkpoint) print one line and exit 2, without a traceback."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from .errors import CoordloaderError, PlanError
+from .layout import Layout
+
+_EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+def parse_placement(v: str):
+    if v in ("linear", "round_robin"):
+        return v
+    try:
+        with open(v, encoding="utf-8") as f:
+            m = json.load(f)
+    except OSError as e:
+        raise PlanError(f"--placement: cannot read {v}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise PlanError(f"--placement: {v} is not valid JSON: {e}") from None
+    if isinstance(m, dict):
+        m = m.get("expert_placement", m.get("map"))
+    if not isinstance(m, list) or not all(isinstance(x, list) and all(isinstance(e, int) for e in x)
+                                          for x in m):
+        raise PlanError(f"--placement: {v} must hold a list of expert-id lists, one per ep rank")
+    return tuple(tuple(x) for x in m)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def ranges_str(ids) -> str:
+    ids = sorted(set(ids))
+    if not ids:
+        return "-"
+    out, a, b = [], ids[0], ids[0]
+    for x in ids[1:]:
+        if x == b + 1:
+            b = x
+            continue
+        out.append(f"{a}" if a == b else f"{a}-{b}")
+        a = b = x
+    out.append(f"{a}" if a == b else f"{a}-{b}")
+    s = ",".join(out)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def rank_rows(plan) -> list[dict]:
+    """Per-rank figures: tensors, bytes held (local tensors, padding included), bytes to
+    read (exact byte runs), read amplification (file span a one-range-per-slice reader
+    would fetch / bytes to read; 1.00 for dim-0 slices, up to tp for dim-1 slices), experts."""
+    rows = []
+    span_cache: dict = {}
+    for rp in plan.ranks:
+        read = rp.bytes_to_read
+        span = 0
+        experts = set()
+        for t in rp.tensors:
+            k = id(t.byte_runs)
+            sp = span_cache.get(k)
+            if sp is None:
+                groups = getattr(t.byte_runs, "groups", None)
+                if groups is None:
+                    groups = [(r.file, r.offset, r.length, 0, 1, 0, 0) for r in t.byte_runs]
+                lo: dict = {}
+                for f, o, ln, d, c, ss, ds in groups:
+                    a, b = min(o, o + (c - 1) * ss), max(o, o + (c - 1) * ss) + ln
+                    x = lo.get(f)
+                    lo[f] = (a, b) if x is None else (min(x[0], a), max(x[1], b))
+                sp = span_cache[k] = sum(b - a for a, b in lo.values())
+            span += sp
+            if t.strategy == "expert" or (t.strategy == "scale" and ".experts." in t.name):
+                m = _EXPERT_RE.search(t.name)
+                if m:
+                    experts.add(int(m.group(1)))
+                elif t.strategy == "expert":
+                    experts.update(p.src[0][0] for p in t.pieces)
+        rows.append({"rank": rp.rank, "coords": dict(rp.coords), "tensors": len(rp.tensors),
+                     "bytes_held": rp.bytes_held, "bytes_to_read": read,
+                     "read_amplification": (span / read) if read else 1.0,
+                     "experts": sorted(experts)})
+    return rows
+
+
+def format_table(plan, rows=None, rank: int | None = None) -> str:
+    rows = rows if rows is not None else rank_rows(plan)
+    if rank is not None:
+        rows = [r for r in rows if r["rank"] == rank]
+    hdr = f"{'rank':>5} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3} {'mtp':>3} {'tensors':>8} " \
+          f"{'held':>11} {'to read':>11} {'amp':>5}  experts"
+    lines = [f"plan {plan.digest()[:16]}  layout {plan.layout}  world {plan.world_size}", hdr]
+    for r in rows:
+        c = r["coords"]
+        lines.append(f"{r['rank']:>5} {c['pp']:>3} {c['dp']:>3} {c['tp']:>3} {c['ep']:>3} "
+                     f"{c['moe_tp']:>3} {r['tensors']:>8} {human(r['bytes_held']):>11} "
+                     f"{human(r['bytes_to_read']):>11} {r['read_amplification']:>5.2f}  "
+                     f"{ranges_str(r['experts'])}")
+    tot = sum(r["bytes_to_read"] for r in rows)
+    lines.append(f"total to read {human(tot)} over {len(rows)} ranks; excluded tensors: "
+                 f"{len(plan.excluded)}" + (f" ({', '.join(plan.excluded[:3])}...)" if plan.excluded else ""))
+    if plan.load_groups:
+        lines.append("load groups: " + "; ".join(f"{g.mode} {len(g.files)} files x {len(g.ranks)} ranks"
+                                                  for g in plan.load_groups))
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m coordloader.plan",
+                                description="Plan which slice of each tensor every rank holds.")
+    p.add_argument("checkpoint", help="checkpoint directory")
+    for k in ("tp", "pp", "dp", "ep"):
+        p.add_argument(f"--{k}", type=int, default=1)
+    p.add_argument("--ep-spans-dp", action="store_true", help="MoE group = TP x DP ranks of a stage")
+    p.add_argument("--placement", default="linear", help="linear | round_robin | FILE.json (map)")
+    p.add_argument("--pp-layers", default=None, help="explicit layers per stage, e.g. 31,30")
+    p.add_argument("--allow-uneven", action="store_true", help="torch.chunk splits for sizes not divisible")
+    p.add_argument("--include-mtp", action="store_true", help="keep layers >= num_hidden_layers (last stage)")
+    p.add_argument("--rules", default=None, help="preset name or JSON rule file")
+    p.add_argument("--replicate-unmatched", action="store_true")
+    p.add_argument("--rank", type=int, default=None, help="show only this rank")
+    p.add_argument("--json", default=None, help="write the plan (schema v1) to FILE ('-' = stdout)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from .cover import validate_cover
+        from .plan import make_plan
+        pp_layers = tuple(int(x) for x in args.pp_layers.split(",")) if args.pp_layers else None
+        layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, ep_spans_dp=args.ep_spans_dp,
+                        expert_placement=parse_placement(args.placement), pp_layers=pp_layers,
+                        allow_uneven=args.allow_uneven, include_mtp=args.include_mtp)
+        if args.rank is not None and not 0 <= args.rank < layout.world_size:
+            raise PlanError(f"--rank {args.rank} outside world of size {layout.world_size} ({layout})")
+        from .checkpoint import read_checkpoint
+        meta = read_checkpoint(args.checkpoint)
+        plan = make_plan(meta, layout, args.rules, replicate_unmatched=args.replicate_unmatched)
+        validate_cover(plan, meta)
+        print(format_table(plan, rank=args.rank))
+        if args.json:
+            doc = plan.to_json()
+            if args.json == "-":
+                json.dump(doc, sys.stdout)
+                sys.stdout.write("\n")
+            else:
+                with open(args.json, "w", encoding="utf-8") as f:
+                    json.dump(doc, f)
+    except CoordloaderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:   # e.g. a malformed --pp-layers
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
