@@ -103,6 +103,6 @@ def test_compare_flags_different_tensors():
 
 def test_headline_fallbacks():
     from coordloader.bench.report import headline
-    assert headline({}) == "headline: n/a (no load section ran)"
+    assert headline({}).startswith("headline: n/a (")
     h = headline({"load": {"world": 2, "headline": {"ratio": 3.5, "cpu_s": 0.2, "whole_s": 0.7}}})
     assert HEADLINE.match(h)

@@ -12,7 +12,7 @@ from typing import Any
 from .common import (can_drop_caches, ckpt_files, dir_bytes, median, optional, rate)
 from .runner import MethodFailed, repeat_method, run_ranks
 
-CPU_METHODS = ["ceiling", "preadv", "cpu", "st_whole", "st_slice"]
+CPU_METHODS = ["ceiling", "preadv", "span", "cpu", "st_whole", "st_slice"]
 CUDA_METHODS = ["it_raw", "it_engine"]
 RSS_FACTOR, RSS_SLACK = 1.3, 300e6
 

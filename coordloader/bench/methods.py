@@ -228,6 +228,64 @@ def _preadv_run(ctx, state):
     return tensors, read, {"runs": len(runs)}
 
 
+# -- (a'') one thread, each slice's covering span read once, runs copied out -------------
+
+def _span_setup(ctx):
+    tensors = {ts.name: _alloc(ts) for ts in ctx.rank_plan.tensors}
+    flat = {n: t.reshape(-1).view(torch.uint8) for n, t in tensors.items()}
+    return tensors, flat
+
+
+def _groups(ts):
+    """The slice's runs as strided groups (file, offset, length, dest, count, src_stride,
+    dst_stride): the planner's compact form when it has one, else one group per run."""
+    g = getattr(ts.byte_runs, "groups", None)
+    if g is not None:
+        return g
+    return [(r.file, r.offset, r.length, r.dest, 1, 0, 0) for r in ts.byte_runs]
+
+
+def _span_run(ctx, state):
+    """What an engine can do when a slice is many short runs (one per row of a dim-1
+    split): one read of the span from the first run to the last into a bounce buffer,
+    then one strided tensor copy per group of runs. Few syscalls for more bytes: read
+    amplification up to the split factor on those tensors."""
+    tensors, flat = state
+    fds: dict[str, int] = {}
+    buf = torch.empty(0, dtype=torch.uint8)
+    read = 0
+    try:
+        for ts in ctx.rank_plan.tensors:
+            dst = flat[ts.name]
+            for fname, off, ln, dest, count, sstride, dstride in _groups(ts):
+                fd = fds.get(fname)
+                if fd is None:
+                    fd = fds[fname] = os.open(os.path.join(ctx.meta.root, fname), os.O_RDONLY)
+                n = (count - 1) * sstride + ln
+                contiguous = count == 1 or (sstride == ln and dstride == ln)
+                if contiguous:
+                    target = dst[dest:dest + n]
+                else:
+                    if buf.numel() < n:
+                        buf = torch.empty(n, dtype=torch.uint8)
+                    target = buf[:n]
+                mv = memoryview(target.numpy()).cast("B")
+                got = 0
+                while got < n:
+                    k = os.preadv(fd, [mv[got:]], off + got)
+                    if k <= 0:
+                        raise OSError(f"short read in {fname} at {off + got}")
+                    got += k
+                read += n
+                if not contiguous:
+                    src = target.as_strided((count, ln), (sstride, 1))
+                    dst.as_strided((count, ln), (dstride, 1), dest).copy_(src)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return tensors, read, {}
+
+
 # -- (d) raw instanttensor.safe_open, distributed over the group -------------------------
 
 def _it_raw_setup(ctx):
@@ -322,6 +380,8 @@ def _save_run(ctx, tensors):
 METHODS: dict[str, Method] = {m.key: m for m in [
     Method("cpu", "coordloader cpu engine", _cpu_setup, _cpu_run),
     Method("preadv", "(a') preadv of the same byte ranges, 1 thread", _preadv_setup, _preadv_run),
+    Method("span", "(a'') preadv of each slice's span + copy-out, 1 thread", _span_setup,
+           _span_run),
     Method("ceiling", "(a) page-cache ceiling: whole files, sequential", _ceiling_setup,
            _ceiling_run, holds_slice=False),
     Method("st_whole", "(b) safetensors whole read + narrow", _st_whole_setup, _st_whole_run),

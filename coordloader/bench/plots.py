@@ -52,6 +52,8 @@ def plot_plan(sec: dict, path: str, plt) -> str | None:
     rows = sec.get("rows") or []
     if len(rows) < 2:
         return None
+    from matplotlib.ticker import FuncFormatter
+    fmt = FuncFormatter(lambda v, _: f"{v:g}")
     w = [r["world"] for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
     a1.plot(w, [r["plan_s"] for r in rows], "o-", label="make_plan")
@@ -64,6 +66,8 @@ def plot_plan(sec: dict, path: str, plt) -> str | None:
                         textcoords="offset points", xytext=(-40, 6))
     a1.set_xscale("log", base=2)
     a1.set_yscale("log")
+    a1.yaxis.set_major_formatter(fmt)
+    a1.yaxis.set_minor_formatter(fmt)
     a1.set_xlabel("ranks")
     a1.set_ylabel("seconds")
     a1.set_title("DeepSeek-V3 full metadata: planner time vs ranks", fontsize=9)
@@ -76,6 +80,8 @@ def plot_plan(sec: dict, path: str, plt) -> str | None:
                     xytext=(3, -9))
     a2.set_xscale("log")
     a2.set_yscale("log")
+    a2.yaxis.set_major_formatter(fmt)
+    a2.yaxis.set_minor_formatter(fmt)
     a2.set_xlabel("tensor slices in the plan (all ranks)")
     a2.set_ylabel("seconds")
     rates = [r["slices_per_s"] for r in rows]

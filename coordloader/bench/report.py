@@ -156,7 +156,8 @@ def headline(results: dict) -> str:
     if sv and "save" in sv:
         return (f"{HEADLINE_PREFIX} save {sv['save']['gbps_per_rank']:.2f} GB/s per rank, "
                 f"resharded load {sv['resharded_vs_direct']:.2f}x the direct load time")
-    return f"{HEADLINE_PREFIX} n/a (no load section ran)"
+    return (f"{HEADLINE_PREFIX} n/a (the load section did not run both the cpu engine and "
+            f"the whole-read baseline)")
 
 
 def render(results: dict) -> str:
