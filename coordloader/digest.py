@@ -24,6 +24,7 @@ digests of disjoint boxes that tile a tensor add up (mod 2^64) to the whole tens
 """
 from __future__ import annotations
 
+import threading
 from math import prod
 from typing import Iterator, Sequence
 
@@ -131,8 +132,32 @@ def flat_offset(box: Box, sub: Box) -> int:
     return off
 
 
+_UNSIGNED = {w: getattr(torch, n, None) for w, n in ((1, "uint8"), (2, "uint16"), (4, "uint32"))}
+_tls = threading.local()
+USE_CPU_GEMV = True   # tests switch it off to run the accelerator code path on CPU
+
+
+def _work_buffer(device: torch.device, n: int, slot: int = 0) -> torch.Tensor:
+    """A per-thread, per-device int64 work buffer of at least ``n`` elements, reused across
+    calls: a model has thousands of small tensors, and a fresh buffer per tensor costs page
+    faults that measured as much as the digest itself."""
+    cache = getattr(_tls, "bufs", None)
+    if cache is None:
+        cache = _tls.bufs = {}
+    key = (str(device), slot)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < n:
+        buf = cache[key] = torch.empty(n, dtype=torch.int64, device=device)
+    return buf
+
+
+def release_buffers() -> None:
+    """Drop this thread's cached work buffers."""
+    _tls.bufs = {}
+
+
 class _Accumulator:
-    """Digest state for one global shape on one device; reuses its work buffers."""
+    """Digest state for one global shape on one device."""
 
     def __init__(self, global_shape: tuple[int, ...], device: torch.device, chunk: int):
         self.shape = global_shape
@@ -141,9 +166,8 @@ class _Accumulator:
         # stride of each leading dim in units of rows
         self.row_strides = [prod(lead[d + 1:]) for d in range(len(lead))]
         self.device = device
+        self.cpu = device.type == "cpu" and USE_CPU_GEMV
         self.chunk = chunk
-        self.buf: torch.Tensor | None = None
-        self.tmp: torch.Tensor | None = None
         self.acc = torch.zeros((), dtype=torch.int64, device=device)
         self._cols: tuple[tuple[int, int], torch.Tensor] | None = None
 
@@ -159,30 +183,43 @@ class _Accumulator:
             ids = ids.unsqueeze(-1) + torch.arange(a, b, dtype=torch.int64, device=self.device) * st
         return ids.reshape(-1)
 
+    def _widen(self, bits: torch.Tensor, x: torch.Tensor) -> None:
+        """x (int64, shape of bits) <- bits zero-extended (64-bit: mixed, see module doc)."""
+        width = bits.element_size()
+        uview = _UNSIGNED.get(width)
+        if uview is not None and bits.dtype != torch.uint8:
+            try:
+                # converting from the unsigned view zero-extends: no separate mask pass
+                x.copy_(bits.view(uview))
+                return
+            except (RuntimeError, TypeError):
+                pass  # a backend without unsigned copies: sign-extend, then mask
+        x.copy_(bits)
+        if width in _ZERO_EXT:
+            x &= _ZERO_EXT[width]
+        elif width == 8:
+            t = _work_buffer(self.device, x.numel(), 1)[:x.numel()].view(x.shape)
+            torch.bitwise_right_shift(x, 32, out=t)
+            t &= 0xFFFFFFFF
+            x ^= t
+
     def add(self, bits: torch.Tensor, sub: Box) -> None:
         """Add the digest of ``bits`` (integer view, shape == box_shape(sub))."""
         n = bits.numel()
         if n == 0:
             return
-        if self.buf is None or self.buf.numel() < n:
-            self.buf = torch.empty(max(n, min(self.chunk, n)), dtype=torch.int64, device=self.device)
         ncols = sub[-1][1] - sub[-1][0]
-        x = self.buf[:n].view(n // ncols, ncols)
-        # copy_ into a same-shaped view of the contiguous buffer: widens to int64 and
-        # handles any strides (a dim-1 slice of a packed local tensor) without a temp.
-        x.view(bits.shape).copy_(bits)
-        width = bits.element_size()
-        if width in _ZERO_EXT:
-            x &= _ZERO_EXT[width]
-        elif width == 8:
-            if self.tmp is None or self.tmp.numel() < n:
-                self.tmp = torch.empty_like(self.buf)
-            t = self.tmp[:n].view_as(x)
-            torch.bitwise_right_shift(x, 32, out=t)
-            t &= 0xFFFFFFFF
-            x ^= t
-        x *= self._col_weights(sub[-1][0], sub[-1][1])
-        s = x.sum(dim=1)
+        x = _work_buffer(self.device, n)[:n]
+        # widen into a same-shaped view of the contiguous buffer: handles any strides (a
+        # dim-1 slice of a packed local tensor) without another temporary
+        self._widen(bits, x.view(bits.shape))
+        x = x.view(n // ncols, ncols)
+        w = self._col_weights(sub[-1][0], sub[-1][1])
+        if self.cpu:
+            s = torch.mv(x, w)          # fused multiply + row sum (int64 gemv, wraps mod 2^64)
+        else:
+            x *= w                      # no integer gemv on CUDA/ROCm
+            s = x.sum(dim=1)
         s *= hash_weights(self._row_ids(sub), SEED_ROW)
         self.acc += s.sum()
 

@@ -24,7 +24,8 @@ from typing import Mapping
 
 import torch
 
-from . import digest as dg
+# explicit names: the package re-exports the function `digest`, shadowing the module
+from .digest import ALGORITHM, MASK64, digest, flat_offset, fmt, iter_subboxes
 from .dtypes import itemsize
 from .errors import CoordloaderError, SaveError, VerifyError
 from .metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
@@ -89,15 +90,15 @@ def tensor_digest(meta: CheckpointMeta, info: TensorInfo, *, buf: bytearray | No
         except OSError as e:
             raise VerifyError(f"cannot open: {e.strerror}", file=sp.file, tensor=info.name) from None
         try:
-            for sub in dg.iter_subboxes(box, budget):
+            for sub in iter_subboxes(box, budget):
                 n = box_numel(sub)
-                off = sp.start + dg.flat_offset(box, sub) * size
+                off = sp.start + flat_offset(box, sub) * size
                 _pread_exact(fd, mv[:n * size], off, sp.file)
                 t = torch.frombuffer(buf, dtype=_INT_VIEW[size], count=n).view(box_shape(sub))
-                total += dg.digest(t, sub, shape)
+                total += digest(t, sub, shape)
         finally:
             os.close(fd)
-    return total & dg.MASK64
+    return total & MASK64
 
 
 def compute(meta: CheckpointMeta, *, jobs: int = 1, progress=None) -> dict[str, TensorDigest]:
@@ -122,10 +123,10 @@ def to_json(meta: CheckpointMeta, digests: Mapping[str, TensorDigest]) -> dict:
     return {
         "format": "coordloader.manifest",
         "version": VERSION,
-        "algorithm": dg.ALGORITHM,
+        "algorithm": ALGORITHM,
         "fingerprint": meta.fingerprint(),
         "files": [{"name": f.name, "size": f.size, "header_sha256": f.header_sha256} for f in meta.files],
-        "tensors": {n: {"dtype": d.dtype, "shape": list(d.shape), "digest": dg.fmt(d.digest)}
+        "tensors": {n: {"dtype": d.dtype, "shape": list(d.shape), "digest": fmt(d.digest)}
                     for n, d in digests.items()},
     }
 
@@ -197,9 +198,9 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         doc = json.loads(raw)
         if doc.get("format") != "coordloader.manifest" or doc.get("version") != VERSION:
             raise ValueError(f"not a version-{VERSION} coordloader manifest")
-        if doc.get("algorithm") != dg.ALGORITHM:
+        if doc.get("algorithm") != ALGORITHM:
             raise ValueError(f"digest algorithm {doc.get('algorithm')!r}, this coordloader uses "
-                             f"{dg.ALGORITHM!r}; regenerate it")
+                             f"{ALGORITHM!r}; regenerate it")
         tensors = {n: TensorDigest(str(t["dtype"]), tuple(int(s) for s in t["shape"]), int(t["digest"], 16))
                    for n, t in doc["tensors"].items()}
         fp = str(doc["fingerprint"])

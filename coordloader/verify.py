@@ -27,7 +27,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from . import digest as dg
+# explicit names: the package re-exports the function `digest`, shadowing the module
+from .digest import combine, digest_local, fmt, iter_subboxes
 from .dtypes import from_torch, itemsize, torch_dtype
 from .errors import CollectiveError, CoordloaderError, VerifyError
 from .metadata import Box, box_numel, box_shape, full_box
@@ -190,7 +191,7 @@ class _FullReader:
                 continue
             key = name if sp.box == full_box(shape) else _piece_key(name, sp.box)
             sl = self._open(sp.file).get_slice(key)
-            for sub in dg.iter_subboxes(inter, budget):
+            for sub in iter_subboxes(inter, budget):
                 ref = sl[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(sub, sp.box))]
                 mine = _narrow(local, sub, [o + a - p0 for o, (a, _), (p0, _) in
                                             zip(piece.dst, sub, piece.src)])
@@ -261,10 +262,10 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
                         findings.append(_finding(rank, "padding", bad, name))
                 if level >= _LEVEL["digest"]:
                     t0 = time.perf_counter()
-                    ds = dg.digest_local(t, ts.pieces, ts.global_shape)
+                    ds = digest_local(t, ts.pieces, ts.global_shape)
                     stats["digest_s"] += time.perf_counter() - t0
                     stats["bytes_digested"] += ts.covered_numel * t.element_size()
-                    digests[name] = [dg.fmt(d) for d in ds]
+                    digests[name] = [fmt(d) for d in ds]
                 if full is not None:
                     t0 = time.perf_counter()
                     for i, p in enumerate(ts.pieces):
@@ -394,21 +395,21 @@ def evaluate(payloads: Sequence[dict], mode: str, *, meta=None, manifest=None,
                 pr, pi, pd = prim_d[b]
                 if int(d[i], 16) != pd:
                     failures.append(_finding(r, "digest", f"replica digest {d[i]} differs from the "
-                                             f"primary copy on rank {pr} (piece {pi}): {dg.fmt(pd)}",
+                                             f"primary copy on rank {pr} (piece {pi}): {fmt(pd)}",
                                              name, i, b))
             if manifest is not None and complete:
                 md = manifest.get(name)
                 if md is None:
                     failures.append(_finding(None, "digest", "not in the manifest", name))
                     continue
-                got = dg.combine(d for _, _, d in prim_d.values())
+                got = combine(d for _, _, d in prim_d.values())
                 if got != md.digest:
                     who = ", ".join(f"rank {r} piece {i} {_fmt_box(b)}"
                                     for b, (r, i, _) in sorted(prim_d.items(), key=lambda kv: kv[1][0]))
                     rs = sorted({r for r, _, _ in prim_d.values()})
                     failures.append(_finding(rs[0] if len(rs) == 1 else None, "digest",
                                              f"content differs from the manifest: primary pieces sum "
-                                             f"to {dg.fmt(got)}, manifest has {dg.fmt(md.digest)}; "
+                                             f"to {fmt(got)}, manifest has {fmt(md.digest)}; "
                                              f"held by {who}", name, ranks=rs))
     if level >= _LEVEL["full"]:
         checks.append("full")
