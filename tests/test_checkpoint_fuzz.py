@@ -245,3 +245,34 @@ def test_watch_catches_outside_open(tmp_path):
         with watched(_ROOT):
             fd = os.open(str(outside), os.O_RDONLY)
             os.close(fd)
+
+
+def _brute_overlap(boxes) -> bool:
+    return any(all(a0 < b1 and a1 < b0 for (a0, b0), (a1, b1) in zip(x, y))
+               for i, x in enumerate(boxes) for y in boxes[i + 1:])
+
+
+@st.composite
+def _boxes(draw):
+    ndim = draw(st.integers(1, 3))
+    n = draw(st.integers(2, 7))
+    out = []
+    for _ in range(n):
+        box = []
+        for _ in range(ndim):
+            a = draw(st.integers(0, 5))
+            box.append((a, a + draw(st.integers(1, 4))))
+        out.append(tuple(box))
+    return out
+
+
+@settings(FUZZ, max_examples=400)
+@given(boxes=_boxes())
+def test_overlap_sweep_matches_brute_force(boxes):
+    """The sorted sweep used to check that a tensor's pieces tile it finds an overlap
+    exactly when some pair of boxes intersects, and the pair it names does intersect."""
+    from coordloader.checkpoint import _find_overlap
+    pair = _find_overlap(boxes, 0)
+    assert (pair is not None) == _brute_overlap(boxes)
+    if pair is not None:
+        assert _brute_overlap(list(pair))
