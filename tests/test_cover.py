@@ -1,0 +1,104 @@
+import dataclasses
+
+import pytest
+
+from coordloader.cover import check_cover, tiling_problem, validate_cover
+from coordloader.errors import PlanError, VerifyError
+from coordloader.layout import Layout
+from coordloader.plan import make_plan, meta_from_specs
+from coordloader.planmodel import Piece, Plan, RankPlan
+
+CFG = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
+       "num_hidden_layers": 1, "tie_word_embeddings": False}
+SPECS = [("model.embed_tokens.weight", "BF16", (100, 8)), ("lm_head.weight", "BF16", (100, 8)),
+         ("model.norm.weight", "F32", (8,)),
+         ("model.layers.0.self_attn.q_proj.weight", "BF16", (8, 8)),
+         ("model.layers.0.self_attn.k_proj.weight", "BF16", (4, 8)),
+         ("model.layers.0.self_attn.o_proj.weight", "BF16", (8, 8))]
+
+
+def setup():
+    meta = meta_from_specs(CFG, SPECS, files=2)
+    return meta, make_plan(meta, Layout(tp=4, dp=2))
+
+
+def replace_slice(plan, rank, which, **kw):
+    ranks = list(plan.ranks)
+    rp = ranks[rank]
+    ranks[rank] = RankPlan(rp.rank, rp.coords, tuple(dataclasses.replace(s, **kw) if s.name == which else s
+                                                     for s in rp.tensors))
+    return Plan(plan.layout, plan.fingerprint, tuple(ranks), plan.excluded)
+
+
+def test_valid_plan_passes():
+    meta, plan = setup()
+    validate_cover(plan, meta)
+
+
+def test_tiling_problem_kinds():
+    assert tiling_problem([((0, 2), (0, 4)), ((2, 4), (0, 4))], (4, 4)) is None
+    assert tiling_problem([((0, 4), (0, 2)), ((0, 4), (2, 4))], (4, 4)) is None
+    assert tiling_problem([((0, 2), (0, 4)), ((1, 4), (0, 4))], (4, 4))[0] == "overlap"
+    assert tiling_problem([((0, 2), (0, 4))], (4, 4))[0] == "gap"
+    assert tiling_problem([((0, 5), (0, 4))], (4, 4))[0] == "outside"
+    # checkerboard of 16 boxes in a random order
+    boxes = [((i, i + 1), (j, j + 1)) for j in range(4) for i in (3, 1, 0, 2)]
+    assert tiling_problem(boxes, (4, 4)) is None
+    assert tiling_problem(boxes + [((2, 3), (1, 2))], (4, 4))[0] == "overlap"
+
+
+def test_duplicated_primary_named():
+    meta, plan = setup()
+    n = "model.layers.0.self_attn.q_proj.weight"
+    bad = replace_slice(plan, 1, n, pieces=plan.rank(0).by_name()[n].pieces,
+                        byte_runs=plan.rank(0).by_name()[n].byte_runs)
+    with pytest.raises(PlanError, match="duplicated primary") as ei:
+        validate_cover(bad, meta)
+    assert ei.value.tensor == n and ei.value.rank in (0, 1)
+
+
+def test_missing_piece_and_bad_replica():
+    meta, plan = setup()
+    n = "model.layers.0.self_attn.o_proj.weight"
+    with pytest.raises(PlanError, match="missing piece|only replicas|replica that equals no primary"):
+        validate_cover(replace_slice(plan, 2, n, replica=1), meta)
+    # a replica (dp 1) whose boxes match no primary
+    s = plan.rank(5).by_name()[n]
+    other = plan.rank(6).by_name()[n]
+    assert s.replica == 1
+    bad = replace_slice(plan, 5, n, pieces=(Piece(((0, 8), (0, 3)), (0, 0)),),
+                        byte_runs=other.byte_runs[:0])
+    with pytest.raises(PlanError) as ei:
+        validate_cover(bad, meta)
+    assert ei.value.rank == 5 and ei.value.tensor == n
+
+
+def test_bad_byte_runs_and_unknown_tensor():
+    meta, plan = setup()
+    n = "model.norm.weight"
+    s = plan.rank(0).by_name()[n]
+    with pytest.raises(PlanError, match="byte runs add up"):
+        validate_cover(replace_slice(plan, 0, n, byte_runs=()), meta)
+    other = plan.rank(0).by_name()["model.embed_tokens.weight"].byte_runs
+    with pytest.raises(PlanError):
+        validate_cover(replace_slice(plan, 0, n, byte_runs=tuple(other)), meta)
+    with pytest.raises(PlanError, match="not in the checkpoint"):
+        validate_cover(replace_slice(plan, 0, n, name="nope"), meta)
+
+
+def test_check_cover_views():
+    shapes = {"a": (4, 6), "b": (3,)}
+    good = [(0, [("a", [[[0, 2], [0, 6]]], 0), ("b", [[[0, 3]]], 0)]),
+            (1, [("a", [Piece(((2, 4), (0, 6)), (0, 0))], 0), ("b", [[[0, 3]]], 1)])]
+    check_cover(good, shapes)
+    with pytest.raises(VerifyError, match="replica that equals no primary") as ei:
+        check_cover(good + [(2, [("b", [[[0, 2]]], 2)])], shapes, error=VerifyError)
+    assert ei.value.rank == 2
+    with pytest.raises(PlanError, match="duplicated primary") as ei:
+        check_cover(good + [(3, [("a", [[[1, 2], [0, 6]]], 0)])], shapes)
+    assert ei.value.rank in (0, 3) and ei.value.tensor == "a"
+    with pytest.raises(PlanError, match="no rank holds"):
+        check_cover(good[:1] + [(1, [("a", [[[2, 4], [0, 6]]], 0)])], {"a": (4, 6), "b": (3,), "c": (1,)})
+    check_cover(good, {"a": (4, 6), "b": (3,), "c": (1,)}, excluded=["c"])
+    with pytest.raises(PlanError, match="outside"):
+        check_cover([(0, [("b", [[[0, 4]]], 0)])], {"b": (3,)})

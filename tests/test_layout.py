@@ -1,0 +1,48 @@
+import pytest
+
+from coordloader.errors import PlanError
+from coordloader.layout import Layout
+
+
+def test_coords_tp_innermost():
+    L = Layout(tp=4, dp=2, pp=2, ep=2)
+    c = L.coords(13)
+    assert (c.tp, c.dp, c.pp) == (1, 1, 1) and (c.ep, c.moe_tp) == (0, 1)
+    S = Layout(tp=4, dp=2, ep=8, ep_spans_dp=True)
+    assert S.moe_tp == 1 and S.coords(6).ep == 6
+
+
+def test_placements_and_owners_agree():
+    for L in (Layout(tp=4, ep=4), Layout(tp=3, ep=3, expert_placement="round_robin"),
+              Layout(tp=2, ep=2, expert_placement=((0, 1, 2), (2, 3, 4)))):
+        E = 5
+        for q in range(L.ep):
+            for e in L.experts_of(q, E):
+                assert q in L.owners_of(e, E)
+        assert {e for q in range(L.ep) for e in L.experts_of(q, E)} == set(range(E))
+    assert Layout(tp=4, ep=4).experts_of(1, 10) == (3, 4, 5)
+
+
+def test_stage_layers_like_vllm():
+    assert [len(r) for r in Layout(pp=4).stage_layers(10)] == [2, 3, 3, 2]
+    assert [len(r) for r in Layout(pp=2).stage_layers(61)] == [31, 30]
+    assert [len(r) for r in Layout(pp=2, pp_layers=(1, 3)).stage_layers(4)] == [1, 3]
+
+
+@pytest.mark.parametrize("kw", [dict(tp=0), dict(tp=4, ep=3), dict(tp=2, ep=4), dict(ep=2, tp=2,
+                                expert_placement=((0,),)), dict(expert_placement="zigzag"),
+                                dict(pp=2, pp_layers=(1,))])
+def test_invalid_layouts(kw):
+    with pytest.raises(PlanError):
+        Layout(**kw)
+
+
+def test_expert_checks():
+    with pytest.raises(PlanError, match="misses"):
+        Layout(tp=2, ep=2, expert_placement=((0,), (2,))).check_experts(3)
+    with pytest.raises(PlanError, match="exceeds the expert count"):
+        Layout(tp=8, ep=8).check_experts(4)
+    with pytest.raises(PlanError):
+        Layout(pp=3).stage_layers(2)
+    assert Layout.from_dict(Layout(tp=2, ep=2, expert_placement=((1, 0), (0,))).to_dict()).expert_placement \
+        == ((1, 0), (0,))

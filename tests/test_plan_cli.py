@@ -1,0 +1,54 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from coordloader.layout import Layout
+from coordloader.plan import make_plan, meta_from_specs
+from coordloader.plan_cli import format_table, main, ranges_str, rank_rows
+from coordloader.planmodel import TensorSlice
+
+synth = pytest.importorskip("coordloader.synth")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return synth.synthesize(str(tmp_path_factory.mktemp("q3") / "ck"), "qwen3_moe", "tiny")
+
+
+def test_table_and_json(ckpt, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main([ckpt, "--tp", "4", "--ep", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "experts" in text and "world 4" in text
+    doc = json.loads(out.read_text())
+    assert doc["version"] == 1 and len(doc["ranks"]) == 4 and len(doc["digest"]) == 64
+    t = doc["ranks"][0]["tensors"][0]
+    assert {"name", "file", "dtype", "global_shape", "local_shape", "replica", "pieces", "byte_runs"} <= set(t)
+    TensorSlice.from_json(t)
+    assert main([ckpt, "--tp", "4", "--ep", "2", "--rank", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(1 for l in lines if l.strip().startswith("3 ")) == 1
+
+
+def test_invalid_layout_exit_code_no_traceback(ckpt):
+    p = subprocess.run([sys.executable, "-m", "coordloader.plan", ckpt, "--tp", "4", "--ep", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "does not divide" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_formatting_functions():
+    assert ranges_str([96, 97, 98, 5]) == "5,96-98" and ranges_str([]) == "-"
+    cfg = {"architectures": ["MixtralForCausalLM"], "num_attention_heads": 2, "num_key_value_heads": 2,
+           "num_hidden_layers": 1, "num_local_experts": 4, "tie_word_embeddings": False}
+    specs = [("model.embed_tokens.weight", "BF16", (64, 4)), ("lm_head.weight", "BF16", (64, 4)),
+             ("model.norm.weight", "F32", (4,)),
+             ("model.layers.0.self_attn.o_proj.weight", "BF16", (4, 4))]
+    specs += [(f"model.layers.0.block_sparse_moe.experts.{e}.w{k}.weight", "BF16", (4, 4))
+              for e in range(4) for k in (1, 2, 3)]
+    plan = make_plan(meta_from_specs(cfg, specs), Layout(tp=2, ep=2))
+    rows = rank_rows(plan)
+    assert rows[1]["experts"] == [2, 3] and rows[0]["read_amplification"] > 1.0
+    assert rows[0]["bytes_to_read"] == plan.rank(0).bytes_to_read
+    assert "2-3" in format_table(plan)

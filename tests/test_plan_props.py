@@ -1,0 +1,113 @@
+"""Property tests: random layouts x random small architectures."""
+import pickle
+
+from hypothesis import HealthCheck, event, given, settings, strategies as st
+
+from coordloader.cover import validate_cover
+from coordloader.errors import PlanError
+from coordloader.layout import Layout
+from coordloader.plan import make_plan, meta_from_specs
+from coordloader.metadata import box_numel
+
+
+@st.composite
+def arch(draw):
+    heads = draw(st.sampled_from([1, 2, 4, 8]))
+    kv = draw(st.sampled_from([h for h in (1, 2, 4, 8) if heads % h == 0]))
+    hd = draw(st.sampled_from([2, 4]))
+    H = heads * hd
+    I = draw(st.sampled_from([4, 8, 12, 16]))
+    E = draw(st.sampled_from([0, 2, 3, 4, 8]))
+    nl = draw(st.integers(1, 4))
+    V = draw(st.integers(3, 130))
+    tie = draw(st.booleans())
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "num_attention_heads": heads,
+           "num_key_value_heads": kv, "num_hidden_layers": nl, "tie_word_embeddings": tie}
+    if E:
+        cfg["num_experts"] = E
+    specs = [("model.embed_tokens.weight", "BF16", (V, H)), ("model.norm.weight", "F32", (H,))]
+    if not tie:
+        specs.append(("lm_head.weight", "BF16", (V, H)))
+    for l in range(nl + draw(st.integers(0, 1))):   # maybe an MTP-like extra layer
+        p = f"model.layers.{l}."
+        specs += [(p + "input_layernorm.weight", "F32", (H,)),
+                  (p + "self_attn.q_proj.weight", "BF16", (heads * hd, H)),
+                  (p + "self_attn.k_proj.weight", "BF16", (kv * hd, H)),
+                  (p + "self_attn.v_proj.weight", "BF16", (kv * hd, H)),
+                  (p + "self_attn.o_proj.weight", "BF16", (H, heads * hd))]
+        if E:
+            specs.append((p + "mlp.gate.weight", "F32", (E, H)))
+            for e in range(E):
+                specs += [(p + f"mlp.experts.{e}.gate_proj.weight", "BF16", (I, H)),
+                          (p + f"mlp.experts.{e}.up_proj.weight", "BF16", (I, H)),
+                          (p + f"mlp.experts.{e}.down_proj.weight", "BF16", (H, I))]
+        else:
+            specs += [(p + "mlp.gate_proj.weight", "BF16", (I, H)),
+                      (p + "mlp.down_proj.weight", "BF16", (H, I))]
+    return cfg, specs, draw(st.integers(1, 3))
+
+
+@st.composite
+def layout(draw):
+    tp = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    dp = draw(st.integers(1, 3))
+    pp = draw(st.integers(1, 3))
+    spans = draw(st.booleans())
+    G = tp * dp if spans else tp
+    ep = draw(st.sampled_from(sorted({d for d in range(1, G + 1) if G % d == 0} | {draw(st.integers(1, 9))})))
+    pl = draw(st.sampled_from(["linear", "round_robin", "map"]))
+    if pl == "map":
+        E = draw(st.integers(1, 8))
+        pl = tuple(tuple(sorted(set(draw(st.lists(st.integers(0, E - 1), min_size=1, max_size=4)))))
+                   for _ in range(ep))
+    return dict(tp=tp, dp=dp, pp=pp, ep=ep, ep_spans_dp=spans, expert_placement=pl,
+                allow_uneven=draw(st.booleans()), include_mtp=draw(st.booleans()))
+
+
+@settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(arch(), layout())
+def test_plan_properties(a, lkw):
+    cfg, specs, files = a
+    meta = meta_from_specs(cfg, specs, files=files)
+    try:
+        L = Layout(**lkw)
+        plan = make_plan(meta, L)
+    except PlanError:
+        event("PlanError")
+        return                                  # invalid layouts: PlanError and nothing else
+    event("valid")
+    validate_cover(plan, meta)
+    assert plan.world_size == L.world_size
+    E = cfg.get("num_experts", 0)
+    for rp in plan.ranks:
+        c = L.coords(rp.rank)
+        for s in rp.tensors:
+            # pieces fit the local shape; without padding they fill it exactly
+            assert s.covered_numel <= s.local_numel
+            assert sum(box_numel(p.src) for p in s.pieces) == s.covered_numel
+            if s.strategy != "vocab":
+                assert s.covered_numel == s.local_numel or L.allow_uneven
+            if ".experts." in s.name:
+                e = int(s.name.split(".")[5])
+                assert c.ep in L.owners_of(e, E) and e in L.experts_of(c.ep, E)
+    # every expert appears on exactly the ranks the placement formula names
+    if E:
+        for rp in plan.ranks:
+            c = L.coords(rp.rank)
+            held = {int(s.name.split(".")[5]) for s in rp.tensors if ".experts." in s.name}
+            if held:
+                assert held == set(L.experts_of(c.ep, E))
+    # replicas are identical boxes of a primary
+    prim = {}
+    for rp in plan.ranks:
+        for s in rp.tensors:
+            if s.replica == 0:
+                prim.setdefault(s.name, set()).add(tuple(p.src for p in s.pieces))
+    for rp in plan.ranks:
+        for s in rp.tensors:
+            if s.replica:
+                assert tuple(p.src for p in s.pieces) in prim[s.name]
+    # digest: deterministic, survives pickling, sensitive to the layout
+    d = plan.digest()
+    assert make_plan(meta, L).digest() == d
+    assert pickle.loads(pickle.dumps(plan)).digest() == d

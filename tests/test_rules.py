@@ -1,0 +1,94 @@
+import json
+import warnings
+
+import pytest
+
+from coordloader.errors import PlanError
+from coordloader.layout import Layout
+from coordloader.plan import make_plan, meta_from_specs
+from coordloader.rules import detect_preset, resolve_rules
+
+CFG = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
+       "num_hidden_layers": 1, "tie_word_embeddings": True}
+SPECS = [("model.embed_tokens.weight", "BF16", (100, 8)), ("model.norm.weight", "F32", (8,)),
+         ("model.layers.0.self_attn.q_proj.weight", "BF16", (8, 8)),
+         ("model.layers.0.self_attn.k_proj.weight", "BF16", (4, 8)),
+         ("model.layers.0.self_attn.v_proj.weight", "BF16", (4, 8)),
+         ("model.layers.0.self_attn.o_proj.weight", "BF16", (8, 8)),
+         ("model.layers.0.mlp.gate_up_proj.weight", "BF16", (12, 8)),
+         ("model.layers.0.mlp.down_proj.weight", "BF16", (8, 6)),
+         ("model.layers.0.mlp.experts.gate_up_proj", "BF16", (4, 6, 8)),
+         ("model.layers.0.extra.weight", "F32", (3, 3))]
+
+
+def test_detection():
+    assert detect_preset({"architectures": ["DeepseekV3ForCausalLM"]}) == "deepseek_v3"
+    assert detect_preset({"model_type": "mixtral"}) == "mixtral"
+    assert detect_preset({"architectures": ["BertModel"]}) == "bert"
+    assert detect_preset({"architectures": ["Foo"]}) is None and detect_preset(None) is None
+
+
+def test_unmatched_is_error_or_replicated():
+    meta = meta_from_specs(CFG, SPECS)
+    with pytest.raises(PlanError, match="no sharding rule") as ei:
+        make_plan(meta, Layout(tp=2))
+    assert ei.value.tensor in ("model.layers.0.extra.weight", "model.layers.0.mlp.experts.gate_up_proj",
+                               "model.layers.0.mlp.gate_up_proj.weight")
+
+
+def test_rule_file_extends_preset(tmp_path):
+    meta = meta_from_specs(CFG, SPECS)
+    f = tmp_path / "rules.json"
+    f.write_text(json.dumps({"rules": [
+        {"pattern": "*.mlp.gate_up_proj.weight", "strategy": "packed", "params": {"num_blocks": 2}},
+        {"pattern": "re:.*\\.experts\\.gate_up_proj", "strategy": "expert", "params": {"dim": 0}},
+        {"pattern": "*.never.*", "strategy": "replicate"},
+    ]}))
+    with pytest.warns(UserWarning, match="never"):
+        plan = make_plan(meta, Layout(tp=2, ep=2), str(f), replicate_unmatched=True)
+    r1 = plan.rank(1).by_name()
+    gu = r1["model.layers.0.mlp.gate_up_proj.weight"]
+    # packed [gate; up] of 6 rows each: rank 1 holds gate rows 3..6 and up rows 9..12
+    assert gu.local_shape == (6, 8)
+    assert [(p.src[0], p.dst) for p in gu.pieces] == [((3, 6), (0, 0)), ((9, 12), (3, 0))]
+    fused = r1["model.layers.0.mlp.experts.gate_up_proj"]
+    assert fused.local_shape == (2, 6, 8) and [p.src[0] for p in fused.pieces] == [(2, 3), (3, 4)]
+    assert r1["model.layers.0.extra.weight"].strategy == "replicate"
+    assert r1["model.embed_tokens.weight"].local_shape == (64, 8)    # 100 -> 128 rows / 2
+
+
+def test_tied_embeddings_on_first_and_last_stage():
+    cfg = dict(CFG, num_hidden_layers=2)
+    specs = SPECS[:2] + [(n.replace("layers.0", f"layers.{l}"), d, s) for l in (0, 1)
+                         for n, d, s in SPECS[2:6]]
+    plan = make_plan(meta_from_specs(cfg, specs), Layout(pp=2, tp=2))
+    e0, e1 = (plan.rank(r).by_name()["model.embed_tokens.weight"] for r in (0, 2))
+    assert e0.pieces == e1.pieces and (e0.replica, e1.replica) == (0, 1)
+    assert "model.norm.weight" in plan.rank(2).by_name() and "model.norm.weight" not in plan.rank(0).by_name()
+
+
+def test_override_and_bad_rules(tmp_path):
+    meta = meta_from_specs(CFG, SPECS[:6])
+    plan = make_plan(meta, Layout(tp=2), [{"pattern": "*.o_proj.weight", "strategy": "replicate"}])
+    assert plan.rank(1).by_name()["model.layers.0.self_attn.o_proj.weight"].local_shape == (8, 8)
+    for bad in ([{"pattern": "x", "strategy": "nope"}], [{"pattern": "x", "strategy": "colwise",
+                                                          "params": {"dims": 1}}],
+                [{"pattern": "re:(", "strategy": "replicate"}], [{"strategy": "replicate"}],
+                {"mode": "bogus"}):
+        with pytest.raises(PlanError):
+            resolve_rules(CFG, bad)
+    f = tmp_path / "bad.json"
+    f.write_text("{not json")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        resolve_rules(CFG, str(f))
+    rs = resolve_rules(CFG, {"mode": "replace", "rules": [{"pattern": "*", "strategy": "replicate"}]})
+    assert rs.preset is None and len(rs) == 1
+
+
+def test_heads_errors_name_tensor_and_layout():
+    meta = meta_from_specs(CFG, SPECS[:6])
+    with pytest.raises(PlanError) as ei:
+        make_plan(meta, Layout(tp=3))
+    assert "tp=3" in str(ei.value) and ei.value.tensor
+    with pytest.raises(PlanError, match="exceeds"):
+        make_plan(meta, Layout(tp=8))      # 4 query heads over 8 ranks
