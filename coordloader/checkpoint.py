@@ -684,9 +684,9 @@ def _check_tiling(name: str, shape: tuple[int, ...], pieces: list[SourcePiece],
     else:
         pair = _find_overlap(boxes, 0)
     if pair:
-        raise CheckpointError(f"pieces {[list(r) for r in pair[0]]} and {[list(r) for r in pair[1]]}"
-                              f" overlap; expected the pieces to tile the tensor exactly once",
-                              file=file, tensor=name)
+        a, b = ([list(r) for r in bx] for bx in pair)
+        raise CheckpointError(f"pieces {a} and {b} overlap; expected the pieces to tile the "
+                              f"tensor exactly once", file=file, tensor=name)
     if vol != numel:
         raise CheckpointError(f"pieces cover {vol} of {numel} elements of shape {list(shape)}; "
                               f"expected them to tile the tensor exactly", file=file, tensor=name)
