@@ -13,7 +13,6 @@ import textwrap
 import pytest
 import torch
 
-from coordloader import save as save_mod
 from coordloader.checkpoint import read_checkpoint
 from coordloader.consolidate import read_full
 from coordloader.errors import CollectiveError, SaveError
@@ -198,7 +197,7 @@ _CRASH = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {tests!r})
     from test_save import make_plan_and_locals
-    from coordloader import save as sm
+    import importlib; sm = importlib.import_module("coordloader.save")
     plan, locs, full = make_plan_and_locals()
     stage = sys.argv[2]
     def hook(s):
