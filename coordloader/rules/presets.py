@@ -148,4 +148,7 @@ def _bert(config, R) -> list[Rule]:
         R(r".*\.output\.dense\.(weight|bias)", "rowwise"),
         R(r".*LayerNorm\.(weight|bias)", "replicate"),
         R(p + r"pooler\.dense\.(weight|bias)", "replicate", stage="last"),
+        # pretraining heads (BertForPreTraining / MaskedLM): small, and vLLM's BERT has no
+        # parallel version of them, so every rank of the last stage keeps them whole
+        R(r"cls\..*", "replicate", stage="last"),
     ]
