@@ -59,7 +59,9 @@ def summarize(key: str, label: str, runs, *, bytes_key: str = "bytes_held") -> d
             "gbps_total": rate(useful, wall),
             "bytes_read_per_rank": max(p["bytes_read"] for p in per_rank),
             "bytes_held_per_rank": max(p["bytes_held"] for p in per_rank),
-            "read_amplification": max((p["read_amplification"] or 0) for p in per_rank),
+            "read_amplification": (max(p["read_amplification"] for p in per_rank)
+                                   if all(p["read_amplification"] is not None for p in per_rank)
+                                   else None),
             "rss_peak_per_rank": max(p["rss_peak"] for p in per_rank)}
 
 

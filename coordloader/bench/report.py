@@ -43,16 +43,19 @@ def load_section(sec: dict) -> str:
     out = [f"### Load: {os.path.basename(sec['ckpt'].rstrip('/'))}, "
            f"{sec['checkpoint_bytes'] / 1e9:.2f} GB in {sec['files']} files, "
            f"{sec['world']} ranks at tp={sec['layout']['tp']}, {sec['repeats']} repeats", ""]
-    first = next(iter(sec["warm"].values()), None)
-    if first:
+    rows = [r for r in sec["warm"].values() if r["bytes_held_per_rank"]]
+    if rows:
         runs = sec.get("byte_runs_per_rank") or []
         if runs:
+            mean = [x for x in sec.get("mean_run_bytes", []) if x]
             out.append(f"The plan reads {max(runs):,} byte runs per rank (mean "
-                       f"{min(x for x in sec['mean_run_bytes'] if x):,.0f} bytes: every row of a "
-                       f"dim-1 slice is its own run).")
-        out.append(f"Bytes held per rank: {first['bytes_held_per_rank'] / 1e6:,.0f} MB. "
-                   "GB/s = bytes held / wall (the ceiling row: file bytes / wall). "
-                   "Peak RSS includes the interpreter and torch (~220 MB).")
+                       f"{min(mean):,.0f} bytes per run: every row of a dim-1 slice is its "
+                       f"own run).")
+        base = min(p["rss_ready"] for r in rows for p in r["ranks"])
+        out.append(f"Bytes held per rank: {max(r['bytes_held_per_rank'] for r in rows) / 1e6:,.0f} MB. "
+                   "GB/s = bytes held / wall (the ceiling row: file bytes / wall). Peak RSS "
+                   f"includes the interpreter and torch (about {base / 1e6:,.0f} MB before "
+                   "the load).")
         out.append("")
     out.append(load_table(sec["warm"], "Warm page cache"))
     if sec.get("cold"):
@@ -65,7 +68,7 @@ def load_section(sec: dict) -> str:
     for n in sec.get("notes", []):
         out.append(f"- {n}")
     for k, v in sec.get("failed", {}).items():
-        out.append(f"- **{k} failed**: {v.splitlines()[0]}")
+        out.append(f"- **{k} failed**: {v.splitlines()[0]} (details in results.json)")
     return "\n".join(out) + "\n"
 
 
@@ -176,7 +179,7 @@ def render(results: dict) -> str:
     if results.get("save"):
         parts.append(save_section(results["save"]))
     for k, v in results.get("errors", {}).items():
-        parts.append(f"- **{k} bench failed**: {v}")
+        parts.append(f"- **{k} bench failed**: {v.splitlines()[0]} (details in results.json)")
     return "\n".join(parts)
 
 
