@@ -18,14 +18,26 @@ def dump_path(out_dir: str, rank: int) -> str:
 
 
 def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
-              plan_digest: str, layout: dict | None = None, coords: dict | None = None) -> str:
+              plan_digest: str, layout: dict | None = None, coords: dict | None = None,
+              overwrite: bool = False) -> str:
     """Write one rank's tensors; returns the file path. Written atomically (temp file,
-    fsync, rename) by ``safetensors_io.write_safetensors``."""
+    fsync, rename, directory fsync) by ``safetensors_io.write_safetensors``: a reader
+    (or a crash, or a full disk) sees the previous file or the new one, never a torn one.
+    An existing dump file is replaced only with ``overwrite=True`` (``--overwrite``)."""
     from .safetensors_io import write_safetensors
+    path = dump_path(out_dir, rank)
+    # Checked before any work so a refused dump costs nothing; the rename below is what
+    # makes the replacement itself safe.
+    if os.path.isdir(path):
+        raise SaveError("the dump target is a directory, not a file; remove it or choose "
+                        "another --dump DIR", file=path, rank=rank)
+    if os.path.lexists(path) and not overwrite:
+        raise SaveError("a dump file already exists; pass --overwrite (overwrite=True) to "
+                        "replace it", file=path, rank=rank)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        raise SaveError(f"cannot create dump directory: {e.strerror}", file=out_dir,
+        raise SaveError(f"cannot create dump directory: {e.strerror or e}", file=out_dir,
                         rank=rank) from None
     entries = []
     for name in sorted(tensors):
@@ -38,11 +50,11 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
         meta["coordloader.layout"] = json.dumps(layout, sort_keys=True)
     if coords is not None:
         meta["coordloader.coords"] = json.dumps(dict(coords), sort_keys=True)
-    path = dump_path(out_dir, rank)
     try:
         write_safetensors(path, entries, meta)
-    except SaveError:
-        raise
+    except SaveError as e:
+        # keep the writer's message, add the rank (the CLI names it in the phase message)
+        raise SaveError(f"cannot write dump: {e.message}", file=path, rank=rank) from e
     except OSError as e:
-        raise SaveError(f"cannot write dump: {e.strerror}", file=path, rank=rank) from None
+        raise SaveError(f"cannot write dump: {e.strerror or e}", file=path, rank=rank) from None
     return path

@@ -116,10 +116,29 @@ def _resolve_group(group, rank, layout: Layout, timeout=None):
     return None, rank, world_needed
 
 
+def _with_test_hang(name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Test hook for the fault tests (tests/test_faults_mp.py): with
+    COORDLOADER_TEST_HANG_PHASE=<phase> in this process's environment, the phase touches
+    $COORDLOADER_TEST_HANG_FILE (if set) and then sleeps instead of returning, so the test
+    can SIGKILL a rank that is provably in the middle of that phase. Unset = no effect."""
+    if os.environ.get("COORDLOADER_TEST_HANG_PHASE") != name:
+        return fn
+
+    def hang():
+        mark = os.environ.get("COORDLOADER_TEST_HANG_FILE")
+        if mark:
+            with open(mark, "w") as f:
+                f.write(repr(time.time()))
+        time.sleep(float(os.environ.get("COORDLOADER_TEST_HANG_S", "3600")))
+        return fn()
+    return hang
+
+
 def run_phase(name: str, group, rank: int, fn: Callable[[], Any]):
     """Run one step on every rank, then agree: if any rank failed, every rank raises
     (coordloader.collective.run_phase: a CollectiveError naming the failing rank and its
     message). Without a group the step's own error propagates."""
+    fn = _with_test_hang(name, fn)
     if group is None:
         return fn()
     coll = _collective()
@@ -169,17 +188,24 @@ def read_metadata(ckpt, group, rank: int, world: int):
         return disc, [checkpoint.read_file_header(disc.root, n) for n in disc.files[rank::world]]
 
     disc, headers = run_phase("metadata-read", group, rank, mine)
-    gathered: list = [None] * world
-    _dist().all_gather_object(gathered, headers, group=group.pg)
-    all_headers = [h for part in gathered for h in part]
-    return run_phase("metadata-assemble", group, rank,
-                     lambda: checkpoint.assemble(disc.root, disc, all_headers))
+
+    def gather_and_assemble():
+        # Inside a phase: every rank finished reading (the previous phase agreed), so all
+        # of them reach this all_gather; one dying in it (or in assemble) is still named.
+        gathered: list = [None] * world
+        _dist().all_gather_object(gathered, headers, group=group.pg)
+        return checkpoint.assemble(disc.root, disc, [h for part in gathered for h in part])
+    return run_phase("metadata-assemble", group, rank, gather_and_assemble)
 
 
 def agree_on_plan(plan, group, rank: int, world: int) -> None:
     """Every rank must have computed the same plan before any tensor I/O."""
     if group is None:
         return
+    run_phase("plan-agree", group, rank, lambda: _compare_plan_digests(plan, group, rank, world))
+
+
+def _compare_plan_digests(plan, group, rank: int, world: int) -> None:
     d = plan.digest()
     digests: list = [None] * world
     _dist().all_gather_object(digests, d, group=group.pg)
@@ -237,7 +263,10 @@ def run_verify(mode: str, tensors, plan, meta, rank: int, group) -> dict:
         return {"ok": True, "mode": "none"}
     fn = _verify_fn()
     if fn is not None:
-        return fn(tensors, plan, rank, mode=mode, meta=meta, group=group)
+        # verify_rank makes its own all_gather; inside a phase, a rank failing before it
+        # (or dying in it) reaches every rank by name instead of as a bare gloo timeout.
+        return run_phase("verify", group, rank,
+                         lambda: fn(tensors, plan, rank, mode=mode, meta=meta, group=group))
 
     def local():
         if mode != "shapes":
@@ -444,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the per-rank summary (and the plan digest) as JSON")
     o.add_argument("--dump", default=None, metavar="DIR",
                    help="write each rank's tensors to DIR/rank-00000.safetensors, ...")
+    o.add_argument("--overwrite", action="store_true",
+                   help="replace existing --dump files (default: refuse)")
     o.add_argument("--quiet", action="store_true", help="no progress bar, no summary table")
     return p
 
@@ -537,6 +568,10 @@ def _init_from_env(args):
 
 def _run(args) -> int:
     layout = _layout_from_args(args)
+    mark = os.environ.get("COORDLOADER_TEST_START_FILE")
+    if mark:   # test hook: when this rank is past imports, before any group formation
+        with open(mark, "w") as f:
+            f.write(repr(time.time()))
     group, device = _init_from_env(args)
     try:
         if group is not None:
@@ -561,12 +596,16 @@ def _run(args) -> int:
             from .dump import dump_rank
             mine["dump"] = run_phase("dump", group, res.rank, lambda: dump_rank(
                 args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
-                layout=layout.to_dict(), coords=dict(res.rank_plan.coords)))
-        if group is not None:
-            per_rank: list = [None] * group.world
-            _dist().all_gather_object(per_rank, mine, group=group.pg)
-        else:
-            per_rank = [mine]
+                layout=layout.to_dict(), coords=dict(res.rank_plan.coords),
+                overwrite=args.overwrite))
+        def gather_summary():
+            if group is None:
+                return [mine]
+            out: list = [None] * group.world
+            _dist().all_gather_object(out, mine, group=group.pg)
+            return out
+        # a phase like the others: a rank dying here is named, not a bare gloo timeout
+        per_rank = run_phase("summary", group, res.rank, gather_summary)
         def finish():
             if not rank0:
                 return
