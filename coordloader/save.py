@@ -347,6 +347,8 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, overwrite: boo
         p = os.path.join(stage_dir, CONFIG_NAME)
         try:
             if isinstance(config, (str, os.PathLike)):
+                if os.path.isdir(config):  # a checkpoint directory: take its config.json
+                    config = os.path.join(config, CONFIG_NAME)
                 with open(config, "rb") as f:
                     data = f.read()
                 json.loads(data)  # refuse to publish a config that is not JSON
@@ -515,8 +517,9 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
     group initialised and ``rank`` None): every rank of the group calls save; errors are
     agreed so every rank raises. Local mode (no process group): call once per plan rank,
     in rank order 0..world-1 (``rank=r``); the call for rank 0 starts a fresh save, the
-    call for the last rank publishes it. ``config`` (a dict or a path to config.json) is
-    written next to the index. Returns a :class:`SaveResult` for this rank."""
+    call for the last rank publishes it. ``config`` (a dict, a path to config.json, or the
+    source checkpoint directory) is written next to the index: pass it, since the
+    planner's presets are detected from config.json. Returns a :class:`SaveResult` for this rank."""
     import torch.distributed as dist
     out_dir = os.fspath(out_dir)
     if max_shard_bytes <= 0:

@@ -192,5 +192,6 @@ def test_hypothesis_resharded_load_equals_direct(tmp_path_factory, arch, seed, s
     assume(plan is not None and _plan_or_none(src, b) is not None)
     out = str(tmp_path_factory.mktemp("hs"))
     for r in range(a.world_size):
-        save(out, load(src, a, rank=r), plan, rank=r, max_shard_bytes=max_shard, overwrite=True)
+        save(out, load(src, a, rank=r), plan, rank=r, max_shard_bytes=max_shard, overwrite=True,
+             config=src)
     assert_same_load(src, out, b)
