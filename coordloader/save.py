@@ -372,6 +372,13 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, overwrite: boo
                 raise _os_error(e, p, rank, "writing the manifest") from e
             small.append(MANIFEST_NAME)
             wrote_manifest = True
+    if plan.excluded:
+        # The plan left these out on purpose (e.g. MTP layers): they are not in the new
+        # checkpoint either. Say so, since a handoff usually wants everything.
+        import warnings
+        warnings.warn(f"coordloader.save: {len(plan.excluded)} checkpoint tensors excluded by the plan "
+                      f"are not saved (e.g. {list(plan.excluded)[:3]}); use a layout that includes "
+                      f"them (include_mtp=True) to keep them", stacklevel=3)
     ip = os.path.join(stage_dir, INDEX_NAME)
     try:
         _write_json_durable(ip, index)

@@ -1,0 +1,121 @@
+"""python -m coordloader.consolidate: a sharded (or any) checkpoint -> plain HF checkpoint,
+byte-equal tensors, standard index, bounded memory."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from coordloader.checkpoint import read_checkpoint
+from coordloader.consolidate import consolidate
+from coordloader.errors import SaveError
+from coordloader.layout import Layout
+from coordloader.load import load
+from coordloader.plan import make_plan
+from coordloader.save import save
+from coordloader.synth import synthesize
+
+
+def _hf_tensors(root):
+    """Every tensor of a plain HF checkpoint, read with the HF safetensors library."""
+    idx = json.load(open(os.path.join(root, "model.safetensors.index.json")))
+    out = {}
+    for name, f in idx["weight_map"].items():
+        with safe_open(os.path.join(root, f), "pt") as h:
+            out[name] = h.get_tensor(name)
+    return out, idx
+
+
+def _bits(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _save_resharded(src, out, layout, **kw):
+    plan = make_plan(src, layout)
+    for r in range(layout.world_size):
+        save(out, load(src, layout, rank=r), plan, rank=r, config=src, **kw)
+
+
+@pytest.mark.parametrize("arch,layout", [("qwen3_moe", Layout(tp=2, ep=2)),
+                                         ("deepseek_v3", Layout(tp=2, pp=2, include_mtp=True))])
+def test_cli_consolidate_is_byte_equal(tmp_path, arch, layout):
+    src = synthesize(str(tmp_path / "src"), arch, "tiny", shards=2, seed=3)
+    sharded = str(tmp_path / "sharded")
+    _save_resharded(src, sharded, layout, max_shard_bytes=50_000)
+    out = tmp_path / "hf"
+    p = subprocess.run([sys.executable, "-m", "coordloader.consolidate", sharded, str(out),
+                        "--max-shard-size", str(300_000 / 2**30), "--block-mib", "0.01"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    got, idx = _hf_tensors(out)
+    want, _ = _hf_tensors(src)
+    assert set(got) == set(want)
+    for n in want:
+        assert got[n].dtype == want[n].dtype and got[n].shape == want[n].shape, n
+        assert torch.equal(_bits(got[n]), _bits(want[n])), n
+    files = sorted(set(idx["weight_map"].values()))
+    assert len(files) > 1 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
+                                        for i in range(1, len(files) + 1)]
+    assert idx["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in want.values())
+    assert "coordloader" not in idx
+    assert json.load(open(out / "config.json")) == json.load(open(os.path.join(src, "config.json")))
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+    assert os.path.exists(out / "model.safetensors.index.json")
+    meta = read_checkpoint(str(out))
+    assert all(t.is_whole for t in meta.tensors.values())
+
+
+def test_bounded_memory_and_dim1_pieces(tmp_path):
+    # one 4 MiB tensor saved as 4 dim-1 pieces (rowwise split), consolidated with 64 KiB blocks
+    from coordloader.planmodel import Piece, Plan, RankPlan, TensorSlice
+    full = torch.randn(1024, 1024)
+    ranks = []
+    for r in range(4):
+        ts = TensorSlice("w", "f", "F32", (1024, 1024), (1024, 256),
+                         (Piece(((0, 1024), (256 * r, 256 * r + 256)), (0, 0)),), 0, ())
+        ranks.append(RankPlan(r, {"tp": r}, (ts,)))
+    plan = Plan(Layout(tp=4), "fp", tuple(ranks))
+    sharded = str(tmp_path / "s")
+    for r in range(4):
+        save(sharded, {"w": full[:, 256 * r:256 * r + 256].clone()}, plan, rank=r)
+    del ranks
+    tracemalloc.start()
+    try:
+        consolidate(sharded, str(tmp_path / "hf"), block_bytes=64 * 1024)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak  # the tensor is 4 MiB; blocks of 64 KiB
+    got, _ = _hf_tensors(tmp_path / "hf")
+    assert torch.equal(got["w"], full)
+
+
+def test_refusals(tmp_path):
+    src = synthesize(str(tmp_path / "src"), "llama", "tiny")
+    out = str(tmp_path / "hf")
+    consolidate(src, out)
+    with pytest.raises(SaveError, match="already exists"):
+        consolidate(src, out)
+    consolidate(src, out, overwrite=True, max_shard_bytes=100_000)
+    got, idx = _hf_tensors(out)
+    assert len(set(idx["weight_map"].values())) > 1
+    assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == sorted(set(idx["weight_map"].values()))
+    with pytest.raises(SaveError, match="is the source checkpoint"):
+        consolidate(out, out, overwrite=True)
+    p = subprocess.run([sys.executable, "-m", "coordloader.consolidate", str(tmp_path / "nope"), out + "2"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "CheckpointError" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_save_warns_about_excluded_tensors(tmp_path):
+    src = synthesize(str(tmp_path / "src"), "deepseek_v3", "tiny")
+    plan = make_plan(src, Layout())
+    assert plan.excluded
+    with pytest.warns(UserWarning, match="excluded by the plan"):
+        save(str(tmp_path / "s"), load(src, Layout(), rank=0), plan, rank=0, config=src)
