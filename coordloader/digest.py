@@ -14,8 +14,17 @@
   are splitmix64-style hashes with different seeds, forced odd. The product is odd, so any
   single-element change changes the digest (odd numbers are invertible mod 2^64), and it is
   pseudo-random in both coordinates. Factoring the weight is what makes the digest cheap:
-  a chunk costs one widening copy, one mask, one multiply by a cached column-weight vector
-  and one row reduction; the per-row weights are computed once per row, not per element.
+  a chunk costs one widening copy and one int64 gemv against a cached column-weight
+  vector; the per-row weights are computed once per row, not per element.
+* Exception for 1- and 2-byte elements (BF16, F16, FP8, ...): columns ``2g`` and ``2g+1``
+  share ``hc(g)``, the odd one scaled by ``2^(8*width)``:
+  ``w = hr(r) * hc(c >> 1) * 2^(8*width*(c & 1))``. An aligned pair then contributes
+  ``hr * hc(g) * word`` where ``word`` is the two elements read as one little-endian
+  integer, so the hot loop runs on half as many int64 values (measured ~2x for BF16).
+  Detection guarantees survive: a change ``d`` (|d| < 2^(8*width)) of one element moves
+  the digest by ``odd * 2^k * d`` with ``k <= 16``, never 0 mod 2^64; swapping the two
+  elements of a pair moves it by ``odd * (1 - 2^(8*width)) * d``, odd factor again. The
+  price is that odd-column elements only reach the top 48 (2-byte) / 56 (1-byte) bits.
 
 Because the digest is a sum over elements with weights fixed by global position, the
 digests of disjoint boxes that tile a tensor add up (mod 2^64) to the whole tensor's digest:
@@ -24,6 +33,7 @@ digests of disjoint boxes that tile a tensor add up (mod 2^64) to the whole tens
 """
 from __future__ import annotations
 
+import sys
 import threading
 from math import prod
 from typing import Iterator, Sequence
@@ -34,7 +44,7 @@ from .errors import VerifyError
 from .metadata import Box, box_shape
 
 MASK64 = (1 << 64) - 1
-ALGORITHM = "coordloader-rowcol-splitmix64-v1"  # recorded in manifests; bump if the math changes
+ALGORITHM = "coordloader-rowcol-splitmix64-v2"  # recorded in manifests; bump if the math changes
 
 # Default chunk sizes (elements per int64 work buffer). On CPU, 1M-element chunks measured
 # best (BF16 8192x8192, 2 cores: 64K -> ~1 GB/s, 256K -> ~2 GB/s, 1M -> 2.3-3.5 GB/s,
@@ -133,6 +143,9 @@ def flat_offset(box: Box, sub: Box) -> int:
 
 
 _UNSIGNED = {w: getattr(torch, n, None) for w, n in ((1, "uint8"), (2, "uint16"), (4, "uint32"))}
+PAIRED = (1, 2)                              # element widths digested in column pairs
+_WORD = {1: torch.int16, 2: torch.int32}     # the pair's word (widened like any element)
+_LITTLE = sys.byteorder == "little"
 _tls = threading.local()
 USE_CPU_GEMV = True   # tests switch it off to run the accelerator code path on CPU
 
@@ -149,6 +162,21 @@ def _work_buffer(device: torch.device, n: int, slot: int = 0) -> torch.Tensor:
     if buf is None or buf.numel() < n:
         buf = cache[key] = torch.empty(n, dtype=torch.int64, device=device)
     return buf
+
+
+def _try_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``t`` viewed as a wider dtype when its strides and offset allow, else None."""
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        return None
+
+
+def col_weight_py(c: int, width: int) -> int:
+    """Pure-Python reference of the column weight of global column ``c``."""
+    if width in PAIRED:
+        return (hash_weight_py(c >> 1, SEED_COL) << (8 * width * (c & 1))) & MASK64
+    return hash_weight_py(c, SEED_COL)
 
 
 def release_buffers() -> None:
@@ -169,13 +197,29 @@ class _Accumulator:
         self.cpu = device.type == "cpu" and USE_CPU_GEMV
         self.chunk = chunk
         self.acc = torch.zeros((), dtype=torch.int64, device=device)
-        self._cols: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._cols: tuple[tuple, torch.Tensor] | None = None
+        self._words: tuple[tuple, torch.Tensor] | None = None
 
-    def _col_weights(self, c0: int, c1: int) -> torch.Tensor:
-        if self._cols is None or self._cols[0] != (c0, c1):
+    def _col_weights(self, c0: int, c1: int, width: int) -> torch.Tensor:
+        """Weights of global columns [c0, c1) for elements of ``width`` bytes (see
+        ``col_weight_py``)."""
+        key = ("e", c0, c1, width)
+        if self._cols is None or self._cols[0] != key:
             idx = torch.arange(c0, c1, dtype=torch.int64, device=self.device)
-            self._cols = ((c0, c1), hash_weights(idx, SEED_COL))
+            if width in PAIRED:
+                w = hash_weights(idx >> 1, SEED_COL)
+                w = torch.where((idx & 1).bool(), w * (1 << (8 * width)), w)
+            else:
+                w = hash_weights(idx, SEED_COL)
+            self._cols = (key, w)
         return self._cols[1]
+
+    def _word_weights(self, g0: int, g1: int) -> torch.Tensor:
+        key = ("w", g0, g1)
+        if self._words is None or self._words[0] != key:
+            idx = torch.arange(g0, g1, dtype=torch.int64, device=self.device)
+            self._words = (key, hash_weights(idx, SEED_COL))
+        return self._words[1]
 
     def _row_ids(self, sub: Box) -> torch.Tensor:
         ids = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -205,22 +249,40 @@ class _Accumulator:
 
     def add(self, bits: torch.Tensor, sub: Box) -> None:
         """Add the digest of ``bits`` (integer view, shape == box_shape(sub))."""
-        n = bits.numel()
-        if n == 0:
+        if bits.numel() == 0:
             return
-        ncols = sub[-1][1] - sub[-1][0]
+        width = bits.element_size()
+        c0, c1 = sub[-1]
+        rw = hash_weights(self._row_ids(sub), SEED_ROW)
+        if width in PAIRED and _LITTLE:
+            # Aligned column pairs as one word: w(2g+1) = w(2g) * 2^(8*width), so the pair's
+            # contribution is hc(g) * (x[2g] + x[2g+1] << 8*width) — half the int64 work.
+            a, b = c0 + (c0 & 1), c1 - (c1 & 1)
+            if b > a:
+                mid = bits.narrow(-1, a - c0, b - a)
+                word = _try_view(mid, _WORD[width])
+                if word is not None:
+                    self._accumulate(word, rw, self._word_weights(a // 2, b // 2))
+                    for e0 in ((c0,) if a > c0 else ()) + ((b,) if c1 > b else ()):
+                        self._accumulate(bits.narrow(-1, e0 - c0, 1), rw,
+                                         self._col_weights(e0, e0 + 1, width))
+                    return
+        self._accumulate(bits, rw, self._col_weights(c0, c1, width))
+
+    def _accumulate(self, bits: torch.Tensor, rw: torch.Tensor, w: torch.Tensor) -> None:
+        n = bits.numel()
+        ncols = bits.shape[-1]
         x = _work_buffer(self.device, n)[:n]
         # widen into a same-shaped view of the contiguous buffer: handles any strides (a
         # dim-1 slice of a packed local tensor) without another temporary
         self._widen(bits, x.view(bits.shape))
         x = x.view(n // ncols, ncols)
-        w = self._col_weights(sub[-1][0], sub[-1][1])
         if self.cpu:
             s = torch.mv(x, w)          # fused multiply + row sum (int64 gemv, wraps mod 2^64)
         else:
             x *= w                      # no integer gemv on CUDA/ROCm
             s = x.sum(dim=1)
-        s *= hash_weights(self._row_ids(sub), SEED_ROW)
+        s *= rw
         self.acc += s.sum()
 
     def value(self) -> int:
