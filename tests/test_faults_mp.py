@@ -49,7 +49,8 @@ def _launch(tmp: Path, ckpt: str, ranks, extra_env=None, on_running=None):
                        WORLD_SIZE="4", LOCAL_RANK=str(r), OMP_NUM_THREADS="1",
                        COORDLOADER_TEST_START_FILE=str(tmp / f"start-{r}"),
                        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            for k in ("COORDLOADER_DEBUG", "COORDLOADER_TEST_HANG_PHASE", "TORCHELASTIC_USE_AGENT_STORE"):
+            for k in ("COORDLOADER_DEBUG", "COORDLOADER_TEST_HANG_PHASE", "TORCHELASTIC_USE_AGENT_STORE",
+                      "TORCH_CPP_LOG_LEVEL"):
                 env.pop(k, None)
             env.update((extra_env or {}).get(r, {}))
             errs[r] = tmp / f"err-{r}"
@@ -87,12 +88,33 @@ def _launch(tmp: Path, ckpt: str, ranks, extra_env=None, on_running=None):
                 p.wait(5)
 
 
+# torch's C++ logger prints c10d socket warnings ("waitForInput ... timed out") when a
+# store wait expires; TORCH_CPP_LOG_LEVEL=ERROR silences them, but only if it is set before
+# torch is imported, i.e. at the top of coordloader/__init__.py (the lead's file). Until it
+# is there, the strict "stderr is exactly one line" check is skipped, visibly.
+_CPP_QUIET = "TORCH_CPP_LOG_LEVEL" in (REPO / "coordloader" / "__init__.py").read_text()
+
+
 def _line(err: str, rank: int) -> str:
     """The one message line of a rank; stderr must carry nothing else of ours."""
     lines = [ln for ln in err.splitlines() if ln.startswith(f"coordloader: rank {rank}: ")]
     assert len(lines) == 1, f"rank {rank} stderr:\n{err}"
     assert "Traceback" not in err, err
+    if _CPP_QUIET:
+        assert err.strip() == lines[0], f"rank {rank} stderr has more than the message:\n{err}"
     return lines[0]
+
+
+def test_stderr_carries_only_the_message():
+    if not _CPP_QUIET:
+        pytest.skip("coordloader/__init__.py does not set TORCH_CPP_LOG_LEVEL before importing "
+                    "torch yet: c10d socket warnings may precede the one-line message")
+    env = dict(os.environ)
+    env.pop("TORCH_CPP_LOG_LEVEL", None)
+    out = subprocess.run([sys.executable, "-c", "import os, coordloader; "
+                          "print(os.environ['TORCH_CPP_LOG_LEVEL'])"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ERROR", out.stdout + out.stderr
 
 
 def test_dump_unwritable_on_rank_2_only(tmp_path, ckpt):
@@ -133,7 +155,10 @@ def test_rank_2_sigkilled_mid_load(tmp_path, ckpt):
         assert rc == 1, (r, err)
         line = _line(err, r)
         print(line)
-        assert "phase load:" in line and "rank 2 died" in line, line
+        # SIGKILLed while the others still load: its heartbeat stops, so it is named dead
+        # (if the others had already waited out --timeout: "did not arrive within 5 s")
+        assert "phase load: rank 2 " in line, line
+        assert "rank 2 died" in line or "rank 2 did not arrive" in line, line
         assert end - killed["at"] < TIMEOUT + SLACK, (r, end - killed["at"], line)
 
 

@@ -1,0 +1,114 @@
+"""Resource bounds of the loader (issue 7): no file descriptor or thread survives a load,
+successful or failed, and the CPU engine's memory stays within the bytes it must hold
+plus a fixed buffer."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import coordloader as cl
+from coordloader.checkpoint import read_checkpoint
+from coordloader.errors import CheckpointError, CoordloaderError, LoadError
+from coordloader.layout import Layout
+from coordloader.synth import synthesize
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_no_fd_or_thread_leak_across_100_loads_including_failures(tmp_path):
+    good = synthesize(str(tmp_path / "good"), "llama", "tiny")
+    # A checkpoint whose file is truncated after its metadata was read (stale meta): the
+    # engine opens the file, finds it short and must close it on the way out.
+    trunc = str(tmp_path / "trunc")
+    shutil.copytree(good, trunc)
+    stale = read_checkpoint(trunc)
+    f = os.path.join(trunc, stale.files[0].name)
+    os.truncate(f, os.path.getsize(f) // 2)
+    # A checkpoint whose index names a shard that is gone (refused while discovering).
+    gone = str(tmp_path / "gone")
+    shutil.copytree(synthesize(str(tmp_path / "two"), "llama", "tiny", shards=2), gone)
+    os.unlink(os.path.join(gone, json.load(open(os.path.join(gone, "model.safetensors.index.json")))
+                           ["weight_map"]["lm_head.weight"]))
+    layout = Layout(tp=2)
+    cl.load(good, layout, rank=0)            # warm up lazily created pools/caches first
+    before, threads = _fds(), threading.active_count()
+    kinds = {"ok": 0, LoadError: 0, CheckpointError: 0}
+    for i in range(100):
+        r = i % 2
+        try:
+            if i % 4 == 1:
+                cl.load(stale, layout, rank=r)          # truncated after planning
+            elif i % 4 == 3:
+                cl.load(gone, layout, rank=r)
+            else:
+                out = cl.load(good, layout, rank=r, verify="full" if i % 8 == 0 else "shapes")
+                assert out and all(t.numel() for t in out.values())
+                kinds["ok"] += 1
+                continue
+            pytest.fail(f"load {i} should have failed")
+        except CoordloaderError as e:
+            kinds[type(e)] += 1
+            if i % 4 == 1:
+                assert "model.safetensors" in str(e), e
+    assert kinds == {"ok": 50, LoadError: 25, CheckpointError: 25}, kinds
+    leaked = _fds() - before
+    assert not leaked, {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in leaked
+                        if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert threading.active_count() <= threads, threading.enumerate()
+
+
+_MEASURE = r'''
+import json, resource, sys
+import coordloader as cl
+from coordloader.checkpoint import read_checkpoint
+from coordloader.plan import make_plan
+ckpt, warm, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+layout = cl.Layout(tp=2)
+cl.load(warm, layout, rank=rank)      # warm-up on a tiny checkpoint: imports, thread pools
+meta = read_checkpoint(ckpt)
+held = make_plan(meta, layout).rank(rank).bytes_held
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+out = cl.load(meta, layout, rank=rank)
+got = sum(t.numel() * t.element_size() for t in out.values())
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"held": held, "got": got, "base": base, "peak": peak}))
+'''
+
+BUFFER = 64 << 20   # the fixed allowance on top of the bytes held
+
+
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory):
+    # metadata_only: the data region is a file hole (reads as zeros, no disk, seconds to
+    # make); the engine reads it exactly like real data.
+    return synthesize(str(tmp_path_factory.mktemp("mem") / "llama-small"), "llama", "small",
+                      metadata_only=True)
+
+
+def test_cpu_engine_peak_rss_within_bytes_held_plus_buffer(small_llama, tmp_path):
+    """In a fresh process (warmed up on a tiny checkpoint, metadata and plan already in
+    memory): the load's peak RSS growth is the tensors it returns, not a staging copy."""
+    warm = synthesize(str(tmp_path / "warm"), "llama", "tiny")
+    p = subprocess.run([sys.executable, "-c", _MEASURE, small_llama, warm, "0"], capture_output=True,
+                       text=True, timeout=180,
+                       env=dict(os.environ, OMP_NUM_THREADS="1",
+                                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert p.returncode == 0, p.stderr
+    m = json.loads(p.stdout.strip().splitlines()[-1])
+    assert m["got"] == m["held"] > 150 << 20, m       # llama small, tp=2 rank 0: ~180 MiB
+    growth = m["peak"] - m["base"]
+    print(f"held {m['held'] / 2**20:.1f} MiB, peak RSS growth {growth / 2**20:.1f} MiB")
+    # at least the tensors themselves (the measurement sees the allocation), at most
+    # them plus a fixed buffer (no full-tensor staging of the sliced ones)
+    assert m["held"] * 0.9 <= growth <= m["held"] + BUFFER, m
