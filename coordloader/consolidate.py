@@ -26,7 +26,7 @@ import numpy as np
 from .dtypes import itemsize
 from .errors import CoordloaderError, SaveError
 from .metadata import CheckpointMeta, TensorInfo, box_shape
-from .save import (CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, STAGING_PREFIX, _existing_checkpoint_files,
+from .save import (CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, _existing_checkpoint_files,
                    _fsync_dir, _os_error, _prepare, _write_json_durable)
 
 DEFAULT_BLOCK_BYTES = 64 * 2**20

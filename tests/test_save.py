@@ -15,7 +15,7 @@ import torch
 
 from coordloader.checkpoint import read_checkpoint
 from coordloader.consolidate import read_full
-from coordloader.errors import CollectiveError, SaveError
+from coordloader.errors import SaveError
 from coordloader.layout import Layout
 from coordloader.planmodel import Piece, Plan, RankPlan, TensorSlice
 from coordloader.save import INDEX_NAME, save
