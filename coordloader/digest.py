@@ -164,6 +164,22 @@ def _work_buffer(device: torch.device, n: int, slot: int = 0) -> torch.Tensor:
     return buf
 
 
+_WEIGHTS: dict = {}          # (device, kind, range...) -> weight vector; shared by tensors
+_WEIGHTS_MAX = 256           # of the same shape (a model's thousands of expert tensors)
+_WEIGHT_MAX_LEN = 8192       # longer vectors are rebuilt (bounds the cache at 16 MiB)
+
+
+def _cached(key: tuple, make, length: int) -> torch.Tensor:
+    if length > _WEIGHT_MAX_LEN:
+        return make()
+    w = _WEIGHTS.get(key)
+    if w is None:
+        if len(_WEIGHTS) >= _WEIGHTS_MAX:
+            _WEIGHTS.clear()
+        w = _WEIGHTS[key] = make()
+    return w
+
+
 def _try_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """``t`` viewed as a wider dtype when its strides and offset allow, else None."""
     try:
@@ -197,35 +213,32 @@ class _Accumulator:
         self.cpu = device.type == "cpu" and USE_CPU_GEMV
         self.chunk = chunk
         self.acc = torch.zeros((), dtype=torch.int64, device=device)
-        self._cols: tuple[tuple, torch.Tensor] | None = None
-        self._words: tuple[tuple, torch.Tensor] | None = None
 
     def _col_weights(self, c0: int, c1: int, width: int) -> torch.Tensor:
         """Weights of global columns [c0, c1) for elements of ``width`` bytes (see
         ``col_weight_py``)."""
-        key = ("e", c0, c1, width)
-        if self._cols is None or self._cols[0] != key:
+        def make():
             idx = torch.arange(c0, c1, dtype=torch.int64, device=self.device)
             if width in PAIRED:
                 w = hash_weights(idx >> 1, SEED_COL)
-                w = torch.where((idx & 1).bool(), w * (1 << (8 * width)), w)
-            else:
-                w = hash_weights(idx, SEED_COL)
-            self._cols = (key, w)
-        return self._cols[1]
+                return torch.where((idx & 1).bool(), w * (1 << (8 * width)), w)
+            return hash_weights(idx, SEED_COL)
+        return _cached((str(self.device), "col", c0, c1, width in PAIRED and width), make, c1 - c0)
 
     def _word_weights(self, g0: int, g1: int) -> torch.Tensor:
-        key = ("w", g0, g1)
-        if self._words is None or self._words[0] != key:
-            idx = torch.arange(g0, g1, dtype=torch.int64, device=self.device)
-            self._words = (key, hash_weights(idx, SEED_COL))
-        return self._words[1]
+        return _cached((str(self.device), "word", g0, g1), lambda: hash_weights(
+            torch.arange(g0, g1, dtype=torch.int64, device=self.device), SEED_COL), g1 - g0)
 
-    def _row_ids(self, sub: Box) -> torch.Tensor:
-        ids = torch.zeros((), dtype=torch.int64, device=self.device)
-        for (a, b), st in zip(sub[:-1], self.row_strides):
-            ids = ids.unsqueeze(-1) + torch.arange(a, b, dtype=torch.int64, device=self.device) * st
-        return ids.reshape(-1)
+    def _row_weights(self, sub: Box) -> torch.Tensor:
+        lead = sub[:-1]
+
+        def make():
+            ids = torch.zeros((), dtype=torch.int64, device=self.device)
+            for (a, b), st in zip(lead, self.row_strides):
+                ids = ids.unsqueeze(-1) + torch.arange(a, b, dtype=torch.int64, device=self.device) * st
+            return hash_weights(ids.reshape(-1), SEED_ROW)
+        return _cached((str(self.device), "row", lead, tuple(self.row_strides)), make,
+                       prod(b - a for a, b in lead))
 
     def _widen(self, bits: torch.Tensor, x: torch.Tensor) -> None:
         """x (int64, shape of bits) <- bits zero-extended (64-bit: mixed, see module doc)."""
@@ -253,7 +266,7 @@ class _Accumulator:
             return
         width = bits.element_size()
         c0, c1 = sub[-1]
-        rw = hash_weights(self._row_ids(sub), SEED_ROW)
+        rw = self._row_weights(sub)
         if width in PAIRED and _LITTLE:
             # Aligned column pairs as one word: w(2g+1) = w(2g) * 2^(8*width), so the pair's
             # contribution is hc(g) * (x[2g] + x[2g+1] << 8*width) — half the int64 work.
