@@ -1,0 +1,222 @@
+"""Writer safety (issue 7) for every writer: save, --dump, manifest, synth.
+
+Checked by recording the real os.fsync / os.replace calls of a write (the order is the
+guarantee: a file is fsynced under its temporary name, renamed into place, the directory
+fsynced; an index is renamed in only after everything it points at is durable), and by
+injecting ENOSPC: the previous state stays byte-identical, no temporary is left, and the
+error names the file and says what happened. Refusal to overwrite is checked for dump
+here (save's own tests cover save)."""
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+import coordloader as cl
+from coordloader.checkpoint import read_checkpoint
+from coordloader.dump import dump_path, dump_rank
+from coordloader.errors import SaveError
+from coordloader.layout import Layout
+from coordloader.plan import make_plan
+from coordloader.synth import synthesize
+
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return synthesize(str(tmp_path_factory.mktemp("w") / "ck"), "llama", "tiny", shards=2)
+
+
+class Events(list):
+    """(op, path...) of fsync / replace / rename calls, real paths."""
+
+    def index_of(self, op, *paths, after=-1):
+        for i, e in enumerate(self):
+            if i > after and e[0] == op and all(p is None or p == q for p, q in zip(paths, e[1:])):
+                return i
+        raise AssertionError(f"no {op} {paths} after event {after} in:\n" +
+                             "\n".join(map(str, self)))
+
+
+@pytest.fixture
+def events(monkeypatch):
+    ev = Events()
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def fsync(fd):
+        try:
+            p = os.path.realpath(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            p = "?"
+        real_fsync(fd)
+        ev.append(("fsync", p))
+
+    def move(real, op):
+        def f(a, b, *k, **kw):
+            real(a, b, *k, **kw)
+            ev.append(("replace", os.path.realpath(a), os.path.realpath(b)))
+        return f
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", move(real_replace, "replace"))
+    monkeypatch.setattr(os, "rename", move(real_rename, "rename"))
+    return ev
+
+
+def assert_published_durably(ev: Events, final: str) -> int:
+    """fsync(temp) -> replace(temp, ..., final) -> fsync(directory): the data was fsynced
+    under some earlier name of the file (a chain of renames: temp -> staging -> final)
+    before the first rename, and the final directory after the last. Returns the index
+    of the rename into ``final``."""
+    final = os.path.realpath(final)
+    i = ev.index_of("replace", None, final)
+    names, j = [final], i
+    while True:                       # walk the renames back to the first name
+        src = ev[j][1]
+        names.append(src)
+        prev = [k for k in range(j) if ev[k][0] == "replace" and ev[k][2] == src]
+        if not prev:
+            break
+        j = prev[-1]
+    assert any(e[0] == "fsync" and e[1] in names for e in ev[:j]), \
+        (f"{final}: no fsync of its data before the first rename; names {names}", ev)
+    ev.index_of("fsync", os.path.dirname(final), after=i)      # the rename itself is durable
+    return i
+
+
+def _rank_tensors(ck, layout):
+    return {r: cl.load(ck, layout, rank=r) for r in range(layout.world_size)}
+
+
+# ------------------------------------------------------------------------------ ordering
+
+def test_dump_fsyncs_then_renames_then_fsyncs_dir(tmp_path, tiny, events):
+    t = cl.load(tiny, Layout(tp=2), rank=1)
+    path = dump_rank(str(tmp_path / "d"), 1, t, plan_digest="x")
+    assert_published_durably(events, path)
+
+
+def test_manifest_write_is_durable(tmp_path, tiny, events):
+    import shutil
+    ck = str(tmp_path / "ck")
+    shutil.copytree(tiny, ck)
+    path = cl.write_manifest(read_checkpoint(ck))
+    assert_published_durably(events, path)
+
+
+def test_save_publishes_the_index_last_after_every_shard_is_durable(tmp_path, tiny, events):
+    layout = Layout(tp=2)
+    plan = make_plan(tiny, layout)
+    locs = _rank_tensors(tiny, layout)
+    out = tmp_path / "saved"
+    events.clear()
+    for r in range(2):
+        cl.save(out, locs[r], plan, rank=r, config=tiny)
+    out = os.path.realpath(out)
+    i_index = assert_published_durably(events, os.path.join(out, INDEX))
+    shards = [n for n in os.listdir(out) if n.endswith(".safetensors")]
+    assert len(shards) == 2
+    for n in shards:
+        assert assert_published_durably(events, os.path.join(out, n)) < i_index, n
+    # a directory fsync between the last shard rename and the index rename
+    last = max(events.index_of("replace", None, os.path.join(out, n)) for n in shards)
+    assert events.index_of("fsync", out, after=last) < i_index
+    # and the result is a checkpoint equal to the source
+    back = cl.load(str(out), Layout(), rank=0)
+    src = cl.load(tiny, Layout(), rank=0)
+    assert back.keys() == src.keys() and all(torch.equal(back[k], src[k]) for k in src)
+
+
+def test_synth_publishes_the_whole_directory_in_one_rename(tmp_path, events):
+    """synth builds the checkpoint in a hidden sibling directory (shards, then the index,
+    each temp + rename) and publishes it with one directory rename: OUT is absent or
+    complete. It does NOT fsync the shard data (synthetic data, written at full speed on
+    purpose); see docs/reliability.md."""
+    out = os.path.realpath(synthesize(str(tmp_path / "s"), "llama", "tiny", shards=2))
+    moves = [e for e in events if e[0] == "replace"]
+    assert moves[-1][2] == out and os.path.basename(moves[-1][1]).startswith(".")
+    stage = moves[-1][1]
+    inside = [os.path.relpath(e[2], stage) for e in moves[:-1]]
+    shards = [n for n in inside if n.endswith(".safetensors")]
+    assert sorted(shards) == sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    assert max(inside.index(n) for n in shards) < inside.index(INDEX)
+    assert not os.path.exists(stage)
+
+
+# ------------------------------------------------------------------------- overwrite
+
+def test_dump_refuses_to_overwrite_without_overwrite(tmp_path, tiny):
+    d = str(tmp_path / "d")
+    t0 = cl.load(tiny, Layout(tp=2), rank=0)
+    path = dump_rank(d, 0, t0, plan_digest="first")
+    before = open(path, "rb").read()
+    with pytest.raises(SaveError, match=r"rank 0, file .*rank-00000\.safetensors: a dump file "
+                                        r"already exists; pass --overwrite"):
+        dump_rank(d, 0, t0, plan_digest="second")
+    assert open(path, "rb").read() == before
+    dump_rank(d, 0, t0, plan_digest="second", overwrite=True)
+    assert open(path, "rb").read() != before
+    # a directory squatting on the name is named as such, even with overwrite
+    os.mkdir(dump_path(d, 1))
+    with pytest.raises(SaveError, match="is a directory"):
+        dump_rank(d, 1, t0, plan_digest="x", overwrite=True)
+    # a dump directory under a regular file
+    with pytest.raises(SaveError, match=r"cannot create dump directory: Not a directory"):
+        dump_rank(os.path.join(path, "sub"), 0, t0, plan_digest="x")
+
+
+# --------------------------------------------------------------------------- ENOSPC
+
+def _no_tmp(d):
+    return [n for n in os.listdir(d) if ".tmp" in n]
+
+
+@pytest.mark.parametrize("where", ["write", "fsync"])
+def test_dump_disk_full_keeps_previous_file(tmp_path, tiny, monkeypatch, where):
+    d = str(tmp_path / "d")
+    t = cl.load(tiny, Layout(tp=2), rank=0)
+    path = dump_rank(d, 0, t, plan_digest="old")
+    before = open(path, "rb").read()
+    real = getattr(os, where)
+
+    def full(fd, *a):
+        if where == "write" or os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, *a)
+
+    monkeypatch.setattr(os, where, full)
+    with pytest.raises(SaveError, match=r"rank 0, file .*rank-00000\.safetensors: cannot write "
+                                        r"dump: .*No space left on device"):
+        dump_rank(d, 0, {k: v * 2 for k, v in t.items()}, plan_digest="new", overwrite=True)
+    monkeypatch.setattr(os, where, real)
+    assert open(path, "rb").read() == before
+    assert _no_tmp(d) == []
+
+
+def test_manifest_disk_full_keeps_previous_manifest(tmp_path, tiny, monkeypatch):
+    import shutil
+    ck = str(tmp_path / "ck")
+    shutil.copytree(tiny, ck)
+    meta = read_checkpoint(ck)
+    path = cl.write_manifest(meta)
+    before = open(path, "rb").read()
+    real = os.fsync
+
+    def full(fd):   # delayed allocation: ENOSPC surfaces at fsync
+        if ".tmp" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    os.unlink(path)
+    with open(path, "wb") as f:   # an older manifest, different bytes
+        f.write(before.replace(b'"version"', b'"version" '))
+    older = open(path, "rb").read()
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(SaveError, match=r"manifest.*No space left on device"):
+        cl.write_manifest(meta)
+    monkeypatch.setattr(os, "fsync", real)
+    assert open(path, "rb").read() == older
+    assert _no_tmp(ck) == []
