@@ -80,39 +80,35 @@ def _fmt_box(b: Box) -> str:
 def check_cover(name: str, shape: tuple[int, ...], primaries: Sequence[tuple[int, Box]],
                 replicas: Sequence[tuple[int, Box]]) -> list[str]:
     """Exact-cover problems of one tensor, given (rank, box) of its primary and replica
-    pieces over all ranks. Overlaps are found with a sweep over dim 0 (sort by start, keep
-    the pieces whose dim-0 interval is still open), so disjoint tilings cost n log n."""
+    pieces over all ranks. The tiling test is the planner's (``cover.tiling_problem``:
+    sort/sweep, n log n for a valid tiling); this adds rank names, the uncovered regions
+    of a gap, and a per-piece replica check."""
+    from .cover import tiling_problem
+    shape = tuple(shape)
+    boxes = [tuple(tuple(x) for x in b) for _, b in primaries]
     problems = []
-    whole = full_box(shape) if shape else ((0, 1),)
-    norm = lambda b: b if shape else ((0, 1),)  # noqa: E731  (0-d: one element)
-    prim = []
-    for r, b in primaries:
-        b = norm(b)
-        if len(b) != len(whole) or any(not (0 <= x0 < x1 <= s) for (x0, x1), (_, s) in zip(b, whole)):
-            problems.append(f"rank {r} holds primary piece {_fmt_box(b)} outside the tensor's shape "
-                            f"{list(shape)}")
+    prob = tiling_problem(boxes, shape)
+    if prob is not None:
+        kind, i, j, detail = prob
+        if kind == "outside":
+            problems.append(f"rank {primaries[i][0]} holds primary piece {_fmt_box(boxes[i])} outside "
+                            f"the tensor's shape {list(shape)}")
+        elif kind == "overlap":
+            problems.append(f"primary pieces overlap: rank {primaries[i][0]} {_fmt_box(boxes[i])} and "
+                            f"rank {primaries[j][0]} {_fmt_box(boxes[j])} (a region loaded twice as "
+                            f"primary)")
         else:
-            prim.append((r, b))
-    prim.sort(key=lambda rb: (rb[1][0][0], rb[0]))
-    active: list[tuple[int, Box]] = []
-    for r, b in prim:
-        active = [(r2, b2) for r2, b2 in active if b2[0][1] > b[0][0]]
-        for r2, b2 in active:
-            if _boxes_overlap(b, b2):
-                problems.append(f"primary pieces overlap: rank {r2} {_fmt_box(b2)} and rank {r} "
-                                f"{_fmt_box(b)} (a region loaded twice as primary)")
-        active.append((r, b))
-    total = sum(box_numel(b) for _, b in prim)
-    if not problems and total != box_numel(whole):
-        gaps = uncovered(whole, [b for _, b in prim])
-        where = (", ".join(_fmt_box(g) for g in gaps[:4]) + (" ..." if len(gaps) > 4 else "")
-                 if gaps else "")
-        problems.append(f"primary pieces cover {total} of {box_numel(whole)} elements"
-                        + (f"; held by no rank: {where}" if where else ""))
-    pboxes = {b for _, b in prim}
+            total = sum(box_numel(b) for b in boxes)
+            gaps = uncovered(full_box(shape), boxes) if shape else None
+            where = (", ".join(_fmt_box(g) for g in gaps[:4]) + (" ..." if len(gaps) > 4 else "")
+                     if gaps else "")
+            problems.append(f"primary pieces cover {total} of {prod(shape)} elements"
+                            + (f"; held by no rank: {where}" if where else ""))
+    pboxes = set(boxes)
     for r, b in replicas:
-        if norm(b) not in pboxes:
-            problems.append(f"rank {r} holds replica piece {_fmt_box(norm(b))} that matches no "
+        b = tuple(tuple(x) for x in b)
+        if b not in pboxes:
+            problems.append(f"rank {r} holds replica piece {_fmt_box(b)} that matches no "
                             f"primary piece")
     return problems
 
