@@ -31,7 +31,7 @@ import torch
 from .digest import combine, digest_local, fmt, iter_subboxes
 from .dtypes import from_torch, itemsize, torch_dtype
 from .errors import CollectiveError, CoordloaderError, VerifyError
-from .metadata import Box, box_numel, box_shape, full_box
+from .metadata import Box, box_numel, full_box
 
 MODES = ("none", "shapes", "digest", "full")
 _LEVEL = {m: i for i, m in enumerate(MODES)}
