@@ -1,0 +1,200 @@
+"""Hostile checkpoints through the whole loader (issue 7).
+
+The reader's own tests (tests/test_checkpoint*.py) check each hostile input against
+``read_checkpoint``. These check that the loader adds no bypass: ``coordloader.load`` on
+a crafted checkpoint raises CheckpointError, quickly (hard alarm: a FIFO must not block),
+with bounded memory (tracemalloc peak), and that files swapped after the metadata was
+read (planning done, then the shard becomes a FIFO, a device, or shorter) are refused by
+the engine instead of blocking or reading garbage."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tracemalloc
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+import coordloader as cl
+from coordloader.errors import CheckpointError
+from coordloader.layout import Layout
+from coordloader.synth import synthesize
+
+REPO = Path(__file__).resolve().parents[1]
+INDEX = "model.safetensors.index.json"
+MEM_LIMIT = 32 << 20        # tracemalloc peak allowed while refusing a hostile input
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile")
+    return {"one": synthesize(str(d / "one"), "llama", "tiny", shards=1),
+            "two": synthesize(str(d / "two"), "llama", "tiny", shards=2)}
+
+
+class Blocked(BaseException):
+    """Raised by the alarm; a BaseException so no `except OSError` can swallow it."""
+
+
+@contextmanager
+def alarm(seconds=20):
+    def fire(*_):
+        raise Blocked(f"blocked for {seconds} s")
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def raw_file(path, header: bytes, length: int | None = None, data: bytes = b""):
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header) if length is None else length) + header + data)
+
+
+def _hdr(obj) -> bytes:
+    return obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+
+
+def _single(tmp, base, header, length=None, data=b""):
+    d = tmp / "ck"
+    shutil.copytree(base["one"], d)
+    raw_file(d / "model.safetensors", _hdr(header), length, data)
+    return d
+
+
+def _index_name(tmp, base, fname):
+    d = tmp / "ck"
+    shutil.copytree(base["two"], d)
+    idx = json.loads((d / INDEX).read_text())
+    idx["weight_map"]["lm_head.weight"] = fname
+    (d / INDEX).write_text(json.dumps(idx))
+    return d
+
+
+def _swap(tmp, base, how):
+    d = tmp / "ck"
+    shutil.copytree(base["one"], d)
+    f = d / "model.safetensors"
+    f.unlink()
+    if how == "fifo":
+        os.mkfifo(f)
+    elif how == "dir":
+        (d / "elsewhere").mkdir()
+        os.symlink(d / "elsewhere", f)
+    elif how == "dev":
+        os.symlink("/dev/zero", f)
+    return d
+
+
+W = {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}
+CASES = {
+    "header length 2**64-1": (lambda t, b: _single(t, b, b"{}", length=2**64 - 1),
+                               "header length"),
+    "header length 2**63": (lambda t, b: _single(t, b, b"{}", length=2**63), "header length"),
+    "huge shape": (lambda t, b: _single(t, b, {"w": dict(W, shape=[10**18] * 3)}, data=b"\0" * 8),
+                   "2**63"),
+    "negative offset": (lambda t, b: _single(t, b, {"w": dict(W, data_offsets=[-8, 0])}),
+                        "tensor 'w'"),
+    "offset past 2**64": (lambda t, b: _single(t, b, {"w": dict(W, data_offsets=[0, 2**64 + 8])}),
+                          "tensor 'w'"),
+    "NaN in header": (lambda t, b: _single(t, b, b'{"w": {"dtype": "BF16", "shape": [NaN], '
+                                                 b'"data_offsets": [0, 8]}}'), "NaN"),
+    "huge JSON number": (lambda t, b: _single(t, b, b'{"w": {"dtype": "BF16", "shape": [1' +
+                                                    b"0" * 5000 + b'], "data_offsets": [0, 8]}}'),
+                         "tensor"),
+    "deeply nested JSON": (lambda t, b: _single(t, b, b'{"w":' * 100_000), "model.safetensors"),
+    "duplicate keys": (lambda t, b: _single(t, b, b'{"w": {"dtype": "BF16", "shape": [4], '
+                                                  b'"data_offsets": [0, 8]}, "w": {"dtype": "BF16", '
+                                                  b'"shape": [4], "data_offsets": [0, 8]}}',
+                                            data=b"\0" * 8), "duplicate"),
+    "weight_map ../": (lambda t, b: _index_name(t, b, "../two/model-00001-of-00002.safetensors"),
+                       "path separator"),
+    "weight_map ..": (lambda t, b: _index_name(t, b, ".."), "'..'"),
+    "weight_map sub/": (lambda t, b: _index_name(t, b, "sub/x.safetensors"), "path separator"),
+    "weight_map NUL": (lambda t, b: _index_name(t, b, "x\x00.safetensors"), "NUL"),
+    "weight_map absolute": (lambda t, b: _index_name(t, b, "/etc/passwd"), "path separator"),
+    "symlink to a directory": (lambda t, b: _swap(t, b, "dir"), "is a directory"),
+    "symlink to /dev/zero": (lambda t, b: _swap(t, b, "dev"), "character device"),
+    "shard is a FIFO": (lambda t, b: _swap(t, b, "fifo"), "a FIFO"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loader_refuses_hostile_checkpoint(tmp_path, base, case):
+    make, frag = CASES[case]
+    ck = make(tmp_path, base)
+    tracemalloc.start()
+    try:
+        with alarm(20), pytest.raises(CheckpointError) as ei:
+            cl.load(str(ck), Layout(tp=2), rank=0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    msg = str(ei.value)
+    print(f"{case}: {msg}")
+    assert frag in msg, msg
+    assert peak < MEM_LIMIT, f"{case}: {peak / 2**20:.1f} MiB traced while refusing"
+
+
+_SWAP_AFTER_PLAN = r'''
+import os, sys, json
+import coordloader as cl
+from coordloader.checkpoint import read_checkpoint
+from coordloader.errors import CoordloaderError
+ck, how = sys.argv[1], sys.argv[2]
+meta = read_checkpoint(ck)                   # headers read, plan possible: then the swap
+f = os.path.join(ck, meta.files[0].name)
+os.unlink(f)
+if how == "fifo":
+    os.mkfifo(f)
+elif how == "dev":
+    os.symlink("/dev/zero", f)
+elif how == "dir":
+    os.mkdir(f)
+import signal
+class Blocked(BaseException):   # not an OSError: the engine must not turn it into a LoadError
+    pass
+def fire(*_):
+    raise Blocked
+signal.signal(signal.SIGALRM, fire)
+signal.alarm(5)                              # the load itself must not block (imports done)
+try:
+    cl.load(meta, cl.Layout(tp=2), rank=0, engine="cpu")
+    print("LOADED")
+except CoordloaderError as e:
+    print(type(e).__name__ + ": " + str(e))
+except Blocked:
+    print("BLOCKED for 5 s")
+'''
+
+
+@pytest.mark.parametrize("how", [
+    "dev", "dir",
+    pytest.param("fifo", marks=pytest.mark.xfail(
+        strict=True, reason="cpu engine opens shards with O_RDONLY (no O_NONBLOCK, no S_ISREG "
+                            "check): a FIFO swapped in after planning blocks open(); fix "
+                            "proposed to the engine owner")),
+])
+def test_engine_refuses_shard_swapped_after_planning(tmp_path, base, how):
+    ck = tmp_path / "ck"
+    shutil.copytree(base["one"], ck)
+    try:
+        p = subprocess.run([sys.executable, "-c", _SWAP_AFTER_PLAN, str(ck), how],
+                           capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep +
+                                    os.environ.get("PYTHONPATH", "")))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"load blocked on a shard swapped for a {how} after planning")
+    out = p.stdout.strip()
+    print(out)
+    assert p.returncode == 0, p.stderr
+    assert out.startswith("LoadError: ") and "model.safetensors" in out, out + p.stderr
