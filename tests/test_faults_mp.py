@@ -159,6 +159,7 @@ def test_rank_2_sigkilled_mid_load(tmp_path, ckpt):
         # (if the others had already waited out --timeout: "did not arrive within 5 s")
         assert "phase load: rank 2 " in line, line
         assert "rank 2 died" in line or "rank 2 did not arrive" in line, line
+        print(f"rank {r} exited {end - killed['at']:.1f} s after the SIGKILL")
         assert end - killed["at"] < TIMEOUT + SLACK, (r, end - killed["at"], line)
 
 
@@ -169,4 +170,5 @@ def test_rank_2_never_joins(tmp_path, ckpt):
         line = _line(err, r)
         print(line)
         assert "group did not form" in line and "rank 2 did not join" in line, line
+        print(f"rank {r} exited {end - started:.1f} s after it started")
         assert end - started < TIMEOUT + SLACK, (r, end - started, line)
