@@ -197,7 +197,8 @@ def bench_load(ckpt: str, *, tp: int = 2, repeats: int = 3, cold: bool = True,
 
 
 def bench_single(method: str, ckpt: str, layout, *, repeats: int, options: dict | None = None,
-                 timeout: float = 900.0, log=print, meta=None, plan=None) -> dict:
+                 timeout: float = 900.0, log=print, meta=None, plan=None,
+                 bytes_key: str = "bytes_held") -> dict:
     """Warm repeats of one method (used by the verify and save benches)."""
     from .methods import METHODS
     if meta is None or plan is None:
@@ -205,4 +206,4 @@ def bench_single(method: str, ckpt: str, layout, *, repeats: int, options: dict 
     runs = [run_ranks(method, ckpt=ckpt, layout=layout, meta=meta, plan=plan,
                       world=layout.world_size, options=options, timeout=timeout, log=log)
             for _ in range(repeats)]
-    return summarize(method, METHODS[method].label, runs)
+    return summarize(method, METHODS[method].label, runs, bytes_key=bytes_key)

@@ -28,7 +28,8 @@ def bench_save(ckpt: str, *, tp: int = 2, repeats: int = 3, timeout: float = 900
     try:
         shutil.rmtree(save_dir, ignore_errors=True)
         row = bench_single("save", ckpt, layout_a, repeats=repeats, timeout=timeout, log=log,
-                           options={"save_dir": save_dir}, meta=meta, plan=plan)
+                           options={"save_dir": save_dir}, meta=meta, plan=plan,
+                           bytes_key="bytes_requested")
         out["save"] = row
         out["saved_bytes"] = dir_bytes(save_dir)
         log(f"[bench]   save {row['wall_s']:.3f} s, {row['gbps_per_rank']:.2f} GB/s per rank "
