@@ -96,7 +96,7 @@ def test_save_format_and_roundtrip(tmp_path):
     assert res[-1].published and not res[0].published
     names = sorted(os.listdir(out))
     assert names == sorted(["config.json", INDEX_NAME, "model-rank-00000-part-00000.safetensors",
-                            "model-rank-00001-part-00000.safetensors"])
+                            "model-rank-00001-part-00000.safetensors", "coordloader.manifest.json"])
     idx = json.loads((out / INDEX_NAME).read_text())
     sec = idx["coordloader"]
     assert sec["version"] == 1 and sec["layout"]["tp"] == 2
@@ -119,7 +119,12 @@ def test_save_format_and_roundtrip(tmp_path):
         assert f.get_tensor("embed.weight@8:10,0:4").shape == (2, 4)
         assert "n.weight" not in f.keys()
     assert json.loads((out / "config.json").read_text()) == {"model_type": "toy"}
-    assert_equal_ckpt(out, full)
+    meta = assert_equal_ckpt(out, full)
+    # the manifest (digests summed from the pieces while saving) matches a fresh re-read
+    from coordloader import manifest as mf
+    m = mf.load_manifest(str(out), meta, required=True)
+    fresh = mf.compute(meta)
+    assert {n: d.digest for n, d in m.tensors.items()} == {n: d.digest for n, d in fresh.items()}
 
 
 def test_max_shard_bytes_splits_parts(tmp_path):
@@ -141,7 +146,8 @@ def test_refuses_existing_checkpoint_and_overwrite_replaces(tmp_path):
     (out / "notes.txt").write_text("user file")
     save_local(out, plan, locs, overwrite=True)  # one part per rank now
     assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model-rank-00000-part-00000.safetensors",
-                                              "model-rank-00001-part-00000.safetensors", "notes.txt"])
+                                              "model-rank-00001-part-00000.safetensors", "notes.txt",
+                                              "coordloader.manifest.json"])
     assert_equal_ckpt(out, full)
 
 
