@@ -28,7 +28,7 @@ DOC_FILES = sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))) + [os.path.joi
 BLOCK_RE = re.compile(r"(?P<pre>(?:<!--(?P<comment>.*?)-->\s*\n)?)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)```",
                       re.S)
 SHELL = {"bash", "sh", "console", "shell"}
-BLOCK_TIMEOUT_S = 180
+BLOCK_TIMEOUT_S = 60   # a long example must be marked not-run; keeps the docs test bounded
 
 
 def _rel(p: str) -> str:
@@ -134,32 +134,68 @@ def _docs_with_blocks():
     return [p for p in DOC_FILES if os.path.exists(p) and _blocks(p)]
 
 
-@pytest.mark.parametrize("path", _docs_with_blocks(), ids=_rel)
-def test_doc_blocks_run(path, tmp_path):
-    ran = 0
+# Consecutive python blocks run in one interpreter (each in fresh globals, in order):
+# importing torch once per document instead of once per block keeps the test fast.
+_DRIVER = """
+import json, sys, traceback
+for line, body in json.load(sys.stdin):
+    try:
+        exec(compile(body, f"<block at line {line}>", "exec"), {"__name__": "__main__"})
+    except BaseException:
+        traceback.print_exc()
+        print(f"DOCBLOCK-FAILED {line}", file=sys.stderr)
+        sys.exit(1)
+"""
+
+
+def _runs(path: str):
+    """Blocks to run, as (first line, lang, payload): a shell body, or a list of
+    (line, body) python blocks that follow one another."""
+    out = []
     for line, lang, body, skip in _blocks(path):
         if skip:
             continue
+        if lang == "python" and out and out[-1][1] == "python":
+            out[-1][2].append((line, body))
+        elif lang == "python":
+            out.append((line, "python", [(line, body)]))
+        else:
+            out.append((line, "bash", body))
+    return out
+
+
+@pytest.mark.parametrize("path", _docs_with_blocks(), ids=_rel)
+def test_doc_blocks_run(path, tmp_path):
+    import json
+    runs = _runs(path)
+    if not runs:
+        pytest.skip("every block is marked not-run")
+    for line, lang, payload in runs:
         env = dict(os.environ, PET_MASTER_PORT=str(_free_port()), PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS="1")
         env.pop("RANK", None)
         env.pop("WORLD_SIZE", None)
         if lang == "bash":
-            cmd = ["bash", "-e", "-o", "pipefail", "-c", _drop_pip(body)]
+            cmd, stdin, shown = ["bash", "-e", "-o", "pipefail", "-c", _drop_pip(payload)], None, payload
         else:
-            cmd = [sys.executable, "-c", body]
+            cmd, stdin = [sys.executable, "-c", _DRIVER], json.dumps(payload)
+            shown = "\n".join(b for _, b in payload)
+        timeout = BLOCK_TIMEOUT_S * (len(payload) if lang == "python" else 1)
         try:
-            r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                               timeout=BLOCK_TIMEOUT_S)
+            r = subprocess.run(cmd, cwd=tmp_path, env=env, input=stdin, capture_output=True,
+                               text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
-            pytest.fail(f"{_rel(path)}:{line}: {lang} block ran past {BLOCK_TIMEOUT_S} s "
-                        f"(mark it <!-- not-run: ... --> if it is long):\n{body}\n"
+            pytest.fail(f"{_rel(path)}:{line}: {lang} block ran past {timeout} s "
+                        f"(mark it <!-- not-run: ... --> if it is long):\n{shown}\n"
                         f"{(e.stderr or b'')[-2000:]!r}")
+        if r.returncode != 0 and lang == "python":
+            m = re.search(r"DOCBLOCK-FAILED (\d+)", r.stderr)
+            if m:
+                line = int(m.group(1))
+                shown = dict(payload)[line]
         assert r.returncode == 0, (f"{_rel(path)}:{line}: {lang} block failed (exit "
-                                   f"{r.returncode}):\n{body}\n--- stdout\n{r.stdout[-3000:]}"
+                                   f"{r.returncode}):\n{shown}\n--- stdout\n{r.stdout[-3000:]}"
                                    f"\n--- stderr\n{r.stderr[-3000:]}")
-        ran += 1
-    assert ran or all(s for *_, s in _blocks(path))
 
 
 def test_block_parser_honours_markers(tmp_path):
