@@ -2,7 +2,16 @@
 
 metadata (checkpoint) -> plan (plan, cover) -> engine (engines) -> verify (verify, digest)
 """
+import os as _os
+import sys as _sys
 import warnings
+
+# Under `python -m coordloader.<tool>` (torchrun included) errors are one line on stderr;
+# torch's C++ logger would print c10d socket warnings before it. This must run before torch
+# is imported, and argv[0] is "-m" only while runpy imports the package, so library users'
+# log settings are left alone.
+if _sys.argv[:1] == ["-m"]:
+    _os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 # `python -m coordloader.load` imports this package first, which (below) imports the
 # submodule; runpy then warns that it is already in sys.modules. Running it again as
