@@ -155,6 +155,25 @@ def _data_offsets(path: str) -> tuple[int, dict[str, tuple[int, int]]]:
     return 8 + n, {k: tuple(v["data_offsets"]) for k, v in head.items() if k != "__metadata__"}
 
 
+def _carry_manifest(meta: CheckpointMeta, stage_dir: str, names: list[str]) -> bool:
+    try:
+        from . import manifest as mf
+        from .checkpoint import read_file_header
+        from .errors import VerifyError
+    except ImportError:
+        return False
+    try:
+        m = mf.load_manifest(meta.root, meta)
+    except VerifyError:
+        return False
+    if m is None:
+        return False
+    infos = sorted((read_file_header(stage_dir, f).info for f in names), key=lambda i: i.name)
+    new = CheckpointMeta(root=os.path.abspath(stage_dir), files=tuple(infos), tensors={})
+    _write_json_durable(os.path.join(stage_dir, MANIFEST_NAME), mf.to_json(new, dict(m.tensors)))
+    return True
+
+
 def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
                 block_bytes: int = DEFAULT_BLOCK_BYTES, overwrite: bool = False,
                 meta: CheckpointMeta | None = None) -> ConsolidateResult:
@@ -217,6 +236,11 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
                 continue
             shutil.copyfile(p, os.path.join(stage_dir, entry))
             extras.append(entry)
+        # Content is unchanged, so the source's digests carry over: a manifest for the new
+        # files (their fingerprint) without re-reading anything. A stale source manifest
+        # is refused by load_manifest and simply not carried.
+        if _carry_manifest(meta, stage_dir, names):
+            extras.append(MANIFEST_NAME)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_json_durable(os.path.join(stage_dir, INDEX_NAME), index)
         _fsync_dir(stage_dir)

@@ -186,37 +186,48 @@ def _digest_of(view: torch.Tensor, p: _PieceOut):
 
 
 def _write_rank(stage: str, tensors, plan, rank: int, max_shard_bytes: int, with_digests: bool):
-    """Write this rank's shard files into ``stage``; return its record for the index."""
+    """Write this rank's shard files into ``stage``; return its record for the index.
+    The pieces' digests are computed on a worker thread while the file is written (torch
+    ops and os.write both release the GIL), so the manifest costs little wall time."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from .safetensors_io import write_safetensors
     pieces = _local_pieces(tensors, plan.rank(rank), rank)
     records, files, total = [], [], 0
-    for part, chunk in enumerate(_split_parts(pieces, max_shard_bytes)):
-        fname = shard_name(rank, part)
-        path = os.path.join(stage, fname)
-        entries, meta = [], {"format": "pt"}
-        for p, view in chunk:
-            data = view.detach()
-            if data.device.type != "cpu":
-                data = data.cpu()
-            data = data.contiguous()
-            entries.append((p.key, p.dtype, list(box_shape(p.box)), data))
-            meta[p.key] = json.dumps({"name": p.name, "shape": list(p.shape),
-                                      "box": [list(x) for x in p.box]}, separators=(",", ":"))
-            dg = _digest_of(data, p) if with_digests else None
-            records.append({"name": p.name, "dtype": p.dtype, "shape": list(p.shape), "key": p.key,
-                            "box": [list(x) for x in p.box], "file": fname, "nbytes": p.nbytes,
-                            "digest": dg})
-            total += p.nbytes
-        try:
-            write_safetensors(path, entries, meta)
-        except OSError as e:
-            raise _os_error(e, fname, rank, "writing a shard file") from e
-        except SaveError as e:
-            cause = e.__cause__
-            if isinstance(cause, OSError):
-                raise _os_error(cause, fname, rank, "writing a shard file") from e
-            raise SaveError(e.message, file=fname, tensor=e.tensor, rank=rank) from e
-        files.append(fname)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="coordloader-save-digest") if with_digests else None
+    try:
+        for part, chunk in enumerate(_split_parts(pieces, max_shard_bytes)):
+            fname = shard_name(rank, part)
+            path = os.path.join(stage, fname)
+            entries, meta, futs = [], {"format": "pt"}, []
+            for p, view in chunk:
+                data = view.detach()
+                if data.device.type != "cpu":
+                    data = data.cpu()
+                data = data.contiguous()
+                entries.append((p.key, p.dtype, list(box_shape(p.box)), data))
+                meta[p.key] = json.dumps({"name": p.name, "shape": list(p.shape),
+                                          "box": [list(x) for x in p.box]}, separators=(",", ":"))
+                futs.append(pool.submit(_digest_of, data, p) if pool is not None else None)
+                records.append({"name": p.name, "dtype": p.dtype, "shape": list(p.shape), "key": p.key,
+                                "box": [list(x) for x in p.box], "file": fname, "nbytes": p.nbytes,
+                                "digest": None})
+                total += p.nbytes
+            try:
+                write_safetensors(path, entries, meta)
+            except OSError as e:
+                raise _os_error(e, fname, rank, "writing a shard file") from e
+            except SaveError as e:
+                cause = e.__cause__
+                if isinstance(cause, OSError):
+                    raise _os_error(cause, fname, rank, "writing a shard file") from e
+                raise SaveError(e.message, file=fname, tensor=e.tensor, rank=rank) from e
+            for rec, f in zip(records[len(records) - len(futs):], futs):
+                rec["digest"] = f.result() if f is not None else None
+            files.append(fname)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     return {"rank": rank, "files": files, "pieces": records, "bytes": total}
 
 

@@ -69,6 +69,10 @@ def test_cli_consolidate_is_byte_equal(tmp_path, arch, layout):
     assert os.path.exists(out / "model.safetensors.index.json")
     meta = read_checkpoint(str(out))
     assert all(t.is_whole for t in meta.tensors.values())
+    # the saved checkpoint's manifest is carried over, valid for the new files
+    from coordloader import manifest as mf
+    m = mf.load_manifest(str(out), meta, required=True)
+    assert {n: d.digest for n, d in m.tensors.items()} == {n: d.digest for n, d in mf.compute(meta).items()}
 
 
 def test_bounded_memory_and_dim1_pieces(tmp_path):
