@@ -32,11 +32,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from hashlib import sha256
 from math import prod
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 from .dtypes import SUPPORTED, itemsize
 from .errors import CheckpointError
-from .metadata import CheckpointMeta, FileInfo, SourcePiece, TensorInfo, box_shape
+from .metadata import CheckpointMeta, FileInfo, SourcePiece, TensorInfo, box_shape, piece_key
 
 MAX_HEADER_LEN = 100_000_000        # the safetensors format's own limit
 MAX_JSON_FILE = 256 * 1024 * 1024   # index / config.json size cap (a 91k-tensor index is ~9 MB)
@@ -534,11 +534,6 @@ def _validate_section(sec: Any, index_name: str) -> dict:
 
 # --------------------------------------------------------------------------- assembly
 
-def piece_key(name: str, box) -> str:
-    """Key under which the coordloader sharded format stores a piece of ``name``."""
-    return name + "@" + ",".join(f"{a}:{b}" for a, b in box)
-
-
 def assemble(root: str, discovery: Discovery, headers: Iterable[FileHeader]) -> CheckpointMeta:
     """Cross-file checks (index vs files, duplicates, pieces tiling) -> CheckpointMeta."""
     by_file: dict[str, FileHeader] = {}
@@ -622,8 +617,7 @@ def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorI
                     raise CheckpointError(f"piece box {list(map(list, box))} dim {d} [{a}, {b}) "
                                           f"is outside the shape {list(shape)}", file=idx,
                                           tensor=name)
-            whole = all(a == 0 and b == s for (a, b), s in zip(box, shape))
-            key = name if whole else piece_key(name, box)
+            key = piece_key(name, box, shape)
             if p["key"] != key:
                 raise CheckpointError(f"piece key {p['key'][:200]!r}; expected {key!r} for box "
                                       f"{list(map(list, box))}", file=idx, tensor=name)

@@ -13,11 +13,9 @@ compare it with the committed files."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import functools
 import importlib
-import io
 import os
 import re
 import socket

@@ -3,7 +3,6 @@ pipeline stages. Pure arithmetic, no torch.distributed (see docs/layout.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 from .errors import PlanError
 

@@ -29,6 +29,14 @@ def box_numel(box: Box) -> int:
     return prod(b - a for a, b in box)
 
 
+def piece_key(name: str, box: Box, shape: tuple[int, ...]) -> str:
+    """Key under which a piece of tensor ``name`` is stored in a shard file: the name
+    itself for a whole tensor, else ``name@a:b,c:d`` (coordloader's sharded format)."""
+    if tuple(box) == full_box(tuple(shape)):
+        return name
+    return name + "@" + ",".join(f"{a}:{b}" for a, b in box)
+
+
 @dataclass(frozen=True)
 class FileInfo:
     name: str            # path relative to the checkpoint directory (no separators)

@@ -37,7 +37,7 @@ import torch
 
 from .dtypes import itemsize
 from .errors import CollectiveError, CoordloaderError, SaveError
-from .metadata import Box, box_numel, box_shape, full_box
+from .metadata import Box, box_numel, box_shape, piece_key
 
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "coordloader.manifest.json"
@@ -54,13 +54,6 @@ _test_hook: Callable[[str], None] | None = None
 def _hook(stage: str) -> None:
     if _test_hook is not None:
         _test_hook(stage)
-
-
-def piece_key(name: str, box: Box, shape: tuple[int, ...]) -> str:
-    """Key of a piece in a shard file: the name for a whole tensor, else ``name@a:b,...``."""
-    if tuple(box) == full_box(tuple(shape)):
-        return name
-    return name + "@" + ",".join(f"{a}:{b}" for a, b in box)
 
 
 def shard_name(rank: int, part: int) -> str:

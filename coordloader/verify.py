@@ -31,7 +31,7 @@ import torch
 from .digest import combine, digest_local, fmt, iter_subboxes
 from .dtypes import from_torch, itemsize, torch_dtype
 from .errors import CollectiveError, CoordloaderError, VerifyError
-from .metadata import Box, box_numel, full_box
+from .metadata import Box, box_numel, full_box, piece_key
 
 MODES = ("none", "shapes", "digest", "full")
 _LEVEL = {m: i for i, m in enumerate(MODES)}
@@ -185,7 +185,7 @@ class _FullReader:
             inter = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(piece.src, sp.box))
             if any(a >= b for a, b in inter):
                 continue
-            key = name if sp.box == full_box(shape) else _piece_key(name, sp.box)
+            key = piece_key(name, sp.box, shape)
             sl = self._open(sp.file).get_slice(key)
             for sub in iter_subboxes(inter, budget):
                 ref = sl[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(sub, sp.box))]
@@ -207,14 +207,6 @@ class _FullReader:
                             f"global index {at}: holds bits 0x{got:0{w // 4}x}, checkpoint has "
                             f"0x{want:0{w // 4}x}")
         return None
-
-
-def _piece_key(name: str, box) -> str:
-    try:
-        from .checkpoint import piece_key
-        return piece_key(name, box)
-    except ImportError:  # same agreed format (brief: coordloader sharded format)
-        return name + "@" + ",".join(f"{a}:{b}" for a, b in box)
 
 
 def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, meta=None) -> dict:

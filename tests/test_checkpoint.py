@@ -691,7 +691,7 @@ def write_coordloader(d, tensors, *, layout=None, extra_keys=(), key_override=No
         plist = []
         for fname, box in pieces:
             whole = all(a == 0 and b == s for (a, b), s in zip(box, shape))
-            key = name if whole else ck.piece_key(name, box)
+            key = name if whole else name + "@" + ",".join(f"{a}:{b}" for a, b in box)
             if key_override and (name, tuple(map(tuple, box))) in key_override:
                 key = key_override[(name, tuple(map(tuple, box)))]
             st_dtype, st_shape = dtype, [b - a for a, b in box]

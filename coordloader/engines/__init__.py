@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import LoadError
-from ..metadata import Box, box_shape, full_box
+from ..metadata import Box, box_shape, piece_key
 from ..planmodel import TensorSlice
 from .. import dtypes
 
@@ -151,14 +151,6 @@ def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
     for x in shape:
         n *= x
     return n
-
-
-def piece_key(name: str, box: Box, shape: tuple[int, ...]) -> str:
-    """Key under which a source piece is stored in its file: the tensor's name when the
-    piece is the whole tensor, else ``name@a:b,c:d`` (coordloader's sharded format)."""
-    if tuple(box) == full_box(shape):
-        return name
-    return name + "@" + ",".join(f"{a}:{b}" for a, b in box)
 
 
 __all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "allocate",
