@@ -265,8 +265,16 @@ def run_verify(mode: str, tensors, plan, meta, rank: int, group) -> dict:
     if fn is not None:
         # verify_rank makes its own all_gather; inside a phase, a rank failing before it
         # (or dying in it) reaches every rank by name instead of as a bare gloo timeout.
-        return run_phase("verify", group, rank,
-                         lambda: fn(tensors, plan, rank, mode=mode, meta=meta, group=group))
+        try:
+            return run_phase("verify", group, rank,
+                             lambda: fn(tensors, plan, rank, mode=mode, meta=meta, group=group))
+        except CollectiveError as e:
+            # verify_rank reaches one verdict on every rank; the user asked for a verify
+            # result, so give them the VerifyError (with its report), not the phase wrapper.
+            local = getattr(e, "local_error", None)
+            if isinstance(local, VerifyError):
+                raise local from None
+            raise
 
     def local():
         if mode != "shapes":

@@ -194,4 +194,6 @@ def test_verify_failures_reach_every_rank(fixtures, tmp_path):
     target = fixtures["synth_target"]
     for o in out:
         assert not o["load-digest"]["ok"] and target in o["load-digest"]["msg"], o["load-digest"]
+        # load() raises the VerifyError itself (with its report), not the phase wrapper
+        assert o["load-digest"]["type"] == "VerifyError", o["load-digest"]
         assert o["load-shapes"]["ok"]
