@@ -622,10 +622,19 @@ def _run(args) -> int:
                 print(f"coordloader: {args.checkpoint} layout {layout} engine {res.stats.engine} "
                       f"verify {args.verify} plan {res.plan.digest()[:12]}")
                 print(format_table(rows, totals), flush=True)
+                vr = res.verify_report or {}
+                if args.verify != "none" and vr:
+                    # the verdict is agreed (verify_rank gathers), so rank 0 speaks for all
+                    print(f"verify {args.verify}: passed on all {len(per_rank)} rank(s): "
+                          f"{', '.join(vr.get('checks', []))}", flush=True)
+                    for note in vr.get("notes", []):
+                        print(f"  note: {note}", flush=True)
             if args.report:
                 report = {"checkpoint": os.path.abspath(args.checkpoint),
                           "layout": layout.to_dict(), "engine": res.stats.engine,
                           "verify": args.verify, "plan_digest": res.plan.digest(),
+                          "verify_report": {k: v for k, v in (res.verify_report or {}).items()
+                                            if k in ("ok", "mode", "checks", "manifest", "notes")},
                           "ranks": rows, "totals": totals}
                 try:
                     tmp = args.report + ".tmp"
