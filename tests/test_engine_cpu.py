@@ -290,3 +290,79 @@ def test_select_engine_names():
         select_engine("fast")
     if not torch.cuda.is_available():
         assert select_engine("auto").name == "cpu"
+
+
+def strided(runs) -> "RunList":
+    """The same runs as strided groups (consecutive runs with one length and constant file
+    and destination strides folded), built here independently of the planner."""
+    from coordloader.runs import RunList
+    groups = []
+    for r in runs:
+        if groups:
+            f, o, ln, d, c, ss, ds = groups[-1]
+            if f == r.file and ln == r.length and r.offset > o and r.dest > d:
+                if c == 1:
+                    groups[-1] = (f, o, ln, d, 2, r.offset - o, r.dest - d)
+                    continue
+                if r.offset == o + c * ss and r.dest == d + c * ds:
+                    groups[-1] = (f, o, ln, d, c + 1, ss, ds)
+                    continue
+        groups.append((r.file, r.offset, r.length, r.dest, 1, 0, 0))
+    return RunList(groups)
+
+
+@pytest.mark.parametrize("page", [0, 4096])       # 0: one read per row; 4096: span + copy
+@pytest.mark.parametrize("short", [False, True])
+def test_cpu_engine_strided_groups(ckpt, monkeypatch, page, short):
+    """Plans whose byte runs are strided groups (the planner's RunList): rows read one by
+    one or as spans through a bounce buffer, contiguous runs fused into one multi-iovec
+    read; with tiny chunks, several threads and short reads."""
+    from coordloader.engines import cpu
+    meta, full = ckpt
+    monkeypatch.setattr(cpu, "_PAGE", page)
+    if short:
+        real = os.preadv
+
+        def short_read(fd, bufs, off):  # at most 5 bytes, into the first buffer only
+            return real(fd, [memoryview(bufs[0])[:5]], off)
+
+        monkeypatch.setattr(os, "preadv", short_read)
+    for chunk in (1 << 20, 16):
+        for rp in plans_for(meta):
+            tensors = []
+            for ts in rp.tensors:
+                runs = strided(ts.byte_runs)
+                assert list(runs) == list(ts.byte_runs)
+                tensors.append(ts.__class__(**{**ts.__dict__, "byte_runs": runs}))
+            assert any(g[4] > 1 for t in tensors for g in t.byte_runs.groups)
+            rp2 = RankPlan(rp.rank, rp.coords, tuple(tensors))
+            seen = []
+            got, stats = select_engine("cpu", "cpu", threads=3, chunk_bytes=chunk).load_rank(
+                meta, rp2, "cpu", progress=seen.append)
+            for ts in rp2.tensors:
+                want = reference(full[ts.name], [(p.src, p.dst) for p in ts.pieces], ts.local_shape)
+                assert same_bytes(got[ts.name], want), (page, chunk, rp.rank, ts.name)
+            assert sum(seen) == stats.bytes_read == rp.bytes_to_read
+            if page and chunk > 16:   # (16-byte chunks cut spans into single rows)
+                assert stats.extra["gap_bytes"] > 0
+
+
+def test_cpu_engine_fuses_adjacent_runs_into_one_read(ckpt, monkeypatch):
+    """Whole tensors stored back to back are read with one preadv of several iovecs."""
+    meta, full = ckpt
+    names = ["o.weight", "experts.w", "fp8.weight", "mask"]   # all of b.safetensors, in order
+    sl = [slice_of(meta, n, [(full_box(meta.tensors[n].shape), (0,) * len(meta.tensors[n].shape))])
+          for n in names]
+    calls = []
+    real = os.preadv
+
+    def counting(fd, bufs, off):
+        calls.append(len(bufs))
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    got, stats = select_engine("cpu", "cpu", threads=1).load_rank(meta, RankPlan(0, {}, tuple(sl)),
+                                                                   "cpu")
+    assert calls == [len(names)]
+    for n in names:
+        assert same_bytes(got[n], full[n]), n

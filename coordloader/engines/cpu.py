@@ -1,12 +1,26 @@
 """The slice-exact CPU engine.
 
-Each local tensor is allocated once; its byte runs (from the plan) are read with
-``os.preadv`` straight into the tensor's own memory. Nothing else is read: a dim-0 slice
-is one run, a dim-1 slice one run per row, so bytes read equal bytes held (padding rows
-are zeroed, not read). Runs are grouped per file (each file opened once), sorted by
-offset so the kernel sees forward reads, and cut into tasks of a few MB handed to a
-small thread pool (``preadv`` releases the GIL; a couple of threads keep the queue of a
-fast disk busy without thrashing a slow one).
+Each local tensor is allocated once and its byte runs (from the plan) land in the
+tensor's own memory; nothing else is kept. The plan gives runs as strided groups
+(``coordloader.runs.RunList``: ``count`` runs of ``length`` bytes, ``src_stride`` apart in
+the file and ``dst_stride`` apart in the tensor), and the engine works on whole groups,
+never on one Python object per run:
+
+- a single run (a dim-0 slice, a whole tensor) is read with ``os.preadv`` straight into
+  the tensor, cut into chunks of ``chunk_bytes`` so threads share big tensors; single runs
+  that follow each other in the file (whole tensors stored back to back, e.g. the experts
+  a rank owns) become one ``preadv`` with one iovec per run;
+- the rows of a dim-1 slice whose gaps in the file are shorter than a page
+  (``src_stride - length < 4096``) are read as one span per chunk into a per-thread bounce
+  buffer and copied into the tensor with one strided ``torch`` copy: the gaps share their
+  pages with the wanted rows, so storage reads the same pages either way, and one syscall
+  replaces thousands (a 256-byte row per ``preadv`` costs ~1 us of syscall and
+  interpreter time for 256 bytes). ``LoadStats.bytes_read`` counts the plan's bytes (what
+  lands in tensors); ``extra["gap_bytes"]`` the gap bytes copied from the page cache;
+- rows with page-sized or larger gaps are read one ``preadv`` per row, in a tight loop.
+
+Work is sorted by file offset (forward reads) and cut into tasks of about
+``chunk_bytes`` handed to a thread pool; ``preadv`` and torch's copy release the GIL.
 """
 from __future__ import annotations
 
@@ -16,30 +30,51 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from ..errors import LoadError
 from ..metadata import CheckpointMeta
 from ..planmodel import RankPlan
+from ..runs import RunList
 from . import LoadStats, Progress, allocate, slice_nbytes
 
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+# Gaps shorter than a page never hold a whole page: reading through them touches no page
+# that the wanted bytes do not touch already.
+_PAGE = 4096
+try:
+    _IOV_MAX = max(1, min(1024, os.sysconf("SC_IOV_MAX")))
+except (ValueError, OSError, AttributeError):
+    _IOV_MAX = 16
+
+# work items (tuples, first field = kind):
+#   (_VEC, off, nbytes, [memoryview, ...], [tensor name, ...])  contiguous in the file
+#   (_SPAN, off, count, length, src_stride, u8 array, dest, dst_stride, name)  bounce + copy
+#   (_ROWS, off, count, length, src_stride, memoryview, dest, dst_stride, name)  one read a row
+_VEC, _SPAN, _ROWS = 0, 1, 2
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """Writable byte view of a contiguous CPU tensor's memory (no copy)."""
+def _byte_view(t: torch.Tensor) -> tuple[np.ndarray, memoryview]:
+    """Flat uint8 numpy view and writable memoryview of a contiguous CPU tensor (no copy)."""
     flat = t.reshape(-1)
     if flat.dtype != torch.uint8:
         # view() reinterprets the same storage; bool/fp8/bf16 all have a byte view
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    a = flat.numpy()
+    return a, memoryview(a).cast("B")
+
+
+def default_threads() -> int:
+    # enough to keep an NVMe queue busy; more only adds contention
+    return max(2, min(8, os.cpu_count() or 2))
 
 
 class CpuEngine:
     name = "cpu"
 
     def __init__(self, threads: int | None = None, chunk_bytes: int = 8 << 20):
-        self.threads = threads if threads is not None else max(2, min(4, os.cpu_count() or 2))
+        self.threads = max(1, int(threads)) if threads is not None else default_threads()
         self.chunk_bytes = max(1, int(chunk_bytes))
 
     def load_rank(self, meta: CheckpointMeta, rank_plan: RankPlan, device: Any = "cpu", *,
@@ -50,33 +85,23 @@ class CpuEngine:
         rank = rank_plan.rank
         files = {f.name: f for f in meta.files}
         tensors: dict[str, torch.Tensor] = {}
-        # (file, offset, length, memoryview, tensor name), validated against the metadata
+        # file -> [(first offset, item)]
         items: dict[str, list] = {}
         held = 0
+        planned = 0
+        host_out = out if device.type == "cpu" else None
         for ts in rank_plan.tensors:
-            host_out = out if device.type == "cpu" else None
             t = allocate(ts, "cpu", host_out, rank=rank)
             tensors[ts.name] = t
             nbytes = slice_nbytes(ts)
             held += nbytes
-            if not ts.byte_runs:
+            runs = ts.byte_runs
+            if not runs:
                 continue
-            mv = _byte_view(t)
-            for r in ts.byte_runs:
-                fi = files.get(r.file)
-                if fi is None:
-                    raise LoadError(f"plan reads file {r.file!r}, which is not in the checkpoint",
-                                    tensor=ts.name, rank=rank)
-                if r.length < 0 or r.dest < 0 or r.dest + r.length > nbytes:
-                    raise LoadError(f"byte run dest [{r.dest}, {r.dest + r.length}) outside the "
-                                    f"local tensor of {nbytes} bytes", tensor=ts.name, rank=rank)
-                if r.offset < fi.data_start or r.offset + r.length > fi.size:
-                    raise LoadError(f"byte run [{r.offset}, {r.offset + r.length}) outside the data "
-                                    f"section [{fi.data_start}, {fi.size})", file=r.file,
-                                    tensor=ts.name, rank=rank)
-                if r.length:
-                    items.setdefault(r.file, []).append(
-                        (r.offset, r.length, mv[r.dest:r.dest + r.length], ts.name))
+            groups = runs.groups if isinstance(runs, RunList) else RunList.from_runs(runs).groups
+            u8, mv = _byte_view(t)
+            for g in groups:
+                planned += self._add_group(items, files, g, u8, mv, nbytes, ts.name, rank)
 
         fds: dict[str, int] = {}
         try:
@@ -97,7 +122,7 @@ class CpuEngine:
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                     except OSError:
                         pass
-            tasks = self._tasks(items, fds)
+            tasks, gap_bytes = self._tasks(items, fds)
             read = self._run(tasks, progress, rank)
         finally:
             for fd in fds.values():
@@ -117,54 +142,144 @@ class CpuEngine:
                     tensors[name] = t.to(device)
         stats = LoadStats(engine=self.name, tensors=len(tensors), bytes_read=read, bytes_held=held,
                           seconds=time.perf_counter() - t0,
-                          extra={"threads": self.threads, "files": len(items)})
+                          extra={"threads": self.threads, "files": len(items), "tasks": len(tasks),
+                                 "gap_bytes": gap_bytes})
         return tensors, stats
 
-    def _tasks(self, items: dict[str, list], fds: dict[str, int]) -> list[list]:
-        """Cut the runs into tasks of about ``chunk_bytes``: big runs are split, small
-        ones (rows of a dim-1 slice) batched, so threads share the work evenly."""
+    # -- planning the reads -----------------------------------------------------------
+    def _add_group(self, items, files, g, u8, mv, nbytes, tname, rank) -> int:
+        """Validate one strided group (arithmetically: its runs' offsets are linear in the
+        run index, so the first and last run bound them all) and queue its reads."""
+        f, o, ln, d, c, ss, ds = g
+        fi = files.get(f)
+        if fi is None:
+            raise LoadError(f"plan reads file {f!r}, which is not in the checkpoint",
+                            tensor=tname, rank=rank)
+        if c < 1 or ln < 0:
+            raise LoadError(f"malformed byte-run group {g!r}", tensor=tname, rank=rank)
+        ld, lo = d + (c - 1) * ds, o + (c - 1) * ss
+        dmin, omin = min(d, ld), min(o, lo)
+        dmax, omax = max(d, ld), max(o, lo)
+        if dmin < 0 or dmax + ln > nbytes:
+            bad = dmin if dmin < 0 else dmax
+            raise LoadError(f"byte run dest [{bad}, {bad + ln}) outside the local tensor of "
+                            f"{nbytes} bytes", tensor=tname, rank=rank)
+        if omin < fi.data_start or omax + ln > fi.size:
+            bad = omin if omin < fi.data_start else omax
+            raise LoadError(f"byte run [{bad}, {bad + ln}) outside the data section "
+                            f"[{fi.data_start}, {fi.size})", file=f, tensor=tname, rank=rank)
+        if ln == 0:
+            return 0
+        lst = items.setdefault(f, [])
+        cb = self.chunk_bytes
+        if c == 1:
+            pos = 0
+            while pos < ln:  # big runs in chunks, so threads share one big tensor
+                n = min(ln - pos, cb)
+                lst.append((_VEC, o + pos, n, [mv[d + pos:d + pos + n]], [tname]))
+                pos += n
+            return ln
+        if ss >= ln and ds >= ln and ss - ln < _PAGE:
+            # rows in chunks of about chunk_bytes of file span
+            per = max(1, cb // ss)
+            for i in range(0, c, per):
+                k = min(per, c - i)
+                lst.append((_SPAN, o + i * ss, k, ln, ss, u8, d + i * ds, ds, tname))
+        else:
+            per = max(1, cb // ln)
+            for i in range(0, c, per):
+                k = min(per, c - i)
+                lst.append((_ROWS, o + i * ss, k, ln, ss, mv, d + i * ds, ds, tname))
+        return ln * c
+
+    def _tasks(self, items: dict[str, list], fds: dict[str, int]) -> tuple[list[list], int]:
+        """Sort each file's items by offset, fuse single runs that follow each other in the
+        file into one multi-iovec read, and cut the items into tasks of about
+        ``chunk_bytes`` so threads share the work evenly. -> (tasks, gap bytes)."""
         tasks, cur, cur_bytes = [], [], 0
         cb = self.chunk_bytes
-        for fname, runs in items.items():
+        gap = 0
+        for fname, lst in items.items():
             fd = fds[fname]
-            runs.sort(key=lambda x: x[0])
-            for off, length, mv, tname in runs:
-                pos = 0
-                while pos < length:
-                    n = min(length - pos, cb - cur_bytes)
-                    cur.append((fd, fname, off + pos, mv[pos:pos + n], tname))
-                    cur_bytes += n
-                    pos += n
-                    if cur_bytes >= cb:
-                        tasks.append(cur)
-                        cur, cur_bytes = [], 0
+            lst.sort(key=lambda x: x[1])
+            prev = None   # the VEC item being extended
+            for it in lst:
+                kind = it[0]
+                if kind == _VEC:
+                    if (prev is not None and prev[1] + prev[2] == it[1]
+                            and len(prev[3]) < _IOV_MAX and prev[2] + it[2] <= cb):
+                        prev[3].extend(it[3])
+                        prev[4].extend(it[4])
+                        prev[2] += it[2]
+                        cur_bytes += it[2]
+                    else:
+                        prev = [_VEC, it[1], it[2], list(it[3]), list(it[4]), fd, fname]
+                        cur.append(prev)
+                        cur_bytes += it[2]
+                else:
+                    prev = None
+                    _, off, k, ln, ss, *_rest = it
+                    cur.append(it + (fd, fname))
+                    cur_bytes += k * ln
+                    if kind == _SPAN:
+                        gap += (k - 1) * (ss - ln)
+                if cur_bytes >= cb:
+                    tasks.append(cur)
+                    cur, cur_bytes, prev = [], 0, None
         if cur:
             tasks.append(cur)
-        return tasks
+        return tasks, gap
 
+    # -- reading -----------------------------------------------------------------------
     def _run(self, tasks: list[list], progress: Progress | None, rank: int) -> int:
         stop = threading.Event()
         lock = threading.Lock()
+        local = threading.local()
+        cb = self.chunk_bytes
+
+        def bounce(n: int):
+            b = getattr(local, "buf", None)
+            if b is None or b[0].size < n:
+                t = np.empty(max(n, min(cb, 64 << 20)), dtype=np.uint8)
+                b = local.buf = (t, memoryview(t).cast("B"))
+            return b
 
         def work(task) -> int:
             done = 0
-            for fd, fname, off, mv, tname in task:
+            for it in task:
                 if stop.is_set():
                     return done
-                got, n = 0, len(mv)
-                while got < n:
-                    try:
-                        k = os.preadv(fd, [mv[got:]], off + got)
-                    except OSError as e:
-                        raise LoadError(f"read of {n - got} bytes at offset {off + got} failed: "
-                                        f"{e.strerror}", file=fname, tensor=tname,
-                                        rank=rank) from None
-                    if k == 0:
-                        raise LoadError(f"unexpected end of file at offset {off + got} (wanted "
-                                        f"{n - got} more bytes)", file=fname, tensor=tname,
-                                        rank=rank)
-                    got += k
-                done += n
+                kind = it[0]
+                if kind == _VEC:
+                    _, off, n, bufs, names, fd, fname = it
+                    _read_vec(fd, bufs, off, n, fname, names, rank)
+                    done += n
+                elif kind == _SPAN:
+                    _, off, k, ln, ss, u8, d, ds, tname, fd, fname = it
+                    span = (k - 1) * ss + ln
+                    bt, bmv = bounce(span)
+                    _read_vec(fd, [bmv[:span]], off, span, fname, [tname], rank)
+                    # numpy, not torch: torch's intra-op threads copying into fresh
+                    # (not yet faulted) pages ran 10x slower here; numpy's copy is one
+                    # thread and releases the GIL
+                    np.copyto(np.ndarray((k, ln), np.uint8, u8, d, (ds, 1)),
+                              np.ndarray((k, ln), np.uint8, bt, 0, (ss, 1)))
+                    done += k * ln
+                else:
+                    _, off, k, ln, ss, mv, d, ds, tname, fd, fname = it
+                    preadv = os.preadv
+                    for i in range(k):
+                        o, p = off + i * ss, d + i * ds
+                        b = mv[p:p + ln]
+                        try:
+                            got = preadv(fd, [b], o)
+                        except OSError as e:
+                            raise LoadError(f"read of {ln} bytes at offset {o} failed: "
+                                            f"{e.strerror}", file=fname, tensor=tname,
+                                            rank=rank) from None
+                        if got != ln:
+                            _read_vec(fd, [b[got:]], o + got, ln - got, fname, [tname], rank)
+                    done += k * ln
             if progress is not None:
                 with lock:
                     progress(done)
@@ -187,3 +302,30 @@ class CpuEngine:
         if first_error is not None:
             raise first_error
         return total
+
+
+def _read_vec(fd: int, bufs: list, off: int, n: int, fname: str, names: list, rank) -> None:
+    """Fill ``bufs`` (contiguous in the file from ``off``, ``n`` bytes in all; ``names[i]``
+    the tensor of ``bufs[i]``, for errors) with ``preadv``; a short read continues where
+    the kernel stopped."""
+    pos = i = 0
+    while True:
+        try:
+            got = os.preadv(fd, bufs, off + pos)
+        except OSError as e:
+            raise LoadError(f"read of {n - pos} bytes at offset {off + pos} failed: "
+                            f"{e.strerror}", file=fname, tensor=names[min(i, len(names) - 1)],
+                            rank=rank) from None
+        if got == n - pos:
+            return
+        if got <= 0:
+            raise LoadError(f"unexpected end of file at offset {off + pos} (wanted {n - pos} "
+                            f"more bytes)", file=fname, tensor=names[min(i, len(names) - 1)],
+                            rank=rank)
+        pos += got
+        k = 0
+        while got >= len(bufs[k]):  # drop the buffers filled, trim the one filled in part
+            got -= len(bufs[k])
+            k += 1
+        i += k
+        bufs = [memoryview(bufs[k])[got:]] + bufs[k + 1:] if got else bufs[k:]
