@@ -159,12 +159,13 @@ def _validate_cover(plan, meta) -> None:
     reps: dict[str, list] = {}
     checked: set = set()
     ranges: dict[str, dict] = {}
+    pieces_ok: dict = {}
     for rp in plan.ranks:
         r = rp.rank
         for s in rp.tensors:
             key = (id(s.pieces), id(s.byte_runs), s.local_shape, s.name)
             if key not in checked:
-                _check_slice(s, tensors, ranges, r)
+                _check_slice(s, tensors, ranges, r, pieces_ok)
                 checked.add(key)
             if s.replica == 0:
                 prim.setdefault(s.name, []).append((r, tuple(p.src for p in s.pieces), id(s.pieces)))
@@ -180,36 +181,22 @@ def _validate_cover(plan, meta) -> None:
     _core(prim, reps, {n: t.shape for n, t in tensors.items()}, plan.excluded, PlanError)
 
 
-def _check_slice(s, tensors, ranges, rank) -> None:
+def _check_slice(s, tensors, ranges, rank, pieces_ok=None) -> None:
     t = tensors.get(s.name)
     if t is None:
         raise PlanError("tensor is not in the checkpoint", tensor=s.name, rank=rank)
     if tuple(s.global_shape) != t.shape or s.dtype != t.dtype:
         raise PlanError(f"slice says {s.dtype}{list(s.global_shape)}, checkpoint has "
                         f"{t.dtype}{list(t.shape)}", tensor=s.name, rank=rank)
-    nd = len(t.shape)
     ls = s.local_shape
-    if len(ls) != nd:
-        raise PlanError(f"local shape {list(ls)} has a different rank than {list(t.shape)}",
-                        tensor=s.name, rank=rank)
-    covered = 0
-    for p in s.pieces:
-        v = 1
-        for (a, b), o, g, l in zip(p.src, p.dst, t.shape, ls):
-            if not (0 <= a < b <= g) or not (0 <= o and o + b - a <= l):
-                raise PlanError(f"piece {[list(x) for x in p.src]} -> {list(p.dst)} lies outside the "
-                                f"tensor {list(t.shape)} or the local shape {list(ls)}",
-                                tensor=s.name, rank=rank)
-            v *= b - a
-        covered += v
-    if len(s.pieces) > 1:
-        dboxes = [tuple((o, o + b - a) for (a, b), o in zip(p.src, p.dst)) for p in s.pieces]
-        prob = tiling_problem(dboxes, ls)
-        if prob is not None and prob[0] != "gap":
-            raise PlanError(f"pieces overlap in the local tensor: {prob[3]}", tensor=s.name, rank=rank)
-    if covered > prod(ls):
-        raise PlanError(f"pieces hold {covered} elements but the local shape {list(ls)} has "
-                        f"{prod(ls)}", tensor=s.name, rank=rank)
+    # the pieces checks depend on (pieces, local shape, global shape) only: the planner
+    # shares one pieces tuple across same-shaped tensors (experts), so check it once
+    pkey = (id(s.pieces), tuple(ls), t.shape)
+    covered = None if pieces_ok is None else pieces_ok.get(pkey)
+    if covered is None:
+        covered = _check_pieces(s, t, ls, rank)
+        if pieces_ok is not None:
+            pieces_ok[pkey] = covered
     isz = itemsize(t.dtype)
     runs = s.byte_runs
     total = getattr(runs, "total_bytes", None)
@@ -228,11 +215,50 @@ def _check_slice(s, tensors, ranges, rank) -> None:
     if groups is None:
         groups = [(r.file, r.offset, r.length, r.dest, 1, 0, 0) for r in runs]
     for f, o, ln, d, c, ss, ds in groups:
-        last_o, last_d = o + (c - 1) * ss, d + (c - 1) * ds
+        if c == 1:
+            lo, hi, dlo, dhi = o, o + ln, d, d + ln
+        else:
+            last_o, last_d = o + (c - 1) * ss, d + (c - 1) * ds
+            lo, hi = (o, last_o + ln) if last_o >= o else (last_o, o + ln)
+            dlo, dhi = (d, last_d + ln) if last_d >= d else (last_d, d + ln)
         spans = rg.get(f, ())
-        if not any(a <= min(o, last_o) and max(o, last_o) + ln <= b for a, b in spans):
+        for a, b in spans:
+            if a <= lo and hi <= b:
+                break
+        else:
             raise PlanError(f"byte run {o}+{ln} in {f} lies outside the tensor's bytes {spans}",
                             tensor=s.name, rank=rank)
-        if min(d, last_d) < 0 or max(d, last_d) + ln > lbytes:
+        if dlo < 0 or dhi > lbytes:
             raise PlanError(f"byte run to dest {d}+{ln} lies outside the local tensor ({lbytes} "
                             f"bytes)", tensor=s.name, rank=rank)
+
+
+def _check_pieces(s, t, ls, rank) -> int:
+    """Pieces inside the tensor and the local shape, not overlapping locally; -> the
+    number of elements they hold."""
+    nd = len(t.shape)
+    if len(ls) != nd:
+        raise PlanError(f"local shape {list(ls)} has a different rank than {list(t.shape)}",
+                        tensor=s.name, rank=rank)
+    covered = 0
+    for p in s.pieces:
+        v = 1
+        if len(p.src) != nd or len(p.dst) != nd:
+            raise PlanError(f"piece {[list(x) for x in p.src]} -> {list(p.dst)} does not have "
+                            f"{nd} dims", tensor=s.name, rank=rank)
+        for (a, b), o, g, l in zip(p.src, p.dst, t.shape, ls):
+            if not (0 <= a < b <= g) or not (0 <= o and o + b - a <= l):
+                raise PlanError(f"piece {[list(x) for x in p.src]} -> {list(p.dst)} lies outside the "
+                                f"tensor {list(t.shape)} or the local shape {list(ls)}",
+                                tensor=s.name, rank=rank)
+            v *= b - a
+        covered += v
+    if len(s.pieces) > 1:
+        dboxes = [tuple((o, o + b - a) for (a, b), o in zip(p.src, p.dst)) for p in s.pieces]
+        prob = tiling_problem(dboxes, ls)
+        if prob is not None and prob[0] != "gap":
+            raise PlanError(f"pieces overlap in the local tensor: {prob[3]}", tensor=s.name, rank=rank)
+    if covered > prod(ls):
+        raise PlanError(f"pieces hold {covered} elements but the local shape {list(ls)} has "
+                        f"{prod(ls)}", tensor=s.name, rank=rank)
+    return covered

@@ -3,8 +3,10 @@ interface documented in docs/plan-schema.md). Built by ``coordloader.plan``; con
 engines, the verifier and the CLI."""
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
+import sys
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any, Mapping
@@ -151,7 +153,15 @@ class Plan:
         fields, with byte runs as little-endian int64 arrays; encodings of pieces and runs
         shared between replicas are computed once."""
         if not self._digest:
-            self._digest.append(_plan_digest(self))
+            # many small tuples, all kept until the end: the cyclic GC would rescan the
+            # plan's objects over and over (most of the cost on a large plan)
+            was = gc.isenabled()
+            gc.disable()
+            try:
+                self._digest.append(_plan_digest(self))
+            finally:
+                if was:
+                    gc.enable()
         return self._digest[0]
 
 
@@ -159,59 +169,101 @@ def _canon(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _runs_digest(runs) -> bytes:
-    # Short lists: JSON of the expanded runs; long ones: int64 arrays. The choice depends on
-    # the number of runs only, so a RunList and a tuple of the same runs hash alike.
-    if len(runs) <= 64:
-        groups = getattr(runs, "groups", None)
-        if groups is not None and all(g[4] == 1 for g in groups):
-            return b"S" + repr([(g[0], g[1], g[2], g[3]) for g in groups]).encode()
-        return b"S" + repr([(r.file, r.offset, r.length, r.dest) for r in runs]).encode()
-    import numpy as np
-    arrays = getattr(runs, "arrays", None)
-    if arrays is not None:
-        files, fi, off, ln, dst = arrays()
-    else:
-        files, fidx = [], {}
-        for r in runs:
-            if r.file not in fidx:
-                fidx[r.file] = len(files)
-                files.append(r.file)
-        fi = np.fromiter((fidx[r.file] for r in runs), np.int64)
-        off = np.fromiter((r.offset for r in runs), np.int64)
-        ln = np.fromiter((r.length for r in runs), np.int64)
-        dst = np.fromiter((r.dest for r in runs), np.int64)
-    h = hashlib.sha256(_canon(list(files)))
-    for a in (fi, off, ln, dst):
-        h.update(np.ascontiguousarray(a, dtype="<i8").tobytes())
-    return h.digest()
+def _runs_key(runs) -> tuple:
+    """Canonical encoding of a byte-run list: the greedy left-to-right folding of its runs
+    into arithmetic groups ``(file, offset, length, dest, count, src_stride, dst_stride)``
+    (a run joins the current group when it has the same file and length and continues
+    both strides; a one-run group takes any such run and the strides it implies). It
+    depends on the sequence of runs only -- a RunList and a tuple of the same ByteRuns,
+    however grouped, encode alike -- and costs O(groups), not O(runs)."""
+    groups = getattr(runs, "groups", None)
+    if groups is None:
+        groups = [(r.file, r.offset, r.length, r.dest, 1, 0, 0) for r in runs]
+    if len(groups) == 1:
+        f, o, ln, d, c, ss, ds = groups[0]
+        if c == 1:
+            return ((f, o, ln, d, 1, 0, 0),)
+        if c > 1:
+            return ((f, o, ln, d, c, ss, ds),)
+    out = []
+    cur = None   # [file, offset, length, dest, count, src_stride, dst_stride]
+    for f, o, ln, d, c, ss, ds in groups:
+        if c <= 0:
+            continue
+        i = 0    # runs of this group taken by the current group
+        if cur is not None and cur[0] == f and cur[2] == ln:
+            if cur[4] == 1:
+                cur[4], cur[5], cur[6] = 2, o - cur[1], d - cur[3]
+                i = 1
+            elif o == cur[1] + cur[4] * cur[5] and d == cur[3] + cur[4] * cur[6]:
+                cur[4] += 1
+                i = 1
+            if i and c > 1 and ss == cur[5] and ds == cur[6]:
+                cur[4] += c - 1
+                i = c
+        if i < c:
+            if cur is not None:
+                out.append(tuple(cur))
+            rem = c - i
+            cur = [f, o + i * ss, ln, d + i * ds, rem, ss if rem > 1 else 0, ds if rem > 1 else 0]
+    if cur is not None:
+        out.append(tuple(cur))
+    return tuple(out)
 
 
 def _plan_digest(plan: "Plan") -> str:
-    h = hashlib.sha256(b"coordloader-plan-v1")
+    import array
+    h = hashlib.sha256(b"coordloader-plan-v3")
     h.update(_canon({
         "version": SCHEMA_VERSION, "fingerprint": plan.fingerprint,
         "layout": plan.layout.to_dict(), "excluded": list(plan.excluded),
         "load_groups": [{"files": list(g.files), "ranks": list(g.ranks), "mode": g.mode}
                         for g in plan.load_groups]}))
-    base_cache: dict = {}
-    runs_cache: dict = {}
+    # Every distinct slice (all fields but the replica id) is encoded once as the repr of a
+    # tuple of its fields (repr of str/int tuples is canonical and self-delimiting, the same
+    # on every CPython) into a table, numbered by first appearance; each rank then adds
+    # two int64 arrays: its slices' table numbers and replica ids. The table is keyed by
+    # the encoding (content), so equal plans give equal digests however their objects are
+    # shared; ids only memoise work: the encodings of pieces and runs objects are computed
+    # once per object (the planner shares them across replicas and same-shaped tensors),
+    # and a replica reuses its base's row ("_base", set by the planner: the slice whose
+    # other fields it copies). The objects live in the plan meanwhile, so ids are stable.
+    table = hashlib.sha256()
+    number: dict[bytes, int] = {}
+    row_of: dict = {}
+    pieces_of: dict = {}
+    runs_of: dict = {}
     for rp in plan.ranks:
-        h.update(b"\x00R" + _canon([rp.rank, dict(rp.coords), len(rp.tensors)]))
+        rows = array.array("q")
+        replicas = array.array("q")
         for t in rp.tensors:
-            # the planner marks replicas with "_base", the slice whose other fields they copy
-            key = id(t.__dict__.get("_base", t))
-            b = base_cache.get(key)
-            if b is None:
-                rd = runs_cache.get(id(t.byte_runs))
-                if rd is None:
-                    rd = runs_cache[id(t.byte_runs)] = _runs_digest(t.byte_runs)
-                # repr of str/int tuples is canonical (and the same on every CPython)
-                b = (repr((
-                    t.name, t.file, t.dtype, tuple(t.global_shape), tuple(t.local_shape),
-                    t.strategy, tuple((tuple(map(tuple, p.src)), tuple(p.dst)) for p in t.pieces)
-                )).encode() + b"\x00" + rd)
-                base_cache[key] = b
-            h.update(b)
-            h.update(t.replica.to_bytes(8, "little"))
+            d = t.__dict__
+            b = d.get("_base", t)
+            k = row_of.get(id(b))
+            if k is None:
+                pcs = d["pieces"]
+                pk = pieces_of.get(id(pcs))
+                if pk is None:
+                    pk = pieces_of[id(pcs)] = tuple(
+                        (tuple(map(tuple, p.src)), tuple(p.dst)) for p in pcs)
+                runs = d["byte_runs"]
+                rk = runs_of.get(id(runs))
+                if rk is None:
+                    rk = runs_of[id(runs)] = _runs_key(runs)
+                enc = repr((d["name"], d["file"], d["dtype"], tuple(d["global_shape"]),
+                            tuple(d["local_shape"]), d["strategy"], pk, rk)).encode()
+                k = number.get(enc)
+                if k is None:
+                    k = number[enc] = len(number)
+                    table.update(enc)
+                row_of[id(b)] = k
+            rows.append(k)
+            replicas.append(d["replica"])
+        h.update(b"\x00R" + _canon([rp.rank, dict(rp.coords), len(rp.tensors)]))
+        if sys.byteorder != "little":   # canonical: little-endian int64 ("q" is 8 bytes)
+            rows.byteswap()
+            replicas.byteswap()
+        h.update(rows.tobytes())
+        h.update(replicas.tobytes())
+    h.update(b"\x00T" + table.digest())
     return h.hexdigest()

@@ -55,3 +55,67 @@ def test_runlist_sequence():
     assert pickle.loads(pickle.dumps(rl)) == rl and rl.total_bytes == 14
     files, fi, off, ln, dst = rl.arrays()
     assert files == ("a", "b") and off.tolist() == [10, 110, 210, 0] and dst.tolist() == [0, 4, 8, 12]
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.lists(st.tuples(st.sampled_from("ab"), st.integers(0, 6), st.sampled_from([2, 4]),
+                          st.integers(-3, 6), st.integers(1, 4), st.sampled_from([0, 2, 4]),
+                          st.sampled_from([-2, 0, 2, 4])), max_size=6))
+def test_digest_runs_key_is_canonical(groups):
+    """The plan digest's run encoding depends on the run sequence only: grouped or not,
+    and it equals a brute-force greedy folding of the expanded runs."""
+    from coordloader.planmodel import _runs_key
+    gs = [(f, o * 2, ln, d, c, ss if c > 1 else 0, ds if c > 1 else 0)
+          for f, o, ln, d, c, ss, ds in groups]
+    rl = RunList(gs)
+    runs = tuple(rl)
+    out, cur = [], None
+    for r in runs:
+        if cur and cur[0] == r.file and cur[2] == r.length and (
+                cur[4] == 1 or (r.offset == cur[1] + cur[4] * cur[5]
+                                and r.dest == cur[3] + cur[4] * cur[6])):
+            if cur[4] == 1:
+                cur[5], cur[6] = r.offset - cur[1], r.dest - cur[3]
+            cur[4] += 1
+        else:
+            if cur:
+                out.append(tuple(cur))
+            cur = [r.file, r.offset, r.length, r.dest, 1, 0, 0]
+    if cur:
+        out.append(tuple(cur))
+    assert _runs_key(rl) == _runs_key(runs) == _runs_key(RunList.from_runs(runs)) == tuple(out)
+
+
+def test_plan_digest_ignores_sharing_and_sees_every_run():
+    from dataclasses import replace
+
+    from coordloader.archs import arch_tensors
+    from coordloader.layout import Layout
+    from coordloader.plan import make_plan, meta_from_specs
+    from coordloader.planmodel import Plan, RankPlan
+    cfg, specs = arch_tensors("deepseek_v3", "tiny")
+    meta = meta_from_specs(cfg, specs, files=2)
+    plan = make_plan(meta, Layout(tp=2, dp=2))
+    d = plan.digest()
+
+    def rebuild(fn):
+        ranks = tuple(RankPlan(rp.rank, rp.coords, tuple(fn(t) for t in rp.tensors))
+                      for rp in plan.ranks)
+        return Plan(plan.layout, plan.fingerprint, ranks, plan.excluded, plan.load_groups)
+
+    # no shared objects, runs as plain tuples of ByteRuns: same digest
+    flat = rebuild(lambda t: replace(t, byte_runs=tuple(t.byte_runs),
+                                     pieces=tuple(replace(p) for p in t.pieces)))
+    assert flat.digest() == d
+    # one row of one dim-1 slice moved by one byte: another digest
+    victim = next(t for t in plan.ranks[1].tensors if len(t.byte_runs) > 3)
+
+    def shift(t):
+        if t is not victim:
+            return t
+        runs = list(t.byte_runs)
+        r = runs[2]
+        runs[2] = ByteRun(r.file, r.offset + 1, r.length, r.dest)
+        return replace(t, byte_runs=tuple(runs))
+    assert rebuild(shift).digest() != d
+    assert rebuild(lambda t: replace(t, replica=t.replica + (t is victim))).digest() != d
