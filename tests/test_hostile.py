@@ -179,10 +179,7 @@ except Blocked:
 
 @pytest.mark.parametrize("how", [
     "dev", "dir",
-    pytest.param("fifo", marks=pytest.mark.xfail(
-        strict=True, reason="cpu engine opens shards with O_RDONLY (no O_NONBLOCK, no S_ISREG "
-                            "check): a FIFO swapped in after planning blocks open(); fix "
-                            "proposed to the engine owner")),
+    "fifo",
 ])
 def test_engine_refuses_shard_swapped_after_planning(tmp_path, base, how):
     ck = tmp_path / "ck"

@@ -25,6 +25,7 @@ Work is sorted by file offset (forward reads) and cut into tasks of about
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -108,10 +109,15 @@ class CpuEngine:
             for fname in items:
                 path = os.path.join(meta.root, fname)
                 try:
-                    fd = os.open(path, _O_FLAGS)
+                    # O_NONBLOCK: a shard swapped for a FIFO after planning must not block
+                    # open(); it only affects FIFOs/devices, and regular files are checked below
+                    fd = os.open(path, _O_FLAGS | getattr(os, "O_NONBLOCK", 0))
                 except OSError as e:
                     raise LoadError(f"cannot open: {e.strerror}", file=fname, rank=rank) from None
                 fds[fname] = fd
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise LoadError("is no longer a regular file: it changed after its header was "
+                                    "read", file=fname, rank=rank)
                 size = os.fstat(fd).st_size
                 if size != files[fname].size:
                     raise LoadError(f"file is {size} bytes, its header was read when it had "
