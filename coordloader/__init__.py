@@ -9,8 +9,8 @@ import warnings
 # Under `python -m coordloader.<tool>` (torchrun included) errors are one line on stderr;
 # torch's C++ logger would print c10d socket warnings before it. This must run before torch
 # is imported, and argv[0] is "-m" only while runpy imports the package, so library users'
-# log settings are left alone.
-if _sys.argv[:1] == ["-m"]:
+# log settings are left alone (the `coordloader` console script counts as an entry point).
+if _sys.argv[:1] == ["-m"] or _os.path.basename((_sys.argv or [""])[0]) == "coordloader":
     _os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 # `python -m coordloader.load` imports this package first, which (below) imports the
