@@ -97,18 +97,20 @@ def format_table(plan, rows=None, rank: int | None = None) -> str:
     rows = rows if rows is not None else rank_rows(plan)
     if rank is not None:
         rows = [r for r in rows if r["rank"] == rank]
-    hdr = f"{'rank':>5} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3} {'mtp':>3} {'tensors':>8} " \
+    hdr = f"{'rank':>5} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3} {'moe_tp':>6} {'tensors':>8} " \
           f"{'held':>11} {'to read':>11} {'amp':>5}  experts"
     lines = [f"plan {plan.digest()[:16]}  layout {plan.layout}  world {plan.world_size}", hdr]
     for r in rows:
         c = r["coords"]
         lines.append(f"{r['rank']:>5} {c['pp']:>3} {c['dp']:>3} {c['tp']:>3} {c['ep']:>3} "
-                     f"{c['moe_tp']:>3} {r['tensors']:>8} {human(r['bytes_held']):>11} "
+                     f"{c['moe_tp']:>6} {r['tensors']:>8} {human(r['bytes_held']):>11} "
                      f"{human(r['bytes_to_read']):>11} {r['read_amplification']:>5.2f}  "
                      f"{ranges_str(r['experts'])}")
     tot = sum(r["bytes_to_read"] for r in rows)
     lines.append(f"total to read {human(tot)} over {len(rows)} ranks; excluded tensors: "
                  f"{len(plan.excluded)}" + (f" ({', '.join(plan.excluded[:3])}...)" if plan.excluded else ""))
+    lines.append("amp: file span a reader taking one contiguous range per slice would fetch, "
+                 "over the exact bytes to read (coordloader's engines read the exact runs)")
     if plan.load_groups:
         lines.append("load groups: " + "; ".join(f"{g.mode} {len(g.files)} files x {len(g.ranks)} ranks"
                                                   for g in plan.load_groups))
