@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("safetensors")
 
-HEADLINE = re.compile(r"^headline: coordloader cpu engine (\d+\.\d+)x faster than safetensors "
+HEADLINE = re.compile(r"^headline: coordloader cpu engine (\d+\.\d+)x the speed of safetensors "
                       r"whole-read\+narrow \((\d+\.\d+) s vs (\d+\.\d+) s median wall, 2 ranks, "
                       r"warm page cache\)$")
 
@@ -33,7 +33,7 @@ def _bench(args, timeout=120):
 def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
     out = tmp_path / "out"
     p = _bench(["load", "--ckpt", tiny_ckpt, "--repeats", "1", "--no-cold", "--out", str(out),
-                "--methods", "ceiling,preadv,cpu,st_whole,st_slice"])
+                "--methods", "ceiling,preadv,span,cpu,st_whole,st_mmap_narrow,st_slice"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = p.stdout.rstrip("\n").splitlines()
     m = HEADLINE.match(lines[-1])
@@ -45,16 +45,28 @@ def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
     assert "| method |" in md and "(`cpu`)" in md and "(`st_whole`)" in md
     res = json.loads((out / "results.json").read_text())
     warm = res["load"]["warm"]
-    assert set(warm) == {"ceiling", "preadv", "cpu", "st_whole", "st_slice"}
+    assert set(warm) == {"ceiling", "preadv", "span", "cpu", "st_whole", "st_mmap_narrow",
+                         "st_slice"}
+    assert "(`st_mmap_narrow`)" in md and "page-cache bytes copied / held" in md
     # every slice-holding method left each rank exactly the same tensors
-    for k in ("preadv", "cpu", "st_whole", "st_slice"):
+    for k in ("preadv", "span", "cpu", "st_whole", "st_mmap_narrow", "st_slice"):
         assert warm[k]["same_tensors"] is True, k
         assert [r["rank"] for r in warm[k]["ranks"]] == [0, 1]
         for r in warm[k]["ranks"]:
             assert r["bytes_held"] > 0 and r["wall_s"] > 0 and r["rss_peak"] > 0
     # the whole-read baseline reads every tensor whole: about twice what a tp=2 rank holds
     assert warm["st_whole"]["read_amplification"] > 1.5
+    assert warm["st_whole"]["page_cache_ratio"] > 1.5
+    # the lazy mmap variant copies only the slices' bytes out of the page cache
+    assert warm["st_mmap_narrow"]["read_amplification"] == pytest.approx(1.0)
     assert warm["cpu"]["read_amplification"] <= 1.01
+    # the engine's page-cache copies = plan bytes + the sub-page gaps of span reads
+    for r in warm["cpu"]["ranks"]:
+        gap = r["extra"]["engine_extra"]["gap_bytes"]
+        assert r["page_cache_bytes"] == r["bytes_read"] + gap
+    assert warm["span"]["page_cache_ratio"] >= warm["span"]["read_amplification"] == 1.0
+    pages = res["load"]["page_bytes_per_rank"]
+    assert all(p % 4096 == 0 and p >= h for p, h in zip(pages, res["load"]["bytes_held_plan"]))
     assert warm["ceiling"]["bytes_read_per_rank"] == res["load"]["checkpoint_bytes"]
     if res["plots"]:
         assert (out / "load_gbps.png").stat().st_size > 1000
@@ -99,6 +111,29 @@ def test_compare_flags_different_tensors():
     assert t["cpu_vs_whole_read"]["value"] == pytest.approx(4.0) and t["cpu_vs_whole_read"]["ok"]
     assert t["cpu_vs_preadv_rate"]["value"] == pytest.approx(0.9)
     assert t["cpu_rss_vs_limit"]["ok"]
+
+
+def test_page_bytes_counts_distinct_pages():
+    from types import SimpleNamespace as NS
+    from coordloader.bench.load_bench import page_bytes
+
+    class Runs:
+        def __init__(self, groups):
+            self.groups = groups
+
+    def rp(*groups):
+        return NS(tensors=[NS(byte_runs=Runs(list(groups)))])
+    P = 4096
+    # one run inside one page; the same page again (counted once); a run over a boundary
+    assert page_bytes(rp(("f", 10, 100, 0, 1, 0, 0))) == P
+    assert page_bytes(rp(("f", 10, 100, 0, 1, 0, 0), ("f", 200, 8, 0, 1, 0, 0))) == P
+    assert page_bytes(rp(("f", P - 8, 16, 0, 1, 0, 0))) == 2 * P
+    # 256-byte rows 512 apart (a dim-1 half): every page of the span is touched
+    assert page_bytes(rp(("f", 0, 256, 0, 64, 512, 256))) == 8 * P
+    # rows a page or more apart: only their own pages
+    assert page_bytes(rp(("f", 0, 256, 0, 4, 3 * P, 256))) == 4 * P
+    # other files do not share pages
+    assert page_bytes(rp(("f", 0, 8, 0, 1, 0, 0), ("g", 0, 8, 0, 1, 0, 0))) == 2 * P
 
 
 def test_headline_fallbacks():

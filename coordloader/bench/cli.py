@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rank counts for the plan bench (default 8,16,...,1024; with --quick "
                          "8,64,1024)")
     ap.add_argument("--methods", metavar="M,M,...",
-                    help="load methods to run (default: all that apply): ceiling, preadv, cpu, "
-                         "st_whole, st_slice, load_e2e, it_raw, it_engine")
+                    help="load methods to run (default: all that apply): ceiling, preadv, span, cpu, "
+                         "st_whole, st_mmap_narrow, st_slice, load_e2e, it_raw, it_engine")
     ap.add_argument("--timeout", type=float, default=900.0,
                     help="seconds before a stuck rank is killed (default 900)")
     return ap
