@@ -69,19 +69,30 @@ def test_no_fd_or_thread_leak_across_100_loads_including_failures(tmp_path):
 
 
 _MEASURE = r'''
-import json, resource, sys
+import json, sys
 import coordloader as cl
 from coordloader.checkpoint import read_checkpoint
 from coordloader.plan import make_plan
+
+
+def hwm() -> int:
+    # VmHWM is per address space, fresh after exec. getrusage's ru_maxrss is not: a child
+    # started from a big parent (pytest, after other tests) reports the parent's peak.
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
 ckpt, warm, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 layout = cl.Layout(tp=2)
 cl.load(warm, layout, rank=rank)      # warm-up on a tiny checkpoint: imports, thread pools
 meta = read_checkpoint(ckpt)
 held = make_plan(meta, layout).rank(rank).bytes_held
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = hwm()
 out = cl.load(meta, layout, rank=rank)
 got = sum(t.numel() * t.element_size() for t in out.values())
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = hwm()
 print(json.dumps({"held": held, "got": got, "base": base, "peak": peak}))
 '''
 
