@@ -41,7 +41,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .errors import VerifyError
-from .metadata import Box, box_shape
+from .metadata import Box, box_numel, box_shape
 
 MASK64 = (1 << 64) - 1
 ALGORITHM = "coordloader-rowcol-splitmix64-v2"  # recorded in manifests; bump if the math changes
@@ -318,13 +318,8 @@ def _default_chunk(device: torch.device) -> int:
     return CPU_CHUNK if device.type == "cpu" else DEVICE_CHUNK
 
 
-def digest(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int], *,
-           chunk_elems: int | None = None) -> int:
-    """Digest of ``tensor`` holding the box ``global_box`` of a tensor of ``global_shape``.
-
-    Returns a uint64 as a Python int. Extra memory is bounded by ``chunk_elems`` int64
-    elements (two buffers for 64-bit dtypes) regardless of the tensor's size; the tensor
-    may be non-contiguous (a view into a local tensor)."""
+def _prepare(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int]):
+    """Validate one digest request -> (global shape, box, integer view of the data)."""
     shape, box = _canon(global_shape, global_box)
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
@@ -332,9 +327,26 @@ def digest(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int], *
         raise VerifyError(f"digest: box {[list(p) for p in box]} does not fit global shape {list(shape)}")
     if tuple(tensor.shape) != box_shape(box):
         raise VerifyError(f"digest: tensor shape {list(tensor.shape)} != box shape {list(box_shape(box))}")
-    bits = _int_view(tensor)
-    chunk = int(chunk_elems or _default_chunk(tensor.device))
-    acc = _Accumulator(shape, tensor.device, chunk)
+    return shape, box, _int_view(tensor)
+
+
+def digest(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int], *,
+           chunk_elems: int | None = None) -> int:
+    """Digest of ``tensor`` holding the box ``global_box`` of a tensor of ``global_shape``.
+
+    Returns a uint64 as a Python int. Extra memory is bounded by ``chunk_elems`` int64
+    elements (two buffers for 64-bit dtypes) regardless of the tensor's size; the tensor
+    may be non-contiguous (a view into a local tensor)."""
+    shape, box, bits = _prepare(tensor, global_box, global_shape)
+    if _use_mm(bits):
+        return _digest_many_prepared([(shape, box, bits)], chunk_elems, 1, False)[0]
+    return _digest_slow(shape, box, bits, chunk_elems)
+
+
+def _digest_slow(shape, box, bits, chunk_elems) -> int:
+    """The int64 widen + gemv (CPU) or multiply + sum (accelerators) path."""
+    chunk = int(chunk_elems or _default_chunk(bits.device))
+    acc = _Accumulator(shape, bits.device, chunk)
     _add_box(acc, bits, box, chunk)
     return acc.value()
 
@@ -352,20 +364,291 @@ def digest_local(tensor: torch.Tensor, pieces: Sequence, global_shape: Sequence[
                  chunk_elems: int | None = None) -> list[int]:
     """Per-piece digests of a rank's local tensor: each ``Piece`` (src box, dst offset) is
     narrowed out of ``tensor`` at its destination offset and digested at its source box."""
-    out = []
-    for i, p in enumerate(pieces):
-        view = tensor
-        if tensor.dim() == 0:
-            out.append(digest(tensor, p.src, global_shape, chunk_elems=chunk_elems))
-            continue
-        if len(p.src) != tensor.dim() or len(p.dst) != tensor.dim():
-            raise VerifyError(f"piece {i}: rank {len(p.src)} box does not match local tensor rank {tensor.dim()}")
-        for d, ((a, b), o) in enumerate(zip(p.src, p.dst)):
-            if o < 0 or o + (b - a) > tensor.shape[d]:
-                raise VerifyError(f"piece {i}: destination [{o}, {o + b - a}) of dim {d} is outside the "
-                                  f"local tensor of shape {list(tensor.shape)}")
+    return digest_many([(piece_view(tensor, p, i), p.src, global_shape)
+                        for i, p in enumerate(pieces)], chunk_elems=chunk_elems)
+
+
+def piece_view(tensor: torch.Tensor, p, i: int = 0) -> torch.Tensor:
+    """The view of local ``tensor`` that piece ``p`` (src box, dst offset) fills."""
+    if tensor.dim() == 0:
+        return tensor
+    if len(p.src) != tensor.dim() or len(p.dst) != tensor.dim():
+        raise VerifyError(f"piece {i}: rank {len(p.src)} box does not match local tensor rank {tensor.dim()}")
+    view = tensor
+    for d, ((a, b), o) in enumerate(zip(p.src, p.dst)):
+        if o < 0 or o + (b - a) > tensor.shape[d]:
+            raise VerifyError(f"piece {i}: destination [{o}, {o + b - a}) of dim {d} is outside the "
+                              f"local tensor of shape {list(tensor.shape)}")
+        if b - a != tensor.shape[d]:
             view = view.narrow(d, o, b - a)
-        out.append(digest(view, p.src, global_shape, chunk_elems=chunk_elems))
+    return view
+
+
+# --------------------------------------------------------------------------- CPU fast path
+#
+# The same digest, computed as an int8 matrix product (torch._int_mm: oneDNN's int8 GEMM,
+# one pass over the data at memory speed, no widening to int64).
+#
+# For elements of 1, 2 or 4 bytes the digest is linear in the element's little-endian
+# bytes: w(c) * u = sum_k (w(c) * 256^k) * byte_k. So a row of a box, read as K bytes,
+# contributes sum_j B_j * byte_j with byte weights B_j = w(c0 + j // width) * 256^(j % width)
+# (the column-pair scaling of narrow dtypes is inside w(c), so any column range works).
+# Two rewrites make that an exact int8 x int8 -> int32 product:
+#   * byte_j = s_j + 128 with s_j = (byte_j ^ 0x80) read as int8, so
+#     sum_j B_j byte_j = sum_j B_j s_j + 128 * sum_j B_j (a data-independent constant);
+#   * B_j = sum_l 256^l t_jl mod 2^64 with balanced digits t_jl in [-128, 127] (l < 8).
+# Then S = s @ t (rows x 8, int32) is exact while |S| <= K * 2^14 < 2^31, i.e. K <= 2^16
+# bytes per row (wider rows are split), and the row value is sum_l S_l * 256^l mod 2^64,
+# which one int64 gemv combines; the row weights follow as in the int64 path. Small
+# pieces that share a box and global shape (a model's many experts) are stacked into one
+# product, so per-piece Python overhead is a few microseconds, not a dozen torch calls.
+#
+# 8-byte elements (mixed by x ^ (x >>> 32), not linear in the bytes), accelerators and
+# big-endian hosts keep the int64 path. torch._int_mm is private API: it is self-tested
+# once on extreme inputs and the int64 path is used if it is missing or inexact.
+
+XOR_INTO = True
+USE_INT8_MM = True           # tests switch it off to compare with the int64 path
+MM_ROW_BYTES = 1 << 14       # bytes of a row per product (exact up to 2^16: |S| <= 2^16 * 2^14 = 2^30;
+                             # rows of 16 KiB measured faster than 64 KiB)
+MM_BATCH_BYTES = 1 << 20     # data bytes per stacked product (stays in L2 with its copy)
+_POW256 = None
+_mm_ok: bool | None = None
+_mm_lock = threading.Lock()
+_MM_CACHE: dict = {}         # (kind, ...) -> weights; bounded like _WEIGHTS
+_MM_CACHE_MAX = 256
+
+
+def _mm_selftest() -> bool:
+    """True when torch._int_mm exists on CPU and is exact at the extremes this path uses
+    (every product -128 * -128 or -128 * 127 over the widest row; a narrow-accumulator
+    kernel that saturates would fail here)."""
+    mm = getattr(torch, "_int_mm", None)
+    if mm is None or MM_ROW_BYTES > 1 << 16:
+        return False
+    try:
+        K = MM_ROW_BYTES
+        t = torch.full((K, 8), -128, dtype=torch.int8)
+        t[:, 1::2] = 127
+        for m in (1, 3, 40):
+            a = torch.full((m, K), -128, dtype=torch.int8)
+            s = mm(a, t)
+            want = torch.tensor([K * 16384, -K * 128 * 127] * 4, dtype=torch.int32)
+            if s.dtype != torch.int32 or not torch.equal(s, want.expand(m, 8)):
+                return False
+        g = torch.Generator().manual_seed(1)
+        for m, k in ((1, 4097), (7, 2048), (64, 1000)):
+            a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+            b = torch.randint(-128, 128, (k, 8), dtype=torch.int8, generator=g)
+            if not torch.equal(mm(a, b).to(torch.int64), a.to(torch.int64) @ b.to(torch.int64)):
+                return False
+        return True
+    except Exception:  # noqa: BLE001 — any failure means: use the int64 path
+        return False
+
+
+def int8_mm_available() -> bool:
+    global _mm_ok, _POW256
+    if _mm_ok is None:
+        with _mm_lock:
+            if _mm_ok is None:
+                _POW256 = torch.tensor([1 << (8 * i) for i in range(8)], dtype=torch.int64)
+                _mm_ok = _mm_selftest()
+    return _mm_ok
+
+
+def _use_mm(bits: torch.Tensor) -> bool:
+    return (USE_INT8_MM and USE_CPU_GEMV and _LITTLE and bits.device.type == "cpu"
+            and bits.element_size() in (1, 2, 4) and int8_mm_available())
+
+
+def _mm_cached(key: tuple, make):
+    v = _MM_CACHE.get(key)
+    if v is None:
+        if len(_MM_CACHE) >= _MM_CACHE_MAX:
+            _MM_CACHE.clear()
+        v = _MM_CACHE[key] = make()
+    return v
+
+
+def _col_weight_vec(device, c0: int, c1: int, width: int) -> torch.Tensor:
+    """w(c) of global columns [c0, c1) for elements of ``width`` bytes (``col_weight_py``)."""
+    idx = torch.arange(c0, c1, dtype=torch.int64, device=device)
+    if width in PAIRED:
+        w = hash_weights(idx >> 1, SEED_COL)
+        return torch.where((idx & 1).bool(), w * (1 << (8 * width)), w)
+    return hash_weights(idx, SEED_COL)
+
+
+def balanced_limbs(v: torch.Tensor) -> torch.Tensor:
+    """int64 values (mod 2^64) -> int8 digits t[..., l] in [-128, 127] with
+    sum_l t_l * 256^l == v mod 2^64."""
+    out = []
+    for _ in range(8):
+        d = ((v + 128) & 255) - 128
+        out.append(d)
+        v = (v - d) >> 8   # exact: v - d is a multiple of 256 (mod 2^64, which is enough)
+    return torch.stack(out, dim=-1).to(torch.int8)
+
+
+def _byte_weights(c0: int, c1: int, width: int):
+    """(t: K x 8 int8 limbs of the byte weights of columns [c0, c1), 128 * sum B mod 2^64)."""
+    def make():
+        w = _col_weight_vec("cpu", c0, c1, width)
+        b = (w.unsqueeze(1) * _POW256[:width]).reshape(-1)
+        return balanced_limbs(b).contiguous(), (128 * int(b.sum())) & MASK64
+    return _mm_cached(("bytes", c0, c1, width), make)
+
+
+def _row_weight_vec(shape: tuple[int, ...], lead: Box):
+    """(hr of the rows of box ``lead`` (leading dims) of a tensor of ``shape``, their sum)."""
+    def make():
+        strides = [prod(shape[d + 1:-1]) for d in range(len(shape) - 1)]
+        ids = torch.zeros((), dtype=torch.int64)
+        for (a, b), st in zip(lead, strides):
+            ids = ids.unsqueeze(-1) + torch.arange(a, b, dtype=torch.int64) * st
+        hr = hash_weights(ids.reshape(-1), SEED_ROW).contiguous()
+        return hr, int(hr.sum()) & MASK64
+    n = prod(b - a for a, b in lead)
+    if n > _WEIGHT_MAX_LEN:
+        return make()
+    return _mm_cached(("rows", shape, lead), make)
+
+
+def _byte_buffer(n: int) -> torch.Tensor:
+    buf = getattr(_tls, "mmbuf", None)
+    if buf is None or buf.numel() < n:
+        buf = _tls.mmbuf = torch.empty(max(n, MM_BATCH_BYTES), dtype=torch.uint8)
+    return buf[:n]
+
+
+def _as_bytes(part: torch.Tensor) -> torch.Tensor:
+    """``part`` (integer view) as uint8 with the last dim in bytes (a view when it can be)."""
+    if part.dtype == torch.uint8:
+        return part
+    if part.stride(-1) != 1:
+        part = part.contiguous()
+    return part.view(torch.uint8)
+
+
+def _mm_batch(shape: tuple[int, ...], sub: Box, width: int, parts: list) -> list[int]:
+    """Digests of ``parts`` (integer views, each holding box ``sub`` of a tensor of
+    ``shape``) as one stacked int8 product."""
+    lead = sub[:-1]
+    c0, c1 = sub[-1]
+    rows = prod(b - a for a, b in lead)
+    K = (c1 - c0) * width
+    nb = len(parts)
+    t, cb = _byte_weights(c0, c1, width)
+    hr, hsum = _row_weight_vec(shape, lead)
+    buf = _byte_buffer(nb * rows * K)
+    dst = buf.view(nb, *box_shape(sub)[:-1], K)
+    if XOR_INTO:
+        for k, p in enumerate(parts):
+            torch.bitwise_xor(_as_bytes(p), 128, out=dst[k])
+    else:
+        if nb == 1:
+            dst[0].copy_(_as_bytes(parts[0]))
+        else:
+            torch.stack([_as_bytes(p) for p in parts], out=dst)
+        buf.view(torch.int8).bitwise_xor_(-128)
+    a = buf.view(torch.int8).view(nb * rows, K)   # byte - 128, as int8
+    s = torch._int_mm(a, t)                    # rows x 8 limb sums, exact int32
+    r = torch.mv(s.to(torch.int64), _POW256)   # row values mod 2^64 (int64 wraps)
+    d = torch.mv(r.view(nb, rows), hr)         # sum over rows of hr * row value
+    const = (cb * hsum) & MASK64               # the 128 * sum B term of every row
+    return [(x + const) & MASK64 for x in d.tolist()]
+
+
+def _mm_units(bits: torch.Tensor, box: Box, budget: int):
+    """(sub-box, view) units of at most ``budget`` elements and MM_ROW_BYTES bytes a row."""
+    width = bits.element_size()
+    maxc = max(1, MM_ROW_BYTES // width)
+    for sub in iter_subboxes(box, budget):
+        part = bits
+        for d, ((a, _), (sa, sb)) in enumerate(zip(box, sub)):
+            if sb - sa != part.shape[d]:
+                part = part.narrow(d, sa - a, sb - sa)
+        c0, c1 = sub[-1]
+        if c1 - c0 <= maxc:
+            yield sub, part
+            continue
+        for c in range(c0, c1, maxc):
+            e = min(c + maxc, c1)
+            yield sub[:-1] + ((c, e),), part.narrow(-1, c - c0, e - c)
+
+
+def digest_many(items: Sequence, *, chunk_elems: int | None = None, threads: int = 1,
+                return_errors: bool = False) -> list:
+    """``[digest(t, box, shape) for t, box, shape in items]``, computed together: on CPU,
+    small pieces with the same box and global shape share one int8 product, and the
+    products run on ``threads`` threads (torch ops release the GIL). With
+    ``return_errors`` an item that cannot be digested yields its exception instead of
+    raising."""
+    prepared: list = []
+    out: list = [None] * len(items)
+    for i, (tensor, box, shape) in enumerate(items):
+        try:
+            prepared.append(_prepare(tensor, box, shape))
+        except Exception as e:  # noqa: BLE001
+            if not return_errors:
+                raise
+            prepared.append(None)
+            out[i] = e
+    res = _digest_many_prepared(prepared, chunk_elems, threads, return_errors)
+    return [o if o is not None else r for o, r in zip(out, res)]
+
+
+def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_errors: bool) -> list:
+    out: list = [0] * len(prepared)
+    groups: dict = {}
+    for i, p in enumerate(prepared):
+        if p is None:
+            continue
+        shape, box, bits = p
+        try:
+            if not _use_mm(bits):
+                out[i] = _digest_slow(shape, box, bits, chunk_elems)
+                continue
+            width = bits.element_size()
+            budget = int(chunk_elems or max(1, MM_BATCH_BYTES // width))
+            for sub, part in _mm_units(bits, box, budget):
+                if part.numel():
+                    groups.setdefault((shape, sub, width), []).append((i, part))
+        except Exception as e:  # noqa: BLE001
+            if not return_errors:
+                raise
+            out[i] = e
+    batches = []
+    for (shape, sub, width), units in groups.items():
+        per = max(1, MM_BATCH_BYTES // max(1, box_numel(sub) * width))
+        for k in range(0, len(units), per):
+            batches.append((shape, sub, width, units[k:k + per]))
+
+    def run(batch):
+        shape, sub, width, units = batch
+        try:
+            return _mm_batch(shape, sub, width, [p for _, p in units])
+        except Exception as e:  # noqa: BLE001
+            if not return_errors:
+                raise
+            return e
+
+    if threads > 1 and len(batches) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=min(threads, len(batches)),
+                                thread_name_prefix="coordloader-digest") as ex:
+            results = list(ex.map(run, batches))
+    else:
+        results = [run(b) for b in batches]
+    for (_, _, _, units), res in zip(batches, results):
+        for k, (i, _) in enumerate(units):
+            if isinstance(out[i], Exception):
+                continue
+            if isinstance(res, Exception):
+                out[i] = res
+            else:
+                out[i] = (out[i] + res[k]) & MASK64
     return out
 
 

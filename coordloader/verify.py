@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 # explicit names: the package re-exports the function `digest`, shadowing the module
-from .digest import combine, digest_local, fmt, iter_subboxes
+from .digest import combine, fmt, iter_subboxes
 from .dtypes import from_torch, itemsize, torch_dtype
 from .errors import CollectiveError, CoordloaderError, VerifyError
 from .metadata import Box, box_numel, full_box, piece_key
@@ -295,36 +295,54 @@ def digest_workers() -> int:
 
 
 def _digest_all(jobs):
-    """Per-piece digests of every (name, tensor, slice) job, parallel over tensors.
+    """Per-piece digests of every (name, tensor, slice) job -> [(name, digests | error)].
 
-    Parallelism comes from worker threads with torch's intra-op pool set to one thread for
-    the duration (restored after): measured on a busy 2-core machine, torch's own pool on
-    digest-sized ops ran up to 10x slower than one thread per tensor. Under torchrun
-    (OMP_NUM_THREADS=1) the pool is one thread anyway."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(job):
-        name, t, ts = job
+    All pieces go to ``digest.digest_many`` in one call: on CPU it stacks the many small
+    pieces that share a box (a model's experts) into one int8 product, so a job costs a
+    few microseconds of Python, not a dozen torch calls. Threads: ``digest_workers()``,
+    but no more than torch's intra-op thread count (a rank under torchrun, or a bench
+    rank, owns one core: OMP_NUM_THREADS=1), with torch's pool set to one thread while
+    they run (measured: torch's own pool on digest-sized ops ran up to 10x slower than one
+    thread per product on a busy machine)."""
+    from .digest import digest_many, piece_view
+    items, owner = [], []
+    errors: dict[str, str] = {}
+    for name, t, ts in jobs:
         try:
-            return name, digest_local(t, ts.pieces, ts.global_shape)
+            views = [piece_view(t, p, i) for i, p in enumerate(ts.pieces)]
         except CoordloaderError as e:
-            return name, e.message
+            errors[name] = e.message
+            continue
         except Exception as e:  # noqa: BLE001 — becomes a finding, never a stranded rank
-            return name, f"{type(e).__name__}: {e}"
-
-    workers = min(digest_workers(), len(jobs))
-    on_cpu = any(t.device.type == "cpu" for _, t, _ in jobs)
+            errors[name] = f"{type(e).__name__}: {e}"
+            continue
+        for v, p in zip(views, ts.pieces):
+            items.append((v, p.src, ts.global_shape))
+            owner.append(name)
     prev = torch.get_num_threads()
+    workers = max(1, min(digest_workers(), prev)) if not _env_threads() else digest_workers()
+    on_cpu = any(t.device.type == "cpu" for _, t, _ in jobs)
     if on_cpu and workers > 1:
         torch.set_num_threads(1)
     try:
-        if workers <= 1:
-            return [one(j) for j in jobs]
-        with ThreadPoolExecutor(max_workers=workers) as ex:
-            return list(ex.map(one, jobs))
+        res = digest_many(items, threads=workers, return_errors=True)
     finally:
         if torch.get_num_threads() != prev:
             torch.set_num_threads(prev)
+    out: dict[str, list] = {}
+    for name, r in zip(owner, res):
+        if name in errors:
+            continue
+        if isinstance(r, Exception):
+            errors[name] = r.message if isinstance(r, CoordloaderError) else f"{type(r).__name__}: {r}"
+            continue
+        out.setdefault(name, []).append(r)
+    return [(name, errors[name] if name in errors else out.get(name, [])) for name, _, _ in jobs]
+
+
+def _env_threads() -> bool:
+    import os
+    return bool(os.environ.get("COORDLOADER_DIGEST_THREADS"))
 
 
 def from_torch_safe(dt: torch.dtype) -> str:

@@ -247,13 +247,18 @@ def test_position_matters_not_just_content():
     assert digest(g, full_box((4, 4)), (4, 4)) != digest(g.reshape(2, 8), full_box((2, 8)), (2, 8))
 
 
-@pytest.mark.parametrize("path", ["gemv", "mul_sum", "mask"])
+@pytest.mark.parametrize("path", ["int8mm", "gemv", "mul_sum", "mask"])
 def test_code_paths_agree(monkeypatch, path):
-    """The CPU gemv path, the accelerator mul+sum path and the sign-extend+mask fallback
-    (backends without unsigned copies) compute the same digest."""
+    """The CPU int8-product path, the CPU int64 gemv path, the accelerator mul+sum path and
+    the sign-extend+mask fallback (backends without unsigned copies) compute the same
+    digest."""
     import sys
     dgm = sys.modules["coordloader.digest"]   # the package attribute is the function
-    if path != "gemv":
+    if path == "int8mm":
+        assert dgm.int8_mm_available()
+    else:
+        monkeypatch.setattr(dgm, "USE_INT8_MM", False)
+    if path not in ("int8mm", "gemv"):
         monkeypatch.setattr(dgm, "USE_CPU_GEMV", False)
     if path == "mask":
         monkeypatch.setattr(dgm, "_UNSIGNED", {})
@@ -279,3 +284,65 @@ def test_column_pairs_with_ragged_edges(dt):
             packed = combine(digest(sub(full, b).contiguous(), b, (6, 10), chunk_elems=chunk)
                              for b in boxes)
             assert strided == packed == whole, (cuts, chunk)
+
+
+def _dgm():
+    import sys
+    return sys.modules["coordloader.digest"]
+
+
+def test_balanced_limbs_reconstruct_mod_2_64():
+    dgm = _dgm()
+    g = torch.Generator().manual_seed(11)
+    v = torch.cat([torch.randint(-2**63, 2**63 - 1, (2000,), dtype=torch.int64, generator=g),
+                   torch.tensor([0, 1, -1, 127, 128, -128, -129, 2**63 - 1, -2**63,
+                                 2**63 - 128, -2**63 + 127], dtype=torch.int64)])
+    t = dgm.balanced_limbs(v)
+    assert t.dtype == torch.int8
+    back = sum(t[:, l].to(torch.int64) << (8 * l) for l in range(8))
+    assert torch.equal(back, v)
+
+
+@pytest.mark.parametrize("fill", [0x00, 0xFF, 0x80, 0x7F])
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32, torch.uint8])
+def test_int8_product_at_extreme_bytes(fill, dt):
+    """Every byte at an extreme of the signed/unsigned range (the int32 sums' worst case),
+    on rows wider than one product (split into column blocks)."""
+    dgm = _dgm()
+    n = dgm.MM_ROW_BYTES // _size(dt) * 2 + 3
+    t = torch.full((3, n * _size(dt)), fill, dtype=torch.uint8).view(dt)
+    box = ((0, 3), (0, n))
+    got = digest(t, box, (3, n))
+    assert got == reference(t)
+
+
+def test_digest_many_matches_digest_and_reports_errors(monkeypatch):
+    """Batched digests (stacked products, threads, column blocks) equal one-by-one digests;
+    a bad item yields its error without spoiling the others."""
+    dgm = _dgm()
+    monkeypatch.setattr(dgm, "MM_ROW_BYTES", 64)        # force column blocks
+    monkeypatch.setattr(dgm, "MM_BATCH_BYTES", 512)     # force several batches
+    g = torch.Generator().manual_seed(7)
+    items = []
+    for i in range(40):
+        dt = [torch.bfloat16, torch.float32, torch.int8, torch.float64][i % 4]
+        t = (torch.randn(6, 50, generator=g) * 100).to(dt)
+        items.append((t[:3], ((0, 3), (0, 50)), (6, 50)))
+        items.append((t[:, 7:41], ((0, 6), (7, 41)), (6, 50)))
+        items.append((t[2], ((2, 3), (0, 50)), (6, 50))) if i == 0 else None
+    items = [it for it in items if it is not None]
+    items[0:0] = [(torch.zeros(2, 2), ((0, 3), (0, 2)), (4, 2))]     # shape != box
+    want = []
+    monkeypatch.setattr(dgm, "USE_INT8_MM", False)
+    for t, b, s in items[1:]:
+        if t.dim() == 1:
+            t = t.unsqueeze(0)
+        want.append(digest(t, b, s))
+    monkeypatch.setattr(dgm, "USE_INT8_MM", True)
+    items = [(t.unsqueeze(0) if t.dim() == 1 else t, b, s) for t, b, s in items]
+    for threads in (1, 3):
+        got = dgm.digest_many(items, threads=threads, return_errors=True)
+        assert isinstance(got[0], VerifyError)
+        assert got[1:] == want
+    with pytest.raises(VerifyError):
+        dgm.digest_many(items)
