@@ -326,7 +326,7 @@ def _prepare(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int])
         tensor = tensor.reshape(1)
     if len(box) != len(shape) or any(not (0 <= a <= b <= s) for (a, b), s in zip(box, shape)):
         raise VerifyError(f"digest: box {[list(p) for p in box]} does not fit global shape {list(shape)}")
-    if tuple(tensor.shape) != box_shape(box):
+    if tensor.shape != tuple(b - a for a, b in box):
         raise VerifyError(f"digest: tensor shape {list(tensor.shape)} != box shape {list(box_shape(box))}")
     return shape, box, _int_view(tensor)
 
@@ -458,9 +458,12 @@ def int8_mm_available() -> bool:
     return _mm_ok
 
 
+_MM_WIDTHS = (1, 2, 4)
+
+
 def _use_mm(bits: torch.Tensor) -> bool:
     return (USE_INT8_MM and USE_CPU_GEMV and _LITTLE and bits.device.type == "cpu"
-            and bits.element_size() in (1, 2, 4) and int8_mm_available())
+            and bits.element_size() in _MM_WIDTHS and int8_mm_available())
 
 
 def _mm_cached(key: tuple, make):
@@ -621,16 +624,28 @@ def one_intra_op_thread():
 def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_errors: bool) -> list:
     out: list = [0] * len(prepared)
     groups: dict = {}
+    mm = USE_INT8_MM and USE_CPU_GEMV and _LITTLE and bool(prepared) and int8_mm_available()
     for i, p in enumerate(prepared):
         if p is None:
             continue
         shape, box, bits = p
         try:
-            if not _use_mm(bits):
+            width = bits.element_size()
+            if not (mm and width in _MM_WIDTHS and bits.device.type == "cpu"):
                 out[i] = _digest_slow(shape, box, bits, chunk_elems)
                 continue
-            width = bits.element_size()
             budget = int(chunk_elems or max(1, MM_BATCH_BYTES // width))
+            n = bits.numel()
+            if n <= budget and (box[-1][1] - box[-1][0]) * width <= MM_ROW_BYTES:
+                # the common case, one unit: skip the sub-box machinery (per-piece
+                # Python time is a visible share of the total for a model's small pieces)
+                if n:
+                    key = (shape, box, width)
+                    g = groups.get(key)
+                    if g is None:
+                        g = groups[key] = []
+                    g.append((i, bits))
+                continue
             for sub, part in _mm_units(bits, box, budget):
                 if part.numel():
                     groups.setdefault((shape, sub, width), []).append((i, part))
