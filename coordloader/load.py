@@ -526,18 +526,29 @@ def summary_rows(per_rank: list[dict]) -> tuple[list[dict], dict]:
     return per_rank, totals
 
 
+def _coords_str(c: Mapping | None) -> str:
+    if not c:
+        return "-"
+    return f"pp{c['pp']} dp{c['dp']} tp{c['tp']} ep{c['ep']}.{c['moe_tp']}"
+
+
 def format_table(per_rank: list[dict], totals: dict) -> str:
-    head = f"{'rank':>5} {'tensors':>8} {'held':>12} {'read':>12} {'read/held':>9} " \
-           f"{'seconds':>8} {'GB/s':>7}"
+    from .plan_cli import ranges_str
+    head = f"{'rank':>5} {'coords':<18} {'tensors':>8} {'held':>12} {'read':>12} " \
+           f"{'read/held':>9} {'seconds':>8} {'GB/s':>7}  experts"
     lines = [head, "-" * len(head)]
     for r in per_rank:
-        lines.append(f"{r['rank']:>5} {r['tensors']:>8} {_fmt_bytes(r['bytes_held']):>12} "
+        lines.append(f"{r['rank']:>5} {_coords_str(r.get('coords')):<18} {r['tensors']:>8} "
+                     f"{_fmt_bytes(r['bytes_held']):>12} "
                      f"{_fmt_bytes(r['bytes_read']):>12} {r['read_amplification']:>9.3f} "
-                     f"{r['seconds']:>8.3f} {r['gbps']:>7.2f}")
+                     f"{r['seconds']:>8.3f} {r['gbps']:>7.2f}  {ranges_str(r.get('experts', []))}")
     lines.append("-" * len(head))
-    lines.append(f"{'total':>5} {totals['tensors']:>8} {_fmt_bytes(totals['bytes_held']):>12} "
+    lines.append(f"{'total':>5} {'':<18} {totals['tensors']:>8} "
+                 f"{_fmt_bytes(totals['bytes_held']):>12} "
                  f"{_fmt_bytes(totals['bytes_read']):>12} {totals['read_amplification']:>9.3f} "
                  f"{totals['seconds']:>8.3f} {totals['gbps']:>7.2f}")
+    lines.append("coords: pipeline stage, data-parallel replica, tensor-parallel rank, "
+                 "expert-parallel rank.moe_tp rank; experts: ids the rank holds (part of)")
     return "\n".join(lines)
 
 
@@ -595,8 +606,9 @@ def _run(args) -> int:
                             engine=args.engine, verify=args.verify, rules=args.rules,
                             progress=(not args.quiet) and rank0, loader_config=args.loader_config,
                             replicate_unmatched=args.replicate_unmatched, timeout=args.timeout)
+        from .plan_cli import experts_held
         mine = dict(res.stats.to_dict(), rank=res.rank, phases=res.phases,
-                    coords=dict(res.rank_plan.coords))
+                    coords=dict(res.rank_plan.coords), experts=experts_held(res.rank_plan))
         if res.verify_report is not None:
             mine["verify"] = {k: v for k, v in res.verify_report.items()
                               if k in ("ok", "mode", "notes", "stats")}

@@ -65,7 +65,6 @@ def rank_rows(plan) -> list[dict]:
     for rp in plan.ranks:
         read = rp.bytes_to_read
         span = 0
-        experts = set()
         for t in rp.tensors:
             k = id(t.byte_runs)
             sp = span_cache.get(k)
@@ -80,17 +79,24 @@ def rank_rows(plan) -> list[dict]:
                     lo[f] = (a, b) if x is None else (min(x[0], a), max(x[1], b))
                 sp = span_cache[k] = sum(b - a for a, b in lo.values())
             span += sp
-            if t.strategy == "expert" or (t.strategy == "scale" and ".experts." in t.name):
-                m = _EXPERT_RE.search(t.name)
-                if m:
-                    experts.add(int(m.group(1)))
-                elif t.strategy == "expert":
-                    experts.update(p.src[0][0] for p in t.pieces)
         rows.append({"rank": rp.rank, "coords": dict(rp.coords), "tensors": len(rp.tensors),
                      "bytes_held": rp.bytes_held, "bytes_to_read": read,
                      "read_amplification": (span / read) if read else 1.0,
-                     "experts": sorted(experts)})
+                     "experts": experts_held(rp)})
     return rows
+
+
+def experts_held(rank_plan) -> list[int]:
+    """Logical expert ids of which the rank holds (a part of) at least one tensor."""
+    experts = set()
+    for t in rank_plan.tensors:
+        if t.strategy == "expert" or (t.strategy == "scale" and ".experts." in t.name):
+            m = _EXPERT_RE.search(t.name)
+            if m:
+                experts.add(int(m.group(1)))
+            elif t.strategy == "expert":
+                experts.update(p.src[0][0] for p in t.pieces)
+    return sorted(experts)
 
 
 def format_table(plan, rows=None, rank: int | None = None) -> str:
