@@ -10,26 +10,46 @@ import sys
 
 from .errors import CoordloaderError, PlanError
 from .layout import Layout
+from .rules.ruleset import read_json_file
 
 _EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 
 def parse_placement(v: str):
+    """--placement: linear | round_robin | an inline JSON map | FILE.json holding the map
+    (a list of expert-id lists, one per ep rank, or an object with "expert_placement"/"map")."""
     if v in ("linear", "round_robin"):
         return v
-    try:
-        with open(v, encoding="utf-8") as f:
-            m = json.load(f)
-    except OSError as e:
-        raise PlanError(f"--placement: cannot read {v}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise PlanError(f"--placement: {v} is not valid JSON: {e}") from None
+    if v.lstrip()[:1] in ("[", "{"):
+        try:
+            m = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"--placement: {v!r} is not valid JSON: {e}") from None
+    else:
+        m = read_json_file(v, "--placement file")
     if isinstance(m, dict):
         m = m.get("expert_placement", m.get("map"))
     if not isinstance(m, list) or not all(isinstance(x, list) and all(isinstance(e, int) for e in x)
                                           for x in m):
         raise PlanError(f"--placement: {v} must hold a list of expert-id lists, one per ep rank")
     return tuple(tuple(x) for x in m)
+
+
+def parse_pp_layers(v: str | None) -> tuple[int, ...] | None:
+    if not v:
+        return None
+    try:
+        return tuple(int(x) for x in v.split(","))
+    except ValueError:
+        raise PlanError(f"--pp-layers must be comma-separated integers, got {v!r}") from None
+
+
+def layout_from_args(a) -> Layout:
+    """The Layout of the shared layout flags (--tp --pp --dp --ep --ep-spans-dp --placement
+    --pp-layers --allow-uneven --include-mtp); used by the plan and load CLIs."""
+    return Layout(tp=a.tp, pp=a.pp, dp=a.dp, ep=a.ep, ep_spans_dp=a.ep_spans_dp,
+                  expert_placement=parse_placement(a.placement), pp_layers=parse_pp_layers(a.pp_layers),
+                  allow_uneven=a.allow_uneven, include_mtp=a.include_mtp)
 
 
 def human(n: float) -> str:
@@ -130,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     for k in ("tp", "pp", "dp", "ep"):
         p.add_argument(f"--{k}", type=int, default=1)
     p.add_argument("--ep-spans-dp", action="store_true", help="MoE group = TP x DP ranks of a stage")
-    p.add_argument("--placement", default="linear", help="linear | round_robin | FILE.json (map)")
+    p.add_argument("--placement", default="linear",
+                   help="linear | round_robin | FILE.json or inline JSON: one expert-id list per ep rank")
     p.add_argument("--pp-layers", default=None, help="explicit layers per stage, e.g. 31,30")
     p.add_argument("--allow-uneven", action="store_true", help="torch.chunk splits for sizes not divisible")
     p.add_argument("--include-mtp", action="store_true", help="keep layers >= num_hidden_layers (last stage)")
@@ -146,10 +167,7 @@ def main(argv=None) -> int:
     try:
         from .cover import validate_cover
         from .plan import make_plan
-        pp_layers = tuple(int(x) for x in args.pp_layers.split(",")) if args.pp_layers else None
-        layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, ep_spans_dp=args.ep_spans_dp,
-                        expert_placement=parse_placement(args.placement), pp_layers=pp_layers,
-                        allow_uneven=args.allow_uneven, include_mtp=args.include_mtp)
+        layout = layout_from_args(args)
         if args.rank is not None and not 0 <= args.rank < layout.world_size:
             raise PlanError(f"--rank {args.rank} outside world of size {layout.world_size} ({layout})")
         from .checkpoint import read_checkpoint
@@ -168,7 +186,7 @@ def main(argv=None) -> int:
     except CoordloaderError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:   # e.g. a malformed --pp-layers
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

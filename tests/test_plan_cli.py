@@ -52,3 +52,19 @@ def test_formatting_functions():
     assert rows[1]["experts"] == [2, 3] and rows[0]["read_amplification"] > 1.0
     assert rows[0]["bytes_to_read"] == plan.rank(0).bytes_to_read
     assert "2-3" in format_table(plan)
+
+
+def test_layout_from_args_placement_forms(tmp_path):
+    from coordloader.errors import PlanError
+    from coordloader.plan_cli import build_parser, layout_from_args
+    f = tmp_path / "map.json"
+    f.write_text(json.dumps({"expert_placement": [[1, 0], [3, 2]]}))
+    base = ["ck", "--tp", "2", "--ep", "2", "--pp", "2", "--pp-layers", "1,3"]
+    for v in (str(f), "[[1, 0], [3, 2]]"):
+        L = layout_from_args(build_parser().parse_args(base + ["--placement", v]))
+        assert L.expert_placement == ((1, 0), (3, 2)) and L.pp_layers == (1, 3)
+    for bad, msg in ((["--placement", str(tmp_path / "none.json")], "cannot read --placement file"),
+                     (["--placement", "[[1]"], "not valid JSON"),
+                     (["--pp-layers", "1,x"], "comma-separated integers")):
+        with pytest.raises(PlanError, match=msg):
+            layout_from_args(build_parser().parse_args(base + bad))

@@ -153,12 +153,16 @@ def parse_rule_file(data: Any, source: str) -> tuple[list[Rule], str | None, str
     return [rule_from_dict(d, source, i) for i, d in enumerate(rules)], preset, mode
 
 
-def load_rule_file(path: str) -> tuple[list[Rule], str | None, str]:
+def read_json_file(path: str, what: str) -> Any:
+    """The JSON document in ``path``; a PlanError naming ``what`` and the file otherwise."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            return json.load(f)
     except OSError as e:
-        raise PlanError(f"cannot read rule file {path}: {e.strerror or e}") from None
+        raise PlanError(f"cannot read {what} {path}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
-        raise PlanError(f"rule file {path} is not valid JSON: {e}") from None
-    return parse_rule_file(data, path)
+        raise PlanError(f"{what} {path} is not valid JSON: {e}") from None
+
+
+def load_rule_file(path: str) -> tuple[list[Rule], str | None, str]:
+    return parse_rule_file(read_json_file(path, "rule file"), path)
