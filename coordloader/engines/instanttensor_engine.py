@@ -15,6 +15,7 @@ keys stream in file order (the file list sorted), then data offset.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -103,6 +104,17 @@ def parse_loader_config(cfg: str | Mapping | None) -> dict:
         else:
             out["backend"] = conv(b)
     return out
+
+
+@contextlib.contextmanager
+def _instanttensor_errors(what: str, rank: int):
+    """A failure inside instanttensor becomes a LoadError saying ``what`` failed (ours pass)."""
+    try:
+        yield
+    except LoadError:
+        raise
+    except Exception as e:
+        raise LoadError(f"{what}: {type(e).__name__}: {e}", rank=rank) from None
 
 
 def check_device(device: Any) -> torch.device:
@@ -232,48 +244,38 @@ class InstantTensorEngine:
             kwargs = dict(self.tuning)
             if keys is not None:
                 kwargs.update(tensor_filter=keys, tensor_name_match_mode="exact")
-            try:
+            with _instanttensor_errors(f"instanttensor.safe_open failed on {len(files)} file(s) "
+                                       f"({files[0]}{', ...' if len(files) > 1 else ''})", rank):
                 handle = opener(list(paths), framework="pt", device=dev.index, process_group=pg,
                                 copy=False, **kwargs)
-            except LoadError:
-                raise
-            except Exception as e:
-                raise LoadError(f"instanttensor.safe_open failed on {len(files)} file(s) "
-                                f"({files[0]}{', ...' if len(files) > 1 else ''}): "
-                                f"{type(e).__name__}: {e}", rank=rank) from None
-            try:
-                with handle as f:
-                    for key, t in f.tensors():
-                        ent = keymap.get(key)
-                        if ent is None:
-                            raise LoadError(f"instanttensor yielded key {key!r}, which the "
-                                            f"checkpoint metadata does not know (file changed?)",
-                                            rank=rank)
-                        info, sp = ent
-                        nb = t.numel() * t.element_size()
-                        streamed += nb
-                        share += nb // gsize
-                        ts = slices.get(info.name)
-                        if ts is None:
-                            continue  # another rank's tensor: dropped as it streams past
-                        src = t.reshape(box_shape(sp.box))
-                        dst = tensors[info.name]
-                        for pc in ts.pieces:
-                            copy_overlap(dst, pc.src, pc.dst, src, sp.box)
-                        seen.add(key)
-                        if progress is not None:
-                            progress(nb)
-            except LoadError:
-                raise
-            except Exception as e:
-                raise LoadError(f"instanttensor failed while streaming {files[0]}"
-                                f"{' and others' if len(files) > 1 else ''}: "
-                                f"{type(e).__name__}: {e}", rank=rank) from None
+            with _instanttensor_errors(f"instanttensor failed while streaming {files[0]}"
+                                       f"{' and others' if len(files) > 1 else ''}", rank), \
+                    handle as f:
+                for key, t in f.tensors():
+                    ent = keymap.get(key)
+                    if ent is None:
+                        raise LoadError(f"instanttensor yielded key {key!r}, which the "
+                                        f"checkpoint metadata does not know (file changed?)",
+                                        rank=rank)
+                    info, sp = ent
+                    nb = t.numel() * t.element_size()
+                    streamed += nb
+                    share += nb // gsize
+                    ts = slices.get(info.name)
+                    if ts is None:
+                        continue  # another rank's tensor: dropped as it streams past
+                    src = t.reshape(box_shape(sp.box))
+                    dst = tensors[info.name]
+                    for pc in ts.pieces:
+                        copy_overlap(dst, pc.src, pc.dst, src, sp.box)
+                    seen.add(key)
+                    if progress is not None:
+                        progress(nb)
         missing = sorted(k for ks in need.values() for k in ks if k not in seen)
         if missing:
             raise LoadError(f"instanttensor never delivered {len(missing)} needed key(s): "
                             f"{missing[:8]}{' ...' if len(missing) > 8 else ''}", rank=rank)
-        if dev.type == "cuda" and torch.cuda.is_available() and alloc_dev.type == "cuda":
+        if alloc_dev.type == "cuda":   # dev is CUDA and available (check_device)
             torch.cuda.synchronize(dev)
         return tensors, LoadStats(engine=self.name, tensors=len(tensors), bytes_read=share,
                                   bytes_held=held, seconds=time.perf_counter() - t0,
