@@ -9,7 +9,6 @@ import itertools
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -266,14 +265,21 @@ def test_cpu_engine_refuses_runs_outside_tensor_or_file(ckpt):
         select_engine("cpu").load_rank(meta, RankPlan(0, {}, (past,)), "cpu")
 
 
-def test_multi_piece_sources(tmp_path):
-    """coordloader's sharded format: a tensor stored as pieces in two files."""
+def multi_piece_ckpt(tmp_path) -> tuple[CheckpointMeta, torch.Tensor]:
+    """coordloader's sharded format: an 8x6 F32 ``w`` stored as two column pieces in two
+    files (keys ``w@0:8,0:3`` and ``w@0:8,3:6``). -> (meta, the full tensor)."""
     full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
     save_file({"w@0:8,0:3": full[:, :3].contiguous()}, str(tmp_path / "p0.safetensors"))
     save_file({"w@0:8,3:6": full[:, 3:].contiguous()}, str(tmp_path / "p1.safetensors"))
     meta = meta_of(str(tmp_path), ["p0.safetensors", "p1.safetensors"], sharded={
         "w": ("F32", (8, 6), [("p0.safetensors", "w@0:8,0:3", [(0, 8), (0, 3)]),
                               ("p1.safetensors", "w@0:8,3:6", [(0, 8), (3, 6)])])})
+    return meta, full
+
+
+def test_multi_piece_sources(tmp_path):
+    """coordloader's sharded format: a tensor stored as pieces in two files."""
+    meta, full = multi_piece_ckpt(tmp_path)
     for k in range(2):  # target: dim-0 split over 2 ranks (crosses both source pieces)
         pieces = [(split_box((8, 6), 0, k, 2), (0, 0))]
         rp = RankPlan(k, {}, (slice_of(meta, "w", pieces),))

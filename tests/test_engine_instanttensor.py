@@ -25,7 +25,8 @@ from coordloader.engines import select_engine
 from coordloader.errors import LoadError
 from coordloader.planmodel import LoadGroup, Plan, RankPlan
 
-from test_engine_cpu import ckpt, plans_for, reference, same_bytes, meta_of, slice_of, split_box  # noqa: F401
+from test_engine_cpu import (ckpt, multi_piece_ckpt, plans_for, reference,  # noqa: F401
+                             same_bytes, slice_of, split_box)
 
 CALLS: list[dict] = []
 
@@ -186,13 +187,7 @@ def test_files_outside_every_group_are_still_loaded(ckpt, fake_cuda):
 
 
 def test_multi_piece_sources_stream_by_piece_key(tmp_path, fake_cuda):
-    from safetensors.torch import save_file
-    full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
-    save_file({"w@0:8,0:3": full[:, :3].contiguous()}, str(tmp_path / "p0.safetensors"))
-    save_file({"w@0:8,3:6": full[:, 3:].contiguous()}, str(tmp_path / "p1.safetensors"))
-    meta = meta_of(str(tmp_path), ["p0.safetensors", "p1.safetensors"], sharded={
-        "w": ("F32", (8, 6), [("p0.safetensors", "w@0:8,0:3", [(0, 8), (0, 3)]),
-                              ("p1.safetensors", "w@0:8,3:6", [(0, 8), (3, 6)])])})
+    meta, full = multi_piece_ckpt(tmp_path)
     pieces = [(split_box((8, 6), 0, 1, 2), (0, 0))]
     rp = RankPlan(1, {}, (slice_of(meta, "w", pieces),))
     got, _ = select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp, rp])).load_rank(
