@@ -17,7 +17,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..dtypes import itemsize, torch_dtype
+from ..dtypes import itemsize
+from ..engines import allocate, narrow_box, select_engine
+from ..metadata import box_shape
+from ..runs import RunList
 
 
 @dataclass
@@ -52,26 +55,13 @@ class Method:
 
 # -- helpers ----------------------------------------------------------------------------
 
-def _alloc(ts, device="cpu") -> torch.Tensor:
-    t = torch.empty(ts.local_shape, dtype=torch_dtype(ts.dtype), device=device)
-    if ts.needs_zero_fill:      # vocab padding rows: zero, like every engine does
-        t.zero_()
-    return t
-
-
-def _region(t: torch.Tensor, starts, box) -> torch.Tensor:
-    for d, (s, (a, b)) in enumerate(zip(starts, box)):
-        if s != 0 or b - a != t.shape[d]:
-            t = t.narrow(d, s, b - a)
-    return t
-
-
 def _copy_pieces(dst: torch.Tensor, ts, full: torch.Tensor) -> int:
     """Copy the planned pieces of ``full`` (the whole global tensor) into ``dst``."""
     n = 0
     for p in ts.pieces:
-        src = _region(full, [a for a, _ in p.src], p.src)
-        _region(dst, p.dst, p.src).copy_(src)
+        shape = box_shape(p.src)
+        src = narrow_box(full, [a for a, _ in p.src], shape)
+        narrow_box(dst, p.dst, shape).copy_(src)
         n += src.numel()
     return n * itemsize(ts.dtype)
 
@@ -111,7 +101,6 @@ def _plan_runs(ctx):
 # -- (e0) coordloader cpu engine ----------------------------------------------------------
 
 def _cpu_setup(ctx):
-    from ..engines import select_engine
     return select_engine("cpu", "cpu", **ctx.options.get("engine_options", {}))
 
 
@@ -127,7 +116,7 @@ def _cpu_run(ctx, engine):
 
 # -- (b) every rank reads every tensor whole with safetensors, then narrows -------------
 
-def _st_whole_setup(ctx):
+def _no_setup(ctx):
     return None
 
 
@@ -148,7 +137,7 @@ def _st_whole_run(ctx, _):
                 read += full.numel() * full.element_size()
                 ts = wanted.get(key)
                 if ts is not None:
-                    dst = _alloc(ts)
+                    dst = allocate(ts, "cpu")
                     _copy_pieces(dst, ts, full)
                     out[key] = dst
                 del full
@@ -172,7 +161,7 @@ def _st_mmap_narrow_run(ctx, _):
                 if ts is None:
                     continue          # a lazy loader skips what it does not hold
                 full = f.get_tensor(key)                # mmap-backed, nothing read yet
-                dst = _alloc(ts)
+                dst = allocate(ts, "cpu")
                 copied += _copy_pieces(dst, ts, full)   # narrow + copy: slice bytes only
                 out[key] = dst
                 del full
@@ -190,11 +179,11 @@ def _st_slice_run(ctx, _):
     for fname, slices in by_file.items():
         with safe_open(os.path.join(ctx.meta.root, fname), framework="pt", device="cpu") as f:
             for ts in slices:
-                dst = _alloc(ts)
+                dst = allocate(ts, "cpu")
                 sl = f.get_slice(ts.name)
                 for p in ts.pieces:
                     part = sl[tuple(slice(a, b) for a, b in p.src)]
-                    _region(dst, p.dst, p.src).copy_(part)
+                    narrow_box(dst, p.dst, box_shape(p.src)).copy_(part)
                     read += part.numel() * part.element_size()
                 out[ts.name] = dst
     return out, read, {}
@@ -231,7 +220,7 @@ def _ceiling_run(ctx, buf):
 def _preadv_setup(ctx):
     # preallocated destinations (torch.empty: pages are faulted in by the reads, as in
     # the engine), plus the run list: the timed part is nothing but the reads
-    tensors = {ts.name: _alloc(ts) for ts in ctx.rank_plan.tensors}
+    tensors = {ts.name: allocate(ts, "cpu") for ts in ctx.rank_plan.tensors}
     views = {n: _byte_view(t) for n, t in tensors.items()}
     return tensors, views, _plan_runs(ctx)
 
@@ -262,18 +251,9 @@ def _preadv_run(ctx, state):
 # -- (a'') one thread, each slice's covering span read once, runs copied out -------------
 
 def _span_setup(ctx):
-    tensors = {ts.name: _alloc(ts) for ts in ctx.rank_plan.tensors}
+    tensors = {ts.name: allocate(ts, "cpu") for ts in ctx.rank_plan.tensors}
     flat = {n: t.reshape(-1).view(torch.uint8) for n, t in tensors.items()}
     return tensors, flat
-
-
-def _groups(ts):
-    """The slice's runs as strided groups (file, offset, length, dest, count, src_stride,
-    dst_stride): the planner's compact form when it has one, else one group per run."""
-    g = getattr(ts.byte_runs, "groups", None)
-    if g is not None:
-        return g
-    return [(r.file, r.offset, r.length, r.dest, 1, 0, 0) for r in ts.byte_runs]
 
 
 def _span_run(ctx, state):
@@ -288,7 +268,7 @@ def _span_run(ctx, state):
     try:
         for ts in ctx.rank_plan.tensors:
             dst = flat[ts.name]
-            for fname, off, ln, dest, count, sstride, dstride in _groups(ts):
+            for fname, off, ln, dest, count, sstride, dstride in RunList.from_runs(ts.byte_runs).groups:
                 fd = fds.get(fname)
                 if fd is None:
                     fd = fds[fname] = os.open(os.path.join(ctx.meta.root, fname), os.O_RDONLY)
@@ -322,7 +302,7 @@ def _span_run(ctx, state):
 # -- (d) raw instanttensor.safe_open, distributed over the group -------------------------
 
 def _it_raw_setup(ctx):
-    return {ts.name: _alloc(ts, ctx.device) for ts in ctx.rank_plan.tensors}
+    return {ts.name: allocate(ts, ctx.device) for ts in ctx.rank_plan.tensors}
 
 
 def _it_raw_run(ctx, dsts):
@@ -348,7 +328,6 @@ def _it_raw_run(ctx, dsts):
 # -- (e) coordloader instanttensor engine -------------------------------------------------
 
 def _it_engine_setup(ctx):
-    from ..engines import select_engine
     return select_engine("instanttensor", ctx.device, plan=ctx.plan, group=ctx.group,
                          loader_config=ctx.options.get("loader_config"))
 
@@ -379,8 +358,8 @@ def _load_e2e_run(ctx, load_detailed):
 
 # -- digest of every planned piece (the cost --verify digest adds on top of a load) ------
 
-def _digest_setup(ctx):
-    from ..engines import select_engine
+def _loaded_setup(ctx):
+    """The rank's slices, loaded by the cpu engine before the timed section."""
     tensors, _ = select_engine("cpu", "cpu").load_rank(ctx.meta, ctx.rank_plan, "cpu")
     return tensors
 
@@ -398,13 +377,7 @@ def _digest_run(ctx, tensors):
     return tensors, n, {}
 
 
-# -- coordloader.save of the rank's share (tensors loaded untimed first) ----------------
-
-def _save_setup(ctx):
-    from ..engines import select_engine
-    tensors, _ = select_engine("cpu", "cpu").load_rank(ctx.meta, ctx.rank_plan, "cpu")
-    return tensors
-
+# -- coordloader.save of the rank's share (tensors loaded untimed first: _loaded_setup) -
 
 def _save_run(ctx, tensors):
     from ..save import save
@@ -426,18 +399,18 @@ METHODS: dict[str, Method] = {m.key: m for m in [
            _span_run),
     Method("ceiling", "(a) page-cache ceiling: whole files, sequential", _ceiling_setup,
            _ceiling_run, holds_slice=False),
-    Method("st_whole", "(b) safetensors whole read (materialised) + narrow", _st_whole_setup,
+    Method("st_whole", "(b) safetensors whole read (materialised) + narrow", _no_setup,
            _st_whole_run),
     Method("st_mmap_narrow", "(b') safetensors mmap get_tensor + narrow + clone (slice bytes only)",
-           _st_whole_setup, _st_mmap_narrow_run),
-    Method("st_slice", "(c) safetensors get_slice per rank", _st_whole_setup, _st_slice_run),
+           _no_setup, _st_mmap_narrow_run),
+    Method("st_slice", "(c) safetensors get_slice per rank", _no_setup, _st_slice_run),
     Method("it_raw", "(d) instanttensor.safe_open distributed + narrow", _it_raw_setup,
            _it_raw_run, needs_group=True, needs_cuda=True),
     Method("it_engine", "(e) coordloader instanttensor engine", _it_engine_setup,
            _it_engine_run, needs_group=True, needs_cuda=True),
     Method("load_e2e", "coordloader.load() end to end (gloo)", _load_e2e_setup, _load_e2e_run,
            needs_group=True),
-    Method("digest", "digest of every planned piece", _digest_setup, _digest_run),
-    Method("save", "coordloader.save of the rank's primary pieces", _save_setup, _save_run,
+    Method("digest", "digest of every planned piece", _loaded_setup, _digest_run),
+    Method("save", "coordloader.save of the rank's primary pieces", _loaded_setup, _save_run,
            needs_group=True, holds_slice=False),
 ]}
