@@ -10,17 +10,20 @@ Two writers share one core:
 - ``write_safetensors_stream(path, specs, chunks, ...)`` takes an iterator of byte chunks
   covering the whole data region in order, so callers (synth) can generate data lazily and
   never hold a large file in memory.
-Both write to ``path + ".tmp"``, fsync, and rename: a reader never sees a half-written file.
+Both write to ``path + ".tmp"``, fsync, and rename (``_atomic_fd``, also behind
+``write_file_atomic`` for small files): a reader never sees a half-written file.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import torch
 
 from . import dtypes
 from .errors import SaveError
@@ -95,11 +98,7 @@ def as_bytes(data: Any) -> memoryview:
         return data.cast("B") if data.format != "B" or data.ndim != 1 else data
     if isinstance(data, np.ndarray):
         return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        torch = None
-    if torch is not None and isinstance(data, torch.Tensor):
+    if isinstance(data, torch.Tensor):
         t = data.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -151,15 +150,6 @@ def _commit(tmp: str, path: str, fd: int, fsync: bool = True) -> None:
         _fsync_dir(path)
 
 
-def _open_tmp(path: str) -> tuple[str, int]:
-    tmp = path + ".tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    except OSError as e:
-        raise SaveError(f"cannot create {tmp}: {e.strerror}", file=path) from e
-    return tmp, fd
-
-
 def _abort(tmp: str, fd: int | None) -> None:
     if fd is not None:
         try:
@@ -170,6 +160,39 @@ def _abort(tmp: str, fd: int | None) -> None:
         os.unlink(tmp)
     except OSError:
         pass
+
+
+@contextmanager
+def _atomic_fd(path: str, *, fsync: bool = True, tmp_suffix: str = ".tmp") -> Iterator[int]:
+    """A write fd on ``path + tmp_suffix``; on a clean exit it is fsynced (if ``fsync``),
+    closed and renamed to ``path``; on any error the temp file is removed, and an OSError
+    becomes a SaveError naming ``path``."""
+    tmp = path + tmp_suffix
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as e:
+        raise SaveError(f"cannot create {tmp}: {e.strerror}", file=path) from e
+    try:
+        try:
+            yield fd
+        except BaseException:
+            _abort(tmp, fd)
+            raise
+        try:
+            _commit(tmp, path, fd, fsync)  # closes fd whatever happens
+        except BaseException:
+            _abort(tmp, None)
+            raise
+    except OSError as e:
+        raise SaveError(f"write failed: {e.strerror or e}", file=path) from e
+
+
+def write_file_atomic(path: str, data: bytes, *, fsync: bool = True,
+                      tmp_suffix: str = ".tmp") -> None:
+    """Writes ``data`` to ``path`` via temp file + rename (+ fsync of file and directory
+    unless ``fsync=False``): readers see the old file or the new one, never a torn one."""
+    with _atomic_fd(os.fspath(path), fsync=fsync, tmp_suffix=tmp_suffix) as fd:
+        _write_all(fd, memoryview(data))
 
 
 def write_safetensors(path: str, entries: Sequence[tuple], metadata: dict[str, str] | None = None,
@@ -201,8 +224,7 @@ def write_safetensors(path: str, entries: Sequence[tuple], metadata: dict[str, s
                             f"shape {shape}", file=path, tensor=key)
         bufs.append(buf)
     total = len(header) + (layout[-1][4] if layout else 0)
-    tmp, fd = _open_tmp(path)
-    try:
+    with _atomic_fd(path) as fd:
         if sparse:
             # The file gets its final size first; only the header and given data are written,
             # the rest is a hole.
@@ -215,14 +237,6 @@ def write_safetensors(path: str, entries: Sequence[tuple], metadata: dict[str, s
             _write_all(fd, memoryview(header))
             for buf in bufs:
                 _write_all(fd, buf)
-        fd, own = None, fd
-        _commit(tmp, path, own)
-    except OSError as e:
-        _abort(tmp, fd)
-        raise SaveError(f"write failed: {e.strerror or e}", file=path) from e
-    except BaseException:
-        _abort(tmp, fd)
-        raise
     return total
 
 
@@ -239,8 +253,7 @@ def write_safetensors_stream(path: str, specs: Sequence[tuple[str, str, Sequence
     layout = _layout(path, specs)
     header = _header_from_layout(layout, metadata, path)
     data_len = layout[-1][4] if layout else 0
-    tmp, fd = _open_tmp(path)
-    try:
+    with _atomic_fd(path, fsync=fsync) as fd:
         if chunks is None:
             os.ftruncate(fd, len(header) + data_len)
             _pwrite_all(fd, memoryview(header), 0)
@@ -257,12 +270,4 @@ def write_safetensors_stream(path: str, specs: Sequence[tuple[str, str, Sequence
             if written != data_len:
                 raise SaveError(f"data chunks gave {written} bytes, the header declares {data_len}",
                                 file=path)
-        fd, own = None, fd
-        _commit(tmp, path, own, fsync)
-    except OSError as e:
-        _abort(tmp, fd)
-        raise SaveError(f"write failed: {e.strerror or e}", file=path) from e
-    except BaseException:
-        _abort(tmp, fd)
-        raise
     return len(header) + data_len
