@@ -27,16 +27,16 @@ import torch
 
 # explicit names: the package re-exports the function `digest`, shadowing the module
 from .digest import ALGORITHM, MASK64, digest, flat_offset, fmt, iter_subboxes
-from .dtypes import itemsize
-from .errors import CoordloaderError, SaveError, VerifyError
+from .dtypes import bits_dtype, itemsize
+from .errors import CoordloaderError, VerifyError
 from .metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
+from .safetensors_io import write_file_atomic
 
 MANIFEST_NAME = "coordloader.manifest.json"
 VERSION = 1
 READ_CHUNK_BYTES = 32 << 20   # per read; digest() then works through it in cache-sized chunks
 
 _tls = threading.local()
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ def tensor_digest(meta: CheckpointMeta, info: TensorInfo, *, buf: bytearray | No
                   read_chunk_bytes: int = READ_CHUNK_BYTES) -> int:
     """Digest of one checkpoint tensor read from disk in bounded chunks."""
     size = itemsize(info.dtype)
+    view_dt = bits_dtype(info.dtype)
     budget = max(1, read_chunk_bytes // size)
     need = min(budget, max(info.numel, 1)) * size
     if buf is None or len(buf) < need:
@@ -101,7 +102,7 @@ def tensor_digest(meta: CheckpointMeta, info: TensorInfo, *, buf: bytearray | No
                 n = box_numel(sub)
                 off = sp.start + flat_offset(box, sub) * size
                 _pread_exact(fd, mv[:n * size], off, sp.file)
-                t = torch.frombuffer(buf, dtype=_INT_VIEW[size], count=n).view(box_shape(sub))
+                t = torch.frombuffer(buf, dtype=view_dt, count=n).view(box_shape(sub))
                 total += digest(t, sub, shape)
         finally:
             os.close(fd)
@@ -140,28 +141,9 @@ def to_json(meta: CheckpointMeta, digests: Mapping[str, TensorDigest]) -> dict:
 
 def write_atomic(path: str, data: bytes) -> None:
     """temp file + fsync + rename (+ directory fsync): readers see the old file or the
-    new one, never a torn one."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise SaveError(f"cannot write manifest: {e}", file=path) from e
-    try:
-        dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass  # some filesystems refuse directory fsync; the rename itself is atomic
+    new one, never a torn one. The temp name carries the pid: two processes writing the
+    same manifest never share a temp file."""
+    write_file_atomic(path, data, tmp_suffix=f".tmp.{os.getpid()}")
 
 
 def write_manifest(meta: CheckpointMeta, *, jobs: int = 1, path: str | None = None,

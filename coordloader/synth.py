@@ -34,7 +34,7 @@ import numpy as np
 
 from . import archs, dtypes
 from .errors import CoordloaderError, SaveError
-from .safetensors_io import write_safetensors_stream
+from .safetensors_io import write_file_atomic, write_safetensors_stream
 
 arch_config = archs.arch_config
 arch_tensors = archs.arch_tensors
@@ -169,14 +169,8 @@ def _file_order(group: list) -> list:
     return sorted(group, key=lambda t: (-dtypes.itemsize(t[1]), t[0]))
 
 
-def _write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _write_json(path: str, obj, fsync: bool) -> None:
+    write_file_atomic(path, (json.dumps(obj, indent=2) + "\n").encode(), fsync=fsync)
 
 
 def _prepare_out(out_dir: str, overwrite: bool) -> None:
@@ -213,7 +207,7 @@ def synthesize(out_dir: str, arch: str, size: str = "tiny", *, shards: int | Non
     meta = {"format": "pt", "coordloader.synth": f"{arch}/{size}/seed={seed}"
             + ("/metadata-only" if metadata_only else "")}
     try:
-        _write_json(os.path.join(work, "config.json"), cfg)
+        _write_json(os.path.join(work, "config.json"), cfg, fsync)
         names = (["model.safetensors"] if count == 1
                  else [archs.shard_name(arch, i, count) for i in range(count)])
         weight_map: dict[str, str] = {}
@@ -234,7 +228,7 @@ def synthesize(out_dir: str, arch: str, size: str = "tiny", *, shards: int | Non
         if count > 1:
             _write_json(os.path.join(work, "model.safetensors.index.json"),
                         {"metadata": {"total_size": total},
-                         "weight_map": dict(sorted(weight_map.items()))})
+                         "weight_map": dict(sorted(weight_map.items()))}, fsync)
         _swap_in(work, out_dir, overwrite)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
