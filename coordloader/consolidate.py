@@ -26,8 +26,8 @@ import numpy as np
 from .dtypes import itemsize
 from .errors import CoordloaderError, SaveError
 from .metadata import CheckpointMeta, TensorInfo, box_shape
-from .save import (CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, _existing_checkpoint_files,
-                   _fsync_dir, _os_error, _prepare, _write_json_durable)
+from .save import (INDEX_NAME, MANIFEST_NAME, _fsync_dir, _os_error, _prepare, _write_json_durable,
+                   publish_staged)
 
 DEFAULT_BLOCK_BYTES = 64 * 2**20
 _NP_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -244,20 +244,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_json_durable(os.path.join(stage_dir, INDEX_NAME), index)
         _fsync_dir(stage_dir)
-        old = _existing_checkpoint_files(out_dir) or set()
-        if INDEX_NAME in old:
-            os.unlink(os.path.join(out_dir, INDEX_NAME))
-            _fsync_dir(out_dir)
-        for f in names + extras:
-            os.replace(os.path.join(stage_dir, f), os.path.join(out_dir, f))
-        _fsync_dir(out_dir)
-        os.replace(os.path.join(stage_dir, INDEX_NAME), os.path.join(out_dir, INDEX_NAME))
-        _fsync_dir(out_dir)
-        for f in sorted(old - set(names) - set(extras) - {INDEX_NAME, CONFIG_NAME}):
-            try:
-                os.unlink(os.path.join(out_dir, f))
-            except FileNotFoundError:
-                pass
+        publish_staged(out_dir, stage_dir, names + extras)
     except OSError as e:
         raise _os_error(e, getattr(e, "filename", None) or out_dir, None, "consolidating") from e
     finally:

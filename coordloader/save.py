@@ -390,31 +390,40 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, overwrite: boo
     except OSError as e:
         raise _os_error(e, ip, rank, "writing the index") from e
     _hook("staged")
+    publish_staged(out_dir, stage_dir, shard_files + small, stray_prefix="model-rank-")
+    shutil.rmtree(stage_dir, ignore_errors=True)
+    _fsync_dir(out_dir)
+    return wrote_manifest
 
+
+def publish_staged(out_dir: str, stage_dir: str, files: list[str], *,
+                   stray_prefix: str | None = None) -> None:
+    """Move ``files`` and then the index from ``stage_dir`` (inside ``out_dir``, all
+    written and fsynced) into place, index LAST, then remove the previous checkpoint's
+    files the new one does not use (and, with ``stray_prefix``, ``*.safetensors`` files of
+    that prefix left by a crashed run). ``config.json`` is never removed. Used by
+    ``save`` and ``consolidate``."""
     # From here on nothing is written, only renamed: no ENOSPC. First take the old index
     # away (overwrite only), so that no moment shows an old index over new shards.
     old = _existing_checkpoint_files(out_dir) or set()
     if INDEX_NAME in old:
         os.unlink(os.path.join(out_dir, INDEX_NAME))
         _fsync_dir(out_dir)
-    for f in shard_files + small:
+    for f in files:
         os.replace(os.path.join(stage_dir, f), os.path.join(out_dir, f))
     _fsync_dir(out_dir)
     _hook("published-shards")
-    os.replace(ip, os.path.join(out_dir, INDEX_NAME))
+    os.replace(os.path.join(stage_dir, INDEX_NAME), os.path.join(out_dir, INDEX_NAME))
     _fsync_dir(out_dir)
-    # Published. Now remove what the new checkpoint does not use: the old checkpoint's
-    # files and shard files of ours left by a crashed save.
-    keep = set(shard_files) | set(small) | {INDEX_NAME}
-    stray = {n for n in os.listdir(out_dir) if n.startswith("model-rank-") and n.endswith(".safetensors")}
-    for n in sorted((old | stray) - keep):
+    # Published. Now remove what the new checkpoint does not use.
+    stray = set()
+    if stray_prefix:
+        stray = {n for n in os.listdir(out_dir) if n.startswith(stray_prefix) and n.endswith(".safetensors")}
+    for n in sorted((old | stray) - set(files) - {INDEX_NAME, CONFIG_NAME}):
         try:
             os.unlink(os.path.join(out_dir, n))
         except FileNotFoundError:
             pass
-    shutil.rmtree(stage_dir, ignore_errors=True)
-    _fsync_dir(out_dir)
-    return wrote_manifest
 
 
 # ---------------------------------------------------------------------------------------
