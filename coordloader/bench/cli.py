@@ -10,7 +10,7 @@ import time
 import traceback
 
 from . import report
-from .common import machine_info, optional
+from .common import log_err as log, machine_info
 
 SECTIONS = ("load", "verify", "save", "plan")
 
@@ -76,8 +76,6 @@ def main(argv=None) -> int:
     sections = SECTIONS if a.what == "all" else (a.what,)
     results: dict = {"machine": machine_info(), "quick": a.quick, "repeats": repeats,
                      "argv": sys.argv[1:] if argv is None else list(argv), "errors": {}}
-    log = _logger()
-
     ckpt = None
 
     def load_ckpt() -> str:
@@ -103,9 +101,6 @@ def main(argv=None) -> int:
                                                  load_section=results.get("load"),
                                                  timeout=a.timeout, log=log)
             elif sec == "save":
-                if optional("coordloader.save") is None:
-                    results["save"] = {"notes": ["coordloader.save not available: skipped"]}
-                    continue
                 from .save_bench import bench_save
                 results["save"] = bench_save(load_ckpt(), tp=a.tp, repeats=repeats,
                                              timeout=a.timeout, log=log)
@@ -134,9 +129,3 @@ def main(argv=None) -> int:
           + (", " + ", ".join(plots) if plots else "") + f" in {results['seconds']:.0f} s")
     print(report.headline(results))
     return 1 if results["errors"] else 0
-
-
-def _logger():
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-    return log

@@ -1,8 +1,6 @@
-"""Shared bench helpers: the checkpoint cache, statistics, page-cache control and the
-probe for optional modules (the bench runs what has landed and says what it skipped)."""
+"""Shared bench helpers: the checkpoint cache, statistics, page-cache control."""
 from __future__ import annotations
 
-import importlib
 import os
 import platform
 import shutil
@@ -20,22 +18,9 @@ def median(xs: Iterable[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def gb(nbytes: float) -> float:
-    return nbytes / 1e9
-
-
 def rate(nbytes: float, seconds: float) -> float:
     """GB/s (1 GB = 1e9 bytes); nan for a zero time."""
     return nbytes / seconds / 1e9 if seconds and seconds > 0 else float("nan")
-
-
-def optional(module: str):
-    """Import ``module`` or return None: the bench reports a missing piece instead of
-    failing, so it can run while the project is still being assembled."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        return None
 
 
 def machine_info() -> dict[str, Any]:
@@ -111,8 +96,8 @@ def cached_checkpoint(arch: str, size: str, *, metadata_only: bool = False,
                       log=print) -> str:
     """Path of a synthesized checkpoint under the bench cache, made once. A directory
     that does not read back (an interrupted synth) is made again."""
-    synth = importlib.import_module("coordloader.synth")
-    from coordloader.checkpoint import read_checkpoint
+    from ..checkpoint import read_checkpoint
+    from ..synth import synthesize
     tag = f"{arch}-{size}" + ("-meta" if metadata_only else "")
     out = os.path.join(CACHE_DIR, tag)
     if os.path.isdir(out):
@@ -128,7 +113,7 @@ def cached_checkpoint(arch: str, size: str, *, metadata_only: bool = False,
         f"into {out} ...")
     tmp = out + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    synth.synthesize(tmp, arch, size, metadata_only=metadata_only)
+    synthesize(tmp, arch, size, metadata_only=metadata_only)
     os.replace(tmp, out)
     log(f"[bench] synthesized in {time.perf_counter() - t0:.1f} s")
     return out

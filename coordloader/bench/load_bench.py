@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .common import (can_drop_caches, ckpt_files, dir_bytes, median, optional, rate)
+from .common import can_drop_caches, ckpt_files, dir_bytes, median, rate
 from .runner import MethodFailed, repeat_method, run_ranks
 
 CPU_METHODS = ["ceiling", "preadv", "span", "cpu", "st_whole", "st_mmap_narrow", "st_slice"]
@@ -19,12 +19,11 @@ RSS_FACTOR, RSS_SLACK = 1.3, 300e6
 
 def prepare(ckpt: str, layout) -> tuple[Any, Any]:
     from ..checkpoint import read_checkpoint
+    from ..cover import validate_cover
     from ..plan import make_plan
     meta = read_checkpoint(ckpt)
     plan = make_plan(meta, layout)
-    cover = optional("coordloader.cover")
-    if cover is not None:
-        cover.validate_cover(plan, meta)
+    validate_cover(plan, meta)
     return meta, plan
 
 
@@ -194,9 +193,7 @@ def bench_load(ckpt: str, *, tp: int = 2, repeats: int = 3, cold: bool = True,
         f"{len(meta.tensors)} tensors), layout {layout}, plan in {time.perf_counter() - t0:.2f} s")
     notes = []
     if methods is None:
-        methods = list(CPU_METHODS)
-        if optional("coordloader.load") is not None:
-            methods.append("load_e2e")
+        methods = CPU_METHODS + ["load_e2e"]
         if torch.cuda.is_available():
             methods += CUDA_METHODS
         else:
