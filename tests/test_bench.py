@@ -124,13 +124,10 @@ def test_compare_flags_different_tensors():
 def test_page_bytes_counts_distinct_pages():
     from types import SimpleNamespace as NS
     from coordloader.bench.load_bench import page_bytes
-
-    class Runs:
-        def __init__(self, groups):
-            self.groups = groups
+    from coordloader.runs import RunList
 
     def rp(*groups):
-        return NS(tensors=[NS(byte_runs=Runs(list(groups)))])
+        return NS(tensors=[NS(byte_runs=RunList(groups))])
     P = 4096
     # one run inside one page; the same page again (counted once); a run over a boundary
     assert page_bytes(rp(("f", 10, 100, 0, 1, 0, 0))) == P

@@ -35,12 +35,10 @@ def page_bytes(rank_plan) -> int:
     transfers for a cold slice-exact read of the plan, whatever the method (storage and
     the page cache work in whole pages, so a gap shorter than a page saves no I/O)."""
     import numpy as np
+    from ..runs import RunList
     by_file: dict[str, list] = {}
     for ts in rank_plan.tensors:
-        groups = getattr(ts.byte_runs, "groups", None)
-        if groups is None:
-            groups = [(r.file, r.offset, r.length, r.dest, 1, 0, 0) for r in ts.byte_runs]
-        for f, o, ln, _d, c, ss, _ds in groups:
+        for f, o, ln, _d, c, ss, _ds in RunList.from_runs(ts.byte_runs).groups:
             if ln <= 0 or c <= 0:
                 continue
             lst = by_file.setdefault(f, [])
