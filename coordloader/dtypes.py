@@ -5,24 +5,25 @@ import torch
 
 from .errors import CheckpointError
 
-# name -> (itemsize in bytes, torch dtype attribute name)
-_DTYPES: dict[str, tuple[int, str]] = {
-    "F64": (8, "float64"),
-    "F32": (4, "float32"),
-    "F16": (2, "float16"),
-    "BF16": (2, "bfloat16"),
-    "I64": (8, "int64"),
-    "I32": (4, "int32"),
-    "I16": (2, "int16"),
-    "I8": (1, "int8"),
-    "U8": (1, "uint8"),
-    "BOOL": (1, "bool"),
-    "F8_E4M3": (1, "float8_e4m3fn"),
-    "F8_E5M2": (1, "float8_e5m2"),
-    "U16": (2, "uint16"),
-    "U32": (4, "uint32"),
-    "U64": (8, "uint64"),
+# name -> (itemsize in bytes, torch dtype); torch >= 2.8 (pyproject) has all of them
+_DTYPES: dict[str, tuple[int, torch.dtype]] = {
+    "F64": (8, torch.float64),
+    "F32": (4, torch.float32),
+    "F16": (2, torch.float16),
+    "BF16": (2, torch.bfloat16),
+    "I64": (8, torch.int64),
+    "I32": (4, torch.int32),
+    "I16": (2, torch.int16),
+    "I8": (1, torch.int8),
+    "U8": (1, torch.uint8),
+    "BOOL": (1, torch.bool),
+    "F8_E4M3": (1, torch.float8_e4m3fn),
+    "F8_E5M2": (1, torch.float8_e5m2),
+    "U16": (2, torch.uint16),
+    "U32": (4, torch.uint32),
+    "U64": (8, torch.uint64),
 }
+_FROM_TORCH = {dt: name for name, (_, dt) in _DTYPES.items()}
 
 SUPPORTED = tuple(_DTYPES)
 
@@ -39,18 +40,14 @@ def is_known(name: str) -> bool:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    size, attr = _DTYPES[name]
-    dt = getattr(torch, attr, None)
-    if dt is None:  # very old torch without unsigned types: same bits, same size
-        dt = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-    return dt
+    return _DTYPES[name][1]
 
 
 def from_torch(dt: torch.dtype) -> str:
-    for name, (_, attr) in _DTYPES.items():
-        if getattr(torch, attr, None) == dt:
-            return name
-    raise CheckpointError(f"torch dtype {dt} has no safetensors name")
+    try:
+        return _FROM_TORCH[dt]
+    except KeyError:
+        raise CheckpointError(f"torch dtype {dt} has no safetensors name") from None
 
 
 _BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
