@@ -26,6 +26,7 @@ from .runs import RunList, box_runs, merge_groups
 from .dtypes import itemsize
 
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
+EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 _REPLICATE = make_rule("*", "replicate", source="replicate_unmatched")
 
@@ -170,10 +171,7 @@ class _Planner:
                 excluded.append(n)
                 continue
             stages, selector, classes, strategy = pl
-            groups = self._groups.get((stages, selector, len(classes)))
-            if groups is None:
-                groups = self._rank_groups(stages, selector, len(classes))
-            classes, groups = _dedupe(classes, groups)
+            classes, groups = _dedupe(classes, self._rank_groups(stages, selector, len(classes)))
             isz = itemsize(t.dtype)
             for (lshape, pieces), ranks in zip(classes, groups):
                 if not ranks:
@@ -200,9 +198,7 @@ class _Planner:
                         per_rank[ranks[rep]].append(s)
         rank_plans = tuple(RankPlan(r, L.coords(r).as_dict(), tuple(per_rank[r]))
                            for r in range(self.world))
-        plan = Plan(L, meta.fingerprint(), rank_plans, tuple(excluded))
-        groups = load_groups(plan, meta)
-        return Plan(L, plan.fingerprint, rank_plans, tuple(excluded), groups)
+        return Plan(L, meta.fingerprint(), rank_plans, tuple(excluded), load_groups(L, rank_plans, meta))
 
     # -- placement -----------------------------------------------------------
     def _stages(self, n: str, params: Mapping) -> tuple[int, ...] | None:
@@ -271,18 +267,8 @@ class _Planner:
     def _split_dim_new(self, t: TensorInfo, dim: int, parts: int, what: str):
         if dim >= len(t.shape):
             raise self._err(f"split dim {dim} out of range for shape {list(t.shape)}", t.name)
-        rngs = chunk_ranges(t.shape[dim], parts, self.L.allow_uneven,
-                            f"{what} of dim {dim} (shape {list(t.shape)})")
-        full = [(0, s) for s in t.shape]
-        zero = (0,) * len(t.shape)
-        classes = []
-        for a, b in rngs:
-            box = list(full)
-            box[dim] = (a, b)
-            ls = list(t.shape)
-            ls[dim] = b - a
-            classes.append((tuple(ls), (Piece(tuple(box), zero),) if b > a else ()))
-        return classes
+        return _dim_classes(t.shape, dim, chunk_ranges(t.shape[dim], parts, self.L.allow_uneven,
+                                                       f"{what} of dim {dim} (shape {list(t.shape)})"))
 
     def _s_colwise(self, t, p, dim=None):
         dim = p.get("dim", 0) if dim is None else dim
@@ -348,15 +334,7 @@ class _Planner:
                                    f"heads split of dim {dim} (shape {list(t.shape)})")
         if len(rngs) == 1:
             return self._whole(t)
-        zero = (0,) * len(t.shape)
-        classes = []
-        for a, b in rngs:
-            box = [(0, s) for s in t.shape]
-            box[dim] = (a, b)
-            ls = list(t.shape)
-            ls[dim] = b - a
-            classes.append((tuple(ls), (Piece(tuple(box), zero),)))
-        return ("tp", g), classes
+        return ("tp", g), _dim_classes(t.shape, dim, rngs)
 
     def _s_packed(self, t, p):
         dim = p.get("dim", 0)
@@ -421,9 +399,8 @@ class _Planner:
             if self._num_experts is None:
                 # infer from the names: the largest expert id + 1
                 mx = -1
-                rx = re.compile(r"(?:^|\.)experts\.(\d+)\.")
                 for n in self.meta.tensors:
-                    m = rx.search(n)
+                    m = EXPERT_RE.search(n)
                     if m:
                         mx = max(mx, int(m.group(1)))
                 self._num_experts = mx + 1
@@ -616,9 +593,19 @@ class _Planner:
         return RunList(groups)
 
 
-def ls_whole(cls, shape) -> bool:
-    ls, pieces = cls
-    return ls == shape and len(pieces) == 1 and pieces[0].src == tuple((0, s) for s in shape)
+def _dim_classes(shape, dim: int, rngs) -> list:
+    """Classes of a split of ``dim`` into the [start, stop) ranges ``rngs``: per range the
+    local shape and its one piece (none for an empty range)."""
+    full = [(0, s) for s in shape]
+    zero = (0,) * len(shape)
+    classes = []
+    for a, b in rngs:
+        box = list(full)
+        box[dim] = (a, b)
+        ls = list(shape)
+        ls[dim] = b - a
+        classes.append((tuple(ls), (Piece(tuple(box), zero),) if b > a else ()))
+    return classes
 
 
 def _dedupe(classes, groups):
@@ -647,8 +634,7 @@ def _dedupe(classes, groups):
 STORAGE_TO_NET = 0.1
 
 
-def load_groups(plan: Plan, meta: CheckpointMeta) -> tuple[LoadGroup, ...]:
-    L = plan.layout
+def load_groups(L: Layout, rank_plans: tuple[RankPlan, ...], meta: CheckpointMeta) -> tuple[LoadGroup, ...]:
     S = L.tp * L.dp
     file_bytes: dict[str, int] = {}
     tensor_bytes: dict[str, tuple] = {}
@@ -665,7 +651,7 @@ def load_groups(plan: Plan, meta: CheckpointMeta) -> tuple[LoadGroup, ...]:
         reps = ranks if L.ep_spans_dp else ranks[:L.tp]
         need: dict[str, int] = {}
         for r in reps:
-            for ts in plan.ranks[r].tensors:
+            for ts in rank_plans[r].tensors:
                 for f, b in tensor_bytes[ts.name]:
                     need[f] = need.get(f, 0) + b
         grp, filt = [], []
@@ -678,15 +664,6 @@ def load_groups(plan: Plan, meta: CheckpointMeta) -> tuple[LoadGroup, ...]:
         if filt:
             out.append(LoadGroup(tuple(filt), ranks, "filtered"))
     return tuple(out)
-
-
-def main(argv=None):
-    from .plan_cli import main as cli_main
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 def meta_from_specs(config: Mapping | None, specs, *, files: int = 1,
@@ -715,3 +692,12 @@ def meta_from_specs(config: Mapping | None, specs, *, files: int = 1,
             off += nbytes
         finfos.append(FileInfo(fname, off, hlen, h.hexdigest()))
     return CheckpointMeta(root, tuple(finfos), tensors, dict(config) if config else None)
+
+
+def main(argv=None):
+    from .plan_cli import main as cli_main
+    return cli_main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

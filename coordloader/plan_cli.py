@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
 from .errors import CoordloaderError, PlanError
 from .layout import Layout
+from .plan import EXPERT_RE
 from .rules.ruleset import read_json_file
-
-_EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 
 def parse_placement(v: str):
@@ -111,7 +109,7 @@ def experts_held(rank_plan) -> list[int]:
     experts = set()
     for t in rank_plan.tensors:
         if t.strategy == "expert" or (t.strategy == "scale" and ".experts." in t.name):
-            m = _EXPERT_RE.search(t.name)
+            m = EXPERT_RE.search(t.name)
             if m:
                 experts.add(int(m.group(1)))
             elif t.strategy == "expert":
