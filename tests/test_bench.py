@@ -112,7 +112,7 @@ def test_compare_flags_different_tensors():
             for s in sums]}
     rows = {"cpu": row(1.0, ["a", "b"]), "st_whole": row(4.0, ["a", "b"]),
             "preadv": row(0.9, ["a", "X"]), "ceiling": row(0.5, [None, None])}
-    t = _compare(rows, 2)
+    t = _compare(rows)
     assert rows["st_whole"]["same_tensors"] is True
     assert rows["preadv"]["same_tensors"] is False      # a rank got other bytes: flagged
     assert rows["ceiling"]["same_tensors"] is None      # holds no slices: not compared

@@ -137,7 +137,7 @@ def _run_set(methods, repeats, *, cold, common, log) -> tuple[dict, dict]:
     return out, failed
 
 
-def _compare(rows: dict, world: int) -> dict:
+def _compare(rows: dict) -> dict:
     """Ratios against the cpu engine, checksum agreement, the targets."""
     cpu = rows.get("cpu")
     ref_sums = None
@@ -187,7 +187,8 @@ def bench_load(ckpt: str, *, tp: int = 2, repeats: int = 3, cold: bool = True,
     layout = Layout(tp=tp)
     t0 = time.perf_counter()
     meta, plan = prepare(ckpt, layout)
-    log(f"[bench] load: {ckpt} ({dir_bytes(ckpt) / 1e9:.2f} GB in {len(meta.files)} files, "
+    ckpt_bytes = dir_bytes(ckpt)
+    log(f"[bench] load: {ckpt} ({ckpt_bytes / 1e9:.2f} GB in {len(meta.files)} files, "
         f"{len(meta.tensors)} tensors), layout {layout}, plan in {time.perf_counter() - t0:.2f} s")
     notes = []
     if methods is None:
@@ -204,7 +205,7 @@ def bench_load(ckpt: str, *, tp: int = 2, repeats: int = 3, cold: bool = True,
     runs = [sum(len(ts.byte_runs) for ts in rp.tensors) for rp in plan.ranks]
     held = [rp.bytes_held for rp in plan.ranks]
     pages = [page_bytes(rp) for rp in plan.ranks]
-    out: dict[str, Any] = {"ckpt": ckpt, "checkpoint_bytes": dir_bytes(ckpt),
+    out: dict[str, Any] = {"ckpt": ckpt, "checkpoint_bytes": ckpt_bytes,
                            "byte_runs_per_rank": runs,
                            "mean_run_bytes": [h / n if n else None for h, n in zip(held, runs)],
                            "bytes_held_plan": held, "page_bytes_per_rank": pages,
@@ -221,12 +222,12 @@ def bench_load(ckpt: str, *, tp: int = 2, repeats: int = 3, cold: bool = True,
         failed.update(f2)
     out["failed"].update(failed)
     out["warm"] = warm
-    out["targets"] = _compare(warm, layout.world_size)
+    out["targets"] = _compare(warm)
     if cold and can_drop_caches():
         cold_rows, failed = _run_set(cpu_methods, cold_repeats, cold=True,
                                      common={**common, "device": "cpu"}, log=log)
         out["cold"] = cold_rows
-        _compare(cold_rows, layout.world_size)
+        out["cold_targets"] = _compare(cold_rows)
         out["failed"].update({f"{k} (cold)": v for k, v in failed.items()})
     elif cold:
         out["cold"] = None
