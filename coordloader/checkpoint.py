@@ -36,7 +36,8 @@ from typing import Any, Iterable
 
 from .dtypes import SUPPORTED, itemsize
 from .errors import CheckpointError
-from .metadata import CheckpointMeta, FileInfo, SourcePiece, TensorInfo, box_shape, piece_key
+from .metadata import (CheckpointMeta, FileInfo, SourcePiece, TensorInfo, box_numel, box_shape,
+                       full_box, piece_key)
 
 MAX_HEADER_LEN = 100_000_000        # the safetensors format's own limit
 MAX_JSON_FILE = 256 * 1024 * 1024   # index / config.json size cap (a 91k-tensor index is ~9 MB)
@@ -456,19 +457,17 @@ def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
         raise CheckpointError("index has no weight_map object; expected \"weight_map\": "
                               "{tensor name: file name}", file=index_name)
     files: set[str] = set()
-    checked: set[str] = set()
     for tname, fname in wm.items():
         if type(fname) is not str:
             raise CheckpointError(f"weight_map value is {type(fname).__name__}; expected a "
                                   f"file name string", file=index_name, tensor=tname)
-        if fname not in checked:
+        if fname not in files:
             _check_name(fname, "weight_map", index_name)
             if fname.endswith(PICKLE_SUFFIXES):
                 _refuse_pickle(fname)
             if not fname.endswith(".safetensors"):
                 raise CheckpointError(f"weight_map names file {fname!r}; expected .safetensors "
                                       f"files only", file=index_name, tensor=tname)
-            checked.add(fname)
             files.add(fname)
     section = idx.get("coordloader")
     if section is not None:
@@ -573,7 +572,7 @@ def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInf
                                       file=fname, tensor=key)
             box = boxes.get(shape)
             if box is None:
-                box = boxes[shape] = tuple((0, s) for s in shape)
+                box = boxes[shape] = full_box(shape)
             tensors[key] = TensorInfo(key, dtype, shape, (SourcePiece(fname, box, start, end),))
     if wm is None:
         return tensors
@@ -669,7 +668,7 @@ def _check_tiling(name: str, shape: tuple[int, ...], pieces: list[SourcePiece],
     pairs: along dim 0, at each distinct start the active boxes are checked recursively on
     the remaining dims (1-D: sort and compare neighbours)."""
     numel = prod(shape)
-    vol = sum(prod(b - a for a, b in p.box) for p in pieces)
+    vol = sum(box_numel(p.box) for p in pieces)
     boxes = [p.box for p in pieces if all(b > a for a, b in p.box)]  # empty boxes can't overlap
     if len(boxes) < 2:
         pair = None
