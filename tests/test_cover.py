@@ -6,7 +6,8 @@ from coordloader.cover import check_cover, tiling_problem, validate_cover
 from coordloader.errors import PlanError, VerifyError
 from coordloader.layout import Layout
 from coordloader.plan import make_plan, meta_from_specs
-from coordloader.planmodel import Piece, Plan, RankPlan
+from coordloader.planmodel import ByteRun, Piece, Plan, RankPlan
+from coordloader.runs import RunList, box_runs
 
 CFG = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
        "num_hidden_layers": 1, "tie_word_embeddings": False}
@@ -64,11 +65,14 @@ def test_missing_piece_and_bad_replica():
         validate_cover(replace_slice(plan, 2, n, replica=1), meta)
     # a replica (dp 1) whose boxes match no primary
     s = plan.rank(5).by_name()[n]
-    other = plan.rank(6).by_name()[n]
     assert s.replica == 1
-    bad = replace_slice(plan, 5, n, pieces=(Piece(((0, 8), (0, 3)), (0, 0)),),
-                        byte_runs=other.byte_runs[:0])
-    with pytest.raises(PlanError) as ei:
+    # columns 1..3: fits the local (8, 2) tensor, with exact byte runs, so only the replica
+    # check can object (empty runs here would trip the byte-count check first)
+    box = ((0, 8), (1, 3))
+    sp = meta.tensors[n].pieces[0]
+    runs = RunList(box_runs(sp.file, sp.start, sp.box, (8, 8), box, s.local_shape, (0, 0), 2))
+    bad = replace_slice(plan, 5, n, pieces=(Piece(box, (0, 0)),), byte_runs=runs)
+    with pytest.raises(PlanError, match="replica that equals no primary") as ei:
         validate_cover(bad, meta)
     assert ei.value.rank == 5 and ei.value.tensor == n
 
@@ -79,9 +83,11 @@ def test_bad_byte_runs_and_unknown_tensor():
     s = plan.rank(0).by_name()[n]
     with pytest.raises(PlanError, match="byte runs add up"):
         validate_cover(replace_slice(plan, 0, n, byte_runs=()), meta)
-    other = plan.rank(0).by_name()["model.embed_tokens.weight"].byte_runs
-    with pytest.raises(PlanError):
-        validate_cover(replace_slice(plan, 0, n, byte_runs=tuple(other)), meta)
+    # the right byte count, but read from the embedding's bytes
+    emb = meta.tensors["model.embed_tokens.weight"].pieces[0]
+    with pytest.raises(PlanError, match="outside the tensor's bytes"):
+        validate_cover(replace_slice(plan, 0, n, byte_runs=(ByteRun(emb.file, emb.start,
+                                                                    s.bytes_to_read, 0),)), meta)
     with pytest.raises(PlanError, match="not in the checkpoint"):
         validate_cover(replace_slice(plan, 0, n, name="nope"), meta)
 
