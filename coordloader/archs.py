@@ -267,23 +267,12 @@ def _llama_family(cfg: dict) -> list[TensorSpec]:
             out.append((a + "k_norm.weight", dt, (hd,)))
         out.append((p + "post_attention_layernorm.weight", dt, (H,)))
         if mt == "mixtral":
-            E = cfg["num_local_experts"]
-            m = p + "block_sparse_moe."
-            out.append((m + "gate.weight", dt, (E, H)))
-            for e in range(E):
-                x = f"{m}experts.{e}."
-                out.append((x + "w1.weight", dt, (I, H)))
-                out.append((x + "w2.weight", dt, (H, I)))
-                out.append((x + "w3.weight", dt, (I, H)))
+            out += _moe(p + "block_sparse_moe.", cfg["num_local_experts"], H, dt,
+                        (("w1", I, H), ("w2", H, I), ("w3", I, H)))
         elif mt == "qwen3_moe" and _qwen3_sparse(cfg, i):
-            E, MI = cfg["num_experts"], cfg["moe_intermediate_size"]
-            m = p + "mlp."
-            out.append((m + "gate.weight", dt, (E, H)))
-            for e in range(E):
-                x = f"{m}experts.{e}."
-                out.append((x + "gate_proj.weight", dt, (MI, H)))
-                out.append((x + "up_proj.weight", dt, (MI, H)))
-                out.append((x + "down_proj.weight", dt, (H, MI)))
+            MI = cfg["moe_intermediate_size"]
+            out += _moe(p + "mlp.", cfg["num_experts"], H, dt,
+                        (("gate_proj", MI, H), ("up_proj", MI, H), ("down_proj", H, MI)))
         else:
             out.extend(_mlp(p + "mlp.", H, I, dt))
     out.append(("model.norm.weight", dt, (H,)))
@@ -297,6 +286,16 @@ def _qwen3_sparse(cfg: dict, layer: int) -> bool:
     step = cfg.get("decoder_sparse_step", 1) or 1
     return (layer not in (cfg.get("mlp_only_layers") or []) and cfg.get("num_experts", 0) > 0
             and (layer + 1) % step == 0)
+
+
+def _moe(m: str, E: int, H: int, dt: str, projs) -> list[TensorSpec]:
+    """Router ``{m}gate.weight`` then, per expert, ``{m}experts.{e}.{proj}.weight`` of
+    shape (out, in) for each (proj, out, in) of ``projs``."""
+    out: list[TensorSpec] = [(m + "gate.weight", dt, (E, H))]
+    for e in range(E):
+        x = f"{m}experts.{e}."
+        out += [(f"{x}{proj}.weight", dt, (o, i)) for proj, o, i in projs]
+    return out
 
 
 def _mlp(prefix: str, H: int, I: int, dt: str) -> list[TensorSpec]:
