@@ -59,11 +59,10 @@ def plot_plan(sec: dict, path: str, plt) -> str | None:
     a1.plot(w, [r["plan_s"] for r in rows], "o-", label="make_plan")
     a1.plot(w, [r["cover_s"] for r in rows], "s-", label="validate_cover")
     a1.plot(w, [r["total_s"] for r in rows], "^-", label="total")
-    for world, tgt in ((8, 2.0), (1024, 30.0)):
-        if world in w:
-            a1.plot([world], [tgt], "rx", ms=9)
-            a1.annotate(f"target {tgt:.0f} s", (world, tgt), fontsize=7,
-                        textcoords="offset points", xytext=(-40, 6))
+    for world, tgt in ((r["world"], r["target_s"]) for r in rows if "target_s" in r):
+        a1.plot([world], [tgt], "rx", ms=9)
+        a1.annotate(f"target {tgt:.0f} s", (world, tgt), fontsize=7,
+                    textcoords="offset points", xytext=(-40, 6))
     a1.set_xscale("log", base=2)
     a1.set_yscale("log")
     a1.yaxis.set_major_formatter(fmt)
