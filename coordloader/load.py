@@ -18,7 +18,6 @@ with the failing rank's message, never a hang):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -28,7 +27,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .errors import CollectiveError, CoordloaderError, LoadError, PlanError, VerifyError
+from . import collective
+from .errors import CollectiveError, LoadError, PlanError, VerifyError
 from .layout import Layout
 from .engines import ENGINE_NAMES, LoadStats, resolve_engine_name, select_engine
 
@@ -58,44 +58,17 @@ def _dist():
     return dist if dist.is_available() else None
 
 
-def _collective():
-    """coordloader.collective (phase agreement over the rendezvous store), if present."""
-    try:
-        from . import collective
-    except ImportError:
-        return None
-    return collective
-
-
-@dataclass
-class _PlainGroup:
-    """Stand-in for collective.Group when that module is unavailable."""
-    rank: int
-    world: int
-    pg: Any = None
-    timeout_s: float = 600.0
-
-    def close(self):
-        pass
-
-
 def _resolve_group(group, rank, layout: Layout, timeout=None):
     """-> (group handle or None, rank, world). ``group`` (a ProcessGroup or a
     collective.Group) wins; else the default group when one is initialised; else
     single-process use (``rank`` given, or a world-1 layout)."""
     dist = _dist()
-    coll = _collective()
     world_needed = layout.world_size
     if group is None and dist is not None and dist.is_initialized():
         group = dist.group.WORLD
     if group is not None:
-        if coll is not None and isinstance(group, coll.Group):
-            handle = group
-        elif coll is not None:
-            handle = coll.wrap_group(group, timeout_s=timeout)
-        else:
-            handle = _PlainGroup(dist.get_rank(group), dist.get_world_size(group), group,
-                                 timeout or 600.0)
+        handle = group if isinstance(group, collective.Group) else \
+            collective.wrap_group(group, timeout_s=timeout)
         g_rank, g_world = handle.rank, handle.world
         if rank is not None and rank != g_rank:
             raise LoadError(f"rank={rank} given, but this process is rank {g_rank} of its group")
@@ -134,41 +107,11 @@ def _with_test_hang(name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
     return hang
 
 
-def run_phase(name: str, group, rank: int, fn: Callable[[], Any]):
+def run_phase(name: str, group, fn: Callable[[], Any]):
     """Run one step on every rank, then agree: if any rank failed, every rank raises
     (coordloader.collective.run_phase: a CollectiveError naming the failing rank and its
     message). Without a group the step's own error propagates."""
-    fn = _with_test_hang(name, fn)
-    if group is None:
-        return fn()
-    coll = _collective()
-    if coll is not None and isinstance(group, coll.Group):
-        return coll.run_phase(name, fn, group)
-    # fallback exchange over the process group (collective module absent)
-    err = None
-    result = None
-    try:
-        result = fn()
-    except CoordloaderError as e:
-        err = e
-    except Exception as e:  # an unexpected failure still must not strand the other ranks
-        err = LoadError(f"{type(e).__name__}: {e}", rank=rank)
-    status = None if err is None else (type(err).__name__, str(err))
-    statuses: list = [None] * group.world
-    try:
-        _dist().all_gather_object(statuses, status, group=group.pg)
-    except Exception as e:
-        if err is not None:
-            raise err
-        raise CollectiveError(f"phase {name}: status exchange failed (a rank died or timed "
-                              f"out?): {type(e).__name__}: {e}", rank=rank) from None
-    failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
-    if err is not None:
-        raise err
-    if failed:
-        r, (cls, msg) = failed[0]
-        raise CollectiveError(f"phase {name}: rank {r}: {cls}: {msg}", rank=rank)
-    return result
+    return collective.run_phase(name, _with_test_hang(name, fn), group)
 
 
 # -- phases -----------------------------------------------------------------------------
@@ -187,7 +130,7 @@ def read_metadata(ckpt, group, rank: int, world: int):
         disc = checkpoint.discover(root)
         return disc, [checkpoint.read_file_header(disc.root, n) for n in disc.files[rank::world]]
 
-    disc, headers = run_phase("metadata-read", group, rank, mine)
+    disc, headers = run_phase("metadata-read", group, mine)
 
     def gather_and_assemble():
         # Inside a phase: every rank finished reading (the previous phase agreed), so all
@@ -195,14 +138,14 @@ def read_metadata(ckpt, group, rank: int, world: int):
         gathered: list = [None] * world
         _dist().all_gather_object(gathered, headers, group=group.pg)
         return checkpoint.assemble(disc.root, disc, [h for part in gathered for h in part])
-    return run_phase("metadata-assemble", group, rank, gather_and_assemble)
+    return run_phase("metadata-assemble", group, gather_and_assemble)
 
 
 def agree_on_plan(plan, group, rank: int, world: int) -> None:
     """Every rank must have computed the same plan before any tensor I/O."""
     if group is None:
         return
-    run_phase("plan-agree", group, rank, lambda: _compare_plan_digests(plan, group, rank, world))
+    run_phase("plan-agree", group, lambda: _compare_plan_digests(plan, group, rank, world))
 
 
 def _compare_plan_digests(plan, group, rank: int, world: int) -> None:
@@ -221,68 +164,24 @@ def _compare_plan_digests(plan, group, rank: int, world: int) -> None:
                         rank=rank)
 
 
-def local_verify(tensors: Mapping[str, torch.Tensor], rank_plan) -> None:
-    """Names exact, dtype and shape per slice, padding (not covered by any piece) zero."""
-    from . import dtypes
-    want = rank_plan.by_name()
-    missing = sorted(set(want) - set(tensors))
-    extra = sorted(set(tensors) - set(want))
-    if missing or extra:
-        raise VerifyError(f"tensor set differs from the plan: missing {missing[:8]}, unexpected "
-                          f"{extra[:8]}", rank=rank_plan.rank,
-                          report={"missing": missing, "unexpected": extra})
-    for name, ts in want.items():
-        t = tensors[name]
-        dt = dtypes.torch_dtype(ts.dtype)
-        if t.dtype != dt or tuple(t.shape) != tuple(ts.local_shape):
-            raise VerifyError(f"holds {t.dtype} {list(t.shape)}, the plan says {dt} "
-                              f"{list(ts.local_shape)}", tensor=name, rank=rank_plan.rank)
-        if ts.needs_zero_fill:
-            covered = torch.zeros(ts.local_shape, dtype=torch.bool, device=t.device)
-            for pc in ts.pieces:
-                idx = tuple(slice(o, o + (b - a)) for o, (a, b) in zip(pc.dst, pc.src))
-                covered[idx] = True
-            bits = t.view(dtypes.bits_dtype(ts.dtype)) if t.dim() else t.reshape(1)
-            if bool((bits[~covered] != 0).any()):
-                raise VerifyError("padding elements (outside every planned piece) are not zero",
-                                  tensor=name, rank=rank_plan.rank)
-
-
-def _verify_fn():
-    try:
-        from . import verify as vmod
-    except ImportError:
-        return None
-    return getattr(vmod, "verify_rank", None)
-
-
 def run_verify(mode: str, tensors, plan, meta, rank: int, group) -> dict:
-    """coordloader.verify.verify_rank when available (it gathers and agrees itself and
-    raises VerifyError with the report on every rank); else the local check, agreed."""
+    """coordloader.verify.verify_rank (it gathers and agrees itself and raises VerifyError
+    with the report on every rank), inside a phase."""
     if mode == "none":
         return {"ok": True, "mode": "none"}
-    fn = _verify_fn()
-    if fn is not None:
-        # verify_rank makes its own all_gather; inside a phase, a rank failing before it
-        # (or dying in it) reaches every rank by name instead of as a bare gloo timeout.
-        try:
-            return run_phase("verify", group, rank,
-                             lambda: fn(tensors, plan, rank, mode=mode, meta=meta, group=group))
-        except CollectiveError as e:
-            # verify_rank reaches one verdict on every rank; the user asked for a verify
-            # result, so give them the VerifyError (with its report), not the phase wrapper.
-            local = getattr(e, "local_error", None)
-            if isinstance(local, VerifyError):
-                raise local from None
-            raise
-
-    def local():
-        if mode != "shapes":
-            raise VerifyError(f"--verify {mode} needs coordloader.verify, which is not available "
-                              f"in this installation; use --verify shapes", rank=rank)
-        local_verify(tensors, plan.rank(rank))
-        return {"ok": True, "mode": mode}
-    return run_phase("verify", group, rank, local)
+    from .verify import verify_rank
+    # verify_rank makes its own all_gather; inside a phase, a rank failing before it
+    # (or dying in it) reaches every rank by name instead of as a bare gloo timeout.
+    try:
+        return run_phase("verify", group, lambda: verify_rank(
+            tensors, plan, rank, mode=mode, meta=meta, group=group))
+    except CollectiveError as e:
+        # verify_rank reaches one verdict on every rank; the user asked for a verify
+        # result, so give them the VerifyError (with its report), not the phase wrapper.
+        local = getattr(e, "local_error", None)
+        if isinstance(local, VerifyError):
+            raise local from None
+        raise
 
 
 # -- the library call ---------------------------------------------------------------------
@@ -331,7 +230,7 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
         kw = {"replicate_unmatched": True} if replicate_unmatched else {}
         return make_plan(meta, layout, rules, **kw)
 
-    plan = run_phase("plan", group, rank, build_plan)
+    plan = run_phase("plan", group, build_plan)
     agree_on_plan(plan, group, rank, world)
     phases["plan"] = time.perf_counter() - t
 
@@ -345,7 +244,7 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
 
     t = time.perf_counter()
     try:
-        tensors, stats = run_phase("load", group, rank, do_load)
+        tensors, stats = run_phase("load", group, do_load)
     finally:
         if bar is not None:
             bar.close()
@@ -567,22 +466,8 @@ def _init_from_env(args):
     device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
     if "WORLD_SIZE" not in os.environ:
         return None, device
-    backend = "nccl" if want_cuda else "gloo"
-    coll = _collective()
-    if coll is not None:
-        g = coll.init_group(backend, timeout_s=args.timeout)
-        return (g if g.world > 1 else None), device
-    dist = _dist()
-    if want_cuda:
-        torch.cuda.set_device(local_rank)
-    try:
-        dist.init_process_group(backend=backend,
-                                timeout=datetime.timedelta(seconds=args.timeout))
-    except Exception as e:
-        raise LoadError(f"cannot initialise the process group from the environment "
-                        f"(MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE): {type(e).__name__}: {e}") \
-            from None
-    return _PlainGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, args.timeout), device
+    g = collective.init_group("nccl" if want_cuda else "gloo", timeout_s=args.timeout)
+    return (g if g.world > 1 else None), device
 
 
 def _run(args) -> int:
@@ -614,7 +499,7 @@ def _run(args) -> int:
                               if k in ("ok", "mode", "notes", "stats")}
         if args.dump:
             from .dump import dump_rank
-            mine["dump"] = run_phase("dump", group, res.rank, lambda: dump_rank(
+            mine["dump"] = run_phase("dump", group, lambda: dump_rank(
                 args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
                 layout=layout.to_dict(), coords=dict(res.rank_plan.coords),
                 overwrite=args.overwrite))
@@ -625,7 +510,7 @@ def _run(args) -> int:
             _dist().all_gather_object(out, mine, group=group.pg)
             return out
         # a phase like the others: a rank dying here is named, not a bare gloo timeout
-        per_rank = run_phase("summary", group, res.rank, gather_summary)
+        per_rank = run_phase("summary", group, gather_summary)
         def finish():
             if not rank0:
                 return
@@ -658,7 +543,7 @@ def _run(args) -> int:
                                     rank=0) from None
 
         # inside a phase: a failure on rank 0 (unwritable report) reaches every rank
-        run_phase("report", group, res.rank, finish)
+        run_phase("report", group, finish)
         return 0
     finally:
         if group is not None:
@@ -667,16 +552,8 @@ def _run(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    coll = _collective()
-    if coll is not None:
-        with coll.exit_on_error():
-            return _run(args)
-    try:
+    with collective.exit_on_error():
         return _run(args)
-    except CoordloaderError as e:
-        print(f"coordloader: rank {os.environ.get('RANK', '0')}: {type(e).__name__}: {e}",
-              file=sys.stderr, flush=True)
-        return 1
 
 
 if __name__ == "__main__":
