@@ -13,7 +13,6 @@ from .common import can_drop_caches, ckpt_files, dir_bytes, median, rate
 from .runner import MethodFailed, repeat_method, run_ranks
 
 CPU_METHODS = ["ceiling", "preadv", "span", "cpu", "st_whole", "st_mmap_narrow", "st_slice"]
-CUDA_METHODS = ["it_raw", "it_engine"]
 RSS_FACTOR, RSS_SLACK = 1.3, 300e6
 
 
@@ -184,6 +183,8 @@ def bench_load(ckpt: str, *, tp: int = 2, repeats: int = 3, cold: bool = True,
                timeout: float = 900.0, log=print) -> dict:
     import torch
     from ..layout import Layout
+    from .methods import METHODS
+    cuda_only = [k for k, m in METHODS.items() if m.needs_cuda]
     layout = Layout(tp=tp)
     t0 = time.perf_counter()
     meta, plan = prepare(ckpt, layout)
@@ -194,7 +195,7 @@ def bench_load(ckpt: str, *, tp: int = 2, repeats: int = 3, cold: bool = True,
     if methods is None:
         methods = CPU_METHODS + ["load_e2e"]
         if torch.cuda.is_available():
-            methods += CUDA_METHODS
+            methods += cuda_only
         else:
             notes.append("(d) raw instanttensor.safe_open and (e) the coordloader instanttensor "
                          "engine need CUDA: skipped on this machine")
@@ -212,8 +213,8 @@ def bench_load(ckpt: str, *, tp: int = 2, repeats: int = 3, cold: bool = True,
                            "files": len(meta.files), "tensors": len(meta.tensors),
                            "layout": layout.to_dict(), "world": layout.world_size,
                            "repeats": repeats, "notes": notes, "failed": {}}
-    cpu_methods = [m for m in methods if m not in CUDA_METHODS]
-    cuda_methods = [m for m in methods if m in CUDA_METHODS]
+    cpu_methods = [m for m in methods if m not in cuda_only]
+    cuda_methods = [m for m in methods if m in cuda_only]
     warm, failed = _run_set(cpu_methods, repeats, cold=False,
                             common={**common, "device": "cpu"}, log=log)
     if cuda_methods:

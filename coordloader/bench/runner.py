@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .common import drop_caches, evict_files, ckpt_files, warm_files
 
@@ -26,7 +26,6 @@ class RankRun:
     """What the ranks of one repeat reported (one dict per rank, by rank)."""
     ranks: list[dict]
     cold: bool = False
-    extra: dict = field(default_factory=dict)
 
     @property
     def wall(self) -> float:

@@ -72,7 +72,7 @@ def rank_main(spec: dict, conn) -> int:
         method = METHODS[spec["method"]]
         device = spec.get("device", "cpu")
         group = None
-        if method.needs_group or spec.get("dist"):
+        if method.needs_group:
             import torch.distributed as dist
             from datetime import timedelta
             backend = "nccl" if device.startswith("cuda") else "gloo"
