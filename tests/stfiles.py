@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
+from contextlib import contextmanager
 from math import prod
 
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
@@ -76,3 +78,23 @@ def write_sharded(directory, shards: dict, *, index=True, **kw) -> dict:
     if index:
         write_index(directory, wm, **kw)
     return wm
+
+
+class Blocked(BaseException):
+    """Raised by ``hard_timeout``; a BaseException so no ``except OSError`` /
+    ``except Exception`` in the code under test can swallow it."""
+
+
+@contextmanager
+def hard_timeout(seconds=10, exc=Blocked):
+    """A reader that blocks (e.g. opening a FIFO) or spins fails the test instead of
+    hanging it: SIGALRM raises ``exc`` after ``seconds``."""
+    def fire(*_):
+        raise exc(f"blocked or spun for {seconds} s")
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

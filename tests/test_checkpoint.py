@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import signal
 import socket
 import struct
 import tracemalloc
-from contextlib import contextmanager
 from hashlib import sha256
 
 import pytest
@@ -20,23 +18,10 @@ from coordloader.checkpoint import (Discovery, FileHeader, assemble, discover, r
                                     read_file_header)
 from coordloader.errors import CheckpointError
 from coordloader.metadata import CheckpointMeta, FileInfo, SourcePiece, TensorInfo
-from stfiles import header_for, raw_file, write_index, write_raw, write_sharded, write_st
+from stfiles import (hard_timeout, header_for, raw_file, write_index, write_raw, write_sharded,
+                     write_st)
 
 M = "model.safetensors"
-
-
-@contextmanager
-def hard_timeout(seconds=10):
-    """A reader bug that blocks (e.g. opening a FIFO) fails the test instead of hanging."""
-    def boom(*_):
-        raise TimeoutError("reader blocked")
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def bad(path, *fragments, fn=read_checkpoint):

@@ -9,7 +9,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import struct
 import tempfile
 import tracemalloc
@@ -23,7 +22,7 @@ from hypothesis import strategies as st
 from coordloader.checkpoint import read_checkpoint
 from coordloader.errors import CheckpointError
 from coordloader.metadata import CheckpointMeta
-from stfiles import header_for, raw_file
+from stfiles import hard_timeout, header_for, raw_file
 
 MEM_LIMIT = 50 * 1024 * 1024
 FUZZ = settings(deadline=None, database=None,
@@ -78,18 +77,13 @@ def watched(root: str):
             opened.append(os.fspath(file))
         return real_open(file, *a, **k)
 
-    def boom(*_):
-        raise TimeoutError("reader blocked or spun for 10 s")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(10)
-    os.open, builtins.open, io.open = os_open, py_open, py_open
-    try:
-        yield opened
-    finally:
-        os.open, builtins.open, io.open = real_os_open, real_open, real_io_open
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+    # TimeoutError (an Exception): hypothesis still shrinks a case that hangs
+    with hard_timeout(10, exc=TimeoutError):
+        os.open, builtins.open, io.open = os_open, py_open, py_open
+        try:
+            yield opened
+        finally:
+            os.open, builtins.open, io.open = real_os_open, real_open, real_io_open
     for p in opened:
         assert os.path.dirname(os.path.abspath(p)) == root, f"opened {p!r} outside {root}"
 

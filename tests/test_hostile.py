@@ -11,12 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import struct
 import subprocess
 import sys
 import tracemalloc
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,6 +22,7 @@ import coordloader as cl
 from coordloader.errors import CheckpointError
 from coordloader.layout import Layout
 from coordloader.synth import synthesize
+from stfiles import hard_timeout, write_raw
 
 REPO = Path(__file__).resolve().parents[1]
 INDEX = "model.safetensors.index.json"
@@ -38,28 +36,6 @@ def base(tmp_path_factory):
             "two": synthesize(str(d / "two"), "llama", "tiny", shards=2)}
 
 
-class Blocked(BaseException):
-    """Raised by the alarm; a BaseException so no `except OSError` can swallow it."""
-
-
-@contextmanager
-def alarm(seconds=20):
-    def fire(*_):
-        raise Blocked(f"blocked for {seconds} s")
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def raw_file(path, header: bytes, length: int | None = None, data: bytes = b""):
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header) if length is None else length) + header + data)
-
-
 def _hdr(obj) -> bytes:
     return obj if isinstance(obj, bytes) else json.dumps(obj).encode()
 
@@ -67,7 +43,7 @@ def _hdr(obj) -> bytes:
 def _single(tmp, base, header, length=None, data=b""):
     d = tmp / "ck"
     shutil.copytree(base["one"], d)
-    raw_file(d / "model.safetensors", _hdr(header), length, data)
+    write_raw(d / "model.safetensors", _hdr(header), data, length=length, pad=False)
     return d
 
 
@@ -134,7 +110,7 @@ def test_loader_refuses_hostile_checkpoint(tmp_path, base, case):
     ck = make(tmp_path, base)
     tracemalloc.start()
     try:
-        with alarm(20), pytest.raises(CheckpointError) as ei:
+        with hard_timeout(20), pytest.raises(CheckpointError) as ei:
             cl.load(str(ck), Layout(tp=2), rank=0)
         _, peak = tracemalloc.get_traced_memory()
     finally:
