@@ -8,9 +8,8 @@ import time
 
 import pytest
 
+from coordloader import synth
 from coordloader.checkpoint import assemble, discover, read_checkpoint, read_file_header
-
-synth = pytest.importorskip("coordloader.synth")
 
 
 @pytest.fixture(scope="module")
