@@ -372,3 +372,20 @@ def test_cpu_engine_fuses_adjacent_runs_into_one_read(ckpt, monkeypatch):
     assert calls == [len(names)]
     for n in names:
         assert same_bytes(got[n], full[n]), n
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_non_cpu_device_fills_out_or_copies_and_checks_shapes(ckpt, engine):
+    """Engines that read into host memory move the result to the device afterwards: into
+    ``out[name]`` when given (shape/dtype checked, a LoadError naming the tensor), else a
+    copy. The ``meta`` device stands in for CUDA."""
+    meta, _ = ckpt
+    rp = plans_for(meta)[0]
+    host, _ = select_engine(engine).load_rank(meta, rp, "cpu")
+    name = next(iter(host))
+    dst = torch.empty(host[name].shape, dtype=host[name].dtype, device="meta")
+    got, _ = select_engine(engine).load_rank(meta, rp, "meta", out={name: dst})
+    assert got[name] is dst and all(t.device.type == "meta" for t in got.values())
+    bad = {name: torch.empty((1,), dtype=dst.dtype, device="meta")}
+    with pytest.raises(LoadError, match=f"rank 0, tensor '{name}': destination has shape \\[1\\]"):
+        select_engine(engine).load_rank(meta, rp, "meta", out=bad)

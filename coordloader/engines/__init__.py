@@ -113,6 +113,22 @@ def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | Non
     return t
 
 
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device,
+              out: Mapping[str, torch.Tensor] | None, *, rank: int | None = None) -> None:
+    """Move tensors loaded in host memory to ``device``, in place in ``tensors``: into
+    ``out[name]`` when given (shape and dtype checked), else a fresh copy."""
+    for name, t in tensors.items():
+        if out is None or name not in out:
+            tensors[name] = t.to(device)
+            continue
+        dst = out[name]
+        if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
+            raise LoadError(f"destination has shape {list(dst.shape)} dtype {dst.dtype}, "
+                            f"the plan needs {list(t.shape)} {t.dtype}", tensor=name, rank=rank)
+        dst.copy_(t)
+        tensors[name] = dst
+
+
 def slice_nbytes(ts: TensorSlice) -> int:
     return ts.local_numel * dtypes.itemsize(ts.dtype)
 
@@ -154,4 +170,4 @@ def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
 
 
 __all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "allocate",
-           "copy_overlap", "intersect", "piece_key"]
+           "copy_overlap", "intersect", "piece_key", "to_device"]

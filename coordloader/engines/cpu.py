@@ -38,7 +38,7 @@ from ..errors import LoadError
 from ..metadata import CheckpointMeta
 from ..planmodel import RankPlan
 from ..runs import RunList
-from . import LoadStats, Progress, allocate, slice_nbytes
+from . import LoadStats, Progress, allocate, slice_nbytes, to_device
 
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 # Gaps shorter than a page never hold a whole page: reading through them touches no page
@@ -135,17 +135,7 @@ class CpuEngine:
                 os.close(fd)
 
         if device.type != "cpu":
-            for name, t in list(tensors.items()):
-                if out is not None and name in out:
-                    dst = out[name]
-                    if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
-                        raise LoadError(f"destination has shape {list(dst.shape)} dtype {dst.dtype}, "
-                                        f"the plan needs {list(t.shape)} {t.dtype}",
-                                        tensor=name, rank=rank)
-                    dst.copy_(t)
-                    tensors[name] = dst
-                else:
-                    tensors[name] = t.to(device)
+            to_device(tensors, device, out, rank=rank)
         stats = LoadStats(engine=self.name, tensors=len(tensors), bytes_read=read, bytes_held=held,
                           seconds=time.perf_counter() - t0,
                           extra={"threads": self.threads, "files": len(items), "tasks": len(tasks),

@@ -19,7 +19,8 @@ from ..errors import LoadError
 from ..metadata import CheckpointMeta, box_shape
 from ..planmodel import RankPlan
 from .. import dtypes
-from . import LoadStats, Progress, allocate, copy_overlap, intersect, piece_key, slice_nbytes
+from . import (LoadStats, Progress, allocate, copy_overlap, intersect, piece_key, slice_nbytes,
+               to_device)
 
 
 class SafetensorsEngine:
@@ -86,11 +87,6 @@ class SafetensorsEngine:
                             progress(n * isz)
                 tensors[ts.name] = dst
         if device.type != "cpu":
-            for name, t in list(tensors.items()):
-                if out is not None and name in out:
-                    out[name].copy_(t)
-                    tensors[name] = out[name]
-                else:
-                    tensors[name] = t.to(device)
+            to_device(tensors, device, out, rank=rank)
         return tensors, LoadStats(engine=self.name, tensors=len(tensors), bytes_read=read,
                                   bytes_held=held, seconds=time.perf_counter() - t0)
