@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, Sequence
 
 from .dtypes import itemsize
 from .errors import PlanError
+from .runs import groups_of
 
 Box = tuple
 
@@ -170,13 +171,13 @@ def _validate_cover(plan, meta) -> None:
             if s.replica == 0:
                 prim.setdefault(s.name, []).append((r, tuple(p.src for p in s.pieces), id(s.pieces)))
             else:
-                reps.setdefault(s.name, []).append((r, None, id(s.pieces)))
-    # replicas whose pieces object is not shared with a primary need their boxes
+                reps.setdefault(s.name, []).append((r, s, id(s.pieces)))
+    # replicas whose pieces object is not shared with a primary need their boxes (the
+    # others are matched by key and their slot is never read)
     for name, rs in reps.items():
         keys = {p[2] for p in prim.get(name, ())}
-        for i, (r, bx, k) in enumerate(rs):
+        for i, (r, s, k) in enumerate(rs):
             if k not in keys:
-                s = next(x for x in plan.ranks[r].tensors if x.name == name)
                 rs[i] = (r, tuple(p.src for p in s.pieces), ("rank", r))
     _core(prim, reps, {n: t.shape for n, t in tensors.items()}, plan.excluded, PlanError)
 
@@ -198,10 +199,7 @@ def _check_slice(s, tensors, ranges, rank, pieces_ok=None) -> None:
         if pieces_ok is not None:
             pieces_ok[pkey] = covered
     isz = itemsize(t.dtype)
-    runs = s.byte_runs
-    total = getattr(runs, "total_bytes", None)
-    if total is None:
-        total = sum(r.length for r in runs)
+    total = s.bytes_to_read
     if total != covered * isz:
         raise PlanError(f"byte runs add up to {total} bytes, the pieces hold {covered * isz}",
                         tensor=s.name, rank=rank)
@@ -211,10 +209,7 @@ def _check_slice(s, tensors, ranges, rank, pieces_ok=None) -> None:
         for sp in t.pieces:
             rg.setdefault(sp.file, []).append((sp.start, sp.end))
     lbytes = prod(ls) * isz
-    groups = getattr(runs, "groups", None)
-    if groups is None:
-        groups = [(r.file, r.offset, r.length, r.dest, 1, 0, 0) for r in runs]
-    for f, o, ln, d, c, ss, ds in groups:
+    for f, o, ln, d, c, ss, ds in groups_of(s.byte_runs):
         if c == 1:
             lo, hi, dlo, dhi = o, o + ln, d, d + ln
         else:

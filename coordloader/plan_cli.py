@@ -10,6 +10,7 @@ import sys
 from .errors import CoordloaderError, PlanError
 from .layout import Layout
 from .plan import EXPERT_RE
+from .runs import groups_of
 from .rules.ruleset import read_json_file
 
 
@@ -87,11 +88,8 @@ def rank_rows(plan) -> list[dict]:
             k = id(t.byte_runs)
             sp = span_cache.get(k)
             if sp is None:
-                groups = getattr(t.byte_runs, "groups", None)
-                if groups is None:
-                    groups = [(r.file, r.offset, r.length, 0, 1, 0, 0) for r in t.byte_runs]
                 lo: dict = {}
-                for f, o, ln, d, c, ss, ds in groups:
+                for f, o, ln, d, c, ss, ds in groups_of(t.byte_runs):
                     a, b = min(o, o + (c - 1) * ss), max(o, o + (c - 1) * ss) + ln
                     x = lo.get(f)
                     lo[f] = (a, b) if x is None else (min(x[0], a), max(x[1], b))

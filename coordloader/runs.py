@@ -129,6 +129,12 @@ class RunList(Sequence):
         return f"RunList({self._n} runs, {self._total} bytes, {len(self.groups)} groups)"
 
 
+def groups_of(runs) -> tuple[Group, ...]:
+    """The strided groups of a RunList, or one single-run group per ByteRun of a plain
+    sequence (plans read from JSON, slices built by hand)."""
+    return RunList.from_runs(runs).groups
+
+
 def box_runs(file: str, src_start: int, src_box, src_shape, o_box, local_shape, dst_corner,
              isz: int) -> list[Group]:
     """Strided groups reading overlap box ``o_box`` (global coords) of a source piece stored
