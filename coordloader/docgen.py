@@ -72,17 +72,12 @@ def _capture_parser(main: Callable) -> argparse.ArgumentParser:
     raise RuntimeError(f"{main.__module__}.main() returned without parsing arguments")
 
 
-def get_parser(module: str) -> tuple[argparse.ArgumentParser | None, str]:
-    """-> (parser or None, where it came from / why it is missing)."""
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        return None, f"module `{module}` is not importable in this build ({e})"
+def get_parser(module: str) -> tuple[argparse.ArgumentParser, str]:
+    """-> (parser, where it came from)."""
+    mod = importlib.import_module(module)
     if callable(getattr(mod, "build_parser", None)):
         return mod.build_parser(), f"`{module}.build_parser()`"
-    if callable(getattr(mod, "main", None)):
-        return _capture_parser(mod.main), f"the parser built inside `{module}.main()`"
-    return None, f"`{module}` has neither build_parser() nor main()"
+    return _capture_parser(mod.main), f"the parser built inside `{module}.main()`"
 
 
 def _opt_label(a: argparse.Action) -> str:
@@ -168,9 +163,6 @@ def cli_markdown() -> str:
     for module, prog, what in CLI_TOOLS:
         out += [f"## `{prog}`", "", what, ""]
         p, src = get_parser(module)
-        if p is None:
-            out += [f"_Not available: {src}._", ""]
-            continue
         out += [f"Generated from {src}.", "", render_parser(prog, p)]
     return "\n".join(out).rstrip() + "\n"
 
@@ -210,22 +202,29 @@ def _box(pieces) -> str:
     return " + ".join("[" + ", ".join(f"{a}:{b}" for a, b in pc.src) + "]" for pc in pieces)
 
 
-def _slices_table(plan, ranks, names: list[tuple[str, str]], meta=None) -> list[str]:
+def _label(name) -> tuple[str, str]:
+    """(label, tensor name): a name is shown without its model prefix unless a
+    (label, name) pair says otherwise."""
+    if isinstance(name, tuple):
+        return name
+    head, _, rest = name.partition(".")
+    return (rest if head in ("model", "bert") else name), name
+
+
+def _slices_table(plan, ranks, names, meta) -> list[str]:
     """Rows: tensor; columns: ranks; cell: source box (local shape), replica marker."""
-    out = ["| tensor (global shape) | " + " | ".join(f"rank {r}" for r in ranks) + " |",
-           "|---|" + "---|" * len(ranks)]
-    for label, name in names:
+    out = []
+    for label, name in map(_label, names):
         row = []
-        shape = meta.tensors[name].shape if meta is not None and name in meta.tensors else None
         for r in ranks:
             ts = plan.rank(r).by_name().get(name)
             if ts is None:
                 row.append("not held")
                 continue
-            shape = ts.global_shape
             rep = f", replica {ts.replica}" if ts.replica else ""
             row.append(f"{_box(ts.pieces)} → {list(ts.local_shape)}{rep}")
-        out.append(f"| `{label}` {list(shape) if shape else ''} | " + " | ".join(row) + " |")
+        shape = list(meta.tensors[name].shape) if name in meta.tensors else ""
+        out.append(f"| `{label}` {shape} | " + " | ".join(row) + " |")
     return out
 
 
@@ -257,11 +256,11 @@ def _example(title: str, arch: str, layout, ranks, names, layer_prefix=None, not
              f"`Layout({_layout_args(layout)})`, world size {layout.world_size}, "
              f"MoE group size {layout.moe_group_size}, moe_tp {layout.moe_tp}. "
              f"Cells: source box in the global tensor → local shape.", ""]
-    lines += [lines_ for lines_ in _slices_table(plan, ranks, [])[:2]]
-    lines.append(_coords_row(plan, ranks))
+    lines += ["| tensor (global shape) | " + " | ".join(f"rank {r}" for r in ranks) + " |",
+              "|---|" + "---|" * len(ranks), _coords_row(plan, ranks)]
     if layer_prefix:
         lines.append(_experts_row(plan, ranks, layer_prefix))
-    lines += _slices_table(plan, ranks, names, meta)[2:]
+    lines += _slices_table(plan, ranks, names, meta)
     if note:
         lines += ["", note]
     lines.append("")
@@ -272,7 +271,7 @@ def _layout_args(layout) -> str:
     d = layout.to_dict()
     dflt = {"tp": 1, "pp": 1, "dp": 1, "ep": 1, "ep_spans_dp": False, "expert_placement": "linear",
             "pp_layers": None, "allow_uneven": False, "include_mtp": False}
-    return ", ".join(f"{k}={v!r}" for k, v in d.items() if dflt.get(k) != v) or ""
+    return ", ".join(f"{k}={v!r}" for k, v in d.items() if dflt.get(k) != v)
 
 
 def layout_examples() -> str:
@@ -281,14 +280,14 @@ def layout_examples() -> str:
     parts = []
     parts.append(_example(
         "Qwen3-30B-A3B at tp=4 ep=4", "qwen3_moe", Layout(tp=4, ep=4), [0, 1, 2, 3],
-        [("embed_tokens.weight", "model.embed_tokens.weight"),
-         ("layers.0.self_attn.q_proj.weight", L + "0.self_attn.q_proj.weight"),
-         ("layers.0.self_attn.k_proj.weight", L + "0.self_attn.k_proj.weight"),
-         ("layers.0.self_attn.o_proj.weight", L + "0.self_attn.o_proj.weight"),
-         ("layers.0.mlp.gate.weight", L + "0.mlp.gate.weight"),
-         ("layers.0.mlp.experts.0.gate_proj.weight", L + "0.mlp.experts.0.gate_proj.weight"),
-         ("layers.0.mlp.experts.127.down_proj.weight", L + "0.mlp.experts.127.down_proj.weight"),
-         ("lm_head.weight", "lm_head.weight")],
+        ["model.embed_tokens.weight",
+         L + "0.self_attn.q_proj.weight",
+         L + "0.self_attn.k_proj.weight",
+         L + "0.self_attn.o_proj.weight",
+         L + "0.mlp.gate.weight",
+         L + "0.mlp.experts.0.gate_proj.weight",
+         L + "0.mlp.experts.127.down_proj.weight",
+         "lm_head.weight"],
         layer_prefix=L + "0.mlp.",
         note="32 query heads and 4 K/V heads split 8 + 1 per rank; 128 experts placed "
              "linearly, 32 per ep rank, whole (moe_tp = 1). The vocabulary 151936 is a "
@@ -297,16 +296,16 @@ def layout_examples() -> str:
     parts.append(_example(
         "DeepSeek-V3 at tp=8 ep=8 (ranks 0, 3 and 7 shown)", "deepseek_v3",
         Layout(tp=8, ep=8), [0, 3, 7],
-        [("embed_tokens.weight", "model.embed_tokens.weight"),
-         ("layers.0.self_attn.q_a_proj.weight", L + "0.self_attn.q_a_proj.weight"),
-         ("layers.0.self_attn.q_b_proj.weight", L + "0.self_attn.q_b_proj.weight"),
-         ("layers.0.self_attn.q_b_proj.weight_scale_inv", L + "0.self_attn.q_b_proj.weight_scale_inv"),
-         ("layers.0.self_attn.kv_b_proj.weight", L + "0.self_attn.kv_b_proj.weight"),
-         ("layers.0.self_attn.o_proj.weight", L + "0.self_attn.o_proj.weight"),
-         ("layers.0.mlp.gate_proj.weight", L + "0.mlp.gate_proj.weight"),
-         ("layers.0.mlp.down_proj.weight_scale_inv", L + "0.mlp.down_proj.weight_scale_inv"),
-         ("layers.3.mlp.shared_experts.down_proj.weight", L + "3.mlp.shared_experts.down_proj.weight"),
-         ("layers.3.mlp.experts.0.down_proj.weight", L + "3.mlp.experts.0.down_proj.weight"),
+        ["model.embed_tokens.weight",
+         L + "0.self_attn.q_a_proj.weight",
+         L + "0.self_attn.q_b_proj.weight",
+         L + "0.self_attn.q_b_proj.weight_scale_inv",
+         L + "0.self_attn.kv_b_proj.weight",
+         L + "0.self_attn.o_proj.weight",
+         L + "0.mlp.gate_proj.weight",
+         L + "0.mlp.down_proj.weight_scale_inv",
+         L + "3.mlp.shared_experts.down_proj.weight",
+         L + "3.mlp.experts.0.down_proj.weight",
          ("layers.61.eh_proj.weight (MTP)", L + "61.eh_proj.weight")],
         layer_prefix=L + "3.mlp.",
         note="128 heads: 16 per rank for `q_b_proj`/`kv_b_proj` (by heads). MLA's "
@@ -318,10 +317,10 @@ def layout_examples() -> str:
     parts.append(_example(
         "Qwen3-30B-A3B at tp=2 dp=2 ep=4, experts spanning DP", "qwen3_moe",
         Layout(tp=2, dp=2, ep=4, ep_spans_dp=True), [0, 1, 2, 3],
-        [("layers.0.self_attn.q_proj.weight", L + "0.self_attn.q_proj.weight"),
-         ("layers.0.self_attn.o_proj.weight", L + "0.self_attn.o_proj.weight"),
-         ("layers.0.mlp.experts.40.up_proj.weight", L + "0.mlp.experts.40.up_proj.weight"),
-         ("lm_head.weight", "lm_head.weight")],
+        [L + "0.self_attn.q_proj.weight",
+         L + "0.self_attn.o_proj.weight",
+         L + "0.mlp.experts.40.up_proj.weight",
+         "lm_head.weight"],
         layer_prefix=L + "0.mlp.",
         note="Dense tensors follow `tp_rank` and are replicated across the two DP replicas "
              "(ranks 2 and 3 hold replica 1 of what ranks 0 and 1 hold). Experts are placed "
@@ -329,11 +328,9 @@ def layout_examples() -> str:
              "`--enable-expert-parallel` with data parallelism."))
     parts.append(_example(
         "Vocabulary padding: bert-base-uncased at tp=2", "bert", Layout(tp=2), [0, 1],
-        [("embeddings.word_embeddings.weight", "bert.embeddings.word_embeddings.weight"),
-         ("encoder.layer.0.attention.self.query.weight",
-          "bert.encoder.layer.0.attention.self.query.weight"),
-         ("encoder.layer.0.attention.output.dense.bias",
-          "bert.encoder.layer.0.attention.output.dense.bias")],
+        ["bert.embeddings.word_embeddings.weight",
+         "bert.encoder.layer.0.attention.self.query.weight",
+         "bert.encoder.layer.0.attention.output.dense.bias"],
         note="The 30522-row vocabulary is padded to 30528 (a multiple of 64) and split "
              "15264 rows per rank: rank 1 holds rows 15264–30521 and 6 zero padding rows "
              "(`--verify shapes` checks they are zero). The bias of a row-parallel layer is "
@@ -432,8 +429,6 @@ def _catch(fn) -> tuple[str, str]:
 def error_examples() -> list[tuple[str, str, str]]:
     """[(error class, situation, message)], each produced by triggering the error."""
     import json
-
-    import torch
 
     from .layout import Layout
     from .load import load, load_detailed
