@@ -123,7 +123,8 @@ class Plan:
     ranks: tuple[RankPlan, ...]
     excluded: tuple[str, ...] = ()   # checkpoint tensors left out on purpose
     load_groups: tuple[LoadGroup, ...] = ()
-    _digest: list = field(default_factory=list, repr=False, compare=False)
+    # digest() memo; not an init field, so dataclasses.replace() starts a fresh one
+    _digest: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:

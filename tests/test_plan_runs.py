@@ -119,3 +119,17 @@ def test_plan_digest_ignores_sharing_and_sees_every_run():
         return replace(t, byte_runs=tuple(runs))
     assert rebuild(shift).digest() != d
     assert rebuild(lambda t: replace(t, replica=t.replica + (t is victim))).digest() != d
+
+
+def test_plan_digest_not_carried_by_replace():
+    from dataclasses import replace
+
+    from coordloader.archs import arch_tensors
+    from coordloader.layout import Layout
+    from coordloader.plan import make_plan, meta_from_specs
+    cfg, specs = arch_tensors("llama", "tiny")
+    meta = meta_from_specs(cfg, specs)
+    plan = make_plan(meta, Layout(tp=2))
+    d = plan.digest()
+    swapped = replace(plan, ranks=plan.ranks[::-1])
+    assert swapped.digest() != d and plan.digest() == d
