@@ -28,8 +28,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import collective
-from .errors import CollectiveError, LoadError, PlanError, VerifyError
+from .errors import CollectiveError, LoadError, PlanError, SaveError, VerifyError
 from .layout import Layout
+from .safetensors_io import write_file_atomic
 from .engines import ENGINE_NAMES, LoadStats, resolve_engine_name, select_engine
 
 VERIFY_MODES = ("none", "shapes", "digest", "full")
@@ -534,12 +535,10 @@ def _run(args) -> int:
                                             if k in ("ok", "mode", "checks", "manifest", "notes")},
                           "ranks": rows, "totals": totals}
                 try:
-                    tmp = args.report + ".tmp"
-                    with open(tmp, "w") as f:
-                        json.dump(report, f, indent=2, sort_keys=True)
-                    os.replace(tmp, args.report)
-                except OSError as e:
-                    raise LoadError(f"cannot write the report: {e.strerror}", file=args.report,
+                    write_file_atomic(args.report,
+                                      json.dumps(report, indent=2, sort_keys=True).encode())
+                except SaveError as e:
+                    raise LoadError(f"cannot write the report: {e.message}", file=args.report,
                                     rank=0) from None
 
         # inside a phase: a failure on rank 0 (unwritable report) reaches every rank
