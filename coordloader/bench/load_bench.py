@@ -34,10 +34,10 @@ def page_bytes(rank_plan) -> int:
     transfers for a cold slice-exact read of the plan, whatever the method (storage and
     the page cache work in whole pages, so a gap shorter than a page saves no I/O)."""
     import numpy as np
-    from ..runs import RunList
+    from ..runs import groups_of
     by_file: dict[str, list] = {}
     for ts in rank_plan.tensors:
-        for f, o, ln, _d, c, ss, _ds in RunList.from_runs(ts.byte_runs).groups:
+        for f, o, ln, _d, c, ss, _ds in groups_of(ts.byte_runs):
             if ln <= 0 or c <= 0:
                 continue
             lst = by_file.setdefault(f, [])

@@ -20,7 +20,7 @@ import torch
 from ..dtypes import itemsize
 from ..engines import allocate, narrow_box, select_engine
 from ..metadata import box_shape
-from ..runs import RunList
+from ..runs import groups_of
 
 
 @dataclass
@@ -268,7 +268,7 @@ def _span_run(ctx, state):
     try:
         for ts in ctx.rank_plan.tensors:
             dst = flat[ts.name]
-            for fname, off, ln, dest, count, sstride, dstride in RunList.from_runs(ts.byte_runs).groups:
+            for fname, off, ln, dest, count, sstride, dstride in groups_of(ts.byte_runs):
                 fd = fds.get(fname)
                 if fd is None:
                     fd = fds[fname] = os.open(os.path.join(ctx.meta.root, fname), os.O_RDONLY)
