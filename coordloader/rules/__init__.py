@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from ..errors import PlanError
-from .presets import PRESETS, block_of, detect_preset, num_experts_of, preset_rules
+from .presets import PRESETS, detect_preset, num_experts_of, preset_rules
 from .ruleset import Rule, RuleSet, load_rule_file, make_rule, parse_rule_file, rule_from_dict
 from .strategies import STRATEGIES, check_params
 
@@ -40,7 +40,5 @@ def resolve_rules(config: Mapping | None, rules: Any = None) -> RuleSet:
         preset = None
     if preset == "auto":
         preset = detect_preset(config)
-    if preset is not None and preset not in PRESETS:
-        raise PlanError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
-    base = preset_rules(preset, config) if preset else []
+    base = preset_rules(preset, config) if preset is not None else []   # checks the name
     return RuleSet(user + base, user_count=len(user), preset=preset)

@@ -98,7 +98,6 @@ class RuleSet:
         self.rules: tuple[Rule, ...] = tuple(rules)
         self.user_count = user_count          # the first `user_count` rules came from the user
         self.preset = preset
-        self._compiled = [re.compile(r.regex_text) for r in self.rules]
         # One alternation of named wrappers: fullmatch tries the alternatives in order, so
         # the first rule that matches the whole name wins. Back-references and named groups
         # inside user regexes would shift, so those rule sets fall back to a loop.
@@ -110,6 +109,9 @@ class RuleSet:
             except (re.error, AssertionError, OverflowError):  # e.g. too many groups
                 self._combined = None
         self._group_index = {f"r{i}": i for i in range(len(self.rules))}
+        # the one-by-one fallback (patterns were checked to compile in make_rule)
+        self._compiled = [] if self._combined is not None else [re.compile(r.regex_text)
+                                                                for r in self.rules]
 
     def match(self, name: str) -> int | None:
         """Index of the first rule matching ``name``, or None."""
