@@ -159,12 +159,7 @@ class Layout:
 
     @staticmethod
     def from_dict(d: dict) -> "Layout":
-        kw = dict(d)
-        if isinstance(kw.get("expert_placement"), list):
-            kw["expert_placement"] = tuple(tuple(x) for x in kw["expert_placement"])
-        if kw.get("pp_layers") is not None:
-            kw["pp_layers"] = tuple(kw["pp_layers"])
-        return Layout(**kw)
+        return Layout(**d)   # __post_init__ turns JSON lists into tuples
 
     def __str__(self) -> str:
         s = f"tp={self.tp} pp={self.pp} dp={self.dp} ep={self.ep}"
