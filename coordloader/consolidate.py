@@ -156,12 +156,9 @@ def _data_offsets(path: str) -> tuple[int, dict[str, tuple[int, int]]]:
 
 
 def _carry_manifest(meta: CheckpointMeta, stage_dir: str, names: list[str]) -> bool:
-    try:
-        from . import manifest as mf
-        from .checkpoint import read_file_header
-        from .errors import VerifyError
-    except ImportError:
-        return False
+    from . import manifest as mf
+    from .checkpoint import read_file_header
+    from .errors import VerifyError
     try:
         m = mf.load_manifest(meta.root, meta)
     except VerifyError:

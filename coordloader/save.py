@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .dtypes import itemsize
-from .errors import CollectiveError, CoordloaderError, SaveError
+from .errors import CoordloaderError, SaveError
 from .metadata import Box, box_numel, box_shape, piece_key
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -170,11 +170,8 @@ def _split_parts(pieces, max_shard_bytes: int):
     return parts
 
 
-def _digest_of(view: torch.Tensor, p: _PieceOut):
-    try:
-        from .digest import digest
-    except ImportError:
-        return None
+def _digest_of(view: torch.Tensor, p: _PieceOut) -> int:
+    from .digest import digest
     return int(digest(view, p.box, p.shape))
 
 
@@ -320,15 +317,11 @@ def _build_index(records: list[dict], layout_dict: dict, names_order: list[str])
     return index, digests
 
 
-def _manifest_doc(stage_dir: str, files: list[str], index: dict, digests: dict) -> dict | None:
+def _manifest_doc(stage_dir: str, files: list[str], index: dict, digests: dict) -> dict:
     """The manifest of the staged files (fingerprint from their headers, exactly as the
-    reader computes it), with per-tensor digests summed from the pieces: no re-read.
-    None when the reader/manifest modules are unavailable."""
-    try:
-        from . import manifest as mf
-        from .checkpoint import read_file_header
-    except ImportError:
-        return None
+    reader computes it), with per-tensor digests summed from the pieces: no re-read."""
+    from . import manifest as mf
+    from .checkpoint import read_file_header
     from .metadata import CheckpointMeta
     infos = sorted((read_file_header(stage_dir, f).info for f in files), key=lambda i: i.name)
     meta = CheckpointMeta(root=os.path.abspath(stage_dir), files=tuple(infos), tensors={})
@@ -368,14 +361,13 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, overwrite: boo
     wrote_manifest = False
     if digests:
         doc = _manifest_doc(stage_dir, shard_files, index, digests)
-        if doc is not None:
-            p = os.path.join(stage_dir, MANIFEST_NAME)
-            try:
-                _write_json_durable(p, doc)
-            except OSError as e:
-                raise _os_error(e, p, rank, "writing the manifest") from e
-            small.append(MANIFEST_NAME)
-            wrote_manifest = True
+        p = os.path.join(stage_dir, MANIFEST_NAME)
+        try:
+            _write_json_durable(p, doc)
+        except OSError as e:
+            raise _os_error(e, p, rank, "writing the manifest") from e
+        small.append(MANIFEST_NAME)
+        wrote_manifest = True
     if plan.excluded:
         # The plan left these out on purpose (e.g. MTP layers): they are not in the new
         # checkpoint either. Say so, since a handoff usually wants everything.
@@ -430,85 +422,20 @@ def publish_staged(out_dir: str, stage_dir: str, files: list[str], *,
 # error agreement across ranks
 # ---------------------------------------------------------------------------------------
 
-def _as_error(e: BaseException, rank: int) -> CoordloaderError:
-    if isinstance(e, CoordloaderError):
-        return e
-    if isinstance(e, OSError):
-        return _os_error(e, getattr(e, "filename", None) or "?", rank, "saving")
-    return SaveError(f"{type(e).__name__}: {e}", rank=rank)
-
-
-def _agree(phase: str, fn: Callable[[], Any], group, rank: int, world: int) -> list:
-    """Run ``fn`` on every rank, exchange (error, value) and either return every rank's
-    value or raise on every rank: the failing rank re-raises its own error, the others a
-    CollectiveError naming it. One all_gather_object per phase."""
-    import torch.distributed as dist
-    local_exc = None
-    try:
-        val, err = fn(), None
-    except BaseException as e:  # noqa: BLE001 - must reach the other ranks
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        val, err = None, _as_error(e, rank)
-        local_exc = e
-    box = [None] * world
-    dist.all_gather_object(box, (None if err is None else (type(err).__name__, str(err)), val), group=group)
-    failed = [(r, x[0]) for r, x in enumerate(box) if x[0] is not None]
-    if failed:
-        if err is not None:
-            if err is local_exc:
-                raise err
-            raise err from local_exc
-        r, (kind, msg) = failed[0]
-        more = f" (and ranks {[f for f, _ in failed[1:]]})" if len(failed) > 1 else ""
-        raise CollectiveError(f"save phase {phase!r}: rank {r} failed{more}: {kind}: {msg}", rank=r)
-    return [x[1] for x in box]
-
-
 def _resolve_group(group):
-    """A coordloader.collective.Group when that module is present (error agreement with
-    rank naming and timeouts), else the torch process group itself."""
-    try:
-        from . import collective as coll
-    except ImportError:
-        coll = None
-    if coll is not None:
-        if isinstance(group, coll.Group):
-            return group
-        return coll.wrap_group(group)
-    import torch.distributed as dist
-    return group if group is not None else dist.group.WORLD
-
-
-def _pg(g):
-    return getattr(g, "pg", g)
-
-
-def _group_rank(g) -> int:
-    import torch.distributed as dist
-    return g.rank if hasattr(g, "world") else dist.get_rank(g)
-
-
-def _group_world(g) -> int:
-    import torch.distributed as dist
-    return g.world if hasattr(g, "world") else dist.get_world_size(g)
-
-
-def _phase(name: str, g, rank: int, world: int, fn):
-    if hasattr(g, "world"):
-        from .collective import run_phase
-        return run_phase(name, fn, g)
-    return _agree(name, fn, g, rank, world)[rank]
+    """``group`` as a coordloader.collective.Group (error agreement with rank naming and
+    timeouts)."""
+    from . import collective as coll
+    return group if isinstance(group, coll.Group) else coll.wrap_group(group)
 
 
 def _gather(g, value) -> list:
     """Every rank's value (only called after a phase succeeded on every rank)."""
-    import torch.distributed as dist
-    world = _group_world(g)
-    if world == 1:
+    if g.world == 1:
         return [value]
-    out = [None] * world
-    dist.all_gather_object(out, value, group=_pg(g))
+    import torch.distributed as dist
+    out = [None] * g.world
+    dist.all_gather_object(out, value, group=g.pg)
     return out
 
 
@@ -541,6 +468,8 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
     source checkpoint directory) is written next to the index: pass it, since the
     planner's presets are detected from config.json. Returns a :class:`SaveResult` for this rank."""
     import torch.distributed as dist
+
+    from .collective import run_phase
     out_dir = os.fspath(out_dir)
     if max_shard_bytes <= 0:
         raise SaveError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
@@ -550,7 +479,7 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
 
     if distributed:
         g = _resolve_group(group)
-        rank_, gworld = _group_rank(g), _group_world(g)
+        rank_, gworld = g.rank, g.world
         if rank is not None and rank != rank_:
             raise SaveError(f"rank={rank} given, but this process is rank {rank_} of the group", rank=rank_)
         rank = rank_
@@ -558,14 +487,13 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
             raise SaveError(f"the process group has {gworld} ranks but the plan has {world} "
                             f"({plan.layout})", rank=rank)
         token = uuid.uuid4().hex[:16]
-        stage = _phase("save-prepare", g, rank, world,
-                       lambda: _prepare(out_dir, overwrite, rank, token) if rank == 0 else None)
+        stage = run_phase("save-prepare",
+                          lambda: _prepare(out_dir, overwrite, rank, token) if rank == 0 else None, g)
         stage = _gather(g, stage)[0]   # rank 0's staging directory name
         t0 = time.perf_counter()
         try:
-            mine = _phase("save-write", g, rank, world,
-                          lambda: _write_rank(os.path.join(out_dir, stage), tensors, plan, rank,
-                                              max_shard_bytes, digests))
+            mine = run_phase("save-write", _write_rank, g, os.path.join(out_dir, stage), tensors,
+                             plan, rank, max_shard_bytes, digests)
         except CoordloaderError:
             if rank == 0:  # every rank has stopped writing: the stage can go
                 shutil.rmtree(os.path.join(out_dir, stage), ignore_errors=True)
@@ -581,7 +509,7 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
             except BaseException:
                 shutil.rmtree(os.path.join(out_dir, stage), ignore_errors=True)
                 raise
-        wrote = _gather(g, _phase("save-publish", g, rank, world, publish))[0]
+        wrote = _gather(g, run_phase("save-publish", publish, g))[0]
         return SaveResult(out_dir, rank, tuple(mine["files"]), mine["bytes"], secs, rank == 0, bool(wrote))
 
     # ---- local mode -------------------------------------------------------------------
