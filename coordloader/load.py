@@ -30,6 +30,7 @@ import torch
 from . import collective
 from .errors import CollectiveError, LoadError, PlanError, SaveError, VerifyError
 from .layout import Layout
+from .plan_cli import experts_held, human, layout_from_args, ranges_str
 from .safetensors_io import write_file_atomic
 from .engines import ENGINE_NAMES, LoadStats, resolve_engine_name, select_engine
 
@@ -387,34 +388,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _layout_from_args(a) -> Layout:
-    placement: Any = a.placement
-    if placement not in ("linear", "round_robin"):
-        try:
-            placement = json.loads(placement)
-        except json.JSONDecodeError:
-            raise PlanError(f"--placement must be linear, round_robin or a JSON list of lists, "
-                            f"got {a.placement!r}") from None
-    pp_layers = None
-    if a.pp_layers:
-        try:
-            pp_layers = tuple(int(x) for x in a.pp_layers.split(","))
-        except ValueError:
-            raise PlanError(f"--pp-layers must be comma-separated integers, got "
-                            f"{a.pp_layers!r}") from None
-    return Layout(tp=a.tp, pp=a.pp, dp=a.dp, ep=a.ep, ep_spans_dp=a.ep_spans_dp,
-                  expert_placement=placement, pp_layers=pp_layers,
-                  allow_uneven=a.allow_uneven, include_mtp=a.include_mtp)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def summary_rows(per_rank: list[dict]) -> tuple[list[dict], dict]:
     total_held = sum(r["bytes_held"] for r in per_rank)
     total_read = sum(r["bytes_read"] for r in per_rank)
@@ -433,19 +406,18 @@ def _coords_str(c: Mapping | None) -> str:
 
 
 def format_table(per_rank: list[dict], totals: dict) -> str:
-    from .plan_cli import ranges_str
     head = f"{'rank':>5} {'coords':<18} {'tensors':>8} {'held':>12} {'read':>12} " \
            f"{'read/held':>9} {'seconds':>8} {'GB/s':>7}  experts"
     lines = [head, "-" * len(head)]
     for r in per_rank:
         lines.append(f"{r['rank']:>5} {_coords_str(r.get('coords')):<18} {r['tensors']:>8} "
-                     f"{_fmt_bytes(r['bytes_held']):>12} "
-                     f"{_fmt_bytes(r['bytes_read']):>12} {r['read_amplification']:>9.3f} "
+                     f"{human(r['bytes_held']):>12} "
+                     f"{human(r['bytes_read']):>12} {r['read_amplification']:>9.3f} "
                      f"{r['seconds']:>8.3f} {r['gbps']:>7.2f}  {ranges_str(r.get('experts', []))}")
     lines.append("-" * len(head))
     lines.append(f"{'total':>5} {'':<18} {totals['tensors']:>8} "
-                 f"{_fmt_bytes(totals['bytes_held']):>12} "
-                 f"{_fmt_bytes(totals['bytes_read']):>12} {totals['read_amplification']:>9.3f} "
+                 f"{human(totals['bytes_held']):>12} "
+                 f"{human(totals['bytes_read']):>12} {totals['read_amplification']:>9.3f} "
                  f"{totals['seconds']:>8.3f} {totals['gbps']:>7.2f}")
     lines.append("coords: pipeline stage, data-parallel replica, tensor-parallel rank, "
                  "expert-parallel rank.moe_tp rank; experts: ids the rank holds (part of)")
@@ -472,7 +444,7 @@ def _init_from_env(args):
 
 
 def _run(args) -> int:
-    layout = _layout_from_args(args)
+    layout = layout_from_args(args)
     mark = os.environ.get("COORDLOADER_TEST_START_FILE")
     if mark:   # test hook: when this rank is past imports, before any group formation
         with open(mark, "w") as f:
@@ -492,7 +464,6 @@ def _run(args) -> int:
                             engine=args.engine, verify=args.verify, rules=args.rules,
                             progress=(not args.quiet) and rank0, loader_config=args.loader_config,
                             replicate_unmatched=args.replicate_unmatched, timeout=args.timeout)
-        from .plan_cli import experts_held
         mine = dict(res.stats.to_dict(), rank=res.rank, phases=res.phases,
                     coords=dict(res.rank_plan.coords), experts=experts_held(res.rank_plan))
         if res.verify_report is not None:
