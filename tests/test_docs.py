@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -124,12 +123,6 @@ def _drop_pip(body: str) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _docs_with_blocks():
     return [p for p in DOC_FILES if os.path.exists(p) and _blocks(p)]
 
@@ -171,7 +164,7 @@ def test_doc_blocks_run(path, tmp_path):
     if not runs:
         pytest.skip("every block is marked not-run")
     for line, lang, payload in runs:
-        env = dict(os.environ, PET_MASTER_PORT=str(_free_port()), PYTHONUNBUFFERED="1",
+        env = dict(os.environ, PET_MASTER_PORT=str(docgen._free_port()), PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS="1")
         env.pop("RANK", None)
         env.pop("WORLD_SIZE", None)
