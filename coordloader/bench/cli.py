@@ -10,7 +10,7 @@ import time
 import traceback
 
 from . import report
-from .common import log_err as log, machine_info
+from .common import cached_checkpoint, log_err as log, machine_info
 
 SECTIONS = ("load", "verify", "save", "plan")
 
@@ -66,9 +66,10 @@ def main(argv=None) -> int:
     if repeats < 1:
         print("--repeats must be >= 1", file=sys.stderr)
         return 2
-    if a.methods:
+    methods = a.methods.split(",") if a.methods else None
+    if methods:
         from .methods import METHODS
-        bad = [m for m in a.methods.split(",") if m not in METHODS]
+        bad = [m for m in methods if m not in METHODS]
         if bad:
             print(f"unknown method(s) {', '.join(bad)}; expected some of "
                   f"{', '.join(METHODS)}", file=sys.stderr)
@@ -81,7 +82,6 @@ def main(argv=None) -> int:
     def load_ckpt() -> str:
         nonlocal ckpt
         if ckpt is None:
-            from .common import cached_checkpoint
             ckpt = os.path.abspath(a.ckpt) if a.ckpt else cached_checkpoint(a.arch, a.size,
                                                                            log=log)
         return ckpt
@@ -90,7 +90,6 @@ def main(argv=None) -> int:
         try:
             if sec == "load":
                 from .load_bench import bench_load
-                methods = a.methods.split(",") if a.methods else None
                 results["load"] = bench_load(load_ckpt(), tp=a.tp, repeats=repeats,
                                              cold=not (a.no_cold or a.quick),
                                              cold_repeats=a.cold_repeats, methods=methods,
@@ -105,7 +104,6 @@ def main(argv=None) -> int:
                 results["save"] = bench_save(load_ckpt(), tp=a.tp, repeats=repeats,
                                              timeout=a.timeout, log=log)
             elif sec == "plan":
-                from .common import cached_checkpoint
                 from .plan_bench import QUICK_WORLDS, bench_plan
                 pc = (os.path.abspath(a.plan_ckpt) if a.plan_ckpt else
                       cached_checkpoint("deepseek_v3", "full", metadata_only=True, log=log))
