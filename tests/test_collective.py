@@ -5,6 +5,7 @@ MASTER_PORT / RANK / WORLD_SIZE like a Slurm or Kubernetes launch would. Every t
 hard bound (subprocess deadline) and kills its children on the way out."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -72,61 +73,72 @@ with exit_on_error():
 '''
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _launch(tmp_path: Path, mode: str, ranks, world: int = 4, timeout: float = TIMEOUT):
-    """Start `ranks` of a `world`-rank group; return {rank: (rc, out, err, end_time)}."""
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
-    mark = tmp_path / "killed_at"
-    port = _free_port()
-    procs = {}
+def rank_env(port: int, rank: int, world: int, **extra: str) -> dict:
+    """This environment plus what a Slurm/Kubernetes launch gives rank ``rank`` (and the
+    repository on PYTHONPATH); COORDLOADER_DEBUG removed so stderr is the one-line form."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+               WORLD_SIZE=str(world),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+    env.pop("COORDLOADER_DEBUG", None)
+    return env
+
+
+def run_ranks(ranks, start, hard: float, on_running=None):
+    """``start(rank)`` -> a Popen in its own session, for each rank; wait until all exit
+    (pytest.fail after ``hard`` s: a hang), polling ``on_running(procs)`` until it returns
+    True. -> (procs, {rank: exit time}, start time). Kills every process group left over
+    on the way out (also used by test_faults_mp)."""
+    procs: dict[int, subprocess.Popen] = {}
     t0 = time.time()
     try:
         for r in ranks:
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       RANK=str(r), WORLD_SIZE=str(world), CL_TIMEOUT=str(timeout),
-                       PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            env.pop("COORDLOADER_DEBUG", None)
-            procs[r] = subprocess.Popen([sys.executable, str(script), mode, str(mark)], env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        cwd=str(tmp_path), start_new_session=True)
-        ends = {}
+            procs[r] = start(r)
+        ends: dict[int, float] = {}
+        done_hook = on_running is None
         while len(ends) < len(procs):
-            if time.time() - t0 > HARD:
+            if time.time() - t0 > hard:
                 pytest.fail(f"ranks {sorted(set(procs) - set(ends))} still running after "
-                            f"{HARD} s: hang")
+                            f"{hard} s: hang")
+            if not done_hook:
+                done_hook = on_running(procs)
             for r, p in procs.items():
                 if r not in ends and p.poll() is not None:
                     ends[r] = time.time()
             time.sleep(0.02)
-        res = {}
-        for r, p in procs.items():
-            out, err = p.communicate()
-            res[r] = (p.returncode, out.decode(), err.decode(), ends[r])
-        killed_at = float(mark.read_text()) if mark.exists() else None
-        for r in res:
-            f = Path(f"{mark}-started-{r}")
-            res[r] = res[r] + (float(f.read_text()) if f.exists() else t0,)
-        return res, t0, killed_at
+        return procs, ends, t0
     finally:
         for p in procs.values():
             if p.poll() is None:
-                with _suppress():
+                with contextlib.suppress(OSError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait(5)
 
 
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return True
+def _launch(tmp_path: Path, mode: str, ranks, world: int = 4, timeout: float = TIMEOUT):
+    """Start `ranks` of a `world`-rank group; return ({rank: (rc, out, err, end_time,
+    start_time)}, launch time, time rank 2 killed itself or None)."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    mark = tmp_path / "killed_at"
+    port = free_port()
+    procs, ends, t0 = run_ranks(ranks, lambda r: subprocess.Popen(
+        [sys.executable, str(script), mode, str(mark)],
+        env=rank_env(port, r, world, CL_TIMEOUT=str(timeout)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, cwd=str(tmp_path), start_new_session=True), HARD)
+    res = {}
+    for r, p in procs.items():
+        out, err = p.communicate()
+        f = Path(f"{mark}-started-{r}")
+        res[r] = (p.returncode, out.decode(), err.decode(), ends[r],
+                  float(f.read_text()) if f.exists() else t0)
+    killed_at = float(mark.read_text()) if mark.exists() else None
+    return res, t0, killed_at
 
 
 def _line(err: str, rank: int) -> str:
@@ -165,21 +177,16 @@ def test_sigkilled_rank_is_named_by_every_survivor_within_timeout(tmp_path):
         assert end - killed_at < TIMEOUT + 10, f"rank {r} exited {end - killed_at:.1f} s after the kill"
 
 
-def test_rank_that_never_joins_is_named(tmp_path):
-    res, t0, _ = _launch(tmp_path, "happy", (0, 1, 3))
+@pytest.mark.parametrize("ranks, wanted", [
+    ((0, 1, 3), ("group did not form within 5 s: rank 2 did not join (joined: 0,1,3)",)),
+    ((1, 2, 3), ("cannot reach the rendezvous store", "rank 0 did not start")),
+], ids=["rank_2_never_joins", "rank_0_missing"])
+def test_rank_that_never_starts_is_named_by_the_others(tmp_path, ranks, wanted):
+    res, t0, _ = _launch(tmp_path, "happy", ranks)
     for r, (rc, out, err, end, started) in res.items():
         assert rc == 1, f"rank {r}: rc {rc}\n{err}"
         line = _line(err, r)
-        assert "group did not form within 5 s: rank 2 did not join (joined: 0,1,3)" in line, line
-        assert end - started < TIMEOUT + 10, f"rank {r} took {end - started:.1f} s"
-
-
-def test_missing_rank_0_is_reported_by_the_others(tmp_path):
-    res, t0, _ = _launch(tmp_path, "happy", (1, 2, 3))
-    for r, (rc, out, err, end, started) in res.items():
-        assert rc == 1, f"rank {r}: rc {rc}\n{err}"
-        line = _line(err, r)
-        assert "cannot reach the rendezvous store" in line and "rank 0 did not start" in line
+        assert all(w in line for w in wanted), line
         assert end - started < TIMEOUT + 10, f"rank {r} took {end - started:.1f} s"
 
 

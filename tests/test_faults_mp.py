@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from test_collective import free_port, rank_env, run_ranks
+
 TIMEOUT = 5.0     # --timeout given to the ranks
 SLACK = 10.0      # the issue's bound: exit within TIMEOUT + SLACK of the fault
 HARD = 80.0       # the harness's own bound per test (4 torch imports on a loaded 2-core box)
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -30,62 +30,32 @@ def ckpt(tmp_path_factory):
     return synthesize(str(tmp_path_factory.mktemp("faults") / "ck"), "qwen3_moe", "tiny")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp: Path, ckpt: str, ranks, extra_env=None, on_running=None):
     """Run `ranks` of a 4-rank job; returns {rank: (rc, stderr, end time, start time)}.
     ``on_running(procs)`` is polled while they run (returns True once it did its job)."""
-    port = _free_port()
-    procs: dict[int, subprocess.Popen] = {}
-    errs: dict[int, Path] = {}
-    t0 = time.time()
-    try:
-        for r in ranks:
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
-                       WORLD_SIZE="4", LOCAL_RANK=str(r), OMP_NUM_THREADS="1",
-                       COORDLOADER_TEST_START_FILE=str(tmp / f"start-{r}"),
-                       PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            for k in ("COORDLOADER_DEBUG", "COORDLOADER_TEST_HANG_PHASE", "TORCHELASTIC_USE_AGENT_STORE",
-                      "TORCH_CPP_LOG_LEVEL"):
-                env.pop(k, None)
-            env.update((extra_env or {}).get(r, {}))
-            errs[r] = tmp / f"err-{r}"
-            cmd = [sys.executable, "-m", "coordloader.load", ckpt, "--tp", "2", "--ep", "2",
-                   "--dp", "2", "--engine", "cpu", "--timeout", str(TIMEOUT), "--quiet",
-                   "--dump", str(tmp / "dump")]
-            with open(errs[r], "wb") as ef:
-                procs[r] = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
-                                            cwd=str(tmp), start_new_session=True)
-        ends: dict[int, float] = {}
-        done_hook = on_running is None
-        while len(ends) < len(procs):
-            if time.time() - t0 > HARD:
-                pytest.fail(f"ranks {sorted(set(procs) - set(ends))} still running after "
-                            f"{HARD} s: hang")
-            if not done_hook:
-                done_hook = on_running(procs)
-            for r, p in procs.items():
-                if r not in ends and p.poll() is not None:
-                    ends[r] = time.time()
-            time.sleep(0.02)
-        out = {}
-        for r, p in procs.items():
-            f = tmp / f"start-{r}"
-            started = float(f.read_text()) if f.exists() and f.read_text() else t0
-            out[r] = (p.returncode, errs[r].read_text(), ends[r], started)
-        return out
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                p.wait(5)
+    port = free_port()
+
+    def start(r):
+        env = rank_env(port, r, 4, LOCAL_RANK=str(r), OMP_NUM_THREADS="1",
+                       COORDLOADER_TEST_START_FILE=str(tmp / f"start-{r}"))
+        for k in ("COORDLOADER_TEST_HANG_PHASE", "TORCHELASTIC_USE_AGENT_STORE",
+                  "TORCH_CPP_LOG_LEVEL"):
+            env.pop(k, None)
+        env.update((extra_env or {}).get(r, {}))
+        cmd = [sys.executable, "-m", "coordloader.load", ckpt, "--tp", "2", "--ep", "2",
+               "--dp", "2", "--engine", "cpu", "--timeout", str(TIMEOUT), "--quiet",
+               "--dump", str(tmp / "dump")]
+        with open(tmp / f"err-{r}", "wb") as ef:
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
+                                    cwd=str(tmp), start_new_session=True)
+
+    procs, ends, t0 = run_ranks(ranks, start, HARD, on_running)
+    out = {}
+    for r, p in procs.items():
+        f = tmp / f"start-{r}"
+        started = float(f.read_text()) if f.exists() and f.read_text() else t0
+        out[r] = (p.returncode, (tmp / f"err-{r}").read_text(), ends[r], started)
+    return out
 
 
 # torch's C++ logger prints c10d socket warnings ("waitForInput ... timed out") when a
