@@ -172,14 +172,16 @@ _WEIGHTS_MAX = 256           # of the same shape (a model's thousands of expert 
 _WEIGHT_MAX_LEN = 8192       # longer vectors are rebuilt (bounds the cache at 16 MiB)
 
 
-def _cached(key: tuple, make, length: int) -> torch.Tensor:
+def _cached(key: tuple, make, length: int = 0, cache: dict = _WEIGHTS):
+    """``make()`` memoised in ``cache`` under ``key`` (at most _WEIGHTS_MAX entries);
+    vectors longer than _WEIGHT_MAX_LEN are rebuilt each time."""
     if length > _WEIGHT_MAX_LEN:
         return make()
-    w = _WEIGHTS.get(key)
+    w = cache.get(key)
     if w is None:
-        if len(_WEIGHTS) >= _WEIGHTS_MAX:
-            _WEIGHTS.clear()
-        w = _WEIGHTS[key] = make()
+        if len(cache) >= _WEIGHTS_MAX:
+            cache.clear()
+        w = cache[key] = make()
     return w
 
 
@@ -220,13 +222,8 @@ class _Accumulator:
     def _col_weights(self, c0: int, c1: int, width: int) -> torch.Tensor:
         """Weights of global columns [c0, c1) for elements of ``width`` bytes (see
         ``col_weight_py``)."""
-        def make():
-            idx = torch.arange(c0, c1, dtype=torch.int64, device=self.device)
-            if width in PAIRED:
-                w = hash_weights(idx >> 1, SEED_COL)
-                return torch.where((idx & 1).bool(), w * (1 << (8 * width)), w)
-            return hash_weights(idx, SEED_COL)
-        return _cached((str(self.device), "col", c0, c1, width in PAIRED and width), make, c1 - c0)
+        return _cached((str(self.device), "col", c0, c1, width in PAIRED and width),
+                       lambda: _col_weight_vec(self.device, c0, c1, width), c1 - c0)
 
     def _word_weights(self, g0: int, g1: int) -> torch.Tensor:
         return _cached((str(self.device), "word", g0, g1), lambda: hash_weights(
@@ -340,10 +337,7 @@ def digest(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int], *
     Returns a uint64 as a Python int. Extra memory is bounded by ``chunk_elems`` int64
     elements (two buffers for 64-bit dtypes) regardless of the tensor's size; the tensor
     may be non-contiguous (a view into a local tensor)."""
-    shape, box, bits = _prepare(tensor, global_box, global_shape)
-    if _use_mm(bits):
-        return _digest_many_prepared([(shape, box, bits)], chunk_elems, 1, False)[0]
-    return _digest_slow(shape, box, bits, chunk_elems)
+    return _digest_many_prepared([_prepare(tensor, global_box, global_shape)], chunk_elems, 1, False)[0]
 
 
 def _digest_slow(shape, box, bits, chunk_elems) -> int:
@@ -410,7 +404,6 @@ def piece_view(tensor: torch.Tensor, p, i: int = 0) -> torch.Tensor:
 # big-endian hosts keep the int64 path. torch._int_mm is private API: it is self-tested
 # once on extreme inputs and the int64 path is used if it is missing or inexact.
 
-XOR_INTO = False             # xor each piece into the batch (one op a piece) vs stack + one xor
 USE_INT8_MM = True           # tests switch it off to compare with the int64 path
 MM_ROW_BYTES = 1 << 14       # bytes of a row per product (exact up to 2^16: |S| <= 2^16 * 2^14 = 2^30;
                              # rows of 16 KiB measured faster than 64 KiB)
@@ -419,7 +412,6 @@ _POW256 = None
 _mm_ok: bool | None = None
 _mm_lock = threading.Lock()
 _MM_CACHE: dict = {}         # (kind, ...) -> weights; bounded like _WEIGHTS
-_MM_CACHE_MAX = 256
 
 
 def _mm_selftest() -> bool:
@@ -463,20 +455,6 @@ def int8_mm_available() -> bool:
 _MM_WIDTHS = (1, 2, 4)
 
 
-def _use_mm(bits: torch.Tensor) -> bool:
-    return (USE_INT8_MM and USE_CPU_GEMV and _LITTLE and bits.device.type == "cpu"
-            and bits.element_size() in _MM_WIDTHS and int8_mm_available())
-
-
-def _mm_cached(key: tuple, make):
-    v = _MM_CACHE.get(key)
-    if v is None:
-        if len(_MM_CACHE) >= _MM_CACHE_MAX:
-            _MM_CACHE.clear()
-        v = _MM_CACHE[key] = make()
-    return v
-
-
 def _col_weight_vec(device, c0: int, c1: int, width: int) -> torch.Tensor:
     """w(c) of global columns [c0, c1) for elements of ``width`` bytes (``col_weight_py``)."""
     idx = torch.arange(c0, c1, dtype=torch.int64, device=device)
@@ -503,7 +481,7 @@ def _byte_weights(c0: int, c1: int, width: int):
         w = _col_weight_vec("cpu", c0, c1, width)
         b = (w.unsqueeze(1) * _POW256[:width]).reshape(-1)
         return balanced_limbs(b).contiguous(), (128 * int(b.sum())) & MASK64
-    return _mm_cached(("bytes", c0, c1, width), make)
+    return _cached(("bytes", c0, c1, width), make, cache=_MM_CACHE)
 
 
 def _row_weight_vec(shape: tuple[int, ...], lead: Box):
@@ -515,10 +493,7 @@ def _row_weight_vec(shape: tuple[int, ...], lead: Box):
             ids = ids.unsqueeze(-1) + torch.arange(a, b, dtype=torch.int64) * st
         hr = hash_weights(ids.reshape(-1), SEED_ROW).contiguous()
         return hr, int(hr.sum()) & MASK64
-    n = prod(b - a for a, b in lead)
-    if n > _WEIGHT_MAX_LEN:
-        return make()
-    return _mm_cached(("rows", shape, lead), make)
+    return _cached(("rows", shape, lead), make, prod(b - a for a, b in lead), _MM_CACHE)
 
 
 def _byte_buffer(n: int) -> torch.Tensor:
@@ -549,15 +524,11 @@ def _mm_batch(shape: tuple[int, ...], sub: Box, width: int, parts: list) -> list
     hr, hsum = _row_weight_vec(shape, lead)
     buf = _byte_buffer(nb * rows * K)
     dst = buf.view(nb, *box_shape(sub)[:-1], K)
-    if XOR_INTO:
-        for k, p in enumerate(parts):
-            torch.bitwise_xor(_as_bytes(p), 128, out=dst[k])
+    if nb == 1:
+        dst[0].copy_(_as_bytes(parts[0]))
     else:
-        if nb == 1:
-            dst[0].copy_(_as_bytes(parts[0]))
-        else:
-            torch.stack([_as_bytes(p) for p in parts], out=dst)
-        buf.view(torch.int8).bitwise_xor_(-128)
+        torch.stack([_as_bytes(p) for p in parts], out=dst)
+    buf.view(torch.int8).bitwise_xor_(-128)
     a = buf.view(torch.int8).view(nb * rows, K)   # byte - 128, as int8
     s = torch._int_mm(a, t)                    # rows x 8 limb sums, exact int32
     r = torch.mv(s.to(torch.int64), _POW256)   # row values mod 2^64 (int64 wraps)
@@ -626,14 +597,15 @@ def one_intra_op_thread():
 def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_errors: bool) -> list:
     out: list = [0] * len(prepared)
     groups: dict = {}
-    mm = USE_INT8_MM and USE_CPU_GEMV and _LITTLE and bool(prepared) and int8_mm_available()
+    mm = USE_INT8_MM and USE_CPU_GEMV and _LITTLE   # and int8_mm_available(), asked lazily
     for i, p in enumerate(prepared):
         if p is None:
             continue
         shape, box, bits = p
         try:
             width = bits.element_size()
-            if not (mm and width in _MM_WIDTHS and bits.device.type == "cpu"):
+            if not (mm and width in _MM_WIDTHS and bits.device.type == "cpu"
+                    and int8_mm_available()):
                 out[i] = _digest_slow(shape, box, bits, chunk_elems)
                 continue
             budget = int(chunk_elems or max(1, MM_BATCH_BYTES // width))
