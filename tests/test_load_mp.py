@@ -184,18 +184,25 @@ def _worker(rank: int, world: int, port: int, ckpts: dict, out_dir: str):
         dist.destroy_process_group()
 
 
-def _spawn(world: int, ckpts, out_dir):
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), ckpts, str(out_dir)),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + HARD_TIMEOUT_S
+def spawn_and_wait(worker, args: tuple, nprocs: int, what: str,
+                   hard_s: float = HARD_TIMEOUT_S) -> None:
+    """``worker(rank, *args)`` in ``nprocs`` spawned processes; pytest.fail when they have
+    not all finished within ``hard_s`` (a hang), killing any left on the way out."""
+    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + hard_s
     try:
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
-                pytest.fail(f"{world}-rank job did not finish within {HARD_TIMEOUT_S} s")
+                pytest.fail(f"{what} did not finish within {hard_s} s")
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+def _spawn(world: int, ckpts, out_dir):
+    spawn_and_wait(_worker, (world, _free_port(), ckpts, str(out_dir)), world,
+                   f"{world}-rank job")
     return [json.load(open(out_dir / f"summary-{world}-{r}.json")) for r in range(world)]
 
 
