@@ -28,10 +28,11 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 # explicit names: the package re-exports the function `digest`, shadowing the module
-from .digest import combine, fmt, iter_subboxes
+from .digest import _int_view, combine, fmt, iter_subboxes
 from .dtypes import from_torch, itemsize, torch_dtype
 from .errors import CollectiveError, CoordloaderError, VerifyError
-from .metadata import Box, box_numel, full_box, piece_key
+from .engines import intersect, narrow_box
+from .metadata import Box, box_numel, box_shape, full_box, piece_key
 
 MODES = ("none", "shapes", "digest", "full")
 _LEVEL = {m: i for i, m in enumerate(MODES)}
@@ -41,13 +42,9 @@ MAX_FINDINGS_PER_RANK = 200     # keep the gathered payload small when everythin
 
 # --------------------------------------------------------------------------- boxes
 
-def _boxes_overlap(a: Box, b: Box) -> bool:
-    return all(x0 < y1 and y0 < x1 for (x0, x1), (y0, y1) in zip(a, b))
-
-
 def box_subtract(box: Box, cut: Box) -> list[Box]:
     """``box`` minus ``cut`` as disjoint boxes (at most 2 per dim)."""
-    if not _boxes_overlap(box, cut):
+    if intersect(box, cut) is None:
         return [box]
     out = []
     rest = list(box)
@@ -124,18 +121,6 @@ def _finding(rank, check, detail, tensor=None, piece=None, box=None, ranks=None)
             "check": check, "detail": detail}
 
 
-def _int_bits(t: torch.Tensor) -> torch.Tensor:
-    v = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    t = t.reshape(1) if t.dim() == 0 else t
-    return t if t.dtype == v else t.view(v)
-
-
-def _narrow(t: torch.Tensor, box: Box, offset: Sequence[int]) -> torch.Tensor:
-    for d, ((a, b), o) in enumerate(zip(box, offset)):
-        t = t.narrow(d, o, b - a)
-    return t
-
-
 def _check_padding(t: torch.Tensor, ts) -> str | None:
     if t.dim() == 0:
         return None
@@ -144,9 +129,9 @@ def _check_padding(t: torch.Tensor, ts) -> str | None:
     gaps = uncovered(local, dst)
     if gaps is None:
         return "too many disjoint padding regions to check"
-    bits = _int_bits(t)
+    bits = _int_view(t)
     for g in gaps:
-        region = _narrow(bits, g, [a for a, _ in g])
+        region = narrow_box(bits, [a for a, _ in g], box_shape(g))
         nz = int(torch.count_nonzero(region).item())
         if nz:
             return (f"padding region {_fmt_box(g)} (covered by no piece) has {nz} non-zero "
@@ -178,20 +163,20 @@ class _FullReader:
         if not shape:
             sp = info.pieces[0]
             ref = self._open(sp.file).get_tensor(name)
-            a, b = _int_bits(ref.to(local.device)), _int_bits(local)
+            a, b = _int_view(ref.to(local.device)), _int_view(local)
             return None if torch.equal(a, b) else "scalar differs from the checkpoint"
         budget = max(1, FULL_CHUNK_BYTES // itemsize(info.dtype))
         for sp in info.pieces:
-            inter = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(piece.src, sp.box))
-            if any(a >= b for a, b in inter):
+            inter = intersect(piece.src, sp.box)
+            if inter is None:
                 continue
             key = piece_key(name, sp.box, shape)
             sl = self._open(sp.file).get_slice(key)
             for sub in iter_subboxes(inter, budget):
                 ref = sl[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(sub, sp.box))]
-                mine = _narrow(local, sub, [o + a - p0 for o, (a, _), (p0, _) in
-                                            zip(piece.dst, sub, piece.src)])
-                rb, mb = _int_bits(ref.to(local.device)), _int_bits(mine)
+                mine = narrow_box(local, [o + a - p0 for o, (a, _), (p0, _) in
+                                          zip(piece.dst, sub, piece.src)], box_shape(sub))
+                rb, mb = _int_view(ref.to(local.device)), _int_view(mine)
                 if tuple(rb.shape) != tuple(mb.shape):
                     return f"re-read {list(rb.shape)} elements, holds {list(mb.shape)}"
                 if not torch.equal(rb, mb):
