@@ -231,13 +231,8 @@ class _Accumulator:
 
     def _row_weights(self, sub: Box) -> torch.Tensor:
         lead = sub[:-1]
-
-        def make():
-            ids = torch.zeros((), dtype=torch.int64, device=self.device)
-            for (a, b), st in zip(lead, self.row_strides):
-                ids = ids.unsqueeze(-1) + torch.arange(a, b, dtype=torch.int64, device=self.device) * st
-            return hash_weights(ids.reshape(-1), SEED_ROW)
-        return _cached((str(self.device), "row", lead, tuple(self.row_strides)), make,
+        return _cached((str(self.device), "row", lead, tuple(self.row_strides)),
+                       lambda: _row_hash(lead, self.row_strides, self.device),
                        prod(b - a for a, b in lead))
 
     def _widen(self, bits: torch.Tensor, x: torch.Tensor) -> None:
@@ -300,6 +295,14 @@ class _Accumulator:
 
     def value(self) -> int:
         return int(self.acc.item()) & MASK64
+
+
+def _row_hash(lead: Box, row_strides: Sequence[int], device) -> torch.Tensor:
+    """hr of the rows of box ``lead`` (leading dims; ``row_strides`` in rows), row-major."""
+    ids = torch.zeros((), dtype=torch.int64, device=device)
+    for (a, b), st in zip(lead, row_strides):
+        ids = ids.unsqueeze(-1) + torch.arange(a, b, dtype=torch.int64, device=device) * st
+    return hash_weights(ids.reshape(-1), SEED_ROW)
 
 
 def _int_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -488,10 +491,7 @@ def _row_weight_vec(shape: tuple[int, ...], lead: Box):
     """(hr of the rows of box ``lead`` (leading dims) of a tensor of ``shape``, their sum)."""
     def make():
         strides = [prod(shape[d + 1:-1]) for d in range(len(shape) - 1)]
-        ids = torch.zeros((), dtype=torch.int64)
-        for (a, b), st in zip(lead, strides):
-            ids = ids.unsqueeze(-1) + torch.arange(a, b, dtype=torch.int64) * st
-        hr = hash_weights(ids.reshape(-1), SEED_ROW).contiguous()
+        hr = _row_hash(lead, strides, "cpu").contiguous()
         return hr, int(hr.sum()) & MASK64
     return _cached(("rows", shape, lead), make, prod(b - a for a, b in lead), _MM_CACHE)
 
