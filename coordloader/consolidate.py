@@ -26,6 +26,7 @@ import numpy as np
 from .dtypes import itemsize
 from .errors import CoordloaderError, SaveError
 from .metadata import CheckpointMeta, TensorInfo, box_shape
+from .safetensors_io import _pwrite_all
 from .save import (INDEX_NAME, MANIFEST_NAME, _fsync_dir, _os_error, _prepare, _write_json_durable,
                    publish_staged)
 
@@ -47,13 +48,6 @@ def _pread_into(fd: int, buf: memoryview, offset: int, file: str) -> None:
         n = os.preadv(fd, [buf], offset)
         if n <= 0:
             raise SaveError(f"unexpected end of file at byte {offset}", file=file)
-        buf = buf[n:]
-        offset += n
-
-
-def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
-    while len(buf):
-        n = os.pwrite(fd, buf, offset)
         buf = buf[n:]
         offset += n
 

@@ -130,6 +130,7 @@ def _local_pieces(tensors: Mapping[str, torch.Tensor], rank_plan, rank: int):
     Views are narrowed from the local tensor at the piece's destination offset, so vocab
     padding rows (covered by no piece) are never written."""
     from .dtypes import torch_dtype
+    from .engines import narrow_box
     out = []
     for ts in rank_plan.tensors:
         if ts.replica != 0:
@@ -147,9 +148,7 @@ def _local_pieces(tensors: Mapping[str, torch.Tensor], rank_plan, rank: int):
             raise SaveError(f"dtype {t.dtype} differs from the checkpoint dtype {ts.dtype} "
                             f"({torch_dtype(ts.dtype)}); convert before saving", tensor=ts.name, rank=rank)
         for pc in ts.pieces:
-            view = t
-            for d, ((a, b), off) in enumerate(zip(pc.src, pc.dst)):
-                view = view.narrow(d, off, b - a)
+            view = narrow_box(t, pc.dst, box_shape(pc.src))
             key = piece_key(ts.name, pc.src, ts.global_shape)
             nb = box_numel(pc.src) * itemsize(ts.dtype)
             out.append((_PieceOut(ts.name, ts.dtype, tuple(ts.global_shape), tuple(pc.src), key, nb), view))
