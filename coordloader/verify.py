@@ -21,6 +21,7 @@ verdict and every rank raises ``VerifyError`` with the same report.
 """
 from __future__ import annotations
 
+import os
 import time
 from math import prod
 from typing import Any, Iterable, Mapping, Sequence
@@ -149,8 +150,6 @@ class _FullReader:
 
     def _open(self, file: str):
         if file not in self.handles:
-            import os
-
             from safetensors import safe_open
             self.handles[file] = safe_open(os.path.join(self.meta.root, file), framework="pt")
         return self.handles[file]
@@ -268,7 +267,6 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
 
 def digest_workers() -> int:
     """Threads digesting tensors in parallel (env COORDLOADER_DIGEST_THREADS overrides)."""
-    import os
     env = os.environ.get("COORDLOADER_DIGEST_THREADS")
     if env:
         return max(1, int(env))
@@ -305,7 +303,9 @@ def _digest_all(jobs):
             items.append((v, p.src, ts.global_shape))
             owner.append(name)
     prev = torch.get_num_threads()
-    workers = max(1, min(digest_workers(), prev)) if not _env_threads() else digest_workers()
+    workers = digest_workers()
+    if not os.environ.get("COORDLOADER_DIGEST_THREADS"):
+        workers = min(workers, prev)
     on_cpu = any(t.device.type == "cpu" for _, t, _ in jobs)
     if on_cpu and workers > 1:
         torch.set_num_threads(1)
@@ -323,11 +323,6 @@ def _digest_all(jobs):
             continue
         out.setdefault(name, []).append(r)
     return [(name, errors[name] if name in errors else out.get(name, [])) for name, _, _ in jobs]
-
-
-def _env_threads() -> bool:
-    import os
-    return bool(os.environ.get("COORDLOADER_DIGEST_THREADS"))
 
 
 def from_torch_safe(dt: torch.dtype) -> str:
