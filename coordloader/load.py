@@ -203,6 +203,16 @@ def _progress_callback(progress, total: int, rank: int):
     return bar.update, bar
 
 
+def _load_device(engine: str, device) -> torch.device:
+    """``device``, or for None: the current CUDA device when ``engine`` resolves to
+    instanttensor and CUDA is available, else the CPU."""
+    if device is None:
+        name = resolve_engine_name(engine)
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if name == "instanttensor" and torch.cuda.is_available() else torch.device("cpu"))
+    return torch.device(device)
+
+
 def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, device=None,
                   engine: str = "auto", verify: str = "shapes", rules=None,
                   progress: Any = False, loader_config=None, out=None,
@@ -213,11 +223,7 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
     if verify not in VERIFY_MODES:
         raise LoadError(f"unknown verify mode {verify!r}; expected one of {', '.join(VERIFY_MODES)}")
     group, rank, world = _resolve_group(group, rank, layout, timeout)
-    if device is None:
-        name = resolve_engine_name(engine)
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if name == "instanttensor" and torch.cuda.is_available() else torch.device("cpu"))
-    device = torch.device(device)
+    device = _load_device(engine, device)
     eng_name = resolve_engine_name(engine, device)
     phases: dict[str, float] = {}
 
@@ -291,6 +297,34 @@ def _target_dict(target) -> dict[str, torch.Tensor]:
                     f"{type(target).__name__}")
 
 
+class _DirectDests:
+    """``out=`` for load_detailed from load_into: checkpoint name -> the target tensor the
+    engine fills in place (detached: parameters require grad), for targets that are
+    contiguous, on the load device's type and claimed by no other name. The engine checks
+    shape and dtype; everything else goes through a temporary and ``copy_``."""
+
+    def __init__(self, dests: dict, mapf, device_type: str):
+        self._dests, self._mapf, self._type = dests, mapf, device_type
+        self._memo: dict[str, torch.Tensor | None] = {}
+        self._claimed: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        if name not in self._memo:
+            tgt = self._mapf(name)
+            t = self._dests.get(tgt) if tgt is not None else None
+            ok = (t is not None and tgt not in self._claimed and t.is_contiguous()
+                  and t.device.type == self._type)
+            if ok:
+                self._claimed.add(tgt)
+            self._memo[name] = t.detach() if ok else None
+        return self._memo[name] is not None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self:
+            raise KeyError(name)
+        return self._memo[name]
+
+
 def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = True,
               **load_kw) -> LoadIntoResult:
     """Load this rank's tensors straight into existing parameters/buffers.
@@ -298,8 +332,8 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
     ``name_map``: a mapping or a callable from checkpoint name to target name (None drops
     the tensor). Shapes and dtypes must match exactly (a clear ``LoadError`` names both).
     With ``strict``, a checkpoint tensor of this rank with no target entry is an error.
-    When every destination is contiguous and on the load device, the engine reads into it
-    directly; otherwise through a temporary and ``copy_``."""
+    A destination that is contiguous and on the load device is filled by the engine
+    directly; any other through a temporary and ``copy_``."""
     dests = _target_dict(target)
     if name_map is None:
         mapf = lambda n: n  # noqa: E731
@@ -309,7 +343,9 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
         mapf = lambda n: name_map.get(n, n)  # noqa: E731
     else:
         raise LoadError("name_map must be a mapping or a callable")
-    res = load_detailed(ckpt, layout, **load_kw)
+    direct = _DirectDests(dests, mapf,
+                          _load_device(load_kw.get("engine", "auto"), load_kw.get("device")).type)
+    res = load_detailed(ckpt, layout, out=direct, **load_kw)
     loaded, skipped = [], []
     with torch.no_grad():
         for name, t in res.tensors.items():
@@ -327,7 +363,8 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
             if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
                 raise LoadError(f"target {tgt!r} is {dst.dtype} {list(dst.shape)}, this rank's "
                                 f"slice is {t.dtype} {list(t.shape)}", tensor=name, rank=res.rank)
-            dst.copy_(t)
+            if t.data_ptr() != dst.data_ptr() or t.device != dst.device:
+                dst.copy_(t)   # else the engine filled dst in place (out=direct)
             loaded.append(tgt)
     filled = set(loaded)
     return LoadIntoResult(loaded, skipped, sorted(k for k in dests if k not in filled), res.stats)

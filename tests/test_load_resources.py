@@ -84,13 +84,26 @@ def hwm() -> int:
     raise RuntimeError("no VmHWM")
 
 
-ckpt, warm, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ckpt, warm, rank, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 layout = cl.Layout(tp=2)
 cl.load(warm, layout, rank=rank)      # warm-up on a tiny checkpoint: imports, thread pools
 meta = read_checkpoint(ckpt)
-held = make_plan(meta, layout).rank(rank).bytes_held
-base = hwm()
-out = cl.load(meta, layout, rank=rank)
+rank_plan = make_plan(meta, layout).rank(rank)
+held = rank_plan.bytes_held
+if mode == "into":   # a model that exists: parameters allocated and touched before the load
+    import torch
+    from coordloader import dtypes
+    model = torch.nn.Module()
+    names = {ts.name: f"p{i}" for i, ts in enumerate(rank_plan.tensors)}
+    for ts in rank_plan.tensors:
+        model.register_parameter(names[ts.name], torch.nn.Parameter(
+            torch.ones(ts.local_shape, dtype=dtypes.torch_dtype(ts.dtype))))
+    base = hwm()
+    r = cl.load_into(model, meta, layout, name_map=names, rank=rank)
+    out = {n: getattr(model, n) for n in r.loaded} if not r.not_loaded else {}
+else:
+    base = hwm()
+    out = cl.load(meta, layout, rank=rank)
 got = sum(t.numel() * t.element_size() for t in out.values())
 peak = hwm()
 print(json.dumps({"held": held, "got": got, "base": base, "peak": peak}))
@@ -107,19 +120,34 @@ def small_llama(tmp_path_factory):
                       metadata_only=True)
 
 
-def test_cpu_engine_peak_rss_within_bytes_held_plus_buffer(small_llama, tmp_path):
-    """In a fresh process (warmed up on a tiny checkpoint, metadata and plan already in
-    memory): the load's peak RSS growth is the tensors it returns, not a staging copy."""
+def _measure(ckpt: str, tmp_path, mode: str) -> dict:
     warm = synthesize(str(tmp_path / "warm"), "llama", "tiny")
-    p = subprocess.run([sys.executable, "-c", _MEASURE, small_llama, warm, "0"], capture_output=True,
+    p = subprocess.run([sys.executable, "-c", _MEASURE, ckpt, warm, "0", mode], capture_output=True,
                        text=True, timeout=180,
                        env=dict(os.environ, OMP_NUM_THREADS="1",
                                 PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert p.returncode == 0, p.stderr
-    m = json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_engine_peak_rss_within_bytes_held_plus_buffer(small_llama, tmp_path):
+    """In a fresh process (warmed up on a tiny checkpoint, metadata and plan already in
+    memory): the load's peak RSS growth is the tensors it returns, not a staging copy."""
+    m = _measure(small_llama, tmp_path, "load")
     assert m["got"] == m["held"] > 150 << 20, m       # llama small, tp=2 rank 0: ~180 MiB
     growth = m["peak"] - m["base"]
     print(f"held {m['held'] / 2**20:.1f} MiB, peak RSS growth {growth / 2**20:.1f} MiB")
     # at least the tensors themselves (the measurement sees the allocation), at most
     # them plus a fixed buffer (no full-tensor staging of the sliced ones)
     assert m["held"] * 0.9 <= growth <= m["held"] + BUFFER, m
+
+
+def test_load_into_fills_parameters_in_place(small_llama, tmp_path):
+    """load_into a model whose parameters exist (contiguous, on the CPU, requiring grad):
+    the engine reads into them, so the load's peak RSS growth is the fixed buffer only,
+    not a second copy of the rank's tensors."""
+    m = _measure(small_llama, tmp_path, "into")
+    assert m["got"] == m["held"] > 150 << 20, m
+    growth = m["peak"] - m["base"]
+    print(f"held {m['held'] / 2**20:.1f} MiB, load_into peak RSS growth {growth / 2**20:.1f} MiB")
+    assert growth <= BUFFER, m
