@@ -115,10 +115,11 @@ class CpuEngine:
                 except OSError as e:
                     raise LoadError(f"cannot open: {e.strerror}", file=fname, rank=rank) from None
                 fds[fname] = fd
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
                     raise LoadError("is no longer a regular file: it changed after its header was "
                                     "read", file=fname, rank=rank)
-                size = os.fstat(fd).st_size
+                size = st.st_size
                 if size != files[fname].size:
                     raise LoadError(f"file is {size} bytes, its header was read when it had "
                                     f"{files[fname].size}: it changed during the load",
