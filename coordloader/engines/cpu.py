@@ -37,7 +37,7 @@ import torch
 from ..errors import LoadError
 from ..metadata import CheckpointMeta
 from ..planmodel import RankPlan
-from ..runs import RunList
+from ..runs import groups_of
 from . import LoadStats, Progress, allocate, slice_nbytes, to_device
 
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -99,7 +99,7 @@ class CpuEngine:
             runs = ts.byte_runs
             if not runs:
                 continue
-            groups = runs.groups if isinstance(runs, RunList) else RunList.from_runs(runs).groups
+            groups = groups_of(runs)
             u8, mv = _byte_view(t)
             for g in groups:
                 planned += self._add_group(items, files, g, u8, mv, nbytes, ts.name, rank)
