@@ -2,9 +2,15 @@
 
     digest(T) = sum over elements e of  w(e) * v(bits(e))   mod 2^64
 
-* ``bits(e)`` is the element's raw bit pattern zero-extended to 64 bits (the tensor is
-  viewed as the same-width integer type, so -0.0 and +0.0, or two NaN payloads, differ).
-* ``v`` is the identity for elements up to 32 bits wide; for 64-bit elements it is the
+* ``bits(e)`` is the element's raw bit pattern (the tensor is viewed as the same-width
+  integer type, so -0.0 and +0.0, or two NaN payloads, differ).
+* ``v`` maps the bits to an integer, one-to-one. For elements of 1, 2 or 4 bytes it reads
+  each little-endian byte as a *signed* byte: ``v(u) = sum_k s_k * 256^k`` with ``s_k`` the
+  k-th byte in [-128, 127], i.e. ``v(u) = u - 2 * (u & 0x80...80)``. That is what an int8
+  matrix product computes from the data as it lies in memory, so the CPU path digests a
+  tensor without copying or re-biasing it (see "CPU fast path"). ``v`` is injective (a
+  balanced base-256 number is zero only when every digit is), and ``|v(u)| < 2^(8*width)``,
+  so the arguments below hold as for the raw bits. For 64-bit elements ``v`` is the
   bijection ``x ^ (x >>> 32)``. Without it, two 64-bit values differing only in the top bit
   (+0.0 / -0.0 in F64, 0 / -2^63 in I64) would differ by 2^63, and since two odd weights
   always differ by an even number, swapping them would cancel out mod 2^64.
@@ -20,7 +26,8 @@
   share ``hc(g)``, the odd one scaled by ``2^(8*width)``:
   ``w = hr(r) * hc(c >> 1) * 2^(8*width*(c & 1))``. An aligned pair then contributes
   ``hr * hc(g) * word`` where ``word`` is the two elements read as one little-endian
-  integer, so the hot loop runs on half as many int64 values (measured ~2x for BF16).
+  integer (``v`` is bytewise, so ``v(word) = v(x0) + 2^(8*width) * v(x1)``), so the hot
+  loop runs on half as many int64 values (measured ~2x for BF16).
   Detection guarantees survive: a change ``d`` (|d| < 2^(8*width)) of one element moves
   the digest by ``odd * 2^k * d`` with ``k <= 16``, never 0 mod 2^64; swapping the two
   elements of a pair moves it by ``odd * (1 - 2^(8*width)) * d``, odd factor again. The
@@ -47,7 +54,8 @@ from .errors import VerifyError
 from .metadata import Box, box_numel, box_shape
 
 MASK64 = (1 << 64) - 1
-ALGORITHM = "coordloader-rowcol-splitmix64-v2"  # recorded in manifests; bump if the math changes
+# recorded in manifests; bump if the math changes (v3: signed-byte element values)
+ALGORITHM = "coordloader-rowcol-splitmix64-v3"
 
 # Default chunk sizes (elements per int64 work buffer). On CPU, 1M-element chunks measured
 # best (BF16 8192x8192, 2 cores: 64K -> ~1 GB/s, 256K -> ~2 GB/s, 1M -> 2.3-3.5 GB/s,
@@ -64,6 +72,7 @@ SEED_COL = 0x13198A2E03707344
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _ZERO_EXT = {2: 0xFFFF, 4: 0xFFFFFFFF}   # masks undoing sign extension of int16/int32
+_SIGN_BITS = {1: 0x80, 2: 0x8080, 4: 0x80808080}   # each byte's top bit (v of the module doc)
 
 
 def _s64(c: int) -> int:
@@ -236,24 +245,32 @@ class _Accumulator:
                        prod(b - a for a, b in lead))
 
     def _widen(self, bits: torch.Tensor, x: torch.Tensor) -> None:
-        """x (int64, shape of bits) <- bits zero-extended (64-bit: mixed, see module doc)."""
+        """x (int64, shape of bits) <- v(bits) (see module doc)."""
         width = bits.element_size()
+        if width == 1:
+            x.copy_(bits.view(torch.int8))   # one signed byte: v is the sign extension
+            return
         uview = _UNSIGNED.get(width)
-        if uview is not None and bits.dtype != torch.uint8:
+        zero_extended = False
+        if uview is not None:
             try:
                 # converting from the unsigned view zero-extends: no separate mask pass
                 x.copy_(bits.view(uview))
-                return
+                zero_extended = True
             except (RuntimeError, TypeError):
                 pass  # a backend without unsigned copies: sign-extend, then mask
-        x.copy_(bits)
-        if width in _ZERO_EXT:
-            x &= _ZERO_EXT[width]
-        elif width == 8:
-            t = _work_buffer(self.device, x.numel(), 1)[:x.numel()].view(x.shape)
+        if not zero_extended:
+            x.copy_(bits)
+            if width in _ZERO_EXT:
+                x &= _ZERO_EXT[width]
+        t = _work_buffer(self.device, x.numel(), 1)[:x.numel()].view(x.shape)
+        if width == 8:
             torch.bitwise_right_shift(x, 32, out=t)
             t &= 0xFFFFFFFF
             x ^= t
+        else:
+            torch.bitwise_and(x, _SIGN_BITS[width], out=t)
+            x.sub_(t, alpha=2)
 
     def add(self, bits: torch.Tensor, sub: Box) -> None:
         """Add the digest of ``bits`` (integer view, shape == box_shape(sub))."""
@@ -390,18 +407,18 @@ def piece_view(tensor: torch.Tensor, p, i: int = 0) -> torch.Tensor:
 # one pass over the data at memory speed, no widening to int64).
 #
 # For elements of 1, 2 or 4 bytes the digest is linear in the element's little-endian
-# bytes: w(c) * u = sum_k (w(c) * 256^k) * byte_k. So a row of a box, read as K bytes,
-# contributes sum_j B_j * byte_j with byte weights B_j = w(c0 + j // width) * 256^(j % width)
-# (the column-pair scaling of narrow dtypes is inside w(c), so any column range works).
-# Two rewrites make that an exact int8 x int8 -> int32 product:
-#   * byte_j = s_j + 128 with s_j = (byte_j ^ 0x80) read as int8, so
-#     sum_j B_j byte_j = sum_j B_j s_j + 128 * sum_j B_j (a data-independent constant);
-#   * B_j = sum_l 256^l t_jl mod 2^64 with balanced digits t_jl in [-128, 127] (l < 8).
-# Then S = s @ t (rows x 8, int32) is exact while |S| <= K * 2^14 < 2^31, i.e. K <= 2^16
-# bytes per row (wider rows are split), and the row value is sum_l S_l * 256^l mod 2^64,
-# which one int64 gemv combines; the row weights follow as in the int64 path. Small
-# pieces that share a box and global shape (a model's many experts) are stacked into one
-# product, so per-piece Python overhead is a few microseconds, not a dozen torch calls.
+# bytes read as signed int8 (that is how ``v`` is defined): w(c) * v(u) = sum_k (w(c) *
+# 256^k) * s_k. So a row of a box, read as K int8 bytes, contributes sum_j B_j * s_j with
+# byte weights B_j = w(c0 + j // width) * 256^(j % width) (the column-pair scaling of
+# narrow dtypes is inside w(c), so any column range works). Writing B_j = sum_l 256^l t_jl
+# mod 2^64 with balanced digits t_jl in [-128, 127] (l < 8) makes the row an exact
+# int8 x int8 -> int32 product S = s @ t (rows x 8), exact while |S| <= K * 2^14 < 2^31,
+# i.e. K <= 2^16 bytes per row (wider rows are split); the row value is sum_l S_l * 256^l
+# mod 2^64, which one int64 gemv combines, and the row weights follow as in the int64
+# path. The data goes into the product as it lies in memory (a strided int8 view, no
+# copy) when its rows are evenly spaced; small pieces that share a box and global shape (a
+# model's many experts) are stacked into one product instead, so per-piece Python
+# overhead is a few microseconds, not a dozen torch calls.
 #
 # 8-byte elements (mixed by x ^ (x >>> 32), not linear in the bytes), accelerators and
 # big-endian hosts keep the int64 path. torch._int_mm is private API: it is self-tested
@@ -411,6 +428,7 @@ USE_INT8_MM = True           # tests switch it off to compare with the int64 pat
 MM_ROW_BYTES = 1 << 14       # bytes of a row per product (exact up to 2^16: |S| <= 2^16 * 2^14 = 2^30;
                              # rows of 16 KiB measured faster than 64 KiB)
 MM_BATCH_BYTES = 2 << 20     # data bytes per stacked product (1-4 MiB measured alike; 256 KiB slower)
+MM_DIRECT_BYTES = 64 << 10   # parts this big go into the product in place, not stacked
 _POW256 = None
 _mm_ok: bool | None = None
 _mm_lock = threading.Lock()
@@ -420,7 +438,7 @@ _MM_CACHE: dict = {}         # (kind, ...) -> weights; bounded like _WEIGHTS
 def _mm_selftest() -> bool:
     """True when torch._int_mm exists on CPU and is exact at the extremes this path uses
     (every product -128 * -128 or -128 * 127 over the widest row; a narrow-accumulator
-    kernel that saturates would fail here)."""
+    kernel that saturates would fail here), for contiguous and strided rows."""
     mm = getattr(torch, "_int_mm", None)
     if mm is None or MM_ROW_BYTES > 1 << 16:
         return False
@@ -439,6 +457,10 @@ def _mm_selftest() -> bool:
             a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
             b = torch.randint(-128, 128, (k, 8), dtype=torch.int8, generator=g)
             if not torch.equal(mm(a, b).to(torch.int64), a.to(torch.int64) @ b.to(torch.int64)):
+                return False
+            # the in-place route hands in rows of a wider tensor (row stride > K)
+            w = torch.randint(-128, 128, (m, k + 24), dtype=torch.int8, generator=g)[:, 16:16 + k]
+            if not torch.equal(mm(w, b).to(torch.int64), w.to(torch.int64) @ b.to(torch.int64)):
                 return False
         return True
     except Exception:  # noqa: BLE001 — any failure means: use the int64 path
@@ -478,63 +500,78 @@ def balanced_limbs(v: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, dim=-1).to(torch.int8)
 
 
-def _byte_weights(c0: int, c1: int, width: int):
-    """(t: K x 8 int8 limbs of the byte weights of columns [c0, c1), 128 * sum B mod 2^64)."""
+def _byte_weights(c0: int, c1: int, width: int) -> torch.Tensor:
+    """K x 8 int8 limbs of the byte weights of columns [c0, c1)."""
     def make():
         w = _col_weight_vec("cpu", c0, c1, width)
         b = (w.unsqueeze(1) * _POW256[:width]).reshape(-1)
-        return balanced_limbs(b).contiguous(), (128 * int(b.sum())) & MASK64
+        return balanced_limbs(b).contiguous()
     return _cached(("bytes", c0, c1, width), make, cache=_MM_CACHE)
 
 
-def _row_weight_vec(shape: tuple[int, ...], lead: Box):
-    """(hr of the rows of box ``lead`` (leading dims) of a tensor of ``shape``, their sum)."""
+def _row_weight_vec(shape: tuple[int, ...], lead: Box) -> torch.Tensor:
+    """hr of the rows of box ``lead`` (leading dims) of a tensor of ``shape``."""
     def make():
         strides = [prod(shape[d + 1:-1]) for d in range(len(shape) - 1)]
-        hr = _row_hash(lead, strides, "cpu").contiguous()
-        return hr, int(hr.sum()) & MASK64
+        return _row_hash(lead, strides, "cpu").contiguous()
     return _cached(("rows", shape, lead), make, prod(b - a for a, b in lead), _MM_CACHE)
 
 
 def _byte_buffer(n: int) -> torch.Tensor:
     buf = getattr(_tls, "mmbuf", None)
     if buf is None or buf.numel() < n:
-        buf = _tls.mmbuf = torch.empty(max(n, MM_BATCH_BYTES), dtype=torch.uint8)
+        buf = _tls.mmbuf = torch.empty(max(n, MM_BATCH_BYTES), dtype=torch.int8)
     return buf[:n]
 
 
 def _as_bytes(part: torch.Tensor) -> torch.Tensor:
-    """``part`` (integer view) as uint8 with the last dim in bytes (a view when it can be)."""
-    if part.dtype == torch.uint8:
-        return part
-    if part.stride(-1) != 1:
-        part = part.contiguous()
-    return part.view(torch.uint8)
+    """``part`` (integer view) as int8 with the last dim in bytes (a view when it can be)."""
+    if part.dtype != torch.int8:
+        if part.stride(-1) != 1:
+            part = part.contiguous()
+        part = part.view(torch.int8)
+    return part
+
+
+def _as_matrix(part: torch.Tensor) -> torch.Tensor | None:
+    """``part`` (integer view) as a (rows, K) int8 view of its own memory when its rows are
+    evenly spaced with contiguous bytes, else None."""
+    if part.dim() == 0 or (part.dim() > 1 and part.shape[-1] != 1 and part.stride(-1) != 1):
+        return None
+    try:
+        m = part.view(torch.int8) if part.dtype != torch.int8 else part
+        return m.view(-1, m.shape[-1]) if m.dim() != 2 else m
+    except RuntimeError:
+        return None
+
+
+def _finish(s: torch.Tensor, hr: torch.Tensor, nb: int) -> list[int]:
+    """Per-part digests from the int32 limb sums ``s`` of ``nb`` parts' rows."""
+    r = torch.mv(s.to(torch.int64), _POW256)   # row values mod 2^64 (int64 wraps)
+    d = torch.mv(r.view(nb, -1), hr)           # sum over rows of hr * row value
+    return [x & MASK64 for x in d.tolist()]
+
+
+def _mm_direct(shape: tuple[int, ...], sub: Box, width: int, a: torch.Tensor) -> int:
+    """Digest of one part given as an int8 (rows, K) view of its memory: no copy."""
+    s = torch._int_mm(a, _byte_weights(sub[-1][0], sub[-1][1], width))
+    return _finish(s, _row_weight_vec(shape, sub[:-1]), 1)[0]
 
 
 def _mm_batch(shape: tuple[int, ...], sub: Box, width: int, parts: list) -> list[int]:
     """Digests of ``parts`` (integer views, each holding box ``sub`` of a tensor of
     ``shape``) as one stacked int8 product."""
-    lead = sub[:-1]
-    c0, c1 = sub[-1]
-    rows = prod(b - a for a, b in lead)
-    K = (c1 - c0) * width
+    rows = prod(b - a for a, b in sub[:-1])
+    K = (sub[-1][1] - sub[-1][0]) * width
     nb = len(parts)
-    t, cb = _byte_weights(c0, c1, width)
-    hr, hsum = _row_weight_vec(shape, lead)
     buf = _byte_buffer(nb * rows * K)
     dst = buf.view(nb, *box_shape(sub)[:-1], K)
     if nb == 1:
         dst[0].copy_(_as_bytes(parts[0]))
     else:
         torch.stack([_as_bytes(p) for p in parts], out=dst)
-    buf.view(torch.int8).bitwise_xor_(-128)
-    a = buf.view(torch.int8).view(nb * rows, K)   # byte - 128, as int8
-    s = torch._int_mm(a, t)                    # rows x 8 limb sums, exact int32
-    r = torch.mv(s.to(torch.int64), _POW256)   # row values mod 2^64 (int64 wraps)
-    d = torch.mv(r.view(nb, rows), hr)         # sum over rows of hr * row value
-    const = (cb * hsum) & MASK64               # the 128 * sum B term of every row
-    return [(x + const) & MASK64 for x in d.tolist()]
+    s = torch._int_mm(buf.view(nb * rows, K), _byte_weights(sub[-1][0], sub[-1][1], width))
+    return _finish(s, _row_weight_vec(shape, sub[:-1]), nb)
 
 
 def _mm_units(bits: torch.Tensor, box: Box, budget: int):
@@ -596,8 +633,21 @@ def one_intra_op_thread():
 
 def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_errors: bool) -> list:
     out: list = [0] * len(prepared)
-    groups: dict = {}
+    groups: dict = {}     # (shape, sub, width) -> [(item, part)]: stacked products
+    batches: list = []    # (shape, sub, width, [(item, part or matrix)], direct)
     mm = USE_INT8_MM and USE_CPU_GEMV and _LITTLE   # and int8_mm_available(), asked lazily
+
+    def unit(i, shape, sub, width, part):
+        if part.numel() * width >= MM_DIRECT_BYTES:
+            a = _as_matrix(part)
+            if a is not None:
+                batches.append((shape, sub, width, [(i, a)], True))
+                return
+        g = groups.get((shape, sub, width))
+        if g is None:
+            g = groups[(shape, sub, width)] = []
+        g.append((i, part))
+
     for i, p in enumerate(prepared):
         if p is None:
             continue
@@ -614,28 +664,25 @@ def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_erro
                 # the common case, one unit: skip the sub-box machinery (per-piece
                 # Python time is a visible share of the total for a model's small pieces)
                 if n:
-                    key = (shape, box, width)
-                    g = groups.get(key)
-                    if g is None:
-                        g = groups[key] = []
-                    g.append((i, bits))
+                    unit(i, shape, box, width, bits)
                 continue
             for sub, part in _mm_units(bits, box, budget):
                 if part.numel():
-                    groups.setdefault((shape, sub, width), []).append((i, part))
+                    unit(i, shape, sub, width, part)
         except Exception as e:  # noqa: BLE001
             if not return_errors:
                 raise
             out[i] = e
-    batches = []
     for (shape, sub, width), units in groups.items():
         per = max(1, MM_BATCH_BYTES // max(1, box_numel(sub) * width))
         for k in range(0, len(units), per):
-            batches.append((shape, sub, width, units[k:k + per]))
+            batches.append((shape, sub, width, units[k:k + per], False))
 
     def run(batch):
-        shape, sub, width, units = batch
+        shape, sub, width, units, direct = batch
         try:
+            if direct:
+                return [_mm_direct(shape, sub, width, units[0][1])]
             return _mm_batch(shape, sub, width, [p for _, p in units])
         except Exception as e:  # noqa: BLE001
             if not return_errors:
@@ -654,7 +701,7 @@ def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_erro
     else:
         with one_intra_op_thread():
             results = [run(b) for b in batches]
-    for (_, _, _, units), res in zip(batches, results):
+    for (_, _, _, units, _), res in zip(batches, results):
         for k, (i, _) in enumerate(units):
             if isinstance(out[i], Exception):
                 continue

@@ -93,9 +93,8 @@ def reference(t: torch.Tensor) -> int:
     C = shape[-1]
     w = t.element_size() * 8
     tot = 0
-    for i, v in enumerate(bits_of(t.contiguous())):
-        if w == 64:
-            v ^= v >> 32
+    for i, u in enumerate(bits_of(t.contiguous())):
+        v = u ^ (u >> 32) if w == 64 else u - 2 * (u & int.from_bytes(b"\x80" * (w // 8), "little"))
         tot += hash_weight_py(i // C, SEED_ROW) * col_weight_py(i % C, t.element_size()) * v
     return tot & MASK64
 
@@ -247,15 +246,16 @@ def test_position_matters_not_just_content():
     assert digest(g, full_box((4, 4)), (4, 4)) != digest(g.reshape(2, 8), full_box((2, 8)), (2, 8))
 
 
-@pytest.mark.parametrize("path", ["int8mm", "gemv", "mul_sum", "mask"])
+@pytest.mark.parametrize("path", ["int8mm", "int8mm_in_place", "gemv", "mul_sum", "mask"])
 def test_code_paths_agree(monkeypatch, path):
     """The CPU int8-product path, the CPU int64 gemv path, the accelerator mul+sum path and
     the sign-extend+mask fallback (backends without unsigned copies) compute the same
     digest."""
     import sys
     dgm = sys.modules["coordloader.digest"]   # the package attribute is the function
-    if path == "int8mm":
+    if path.startswith("int8mm"):
         assert dgm.int8_mm_available()
+        monkeypatch.setattr(dgm, "MM_DIRECT_BYTES", 0 if path == "int8mm_in_place" else 1 << 60)
     else:
         monkeypatch.setattr(dgm, "USE_INT8_MM", False)
     if path not in ("int8mm", "gemv"):
@@ -303,12 +303,19 @@ def test_balanced_limbs_reconstruct_mod_2_64():
     assert torch.equal(back, v)
 
 
+# parts go into the int8 product in place (a strided view of the data) at or above
+# MM_DIRECT_BYTES, stacked into a copy below it: 0 = in place whenever the layout allows
+IN_PLACE = pytest.mark.parametrize("direct", [0, 1 << 60], ids=["in_place", "stacked"])
+
+
+@IN_PLACE
 @pytest.mark.parametrize("fill", [0x00, 0xFF, 0x80, 0x7F])
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32, torch.uint8])
-def test_int8_product_at_extreme_bytes(fill, dt):
+def test_int8_product_at_extreme_bytes(monkeypatch, direct, fill, dt):
     """Every byte at an extreme of the signed/unsigned range (the int32 sums' worst case),
     on rows wider than one product (split into column blocks)."""
     dgm = _dgm()
+    monkeypatch.setattr(dgm, "MM_DIRECT_BYTES", direct)
     n = dgm.MM_ROW_BYTES // _size(dt) * 2 + 3
     t = torch.full((3, n * _size(dt)), fill, dtype=torch.uint8).view(dt)
     box = ((0, 3), (0, n))
@@ -316,10 +323,13 @@ def test_int8_product_at_extreme_bytes(fill, dt):
     assert got == reference(t)
 
 
-def test_digest_many_matches_digest_and_reports_errors(monkeypatch):
-    """Batched digests (stacked products, threads, column blocks) equal one-by-one digests;
-    a bad item yields its error without spoiling the others."""
+@IN_PLACE
+def test_digest_many_matches_digest_and_reports_errors(monkeypatch, direct):
+    """Batched digests (stacked products or in place, threads, column blocks) equal
+    one-by-one digests of the int64 path; a bad item yields its error without spoiling
+    the others."""
     dgm = _dgm()
+    monkeypatch.setattr(dgm, "MM_DIRECT_BYTES", direct)
     monkeypatch.setattr(dgm, "MM_ROW_BYTES", 64)        # force column blocks
     monkeypatch.setattr(dgm, "MM_BATCH_BYTES", 512)     # force several batches
     g = torch.Generator().manual_seed(7)
