@@ -3,6 +3,7 @@ successful or failed, and the CPU engine's memory stays within the bytes it must
 plus a fixed buffer."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -66,6 +67,37 @@ def test_no_fd_or_thread_leak_across_100_loads_including_failures(tmp_path):
     assert not leaked, {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in leaked
                         if os.path.exists(f"/proc/self/fd/{fd}")}
     assert threading.active_count() <= threads, threading.enumerate()
+    # the load pauses the cyclic GC; every exit path, failures included, gives it back
+    assert gc.isenabled()
+
+
+def test_gc_state_is_restored_not_changed(tmp_path):
+    """load pauses the cyclic garbage collector while it runs and restores the caller's
+    setting: enabled stays enabled (also after a failed load), disabled stays disabled."""
+    good = synthesize(str(tmp_path / "good"), "llama", "tiny")
+    seen = []
+    orig = cl.engines.cpu.CpuEngine.load_rank
+
+    def spy(self, *a, **k):
+        seen.append(gc.isenabled())
+        return orig(self, *a, **k)
+
+    assert gc.isenabled()
+    try:
+        cl.engines.cpu.CpuEngine.load_rank = spy
+        cl.load(good, Layout(tp=2), rank=0, engine="cpu")
+        assert seen == [False] and gc.isenabled()
+        with pytest.raises(LoadError):
+            cl.load(good, Layout(tp=2), rank=0, engine="cpu", verify="bogus")
+        with pytest.raises(CoordloaderError):
+            cl.load(str(tmp_path / "nowhere"), Layout(tp=2), rank=0, engine="cpu")
+        assert gc.isenabled()
+        gc.disable()
+        cl.load(good, Layout(tp=2), rank=1, engine="cpu")
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        cl.engines.cpu.CpuEngine.load_rank = orig
+        gc.enable()
 
 
 _MEASURE = r'''
