@@ -8,6 +8,7 @@ import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from math import prod
 from typing import Any, Mapping
 
@@ -42,15 +43,17 @@ class TensorSlice:
     byte_runs: tuple[ByteRun, ...]
     strategy: str = "replicate"     # rule strategy that produced it (diagnostics)
 
-    @property
+    # cached: engines and verify ask for these per slice, thousands of times a load
+    # (cached_property writes the instance __dict__ directly, so frozen is no obstacle)
+    @cached_property
     def local_numel(self) -> int:
         return prod(self.local_shape)
 
-    @property
+    @cached_property
     def covered_numel(self) -> int:
         return sum(box_numel(p.src) for p in self.pieces)
 
-    @property
+    @cached_property
     def needs_zero_fill(self) -> bool:
         """True when pieces do not fill the local tensor (vocab padding rows)."""
         return self.covered_numel != self.local_numel
