@@ -98,6 +98,8 @@ def main(argv=None) -> int:
                 from .verify_bench import bench_verify
                 results["verify"] = bench_verify(load_ckpt(), tp=a.tp, repeats=repeats,
                                                  load_section=results.get("load"),
+                                                 cold=not (a.no_cold or a.quick),
+                                                 cold_repeats=a.cold_repeats,
                                                  timeout=a.timeout, log=log)
             elif sec == "save":
                 from .save_bench import bench_save

@@ -12,7 +12,8 @@ from typing import Any
 from .common import can_drop_caches, ckpt_files, dir_bytes, median, rate
 from .runner import MethodFailed, repeat_method, run_ranks
 
-CPU_METHODS = ["ceiling", "preadv", "span", "cpu", "st_whole", "st_mmap_narrow", "st_slice"]
+CPU_METHODS = ["ceiling", "fresh_floor", "preadv", "span", "cpu", "st_whole", "cpu_into",
+               "st_whole_into", "st_mmap_narrow", "st_slice"]
 RSS_FACTOR, RSS_SLACK = 1.3, 300e6
 
 
@@ -157,6 +158,16 @@ def _compare(rows: dict) -> dict:
     if cpu and "st_whole" in rows:
         x = rows["st_whole"]["wall_s"] / cpu["wall_s"]
         targets["cpu_vs_whole_read"] = {"value": x, "target": ">= 3.0", "ok": x >= 3.0}
+    if "cpu_into" in rows and "st_whole_into" in rows:
+        x = rows["st_whole_into"]["wall_s"] / rows["cpu_into"]["wall_s"]
+        targets["cpu_vs_whole_read_into_existing"] = {"value": x, "target": ">= 3.0",
+                                                      "ok": x >= 3.0}
+    if cpu and "st_whole" in rows and "fresh_floor" in rows:
+        f = rows["fresh_floor"]["wall_s"]
+        if cpu["wall_s"] > f:
+            x = (rows["st_whole"]["wall_s"] - f) / (cpu["wall_s"] - f)
+            targets["cpu_vs_whole_read_above_fresh_floor"] = {"value": x, "target": "(info)",
+                                                              "ok": None}
     if cpu and "st_mmap_narrow" in rows:
         x = rows["st_mmap_narrow"]["wall_s"] / cpu["wall_s"]
         targets["cpu_vs_mmap_narrow"] = {"value": x, "target": "(info)", "ok": None}
