@@ -33,7 +33,8 @@ def _bench(args, timeout=120):
 def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
     out = tmp_path / "out"
     p = _bench(["load", "--ckpt", tiny_ckpt, "--repeats", "1", "--no-cold", "--out", str(out),
-                "--methods", "ceiling,preadv,span,cpu,st_whole,st_mmap_narrow,st_slice"])
+                "--methods", "ceiling,fresh_floor,preadv,span,cpu,st_whole,cpu_into,st_whole_into,"
+                "st_mmap_narrow,st_slice"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = p.stdout.rstrip("\n").splitlines()
     m = HEADLINE.match(lines[-1])
@@ -48,11 +49,12 @@ def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
     assert "| method |" in md and "(`cpu`)" in md and "(`st_whole`)" in md
     res = json.loads((out / "results.json").read_text())
     warm = res["load"]["warm"]
-    assert set(warm) == {"ceiling", "preadv", "span", "cpu", "st_whole", "st_mmap_narrow",
-                         "st_slice"}
+    assert set(warm) == {"ceiling", "fresh_floor", "preadv", "span", "cpu", "st_whole", "cpu_into",
+                         "st_whole_into", "st_mmap_narrow", "st_slice"}
     assert "(`st_mmap_narrow`)" in md and "page-cache bytes copied / held" in md
     # every slice-holding method left each rank exactly the same tensors
-    for k in ("preadv", "span", "cpu", "st_whole", "st_mmap_narrow", "st_slice"):
+    for k in ("preadv", "span", "cpu", "st_whole", "cpu_into", "st_whole_into", "st_mmap_narrow",
+              "st_slice"):
         assert warm[k]["same_tensors"] is True, k
         assert [r["rank"] for r in warm[k]["ranks"]] == [0, 1]
         for r in warm[k]["ranks"]:
@@ -74,6 +76,30 @@ def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
     if res["plots"]:
         assert (out / "load_gbps.png").stat().st_size > 1000
     assert "cold-cache runs not requested" in res["load"]["notes"]
+    # the floor holds nothing to compare; it touched every byte the ranks hold
+    assert warm["fresh_floor"]["same_tensors"] is None
+    assert [r["bytes_read"] for r in warm["fresh_floor"]["ranks"]] == res["load"]["bytes_held_plan"]
+    targets = res["load"]["targets"]
+    assert targets["cpu_vs_whole_read_into_existing"]["value"] == pytest.approx(
+        warm["st_whole_into"]["wall_s"] / warm["cpu_into"]["wall_s"])
+    assert "(`cpu_into`)" in md and "cpu_vs_whole_read_into_existing" in md
+
+
+def test_verify_bench_pairs_shapes_and_digest(tiny_ckpt, tmp_path):
+    out = tmp_path / "out"
+    p = _bench(["verify", "--ckpt", tiny_ckpt, "--repeats", "2", "--no-cold", "--out", str(out)])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    ver = json.loads((out / "results.json").read_text())["verify"]
+    e = ver["e2e"]
+    assert e["same_tensors"] is True
+    assert e["shapes"]["phases"]["verify"] >= 0 and e["digest"]["phases"]["verify"] > 0
+    assert ver["target"]["value"] == e["digest_adds"] and "verify_phase_adds" in e
+    assert "e2e_cold" not in ver
+    # --ckpt is not written to: no manifest, and the report says what digest mode compared
+    assert not ver["manifest"]["written"]
+    assert any("primaries with replicas" in n for n in ver["notes"])
+    md = (out / "results.md").read_text()
+    assert "digest mode adds (median of paired repeats)" in md
 
 
 def res_ratio(out):
