@@ -415,10 +415,12 @@ def piece_view(tensor: torch.Tensor, p, i: int = 0) -> torch.Tensor:
 # int8 x int8 -> int32 product S = s @ t (rows x 8), exact while |S| <= K * 2^14 < 2^31,
 # i.e. K <= 2^16 bytes per row (wider rows are split); the row value is sum_l S_l * 256^l
 # mod 2^64, which one int64 gemv combines, and the row weights follow as in the int64
-# path. The data goes into the product as it lies in memory (a strided int8 view, no
-# copy) when its rows are evenly spaced; small pieces that share a box and global shape (a
-# model's many experts) are stacked into one product instead, so per-piece Python
-# overhead is a few microseconds, not a dozen torch calls.
+# path. A big part (MM_DIRECT_BYTES or more) goes into the product as it lies in memory
+# (a strided int8 view, no copy) when its rows are evenly spaced; small pieces that share
+# a box and global shape (a model's many experts) are stacked into one product instead,
+# so per-piece Python overhead is a few microseconds, not a dozen torch calls. (An
+# orientation with the row weights as the left operand, hr limbs (8 x rows) @ data, was
+# measured too: its 8 x K output costs more than it saves unless rows >> K.)
 #
 # 8-byte elements (mixed by x ^ (x >>> 32), not linear in the bytes), accelerators and
 # big-endian hosts keep the int64 path. torch._int_mm is private API: it is self-tested
@@ -428,7 +430,7 @@ USE_INT8_MM = True           # tests switch it off to compare with the int64 pat
 MM_ROW_BYTES = 1 << 14       # bytes of a row per product (exact up to 2^16: |S| <= 2^16 * 2^14 = 2^30;
                              # rows of 16 KiB measured faster than 64 KiB)
 MM_BATCH_BYTES = 2 << 20     # data bytes per stacked product (1-4 MiB measured alike; 256 KiB slower)
-# parts this big go into the product in place, not stacked. Measured (1 thread): a 64 MiB
+# parts this big go into the product in place, not stacked. Measured (1 thread, cold): a 64 MiB
 # BF16 tensor 7.3 GB/s in place vs 6.9 stacked, its dim-1 half 5.2 vs 3.8; but a model's
 # 256 KiB expert slices ran 3.8 GB/s one product each vs 5.3 stacked (per-call overhead)
 MM_DIRECT_BYTES = MM_BATCH_BYTES
