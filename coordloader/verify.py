@@ -75,8 +75,8 @@ def _fmt_box(b: Box) -> str:
     return "[" + ",".join(f"{a}:{c}" for a, c in b) + "]"
 
 
-def check_cover(name: str, shape: tuple[int, ...], primaries: Sequence[tuple[int, Box]],
-                replicas: Sequence[tuple[int, Box]]) -> list[str]:
+def cover_problems(name: str, shape: tuple[int, ...], primaries: Sequence[tuple[int, Box]],
+                   replicas: Sequence[tuple[int, Box]]) -> list[str]:
     """Exact-cover problems of one tensor, given (rank, box) of its primary and replica
     pieces over all ranks. The tiling test is the planner's (``cover.tiling_problem``:
     sort/sweep, n log n for a valid tiling); this adds rank names, the uncovered regions
@@ -382,8 +382,8 @@ def evaluate(payloads: Sequence[dict], mode: str, *, meta=None, manifest=None,
                                          f"ranks disagree on dtype/shape ({desc})", name))
                 continue
             (_, gshape), = decl.keys()
-            probs = check_cover(name, gshape, [(r, b) for r, _, b in h["prim"]],
-                                [(r, b) for r, _, b in h["repl"]])
+            probs = cover_problems(name, gshape, [(r, b) for r, _, b in h["prim"]],
+                                   [(r, b) for r, _, b in h["repl"]])
             for msg in probs:
                 rs = sorted({r for r, _, _ in h["prim"] + h["repl"]})
                 failures.append(_finding(rs[0] if len(rs) == 1 else None, "cover", msg, name,

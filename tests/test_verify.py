@@ -250,15 +250,15 @@ def test_one_rank_of_a_larger_plan_in_a_single_process(setup):
 
 
 def test_cover_checker_finds_gaps_overlaps_and_stray_replicas():
-    p = vf.check_cover("t", (4, 4), [(0, ((0, 2), (0, 4))), (1, ((2, 4), (0, 2)))], [])
+    p = vf.cover_problems("t", (4, 4), [(0, ((0, 2), (0, 4))), (1, ((2, 4), (0, 2)))], [])
     assert p == ["primary pieces cover 12 of 16 elements; held by no rank: [2:4,2:4]"]
-    p = vf.check_cover("t", (4, 4), [(0, ((0, 3), (0, 4))), (1, ((2, 4), (0, 4)))], [])
+    p = vf.cover_problems("t", (4, 4), [(0, ((0, 3), (0, 4))), (1, ((2, 4), (0, 4)))], [])
     assert len(p) == 1 and "overlap" in p[0] and "rank 0" in p[0] and "rank 1" in p[0]
-    p = vf.check_cover("t", (4,), [(0, ((0, 4),))], [(1, ((0, 2),))])
+    p = vf.cover_problems("t", (4,), [(0, ((0, 4),))], [(1, ((0, 2),))])
     assert p == ["rank 1 holds replica piece [0:2] that matches no primary piece"]
-    p = vf.check_cover("t", (4,), [(0, ((0, 5),))], [])
+    p = vf.cover_problems("t", (4,), [(0, ((0, 5),))], [])
     assert "outside" in p[0]
-    assert vf.check_cover("s", (), [(0, ())], [(1, ())]) == []
+    assert vf.cover_problems("s", (), [(0, ())], [(1, ())]) == []
 
 
 def test_unknown_mode():
