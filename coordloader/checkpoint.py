@@ -22,13 +22,11 @@ and every rank calls ``assemble``. ``read_checkpoint`` does all three in one pro
 """
 from __future__ import annotations
 
-import gc
 import heapq
 import json
 import os
 import stat
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from hashlib import sha256
 from math import prod
@@ -36,6 +34,7 @@ from typing import Any, Iterable
 
 from .dtypes import SUPPORTED, itemsize
 from .errors import CheckpointError
+from .gcpause import gc_paused
 from .metadata import (CheckpointMeta, FileInfo, SourcePiece, TensorInfo, box_numel, box_shape,
                        full_box, piece_key)
 
@@ -157,20 +156,6 @@ def _parse_json(raw: bytes, decoder: json.JSONDecoder, file: str, what: str) -> 
     return obj
 
 
-@contextmanager
-def _gc_paused():
-    """Header parsing and assembly build ~10^5 small acyclic objects; with the cyclic GC
-    running, its repeated generation scans cost more than the work itself (measured:
-    assembling DeepSeek-V3's 92k tensors 1.0 s -> 0.3 s). Nothing created here is cyclic."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 # --------------------------------------------------------------------------- safe opening
 
 def _kind(mode: int) -> str:
@@ -288,7 +273,7 @@ def read_file_header(root: str, name: str) -> FileHeader:
         raw = _pread_exact(fd, n, 8, name)
     finally:
         os.close(fd)
-    with _gc_paused():
+    with gc_paused():
         return _header_from_raw(raw, name, n, size)
 
 
@@ -450,7 +435,7 @@ def _read_config(d: str) -> dict | None:
 
 
 def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
-    with _gc_paused():
+    with gc_paused():
         idx = _read_json_file(os.path.join(d, index_name), index_name, _INDEX_DECODER, "index")
     wm = idx.get("weight_map")
     if type(wm) is not dict:
@@ -548,7 +533,7 @@ def assemble(root: str, discovery: Discovery, headers: Iterable[FileHeader]) -> 
                               f" unexpected {extra[:5]})", file=discovery.index_file)
     names = sorted(by_file)
     files = tuple(by_file[n].info for n in names)
-    with _gc_paused():
+    with gc_paused():
         if discovery.coordloader is not None:
             tensors = _assemble_sharded(discovery, by_file, names)
             layout = discovery.coordloader.get("layout")
@@ -717,6 +702,6 @@ def _find_overlap(boxes: list, dim: int):
 
 def read_checkpoint(root: str) -> CheckpointMeta:
     """discover + read every header + assemble, in this process."""
-    with _gc_paused():  # one pause for the whole read, not one per file
+    with gc_paused():  # one pause for the whole read, not one per file
         disc = discover(root)
         return assemble(root, disc, [read_file_header(disc.root, f) for f in disc.files])

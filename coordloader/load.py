@@ -18,18 +18,17 @@ with the failing rank's message, never a hang):
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
 
 from . import collective
+from .gcpause import gc_paused
 from .errors import CollectiveError, LoadError, PlanError, SaveError, VerifyError
 from .layout import Layout
 from .plan_cli import experts_held, human, layout_from_args, ranges_str
@@ -215,22 +214,6 @@ def _load_device(engine: str, device) -> torch.device:
     return torch.device(device)
 
 
-@contextmanager
-def _gc_paused():
-    """No cyclic garbage collection while loading: the checkpoint's metadata, the plan and
-    the tensors are hundreds of thousands of tracked objects, so one full collection,
-    triggered at a random allocation, costs ~0.1 s (188k objects for qwen3_moe-small at
-    tp=2) and lands in whichever phase is running; the load itself creates little cyclic
-    garbage. Restored (not forced) afterwards."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, device=None,
                   engine: str = "auto", verify: str = "shapes", rules=None,
                   progress: Any = False, loader_config=None, out=None,
@@ -240,7 +223,9 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
         raise PlanError(f"layout must be a coordloader.Layout, got {type(layout).__name__}")
     if verify not in VERIFY_MODES:
         raise LoadError(f"unknown verify mode {verify!r}; expected one of {', '.join(VERIFY_MODES)}")
-    with _gc_paused():
+    # no cyclic GC while loading (see coordloader.gcpause): a full collection over the
+    # metadata, plan and tensors landed in whichever phase was running
+    with gc_paused():
         group, rank, world = _resolve_group(group, rank, layout, timeout)
         device = _load_device(engine, device)
         eng_name = resolve_engine_name(engine, device)

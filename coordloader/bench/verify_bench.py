@@ -91,29 +91,24 @@ def bench_verify(ckpt: str, *, tp: int = 2, repeats: int = 3, load_section: dict
     may_write = os.path.abspath(ckpt).startswith(os.path.abspath(CACHE_DIR) + os.sep)
     out["manifest"] = _manifest(ckpt, meta, may_write=may_write, log=log)
 
-    try:
-        runs, e2e = _e2e_pairs(ckpt, layout, meta, plan, repeats, cold=False,
-                               timeout=timeout, log=log)
-        out["e2e"] = _pair_summary(runs, e2e)
-        log(f"[bench]   load(verify='shapes') {out['e2e']['shapes']['wall_s']:.3f} s, "
-            f"load(verify='digest') {out['e2e']['digest']['wall_s']:.3f} s: "
-            f"digest adds {100 * out['e2e']['digest_adds']:.0f}%")
-    except MethodFailed as e:
-        out["notes"].append(f"load(verify=...) failed: {str(e).splitlines()[0]}")
-    # a cold start (page cache dropped before each load): what serving's first load pays
+    # warm pairs; then, when allowed, cold ones (page cache dropped before each load):
+    # what serving's first load pays
+    sets = [("e2e", "", False, repeats)]
     if cold and can_drop_caches():
-        try:
-            runs, e2e = _e2e_pairs(ckpt, layout, meta, plan, cold_repeats, cold=True,
-                                   timeout=timeout, log=log)
-            out["e2e_cold"] = _pair_summary(runs, e2e)
-            log(f"[bench]   cold: load(verify='shapes') "
-                f"{out['e2e_cold']['shapes']['wall_s']:.3f} s, load(verify='digest') "
-                f"{out['e2e_cold']['digest']['wall_s']:.3f} s: digest adds "
-                f"{100 * out['e2e_cold']['digest_adds']:.0f}%")
-        except MethodFailed as e:
-            out["notes"].append(f"cold load(verify=...) failed: {str(e).splitlines()[0]}")
+        sets.append(("e2e_cold", "cold: ", True, cold_repeats))
     elif cold:
         out["notes"].append("cold cache not available (cannot write /proc/sys/vm/drop_caches)")
+    for key, tag, is_cold, n in sets:
+        try:
+            runs, e2e = _e2e_pairs(ckpt, layout, meta, plan, n, cold=is_cold,
+                                   timeout=timeout, log=log)
+        except MethodFailed as e:
+            out["notes"].append(f"{tag}load(verify=...) failed: {str(e).splitlines()[0]}")
+            continue
+        out[key] = r = _pair_summary(runs, e2e)
+        log(f"[bench]   {tag}load(verify='shapes') {r['shapes']['wall_s']:.3f} s, "
+            f"load(verify='digest') {r['digest']['wall_s']:.3f} s: "
+            f"digest adds {100 * r['digest_adds']:.0f}%")
     if not out["manifest"].get("available"):
         out["notes"].append("no manifest: verify='digest' compared primaries with replicas "
                             "only")
