@@ -31,7 +31,7 @@ from . import collective
 from .gcpause import gc_paused
 from .errors import CollectiveError, LoadError, PlanError, SaveError, VerifyError
 from .layout import Layout
-from .plan_cli import experts_held, human, layout_from_args, ranges_str
+from .plan_cli import add_layout_args, experts_held, human, layout_from_args, ranges_str
 from .safetensors_io import write_file_atomic
 from .engines import ENGINE_NAMES, LoadStats, resolve_engine_name, select_engine
 
@@ -383,25 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(run under torchrun: torchrun --nproc-per-node N -m coordloader.load CKPT "
                     "...). Each rank ends up with exactly its slices for the layout.")
     p.add_argument("checkpoint", help="checkpoint directory (or a .safetensors file)")
-    g = p.add_argument_group("layout")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1)")
-    g.add_argument("--ep-spans-dp", action="store_true",
-                   help="the MoE group spans TP x DP ranks (vLLM --enable-expert-parallel with DP)")
-    g.add_argument("--placement", default="linear",
-                   help="expert placement: linear (vLLM), round_robin, or a JSON list of expert "
-                        "id lists, one per ep rank (default linear)")
-    g.add_argument("--pp-layers", default=None,
-                   help="explicit layers per pipeline stage, comma separated (e.g. 13,12,12,11)")
-    g.add_argument("--allow-uneven", action="store_true",
-                   help="allow splits that do not divide (torch.chunk semantics)")
-    g.add_argument("--include-mtp", action="store_true",
-                   help="load DeepSeek MTP layers (index >= num_hidden_layers) on the last stage")
-    g.add_argument("--rules", default=None, help="JSON rule file overriding/extending the preset")
-    g.add_argument("--replicate-unmatched", action="store_true",
-                   help="replicate tensors no rule matches instead of failing")
+    add_layout_args(p.add_argument_group("layout"))
     e = p.add_argument_group("loading")
     e.add_argument("--engine", default="auto", choices=ENGINE_NAMES,
                    help="auto = instanttensor with CUDA, else cpu (default auto)")

@@ -139,20 +139,34 @@ def format_table(plan, rows=None, rank: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def add_layout_args(g) -> None:
+    """The layout flags (read back by ``layout_from_args``) and the rule flags, shared by
+    ``python -m coordloader.plan`` and ``coordloader.load`` so both CLIs take the same
+    layout the same way. ``g``: a parser or an argument group."""
+    for k, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data"), ("ep", "expert")):
+        g.add_argument(f"--{k}", type=int, default=1, help=f"{what}-parallel size (default 1)")
+    g.add_argument("--ep-spans-dp", action="store_true",
+                   help="the MoE group spans TP x DP ranks (vLLM --enable-expert-parallel with DP)")
+    g.add_argument("--placement", default="linear",
+                   help="expert placement: linear (vLLM), round_robin, or one expert-id list per "
+                        "ep rank as inline JSON or a FILE.json (default linear)")
+    g.add_argument("--pp-layers", default=None,
+                   help="explicit layers per pipeline stage, comma separated (e.g. 13,12,12,11)")
+    g.add_argument("--allow-uneven", action="store_true",
+                   help="allow splits that do not divide (torch.chunk semantics)")
+    g.add_argument("--include-mtp", action="store_true",
+                   help="load DeepSeek MTP layers (index >= num_hidden_layers) on the last stage")
+    g.add_argument("--rules", default=None,
+                   help="a preset name, or a JSON rule file overriding/extending the preset")
+    g.add_argument("--replicate-unmatched", action="store_true",
+                   help="replicate tensors no rule matches instead of failing")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m coordloader.plan",
                                 description="Plan which slice of each tensor every rank holds.")
     p.add_argument("checkpoint", help="checkpoint directory")
-    for k in ("tp", "pp", "dp", "ep"):
-        p.add_argument(f"--{k}", type=int, default=1)
-    p.add_argument("--ep-spans-dp", action="store_true", help="MoE group = TP x DP ranks of a stage")
-    p.add_argument("--placement", default="linear",
-                   help="linear | round_robin | FILE.json or inline JSON: one expert-id list per ep rank")
-    p.add_argument("--pp-layers", default=None, help="explicit layers per stage, e.g. 31,30")
-    p.add_argument("--allow-uneven", action="store_true", help="torch.chunk splits for sizes not divisible")
-    p.add_argument("--include-mtp", action="store_true", help="keep layers >= num_hidden_layers (last stage)")
-    p.add_argument("--rules", default=None, help="preset name or JSON rule file")
-    p.add_argument("--replicate-unmatched", action="store_true")
+    add_layout_args(p)
     p.add_argument("--rank", type=int, default=None, help="show only this rank")
     p.add_argument("--json", default=None, help="write the plan (schema v1) to FILE ('-' = stdout)")
     return p
