@@ -187,14 +187,17 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         doc = json.loads(raw)
         if doc.get("format") != "coordloader.manifest" or doc.get("version") != VERSION:
             raise ValueError(f"not a version-{VERSION} coordloader manifest")
-        if doc.get("algorithm") != ALGORITHM:
-            raise ValueError(f"digest algorithm {doc.get('algorithm')!r}, this coordloader uses "
-                             f"{ALGORITHM!r}; regenerate it")
         tensors = {n: TensorDigest(str(t["dtype"]), tuple(int(s) for s in t["shape"]), int(t["digest"], 16))
                    for n, t in doc["tensors"].items()}
         fp = str(doc["fingerprint"])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise VerifyError(f"malformed manifest: {e}", file=path) from None
+    if doc.get("algorithm") != ALGORITHM:
+        # a well-formed manifest of another coordloader version: its digests are not
+        # comparable, and recomputing them is the fix
+        raise VerifyError(f"stale manifest: its digests use algorithm {doc.get('algorithm')!r}, "
+                          f"this coordloader computes {ALGORITHM!r}; regenerate it with "
+                          f"`python -m coordloader.manifest {root}`", file=path)
     if fp != meta.fingerprint():
         raise VerifyError(f"stale manifest: the checkpoint changed since it was written "
                           f"({_staleness(doc, meta)}); regenerate it with "

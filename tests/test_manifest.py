@@ -129,6 +129,24 @@ def test_stale_manifest_refused_naming_the_change(tmp_path):
     assert mf.load_manifest(root, read_checkpoint(root)) is not None
 
 
+def test_manifest_of_another_digest_algorithm_is_stale(tmp_path):
+    """A manifest written by a coordloader whose digest math differs (v2 -> v3 changed
+    the element values) is refused by name, with the command that fixes it."""
+    root = write_hf(tmp_path / "ck", tensors_a())
+    meta = read_checkpoint(root)
+    path = mf.write_manifest(meta)
+    doc = json.load(open(path))
+    assert doc["algorithm"] == mf.ALGORITHM
+    doc["algorithm"] = "coordloader-rowcol-splitmix64-v2"
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(VerifyError, match=r"stale manifest: its digests use algorithm "
+                                          r"'coordloader-rowcol-splitmix64-v2'.*regenerate it "
+                                          r"with `python -m coordloader.manifest") as ei:
+        mf.load_manifest(root, meta)
+    assert ei.value.file == path
+
+
 def test_missing_and_malformed_manifest(tmp_path):
     root = write_hf(tmp_path / "ck", tensors_a())
     meta = read_checkpoint(root)
