@@ -356,3 +356,26 @@ def test_digest_many_matches_digest_and_reports_errors(monkeypatch, direct):
         assert got[1:] == want
     with pytest.raises(VerifyError):
         dgm.digest_many(items)
+
+
+@IN_PLACE
+def test_views_with_overlapping_or_broadcast_rows(monkeypatch, direct):
+    """Expanded (stride-0) and transposed views digest like their contiguous copies on
+    every route: the in-place int8 product must not be handed rows that overlap (oneDNN
+    read a stride-0 matrix wrongly), and the int64 path is the reference."""
+    dgm = _dgm()
+    monkeypatch.setattr(dgm, "MM_DIRECT_BYTES", direct)
+    g = torch.Generator().manual_seed(13)
+    views = [
+        (torch.randn(1, 96, generator=g) * 50).to(torch.bfloat16).expand(40, 96),
+        (torch.randn(7, 1, generator=g) * 50).to(torch.float32).expand(7, 33),
+        (torch.randn(30, 20, generator=g) * 50).to(torch.bfloat16).t(),
+        (torch.randn(5, 4, 24, generator=g) * 50).to(torch.float16)[:, 1],
+    ]
+    for v in views:
+        box, shape = full_box(tuple(v.shape)), tuple(v.shape)
+        got = digest(v, box, shape)
+        assert got == digest(v.contiguous(), box, shape) == reference(v.contiguous())
+        monkeypatch.setattr(dgm, "USE_INT8_MM", False)
+        assert digest(v, box, shape) == got
+        monkeypatch.setattr(dgm, "USE_INT8_MM", True)
