@@ -13,12 +13,12 @@ runs objects (the planner shares them across replicas) are checked once.
 """
 from __future__ import annotations
 
-import gc
 from math import prod
 from typing import Iterable, Mapping, Sequence
 
 from .dtypes import itemsize
 from .errors import PlanError
+from .gcpause import gc_paused
 from .runs import groups_of
 
 Box = tuple
@@ -145,13 +145,8 @@ def check_cover(views: Iterable, shapes: Mapping[str, Sequence[int]], *, exclude
 
 def validate_cover(plan, meta) -> None:
     """Raise PlanError unless ``plan`` covers ``meta`` exactly (see module doc)."""
-    was = gc.isenabled()
-    gc.disable()   # many small tuples, all kept until the end: avoid repeated GC scans
-    try:
+    with gc_paused():   # many small tuples, all kept until the end: avoid repeated GC scans
         _validate_cover(plan, meta)
-    finally:
-        if was:
-            gc.enable()
 
 
 def _validate_cover(plan, meta) -> None:

@@ -11,13 +11,13 @@ class and shared by every replica. Cost is linear in the number of (rank, tensor
 """
 from __future__ import annotations
 
-import gc
 import re
 import warnings
 from math import prod
 from typing import Any, Mapping
 
 from .errors import PlanError
+from .gcpause import gc_paused
 from .layout import Layout
 from .metadata import CheckpointMeta, TensorInfo
 from .planmodel import LoadGroup, Piece, Plan, RankPlan, TensorSlice
@@ -51,13 +51,8 @@ def make_plan(checkpoint: str | CheckpointMeta, layout: Layout, rules: Any = Non
     ruleset = resolve_rules(meta.config, rules)
     # The planner allocates hundreds of thousands of small objects that all stay alive;
     # the cyclic GC would rescan them over and over (it was a third of planning time).
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return _Planner(meta, layout, ruleset, replicate_unmatched).run()
-    finally:
-        if was:
-            gc.enable()
 
 
 def chunk_ranges(n: int, parts: int, uneven: bool, what: str) -> list[tuple[int, int]]:

@@ -3,7 +3,6 @@ interface documented in docs/plan-schema.md). Built by ``coordloader.plan``; con
 engines, the verifier and the CLI."""
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import sys
@@ -12,6 +11,7 @@ from functools import cached_property
 from math import prod
 from typing import Any, Mapping
 
+from .gcpause import gc_paused
 from .metadata import Box, box_numel
 
 SCHEMA_VERSION = 1
@@ -159,13 +159,8 @@ class Plan:
         if not self._digest:
             # many small tuples, all kept until the end: the cyclic GC would rescan the
             # plan's objects over and over (most of the cost on a large plan)
-            was = gc.isenabled()
-            gc.disable()
-            try:
+            with gc_paused():
                 self._digest.append(_plan_digest(self))
-            finally:
-                if was:
-                    gc.enable()
         return self._digest[0]
 
 
