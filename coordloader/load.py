@@ -442,8 +442,9 @@ def format_table(per_rank: list[dict], totals: dict) -> str:
                  f"{human(totals['bytes_held']):>12} "
                  f"{human(totals['bytes_read']):>12} {totals['read_amplification']:>9.3f} "
                  f"{totals['seconds']:>8.3f} {totals['gbps']:>7.2f}")
-    lines.append("coords: pipeline stage, data-parallel replica, tensor-parallel rank, "
-                 "expert-parallel rank.moe_tp rank; experts: ids the rank holds (part of)")
+    lines.append("coords: ppS dpD tpT epE.M = pipeline stage S, data-parallel replica D, "
+                 "tensor-parallel rank T, expert-parallel rank E and M its rank in the TP "
+                 "split of each expert it owns; experts: ids the rank holds (part of)")
     return "\n".join(lines)
 
 
