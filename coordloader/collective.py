@@ -696,5 +696,26 @@ def exit_on_error(fn: Callable | None = None, *, rank=None, usage_errors=()):
     return wrapper
 
 
+def gather_object(group: "Group | None", value) -> list:
+    """Every rank's ``value``, by rank (``all_gather_object`` over the group's process
+    group); ``[value]`` without a group or in a world of one. Every rank must call it, so
+    call it inside a phase or after one succeeded on every rank."""
+    if group is None or group.world == 1:
+        return [value]
+    import torch.distributed as dist
+    out: list = [None] * group.world
+    dist.all_gather_object(out, value, group=group.pg)
+    return out
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for a rendezvous of processes started on
+    this machine (tests, the bench, the docs' examples). The port is free when this returns;
+    another process may still take it before the rendezvous binds it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 __all__ = ["Group", "init_group", "wrap_group", "run_phase", "exit_on_error",
-           "describe_exception", "DEFAULT_TIMEOUT_S", "DEFAULT_GRACE_S"]
+           "describe_exception", "free_port", "gather_object", "DEFAULT_TIMEOUT_S", "DEFAULT_GRACE_S"]

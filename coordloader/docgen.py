@@ -18,7 +18,6 @@ import functools
 import importlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -372,11 +371,6 @@ def _pp_example() -> str:
 
 # --------------------------------------------------------------------------- error examples
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 _COLLECTIVE_SNIPPET = textwrap.dedent("""
     import sys
@@ -395,7 +389,8 @@ _COLLECTIVE_SNIPPET = textwrap.dedent("""
 
 def _run_ranks(world: int, start: list[int], timeout_s: float) -> str:
     """Run the snippet as plain processes (no torchrun); -> rank 0's stderr."""
-    port = _free_port()
+    from .collective import free_port
+    port = free_port()
     procs = []
     for r in start:
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),

@@ -138,8 +138,7 @@ def read_metadata(ckpt, group, rank: int, world: int):
     def gather_and_assemble():
         # Inside a phase: every rank finished reading (the previous phase agreed), so all
         # of them reach this all_gather; one dying in it (or in assemble) is still named.
-        gathered: list = [None] * world
-        _dist().all_gather_object(gathered, headers, group=group.pg)
+        gathered = collective.gather_object(group, headers)
         return checkpoint.assemble(disc.root, disc, [h for part in gathered for h in part])
     return run_phase("metadata-assemble", group, gather_and_assemble)
 
@@ -152,9 +151,7 @@ def agree_on_plan(plan, group, rank: int, world: int) -> None:
 
 
 def _compare_plan_digests(plan, group, rank: int, world: int) -> None:
-    d = plan.digest()
-    digests: list = [None] * world
-    _dist().all_gather_object(digests, d, group=group.pg)
+    digests = collective.gather_object(group, plan.digest())
     if len(set(digests)) > 1:
         by: dict[str, list[int]] = {}
         for r, x in enumerate(digests):
@@ -499,14 +496,8 @@ def _run(args) -> int:
                 args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
                 layout=layout.to_dict(), coords=dict(res.rank_plan.coords),
                 overwrite=args.overwrite))
-        def gather_summary():
-            if group is None:
-                return [mine]
-            out: list = [None] * group.world
-            _dist().all_gather_object(out, mine, group=group.pg)
-            return out
         # a phase like the others: a rank dying here is named, not a bare gloo timeout
-        per_rank = run_phase("summary", group, gather_summary)
+        per_rank = run_phase("summary", group, lambda: collective.gather_object(group, mine))
         def finish():
             if not rank0:
                 return

@@ -428,16 +428,6 @@ def _resolve_group(group):
     return group if isinstance(group, coll.Group) else coll.wrap_group(group)
 
 
-def _gather(g, value) -> list:
-    """Every rank's value (only called after a phase succeeded on every rank)."""
-    if g.world == 1:
-        return [value]
-    import torch.distributed as dist
-    out = [None] * g.world
-    dist.all_gather_object(out, value, group=g.pg)
-    return out
-
-
 # ---------------------------------------------------------------------------------------
 # public entry
 # ---------------------------------------------------------------------------------------
@@ -468,7 +458,7 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
     planner's presets are detected from config.json. Returns a :class:`SaveResult` for this rank."""
     import torch.distributed as dist
 
-    from .collective import run_phase
+    from .collective import gather_object, run_phase
     out_dir = os.fspath(out_dir)
     if max_shard_bytes <= 0:
         raise SaveError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
@@ -488,7 +478,7 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
         token = uuid.uuid4().hex[:16]
         stage = run_phase("save-prepare",
                           lambda: _prepare(out_dir, overwrite, rank, token) if rank == 0 else None, g)
-        stage = _gather(g, stage)[0]   # rank 0's staging directory name
+        stage = gather_object(g, stage)[0]   # rank 0's staging directory name
         t0 = time.perf_counter()
         try:
             mine = run_phase("save-write", _write_rank, g, os.path.join(out_dir, stage), tensors,
@@ -498,7 +488,7 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
                 shutil.rmtree(os.path.join(out_dir, stage), ignore_errors=True)
             raise
         secs = time.perf_counter() - t0
-        recs = _gather(g, mine)
+        recs = gather_object(g, mine)
 
         def publish():
             if rank != 0:
@@ -508,7 +498,7 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
             except BaseException:
                 shutil.rmtree(os.path.join(out_dir, stage), ignore_errors=True)
                 raise
-        wrote = _gather(g, run_phase("save-publish", publish, g))[0]
+        wrote = gather_object(g, run_phase("save-publish", publish, g))[0]
         return SaveResult(out_dir, rank, tuple(mine["files"]), mine["bytes"], secs, rank == 0, bool(wrote))
 
     # ---- local mode -------------------------------------------------------------------

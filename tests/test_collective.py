@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from coordloader.collective import (_ranges, describe_exception, exit_on_error, run_phase,
+from coordloader.collective import (_ranges, free_port, describe_exception, exit_on_error, run_phase,
                                     Group)
 from coordloader.errors import CheckpointError, CollectiveError, SaveError
 
@@ -71,12 +70,6 @@ def main():
 with exit_on_error():
     main()
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(port: int, rank: int, world: int, **extra: str) -> dict:

@@ -21,6 +21,7 @@ import sys
 import pytest
 
 from coordloader import docgen
+from coordloader.collective import free_port
 
 REPO = docgen.REPO
 DOC_FILES = sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))) + [os.path.join(REPO, "README.md")]
@@ -164,7 +165,7 @@ def test_doc_blocks_run(path, tmp_path):
     if not runs:
         pytest.skip("every block is marked not-run")
     for line, lang, payload in runs:
-        env = dict(os.environ, PET_MASTER_PORT=str(docgen._free_port()), PYTHONUNBUFFERED="1",
+        env = dict(os.environ, PET_MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS="1")
         env.pop("RANK", None)
         env.pop("WORLD_SIZE", None)

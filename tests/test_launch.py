@@ -9,22 +9,16 @@ from pathlib import Path
 import pytest
 
 from coordloader.synth import synthesize
+from coordloader.collective import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ["local.sh", "multinode.sh", "slurm.sbatch", "handoff_example.sh"]
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_local_sh_runs_two_cpu_ranks(tmp_path):
     ckpt = synthesize(str(tmp_path / "ck"), "llama", "tiny")
     env = dict(os.environ, NPROC="2", CKPT=ckpt, DEVICE="cpu", PYTHON=sys.executable,
-               MASTER_PORT=str(_free_port()), PET_MASTER_PORT=str(_free_port()))
+               MASTER_PORT=str(free_port()), PET_MASTER_PORT=str(free_port()))
     p = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "--tp", "2",
                         "--report", str(tmp_path / "r.json"), "--quiet"],
                        capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
@@ -37,7 +31,8 @@ def test_local_sh_runs_two_cpu_ranks(tmp_path):
 
 def test_local_sh_reports_a_layout_mismatch(tmp_path):
     ckpt = synthesize(str(tmp_path / "ck"), "llama", "tiny")
-    env = dict(os.environ, NPROC="2", CKPT=ckpt, DEVICE="cpu", PYTHON=sys.executable)
+    env = dict(os.environ, NPROC="2", CKPT=ckpt, DEVICE="cpu", PYTHON=sys.executable,
+               MASTER_PORT=str(free_port()), PET_MASTER_PORT=str(free_port()))
     p = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "--tp", "4"],
                        capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
     assert p.returncode != 0

@@ -11,22 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from coordloader.collective import free_port
+from ranks import spawn_and_wait
 
 HARD_TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -184,25 +179,9 @@ def _worker(rank: int, world: int, port: int, ckpts: dict, out_dir: str):
         dist.destroy_process_group()
 
 
-def spawn_and_wait(worker, args: tuple, nprocs: int, what: str,
-                   hard_s: float = HARD_TIMEOUT_S) -> None:
-    """``worker(rank, *args)`` in ``nprocs`` spawned processes; pytest.fail when they have
-    not all finished within ``hard_s`` (a hang), killing any left on the way out."""
-    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + hard_s
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{what} did not finish within {hard_s} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-
-
 def _spawn(world: int, ckpts, out_dir):
-    spawn_and_wait(_worker, (world, _free_port(), ckpts, str(out_dir)), world,
-                   f"{world}-rank job")
+    spawn_and_wait(_worker, (world, free_port(), ckpts, str(out_dir)), world,
+                   f"{world}-rank job", hard_s=HARD_TIMEOUT_S)
     return [json.load(open(out_dir / f"summary-{world}-{r}.json")) for r in range(world)]
 
 
@@ -231,7 +210,7 @@ def test_torchrun_entry_point_dump_and_report(ckpts, tmp_path):
     ck = ckpts["llama"]
     dump, report = tmp_path / "dump", tmp_path / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "coordloader.load", ck, "--tp", "2", "--engine", "cpu", "--dump", str(dump),
            "--report", str(report), "--timeout", "60"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -258,7 +237,7 @@ def test_torchrun_entry_point_dump_and_report(ckpts, tmp_path):
                 assert _bytes(f.get_tensor(ts.name)) == _bytes(want), (r, ts.name)
     # a wrong world size is one clean line, non-zero exit, no traceback
     bad = cmd[:cmd.index("--tp") + 1] + ["4", "--quiet"]
-    bad[bad.index("--master-port") + 1] = str(_free_port())
+    bad[bad.index("--master-port") + 1] = str(free_port())
     p = subprocess.run(bad, capture_output=True, text=True, timeout=HARD_TIMEOUT_S, env=env)
     assert p.returncode != 0
     assert "launched with 2 ranks but the layout" in p.stderr

@@ -8,7 +8,6 @@ The hypothesis part saves in local mode (one process, every rank in turn)."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from coordloader.load import load
 from coordloader.plan import make_plan
 from coordloader.save import INDEX_NAME, save
 from coordloader.synth import synthesize
+from coordloader.collective import free_port
 
 # source layouts, saved by a distributed save over 4 (or the first 2) spawned processes
 SOURCE_LAYOUTS = {
@@ -47,12 +47,6 @@ def assert_same_load(src: str, resharded: str, layout: Layout, **kw) -> None:
         for n in want:
             assert got[n].dtype == want[n].dtype and got[n].shape == want[n].shape, (layout, r, n)
             assert torch.equal(_bits(got[n]), _bits(want[n])), f"{layout} rank {r}: {n} differs"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, jobs: list, q) -> None:
@@ -88,7 +82,7 @@ def _spawn(jobs: list, timeout: float = 150.0) -> None:
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     ps = [ctx.Process(target=_worker, args=(r, port, jobs, q)) for r in range(4)]
     for p in ps:
         p.start()

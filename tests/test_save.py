@@ -19,6 +19,7 @@ from coordloader.errors import SaveError
 from coordloader.layout import Layout
 from coordloader.planmodel import Piece, Plan, RankPlan, TensorSlice
 from coordloader.save import INDEX_NAME, save
+from coordloader.collective import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -266,18 +267,11 @@ def _dist_worker(rank, port, base, q):
         dist.destroy_process_group()
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_distributed_save_and_error_agreement(tmp_path):
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     ps = [ctx.Process(target=_dist_worker, args=(r, port, str(tmp_path), q)) for r in range(2)]
     for p in ps:
         p.start()

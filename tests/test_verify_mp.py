@@ -7,21 +7,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from coordloader.collective import free_port
+from ranks import spawn_and_wait
 
 HARD_TIMEOUT_S = 150
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _flip(path: str, offset: int) -> None:
@@ -148,17 +142,8 @@ def _worker(rank: int, port: int, fx: dict, out_dir: str):
 
 
 def test_verify_failures_reach_every_rank(fixtures, tmp_path):
-    ctx = mp.start_processes(_worker, args=(_free_port(), fixtures, str(tmp_path)), nprocs=WORLD,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + HARD_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"verify job did not finish within {HARD_TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_and_wait(_worker, (free_port(), fixtures, str(tmp_path)), WORLD, "verify job",
+                   hard_s=HARD_TIMEOUT_S)
     out = [json.load(open(tmp_path / f"vmp-{r}.json")) for r in range(WORLD)]
     if os.environ.get("COORDLOADER_VMP_DUMP"):
         print(json.dumps(out, indent=1))
