@@ -185,14 +185,6 @@ class Group:
     _prev: str | None = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
 
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-    def barrier(self, name: str) -> None:
-        """A phase that does nothing: all ranks meet, with the timeout and naming."""
-        run_phase(name, _noop, self)
-
     def close(self) -> None:
         """End the group. The store host waits (at most timeout_s) for every rank to
         reach close(), so nobody loses the store while still reading it."""
@@ -214,10 +206,6 @@ class Group:
             import torch.distributed as dist
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(self.pg)
-
-
-def _noop():
-    return None
 
 
 def _env_int(name: str) -> int | None:
@@ -537,10 +525,11 @@ def _dead_ranks(group: Group, missing: list[int]) -> list[int]:
 
 
 def _read_statuses(group: Group, seq: int) -> dict[int, tuple] | None:
-    keys = [f"{seq}/s/{r}" for r in range(group.world)]
+    present = _present(group, f"{seq}/s/")
+    if present is None:
+        return None
     try:
-        present = [r for r, key in zip(range(group.world), keys) if group.store.check([key])]
-        values = group.store.multi_get([keys[r] for r in present]) if present else []
+        values = group.store.multi_get([f"{seq}/s/{r}" for r in present]) if present else []
     except Exception:  # noqa: BLE001
         return None
     out = {}
