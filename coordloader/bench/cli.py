@@ -51,9 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--worlds", metavar="N,N,...",
                     help="rank counts for the plan bench (default 8,16,...,1024; with --quick "
                          "8,64,1024)")
+    from .load_bench import load_methods
     ap.add_argument("--methods", metavar="M,M,...",
-                    help="load methods to run (default: all that apply): ceiling, preadv, span, cpu, "
-                         "st_whole, st_mmap_narrow, st_slice, load_e2e, it_raw, it_engine")
+                    help=f"load methods to run (default: all that apply): {', '.join(load_methods())}")
     ap.add_argument("--timeout", type=float, default=900.0,
                     help="seconds before a stuck rank is killed (default 900)")
     return ap

@@ -9,12 +9,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .common import can_drop_caches, ckpt_files, dir_bytes, median, rate
-from .runner import MethodFailed, repeat_method, run_ranks
+from .common import can_drop_caches, ckpt_files, dir_bytes, median, rate, warm_files
+from .runner import MethodFailed, run_ranks
 
 CPU_METHODS = ["ceiling", "fresh_floor", "preadv", "span", "cpu", "st_whole", "cpu_into",
                "st_whole_into", "st_mmap_narrow", "st_slice"]
 RSS_FACTOR, RSS_SLACK = 1.3, 300e6
+
+
+def load_methods(cuda: bool = True) -> list[str]:
+    """The methods ``bench load`` runs by default (the CUDA ones only with ``cuda``)."""
+    from .methods import METHODS
+    return CPU_METHODS + ["load_e2e"] + ([k for k, m in METHODS.items() if m.needs_cuda]
+                                         if cuda else [])
 
 
 def prepare(ckpt: str, layout) -> tuple[Any, Any]:
@@ -117,11 +124,10 @@ def _run_set(methods, repeats, *, cold, common, log) -> tuple[dict, dict]:
                 continue
             t0 = time.perf_counter()
             try:
-                kw = dict(common)
-                if not cold and first:
-                    kw["warm_paths"] = ckpt_files(common["ckpt"])
+                if not cold and first:   # warm runs start from a page cache holding the files
+                    warm_files(ckpt_files(common["ckpt"]))
                 first = False
-                runs[m] += repeat_method(m, 1, cold=cold, log=log, **kw)
+                runs[m].append(run_ranks(m, cold=cold, log=log, **common))
             except MethodFailed as e:
                 failed[m] = str(e)
                 log(f"[bench] {m} failed: {str(e).splitlines()[0]}")
@@ -204,10 +210,8 @@ def bench_load(ckpt: str, *, tp: int = 2, repeats: int = 3, cold: bool = True,
         f"{len(meta.tensors)} tensors), layout {layout}, plan in {time.perf_counter() - t0:.2f} s")
     notes = []
     if methods is None:
-        methods = CPU_METHODS + ["load_e2e"]
-        if torch.cuda.is_available():
-            methods += cuda_only
-        else:
+        methods = load_methods(torch.cuda.is_available())
+        if not torch.cuda.is_available():
             notes.append("(d) raw instanttensor.safe_open and (e) the coordloader instanttensor "
                          "engine need CUDA: skipped on this machine")
     common = dict(ckpt=ckpt, layout=layout, meta=meta, plan=plan, world=layout.world_size,

@@ -50,7 +50,6 @@ class Method:
     needs_group: bool = False
     needs_cuda: bool = False
     holds_slice: bool = True     # leaves the rank's planned tensors (checksum compared)
-    note: str = ""
 
 
 # -- helpers ----------------------------------------------------------------------------
@@ -87,6 +86,16 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
     return hashlib.sha256("\n".join(acc).encode()).hexdigest()[:16]
 
 
+def _pread_full(fd: int, mv: memoryview, off: int, what: str) -> None:
+    """Fill ``mv`` from ``fd`` at ``off`` (one-thread baselines: a plain ``preadv`` loop)."""
+    got = 0
+    while got < len(mv):
+        n = os.preadv(fd, [mv[got:]], off + got)
+        if n <= 0:
+            raise OSError(f"short read in {what} at {off + got}")
+        got += n
+
+
 def _plan_runs(ctx):
     """(path, offset, length, slice name, dest) for the rank's byte runs, by file and
     offset (forward reads)."""
@@ -120,13 +129,14 @@ def _no_setup(ctx):
     return None
 
 
-def _st_whole_run(ctx, _):
+def _whole_read(ctx, dsts=None):
     """The default-loader pattern: iterate over every tensor of every file, read it whole
     into the rank's memory, narrow to what this rank holds, copy into the parameter, drop
     it. ``get_tensor`` of safetensors (0.4+) returns a tensor backed by the file's mmap,
     so it is ``clone()``d: every byte of every tensor is copied into the rank's own memory,
     as a loader that reads files without mmap (or moves each tensor to its device) does.
-    Without the clone this is ``st_mmap_narrow`` below."""
+    Without the clone this is ``st_mmap_narrow`` below. ``dsts``: existing destinations
+    (the into-existing pair), else fresh ones."""
     from safetensors import safe_open
     wanted = ctx.rank_plan.by_name()
     out, read = {}, 0
@@ -137,11 +147,15 @@ def _st_whole_run(ctx, _):
                 read += full.numel() * full.element_size()
                 ts = wanted.get(key)
                 if ts is not None:
-                    dst = allocate(ts, "cpu")
+                    dst = dsts[key] if dsts is not None else allocate(ts, "cpu")
                     _copy_pieces(dst, ts, full)
                     out[key] = dst
                 del full
     return out, read, {"page_cache_bytes": read}
+
+
+def _st_whole_run(ctx, _):
+    return _whole_read(ctx)
 
 
 # -- the same two, into destinations that already exist (``load_into`` a built model) ----
@@ -162,19 +176,7 @@ def _cpu_into_run(ctx, dsts):
 
 def _st_whole_into_run(ctx, dsts):
     """(b) with the narrowed pieces copied into the existing destinations."""
-    from safetensors import safe_open
-    wanted = ctx.rank_plan.by_name()
-    read = 0
-    for path in ctx.files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                full = f.get_tensor(key).clone()
-                read += full.numel() * full.element_size()
-                ts = wanted.get(key)
-                if ts is not None:
-                    _copy_pieces(dsts[key], ts, full)
-                del full
-    return dsts, read, {"page_cache_bytes": read}
+    return _whole_read(ctx, dsts)
 
 
 # -- (f) the fresh-memory floor: what materialising the result alone costs ----------------
@@ -252,12 +254,10 @@ def _ceiling_run(ctx, buf):
     for path in ctx.files:
         fd = os.open(path, os.O_RDONLY)
         try:
-            off, size = 0, os.fstat(fd).st_size
-            while off < size:
-                n = os.preadv(fd, [mv[pos:pos + min(chunk, size - off)]], off)
-                if n <= 0:
-                    raise OSError(f"short read in {path} at {off}")
-                off += n
+            size = os.fstat(fd).st_size
+            for off in range(0, size, chunk):
+                n = min(chunk, size - off)
+                _pread_full(fd, mv[pos:pos + n], off, path)
                 pos += n
         finally:
             os.close(fd)
@@ -283,13 +283,7 @@ def _preadv_run(ctx, state):
             fd = fds.get(path)
             if fd is None:
                 fd = fds[path] = os.open(path, os.O_RDONLY)
-            mv = views[name][dest:dest + length]
-            got = 0
-            while got < length:
-                n = os.preadv(fd, [mv[got:]], off + got)
-                if n <= 0:
-                    raise OSError(f"short read in {path} at {off + got}")
-                got += n
+            _pread_full(fd, views[name][dest:dest + length], off, path)
             read += length
     finally:
         for fd in fds.values():
@@ -329,13 +323,7 @@ def _span_run(ctx, state):
                     if buf.numel() < n:
                         buf = torch.empty(n, dtype=torch.uint8)
                     target = buf[:n]
-                mv = memoryview(target.numpy()).cast("B")
-                got = 0
-                while got < n:
-                    k = os.preadv(fd, [mv[got:]], off + got)
-                    if k <= 0:
-                        raise OSError(f"short read in {fname} at {off + got}")
-                    got += k
+                _pread_full(fd, memoryview(target.numpy()).cast("B"), off, fname)
                 read += n
                 plan_bytes += count * ln
                 if not contiguous:

@@ -4,17 +4,11 @@ never waited on forever."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass
 
-from .common import drop_caches, evict_files, ckpt_files, warm_files
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..collective import free_port
+from .common import ckpt_files, drop_caches, evict_files
 
 
 class MethodFailed(RuntimeError):
@@ -25,7 +19,6 @@ class MethodFailed(RuntimeError):
 class RankRun:
     """What the ranks of one repeat reported (one dict per rank, by rank)."""
     ranks: list[dict]
-    cold: bool = False
 
     @property
     def wall(self) -> float:
@@ -110,7 +103,7 @@ def run_ranks(method: str, *, ckpt: str, layout, meta, plan, world: int, device:
         results = collect("RESULT")
         for p in procs:
             p.join(timeout=max(5.0, deadline - time.monotonic()))
-        return RankRun([results[r] for r in range(world)], cold=cold)
+        return RankRun([results[r] for r in range(world)])
     finally:
         for p in procs:
             if p.is_alive():
@@ -126,15 +119,3 @@ def _cuda_count() -> int:
         return torch.cuda.device_count()
     except Exception:
         return 0
-
-
-def repeat_method(method: str, repeats: int, *, cold: bool = False, warm_paths=None,
-                  **kw) -> list[RankRun]:
-    """``repeats`` runs of one method; warm runs start from a page cache holding the
-    files (read once before the first), cold runs from a dropped one."""
-    out = []
-    if not cold and warm_paths:
-        warm_files(warm_paths)
-    for _ in range(repeats):
-        out.append(run_ranks(method, cold=cold, **kw))
-    return out

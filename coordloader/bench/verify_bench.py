@@ -66,8 +66,7 @@ def bench_verify(ckpt: str, *, tp: int = 2, repeats: int = 3, load_section: dict
                  cold: bool = False, cold_repeats: int = 1, timeout: float = 900.0,
                  log=print) -> dict:
     from ..layout import Layout
-    from .load_bench import bench_single, prepare, summarize
-    from .methods import METHODS
+    from .load_bench import bench_single, prepare
     layout = Layout(tp=tp)
     meta, plan = prepare(ckpt, layout)
     out: dict = {"ckpt": ckpt, "layout": layout.to_dict(), "notes": []}

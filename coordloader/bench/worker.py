@@ -31,18 +31,6 @@ def _proc_io() -> dict[str, int]:
         return {}
 
 
-def _vm_hwm() -> int:
-    """Peak resident set of this process's address space (VmHWM), bytes; 0 if unknown."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
 def _warm_up() -> None:
     """One-time lazy initialisations every method would pay once per process (numpy
     bridge, thread pool machinery, safetensors' extension): done before the timed
@@ -101,12 +89,10 @@ def rank_main(spec: dict, conn) -> int:
         wall = time.perf_counter() - t0
         io1 = _proc_io()
         rss_peak = _maxrss_bytes()
-        hwm = _vm_hwm()
         held = sum(t.numel() * t.element_size() for t in tensors.values()) if tensors else 0
         cs = checksum(tensors) if tensors and method.holds_slice else None
         _emit("RESULT", {"rank": rank, "wall": wall, "bytes_requested": requested,
                          "bytes_held": held, "rss_ready": rss_ready, "rss_peak": rss_peak,
-                         "vm_hwm": hwm,
                          "io_rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
                          "io_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
                          "checksum": cs, "extra": extra})
