@@ -26,9 +26,10 @@ import numpy as np
 from .dtypes import itemsize
 from .errors import CoordloaderError, SaveError
 from .metadata import CheckpointMeta, TensorInfo, box_shape
-from .safetensors_io import _pwrite_all
-from .save import (INDEX_NAME, MANIFEST_NAME, _fsync_dir, _os_error, _prepare, _write_json_durable,
-                   publish_staged)
+from .safetensors_io import _pwrite_all, pread_into
+from .manifest import MANIFEST_NAME
+from .save import (INDEX_NAME, _fsync_dir, _os_error, _prepare, _write_json_durable,
+                   publish_staged, staged_manifest)
 
 DEFAULT_BLOCK_BYTES = 64 * 2**20
 _NP_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -41,15 +42,6 @@ class ConsolidateResult:
     tensors: int
     bytes: int
     seconds: float
-
-
-def _pread_into(fd: int, buf: memoryview, offset: int, file: str) -> None:
-    while len(buf):
-        n = os.preadv(fd, [buf], offset)
-        if n <= 0:
-            raise SaveError(f"unexpected end of file at byte {offset}", file=file)
-        buf = buf[n:]
-        offset += n
 
 
 class _Sources:
@@ -79,7 +71,8 @@ def iter_row_blocks(t: TensorInfo, src: _Sources, block_bytes: int = DEFAULT_BLO
     if len(t.shape) == 0:
         (p,) = t.pieces
         buf = np.empty((), dtype=npdt)
-        _pread_into(src.fd(p.file), memoryview(buf.reshape(1).view(np.uint8)), p.start, p.file)
+        pread_into(src.fd(p.file), memoryview(buf.reshape(1).view(np.uint8)), p.start,
+                   file=p.file, tensor=t.name)
         yield 0, buf
         return
     rows = t.shape[0]
@@ -103,8 +96,8 @@ def iter_row_blocks(t: TensorInfo, src: _Sources, block_bytes: int = DEFAULT_BLO
             slab = prod(pshape[1:]) * isz
             part = np.empty((i1 - i0,) + tuple(pshape[1:]), dtype=npdt)
             if part.size:
-                _pread_into(src.fd(p.file), memoryview(part.reshape(-1).view(np.uint8)),
-                            p.start + (i0 - a) * slab, p.file)
+                pread_into(src.fd(p.file), memoryview(part.reshape(-1).view(np.uint8)),
+                           p.start + (i0 - a) * slab, file=p.file, tensor=t.name)
             idx = (slice(i0 - r0, i1 - r0),) + tuple(slice(x, y) for x, y in p.box[1:])
             block[idx] = part
         yield r0, block
@@ -151,7 +144,6 @@ def _data_offsets(path: str) -> tuple[int, dict[str, tuple[int, int]]]:
 
 def _carry_manifest(meta: CheckpointMeta, stage_dir: str, names: list[str]) -> bool:
     from . import manifest as mf
-    from .checkpoint import read_file_header
     from .errors import VerifyError
     try:
         m = mf.load_manifest(meta.root, meta)
@@ -159,9 +151,8 @@ def _carry_manifest(meta: CheckpointMeta, stage_dir: str, names: list[str]) -> b
         return False
     if m is None:
         return False
-    infos = sorted((read_file_header(stage_dir, f).info for f in names), key=lambda i: i.name)
-    new = CheckpointMeta(root=os.path.abspath(stage_dir), files=tuple(infos), tensors={})
-    _write_json_durable(os.path.join(stage_dir, MANIFEST_NAME), mf.to_json(new, dict(m.tensors)))
+    _write_json_durable(os.path.join(stage_dir, MANIFEST_NAME),
+                        staged_manifest(stage_dir, names, dict(m.tensors)))
     return True
 
 
@@ -195,7 +186,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
             except SaveError as e:
                 c = e.__cause__
                 raise (_os_error(c, fname, None, "creating an output shard") if isinstance(c, OSError)
-                       else SaveError(e.message, file=fname)) from e
+                       else SaveError(e.message, file=fname, tensor=e.tensor)) from e
             data_start, offs = _data_offsets(path)
             fd = os.open(path, os.O_RDWR)
             try:

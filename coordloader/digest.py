@@ -50,6 +50,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .dtypes import _BITS_VIEW
 from .errors import VerifyError
 from .metadata import Box, box_numel, box_shape
 
@@ -70,7 +71,6 @@ _M2 = 0x94D049BB133111EB
 SEED_ROW = 0x243F6A8885A308D3
 SEED_COL = 0x13198A2E03707344
 
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _ZERO_EXT = {2: 0xFFFF, 4: 0xFFFFFFFF}   # masks undoing sign extension of int16/int32
 _SIGN_BITS = {1: 0x80, 2: 0x8080, 4: 0x80808080}   # each byte's top bit (v of the module doc)
 
@@ -209,11 +209,6 @@ def col_weight_py(c: int, width: int) -> int:
     return hash_weight_py(c, SEED_COL)
 
 
-def release_buffers() -> None:
-    """Drop this thread's cached work buffers."""
-    _tls.bufs = {}
-
-
 class _Accumulator:
     """Digest state for one global shape on one device."""
 
@@ -324,7 +319,7 @@ def _row_hash(lead: Box, row_strides: Sequence[int], device) -> torch.Tensor:
 
 def _int_view(tensor: torch.Tensor) -> torch.Tensor:
     try:
-        view = _INT_VIEW[tensor.element_size()]
+        view = _BITS_VIEW[tensor.element_size()]
     except KeyError:
         raise VerifyError(f"cannot digest dtype {tensor.dtype} (element size {tensor.element_size()})") from None
     if tensor.dtype == view:

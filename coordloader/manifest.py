@@ -30,7 +30,7 @@ from .digest import ALGORITHM, MASK64, digest, flat_offset, fmt, iter_subboxes
 from .dtypes import bits_dtype, itemsize
 from .errors import CoordloaderError, VerifyError
 from .metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
-from .safetensors_io import write_file_atomic
+from .safetensors_io import pread_into, write_file_atomic
 
 MANIFEST_NAME = "coordloader.manifest.json"
 VERSION = 1
@@ -61,29 +61,18 @@ def manifest_path(root: str) -> str:
     return os.path.join(root, MANIFEST_NAME)
 
 
-def _pread_exact(fd: int, view: memoryview, offset: int, file: str) -> None:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            raise VerifyError(f"unexpected end of file at byte {offset + got} while reading "
-                              f"{len(view)} bytes at {offset}", file=file)
-        got += n
-
-
-def tensor_digest(meta: CheckpointMeta, info: TensorInfo, *, buf: bytearray | None = None,
+def tensor_digest(meta: CheckpointMeta, info: TensorInfo, *,
                   read_chunk_bytes: int = READ_CHUNK_BYTES) -> int:
     """Digest of one checkpoint tensor read from disk in bounded chunks."""
     size = itemsize(info.dtype)
     view_dt = bits_dtype(info.dtype)
     budget = max(1, read_chunk_bytes // size)
     need = min(budget, max(info.numel, 1)) * size
+    # one read buffer per worker thread, grown on demand (a fresh zero-filled buffer per
+    # tensor measured as costly as the digest for small expert tensors)
+    buf = getattr(_tls, "buf", None)
     if buf is None or len(buf) < need:
-        # one read buffer per worker thread, grown on demand (a fresh zero-filled buffer per
-        # tensor measured as costly as the digest for small expert tensors)
-        buf = getattr(_tls, "buf", None)
-        if buf is None or len(buf) < need:
-            buf = _tls.buf = bytearray(max(need, min(read_chunk_bytes, 1 << 20)))
+        buf = _tls.buf = bytearray(max(need, min(read_chunk_bytes, 1 << 20)))
     mv = memoryview(buf)
     total = 0
     for sp in info.pieces:
@@ -101,7 +90,8 @@ def tensor_digest(meta: CheckpointMeta, info: TensorInfo, *, buf: bytearray | No
             for sub in iter_subboxes(box, budget):
                 n = box_numel(sub)
                 off = sp.start + flat_offset(box, sub) * size
-                _pread_exact(fd, mv[:n * size], off, sp.file)
+                pread_into(fd, mv[:n * size], off, file=sp.file, tensor=info.name,
+                           error=VerifyError)
                 t = torch.frombuffer(buf, dtype=view_dt, count=n).view(box_shape(sub))
                 total += digest(t, sub, shape)
         finally:
@@ -183,6 +173,8 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
             raise VerifyError(f"no manifest; create it with `python -m coordloader.manifest {root}`",
                               file=path) from None
         return None
+    except OSError as e:   # a directory in its place, no permission, an I/O error
+        raise VerifyError(f"cannot read the manifest: {e.strerror or e}", file=path) from None
     try:
         doc = json.loads(raw)
         if doc.get("format") != "coordloader.manifest" or doc.get("version") != VERSION:
@@ -192,6 +184,8 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         fp = str(doc["fingerprint"])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise VerifyError(f"malformed manifest: {e}", file=path) from None
+    except RecursionError:
+        raise VerifyError("malformed manifest: JSON nested too deeply", file=path) from None
     if doc.get("algorithm") != ALGORITHM:
         # a well-formed manifest of another coordloader version: its digests are not
         # comparable, and recomputing them is the fix

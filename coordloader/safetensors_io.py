@@ -125,6 +125,24 @@ def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
         offset += n
 
 
+def pread_into(fd: int, buf: memoryview, offset: int, *, file: str, tensor: str | None = None,
+               error: type = SaveError) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset`` (a short read continues where it stopped).
+    End of file or an OS error raises ``error`` naming the file and the tensor read."""
+    want, start = len(buf), offset
+    while len(buf):
+        try:
+            n = os.preadv(fd, [buf], offset)
+        except OSError as e:
+            raise error(f"read of {want} bytes at byte {start} failed: {e.strerror}", file=file,
+                        tensor=tensor) from None
+        if n <= 0:
+            raise error(f"unexpected end of file at byte {offset} while reading {want} bytes at "
+                        f"{start}", file=file, tensor=tensor)
+        buf = buf[n:]
+        offset += n
+
+
 def _fsync_dir(path: str) -> None:
     try:
         fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)

@@ -30,17 +30,17 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 
 from .dtypes import itemsize
 from .errors import CoordloaderError, SaveError
+from .manifest import MANIFEST_NAME
 from .metadata import Box, box_numel, box_shape, piece_key
 
 INDEX_NAME = "model.safetensors.index.json"
-MANIFEST_NAME = "coordloader.manifest.json"
 CONFIG_NAME = "config.json"
 STAGING_PREFIX = ".coordloader-staging-"
 FORMAT_VERSION = 1
@@ -69,7 +69,6 @@ class SaveResult:
     seconds: float                  # this rank's write time (staging, before the barrier)
     published: bool                 # True on the rank that published the index
     manifest: bool = False          # a content-digest manifest was written
-    extra: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------
@@ -169,17 +168,13 @@ def _split_parts(pieces, max_shard_bytes: int):
     return parts
 
 
-def _digest_of(view: torch.Tensor, p: _PieceOut) -> int:
-    from .digest import digest
-    return int(digest(view, p.box, p.shape))
-
-
 def _write_rank(stage: str, tensors, plan, rank: int, max_shard_bytes: int, with_digests: bool):
     """Write this rank's shard files into ``stage``; return its record for the index.
     The pieces' digests are computed on a worker thread while the file is written (torch
     ops and os.write both release the GIL), so the manifest costs little wall time."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from .digest import digest_many
     from .safetensors_io import write_safetensors
     pieces = _local_pieces(tensors, plan.rank(rank), rank)
     records, files, total = [], [], 0
@@ -188,7 +183,7 @@ def _write_rank(stage: str, tensors, plan, rank: int, max_shard_bytes: int, with
         for part, chunk in enumerate(_split_parts(pieces, max_shard_bytes)):
             fname = shard_name(rank, part)
             path = os.path.join(stage, fname)
-            entries, meta, futs = [], {"format": "pt"}, []
+            entries, meta, items = [], {"format": "pt"}, []
             for p, view in chunk:
                 data = view.detach()
                 if data.device.type != "cpu":
@@ -197,11 +192,14 @@ def _write_rank(stage: str, tensors, plan, rank: int, max_shard_bytes: int, with
                 entries.append((p.key, p.dtype, list(box_shape(p.box)), data))
                 meta[p.key] = json.dumps({"name": p.name, "shape": list(p.shape),
                                           "box": [list(x) for x in p.box]}, separators=(",", ":"))
-                futs.append(pool.submit(_digest_of, data, p) if pool is not None else None)
+                items.append((data, p.box, p.shape))
                 records.append({"name": p.name, "dtype": p.dtype, "shape": list(p.shape), "key": p.key,
                                 "box": [list(x) for x in p.box], "file": fname, "nbytes": p.nbytes,
                                 "digest": None})
                 total += p.nbytes
+            # one batched digest per shard (small pieces of one shape share a product),
+            # computed while the file is written
+            fut = pool.submit(digest_many, items) if pool is not None else None
             try:
                 write_safetensors(path, entries, meta)
             except OSError as e:
@@ -211,8 +209,9 @@ def _write_rank(stage: str, tensors, plan, rank: int, max_shard_bytes: int, with
                 if isinstance(cause, OSError):
                     raise _os_error(cause, fname, rank, "writing a shard file") from e
                 raise SaveError(e.message, file=fname, tensor=e.tensor, rank=rank) from e
-            for rec, f in zip(records[len(records) - len(futs):], futs):
-                rec["digest"] = f.result() if f is not None else None
+            if fut is not None:
+                for rec, d in zip(records[len(records) - len(items):], fut.result()):
+                    rec["digest"] = int(d)
             files.append(fname)
     finally:
         if pool is not None:
@@ -316,17 +315,15 @@ def _build_index(records: list[dict], layout_dict: dict, names_order: list[str])
     return index, digests
 
 
-def _manifest_doc(stage_dir: str, files: list[str], index: dict, digests: dict) -> dict:
-    """The manifest of the staged files (fingerprint from their headers, exactly as the
-    reader computes it), with per-tensor digests summed from the pieces: no re-read."""
+def staged_manifest(stage_dir: str, files: list[str], entries: dict) -> dict:
+    """The manifest document of the staged ``files`` (fingerprint from their headers,
+    exactly as the reader computes it) with the given per-tensor ``TensorDigest``s: save
+    sums them from the pieces' digests, consolidate carries the source's over; no re-read."""
     from . import manifest as mf
     from .checkpoint import read_file_header
     from .metadata import CheckpointMeta
     infos = sorted((read_file_header(stage_dir, f).info for f in files), key=lambda i: i.name)
     meta = CheckpointMeta(root=os.path.abspath(stage_dir), files=tuple(infos), tensors={})
-    tensors = index["coordloader"]["tensors"]
-    entries = {n: mf.TensorDigest(tensors[n]["dtype"], tuple(tensors[n]["shape"]), d)
-               for n, d in digests.items()}
     return mf.to_json(meta, entries)
 
 
@@ -359,7 +356,11 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, overwrite: boo
     # manifest: digests summed from the pieces' digests, against the new files' fingerprint
     wrote_manifest = False
     if digests:
-        doc = _manifest_doc(stage_dir, shard_files, index, digests)
+        from .manifest import TensorDigest
+        tensors = index["coordloader"]["tensors"]
+        doc = staged_manifest(stage_dir, shard_files, {
+            n: TensorDigest(tensors[n]["dtype"], tuple(tensors[n]["shape"]), d)
+            for n, d in digests.items()})
         p = os.path.join(stage_dir, MANIFEST_NAME)
         try:
             _write_json_durable(p, doc)

@@ -21,6 +21,7 @@ verdict and every rank raises ``VerifyError`` with the same report.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from math import prod
@@ -265,8 +266,9 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
     return {"rank": rank, "view": view, "findings": findings, "digests": digests, "stats": stats}
 
 
-def digest_workers() -> int:
-    """Threads digesting tensors in parallel (env COORDLOADER_DIGEST_THREADS overrides)."""
+def digest_workers(cap: int | None = None) -> int:
+    """Threads digesting tensors in parallel: env COORDLOADER_DIGEST_THREADS when set, else
+    the usable CPUs (at most 8, and at most ``cap``)."""
     env = os.environ.get("COORDLOADER_DIGEST_THREADS")
     if env:
         return max(1, int(env))
@@ -274,7 +276,7 @@ def digest_workers() -> int:
         n = len(os.sched_getaffinity(0))
     except AttributeError:
         n = os.cpu_count() or 1
-    return max(1, min(8, n))
+    return max(1, min(8, n, cap if cap is not None else n))
 
 
 def _digest_all(jobs):
@@ -287,7 +289,7 @@ def _digest_all(jobs):
     rank, owns one core: OMP_NUM_THREADS=1), with torch's pool set to one thread while
     they run (measured: torch's own pool on digest-sized ops ran up to 10x slower than one
     thread per product on a busy machine)."""
-    from .digest import digest_many, piece_view
+    from .digest import digest_many, one_intra_op_thread, piece_view
     items, owner = [], []
     errors: dict[str, str] = {}
     for name, t, ts in jobs:
@@ -302,18 +304,12 @@ def _digest_all(jobs):
         for v, p in zip(views, ts.pieces):
             items.append((v, p.src, ts.global_shape))
             owner.append(name)
-    prev = torch.get_num_threads()
-    workers = digest_workers()
-    if not os.environ.get("COORDLOADER_DIGEST_THREADS"):
-        workers = min(workers, prev)
+    # no more threads than torch's intra-op pool: a rank under torchrun or the bench owns
+    # one core (OMP_NUM_THREADS=1)
+    workers = digest_workers(cap=torch.get_num_threads())
     on_cpu = any(t.device.type == "cpu" for _, t, _ in jobs)
-    if on_cpu and workers > 1:
-        torch.set_num_threads(1)
-    try:
+    with one_intra_op_thread() if on_cpu and workers > 1 else contextlib.nullcontext():
         res = digest_many(items, threads=workers, return_errors=True)
-    finally:
-        if torch.get_num_threads() != prev:
-            torch.set_num_threads(prev)
     out: dict[str, list] = {}
     for name, r in zip(owner, res):
         if name in errors:
