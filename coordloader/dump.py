@@ -42,9 +42,8 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
     entries = []
     for name in sorted(tensors):
         t = tensors[name]
-        if t.device.type != "cpu":
-            t = t.cpu()
-        entries.append((name, dtypes.from_torch(t.dtype), list(t.shape), t.contiguous()))
+        # the writer takes each tensor to host memory as it writes it (one at a time)
+        entries.append((name, dtypes.from_torch(t.dtype), list(t.shape), t))
     meta = {"format": "pt", "coordloader.plan_digest": plan_digest, "coordloader.rank": str(rank)}
     if layout is not None:
         meta["coordloader.layout"] = json.dumps(layout, sort_keys=True)
@@ -53,8 +52,8 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
     try:
         write_safetensors(path, entries, meta)
     except SaveError as e:
-        # keep the writer's message, add the rank (the CLI names it in the phase message)
-        raise SaveError(f"cannot write dump: {e.message}", file=path, rank=rank) from e
-    except OSError as e:
-        raise SaveError(f"cannot write dump: {e.strerror or e}", file=path, rank=rank) from None
+        # keep the writer's message and tensor, add the rank (the CLI names it in the phase
+        # message); the writer turns every OSError into a SaveError
+        raise SaveError(f"cannot write dump: {e.message}", file=path, tensor=e.tensor,
+                        rank=rank) from e
     return path

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import LoadError
-from ..metadata import Box, box_shape, piece_key
+from ..metadata import Box, box_numel, box_shape, piece_key
 from ..planmodel import TensorSlice
 from .. import dtypes
 
@@ -89,6 +89,22 @@ def select_engine(name: str = "auto", device: Any = None, **options):
 
 # -- helpers shared by the engines ---------------------------------------------------
 
+def _check_dest(t: torch.Tensor, shape, dtype: torch.dtype, name: str, rank: int | None) -> None:
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise LoadError(f"destination has shape {list(t.shape)} dtype {t.dtype}, the plan "
+                        f"needs shape {list(shape)} dtype {dtype}", tensor=name, rank=rank)
+
+
+def check_out(out: Mapping[str, torch.Tensor] | None, rank_plan, *, rank: int | None = None) -> None:
+    """Shape and dtype of every given destination, before any I/O: engines that read into
+    host memory and copy to another device afterwards (``to_device``) would otherwise find
+    a wrong destination only after reading the whole rank."""
+    if out:
+        for ts in rank_plan.tensors:
+            if ts.name in out:
+                _check_dest(out[ts.name], ts.local_shape, dtypes.torch_dtype(ts.dtype), ts.name, rank)
+
+
 def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | None = None,
              *, rank: int | None = None) -> torch.Tensor:
     """The destination of one slice: ``out[name]`` when given (checked), else a fresh
@@ -97,10 +113,7 @@ def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | Non
     dt = dtypes.torch_dtype(ts.dtype)
     if out is not None and ts.name in out:
         t = out[ts.name]
-        if tuple(t.shape) != tuple(ts.local_shape) or t.dtype != dt:
-            raise LoadError(f"destination has shape {list(t.shape)} dtype {t.dtype}, the plan "
-                            f"needs shape {list(ts.local_shape)} dtype {dt}",
-                            tensor=ts.name, rank=rank)
+        _check_dest(t, ts.local_shape, dt, ts.name, rank)
         if not t.is_contiguous():
             raise LoadError("destination tensor is not contiguous", tensor=ts.name, rank=rank)
         if torch.device(device).type != t.device.type:
@@ -116,15 +129,14 @@ def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | Non
 def to_device(tensors: dict[str, torch.Tensor], device: torch.device,
               out: Mapping[str, torch.Tensor] | None, *, rank: int | None = None) -> None:
     """Move tensors loaded in host memory to ``device``, in place in ``tensors``: into
-    ``out[name]`` when given (shape and dtype checked), else a fresh copy."""
+    ``out[name]`` when given (checked, as ``check_out`` did before the reads), else a
+    fresh copy."""
     for name, t in tensors.items():
         if out is None or name not in out:
             tensors[name] = t.to(device)
             continue
         dst = out[name]
-        if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
-            raise LoadError(f"destination has shape {list(dst.shape)} dtype {dst.dtype}, "
-                            f"the plan needs {list(t.shape)} {t.dtype}", tensor=name, rank=rank)
+        _check_dest(dst, t.shape, t.dtype, name, rank)
         dst.copy_(t)
         tensors[name] = dst
 
@@ -163,11 +175,8 @@ def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
     d = narrow_box(dst, [off + lo - p0 for off, (lo, _), (p0, _) in zip(piece_dst, ov, piece_src)],
                    shape)
     d.copy_(s)
-    n = 1
-    for x in shape:
-        n *= x
-    return n
+    return box_numel(ov)
 
 
 __all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "allocate",
-           "copy_overlap", "intersect", "piece_key", "to_device"]
+           "check_out", "copy_overlap", "intersect", "piece_key", "to_device"]

@@ -38,7 +38,7 @@ from ..errors import LoadError
 from ..metadata import CheckpointMeta
 from ..planmodel import RankPlan
 from ..runs import groups_of
-from . import LoadStats, Progress, allocate, slice_nbytes, to_device
+from . import LoadStats, Progress, allocate, check_out, slice_nbytes, to_device
 
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 # Gaps shorter than a page never hold a whole page: reading through them touches no page
@@ -91,6 +91,8 @@ class CpuEngine:
         held = 0
         planned = 0
         host_out = out if device.type == "cpu" else None
+        if host_out is None:
+            check_out(out, rank_plan, rank=rank)   # copied into only after the reads
         for ts in rank_plan.tensors:
             t = allocate(ts, "cpu", host_out, rank=rank)
             tensors[ts.name] = t

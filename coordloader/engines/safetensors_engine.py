@@ -19,8 +19,8 @@ from ..errors import LoadError
 from ..metadata import CheckpointMeta, box_shape
 from ..planmodel import RankPlan
 from .. import dtypes
-from . import (LoadStats, Progress, allocate, copy_overlap, intersect, piece_key, slice_nbytes,
-               to_device)
+from . import (LoadStats, Progress, allocate, check_out, copy_overlap, intersect, piece_key,
+               slice_nbytes, to_device)
 
 
 class SafetensorsEngine:
@@ -54,6 +54,8 @@ class SafetensorsEngine:
                     handles[fname] = h
                 return h
 
+            if device.type != "cpu":
+                check_out(out, rank_plan, rank=rank)   # copied into only after the reads
             for ts in rank_plan.tensors:
                 info = meta.tensors.get(ts.name)
                 if info is None:
