@@ -259,20 +259,24 @@ class _Planner:
             c = self._scache[key] = self._split_dim_new(t, dim, parts, what)
         return c
 
+    def _chunks(self, t: TensorInfo, n: int, parts: int, what: str) -> list[tuple[int, int]]:
+        """``chunk_ranges`` of ``n`` into ``parts``, its error naming the tensor and layout."""
+        try:
+            return chunk_ranges(n, parts, self.L.allow_uneven, what)
+        except PlanError as e:
+            raise self._err(e.message, t.name) from None
+
     def _split_dim_new(self, t: TensorInfo, dim: int, parts: int, what: str):
         if dim >= len(t.shape):
             raise self._err(f"split dim {dim} out of range for shape {list(t.shape)}", t.name)
-        return _dim_classes(t.shape, dim, chunk_ranges(t.shape[dim], parts, self.L.allow_uneven,
+        return _dim_classes(t.shape, dim, self._chunks(t, t.shape[dim], parts,
                                                        f"{what} of dim {dim} (shape {list(t.shape)})"))
 
     def _s_colwise(self, t, p, dim=None):
         dim = p.get("dim", 0) if dim is None else dim
         if not t.shape or self.L.tp == 1:
             return self._whole(t)
-        try:
-            classes = self._split_dim(t, dim, self.L.tp, f"split over tp={self.L.tp}")
-        except PlanError as e:
-            raise self._err(e.message, t.name) from None
+        classes = self._split_dim(t, dim, self.L.tp, f"split over tp={self.L.tp}")
         return ("tp", tuple(range(self.L.tp))), classes
 
     def _s_rowwise(self, t, p):
@@ -286,11 +290,8 @@ class _Planner:
             raise self._err("vocab strategy needs a tensor with a row dim", t.name)
         V, pad, tp = t.shape[0], p["pad_to"], self.L.tp
         Vp = -(-V // pad) * pad
-        try:
-            rngs = chunk_ranges(Vp, tp, self.L.allow_uneven,
-                                f"vocab {V} padded to {Vp} (multiple of {pad}) split over tp={tp}")
-        except PlanError as e:
-            raise self._err(e.message, t.name) from None
+        rngs = self._chunks(t, Vp, tp, f"vocab {V} padded to {Vp} (multiple of {pad}) split "
+                                       f"over tp={tp}")
         zero = (0,) * len(t.shape)
         rest = tuple((0, s) for s in t.shape[1:])
         classes = []
@@ -355,11 +356,7 @@ class _Planner:
             if heads:
                 per_block.append(self._head_split(bs, heads[bi], kvs[bi], t.name, what))
             else:
-                try:
-                    per_block.append((tuple(range(tp)), chunk_ranges(bs, tp, self.L.allow_uneven,
-                                                                     what + f" over tp={tp}")))
-                except PlanError as e:
-                    raise self._err(e.message, t.name) from None
+                per_block.append((tuple(range(tp)), self._chunks(t, bs, tp, what + f" over tp={tp}")))
         offs = [0]
         for bs in blocks:
             offs.append(offs[-1] + bs)
@@ -428,10 +425,7 @@ class _Planner:
                 return ("moe", owners, False), classes
             if dim >= len(t.shape):
                 raise self._err(f"expert split dim {dim} out of range for shape {list(t.shape)}", t.name)
-            try:
-                classes = self._split_dim(t, dim, L.moe_tp, f"expert split over moe_tp={L.moe_tp}")
-            except PlanError as ex:
-                raise self._err(ex.message, t.name) from None
+            classes = self._split_dim(t, dim, L.moe_tp, f"expert split over moe_tp={L.moe_tp}")
             return ("moe", owners, True), classes
         # fused: the leading dim indexes the experts
         if not t.shape:
@@ -456,12 +450,9 @@ class _Planner:
             if dim + 1 >= len(t.shape):
                 raise self._err(f"expert split dim {dim} out of range for fused shape "
                                 f"{list(t.shape)}", t.name)
-            try:
-                rngs = chunk_ranges(t.shape[dim + 1], L.moe_tp, L.allow_uneven,
-                                    f"fused expert split of dim {dim + 1} (shape {list(t.shape)}) "
-                                    f"over moe_tp={L.moe_tp}")
-            except PlanError as ex:
-                raise self._err(ex.message, t.name) from None
+            rngs = self._chunks(t, t.shape[dim + 1], L.moe_tp,
+                                f"fused expert split of dim {dim + 1} (shape {list(t.shape)}) "
+                                f"over moe_tp={L.moe_tp}")
         else:
             rngs = [(0, t.shape[dim + 1])] if dim is not None else [None]
         classes = []

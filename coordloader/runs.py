@@ -184,7 +184,7 @@ def box_runs(file: str, src_start: int, src_box, src_shape, o_box, local_shape, 
         return [(file, src_start + so * isz, run, do * isz, 1, 0, 0)]
     cnt = ext[k - 1]
     ss, ds = sst[k - 1] * isz, dst[k - 1] * isz
-    if k == 1:
+    if k == 1 or all(e == 1 for e in ext[:k - 1]):   # one group (e.g. one expert of a fused tensor)
         if cnt == 1:
             return [(file, src_start + so * isz, run, do * isz, 1, 0, 0)]
         return [(file, src_start + so * isz, run, do * isz, cnt, ss, ds)]

@@ -92,3 +92,21 @@ def test_heads_errors_name_tensor_and_layout():
     assert "tp=3" in str(ei.value) and ei.value.tensor
     with pytest.raises(PlanError, match="exceeds"):
         make_plan(meta, Layout(tp=8))      # 4 query heads over 8 ranks
+
+
+def test_split_errors_name_tensor_and_layout_once():
+    """A colwise rule whose dim is out of range, or whose split does not divide, names the
+    tensor and the layout exactly once (the split error used to be wrapped twice)."""
+    from coordloader.layout import Layout
+    from coordloader.plan import make_plan, meta_from_specs
+    cfg = {"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 2,
+           "num_key_value_heads": 2, "hidden_size": 4}
+    meta = meta_from_specs(cfg, [("w", "BF16", (5, 4))])
+    for params, what in (({"dim": 3}, "split dim 3 out of range for shape [5, 4]"),
+                         ({}, "size 5 is not divisible by 2")):
+        with pytest.raises(PlanError) as ei:
+            make_plan(meta, Layout(tp=2),
+                      rules={"rules": [{"pattern": "w", "strategy": "colwise", "params": params}]})
+        msg = str(ei.value)
+        assert msg.startswith("tensor 'w': ") and what in msg, msg
+        assert msg.count("(layout tp=2 pp=1 dp=1 ep=1)") == 1, msg
