@@ -86,7 +86,8 @@ class CheckpointMeta:
     tensors: Mapping[str, TensorInfo]      # insertion order: file, then offset
     config: Mapping | None = None          # parsed config.json, if present
     source_layout: Mapping | None = None   # coordloader sharded format: saving layout
-    _fp: list = field(default_factory=list, repr=False, compare=False)
+    # fingerprint cache; init=False so dataclasses.replace() does not carry it over
+    _fp: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def fingerprint(self) -> str:
         """sha256 over file names, sizes and header hashes: changes whenever any

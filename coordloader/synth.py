@@ -111,20 +111,25 @@ def _prefetch(it: Iterator, depth: int = 3) -> Iterator:
     stop = threading.Event()
     end = object()
 
+    def put(x) -> bool:
+        """Queue ``x`` unless the consumer stopped (a blocking put on a full queue would
+        hang this thread, and the consumer's join, once nobody reads)."""
+        while not stop.is_set():
+            try:
+                q.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def run():
         try:
             for item in it:
-                while not stop.is_set():
-                    try:
-                        q.put((item, None), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put((item, None)):
                     return
-            q.put((end, None))
+            put((end, None))
         except BaseException as e:  # handed to the consumer
-            q.put((end, e))
+            put((end, e))
 
     t = threading.Thread(target=run, name="synth-gen", daemon=True)
     t.start()
