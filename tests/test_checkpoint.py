@@ -418,14 +418,10 @@ def test_tensor_in_file_index_says_other_file(tmp_path):
         "maps it to 'model-00002-of-00002.safetensors'")
 
 
-def test_same_tensor_in_two_files_with_index(tmp_path):
-    write_sharded(tmp_path, {"s1.safetensors": GOOD[:2], "s2.safetensors": GOOD[1:]})
-    bad(tmp_path, "tensor 'b'", "stored in both 's1.safetensors' and 's2.safetensors'")
-
-
-def test_same_tensor_in_two_files_no_index(tmp_path):
+@pytest.mark.parametrize("index", [True, False], ids=["with_index", "no_index"])
+def test_same_tensor_in_two_files(tmp_path, index):
     write_sharded(tmp_path, {"s1.safetensors": GOOD[:2], "s2.safetensors": GOOD[1:]},
-                  index=False)
+                  index=index)
     bad(tmp_path, "tensor 'b'", "stored in both 's1.safetensors' and 's2.safetensors'")
 
 
@@ -481,8 +477,8 @@ def test_index_listing_pickle_refused(tmp_path):
 
 def test_no_checkpoint_at_all(tmp_path):
     (tmp_path / "README.md").write_text("hi")
-    bad(tmp_path, "no .safetensors files")
-    bad(tmp_path / "missing", "does not exist")
+    bad(tmp_path, str(tmp_path), "no .safetensors files")
+    bad(tmp_path / "missing", str(tmp_path / "missing"), "does not exist")
 
 
 # ------------------------------------------------------------------ accepted layouts
@@ -731,21 +727,21 @@ def test_coordloader_overlapping_pieces(tmp_path):
     # [0,3) on dim 1 of rows 2..4 overlaps [2,4)x[0,3) — replace it by [2,4)x[1,4) etc.
     t["w"][2][2] = ("rank-0.safetensors", [[1, 3], [0, 3]])
     write_coordloader(tmp_path, t)
-    bad(tmp_path, "tensor 'w'", "overlap", "tile the tensor exactly")
+    bad(tmp_path, "file model.safetensors.index.json, tensor 'w'", "overlap", "tile the tensor exactly")
 
 
 def test_coordloader_pieces_leave_a_hole(tmp_path):
     t = tp2()
     del t["w"][2][3]
     write_coordloader(tmp_path, t)
-    bad(tmp_path, "tensor 'w'", "cover 18 of 24 elements")
+    bad(tmp_path, "file model.safetensors.index.json, tensor 'w'", "cover 18 of 24 elements")
 
 
 def test_coordloader_box_outside_shape(tmp_path):
     t = tp2()
     t["bias"][2][1] = ("rank-1.safetensors", [[3, 7]])
     write_coordloader(tmp_path, t)
-    bad(tmp_path, "tensor 'bias'", "outside the shape [6]")
+    bad(tmp_path, "file model.safetensors.index.json, tensor 'bias'", "outside the shape [6]")
 
 
 def test_coordloader_dtype_mismatch(tmp_path):
@@ -765,7 +761,7 @@ def test_coordloader_key_not_in_section(tmp_path):
 
 def test_coordloader_wrong_key_format(tmp_path):
     write_coordloader(tmp_path, tp2(), key_override={("bias", ((0, 3),)): "bias.part0"})
-    bad(tmp_path, "tensor 'bias'", "piece key 'bias.part0'", "expected 'bias@0:3'")
+    bad(tmp_path, "file model.safetensors.index.json, tensor 'bias'", "piece key 'bias.part0'", "expected 'bias@0:3'")
 
 
 def test_coordloader_piece_missing_from_file(tmp_path):
@@ -779,7 +775,7 @@ def test_coordloader_piece_missing_from_file(tmp_path):
 def test_coordloader_tensor_missing_from_weight_map(tmp_path):
     wm = {"w": "rank-0.safetensors", "bias": "rank-0.safetensors"}
     write_coordloader(tmp_path, tp2(), wm_override=wm)
-    bad(tmp_path, "tensor 'norm'", "not in the weight_map")
+    bad(tmp_path, "file model.safetensors.index.json, tensor 'norm'", "not in the weight_map")
 
 
 def test_coordloader_bad_section(tmp_path):
@@ -796,7 +792,7 @@ def test_coordloader_bad_section(tmp_path):
     idx["coordloader"]["tensors"]["w"]["pieces"][0]["file"] = "rank-0.safetensors"
     idx["coordloader"]["tensors"]["w"]["pieces"][0]["box"] = [[0, 2]]
     p.write_text(json.dumps(idx))
-    bad(tmp_path, "tensor 'w'", "expected 2 [start, stop] integer pairs")
+    bad(tmp_path, "file model.safetensors.index.json, tensor 'w'", "expected 2 [start, stop] integer pairs")
 
 
 def test_overlap_sweep_cases():

@@ -74,20 +74,21 @@ def _swap(tmp, base, how):
 W = {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}
 CASES = {
     "header length 2**64-1": (lambda t, b: _single(t, b, b"{}", length=2**64 - 1),
-                               "header length"),
-    "header length 2**63": (lambda t, b: _single(t, b, b"{}", length=2**63), "header length"),
+                               "header length 18446744073709551615"),
+    "header length 2**63": (lambda t, b: _single(t, b, b"{}", length=2**63),
+                             "header length 9223372036854775808"),
     "huge shape": (lambda t, b: _single(t, b, {"w": dict(W, shape=[10**18] * 3)}, data=b"\0" * 8),
                    "2**63"),
     "negative offset": (lambda t, b: _single(t, b, {"w": dict(W, data_offsets=[-8, 0])}),
-                        "tensor 'w'"),
+                        "tensor 'w': data_offsets [-8, 0]"),
     "offset past 2**64": (lambda t, b: _single(t, b, {"w": dict(W, data_offsets=[0, 2**64 + 8])}),
-                          "tensor 'w'"),
+                          "tensor 'w': data_offsets [0, 18446744073709551624]"),
     "NaN in header": (lambda t, b: _single(t, b, b'{"w": {"dtype": "BF16", "shape": [NaN], '
                                                  b'"data_offsets": [0, 8]}}'), "NaN"),
     "huge JSON number": (lambda t, b: _single(t, b, b'{"w": {"dtype": "BF16", "shape": [1' +
                                                     b"0" * 5000 + b'], "data_offsets": [0, 8]}}'),
-                         "tensor"),
-    "deeply nested JSON": (lambda t, b: _single(t, b, b'{"w":' * 100_000), "model.safetensors"),
+                         "5001 digits"),
+    "deeply nested JSON": (lambda t, b: _single(t, b, b'{"w":' * 100_000), "nested too deeply"),
     "duplicate keys": (lambda t, b: _single(t, b, b'{"w": {"dtype": "BF16", "shape": [4], '
                                                   b'"data_offsets": [0, 8]}, "w": {"dtype": "BF16", '
                                                   b'"shape": [4], "data_offsets": [0, 8]}}',
