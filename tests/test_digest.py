@@ -3,6 +3,7 @@ shifts, chunking invariance, and agreement with a pure-Python reference."""
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
 from math import prod
 
 import pytest
@@ -94,6 +95,24 @@ def reference(t: torch.Tensor) -> int:
     w = t.element_size() * 8
     tot = 0
     for i, u in enumerate(bits_of(t.contiguous())):
+        v = u ^ (u >> 32) if w == 64 else u - 2 * (u & int.from_bytes(b"\x80" * (w // 8), "little"))
+        tot += hash_weight_py(i // C, SEED_ROW) * col_weight_py(i % C, t.element_size()) * v
+    return tot & MASK64
+
+
+def reference_box(t: torch.Tensor, box) -> int:
+    """The definition for the elements of ``box`` of the global tensor ``t``."""
+    shape = tuple(t.shape)
+    C = shape[-1]
+    w = t.element_size() * 8
+    tot = 0
+    for i, u in enumerate(bits_of(t.contiguous())):
+        idx, r = [], i
+        for s in reversed(shape):
+            idx.append(r % s)
+            r //= s
+        if not all(a <= x < b for x, (a, b) in zip(reversed(idx), box)):
+            continue
         v = u ^ (u >> 32) if w == 64 else u - 2 * (u & int.from_bytes(b"\x80" * (w // 8), "little"))
         tot += hash_weight_py(i // C, SEED_ROW) * col_weight_py(i % C, t.element_size()) * v
     return tot & MASK64
@@ -246,26 +265,81 @@ def test_position_matters_not_just_content():
     assert digest(g, full_box((4, 4)), (4, 4)) != digest(g.reshape(2, 8), full_box((2, 8)), (2, 8))
 
 
-@pytest.mark.parametrize("path", ["int8mm", "int8mm_in_place", "gemv", "mul_sum", "mask"])
-def test_code_paths_agree(monkeypatch, path):
-    """The CPU int8-product path, the CPU int64 gemv path, the accelerator mul+sum path and
-    the sign-extend+mask fallback (backends without unsigned copies) compute the same
-    digest."""
-    import sys
-    dgm = sys.modules["coordloader.digest"]   # the package attribute is the function
-    if path.startswith("int8mm"):
+def use_route(monkeypatch, route: str):
+    """Send CPU digests down one route: the compiled kernel, the int8 product (in place or
+    stacked), the int64 gemv, the accelerator mul+sum, or that with the sign-extend+mask
+    fallback (backends without unsigned copies)."""
+    dgm = _dgm()
+    if route == "kernel":
+        if dgm._kernel is None:
+            pytest.skip("the digest kernel is not built (no C compiler at install time)")
+        monkeypatch.setattr(dgm, "USE_KERNEL", True)
+        assert dgm.kernel_available()
+        return dgm
+    monkeypatch.setattr(dgm, "USE_KERNEL", False)
+    if route in ("in_place", "stacked"):
         assert dgm.int8_mm_available()
-        monkeypatch.setattr(dgm, "MM_DIRECT_BYTES", 0 if path == "int8mm_in_place" else 1 << 60)
-    else:
-        monkeypatch.setattr(dgm, "USE_INT8_MM", False)
-    if path not in ("int8mm", "gemv"):
+        monkeypatch.setattr(dgm, "MM_DIRECT_BYTES", 0 if route == "in_place" else 1 << 60)
+        return dgm
+    monkeypatch.setattr(dgm, "USE_INT8_MM", False)
+    if route != "gemv":
         monkeypatch.setattr(dgm, "USE_CPU_GEMV", False)
-    if path == "mask":
+    if route == "mask":
         monkeypatch.setattr(dgm, "_UNSIGNED", {})
+    return dgm
+
+
+@contextmanager
+def gemv_only(dgm):
+    """The int64 gemv route for the enclosed digests (the reference for the fast routes)."""
+    saved = dgm.USE_KERNEL, dgm.USE_INT8_MM
+    dgm.USE_KERNEL = dgm.USE_INT8_MM = False
+    try:
+        yield
+    finally:
+        dgm.USE_KERNEL, dgm.USE_INT8_MM = saved
+
+
+@pytest.mark.parametrize("route", ["kernel", "in_place", "stacked", "gemv", "mul_sum", "mask"])
+def test_code_paths_agree(monkeypatch, route):
+    """Every route computes the digest of the Python reference, for every element width."""
+    use_route(monkeypatch, route)
     g = torch.Generator().manual_seed(3)
     for dt in (torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int16):
         t = (torch.randn(5, 7, 3, generator=g) * 1000).to(dt)
         assert digest(t, full_box((5, 7, 3)), (5, 7, 3), chunk_elems=4) == reference(t)
+        # a narrowed middle dim: leading strides that are not one row apart
+        v = t[:, 2:6]
+        box = ((0, 5), (2, 6), (0, 3))
+        assert digest(v, box, (5, 7, 3)) == reference_box(t, box)
+
+
+def test_kernel_is_built_where_a_compiler_is():
+    """pip install builds the kernel wherever a C compiler exists; a silent fallback would
+    cost 2-3x in every --verify digest."""
+    import shutil
+    import sysconfig
+    if not (shutil.which(sysconfig.get_config_var("CC") or "cc") or shutil.which("cc")):
+        pytest.skip("no C compiler: the kernel is optional")
+    assert _dgm()._kernel is not None, "coordloader._digestkernel is not built: pip install -e ."
+
+
+def test_kernel_refuses_bad_arguments():
+    dgm = _dgm()
+    if dgm._kernel is None:
+        pytest.skip("the digest kernel is not built")
+    w = torch.ones(4, dtype=torch.int64)
+    t = torch.zeros(2, 4, dtype=torch.int32)
+    rows = dgm._kernel.rows
+    assert rows(t.data_ptr(), 4, (2, 4), (16,), w.data_ptr(), w.data_ptr()) == 0
+    with pytest.raises(ValueError, match="width 3 is not 1, 2, 4 or 8"):
+        rows(t.data_ptr(), 3, (2, 4), (16,), w.data_ptr(), w.data_ptr())
+    with pytest.raises(ValueError, match="one stride per leading dim"):
+        rows(t.data_ptr(), 4, (2, 4), (), w.data_ptr(), w.data_ptr())
+    with pytest.raises(ValueError, match="more than 64 dims"):
+        rows(t.data_ptr(), 4, (1,) * 65, (0,) * 64, w.data_ptr(), w.data_ptr())
+    with pytest.raises(ValueError, match="negative size"):
+        rows(t.data_ptr(), 4, (-1, 4), (16,), w.data_ptr(), w.data_ptr())
 
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float8_e4m3fn, torch.int8])
@@ -304,18 +378,17 @@ def test_balanced_limbs_reconstruct_mod_2_64():
 
 
 # parts go into the int8 product in place (a strided view of the data) at or above
-# MM_DIRECT_BYTES, stacked into a copy below it: 0 = in place whenever the layout allows
-IN_PLACE = pytest.mark.parametrize("direct", [0, 1 << 60], ids=["in_place", "stacked"])
+# MM_DIRECT_BYTES, stacked into a copy below it; the compiled kernel reads them in place
+ROUTES = pytest.mark.parametrize("route", ["kernel", "in_place", "stacked"])
 
 
-@IN_PLACE
+@ROUTES
 @pytest.mark.parametrize("fill", [0x00, 0xFF, 0x80, 0x7F])
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32, torch.uint8])
-def test_int8_product_at_extreme_bytes(monkeypatch, direct, fill, dt):
+def test_extreme_bytes(monkeypatch, route, fill, dt):
     """Every byte at an extreme of the signed/unsigned range (the int32 sums' worst case),
     on rows wider than one product (split into column blocks)."""
-    dgm = _dgm()
-    monkeypatch.setattr(dgm, "MM_DIRECT_BYTES", direct)
+    dgm = use_route(monkeypatch, route)
     n = dgm.MM_ROW_BYTES // _size(dt) * 2 + 3
     t = torch.full((3, n * _size(dt)), fill, dtype=torch.uint8).view(dt)
     box = ((0, 3), (0, n))
@@ -323,13 +396,12 @@ def test_int8_product_at_extreme_bytes(monkeypatch, direct, fill, dt):
     assert got == reference(t)
 
 
-@IN_PLACE
-def test_digest_many_matches_digest_and_reports_errors(monkeypatch, direct):
+@ROUTES
+def test_digest_many_matches_digest_and_reports_errors(monkeypatch, route):
     """Batched digests (stacked products or in place, threads, column blocks) equal
     one-by-one digests of the int64 path; a bad item yields its error without spoiling
     the others."""
-    dgm = _dgm()
-    monkeypatch.setattr(dgm, "MM_DIRECT_BYTES", direct)
+    dgm = use_route(monkeypatch, route)
     monkeypatch.setattr(dgm, "MM_ROW_BYTES", 64)        # force column blocks
     monkeypatch.setattr(dgm, "MM_BATCH_BYTES", 512)     # force several batches
     g = torch.Generator().manual_seed(7)
@@ -342,13 +414,8 @@ def test_digest_many_matches_digest_and_reports_errors(monkeypatch, direct):
         items.append((t[2], ((2, 3), (0, 50)), (6, 50))) if i == 0 else None
     items = [it for it in items if it is not None]
     items[0:0] = [(torch.zeros(2, 2), ((0, 3), (0, 2)), (4, 2))]     # shape != box
-    want = []
-    monkeypatch.setattr(dgm, "USE_INT8_MM", False)
-    for t, b, s in items[1:]:
-        if t.dim() == 1:
-            t = t.unsqueeze(0)
-        want.append(digest(t, b, s))
-    monkeypatch.setattr(dgm, "USE_INT8_MM", True)
+    with gemv_only(dgm):
+        want = [digest(t.unsqueeze(0) if t.dim() == 1 else t, b, s) for t, b, s in items[1:]]
     items = [(t.unsqueeze(0) if t.dim() == 1 else t, b, s) for t, b, s in items]
     for threads in (1, 3):
         got = dgm.digest_many(items, threads=threads, return_errors=True)
@@ -358,13 +425,12 @@ def test_digest_many_matches_digest_and_reports_errors(monkeypatch, direct):
         dgm.digest_many(items)
 
 
-@IN_PLACE
-def test_views_with_overlapping_or_broadcast_rows(monkeypatch, direct):
+@ROUTES
+def test_views_with_overlapping_or_broadcast_rows(monkeypatch, route):
     """Expanded (stride-0) and transposed views digest like their contiguous copies on
     every route: the in-place int8 product must not be handed rows that overlap (oneDNN
     read a stride-0 matrix wrongly), and the int64 path is the reference."""
-    dgm = _dgm()
-    monkeypatch.setattr(dgm, "MM_DIRECT_BYTES", direct)
+    dgm = use_route(monkeypatch, route)
     g = torch.Generator().manual_seed(13)
     views = [
         (torch.randn(1, 96, generator=g) * 50).to(torch.bfloat16).expand(40, 96),
@@ -376,6 +442,5 @@ def test_views_with_overlapping_or_broadcast_rows(monkeypatch, direct):
         box, shape = full_box(tuple(v.shape)), tuple(v.shape)
         got = digest(v, box, shape)
         assert got == digest(v.contiguous(), box, shape) == reference(v.contiguous())
-        monkeypatch.setattr(dgm, "USE_INT8_MM", False)
-        assert digest(v, box, shape) == got
-        monkeypatch.setattr(dgm, "USE_INT8_MM", True)
+        with gemv_only(dgm):
+            assert digest(v, box, shape) == got

@@ -401,17 +401,28 @@ def _loaded_setup(ctx):
     return tensors
 
 
-def _digest_run(ctx, tensors):
+def _digest_run(ctx, tensors, *, kernel: bool = True):
     # the same call verify makes: every piece in one digest_many (batched like pieces)
+    import sys
     from ..digest import digest_many, one_intra_op_thread, piece_view
+    dgm = sys.modules["coordloader.digest"]
     items, n = [], 0
     for ts in ctx.rank_plan.tensors:
         t = tensors[ts.name]
         items += [(piece_view(t, p, i), p.src, ts.global_shape) for i, p in enumerate(ts.pieces)]
         n += ts.covered_numel * itemsize(ts.dtype)
-    with one_intra_op_thread():
-        digest_many(items)
-    return tensors, n, {}
+    saved, dgm.USE_KERNEL = dgm.USE_KERNEL, dgm.USE_KERNEL and kernel
+    try:
+        route = "kernel" if dgm.kernel_available() else "int8 product"
+        with one_intra_op_thread():
+            digest_many(items)
+    finally:
+        dgm.USE_KERNEL = saved
+    return tensors, n, {"route": route}
+
+
+def _digest_int8_run(ctx, tensors):
+    return _digest_run(ctx, tensors, kernel=False)
 
 
 # -- coordloader.save of the rank's share (tensors loaded untimed first: _loaded_setup) -
@@ -454,6 +465,8 @@ METHODS: dict[str, Method] = {m.key: m for m in [
     Method("load_e2e", "coordloader.load() end to end (gloo)", _load_e2e_setup, _load_e2e_run,
            needs_group=True),
     Method("digest", "digest of every planned piece", _loaded_setup, _digest_run),
+    Method("digest_int8", "digest of every planned piece, int8-product route (no kernel)",
+           _loaded_setup, _digest_int8_run),
     Method("save", "coordloader.save of the rank's primary pieces", _loaded_setup, _save_run,
            needs_group=True, holds_slice=False),
 ]}

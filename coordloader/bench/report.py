@@ -117,10 +117,15 @@ def verify_section(sec: dict) -> str:
     d = sec["digest"]
     out = [f"### Verify: content digests, {sec['layout']['tp']} ranks at tp={sec['layout']['tp']}",
            "", "| what | value |", "|---|---:|",
-           f"| digest of every planned piece, per rank | {d['gbps_per_rank']:.2f} GB/s, "
-           f"{d['wall_s']:.3f} s |",
-           f"| cpu engine load of the same slices | {sec['cpu_load']['wall_s']:.3f} s |",
-           f"| digest time / load time | {100 * sec['digest_fraction_of_load']:.0f}% |"]
+           f"| digest of every planned piece, per rank ({d.get('route', '?')} route) | "
+           f"{d['gbps_per_rank']:.2f} GB/s, {d['wall_s']:.3f} s |"]
+    if sec.get("digest_int8"):
+        d8 = sec["digest_int8"]
+        out.append(f"| the same down the int8-product route (no compiled kernel) | "
+                   f"{d8['gbps_per_rank']:.2f} GB/s, {d8['wall_s']:.3f} s "
+                   f"({d8['wall_s'] / d['wall_s']:.2f}x the time) |")
+    out += [f"| cpu engine load of the same slices | {sec['cpu_load']['wall_s']:.3f} s |",
+            f"| digest time / load time | {100 * sec['digest_fraction_of_load']:.0f}% |"]
     m = sec.get("manifest") or {}
     if m.get("written"):
         out.append(f"| manifest (whole checkpoint, 1 thread) | {m['gbps']:.2f} GB/s, "

@@ -75,6 +75,12 @@ def bench_verify(ckpt: str, *, tp: int = 2, repeats: int = 3, load_section: dict
     dig = bench_single("digest", ckpt, layout, repeats=repeats, timeout=timeout, log=log,
                        meta=meta, plan=plan)
     out["digest"] = dig
+    dig["route"] = (dig.get("extra") or {}).get("route", "?")
+    # the same digests down the int8-product route (what runs without the compiled
+    # kernel), side by side in this run
+    d8 = bench_single("digest_int8", ckpt, layout, repeats=repeats, timeout=timeout, log=log,
+                      meta=meta, plan=plan)
+    out["digest_int8"] = {"wall_s": d8["wall_s"], "gbps_per_rank": d8["gbps_per_rank"]}
     # the cpu engine's wall time for the same slices: from the load bench when it ran in
     # this invocation, else measured here
     if load_section and "cpu" in (load_section.get("warm") or {}):
@@ -84,8 +90,10 @@ def bench_verify(ckpt: str, *, tp: int = 2, repeats: int = 3, load_section: dict
                            meta=meta, plan=plan)
     out["cpu_load"] = {"wall_s": cpu["wall_s"], "gbps_per_rank": cpu["gbps_per_rank"]}
     out["digest_fraction_of_load"] = dig["wall_s"] / cpu["wall_s"]
-    log(f"[bench]   digest {dig['gbps_per_rank']:.2f} GB/s per rank, {dig['wall_s']:.3f} s = "
-        f"{100 * out['digest_fraction_of_load']:.0f}% of the cpu load ({cpu['wall_s']:.3f} s)")
+    log(f"[bench]   digest ({dig['route']}) {dig['gbps_per_rank']:.2f} GB/s per rank, "
+        f"{dig['wall_s']:.3f} s = {100 * out['digest_fraction_of_load']:.0f}% of the cpu load "
+        f"({cpu['wall_s']:.3f} s); int8-product route {d8['gbps_per_rank']:.2f} GB/s, "
+        f"{d8['wall_s']:.3f} s")
 
     may_write = os.path.abspath(ckpt).startswith(os.path.abspath(CACHE_DIR) + os.sep)
     out["manifest"] = _manifest(ckpt, meta, may_write=may_write, log=log)
