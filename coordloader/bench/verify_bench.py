@@ -75,7 +75,7 @@ def bench_verify(ckpt: str, *, tp: int = 2, repeats: int = 3, load_section: dict
     dig = bench_single("digest", ckpt, layout, repeats=repeats, timeout=timeout, log=log,
                        meta=meta, plan=plan)
     out["digest"] = dig
-    dig["route"] = (dig.get("extra") or {}).get("route", "?")
+    dig["route"] = (dig["ranks"][0].get("extra") or {}).get("route", "?")
     # the same digests down the int8-product route (what runs without the compiled
     # kernel), side by side in this run
     d8 = bench_single("digest_int8", ckpt, layout, repeats=repeats, timeout=timeout, log=log,
