@@ -21,6 +21,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 /* One build runs everywhere: on x86-64 Linux with GCC, the loops are compiled for three
  * instruction-set levels and the loader picks the best the CPU has. */
@@ -47,7 +48,7 @@ static inline uint64_t seg2(const void *p_, int64_t n, const uint64_t *w) {
     uint64_t a = 0;
     for (int64_t j = 0; j < n; j++) {
         uint16_t u;
-        __builtin_memcpy(&u, p + 2 * j, 2);   /* unaligned-safe; compiles to a load */
+        memcpy(&u, p + 2 * j, 2);   /* unaligned-safe; compiles to a load */
         a += w[j] * ((uint64_t)u - 2 * (uint64_t)(u & 0x8080u));
     }
     return a;
@@ -58,7 +59,7 @@ static inline uint64_t seg4(const void *p_, int64_t n, const uint64_t *w) {
     uint64_t a = 0;
     for (int64_t j = 0; j < n; j++) {
         uint32_t u;
-        __builtin_memcpy(&u, p + 4 * j, 4);
+        memcpy(&u, p + 4 * j, 4);
         a += w[j] * ((uint64_t)u - 2 * (uint64_t)(u & 0x80808080u));
     }
     return a;
@@ -69,7 +70,7 @@ static inline uint64_t seg8(const void *p_, int64_t n, const uint64_t *w) {
     uint64_t a = 0;
     for (int64_t j = 0; j < n; j++) {
         uint64_t u;
-        __builtin_memcpy(&u, p + 8 * j, 8);
+        memcpy(&u, p + 8 * j, 8);
         a += w[j] * (u ^ (u >> 32));
     }
     return a;
@@ -81,15 +82,15 @@ static inline uint64_t seg8(const void *p_, int64_t n, const uint64_t *w) {
     for (int64_t c0 = 0; c0 < ncols; c0 += COL_BLOCK) {                                     \
         int64_t n = ncols - c0 < COL_BLOCK ? ncols - c0 : COL_BLOCK;                        \
         const uint64_t *w = colw + c0;                                                      \
-        const uint8_t *p = base + c0 * (ELEM);                                              \
-        for (int d = 0; d < nlead; d++) idx[d] = 0;                                         \
+        int64_t off = c0 * (ELEM); /* byte offset of the row segment: an integer, so no */  \
+        for (int d = 0; d < nlead; d++) idx[d] = 0; /* pointer ever leaves the tensor */     \
         for (int64_t r = 0;; r++) {                                                         \
-            acc += roww[r] * SEG((const void *)p, n, w);                                    \
+            acc += roww[r] * SEG((const void *)(base + off), n, w);                         \
             int d = nlead - 1; /* next row: odometer over the leading dims */               \
             for (; d >= 0; d--) {                                                           \
-                p += strides[d];                                                            \
+                off += strides[d];                                                          \
                 if (++idx[d] < sizes[d]) break;                                             \
-                p -= strides[d] * sizes[d];                                                 \
+                off -= strides[d] * sizes[d];                                               \
                 idx[d] = 0;                                                                 \
             }                                                                               \
             if (d < 0) break;                                                               \

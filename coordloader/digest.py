@@ -339,6 +339,13 @@ def _prepare(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int])
     integer view is taken by the routes that need one (``_int_view``); the kernel reads
     raw bytes."""
     shape, box = _canon(global_shape, global_box)
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        kind = "quantized" if tensor.is_quantized else str(tensor.layout)
+        raise VerifyError(f"cannot digest a {kind} tensor ({tensor.dtype}): digests cover "
+                          "plain strided tensors of checkpoint dtypes")
+    if tensor.is_conj() or tensor.is_neg():
+        # lazy conjugate/negative views: their memory holds the un-negated bits
+        tensor = tensor.resolve_conj().resolve_neg()
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
     if len(box) != len(shape) or any(not (0 <= a <= b <= s) for (a, b), s in zip(box, shape)):
@@ -352,9 +359,10 @@ def digest(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int], *
            chunk_elems: int | None = None) -> int:
     """Digest of ``tensor`` holding the box ``global_box`` of a tensor of ``global_shape``.
 
-    Returns a uint64 as a Python int. Extra memory is bounded by ``chunk_elems`` int64
-    elements (two buffers for 64-bit dtypes) regardless of the tensor's size; the tensor
-    may be non-contiguous (a view into a local tensor)."""
+    Returns a uint64 as a Python int. Extra memory is bounded regardless of the tensor's
+    size: ``chunk_elems`` int64 elements (two buffers for 64-bit dtypes) on the torch
+    routes, weight vectors of at most KERNEL_MAX_WEIGHTS entries on the compiled kernel's;
+    the tensor may be non-contiguous (a view into a local tensor)."""
     return _digest_many_prepared([_prepare(tensor, global_box, global_shape)], chunk_elems, 1, False)[0]
 
 
@@ -366,12 +374,18 @@ def _digest_slow(shape, box, bits, chunk_elems) -> int:
     return acc.value()
 
 
-def _add_box(acc: _Accumulator, bits: torch.Tensor, box: Box, chunk: int) -> None:
-    for sub in iter_subboxes(box, chunk):
+def _sub_views(bits: torch.Tensor, box: Box, budget: int):
+    """(sub-box, the view of ``bits`` holding it) for ``iter_subboxes(box, budget)``."""
+    for sub in iter_subboxes(box, budget):
         part = bits
         for d, ((a, _), (sa, sb)) in enumerate(zip(box, sub)):
             if sb - sa != part.shape[d]:
                 part = part.narrow(d, sa - a, sb - sa)
+        yield sub, part
+
+
+def _add_box(acc: _Accumulator, bits: torch.Tensor, box: Box, chunk: int) -> None:
+    for sub, part in _sub_views(bits, box, chunk):
         acc.add(part, sub)
 
 
@@ -586,11 +600,7 @@ def _mm_units(bits: torch.Tensor, box: Box, budget: int):
     """(sub-box, view) units of at most ``budget`` elements and MM_ROW_BYTES bytes a row."""
     width = bits.element_size()
     maxc = max(1, MM_ROW_BYTES // width)
-    for sub in iter_subboxes(box, budget):
-        part = bits
-        for d, ((a, _), (sa, sb)) in enumerate(zip(box, sub)):
-            if sb - sa != part.shape[d]:
-                part = part.narrow(d, sa - a, sb - sa)
+    for sub, part in _sub_views(bits, box, budget):
         c0, c1 = sub[-1]
         if c1 - c0 <= maxc:
             yield sub, part
@@ -756,9 +766,17 @@ def kernel_available() -> bool:
     return _kernel is not None and USE_KERNEL and USE_CPU_GEMV and _LITTLE
 
 
+KERNEL_MAX_DIMS = 64
+
+
 def _kernel_fits(bits: torch.Tensor) -> bool:
-    """The kernel takes CPU tensors whose rows are contiguous runs of elements."""
-    return (bits.device.type == "cpu" and bits.element_size() in _BITS_VIEW
+    """The kernel takes plain strided CPU tensors whose rows are contiguous runs of
+    elements. Conjugate and negative views are refused: their memory holds the
+    un-negated bits (the other routes raise on them, and so does digest_many's caller
+    then), as are quantized tensors."""
+    return (bits.device.type == "cpu" and bits.layout == torch.strided
+            and bits.element_size() in _BITS_VIEW and bits.dim() <= KERNEL_MAX_DIMS
+            and not bits.is_conj() and not bits.is_neg() and not bits.is_quantized
             and (bits.stride(-1) == 1 or bits.shape[-1] <= 1))
 
 
@@ -793,7 +811,20 @@ def _kernel_args(shape: tuple[int, ...], box: Box, width: int):
     return hit
 
 
+KERNEL_MAX_WEIGHTS = 1 << 20   # rows or columns per call: weight vectors stay <= 8 MiB
+
+
 def _kernel_one(shape: tuple[int, ...], box: Box, t: torch.Tensor) -> int:
+    rows = prod(b - a for a, b in box[:-1])
+    if rows > KERNEL_MAX_WEIGHTS or box[-1][1] - box[-1][0] > KERNEL_MAX_WEIGHTS:
+        # a (1e8, 1) tensor would need 800 MB of row weights: sub-boxes of at most
+        # KERNEL_MAX_WEIGHTS elements (so rows and columns) each, summed
+        return sum(_kernel_call(shape, sub, part)
+                   for sub, part in _sub_views(t, box, KERNEL_MAX_WEIGHTS)) & MASK64
+    return _kernel_call(shape, box, t)
+
+
+def _kernel_call(shape: tuple[int, ...], box: Box, t: torch.Tensor) -> int:
     width = t.element_size()
     kw, colw, roww, cp, rp = _kernel_args(shape, box, width)
     sizes = tuple(t.shape)

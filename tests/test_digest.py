@@ -3,6 +3,7 @@ shifts, chunking invariance, and agreement with a pure-Python reference."""
 from __future__ import annotations
 
 import itertools
+import warnings
 from contextlib import contextmanager
 from math import prod
 
@@ -274,6 +275,7 @@ def use_route(monkeypatch, route: str):
         if dgm._kernel is None:
             pytest.skip("the digest kernel is not built (no C compiler at install time)")
         monkeypatch.setattr(dgm, "USE_KERNEL", True)
+        monkeypatch.setattr(dgm, "_kernel", _KernelSpy(dgm._kernel))
         assert dgm.kernel_available()
         return dgm
     monkeypatch.setattr(dgm, "USE_KERNEL", False)
@@ -287,6 +289,49 @@ def use_route(monkeypatch, route: str):
     if route == "mask":
         monkeypatch.setattr(dgm, "_UNSIGNED", {})
     return dgm
+
+
+class _KernelSpy:
+    """The compiled kernel, counting its calls: a kernel-route test must reach it."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.calls = 0
+
+    def rows(self, *args):
+        self.calls += 1
+        return self.kernel.rows(*args)
+
+
+def kernel_ran(route: str) -> bool:
+    """True unless ``route`` is the kernel's and the kernel was never called."""
+    return route != "kernel" or _dgm()._kernel.calls > 0
+
+
+def test_kernel_splits_long_boxes_and_takes_views_as_they_read(monkeypatch):
+    """Boxes with more rows or columns than KERNEL_MAX_WEIGHTS are digested in sub-boxes
+    (bounded weight vectors), with the same digest; conjugate and negative views digest
+    as the values they present (the kernel never reads their raw memory); quantized
+    tensors are refused by name."""
+    dgm = use_route(monkeypatch, "kernel")
+    monkeypatch.setattr(dgm, "KERNEL_MAX_WEIGHTS", 16)
+    g = torch.Generator().manual_seed(17)
+    for shape in ((100, 3), (3, 100), (5, 7, 9)):
+        t = (torch.randn(*shape, generator=g) * 100).to(torch.bfloat16)
+        assert digest(t, full_box(shape), shape) == reference(t)
+    assert kernel_ran("kernel")
+    c = torch.randn(4, 6, generator=g, dtype=torch.complex64)
+    box = full_box((4, 6))
+    assert digest(c.conj(), box, (4, 6)) == digest(c.conj().resolve_conj(), box, (4, 6)) \
+        != digest(c, box, (4, 6))
+    neg = c.conj().imag          # a lazy negative view
+    assert neg.is_neg()
+    assert digest(neg, box, (4, 6)) == digest(neg.resolve_neg(), box, (4, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # quantized tensors are deprecated in torch
+        q = torch.quantize_per_tensor(torch.randn(2, 3), 0.1, 0, torch.qint8)
+    with pytest.raises(VerifyError, match=r"cannot digest a quantized tensor \(torch.qint8\)"):
+        digest(q, full_box((2, 3)), (2, 3))
 
 
 @contextmanager
@@ -316,6 +361,7 @@ def test_code_paths_agree(monkeypatch, route):
         # words on unaligned addresses)
         u = (torch.randn(4, 9, generator=g) * 1000).to(dt)
         assert digest(u[:, 2:8], ((0, 4), (2, 8)), (4, 9)) == reference_box(u, ((0, 4), (2, 8)))
+    assert kernel_ran(route)
 
 
 def test_kernel_is_built_where_a_compiler_is():
@@ -336,6 +382,19 @@ def test_kernel_refuses_bad_arguments():
     t = torch.zeros(2, 4, dtype=torch.int32)
     rows = dgm._kernel.rows
     assert rows(t.data_ptr(), 4, (2, 4), (16,), w.data_ptr(), w.data_ptr()) == 0
+    # sum_r roww[r] * sum_c colw[c] * v(x[r, c]), v = signed little-endian bytes, mod 2^64
+    x = torch.tensor([[1, -1, 0x7F80, 5], [0x01020304, -2**31, 7, 0]], dtype=torch.int32)
+    colw = torch.tensor([1, 2, 3, -1], dtype=torch.int64)
+    roww = torch.tensor([5, -3], dtype=torch.int64)
+
+    def v(u):
+        u &= 0xFFFFFFFF
+        return sum(((((u >> 8 * k) & 255) ^ 128) - 128) << 8 * k for k in range(4))
+    want = sum(int(roww[r]) * int(colw[c]) * v(int(x[r, c])) for r in range(2) for c in range(4))
+    assert rows(x.data_ptr(), 4, (2, 4), (16,), colw.data_ptr(), roww.data_ptr()) == want & MASK64
+    # the second row alone: one leading dim of extent 1, and no leading dims at all
+    assert rows(x[1].data_ptr(), 4, (1, 4), (16,), colw.data_ptr(), roww[1:].data_ptr()) == \
+        rows(x[1].data_ptr(), 4, (4,), (), colw.data_ptr(), roww[1:].data_ptr())
     with pytest.raises(ValueError, match="width 3 is not 1, 2, 4 or 8"):
         rows(t.data_ptr(), 3, (2, 4), (16,), w.data_ptr(), w.data_ptr())
     with pytest.raises(ValueError, match="one stride per leading dim"):
@@ -393,11 +452,14 @@ def test_extreme_bytes(monkeypatch, route, fill, dt):
     """Every byte at an extreme of the signed/unsigned range (the int32 sums' worst case),
     on rows wider than one product (split into column blocks)."""
     dgm = use_route(monkeypatch, route)
-    n = dgm.MM_ROW_BYTES // _size(dt) * 2 + 3
-    t = torch.full((3, n * _size(dt)), fill, dtype=torch.uint8).view(dt)
-    box = ((0, 3), (0, n))
-    got = digest(t, box, (3, n))
-    assert got == reference(t)
+    # an odd column count (elementwise on the kernel) and an even one across the kernel's
+    # 1024-column blocks (BF16/FP8 pairs as words)
+    for n in (dgm.MM_ROW_BYTES // _size(dt) * 2 + 3, 2 * 1024 + 6):
+        t = torch.full((3, n * _size(dt)), fill, dtype=torch.uint8).view(dt)
+        assert digest(t, ((0, 3), (0, n)), (3, n)) == reference(t)
+        part = t[:, 2:n - 2]   # an even column range of rows an odd number of elements apart
+        assert digest(part, ((0, 3), (2, n - 2)), (3, n)) == reference_box(t, ((0, 3), (2, n - 2)))
+    assert kernel_ran(route)
 
 
 @ROUTES
@@ -427,6 +489,7 @@ def test_digest_many_matches_digest_and_reports_errors(monkeypatch, route):
         assert got[1:] == want
     with pytest.raises(VerifyError):
         dgm.digest_many(items)
+    assert kernel_ran(route)
 
 
 @ROUTES
@@ -448,3 +511,4 @@ def test_views_with_overlapping_or_broadcast_rows(monkeypatch, route):
         assert got == digest(v.contiguous(), box, shape) == reference(v.contiguous())
         with gemv_only(dgm):
             assert digest(v, box, shape) == got
+    assert kernel_ran(route)
