@@ -183,3 +183,38 @@ def test_load_into_fills_parameters_in_place(small_llama, tmp_path):
     growth = m["peak"] - m["base"]
     print(f"held {m['held'] / 2**20:.1f} MiB, load_into peak RSS growth {growth / 2**20:.1f} MiB")
     assert growth <= BUFFER, m
+
+
+def test_gc_pause_leaves_no_young_scan_behind_and_respects_frozen_objects():
+    """What a pause builds goes straight to the oldest generation, so no young-generation
+    collection over all of it follows the pause (without the promotion, the survivors of
+    that collection sit in generation 1); nothing stays frozen; a process's own frozen
+    objects stay frozen (no promotion then)."""
+    from coordloader.gcpause import gc_paused
+
+    def in_gen(obj, g):
+        return any(o is obj for o in gc.get_objects(generation=g))
+
+    assert gc.isenabled()
+    gc.collect()
+    with gc_paused():
+        kept = [[i] for i in range(50_000)]        # tracked objects that survive
+    assert in_gen(kept[-1], 2) and in_gen(kept, 2)
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        with gc_paused():
+            more = [[i] for i in range(20_000)]
+        assert gc.get_freeze_count() == frozen       # not unfrozen by the pause
+        assert not in_gen(more, 2)                   # and nothing promoted
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        with gc_paused():
+            [[i] for i in range(1_000)]
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    del kept, more
