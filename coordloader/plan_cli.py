@@ -11,6 +11,7 @@ from .errors import CoordloaderError, PlanError
 from .layout import Layout
 from .plan import EXPERT_RE
 from .runs import groups_of
+from .safetensors_io import write_file_atomic
 from .rules.ruleset import read_json_file
 
 
@@ -75,13 +76,14 @@ def ranges_str(ids) -> str:
     return s if len(s) <= 40 else s[:37] + "..."
 
 
-def rank_rows(plan) -> list[dict]:
-    """Per-rank figures: tensors, bytes held (local tensors, padding included), bytes to
-    read (exact byte runs), read amplification (file span a one-range-per-slice reader
-    would fetch / bytes to read; 1.00 for dim-0 slices, up to tp for dim-1 slices), experts."""
+def rank_rows(plan, ranks=None) -> list[dict]:
+    """Per-rank figures (of ``ranks``, default all): tensors, bytes held (local tensors,
+    padding included), bytes to read (exact byte runs), read amplification (file span a
+    one-range-per-slice reader would fetch / bytes to read; 1.00 for dim-0 slices, up to tp
+    for dim-1 slices), experts."""
     rows = []
     span_cache: dict = {}
-    for rp in plan.ranks:
+    for rp in (plan.ranks if ranks is None else [plan.rank(r) for r in ranks]):
         read = rp.bytes_to_read
         span = 0
         for t in rp.tensors:
@@ -116,8 +118,10 @@ def experts_held(rank_plan) -> list[int]:
 
 
 def format_table(plan, rows=None, rank: int | None = None) -> str:
-    rows = rows if rows is not None else rank_rows(plan)
-    if rank is not None:
+    if rows is None:
+        # one rank's figures only: at 1024 ranks the others cost seconds
+        rows = rank_rows(plan, None if rank is None else [rank])
+    elif rank is not None:
         rows = [r for r in rows if r["rank"] == rank]
     hdr = f"{'rank':>5} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3} {'moe_tp':>6} {'tensors':>8} " \
           f"{'held':>11} {'to read':>11} {'amp':>5}  experts"
@@ -191,8 +195,8 @@ def main(argv=None) -> int:
                 json.dump(doc, sys.stdout)
                 sys.stdout.write("\n")
             else:
-                with open(args.json, "w", encoding="utf-8") as f:
-                    json.dump(doc, f)
+                # temp file + rename: an interrupted write never leaves a torn plan file
+                write_file_atomic(args.json, json.dumps(doc).encode(), fsync=False)
     except CoordloaderError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -27,9 +27,26 @@ def test_table_and_json(ckpt, tmp_path, capsys):
     t = doc["ranks"][0]["tensors"][0]
     assert {"name", "file", "dtype", "global_shape", "local_shape", "replica", "pieces", "byte_runs"} <= set(t)
     TensorSlice.from_json(t)
+    full = {int(l.split()[0]): l for l in text.splitlines() if l.strip()[:1].isdigit()}
+    assert sorted(full) == [0, 1, 2, 3]
     assert main([ckpt, "--tp", "4", "--ep", "2", "--rank", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert sum(1 for l in lines if l.strip().startswith("3 ")) == 1
+    rows = [l for l in lines if l.strip()[:1].isdigit()]
+    assert rows == [full[3]]          # the same figures as in the whole table, alone
+
+
+def test_json_write_failure_is_an_error_naming_the_file(ckpt, tmp_path, capsys):
+    """The plan file is written via temp file + rename: a path that cannot be written is
+    a one-line error naming it (exit 2), and an existing file is replaced whole."""
+    bad = tmp_path / "no-such-dir" / "plan.json"
+    assert main([ckpt, "--tp", "2", "--json", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(bad) in err and "Traceback" not in err
+    out = tmp_path / "plan.json"
+    out.write_text("old")
+    assert main([ckpt, "--tp", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["version"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]   # no temp file left
 
 
 def test_invalid_layout_exit_code_no_traceback(ckpt):
