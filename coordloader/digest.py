@@ -762,8 +762,48 @@ USE_KERNEL = os.environ.get("COORDLOADER_DIGEST_KERNEL", "1") != "0"   # tests a
 KERNEL_GROUP_BYTES = 8 << 20    # data bytes per batch of kernel items (threads take batches)
 
 
+_kernel_ok: bool | None = None
+
+
 def kernel_available() -> bool:
-    return _kernel is not None and USE_KERNEL and USE_CPU_GEMV and _LITTLE
+    global _kernel_ok
+    if _kernel is None or not (USE_KERNEL and USE_CPU_GEMV and _LITTLE):
+        return False
+    if _kernel_ok is None:
+        with _mm_lock:
+            if _kernel_ok is None:
+                _kernel_ok = _kernel_selftest()
+                if not _kernel_ok:
+                    import warnings
+                    warnings.warn("coordloader: the compiled digest kernel disagrees with the "
+                                  "torch digest on its self-test; using the torch route",
+                                  RuntimeWarning, stacklevel=2)
+    return _kernel_ok
+
+
+def _kernel_selftest() -> bool:
+    """True when the kernel, as built for this CPU (a target_clones variant picked at load
+    time), gives the int64 route's digest for every element width, on both the word-pair
+    and the element paths, strided rows and rows wider than one column block. Run once; a
+    kernel that disagrees is never used, so a miscompiled variant cannot pass wrong
+    digests off as right."""
+    try:
+        g = torch.Generator().manual_seed(0x5EED)
+        # 8224 bytes a row: 1028 to 8224 columns, over one 1024-column block at every width
+        base = torch.randint(-2**31, 2**31, (2, 4, 2056), dtype=torch.int32, generator=g)
+        for dt in (torch.int8, torch.int16, torch.int32, torch.int64):
+            full = base.view(dt)                         # same bytes, elements of this width
+            shape = tuple(full.shape)
+            cols = shape[-1]
+            for box in (((0, 2), (0, 4), (0, cols)),               # contiguous (pairs as words)
+                        ((0, 2), (1, 3), (1, cols - 2)),            # strided rows, element path
+                        ((0, 2), (1, 4), (4, 4 + 2 * 510))):        # strided rows, words
+                t = full[box[0][0]:box[0][1], box[1][0]:box[1][1], box[2][0]:box[2][1]]
+                if _kernel_one(shape, box, t) != _digest_slow(shape, box, t, None):
+                    return False
+        return True
+    except Exception:  # noqa: BLE001 — any failure means: use the torch routes
+        return False
 
 
 KERNEL_MAX_DIMS = 64

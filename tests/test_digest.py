@@ -275,8 +275,8 @@ def use_route(monkeypatch, route: str):
         if dgm._kernel is None:
             pytest.skip("the digest kernel is not built (no C compiler at install time)")
         monkeypatch.setattr(dgm, "USE_KERNEL", True)
+        assert dgm.kernel_available()        # (runs the self-test once, before the spy)
         monkeypatch.setattr(dgm, "_kernel", _KernelSpy(dgm._kernel))
-        assert dgm.kernel_available()
         return dgm
     monkeypatch.setattr(dgm, "USE_KERNEL", False)
     if route in ("in_place", "stacked"):
@@ -372,6 +372,30 @@ def test_kernel_is_built_where_a_compiler_is():
     if not (shutil.which(sysconfig.get_config_var("CC") or "cc") or shutil.which("cc")):
         pytest.skip("no C compiler: the kernel is optional")
     assert _dgm()._kernel is not None, "coordloader._digestkernel is not built: pip install -e ."
+
+
+def test_a_kernel_that_fails_its_self_test_is_not_used(monkeypatch):
+    """A kernel build that disagrees with the torch digest (a miscompiled variant for this
+    CPU) is caught by the self-test on first use: a warning, and the torch routes digest."""
+    dgm = _dgm()
+    if dgm._kernel is None:
+        pytest.skip("the digest kernel is not built")
+
+    class OffByOne:
+        def rows(self, *a):
+            return (dgm._kernel_real.rows(*a) + 1) & MASK64
+
+    monkeypatch.setattr(dgm, "_kernel_real", dgm._kernel, raising=False)
+    monkeypatch.setattr(dgm, "_kernel", OffByOne())
+    monkeypatch.setattr(dgm, "_kernel_ok", None)
+    monkeypatch.setattr(dgm, "USE_KERNEL", True)
+    with pytest.warns(RuntimeWarning, match="disagrees with the torch digest"):
+        assert not dgm.kernel_available()
+    t = (torch.randn(4, 6) * 100).to(torch.bfloat16)
+    assert digest(t, full_box((4, 6)), (4, 6)) == reference(t)   # not off by one
+    monkeypatch.setattr(dgm, "_kernel", dgm._kernel_real)
+    monkeypatch.setattr(dgm, "_kernel_ok", None)
+    assert dgm.kernel_available()                                 # the real one passes
 
 
 def test_kernel_refuses_bad_arguments():
