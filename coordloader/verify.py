@@ -251,8 +251,16 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
     except Exception as e:  # noqa: BLE001
         findings.append(_finding(rank, "error", f"{type(e).__name__}: {e}"))
     if jobs:
+        # no more threads than torch's intra-op pool: a rank under torchrun or the bench owns
+        # one core (OMP_NUM_THREADS=1)
+        try:
+            workers = digest_workers(cap=torch.get_num_threads())
+        except CoordloaderError as e:   # one finding, reported like any other
+            findings.append(_finding(rank, "error", e.message))
+            jobs, workers = [], 1
+    if jobs:
         t0 = time.perf_counter()
-        for name, res in _digest_all(jobs):
+        for name, res in _digest_all(jobs, workers):
             if isinstance(res, str):
                 findings.append(_finding(rank, "error", res, name))
             else:
@@ -271,7 +279,14 @@ def digest_workers(cap: int | None = None) -> int:
     the usable CPUs (at most 8, and at most ``cap``)."""
     env = os.environ.get("COORDLOADER_DIGEST_THREADS")
     if env:
-        return max(1, int(env))
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise VerifyError(f"COORDLOADER_DIGEST_THREADS={env!r}: expected a whole number of "
+                              "threads >= 1 (or unset it for the default)")
+        return n
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -279,16 +294,16 @@ def digest_workers(cap: int | None = None) -> int:
     return max(1, min(8, n, cap if cap is not None else n))
 
 
-def _digest_all(jobs):
+def _digest_all(jobs, workers: int = 1):
     """Per-piece digests of every (name, tensor, slice) job -> [(name, digests | error)].
 
-    All pieces go to ``digest.digest_many`` in one call: on CPU it stacks the many small
-    pieces that share a box (a model's experts) into one int8 product, so a job costs a
-    few microseconds of Python, not a dozen torch calls. Threads: ``digest_workers()``,
-    but no more than torch's intra-op thread count (a rank under torchrun, or a bench
-    rank, owns one core: OMP_NUM_THREADS=1), with torch's pool set to one thread while
-    they run (measured: torch's own pool on digest-sized ops ran up to 10x slower than one
-    thread per product on a busy machine)."""
+    All pieces go to ``digest.digest_many`` in one call: on CPU the compiled kernel takes
+    them in batches (or, without it, the many small pieces that share a box are stacked
+    into one int8 product), so a job costs a few microseconds of Python, not a dozen torch
+    calls. ``workers`` threads (``digest_workers()``, capped by torch's intra-op thread
+    count), with torch's pool set to one thread while they run (measured: torch's own pool
+    on digest-sized ops ran up to 10x slower than one thread per product on a busy
+    machine)."""
     from .digest import digest_many, one_intra_op_thread, piece_view
     items, owner = [], []
     errors: dict[str, str] = {}
@@ -304,9 +319,6 @@ def _digest_all(jobs):
         for v, p in zip(views, ts.pieces):
             items.append((v, p.src, ts.global_shape))
             owner.append(name)
-    # no more threads than torch's intra-op pool: a rank under torchrun or the bench owns
-    # one core (OMP_NUM_THREADS=1)
-    workers = digest_workers(cap=torch.get_num_threads())
     on_cpu = any(t.device.type == "cpu" for _, t, _ in jobs)
     with one_intra_op_thread() if on_cpu and workers > 1 else contextlib.nullcontext():
         res = digest_many(items, threads=workers, return_errors=True)

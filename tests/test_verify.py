@@ -294,3 +294,19 @@ def test_full_mode_reads_multi_piece_checkpoint_tensors(tmp_path):
     payload = vf.local_payload({"w": local}, rp, "full", meta=meta)
     (f,) = payload["findings"]
     assert f["check"] == "bytes" and "s1.safetensors" in f["detail"] and "[3, 3]" in f["detail"]
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2"])
+def test_bad_digest_threads_setting_is_one_finding(setup, monkeypatch, value):
+    """A bad COORDLOADER_DIGEST_THREADS is one finding naming the variable (so it reaches
+    every rank through the collective), not a traceback on the ranks that read it; a good
+    one digests as usual."""
+    root, full, meta, man, plan, loaded = setup
+    monkeypatch.setenv("COORDLOADER_DIGEST_THREADS", value)
+    with pytest.raises(VerifyError) as ei:
+        vf.verify_rank(loaded[0], plan, 0, mode="digest", meta=meta)
+    (f,) = ei.value.report["failures"]
+    assert f["rank"] == 0 and f["check"] == "error"
+    assert f"COORDLOADER_DIGEST_THREADS={value!r}: expected a whole number" in f["detail"]
+    monkeypatch.setenv("COORDLOADER_DIGEST_THREADS", "3")
+    assert vf.verify_rank(loaded[0], plan, 0, mode="digest", meta=meta)["ok"]
