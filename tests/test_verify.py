@@ -308,5 +308,9 @@ def test_bad_digest_threads_setting_is_one_finding(setup, monkeypatch, value):
     (f,) = ei.value.report["failures"]
     assert f["rank"] == 0 and f["check"] == "error"
     assert f"COORDLOADER_DIGEST_THREADS={value!r}: expected a whole number" in f["detail"]
+    # the whole world, with the manifest: one finding per rank and nothing else (the
+    # digests still went out, so no tensor is reported as differing from the manifest)
+    rep = world(loaded, plan, "digest", meta=meta, manifest=man)
+    assert [(f["rank"], f["check"]) for f in rep["failures"]] == [(0, "error"), (1, "error")]
     monkeypatch.setenv("COORDLOADER_DIGEST_THREADS", "3")
     assert vf.verify_rank(loaded[0], plan, 0, mode="digest", meta=meta)["ok"]
