@@ -46,6 +46,7 @@ import os
 import sys
 import threading
 from contextlib import contextmanager
+from functools import partial
 from math import prod
 from typing import Iterator, Sequence
 
@@ -215,10 +216,6 @@ class _Accumulator:
 
     def __init__(self, global_shape: tuple[int, ...], device: torch.device, chunk: int):
         self.shape = global_shape
-        self.C = global_shape[-1]
-        lead = global_shape[:-1]
-        # stride of each leading dim in units of rows
-        self.row_strides = [prod(lead[d + 1:]) for d in range(len(lead))]
         self.device = device
         self.cpu = device.type == "cpu" and USE_CPU_GEMV
         self.chunk = chunk
@@ -230,15 +227,8 @@ class _Accumulator:
         return _cached((str(self.device), "col", c0, c1, width in PAIRED and width),
                        lambda: _col_weight_vec(self.device, c0, c1, width), c1 - c0)
 
-    def _word_weights(self, g0: int, g1: int) -> torch.Tensor:
-        return _cached((str(self.device), "word", g0, g1), lambda: hash_weights(
-            torch.arange(g0, g1, dtype=torch.int64, device=self.device), SEED_COL), g1 - g0)
-
     def _row_weights(self, sub: Box) -> torch.Tensor:
-        lead = sub[:-1]
-        return _cached((str(self.device), "row", lead, tuple(self.row_strides)),
-                       lambda: _row_hash(lead, self.row_strides, self.device),
-                       prod(b - a for a, b in lead))
+        return _row_weight_vec(self.shape, sub[:-1], self.device)
 
     def _widen(self, bits: torch.Tensor, x: torch.Tensor) -> None:
         """x (int64, shape of bits) <- v(bits) (see module doc)."""
@@ -283,7 +273,7 @@ class _Accumulator:
                 mid = bits.narrow(-1, a - c0, b - a)
                 word = _try_view(mid, _WORD[width])
                 if word is not None:
-                    self._accumulate(word, rw, self._word_weights(a // 2, b // 2))
+                    self._accumulate(word, rw, _word_weight_vec(self.device, a // 2, b // 2))
                     for e0 in ((c0,) if a > c0 else ()) + ((b,) if c1 > b else ()):
                         self._accumulate(bits.narrow(-1, e0 - c0, 1), rw,
                                          self._col_weights(e0, e0 + 1, width))
@@ -449,7 +439,6 @@ MM_DIRECT_BYTES = MM_BATCH_BYTES
 _POW256 = None
 _mm_ok: bool | None = None
 _mm_lock = threading.Lock()
-_MM_CACHE: dict = {}         # (kind, ...) -> weights; bounded like _WEIGHTS
 
 
 def _mm_selftest() -> bool:
@@ -523,15 +512,21 @@ def _byte_weights(c0: int, c1: int, width: int) -> torch.Tensor:
         w = _col_weight_vec("cpu", c0, c1, width)
         b = (w.unsqueeze(1) * _POW256[:width]).reshape(-1)
         return balanced_limbs(b).contiguous()
-    return _cached(("bytes", c0, c1, width), make, cache=_MM_CACHE)
+    return _cached(("cpu", "bytes", c0, c1, width), make)
 
 
-def _row_weight_vec(shape: tuple[int, ...], lead: Box) -> torch.Tensor:
+def _row_weight_vec(shape: tuple[int, ...], lead: Box, device="cpu") -> torch.Tensor:
     """hr of the rows of box ``lead`` (leading dims) of a tensor of ``shape``."""
     def make():
         strides = [prod(shape[d + 1:-1]) for d in range(len(shape) - 1)]
-        return _row_hash(lead, strides, "cpu").contiguous()
-    return _cached(("rows", shape, lead), make, prod(b - a for a, b in lead), _MM_CACHE)
+        return _row_hash(lead, strides, device).contiguous()
+    return _cached((str(device), "row", shape, lead), make, prod(b - a for a, b in lead))
+
+
+def _word_weight_vec(device, g0: int, g1: int) -> torch.Tensor:
+    """hc(g) of column pairs [g0, g1): the weight of a pair read as one word."""
+    return _cached((str(device), "word", g0, g1), lambda: hash_weights(
+        torch.arange(g0, g1, dtype=torch.int64, device=device), SEED_COL), g1 - g0)
 
 
 def _byte_buffer(n: int) -> torch.Tensor:
@@ -574,10 +569,10 @@ def _finish(s: torch.Tensor, hr: torch.Tensor, nb: int) -> list[int]:
     return [x & MASK64 for x in d.tolist()]
 
 
-def _mm_direct(shape: tuple[int, ...], sub: Box, width: int, a: torch.Tensor) -> int:
-    """Digest of one part given as an int8 (rows, K) view of its memory: no copy."""
+def _mm_direct(shape: tuple[int, ...], sub: Box, width: int, a: torch.Tensor) -> list[int]:
+    """[digest] of one part given as an int8 (rows, K) view of its memory: no copy."""
     s = torch._int_mm(a, _byte_weights(sub[-1][0], sub[-1][1], width))
-    return _finish(s, _row_weight_vec(shape, sub[:-1]), 1)[0]
+    return _finish(s, _row_weight_vec(shape, sub[:-1]), 1)
 
 
 def _mm_batch(shape: tuple[int, ...], sub: Box, width: int, parts: list) -> list[int]:
@@ -652,16 +647,15 @@ def one_intra_op_thread():
 def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_errors: bool) -> list:
     out: list = [0] * len(prepared)
     groups: dict = {}     # (shape, sub, width) -> [(item, part)]: stacked products
-    batches: list = []    # (shape, sub, width, [(item, part or matrix)], direct)
+    batches: list = []    # ([item per result], thunk -> [digest per item]): run on threads
     mm = USE_INT8_MM and USE_CPU_GEMV and _LITTLE   # and int8_mm_available(), asked lazily
-    kern = kernel_available()
     kitems: list = []     # (item, shape, box, bits): the compiled kernel's share
 
     def unit(i, shape, sub, width, part):
         if part.numel() * width >= MM_DIRECT_BYTES:
             a = _as_matrix(part)
             if a is not None:
-                batches.append((shape, sub, width, [(i, a)], True))
+                batches.append(([i], partial(_mm_direct, shape, sub, width, a)))
                 return
         g = groups.get((shape, sub, width))
         if g is None:
@@ -673,7 +667,7 @@ def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_erro
             continue
         shape, box, bits = p
         try:
-            if kern and _kernel_fits(bits):
+            if _kernel_fits(bits) and kernel_available():   # (self-tested on first use)
                 kitems.append((i, shape, box, bits))
                 continue
             bits = _int_view(bits)
@@ -700,20 +694,17 @@ def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_erro
     for (shape, sub, width), units in groups.items():
         per = max(1, MM_BATCH_BYTES // max(1, box_numel(sub) * width))
         for k in range(0, len(units), per):
-            batches.append((shape, sub, width, units[k:k + per], False))
+            chunk = units[k:k + per]
+            batches.append(([i for i, _ in chunk],
+                            partial(_mm_batch, shape, sub, width, [p for _, p in chunk])))
     # the kernel's items go out in groups of similar byte counts, one batch each, so a
     # model's thousands of small pieces cost one task switch per group, not per piece
     for grp in _kernel_groups(kitems, threads):
-        batches.append((None, None, None, grp, "kernel"))
+        batches.append(([it[0] for it in grp], partial(_kernel_batch, grp, return_errors)))
 
     def run(batch):
-        shape, sub, width, units, direct = batch
         try:
-            if direct == "kernel":
-                return _kernel_batch(units, return_errors)
-            if direct:
-                return [_mm_direct(shape, sub, width, units[0][1])]
-            return _mm_batch(shape, sub, width, [p for _, p in units])
+            return batch[1]()
         except Exception as e:  # noqa: BLE001
             if not return_errors:
                 raise
@@ -731,8 +722,8 @@ def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_erro
     else:
         with one_intra_op_thread():
             results = [run(b) for b in batches]
-    for (_, _, _, units, _), res in zip(batches, results):
-        for k, (i, *_) in enumerate(units):
+    for (items, _), res in zip(batches, results):
+        for k, i in enumerate(items):
             if isinstance(out[i], Exception):
                 continue
             r = res if isinstance(res, Exception) else res[k]
@@ -772,21 +763,22 @@ def kernel_available() -> bool:
     if _kernel_ok is None:
         with _mm_lock:
             if _kernel_ok is None:
-                _kernel_ok = _kernel_selftest()
-                if not _kernel_ok:
+                problem = _kernel_selftest()
+                _kernel_ok = problem is None
+                if problem:
                     import warnings
-                    warnings.warn("coordloader: the compiled digest kernel disagrees with the "
-                                  "torch digest on its self-test; using the torch route",
-                                  RuntimeWarning, stacklevel=2)
+                    warnings.warn(f"coordloader: the compiled digest kernel failed its self-test "
+                                  f"({problem}); digests use the torch routes", RuntimeWarning,
+                                  stacklevel=4)
     return _kernel_ok
 
 
-def _kernel_selftest() -> bool:
-    """True when the kernel, as built for this CPU (a target_clones variant picked at load
+def _kernel_selftest() -> str | None:
+    """None when the kernel, as built for this CPU (a target_clones variant picked at load
     time), gives the int64 route's digest for every element width, on both the word-pair
     and the element paths, strided rows and rows wider than one column block. Run once; a
     kernel that disagrees is never used, so a miscompiled variant cannot pass wrong
-    digests off as right."""
+    digests off as right. Else what went wrong."""
     try:
         g = torch.Generator().manual_seed(0x5EED)
         # 8224 bytes a row: 1028 to 8224 columns, over one 1024-column block at every width
@@ -800,31 +792,25 @@ def _kernel_selftest() -> bool:
                         ((0, 2), (1, 4), (4, 4 + 2 * 510))):        # strided rows, words
                 t = full[box[0][0]:box[0][1], box[1][0]:box[1][1], box[2][0]:box[2][1]]
                 if _kernel_one(shape, box, t) != _digest_slow(shape, box, t, None):
-                    return False
-        return True
-    except Exception:  # noqa: BLE001 — any failure means: use the torch routes
-        return False
+                    return f"it disagrees with the torch digest on {dt} box {list(box)}"
+        return None
+    except Exception as e:  # noqa: BLE001 — any failure means: use the torch routes
+        return f"{type(e).__name__}: {e}"
 
 
 KERNEL_MAX_DIMS = 64
 
 
 def _kernel_fits(bits: torch.Tensor) -> bool:
-    """The kernel takes plain strided CPU tensors whose rows are contiguous runs of
-    elements. Conjugate and negative views are refused: their memory holds the
-    un-negated bits (the other routes raise on them, and so does digest_many's caller
-    then), as are quantized tensors."""
-    return (bits.device.type == "cpu" and bits.layout == torch.strided
-            and bits.element_size() in _BITS_VIEW and bits.dim() <= KERNEL_MAX_DIMS
-            and not bits.is_conj() and not bits.is_neg() and not bits.is_quantized
-            and (bits.stride(-1) == 1 or bits.shape[-1] <= 1))
-
-
-_KERNEL_W: dict = {}     # (global shape, box, width) -> the kernel's arguments but the data
+    """The kernel takes CPU tensors whose rows are contiguous runs of elements (``_prepare``
+    has already refused or resolved every tensor whose memory is not its values)."""
+    return (bits.device.type == "cpu" and bits.element_size() in _BITS_VIEW
+            and bits.dim() <= KERNEL_MAX_DIMS and (bits.stride(-1) == 1 or bits.shape[-1] <= 1))
 
 
 def _kernel_args(shape: tuple[int, ...], box: Box, width: int):
-    """(element width the kernel reads, column weights, row weights, their pointers).
+    """(element width the kernel reads, column weights, row weights, their pointers),
+    cached whole: looking up the pieces one by one cost a rank's 2,013 pieces 5 ms.
 
     1- and 2-byte elements on an even column range are read as words of two (BF16 pairs
     as 4-byte words): the pair's weights are w(2g) = hc(g) and w(2g+1) = hc(g) << 8*width,
@@ -832,23 +818,17 @@ def _kernel_args(shape: tuple[int, ...], box: Box, width: int):
     column c0, so with c0 even the pairs line up in every row whatever the row strides.
     Half the multiplies: measured 0.040 -> 0.025 s for a rank's qwen3_moe-small pieces.
     A ragged range keeps per-element weights (same digest)."""
-    key = (shape, box, width)
-    hit = _KERNEL_W.get(key)
-    if hit is not None:
-        return hit
     c0, c1 = box[-1]
-    if width in PAIRED and not (c0 & 1) and not (c1 & 1):
-        kw, colw = 2 * width, hash_weights(torch.arange(c0 // 2, c1 // 2, dtype=torch.int64),
-                                           SEED_COL)
-    else:
-        kw, colw = width, _col_weight_vec("cpu", c0, c1, width)
-    roww = _row_weight_vec(shape, box[:-1])
-    hit = (kw, colw, roww, colw.data_ptr(), roww.data_ptr())
-    if colw.numel() <= _WEIGHT_MAX_LEN and roww.numel() <= _WEIGHT_MAX_LEN:
-        if len(_KERNEL_W) >= _WEIGHTS_MAX:
-            _KERNEL_W.clear()
-        _KERNEL_W[key] = hit
-    return hit
+
+    def make():
+        if width in PAIRED and not (c0 & 1) and not (c1 & 1):
+            kw, colw = 2 * width, _word_weight_vec("cpu", c0 // 2, c1 // 2)
+        else:
+            kw, colw = width, _col_weight_vec("cpu", c0, c1, width)
+        roww = _row_weight_vec(shape, box[:-1])
+        return kw, colw, roww, colw.data_ptr(), roww.data_ptr()
+    return _cached(("cpu", "kernel", shape, box, width), make,
+                   max(c1 - c0, prod(b - a for a, b in box[:-1])))
 
 
 KERNEL_MAX_WEIGHTS = 1 << 20   # rows or columns per call: weight vectors stay <= 8 MiB
