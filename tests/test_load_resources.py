@@ -71,32 +71,40 @@ def test_no_fd_or_thread_leak_across_100_loads_including_failures(tmp_path):
     assert gc.isenabled()
 
 
-def test_gc_state_is_restored_not_changed(tmp_path):
+def test_gc_state_is_restored_not_changed(tmp_path, monkeypatch):
     """load pauses the cyclic garbage collector while it runs and restores the caller's
-    setting: enabled stays enabled (also after a failed load), disabled stays disabled."""
+    setting: enabled stays enabled (also after a load that fails while paused), disabled
+    stays disabled."""
+    from coordloader.engines.cpu import CpuEngine
     good = synthesize(str(tmp_path / "good"), "llama", "tiny")
     seen = []
-    orig = cl.engines.cpu.CpuEngine.load_rank
+    orig = CpuEngine.load_rank
 
     def spy(self, *a, **k):
         seen.append(gc.isenabled())
         return orig(self, *a, **k)
 
+    def failing(self, *a, **k):          # a load that fails inside the pause
+        seen.append(gc.isenabled())
+        raise LoadError("boom")
+
+    monkeypatch.setattr(CpuEngine, "load_rank", spy)
     assert gc.isenabled()
-    try:
-        cl.engines.cpu.CpuEngine.load_rank = spy
+    cl.load(good, Layout(tp=2), rank=0, engine="cpu")
+    assert seen == [False] and gc.isenabled()
+    monkeypatch.setattr(CpuEngine, "load_rank", failing)
+    with pytest.raises(LoadError, match="boom"):
         cl.load(good, Layout(tp=2), rank=0, engine="cpu")
-        assert seen == [False] and gc.isenabled()
-        with pytest.raises(LoadError):
-            cl.load(good, Layout(tp=2), rank=0, engine="cpu", verify="bogus")
-        with pytest.raises(CoordloaderError):
-            cl.load(str(tmp_path / "nowhere"), Layout(tp=2), rank=0, engine="cpu")
-        assert gc.isenabled()
-        gc.disable()
+    assert seen == [False, False] and gc.isenabled()
+    monkeypatch.setattr(CpuEngine, "load_rank", spy)
+    with pytest.raises(CoordloaderError):
+        cl.load(str(tmp_path / "nowhere"), Layout(tp=2), rank=0, engine="cpu")
+    assert gc.isenabled()
+    gc.disable()
+    try:
         cl.load(good, Layout(tp=2), rank=1, engine="cpu")
-        assert seen == [False, False] and not gc.isenabled()
+        assert seen == [False, False, False] and not gc.isenabled()
     finally:
-        cl.engines.cpu.CpuEngine.load_rank = orig
         gc.enable()
 
 

@@ -97,8 +97,6 @@ def test_heads_errors_name_tensor_and_layout():
 def test_split_errors_name_tensor_and_layout_once():
     """A colwise rule whose dim is out of range, or whose split does not divide, names the
     tensor and the layout exactly once (the split error used to be wrapped twice)."""
-    from coordloader.layout import Layout
-    from coordloader.plan import make_plan, meta_from_specs
     cfg = {"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 2,
            "num_key_value_heads": 2, "hidden_size": 4}
     meta = meta_from_specs(cfg, [("w", "BF16", (5, 4))])

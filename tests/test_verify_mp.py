@@ -14,7 +14,6 @@ import torch
 from coordloader.collective import free_port
 from ranks import spawn_and_wait
 
-HARD_TIMEOUT_S = 150
 WORLD = 2
 
 
@@ -142,8 +141,7 @@ def _worker(rank: int, port: int, fx: dict, out_dir: str):
 
 
 def test_verify_failures_reach_every_rank(fixtures, tmp_path):
-    spawn_and_wait(_worker, (free_port(), fixtures, str(tmp_path)), WORLD, "verify job",
-                   hard_s=HARD_TIMEOUT_S)
+    spawn_and_wait(_worker, (free_port(), fixtures, str(tmp_path)), WORLD, "verify job")
     out = [json.load(open(tmp_path / f"vmp-{r}.json")) for r in range(WORLD)]
     if os.environ.get("COORDLOADER_VMP_DUMP"):
         print(json.dumps(out, indent=1))
