@@ -623,7 +623,7 @@ def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorI
             pieces.append(SourcePiece(fname, box, ent[3], ent[4]))
         if listed is None:
             raise CheckpointError("tensor is in the coordloader section but not in the "
-                                  f"weight_map", file=idx, tensor=name)
+                                  "weight_map", file=idx, tensor=name)
         if listed not in {p.file for p in pieces}:
             raise CheckpointError(f"weight_map maps the tensor to {listed!r}, which holds none "
                                   f"of its pieces", file=idx, tensor=name)

@@ -5,12 +5,9 @@ MASTER_PORT / RANK / WORLD_SIZE like a Slurm or Kubernetes launch would. Every t
 hard bound (subprocess deadline) and kills its children on the way out."""
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ import pytest
 from coordloader.collective import (_ranges, free_port, describe_exception, exit_on_error, run_phase,
                                     Group)
 from coordloader.errors import CheckpointError, CollectiveError, SaveError
+from ranks import rank_env, run_ranks
 
 TIMEOUT = 5.0          # the group's timeout inside the children
 HARD = 60.0            # the harness's own bound per test
@@ -70,47 +68,6 @@ def main():
 with exit_on_error():
     main()
 '''
-
-
-def rank_env(port: int, rank: int, world: int, **extra: str) -> dict:
-    """This environment plus what a Slurm/Kubernetes launch gives rank ``rank`` (and the
-    repository on PYTHONPATH); COORDLOADER_DEBUG removed so stderr is the one-line form."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-               WORLD_SIZE=str(world),
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
-    env.pop("COORDLOADER_DEBUG", None)
-    return env
-
-
-def run_ranks(ranks, start, hard: float, on_running=None):
-    """``start(rank)`` -> a Popen in its own session, for each rank; wait until all exit
-    (pytest.fail after ``hard`` s: a hang), polling ``on_running(procs)`` until it returns
-    True. -> (procs, {rank: exit time}, start time). Kills every process group left over
-    on the way out (also used by test_faults_mp)."""
-    procs: dict[int, subprocess.Popen] = {}
-    t0 = time.time()
-    try:
-        for r in ranks:
-            procs[r] = start(r)
-        ends: dict[int, float] = {}
-        done_hook = on_running is None
-        while len(ends) < len(procs):
-            if time.time() - t0 > hard:
-                pytest.fail(f"ranks {sorted(set(procs) - set(ends))} still running after "
-                            f"{hard} s: hang")
-            if not done_hook:
-                done_hook = on_running(procs)
-            for r, p in procs.items():
-                if r not in ends and p.poll() is not None:
-                    ends[r] = time.time()
-            time.sleep(0.02)
-        return procs, ends, t0
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                with contextlib.suppress(OSError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
 
 
 def _launch(tmp_path: Path, mode: str, ranks, world: int = 4, timeout: float = TIMEOUT):

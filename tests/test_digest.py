@@ -2,7 +2,6 @@
 shifts, chunking invariance, and agreement with a pure-Python reference."""
 from __future__ import annotations
 
-import itertools
 import warnings
 from contextlib import contextmanager
 from math import prod
@@ -12,11 +11,11 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from coordloader.digest import (MASK64, SEED_COL, SEED_ROW, col_weight_py, combine, digest,
+from coordloader.digest import (MASK64, SEED_ROW, col_weight_py, combine, digest,
                                 digest_local, flat_offset, hash_weight_py, hash_weights,
                                 iter_subboxes)
 from coordloader.errors import VerifyError
-from coordloader.metadata import box_numel, box_shape, full_box
+from coordloader.metadata import box_numel, full_box
 from coordloader.planmodel import Piece
 
 # (torch dtype, bytes per element); bool only takes 0/1 bytes

@@ -301,7 +301,7 @@ def test_select_engine_names():
         assert select_engine("auto").name == "cpu"
 
 
-def strided(runs) -> "RunList":
+def strided(runs):
     """The same runs as strided groups (consecutive runs with one length and constant file
     and destination strides folded), built here independently of the planner."""
     from coordloader.runs import RunList

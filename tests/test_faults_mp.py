@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from coordloader.collective import free_port
-from test_collective import rank_env, run_ranks
+from ranks import rank_env, run_ranks
 
 TIMEOUT = 5.0     # --timeout given to the ranks
 SLACK = 10.0      # the bound: exit within TIMEOUT + SLACK of the fault

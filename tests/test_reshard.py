@@ -21,6 +21,7 @@ from coordloader.plan import make_plan
 from coordloader.save import INDEX_NAME, save
 from coordloader.synth import synthesize
 from coordloader.collective import free_port
+from ranks import spawn_and_wait
 
 # source layouts, saved by a distributed save over 4 (or the first 2) spawned processes
 SOURCE_LAYOUTS = {
@@ -78,24 +79,11 @@ def _worker(rank: int, port: int, jobs: list, q) -> None:
             dist.destroy_process_group()
 
 
-def _spawn(jobs: list, timeout: float = 150.0) -> None:
+def _spawn(jobs: list) -> None:
     import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    ps = [ctx.Process(target=_worker, args=(r, port, jobs, q)) for r in range(4)]
-    for p in ps:
-        p.start()
-    res = {}
-    try:
-        for _ in range(4):
-            r, msg = q.get(timeout=timeout)
-            res[r] = msg
-    finally:
-        for p in ps:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    q = mp.get_context("spawn").Queue()
+    spawn_and_wait(_worker, (free_port(), jobs, q), 4, "resharding job")
+    res = dict(q.get(timeout=10) for _ in range(4))
     assert res == {r: "ok" for r in range(4)}, res
 
 

@@ -20,6 +20,7 @@ from coordloader.layout import Layout
 from coordloader.planmodel import Piece, Plan, RankPlan, TensorSlice
 from coordloader.save import INDEX_NAME, save
 from coordloader.collective import free_port
+from ranks import spawn_and_wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -269,22 +270,12 @@ def _dist_worker(rank, port, base, q):
 
 def test_distributed_save_and_error_agreement(tmp_path):
     import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    ps = [ctx.Process(target=_dist_worker, args=(r, port, str(tmp_path), q)) for r in range(2)]
-    for p in ps:
-        p.start()
+    q = mp.get_context("spawn").Queue()
+    spawn_and_wait(_dist_worker, (free_port(), str(tmp_path), q), 2, "distributed save")
     res = {}
-    try:
-        for _ in range(4):
-            r = q.get(timeout=120)
-            res[r[:2]] = r[2:]
-    finally:
-        for p in ps:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    for _ in range(4):
+        r = q.get(timeout=10)
+        res[r[:2]] = r[2:]
     plan, locs, full = make_plan_and_locals()
     assert res[("ok", 0)] == ("ok", True) and res[("ok", 1)] == ("ok", False)
     assert_equal_ckpt(tmp_path / "ok", full)

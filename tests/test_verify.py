@@ -4,7 +4,6 @@ asserted. A 2-rank world is simulated by running every rank's local share
 ``verify_rank`` runs around its one all_gather."""
 from __future__ import annotations
 
-import json
 import os
 import pickle
 
