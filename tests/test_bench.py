@@ -95,6 +95,16 @@ def test_verify_bench_pairs_shapes_and_digest(tiny_ckpt, tmp_path):
     assert "verify" in e["shapes"]["phases"] and e["digest"]["phases"]["verify"] > 0
     assert ver["target"]["value"] == e["digest_adds"] and "verify_phase_adds" in e
     assert "e2e_cold" not in ver
+    # the route this install digests with, and the fallback timed beside the kernel
+    from coordloader.bench.verify_bench import digest_routes
+    route, fallback = digest_routes()
+    assert ver["digest"]["route"] == route
+    md = (out / "results.md").read_text()
+    if route == "kernel":
+        assert ver["digest_fallback"]["route"] == fallback and ver["digest_fallback"]["wall_s"] > 0
+        assert f"the same down the {fallback} route" in md
+    else:
+        assert "digest_fallback" not in ver
     # --ckpt is not written to: no manifest, and the report says what digest mode compared
     assert not ver["manifest"]["written"]
     assert any("primaries with replicas" in n for n in ver["notes"])

@@ -68,11 +68,12 @@ def main(argv=None) -> int:
         return 2
     methods = a.methods.split(",") if a.methods else None
     if methods:
-        from .methods import METHODS
-        bad = [m for m in methods if m not in METHODS]
+        from .load_bench import load_methods
+        known = load_methods()   # what --help lists: digest and save are not load methods
+        bad = [m for m in methods if m not in known]
         if bad:
-            print(f"unknown method(s) {', '.join(bad)}; expected some of "
-                  f"{', '.join(METHODS)}", file=sys.stderr)
+            print(f"unknown load method(s) {', '.join(bad)}; expected some of "
+                  f"{', '.join(known)}", file=sys.stderr)
             return 2
     sections = SECTIONS if a.what == "all" else (a.what,)
     results: dict = {"machine": machine_info(), "quick": a.quick, "repeats": repeats,

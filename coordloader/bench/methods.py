@@ -401,28 +401,24 @@ def _loaded_setup(ctx):
     return tensors
 
 
-def _digest_run(ctx, tensors, *, kernel: bool = True):
-    # the same call verify makes: every piece in one digest_many (batched like pieces)
+def _digest_setup(ctx):
+    """The rank's slices loaded (untimed), the digest route chosen by options["kernel"]
+    (default: the compiled kernel when built) and its one-time self-test run, so the timed
+    section is what every later --verify digest in a process pays."""
     import sys
-    from ..digest import digest_many, one_intra_op_thread, piece_view
     dgm = sys.modules["coordloader.digest"]
-    items, n = [], 0
-    for ts in ctx.rank_plan.tensors:
-        t = tensors[ts.name]
-        items += [(piece_view(t, p, i), p.src, ts.global_shape) for i, p in enumerate(ts.pieces)]
-        n += ts.covered_numel * itemsize(ts.dtype)
-    saved, dgm.USE_KERNEL = dgm.USE_KERNEL, dgm.USE_KERNEL and kernel
-    try:
-        route = "kernel" if dgm.kernel_available() else "int8 product"
-        with one_intra_op_thread():
-            digest_many(items)
-    finally:
-        dgm.USE_KERNEL = saved
-    return tensors, n, {"route": route}
+    dgm.USE_KERNEL = dgm.USE_KERNEL and ctx.options.get("kernel", True)   # a throwaway process
+    dgm.kernel_available()
+    dgm.int8_mm_available()
+    return _loaded_setup(ctx)
 
 
-def _digest_int8_run(ctx, tensors):
-    return _digest_run(ctx, tensors, kernel=False)
+def _digest_run(ctx, tensors):
+    # verify's own digest step, with verify's thread count
+    from ..verify import _digest_all, digest_workers
+    jobs = [(ts.name, tensors[ts.name], ts) for ts in ctx.rank_plan.tensors]
+    _digest_all(jobs, digest_workers(cap=torch.get_num_threads()))
+    return tensors, sum(ts.covered_numel * itemsize(ts.dtype) for ts in ctx.rank_plan.tensors), {}
 
 
 # -- coordloader.save of the rank's share (tensors loaded untimed first: _loaded_setup) -
@@ -464,9 +460,7 @@ METHODS: dict[str, Method] = {m.key: m for m in [
            _it_engine_run, needs_group=True, needs_cuda=True),
     Method("load_e2e", "coordloader.load() end to end (gloo)", _load_e2e_setup, _load_e2e_run,
            needs_group=True),
-    Method("digest", "digest of every planned piece", _loaded_setup, _digest_run),
-    Method("digest_int8", "digest of every planned piece, int8-product route (no kernel)",
-           _loaded_setup, _digest_int8_run),
+    Method("digest", "digest of every planned piece", _digest_setup, _digest_run),
     Method("save", "coordloader.save of the rank's primary pieces", _loaded_setup, _save_run,
            needs_group=True, holds_slice=False),
 ]}

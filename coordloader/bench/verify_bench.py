@@ -75,12 +75,13 @@ def bench_verify(ckpt: str, *, tp: int = 2, repeats: int = 3, load_section: dict
     dig = bench_single("digest", ckpt, layout, repeats=repeats, timeout=timeout, log=log,
                        meta=meta, plan=plan)
     out["digest"] = dig
-    dig["route"] = (dig["ranks"][0].get("extra") or {}).get("route", "?")
-    # the same digests down the int8-product route (what runs without the compiled
-    # kernel), side by side in this run
-    d8 = bench_single("digest_int8", ckpt, layout, repeats=repeats, timeout=timeout, log=log,
-                      meta=meta, plan=plan)
-    out["digest_int8"] = {"wall_s": d8["wall_s"], "gbps_per_rank": d8["gbps_per_rank"]}
+    dig["route"], fallback = digest_routes()
+    if dig["route"] == "kernel":
+        # the same digests down the route that runs without the kernel, side by side
+        fb = bench_single("digest", ckpt, layout, repeats=repeats, timeout=timeout, log=log,
+                          meta=meta, plan=plan, options={"kernel": False})
+        out["digest_fallback"] = {"route": fallback, "wall_s": fb["wall_s"],
+                                  "gbps_per_rank": fb["gbps_per_rank"]}
     # the cpu engine's wall time for the same slices: from the load bench when it ran in
     # this invocation, else measured here
     if load_section and "cpu" in (load_section.get("warm") or {}):
@@ -90,10 +91,11 @@ def bench_verify(ckpt: str, *, tp: int = 2, repeats: int = 3, load_section: dict
                            meta=meta, plan=plan)
     out["cpu_load"] = {"wall_s": cpu["wall_s"], "gbps_per_rank": cpu["gbps_per_rank"]}
     out["digest_fraction_of_load"] = dig["wall_s"] / cpu["wall_s"]
+    fb = out.get("digest_fallback")
     log(f"[bench]   digest ({dig['route']}) {dig['gbps_per_rank']:.2f} GB/s per rank, "
         f"{dig['wall_s']:.3f} s = {100 * out['digest_fraction_of_load']:.0f}% of the cpu load "
-        f"({cpu['wall_s']:.3f} s); int8-product route {d8['gbps_per_rank']:.2f} GB/s, "
-        f"{d8['wall_s']:.3f} s")
+        f"({cpu['wall_s']:.3f} s)" + (f"; {fb['route']} route {fb['gbps_per_rank']:.2f} GB/s, "
+                                      f"{fb['wall_s']:.3f} s" if fb else ""))
 
     may_write = os.path.abspath(ckpt).startswith(os.path.abspath(CACHE_DIR) + os.sep)
     out["manifest"] = _manifest(ckpt, meta, may_write=may_write, log=log)
@@ -127,6 +129,14 @@ def bench_verify(ckpt: str, *, tp: int = 2, repeats: int = 3, load_section: dict
         out["target"]["cold_value"] = out["e2e_cold"]["digest_adds"]
         out["target"]["cold_ok"] = out["target"]["cold_value"] < 0.25
     return out
+
+
+def digest_routes() -> tuple[str, str]:
+    """(the CPU digest route this install takes, the one it falls back to)."""
+    import sys
+    dgm = sys.modules["coordloader.digest"]
+    fallback = "int8 product" if dgm.int8_mm_available() else "int64 gemv"
+    return ("kernel" if dgm.kernel_available() else fallback), fallback
 
 
 def _verify_s(run) -> float:
