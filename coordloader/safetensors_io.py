@@ -224,23 +224,12 @@ def write_safetensors(path: str, entries: Sequence[tuple], metadata: dict[str, s
     path = os.fspath(path)
     layout = _layout(path, [tuple(e[:3]) for e in entries])
     header = _header_from_layout(layout, metadata, path)
-    bufs: list[memoryview | None] = []
-    for (key, dtype, shape, begin, end), entry in zip(layout, entries):
-        data = entry[3] if len(entry) > 3 else None
-        if data is None:
-            if not sparse:
+    datas = [entry[3] if len(entry) > 3 else None for entry in entries]
+    if not sparse:
+        for (key, *_), data in zip(layout, datas):
+            if data is None:
                 raise SaveError("no data given (None is only allowed with sparse=True)", file=path,
                                 tensor=key)
-            bufs.append(None)
-            continue
-        try:
-            buf = as_bytes(data)
-        except (TypeError, RuntimeError, ValueError) as e:
-            raise SaveError(f"cannot take raw bytes of the data: {e}", file=path, tensor=key) from e
-        if len(buf) != end - begin:
-            raise SaveError(f"data has {len(buf)} bytes, expected {end - begin} for dtype {dtype} "
-                            f"shape {shape}", file=path, tensor=key)
-        bufs.append(buf)
     total = len(header) + (layout[-1][4] if layout else 0)
     with _atomic_fd(path) as fd:
         if sparse:
@@ -248,12 +237,25 @@ def write_safetensors(path: str, entries: Sequence[tuple], metadata: dict[str, s
             # the rest is a hole.
             os.ftruncate(fd, total)
             _pwrite_all(fd, memoryview(header), 0)
-            for (_, _, _, begin, _), buf in zip(layout, bufs):
-                if buf is not None and len(buf):
-                    _pwrite_all(fd, buf, len(header) + begin)
         else:
             _write_all(fd, memoryview(header))
-            for buf in bufs:
+        # each entry's bytes are taken as it is written (a GPU tensor reaches host memory
+        # one at a time, not all before the file is opened)
+        for (key, dtype, shape, begin, end), data in zip(layout, datas):
+            if data is None:
+                continue
+            try:
+                buf = as_bytes(data)
+            except (TypeError, RuntimeError, ValueError) as e:
+                raise SaveError(f"cannot take raw bytes of the data: {e}", file=path,
+                                tensor=key) from e
+            if len(buf) != end - begin:
+                raise SaveError(f"data has {len(buf)} bytes, expected {end - begin} for dtype "
+                                f"{dtype} shape {shape}", file=path, tensor=key)
+            if sparse:
+                if len(buf):
+                    _pwrite_all(fd, buf, len(header) + begin)
+            else:
                 _write_all(fd, buf)
     return total
 

@@ -220,3 +220,22 @@ def test_manifest_disk_full_keeps_previous_manifest(tmp_path, tiny, monkeypatch)
     monkeypatch.setattr(os, "fsync", real)
     assert open(path, "rb").read() == older
     assert _no_tmp(ck) == []
+
+
+def test_writer_takes_each_tensors_bytes_as_it_writes_it(tmp_path, monkeypatch):
+    """write_safetensors (save, --dump, consolidate) converts one entry to bytes, writes
+    it, then the next: a rank's GPU tensors reach host memory one at a time, not all before
+    the file is opened. A bad last entry still publishes nothing."""
+    from coordloader import safetensors_io as sio
+    events = []
+    real_bytes, real_write = sio.as_bytes, sio._write_all
+    monkeypatch.setattr(sio, "as_bytes", lambda d: events.append("bytes") or real_bytes(d))
+    monkeypatch.setattr(sio, "_write_all", lambda fd, b: events.append("write") or real_write(fd, b))
+    entries = [(f"t{i}", "F32", [4], torch.full((4,), float(i))) for i in range(3)]
+    sio.write_safetensors(str(tmp_path / "a.safetensors"), entries)
+    assert events == ["write"] + ["bytes", "write"] * 3      # header, then entry by entry
+    bad = entries[:2] + [("t2", "F32", [4], torch.zeros(3))]
+    with pytest.raises(SaveError, match="data has 12 bytes, expected 16") as ei:
+        sio.write_safetensors(str(tmp_path / "b.safetensors"), bad)
+    assert ei.value.tensor == "t2" and ei.value.file.endswith("b.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
