@@ -29,7 +29,7 @@ from .metadata import CheckpointMeta, TensorInfo, box_shape
 from .safetensors_io import _pwrite_all, pread_into
 from .manifest import MANIFEST_NAME
 from .save import (INDEX_NAME, _fsync_dir, _os_error, _prepare, _write_json_durable,
-                   publish_staged, staged_manifest)
+                   _writer_error, publish_staged, staged_manifest)
 
 DEFAULT_BLOCK_BYTES = 64 * 2**20
 _NP_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -184,9 +184,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
             try:
                 write_safetensors(path, entries, {"format": "pt"}, sparse=True)
             except SaveError as e:
-                c = e.__cause__
-                raise (_os_error(c, fname, None, "creating an output shard") if isinstance(c, OSError)
-                       else SaveError(e.message, file=fname, tensor=e.tensor)) from e
+                raise _writer_error(e, fname, None, "creating an output shard") from e
             data_start, offs = _data_offsets(path)
             fd = os.open(path, os.O_RDWR)
             try:

@@ -93,6 +93,14 @@ def _os_error(e: OSError, path: str, rank: int | None, what: str) -> SaveError:
     return SaveError(msg, file=path, rank=rank)
 
 
+def _writer_error(e: SaveError, path: str, rank: int | None, what: str) -> SaveError:
+    """The safetensors writer's SaveError re-addressed to ``path`` and ``rank``: an OS error
+    (it wraps every one) in ``_os_error``'s words, anything else with its tensor kept."""
+    if isinstance(e.__cause__, OSError):
+        return _os_error(e.__cause__, path, rank, what)
+    return SaveError(e.message, file=path, tensor=e.tensor, rank=rank)
+
+
 def _write_bytes_durable(path: str, data: bytes) -> None:
     """Write a small file completely and fsync it (the caller renames it into place)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -199,18 +207,18 @@ def _write_rank(stage: str, tensors, plan, rank: int, max_shard_bytes: int, with
                 total += p.nbytes
             # one batched digest per shard (small pieces of one shape share a product),
             # computed while the file is written
-            fut = pool.submit(digest_many, items) if pool is not None else None
+            fut = (pool.submit(digest_many, items, return_errors=True) if pool is not None
+                   else None)
             try:
                 write_safetensors(path, entries, meta)
-            except OSError as e:
-                raise _os_error(e, fname, rank, "writing a shard file") from e
             except SaveError as e:
-                cause = e.__cause__
-                if isinstance(cause, OSError):
-                    raise _os_error(cause, fname, rank, "writing a shard file") from e
-                raise SaveError(e.message, file=fname, tensor=e.tensor, rank=rank) from e
+                raise _writer_error(e, fname, rank, "writing a shard file") from e
             if fut is not None:
                 for rec, d in zip(records[len(records) - len(items):], fut.result()):
+                    if isinstance(d, Exception):
+                        raise SaveError(f"cannot digest the piece {rec['box']}: "
+                                        f"{getattr(d, 'message', d)}", file=fname,
+                                        tensor=rec["name"], rank=rank) from d
                     rec["digest"] = int(d)
             files.append(fname)
     finally:

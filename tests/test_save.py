@@ -172,6 +172,25 @@ def test_bad_inputs_name_tensor_and_rank(tmp_path):
         assert not any(n.startswith(".coordloader") for n in os.listdir(tmp_path / d))
 
 
+def test_digest_failure_names_shard_tensor_and_rank(tmp_path, monkeypatch):
+    """A piece that cannot be digested stops the save with an error naming the shard file,
+    the tensor, the rank and the piece, not a bare exception from the digest thread."""
+    import sys
+    from coordloader.errors import VerifyError
+    dgm = sys.modules["coordloader.digest"]
+    real = dgm.digest_many
+
+    def failing(items, **kw):
+        out = real(items, **kw)
+        return [VerifyError("boom")] + out[1:]
+    monkeypatch.setattr(dgm, "digest_many", failing)
+    plan, locs, _ = make_plan_and_locals()
+    with pytest.raises(SaveError, match=r"rank 0, file model-rank-00000-part-00000\.safetensors, tensor 'a\.weight': "
+                                        r"cannot digest the piece \[\[.*: boom"):
+        save(tmp_path / "x", locs[0], plan, rank=0)
+    assert not any(n.startswith(".coordloader") for n in os.listdir(tmp_path / "x"))
+
+
 @pytest.mark.parametrize("where", ["shard", "index"])
 def test_disk_full_keeps_previous_state(tmp_path, monkeypatch, where):
     plan, locs, full = make_plan_and_locals()
