@@ -143,14 +143,14 @@ def read_metadata(ckpt, group, rank: int, world: int):
     return run_phase("metadata-assemble", group, gather_and_assemble)
 
 
-def agree_on_plan(plan, group, rank: int, world: int) -> None:
+def agree_on_plan(plan, group, rank: int) -> None:
     """Every rank must have computed the same plan before any tensor I/O."""
     if group is None:
         return
-    run_phase("plan-agree", group, lambda: _compare_plan_digests(plan, group, rank, world))
+    run_phase("plan-agree", group, lambda: _compare_plan_digests(plan, group, rank))
 
 
-def _compare_plan_digests(plan, group, rank: int, world: int) -> None:
+def _compare_plan_digests(plan, group, rank: int) -> None:
     digests = collective.gather_object(group, plan.digest())
     if len(set(digests)) > 1:
         by: dict[str, list[int]] = {}
@@ -240,7 +240,7 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
             return make_plan(meta, layout, rules, **kw)
 
         plan = run_phase("plan", group, build_plan)
-        agree_on_plan(plan, group, rank, world)
+        agree_on_plan(plan, group, rank)
         phases["plan"] = time.perf_counter() - t
 
         rank_plan = plan.rank(rank)

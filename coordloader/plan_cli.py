@@ -117,12 +117,9 @@ def experts_held(rank_plan) -> list[int]:
     return sorted(experts)
 
 
-def format_table(plan, rows=None, rank: int | None = None) -> str:
-    if rows is None:
-        # one rank's figures only: at 1024 ranks the others cost seconds
-        rows = rank_rows(plan, None if rank is None else [rank])
-    elif rank is not None:
-        rows = [r for r in rows if r["rank"] == rank]
+def format_table(plan, rank: int | None = None) -> str:
+    # one rank's figures only: at 1024 ranks the others cost seconds
+    rows = rank_rows(plan, None if rank is None else [rank])
     hdr = f"{'rank':>5} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3} {'moe_tp':>6} {'tensors':>8} " \
           f"{'held':>11} {'to read':>11} {'amp':>5}  experts"
     lines = [f"plan {plan.digest()[:16]}  layout {plan.layout}  world {plan.world_size}", hdr]

@@ -378,7 +378,7 @@ def test_cpu_engine_fuses_adjacent_runs_into_one_read(ckpt, monkeypatch):
 
 
 @pytest.mark.parametrize("engine", ["cpu", "safetensors"])
-def test_non_cpu_device_fills_out_or_copies_and_checks_shapes(ckpt, engine):
+def test_non_cpu_device_fills_out_or_copies_and_checks_shapes(ckpt, engine, monkeypatch):
     """Engines that read into host memory move the result to the device afterwards: into
     ``out[name]`` when given (shape/dtype checked, a LoadError naming the tensor), else a
     copy. The ``meta`` device stands in for CUDA."""
@@ -391,4 +391,14 @@ def test_non_cpu_device_fills_out_or_copies_and_checks_shapes(ckpt, engine):
     assert got[name] is dst and all(t.device.type == "meta" for t in got.values())
     bad = {name: torch.empty((1,), dtype=dst.dtype, device="meta")}
     with pytest.raises(LoadError, match=f"rank 0, tensor '{name}': destination has shape \\[1\\]"):
+        select_engine(engine).load_rank(meta, rp, "meta", out=bad)
+    # and before any slice is set up or read (host_out runs first)
+    import importlib
+    mod = importlib.import_module({"cpu": "coordloader.engines.cpu",
+                                   "safetensors": "coordloader.engines.safetensors_engine"}[engine])
+
+    def no_reads(*a, **k):
+        raise AssertionError("the engine started on the slices before checking out=")
+    monkeypatch.setattr(mod, "allocate", no_reads)
+    with pytest.raises(LoadError, match="destination has shape"):
         select_engine(engine).load_rank(meta, rp, "meta", out=bad)

@@ -95,14 +95,19 @@ def _check_dest(t: torch.Tensor, shape, dtype: torch.dtype, name: str, rank: int
                         f"needs shape {list(shape)} dtype {dtype}", tensor=name, rank=rank)
 
 
-def check_out(out: Mapping[str, torch.Tensor] | None, rank_plan, *, rank: int | None = None) -> None:
-    """Shape and dtype of every given destination, before any I/O: engines that read into
-    host memory and copy to another device afterwards (``to_device``) would otherwise find
-    a wrong destination only after reading the whole rank."""
+def host_out(out: Mapping[str, torch.Tensor] | None, rank_plan, device,
+             *, rank: int | None = None) -> Mapping[str, torch.Tensor] | None:
+    """The destinations a host-memory reader fills itself: ``out`` when it loads to the
+    CPU; else None, once every given destination's shape and dtype is checked, before any
+    I/O (``to_device`` copies into them after the reads, and would otherwise find a wrong
+    one only after reading the whole rank)."""
+    if torch.device(device).type == "cpu":
+        return out
     if out:
         for ts in rank_plan.tensors:
             if ts.name in out:
                 _check_dest(out[ts.name], ts.local_shape, dtypes.torch_dtype(ts.dtype), ts.name, rank)
+    return None
 
 
 def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | None = None,
@@ -129,7 +134,7 @@ def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | Non
 def to_device(tensors: dict[str, torch.Tensor], device: torch.device,
               out: Mapping[str, torch.Tensor] | None, *, rank: int | None = None) -> None:
     """Move tensors loaded in host memory to ``device``, in place in ``tensors``: into
-    ``out[name]`` when given (checked, as ``check_out`` did before the reads), else a
+    ``out[name]`` when given (checked, as ``host_out`` did before the reads), else a
     fresh copy."""
     for name, t in tensors.items():
         if out is None or name not in out:
@@ -179,4 +184,4 @@ def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
 
 
 __all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "allocate",
-           "check_out", "copy_overlap", "intersect", "piece_key", "to_device"]
+           "host_out", "copy_overlap", "intersect", "piece_key", "to_device"]

@@ -38,7 +38,7 @@ from ..errors import LoadError
 from ..metadata import CheckpointMeta
 from ..planmodel import RankPlan
 from ..runs import groups_of
-from . import LoadStats, Progress, allocate, check_out, slice_nbytes, to_device
+from . import LoadStats, Progress, allocate, host_out, slice_nbytes, to_device
 
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 # Gaps shorter than a page never hold a whole page: reading through them touches no page
@@ -90,11 +90,9 @@ class CpuEngine:
         items: dict[str, list] = {}
         held = 0
         planned = 0
-        host_out = out if device.type == "cpu" else None
-        if host_out is None:
-            check_out(out, rank_plan, rank=rank)   # copied into only after the reads
+        host = host_out(out, rank_plan, device, rank=rank)
         for ts in rank_plan.tensors:
-            t = allocate(ts, "cpu", host_out, rank=rank)
+            t = allocate(ts, "cpu", host, rank=rank)
             tensors[ts.name] = t
             nbytes = slice_nbytes(ts)
             held += nbytes

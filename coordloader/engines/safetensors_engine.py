@@ -19,7 +19,7 @@ from ..errors import LoadError
 from ..metadata import CheckpointMeta, box_shape
 from ..planmodel import RankPlan
 from .. import dtypes
-from . import (LoadStats, Progress, allocate, check_out, copy_overlap, intersect, piece_key,
+from . import (LoadStats, Progress, allocate, copy_overlap, host_out, intersect, piece_key,
                slice_nbytes, to_device)
 
 
@@ -54,15 +54,14 @@ class SafetensorsEngine:
                     handles[fname] = h
                 return h
 
-            if device.type != "cpu":
-                check_out(out, rank_plan, rank=rank)   # copied into only after the reads
+            host = host_out(out, rank_plan, device, rank=rank)
             for ts in rank_plan.tensors:
                 info = meta.tensors.get(ts.name)
                 if info is None:
                     raise LoadError("planned tensor is not in the checkpoint", tensor=ts.name,
                                     rank=rank)
                 dt = dtypes.torch_dtype(ts.dtype)
-                dst = allocate(ts, "cpu", out if device.type == "cpu" else None, rank=rank)
+                dst = allocate(ts, "cpu", host, rank=rank)
                 held += slice_nbytes(ts)
                 isz = dtypes.itemsize(ts.dtype)
                 for pc in ts.pieces:
