@@ -26,7 +26,7 @@ import numpy as np
 from .dtypes import itemsize
 from .errors import CoordloaderError, SaveError
 from .metadata import CheckpointMeta, TensorInfo, box_shape
-from .safetensors_io import _pwrite_all, pread_into
+from .safetensors_io import OpenFiles, _pwrite_all, pread_into
 from .manifest import MANIFEST_NAME
 from .save import (INDEX_NAME, _fsync_dir, _os_error, _prepare, _write_json_durable,
                    _writer_error, publish_staged, staged_manifest)
@@ -44,25 +44,7 @@ class ConsolidateResult:
     seconds: float
 
 
-class _Sources:
-    """Open source files once; closed on every path."""
-
-    def __init__(self, root: str):
-        self.root = root
-        self.fds: dict[str, int] = {}
-
-    def fd(self, name: str) -> int:
-        if name not in self.fds:
-            self.fds[name] = os.open(os.path.join(self.root, name), os.O_RDONLY)
-        return self.fds[name]
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-
-def iter_row_blocks(t: TensorInfo, src: _Sources, block_bytes: int = DEFAULT_BLOCK_BYTES):
+def iter_row_blocks(t: TensorInfo, src: OpenFiles, block_bytes: int = DEFAULT_BLOCK_BYTES):
     """Yield (row_start, numpy block of raw element bits) covering ``t`` along dim 0; each
     block is assembled from the overlapping source pieces (sweep over pieces sorted by
     their dim-0 start, so no all-pairs overlap test)."""
@@ -111,7 +93,7 @@ def read_full(meta: CheckpointMeta, name: str):
 
     from .dtypes import torch_dtype
     t = meta.tensors[name]
-    src = _Sources(meta.root)
+    src = OpenFiles(meta.root)
     try:
         blocks = [b for _, b in iter_row_blocks(t, src, 1 << 62)]
     finally:
@@ -172,7 +154,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
                         file=out_dir)
     stage = _prepare(out_dir, overwrite, None, "consolidate-" + uuid.uuid4().hex[:12])
     stage_dir = os.path.join(out_dir, stage)
-    srcs = _Sources(meta.root)
+    srcs = OpenFiles(meta.root)
     try:
         shards = _plan_shards(meta, max_shard_bytes)
         n = len(shards)

@@ -30,7 +30,7 @@ from .digest import ALGORITHM, MASK64, digest, flat_offset, fmt, iter_subboxes
 from .dtypes import bits_dtype, itemsize
 from .errors import CoordloaderError, VerifyError
 from .metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
-from .safetensors_io import pread_into, write_file_atomic
+from .safetensors_io import OpenFiles, pread_into, write_file_atomic
 
 MANIFEST_NAME = "coordloader.manifest.json"
 VERSION = 1
@@ -62,8 +62,12 @@ def manifest_path(root: str) -> str:
 
 
 def tensor_digest(meta: CheckpointMeta, info: TensorInfo, *,
-                  read_chunk_bytes: int = READ_CHUNK_BYTES) -> int:
-    """Digest of one checkpoint tensor read from disk in bounded chunks."""
+                  read_chunk_bytes: int = READ_CHUNK_BYTES, files: OpenFiles | None = None) -> int:
+    """Digest of one checkpoint tensor read from disk in bounded chunks, through ``files``
+    (the checkpoint's files, each opened once; default: opened for this tensor alone)."""
+    if files is None:
+        with OpenFiles(meta.root) as own:
+            return tensor_digest(meta, info, read_chunk_bytes=read_chunk_bytes, files=own)
     size = itemsize(info.dtype)
     view_dt = bits_dtype(info.dtype)
     budget = max(1, read_chunk_bytes // size)
@@ -83,19 +87,15 @@ def tensor_digest(meta: CheckpointMeta, info: TensorInfo, *,
             raise VerifyError(f"source piece {[list(p) for p in sp.box]} spans {sp.end - sp.start} bytes, "
                               f"expected {box_numel(box) * size}", file=sp.file, tensor=info.name)
         try:
-            fd = os.open(os.path.join(meta.root, sp.file), os.O_RDONLY)
+            fd = files.fd(sp.file)
         except OSError as e:
             raise VerifyError(f"cannot open: {e.strerror}", file=sp.file, tensor=info.name) from None
-        try:
-            for sub in iter_subboxes(box, budget):
-                n = box_numel(sub)
-                off = sp.start + flat_offset(box, sub) * size
-                pread_into(fd, mv[:n * size], off, file=sp.file, tensor=info.name,
-                           error=VerifyError)
-                t = torch.frombuffer(buf, dtype=view_dt, count=n).view(box_shape(sub))
-                total += digest(t, sub, shape)
-        finally:
-            os.close(fd)
+        for sub in iter_subboxes(box, budget):
+            n = box_numel(sub)
+            off = sp.start + flat_offset(box, sub) * size
+            pread_into(fd, mv[:n * size], off, file=sp.file, tensor=info.name, error=VerifyError)
+            t = torch.frombuffer(buf, dtype=view_dt, count=n).view(box_shape(sub))
+            total += digest(t, sub, shape)
     return total & MASK64
 
 
@@ -106,15 +106,16 @@ def compute(meta: CheckpointMeta, *, jobs: int = 1, progress=None) -> dict[str, 
 
     def one(name: str) -> tuple[str, TensorDigest]:
         info = meta.tensors[name]
-        d = tensor_digest(meta, info)
+        d = tensor_digest(meta, info, files=files)
         if progress:
             progress(name, info)
         return name, TensorDigest(info.dtype, tuple(info.shape), d)
 
-    if jobs <= 1:
-        return dict(one(n) for n in names)
-    with ThreadPoolExecutor(max_workers=jobs) as ex:
-        return dict(ex.map(one, names))
+    with OpenFiles(meta.root) as files:   # each shard opened once, not once per tensor
+        if jobs <= 1:
+            return dict(one(n) for n in names)
+        with ThreadPoolExecutor(max_workers=jobs) as ex:
+            return dict(ex.map(one, names))
 
 
 def to_json(meta: CheckpointMeta, digests: Mapping[str, TensorDigest]) -> dict:

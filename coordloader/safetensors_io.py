@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -211,6 +212,37 @@ def write_file_atomic(path: str, data: bytes, *, fsync: bool = True,
     unless ``fsync=False``): readers see the old file or the new one, never a torn one."""
     with _atomic_fd(os.fspath(path), fsync=fsync, tmp_suffix=tmp_suffix) as fd:
         _write_all(fd, memoryview(data))
+
+
+class OpenFiles:
+    """Files under ``root`` opened read-only once each, on first use (``pread`` on a shared
+    descriptor is safe across threads); all closed by ``close()`` or on leaving a ``with``
+    block. Raises OSError for a file that cannot be opened: the caller names it."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, name: str) -> int:
+        fd = self.fds.get(name)
+        if fd is None:
+            with self._lock:
+                fd = self.fds.get(name)
+                if fd is None:
+                    fd = self.fds[name] = os.open(os.path.join(self.root, name), os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def __enter__(self) -> "OpenFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def write_safetensors(path: str, entries: Sequence[tuple], metadata: dict[str, str] | None = None,
