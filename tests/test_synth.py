@@ -588,3 +588,18 @@ def test_header_valid_for_hf(tmp_path_factory, specs, metadata):
             assert list(t.shape) == s
             if t.numel():
                 assert t.reshape(-1).view(torch.uint8).numpy().tobytes() == data
+
+
+def test_prefetch_closed_early_does_not_wait_on_its_producer():
+    """A consumer that stops after one item (an error mid-write) closes the generator at
+    once: the producer, blocked on a full queue, sees the stop instead of the close
+    waiting out its 5 s join."""
+    import threading
+    from coordloader.synth import _prefetch
+    g = _prefetch(iter(range(1000)), depth=2)
+    assert next(g) == 0
+    time.sleep(0.3)                      # the producer fills the queue and blocks on put
+    t0 = time.perf_counter()
+    g.close()
+    assert time.perf_counter() - t0 < 1.0
+    assert not any(t.name == "synth-gen" and t.is_alive() for t in threading.enumerate())
