@@ -592,14 +592,20 @@ def test_header_valid_for_hf(tmp_path_factory, specs, metadata):
 
 def test_prefetch_closed_early_does_not_wait_on_its_producer():
     """A consumer that stops after one item (an error mid-write) closes the generator at
-    once: the producer, blocked on a full queue, sees the stop instead of the close
-    waiting out its 5 s join."""
+    once: a producer blocked on a full queue, with its last item or with its end mark or
+    error to hand over, sees the stop instead of the close waiting out its 5 s join."""
     import threading
     from coordloader.synth import _prefetch
-    g = _prefetch(iter(range(1000)), depth=2)
-    assert next(g) == 0
-    time.sleep(0.3)                      # the producer fills the queue and blocks on put
-    t0 = time.perf_counter()
-    g.close()
-    assert time.perf_counter() - t0 < 1.0
-    assert not any(t.name == "synth-gen" and t.is_alive() for t in threading.enumerate())
+
+    def failing():
+        yield from range(3)
+        raise ValueError("generation failed")
+
+    for source in (lambda: iter(range(1000)), lambda: iter(range(3)), failing):
+        g = _prefetch(source(), depth=2)
+        assert next(g) == 0
+        time.sleep(0.3)                  # the producer fills the queue and blocks
+        t0 = time.perf_counter()
+        g.close()
+        assert time.perf_counter() - t0 < 1.0
+        assert not any(t.name == "synth-gen" and t.is_alive() for t in threading.enumerate())
