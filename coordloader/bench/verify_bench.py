@@ -29,9 +29,9 @@ def _manifest(ckpt: str, meta, *, may_write: bool, log) -> dict:
             "gbps": rate(meta.total_bytes, secs), "bytes": meta.total_bytes}
 
 
-def _e2e_pairs(ckpt, layout, meta, plan, repeats: int, *, cold: bool, timeout, log):
+def _e2e_pairs(ckpt, layout, meta, plan, repeats: int, *, cold: bool, timeout, log) -> dict:
     """``repeats`` pairs of load(verify="shapes") and load(verify="digest") end to end,
-    alternating so a noisy neighbour hits both alike -> (runs by mode, summaries)."""
+    alternating so a noisy neighbour hits both alike -> the pairs' summary."""
     from .load_bench import summarize
     from .methods import METHODS
     runs = {"shapes": [], "digest": []}
@@ -41,13 +41,9 @@ def _e2e_pairs(ckpt, layout, meta, plan, repeats: int, *, cold: bool, timeout, l
                 "load_e2e", ckpt=ckpt, layout=layout, meta=meta, plan=plan,
                 world=layout.world_size, options={"verify": mode}, cold=cold,
                 timeout=timeout, log=log))
-    return runs, {m: summarize("load_e2e", METHODS["load_e2e"].label, r)
-                  for m, r in runs.items()}
-
-
-def _pair_summary(runs, e2e) -> dict:
+    e2e = {m: summarize("load_e2e", METHODS["load_e2e"].label, r) for m, r in runs.items()}
     s, d = e2e["shapes"]["wall_s"], e2e["digest"]["wall_s"]
-    out = {m: {"wall_s": r["wall_s"], "phases": _median_phases(r)} for m, r in e2e.items()}
+    out = {m: {"wall_s": e2e[m]["wall_s"], "phases": _median_phases(runs[m])} for m in runs}
     # the cost of digest mode: the median of the paired differences
     out["digest_adds"] = median((dr.wall - sr.wall) / sr.wall for sr, dr in
                                 zip(runs["shapes"], runs["digest"]))
@@ -109,12 +105,11 @@ def bench_verify(ckpt: str, *, tp: int = 2, repeats: int = 3, load_section: dict
         out["notes"].append("cold cache not available (cannot write /proc/sys/vm/drop_caches)")
     for key, tag, is_cold, n in sets:
         try:
-            runs, e2e = _e2e_pairs(ckpt, layout, meta, plan, n, cold=is_cold,
-                                   timeout=timeout, log=log)
+            out[key] = r = _e2e_pairs(ckpt, layout, meta, plan, n, cold=is_cold,
+                                      timeout=timeout, log=log)
         except MethodFailed as e:
             out["notes"].append(f"{tag}load(verify=...) failed: {str(e).splitlines()[0]}")
             continue
-        out[key] = r = _pair_summary(runs, e2e)
         log(f"[bench]   {tag}load(verify='shapes') {r['shapes']['wall_s']:.3f} s, "
             f"load(verify='digest') {r['digest']['wall_s']:.3f} s: "
             f"digest adds {100 * r['digest_adds']:.0f}%")
@@ -143,11 +138,12 @@ def _verify_s(run) -> float:
     return max((r.get("extra") or {}).get("phases", {}).get("verify", 0.0) for r in run.ranks)
 
 
-def _median_phases(row: dict) -> dict:
-    """Per-phase seconds of the slowest rank (phases as load_detailed reports them)."""
-    ph = [p["extra"].get("phases", {}) for p in row["ranks"]]
-    keys = sorted({k for d in ph for k in d})
-    return {k: max(d.get(k, 0.0) for d in ph) for k in keys}
+def _median_phases(runs) -> dict:
+    """Per phase, the median over repeats of the slowest rank's seconds (phases as
+    load_detailed reports them)."""
+    per_run = [[(r.get("extra") or {}).get("phases", {}) for r in run.ranks] for run in runs]
+    keys = sorted({k for ph in per_run for d in ph for k in d})
+    return {k: median(max(d.get(k, 0.0) for d in ph) for ph in per_run) for k in keys}
 
 
 __all__ = ["bench_verify"]
