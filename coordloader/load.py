@@ -221,7 +221,10 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
     if verify not in VERIFY_MODES:
         raise LoadError(f"unknown verify mode {verify!r}; expected one of {', '.join(VERIFY_MODES)}")
     # no cyclic GC while loading (see coordloader.gcpause): a full collection over the
-    # metadata, plan and tensors landed in whichever phase was running
+    # metadata, plan and tensors landed in whichever phase was running. Measured with the
+    # pause narrowed to metadata + plan (torchrun, tp=2, qwen3_moe-small, medians of 5):
+    # load 0.45 -> 0.56-0.59 s, digest-mode verify 0.11 -> 0.18 s, and a 0.14 s collection
+    # right after load() returned
     with gc_paused():
         group, rank, world = _resolve_group(group, rank, layout, timeout)
         device = _load_device(engine, device)
