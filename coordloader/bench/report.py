@@ -113,6 +113,14 @@ def plan_section(sec: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _phase_rows(pairs: dict, prefix: str) -> list[str]:
+    rows = []
+    for mode in ("shapes", "digest"):
+        ph = ", ".join(f"{k} {v:.3f}" for k, v in pairs[mode]["phases"].items())
+        rows.append(f"| {prefix}phases, verify='{mode}' (s, slowest rank, median of repeats) | {ph} |")
+    return rows
+
+
 def verify_section(sec: dict) -> str:
     d = sec["digest"]
     out = [f"### Verify: content digests, {sec['layout']['tp']} ranks at tp={sec['layout']['tp']}",
@@ -138,9 +146,7 @@ def verify_section(sec: dict) -> str:
                    f"{100 * e['digest_adds']:.0f}% (target < 25%: {_ok(e['digest_adds'] < 0.25)}) |")
         out.append(f"| the same, from the verify phase alone (digest - shapes) / shapes wall | "
                    f"{100 * e['verify_phase_adds']:.0f}% |")
-        for mode in ("shapes", "digest"):
-            ph = ", ".join(f"{k} {v:.3f}" for k, v in e[mode]["phases"].items())
-            out.append(f"| phases, verify='{mode}' (s, slowest rank, median of repeats) | {ph} |")
+        out += _phase_rows(e, "")
     c = sec.get("e2e_cold")
     if c:
         out.append(f"| cold cache: load(verify='shapes') / load(verify='digest') end to end | "
@@ -149,9 +155,7 @@ def verify_section(sec: dict) -> str:
                    f"run to run) | {100 * c['digest_adds']:.0f}% |")
         out.append(f"| cold cache: the same, from the verify phase alone | "
                    f"{100 * c['verify_phase_adds']:.0f}% |")
-        for mode in ("shapes", "digest"):
-            ph = ", ".join(f"{k} {v:.3f}" for k, v in c[mode]["phases"].items())
-            out.append(f"| cold cache: phases, verify='{mode}' (s, slowest rank, median of repeats) | {ph} |")
+        out += _phase_rows(c, "cold cache: ")
     out.append("")
     for n in sec.get("notes", []):
         out.append(f"- {n}")
