@@ -1,10 +1,11 @@
 """coordloader: rank-aware distributed loading of safetensors checkpoints.
 
-metadata (checkpoint) -> plan (plan, cover) -> engine (engines) -> verify (verify, digest)
+checkpoint/ (metadata) -> planning/ (plan, cover) -> engines/ -> verify/ (checks, digest);
+dist/ (phase agreement) beside them; handoff/ (save, consolidate, dump) and loader (load)
+use them all; cli/ holds the commands, reached through the `python -m` shims.
 """
 import os as _os
 import sys as _sys
-import warnings
 
 # Under `python -m coordloader.<tool>` (torchrun included) errors are one line on stderr;
 # torch's C++ logger would print c10d socket warnings before it. This must run before torch
@@ -13,29 +14,30 @@ import warnings
 if _sys.argv[:1] == ["-m"] or _os.path.basename((_sys.argv or [""])[0]) == "coordloader":
     _os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-# `python -m coordloader.load` imports this package first, which (below) imports the
-# submodule; runpy then warns that it is already in sys.modules. Running it again as
-# __main__ is harmless here (no import-time side effects), so the warning is noise.
-warnings.filterwarnings("ignore", category=RuntimeWarning,
-                        message=r".*found in sys\.modules after import of package 'coordloader'")
+from coordloader.api import make_plan
 
-from .errors import (CheckpointError, CollectiveError, CoordloaderError, LoadError, PlanError,
-                     SaveError, VerifyError)
-from .layout import Layout
-
-# Imported eagerly, on purpose: several public functions share their module's name
-# (load, digest, save, consolidate). Binding the function after the submodule import keeps
-# `coordloader.load` the function even when `coordloader.load` the module is imported later.
-from .checkpoint import read_checkpoint
-from .plan import make_plan
-from .cover import validate_cover
-from .load import load, load_detailed, load_into
-from .verify import verify_rank
-from .digest import digest
-from .manifest import write_manifest
-from .save import save
-from .consolidate import consolidate
-from .synth import synthesize
+# Two public functions share their name with a `python -m` shim module (`load`,
+# `consolidate`): this package never imports those shims, and each shim is callable as its
+# function (coordloader.cli.shim), so `coordloader.load(...)` works however it is reached.
+from coordloader.checkpoint.reader import read_checkpoint
+from coordloader.errors import (
+    CheckpointError,
+    CollectiveError,
+    CoordloaderError,
+    LoadError,
+    PlanError,
+    SaveError,
+    VerifyError,
+)
+from coordloader.handoff.consolidate import consolidate
+from coordloader.handoff.save import save
+from coordloader.layout import Layout
+from coordloader.loader import load, load_detailed, load_into
+from coordloader.planning.cover import validate_cover
+from coordloader.synth import synthesize
+from coordloader.verify.checks import verify_rank
+from coordloader.verify.digest import digest
+from coordloader.verify.manifest import write_manifest
 
 __version__ = "0.1.0"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import PlanError
+from coordloader.errors import PlanError
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from coordloader.handoff.save import save
 from coordloader.layout import Layout
-from coordloader.load import load, load_detailed
-from coordloader.save import save
+from coordloader.loader import load, load_detailed
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow   # runs the benchmarks in worker processes
+
 pytest.importorskip("safetensors")
 
 HEADLINE = re.compile(r"^headline: coordloader cpu engine (\d+\.\d+)x the speed of safetensors "
@@ -19,9 +21,8 @@ HEADLINE = re.compile(r"^headline: coordloader cpu engine (\d+\.\d+)x the speed 
 
 
 @pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    from coordloader.synth import synthesize
-    return synthesize(str(tmp_path_factory.mktemp("bench") / "qwen3_moe-tiny"), "qwen3_moe", "tiny")
+def tiny_ckpt(tiny_qwen3_moe):
+    return tiny_qwen3_moe
 
 
 def _bench(args, timeout=120):
@@ -159,8 +160,9 @@ def test_compare_flags_different_tensors():
 
 def test_page_bytes_counts_distinct_pages():
     from types import SimpleNamespace as NS
+
     from coordloader.bench.load_bench import page_bytes
-    from coordloader.runs import RunList
+    from coordloader.planning.runs import RunList
 
     def rp(*groups):
         return NS(tensors=[NS(byte_runs=RunList(groups))])

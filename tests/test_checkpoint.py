@@ -13,13 +13,27 @@ from hashlib import sha256
 import pytest
 import torch
 
-from coordloader import checkpoint as ck
-from coordloader.checkpoint import (Discovery, FileHeader, assemble, discover, read_checkpoint,
-                                    read_file_header)
+from coordloader.checkpoint import reader as ck
+from coordloader.checkpoint.metadata import CheckpointMeta, FileInfo, SourcePiece, TensorInfo
+from coordloader.checkpoint.reader import (
+    Discovery,
+    FileHeader,
+    assemble,
+    discover,
+    read_checkpoint,
+    read_file_header,
+)
 from coordloader.errors import CheckpointError
-from coordloader.metadata import CheckpointMeta, FileInfo, SourcePiece, TensorInfo
-from stfiles import (hard_timeout, header_for, raw_file, write_index, write_raw, write_sharded,
-                     write_st)
+
+from stfiles import (
+    hard_timeout,
+    header_for,
+    raw_file,
+    write_index,
+    write_raw,
+    write_sharded,
+    write_st,
+)
 
 M = "model.safetensors"
 
@@ -761,7 +775,8 @@ def test_coordloader_key_not_in_section(tmp_path):
 
 def test_coordloader_wrong_key_format(tmp_path):
     write_coordloader(tmp_path, tp2(), key_override={("bias", ((0, 3),)): "bias.part0"})
-    bad(tmp_path, "file model.safetensors.index.json, tensor 'bias'", "piece key 'bias.part0'", "expected 'bias@0:3'")
+    bad(tmp_path, "file model.safetensors.index.json, tensor 'bias'", "piece key 'bias.part0'",
+        "expected 'bias@0:3'")
 
 
 def test_coordloader_piece_missing_from_file(tmp_path):

@@ -19,9 +19,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordloader.checkpoint import read_checkpoint
+from coordloader.checkpoint.metadata import CheckpointMeta
+from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.errors import CheckpointError
-from coordloader.metadata import CheckpointMeta
+
 from stfiles import hard_timeout, header_for, raw_file
 
 MEM_LIMIT = 50 * 1024 * 1024
@@ -265,7 +266,7 @@ def _boxes(draw):
 def test_overlap_sweep_matches_brute_force(boxes):
     """The sorted sweep used to check that a tensor's pieces tile it finds an overlap
     exactly when some pair of boxes intersects, and the pair it names does intersect."""
-    from coordloader.checkpoint import _find_overlap
+    from coordloader.checkpoint.reader import _find_overlap
     pair = _find_overlap(boxes, 0)
     assert (pair is not None) == _brute_overlap(boxes)
     if pair is not None:

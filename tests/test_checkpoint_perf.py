@@ -9,7 +9,9 @@ import time
 import pytest
 
 from coordloader import synth
-from coordloader.checkpoint import assemble, discover, read_checkpoint, read_file_header
+from coordloader.checkpoint.reader import assemble, discover, read_checkpoint, read_file_header
+
+pytestmark = pytest.mark.slow   # full DeepSeek-V3 metadata
 
 
 @pytest.fixture(scope="module")

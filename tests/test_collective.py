@@ -12,10 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from coordloader.collective import (_ranges, free_port, describe_exception, exit_on_error, run_phase,
-                                    Group)
+from coordloader.dist.collective import (
+    Group,
+    _ranges,
+    describe_exception,
+    exit_on_error,
+    free_port,
+    run_phase,
+)
 from coordloader.errors import CheckpointError, CollectiveError, SaveError
+
+from helpers import rank_line
 from ranks import rank_env, run_ranks
+
+pytestmark = pytest.mark.slow   # rank processes over gloo
 
 TIMEOUT = 5.0          # the group's timeout inside the children
 HARD = 60.0            # the harness's own bound per test
@@ -23,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 DRIVER = r'''
 import os, sys, time, signal
-from coordloader.collective import init_group, run_phase, exit_on_error
+from coordloader.dist.collective import init_group, run_phase, exit_on_error
 from coordloader.errors import SaveError
 
 mode = sys.argv[1]
@@ -91,12 +101,6 @@ def _launch(tmp_path: Path, mode: str, ranks, world: int = 4, timeout: float = T
     return res, t0, killed_at
 
 
-def _line(err: str, rank: int) -> str:
-    lines = [ln for ln in err.splitlines() if ln.startswith(f"coordloader: rank {rank}: ")]
-    assert len(lines) == 1, f"rank {rank} stderr:\n{err}"
-    return lines[0]
-
-
 def test_happy_path_returns_value_on_every_rank(tmp_path):
     res, _, _ = _launch(tmp_path, "happy", range(4))
     for r, (rc, out, err, *_) in res.items():
@@ -108,7 +112,7 @@ def test_error_on_one_rank_stops_every_rank_with_its_message(tmp_path):
     res, t0, _ = _launch(tmp_path, "error", range(4))
     for r, (rc, out, err, *_) in res.items():
         assert rc == 1, f"rank {r}: rc {rc}\n{err}"
-        line = _line(err, r)
+        line = rank_line(err, r)
         assert "phase dump: rank 2: SaveError:" in line
         assert "Permission denied" in line and "/out/rank-00002.safetensors" in line
         assert "Traceback" not in err
@@ -122,7 +126,7 @@ def test_sigkilled_rank_is_named_by_every_survivor_within_timeout(tmp_path):
     for r in (0, 1, 3):
         rc, out, err, end, _ = res[r]
         assert rc == 1, f"rank {r}: rc {rc}\n{err}"
-        line = _line(err, r)
+        line = rank_line(err, r)
         assert "phase load: rank 2 died" in line, line
         assert end - killed_at < TIMEOUT + 10, f"rank {r} exited {end - killed_at:.1f} s after the kill"
 
@@ -135,7 +139,7 @@ def test_rank_that_never_starts_is_named_by_the_others(tmp_path, ranks, wanted):
     res, t0, _ = _launch(tmp_path, "happy", ranks)
     for r, (rc, out, err, end, started) in res.items():
         assert rc == 1, f"rank {r}: rc {rc}\n{err}"
-        line = _line(err, r)
+        line = rank_line(err, r)
         assert all(w in line for w in wanted), line
         assert end - started < TIMEOUT + 10, f"rank {r} took {end - started:.1f} s"
 
@@ -144,7 +148,7 @@ def test_foreign_exception_keeps_type_and_text(tmp_path):
     res, _, _ = _launch(tmp_path, "plain_error", range(4))
     for r, (rc, out, err, *_) in res.items():
         assert rc == 1
-        assert "phase plan: rank 1: ZeroDivisionError: division by zero" in _line(err, r)
+        assert "phase plan: rank 1: ZeroDivisionError: division by zero" in rank_line(err, r)
 
 
 # ----------------------------------------------------------------- in-process unit tests

@@ -12,14 +12,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from coordloader.checkpoint import read_checkpoint
-from coordloader.consolidate import consolidate
+from coordloader.api import make_plan
+from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.errors import SaveError
+from coordloader.handoff.consolidate import consolidate
+from coordloader.handoff.save import save
 from coordloader.layout import Layout
-from coordloader.load import load
-from coordloader.plan import make_plan
-from coordloader.save import save
+from coordloader.loader import load
 from coordloader.synth import synthesize
+
+from helpers import tensor_bits
 
 
 def _hf_tensors(root):
@@ -30,10 +32,6 @@ def _hf_tensors(root):
         with safe_open(os.path.join(root, f), "pt") as h:
             out[name] = h.get_tensor(name)
     return out, idx
-
-
-def _bits(t):
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _save_resharded(src, out, layout, **kw):
@@ -58,7 +56,7 @@ def test_cli_consolidate_is_byte_equal(tmp_path, arch, layout):
     assert set(got) == set(want)
     for n in want:
         assert got[n].dtype == want[n].dtype and got[n].shape == want[n].shape, n
-        assert torch.equal(_bits(got[n]), _bits(want[n])), n
+        assert torch.equal(tensor_bits(got[n]), tensor_bits(want[n])), n
     files = sorted(set(idx["weight_map"].values()))
     assert len(files) > 1 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
                                         for i in range(1, len(files) + 1)]
@@ -70,14 +68,14 @@ def test_cli_consolidate_is_byte_equal(tmp_path, arch, layout):
     meta = read_checkpoint(str(out))
     assert all(t.is_whole for t in meta.tensors.values())
     # the saved checkpoint's manifest is carried over, valid for the new files
-    from coordloader import manifest as mf
+    from coordloader.verify import manifest as mf
     m = mf.load_manifest(str(out), meta, required=True)
     assert {n: d.digest for n, d in m.tensors.items()} == {n: d.digest for n, d in mf.compute(meta).items()}
 
 
 def test_bounded_memory_and_dim1_pieces(tmp_path):
     # one 4 MiB tensor saved as 4 dim-1 pieces (rowwise split), consolidated with 64 KiB blocks
-    from coordloader.planmodel import Piece, Plan, RankPlan, TensorSlice
+    from coordloader.planning.model import Piece, Plan, RankPlan, TensorSlice
     full = torch.randn(1024, 1024)
     ranks = []
     for r in range(4):
@@ -109,7 +107,8 @@ def test_refusals(tmp_path):
     consolidate(src, out, overwrite=True, max_shard_bytes=100_000)
     got, idx = _hf_tensors(out)
     assert len(set(idx["weight_map"].values())) > 1
-    assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == sorted(set(idx["weight_map"].values()))
+    written = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    assert written == sorted(set(idx["weight_map"].values()))
     with pytest.raises(SaveError, match="is the source checkpoint"):
         consolidate(out, out, overwrite=True)
     p = subprocess.run([sys.executable, "-m", "coordloader.consolidate", str(tmp_path / "nope"), out + "2"],

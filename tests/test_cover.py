@@ -2,12 +2,13 @@ import dataclasses
 
 import pytest
 
-from coordloader.cover import check_cover, tiling_problem, validate_cover
+from coordloader.api import make_plan
 from coordloader.errors import PlanError, VerifyError
 from coordloader.layout import Layout
-from coordloader.plan import make_plan, meta_from_specs
-from coordloader.planmodel import ByteRun, Piece, Plan, RankPlan
-from coordloader.runs import RunList, box_runs
+from coordloader.planning.cover import check_cover, tiling_problem, validate_cover
+from coordloader.planning.model import ByteRun, Piece, Plan, RankPlan
+from coordloader.planning.planner import meta_from_specs
+from coordloader.planning.runs import RunList, box_runs
 
 CFG = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
        "num_hidden_layers": 1, "tie_word_embeddings": False}

@@ -11,12 +11,21 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from coordloader.digest import (MASK64, SEED_ROW, col_weight_py, combine, digest,
-                                digest_local, flat_offset, hash_weight_py, hash_weights,
-                                iter_subboxes)
+from coordloader.checkpoint.metadata import box_numel, full_box
 from coordloader.errors import VerifyError
-from coordloader.metadata import box_numel, full_box
-from coordloader.planmodel import Piece
+from coordloader.planning.model import Piece
+from coordloader.verify.digest import (
+    MASK64,
+    SEED_ROW,
+    col_weight_py,
+    combine,
+    digest,
+    digest_local,
+    flat_offset,
+    hash_weight_py,
+    hash_weights,
+    iter_subboxes,
+)
 
 # (torch dtype, bytes per element); bool only takes 0/1 bytes
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,
@@ -450,8 +459,8 @@ def test_column_pairs_with_ragged_edges(dt):
 
 
 def _dgm():
-    import sys
-    return sys.modules["coordloader.digest"]
+    from coordloader.verify import digest as dgm
+    return dgm
 
 
 def test_balanced_limbs_reconstruct_mod_2_64():

@@ -1,7 +1,7 @@
 """The docs say what the code does.
 
 - docs/cli.md and the generated sections of docs/*.md equal what coordloader.docgen
-  produces from the code now (drift test; fix: ``python -m coordloader.docgen``);
+  produces from the code now (drift test; fix: ``python tools/docgen.py``);
 - every signature in docs/api.md matches the real function (names, kinds, defaults);
 - every shell block (```bash / ```sh / ```console) and python block in docs/*.md and
   README.md runs, in a fresh temporary directory per document (blocks of one document run
@@ -20,12 +20,15 @@ import sys
 
 import pytest
 
-from coordloader import docgen
-from coordloader.collective import free_port
+from coordloader.dist.collective import free_port
+from tools import docgen
+
+pytestmark = pytest.mark.slow   # every doc block runs in a fresh interpreter
 
 REPO = docgen.REPO
 DOC_FILES = sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))) + [os.path.join(REPO, "README.md")]
-BLOCK_RE = re.compile(r"(?P<pre>(?:<!--(?P<comment>.*?)-->\s*\n)?)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)```",
+BLOCK_RE = re.compile(r"(?P<pre>(?:<!--(?P<comment>.*?)-->\s*\n)?)"
+                      r"```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)```",
                       re.S)
 SHELL = {"bash", "sh", "console", "shell"}
 BLOCK_TIMEOUT_S = 60   # a long example must be marked not-run; keeps the docs test bounded
@@ -40,18 +43,18 @@ def _rel(p: str) -> str:
 def test_cli_reference_matches_argparse():
     diffs = docgen.check(["cli"])
     assert not diffs, ("docs/cli.md differs from the argparse definitions; run "
-                       "`python -m coordloader.docgen`:\n" + "\n".join(diffs)[:6000])
+                       "`python tools/docgen.py`:\n" + "\n".join(diffs)[:6000])
 
 
 def test_generated_sections_match_code():
     diffs = docgen.check(list(docgen.SECTIONS))
     assert not diffs, ("generated doc sections differ from what the code computes; run "
-                       "`python -m coordloader.docgen`:\n" + "\n".join(diffs)[:6000])
+                       "`python tools/docgen.py`:\n" + "\n".join(diffs)[:6000])
 
 
 def test_docgen_captures_parsers_without_build_parser():
     # synth builds its parser inside main(); docgen must get it without running anything
-    p, src = docgen.get_parser("coordloader.synth")
+    p, src = docgen.get_parser("coordloader.cli.synth")
     assert p is not None and "--arch" in p._option_string_actions, src
 
 
@@ -165,8 +168,11 @@ def test_doc_blocks_run(path, tmp_path):
     if not runs:
         pytest.skip("every block is marked not-run")
     for line, lang, payload in runs:
+        # the interpreter running the tests comes first on PATH: a bash block's `python`,
+        # `torchrun` and `pip` are this environment's even when its venv is not activated
+        bindir = os.path.dirname(sys.executable)
         env = dict(os.environ, PET_MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1",
-                   OMP_NUM_THREADS="1")
+                   OMP_NUM_THREADS="1", PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
         env.pop("RANK", None)
         env.pop("WORLD_SIZE", None)
         if lang == "bash":

@@ -14,12 +14,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from coordloader import dtypes
+from coordloader.checkpoint import dtypes
+from coordloader.checkpoint.metadata import (
+    CheckpointMeta,
+    FileInfo,
+    SourcePiece,
+    TensorInfo,
+    full_box,
+)
 from coordloader.engines import select_engine
 from coordloader.errors import LoadError
-from coordloader.metadata import CheckpointMeta, FileInfo, SourcePiece, TensorInfo, full_box
-from coordloader.planmodel import ByteRun, Piece, RankPlan, TensorSlice
+from coordloader.planning.model import ByteRun, Piece, RankPlan, TensorSlice
 
+from helpers import open_fds
 
 # -- helpers (also used by test_engine_instanttensor) ----------------------------------------
 
@@ -223,14 +230,10 @@ def test_cpu_engine_reads_into_given_destinations(ckpt):
         select_engine("cpu").load_rank(meta, rp, "cpu", out=bad)
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def test_cpu_engine_errors_name_file_tensor_offset_and_leak_no_fd(ckpt, monkeypatch, tmp_path):
     meta, _ = ckpt
     rp = plans_for(meta)[0]
-    before = _fds()
+    before = len(open_fds())
     for _ in range(30):
         select_engine("cpu").load_rank(meta, rp, "cpu")
     # EOF mid-read (file shrank between the size check and the read)
@@ -251,7 +254,7 @@ def test_cpu_engine_errors_name_file_tensor_offset_and_leak_no_fd(ckpt, monkeypa
     os.remove(tmp_path / "a.safetensors")
     with pytest.raises(LoadError, match="a.safetensors.*cannot open"):
         select_engine("cpu").load_rank(meta, rp, "cpu")
-    assert _fds() == before
+    assert len(open_fds()) == before
 
 
 def test_cpu_engine_refuses_runs_outside_tensor_or_file(ckpt):
@@ -304,7 +307,7 @@ def test_select_engine_names():
 def strided(runs):
     """The same runs as strided groups (consecutive runs with one length and constant file
     and destination strides folded), built here independently of the planner."""
-    from coordloader.runs import RunList
+    from coordloader.planning.runs import RunList
     groups = []
     for r in runs:
         if groups:

@@ -16,17 +16,24 @@ import os
 import re
 from typing import Literal, Optional, Union
 
+import instanttensor
 import pytest
 import torch
 
-import instanttensor
 from coordloader.engines import instanttensor_engine as ite
 from coordloader.engines import select_engine
 from coordloader.errors import LoadError
-from coordloader.planmodel import LoadGroup, Plan, RankPlan
+from coordloader.planning.model import LoadGroup, Plan, RankPlan
 
-from test_engine_cpu import (ckpt, multi_piece_ckpt, plans_for, reference,  # noqa: F401
-                             same_bytes, slice_of, split_box)
+from test_engine_cpu import (  # noqa: F401
+    ckpt,
+    multi_piece_ckpt,
+    plans_for,
+    reference,
+    same_bytes,
+    slice_of,
+    split_box,
+)
 
 CALLS: list[dict] = []
 
@@ -81,7 +88,7 @@ class FakeSafeOpen:
         self.entered = False
 
     def tensors(self):
-        from coordloader import dtypes
+        from coordloader.checkpoint import dtypes
         # like the real buffer: at least the largest tensor, reused for every tensor
         ring = torch.empty(max([v["data_offsets"][1] - v["data_offsets"][0]
                                 for _, _, v, _ in self.items] + [1]), dtype=torch.uint8)

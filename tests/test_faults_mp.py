@@ -17,8 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from coordloader.collective import free_port
+from coordloader.dist.collective import free_port
+
+from helpers import rank_line
 from ranks import rank_env, run_ranks
+
+pytestmark = pytest.mark.slow   # rank processes with injected faults
 
 TIMEOUT = 5.0     # --timeout given to the ranks
 SLACK = 10.0      # the issue's bound: exit within TIMEOUT + SLACK of the fault
@@ -26,9 +30,8 @@ HARD = 80.0       # the harness's own bound per test (4 torch imports on a loade
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from coordloader.synth import synthesize
-    return synthesize(str(tmp_path_factory.mktemp("faults") / "ck"), "qwen3_moe", "tiny")
+def ckpt(tiny_qwen3_moe):
+    return tiny_qwen3_moe
 
 
 def _launch(tmp: Path, ckpt: str, ranks, extra_env=None, on_running=None):
@@ -65,16 +68,6 @@ def _launch(tmp: Path, ckpt: str, ranks, extra_env=None, on_running=None):
 _CPP_QUIET = True
 
 
-def _line(err: str, rank: int) -> str:
-    """The one message line of a rank; stderr must carry nothing else of ours."""
-    lines = [ln for ln in err.splitlines() if ln.startswith(f"coordloader: rank {rank}: ")]
-    assert len(lines) == 1, f"rank {rank} stderr:\n{err}"
-    assert "Traceback" not in err, err
-    if _CPP_QUIET:
-        assert err.strip() == lines[0], f"rank {rank} stderr has more than the message:\n{err}"
-    return lines[0]
-
-
 def test_stderr_carries_only_the_message():
     env = dict(os.environ)
     env.pop("TORCH_CPP_LOG_LEVEL", None)
@@ -93,7 +86,7 @@ def test_dump_unwritable_on_rank_2_only(tmp_path, ckpt):
     res = _launch(tmp_path, ckpt, range(4))
     for r, (rc, err, _, _) in res.items():
         assert rc == 1, (r, err)
-        line = _line(err, r)
+        line = rank_line(err, r, only=_CPP_QUIET)
         print(line)
         assert "phase dump: rank 2: SaveError:" in line, line
         assert "rank-00002.safetensors" in line and "is a directory" in line, line
@@ -122,7 +115,7 @@ def test_rank_2_sigkilled_mid_load(tmp_path, ckpt):
     for r in (0, 1, 3):
         rc, err, end, _ = res[r]
         assert rc == 1, (r, err)
-        line = _line(err, r)
+        line = rank_line(err, r, only=_CPP_QUIET)
         print(line)
         # SIGKILLed while the others still load: its heartbeat stops, so it is named dead
         # (if the others had already waited out --timeout: "did not arrive within 5 s")
@@ -136,7 +129,7 @@ def test_rank_2_never_joins(tmp_path, ckpt):
     res = _launch(tmp_path, ckpt, (0, 1, 3))
     for r, (rc, err, end, started) in res.items():
         assert rc == 1, (r, err)
-        line = _line(err, r)
+        line = rank_line(err, r, only=_CPP_QUIET)
         print(line)
         assert "group did not form" in line and "rank 2 did not join" in line, line
         print(f"rank {r} exited {end - started:.1f} s after it started")

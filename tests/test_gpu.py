@@ -6,22 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import tensor_bytes
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-def _bytes(t):
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 @pytest.mark.parametrize("arch,kw", [("qwen3_moe", dict(tp=2, ep=2)), ("llama", dict(tp=2)),
                                      ("deepseek_v3", dict(dp=2, ep=2, ep_spans_dp=True))])
 def test_instanttensor_equals_cpu_engine(tmp_path, arch, kw):
-    from coordloader.checkpoint import read_checkpoint
+    from coordloader.api import make_plan
+    from coordloader.checkpoint.reader import read_checkpoint
     from coordloader.engines import select_engine
     from coordloader.layout import Layout
-    from coordloader.plan import make_plan
-    from coordloader.planmodel import LoadGroup, Plan
+    from coordloader.planning.model import LoadGroup, Plan
     from coordloader.synth import synthesize
     ck = synthesize(str(tmp_path / arch), arch, "tiny")
     meta = read_checkpoint(ck)
@@ -39,16 +37,16 @@ def test_instanttensor_equals_cpu_engine(tmp_path, arch, kw):
             assert sorted(got) == sorted(want)
             for name, t in got.items():
                 assert t.device.type == "cuda"
-                assert _bytes(t) == _bytes(want[name]), (rank, name)
+                assert tensor_bytes(t) == tensor_bytes(want[name]), (rank, name)
             assert stats.bytes_held == rp.bytes_held
 
 
 def test_load_auto_picks_instanttensor_on_cuda(tmp_path):
     from coordloader.layout import Layout
-    from coordloader.load import load_detailed
+    from coordloader.loader import load_detailed
     from coordloader.synth import synthesize
     ck = synthesize(str(tmp_path / "q"), "qwen3_moe", "tiny")
     res = load_detailed(ck, Layout(tp=2, ep=2), rank=1, verify="shapes")
     assert res.stats.engine == "instanttensor"
     ref = load_detailed(ck, Layout(tp=2, ep=2), rank=1, engine="cpu", device="cpu")
-    assert all(_bytes(res.tensors[k]) == _bytes(v) for k, v in ref.tensors.items())
+    assert all(tensor_bytes(res.tensors[k]) == tensor_bytes(v) for k, v in ref.tensors.items())

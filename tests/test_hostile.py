@@ -22,6 +22,7 @@ import coordloader as cl
 from coordloader.errors import CheckpointError
 from coordloader.layout import Layout
 from coordloader.synth import synthesize
+
 from stfiles import hard_timeout, write_raw
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +126,7 @@ def test_loader_refuses_hostile_checkpoint(tmp_path, base, case):
 _SWAP_AFTER_PLAN = r'''
 import os, sys, json
 import coordloader as cl
-from coordloader.checkpoint import read_checkpoint
+from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.errors import CoordloaderError
 ck, how = sys.argv[1], sys.argv[2]
 meta = read_checkpoint(ck)                   # headers read, plan possible: then the swap

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from coordloader.dist.collective import free_port
 from coordloader.synth import synthesize
-from coordloader.collective import free_port
+
+pytestmark = pytest.mark.slow   # the launch scripts start torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ["local.sh", "multinode.sh", "slurm.sbatch", "handoff_example.sh"]

@@ -18,21 +18,19 @@ import time
 import pytest
 import torch
 
-from coordloader.collective import free_port
+from coordloader.dist.collective import free_port
+
+from helpers import tensor_bytes
 from ranks import spawn_and_wait
+
+pytestmark = pytest.mark.slow   # rank processes over gloo
 
 HARD_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    from coordloader.synth import synthesize
-    root = tmp_path_factory.mktemp("ckpts")
-    return {a: synthesize(str(root / a), a, "tiny") for a in ("qwen3_moe", "deepseek_v3", "llama")}
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def ckpts(tiny_checkpoint):
+    return {a: tiny_checkpoint(a) for a in ("qwen3_moe", "deepseek_v3", "llama")}
 
 
 def reference_check(ckpt: str, res) -> int:
@@ -55,7 +53,7 @@ def reference_check(ckpt: str, res) -> int:
             want[dst] = full[src]
         got = res.tensors[ts.name]
         assert got.dtype == full.dtype and tuple(got.shape) == tuple(ts.local_shape), ts.name
-        assert _bytes(got) == _bytes(want), f"rank {res.rank} {ts.name}"
+        assert tensor_bytes(got) == tensor_bytes(want), f"rank {res.rank} {ts.name}"
         n += 1
     return n
 
@@ -82,7 +80,7 @@ def vllm_formula_check(ckpt: str, res, tp: int, tp_rank: int) -> int:
         else:
             size = full.shape[dim] // tp
             want = full.narrow(dim, tp_rank * size, size)
-        assert _bytes(got) == _bytes(want), f"rank {res.rank} {name} (vLLM formula)"
+        assert tensor_bytes(got) == tensor_bytes(want), f"rank {res.rank} {name} (vLLM formula)"
         n += 1
     return n
 
@@ -103,8 +101,9 @@ def _layouts(world: int):
 def _with_fake_instanttensor(fn):
     """Run fn with the CPU stand-in for instanttensor.safe_open (see
     test_engine_instanttensor): exercises load groups / dist.new_group over gloo."""
-    from coordloader.engines import instanttensor_engine as ite
     from test_engine_instanttensor import FakeSafeOpen
+
+    from coordloader.engines import instanttensor_engine as ite
     saved = (ite._safe_open, ite._allocation_device, torch.cuda.is_available,
              torch.cuda.current_device)
     ite._safe_open = lambda: FakeSafeOpen
@@ -122,9 +121,10 @@ def _worker(rank: int, world: int, port: int, ckpts: dict, out_dir: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import torch.distributed as dist
+
     from coordloader.errors import CoordloaderError
     from coordloader.layout import Layout
-    from coordloader.load import load_detailed, load_into
+    from coordloader.loader import load_detailed, load_into
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -155,7 +155,7 @@ def _worker(rank: int, world: int, port: int, ckpts: dict, out_dir: str):
         target = {k: torch.zeros_like(v) for k, v in ref.tensors.items()}
         r = load_into(target, ckpts[arch], layout)
         assert sorted(r.loaded) == sorted(target) and not r.not_loaded
-        assert all(_bytes(target[k]) == _bytes(v) for k, v in ref.tensors.items())
+        assert all(tensor_bytes(target[k]) == tensor_bytes(v) for k, v in ref.tensors.items())
         # ranks that disagree on the plan all stop, naming the ranks
         odd = Layout(tp=layout.tp, dp=layout.dp, pp=layout.pp, ep=layout.ep,
                      ep_spans_dp=layout.ep_spans_dp,
@@ -205,8 +205,9 @@ def test_torchrun_entry_point_dump_and_report(ckpts, tmp_path):
     """The real entry point under torchrun: summary table, --report JSON, --dump files
     equal to the reference slices (plan digest in their metadata)."""
     from safetensors import safe_open
+
+    from coordloader.api import make_plan
     from coordloader.layout import Layout
-    from coordloader.plan import make_plan
     ck = ckpts["llama"]
     dump, report = tmp_path / "dump", tmp_path / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -234,7 +235,7 @@ def test_torchrun_entry_point_dump_and_report(ckpts, tmp_path):
                 for pc in ts.pieces:
                     want[tuple(slice(o, o + b - a) for o, (a, b) in zip(pc.dst, pc.src))] = \
                         full[tuple(slice(a, b) for a, b in pc.src)]
-                assert _bytes(f.get_tensor(ts.name)) == _bytes(want), (r, ts.name)
+                assert tensor_bytes(f.get_tensor(ts.name)) == tensor_bytes(want), (r, ts.name)
     # a wrong world size is one clean line, non-zero exit, no traceback
     bad = cmd[:cmd.index("--tp") + 1] + ["4", "--quiet"]
     bad[bad.index("--master-port") + 1] = str(free_port())

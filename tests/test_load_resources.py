@@ -15,16 +15,14 @@ from pathlib import Path
 import pytest
 
 import coordloader as cl
-from coordloader.checkpoint import read_checkpoint
+from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.errors import CheckpointError, CoordloaderError, LoadError
 from coordloader.layout import Layout
 from coordloader.synth import synthesize
 
+from helpers import open_fds
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
 
 
 def test_no_fd_or_thread_leak_across_100_loads_including_failures(tmp_path):
@@ -43,7 +41,7 @@ def test_no_fd_or_thread_leak_across_100_loads_including_failures(tmp_path):
                            ["weight_map"]["lm_head.weight"]))
     layout = Layout(tp=2)
     cl.load(good, layout, rank=0)            # warm up lazily created pools/caches first
-    before, threads = _fds(), threading.active_count()
+    before, threads = open_fds(), threading.active_count()
     kinds = {"ok": 0, LoadError: 0, CheckpointError: 0}
     for i in range(100):
         r = i % 2
@@ -63,7 +61,7 @@ def test_no_fd_or_thread_leak_across_100_loads_including_failures(tmp_path):
             if i % 4 == 1:
                 assert "model.safetensors" in str(e), e
     assert kinds == {"ok": 50, LoadError: 25, CheckpointError: 25}, kinds
-    leaked = _fds() - before
+    leaked = open_fds() - before
     assert not leaked, {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in leaked
                         if os.path.exists(f"/proc/self/fd/{fd}")}
     assert threading.active_count() <= threads, threading.enumerate()
@@ -111,8 +109,8 @@ def test_gc_state_is_restored_not_changed(tmp_path, monkeypatch):
 _MEASURE = r'''
 import json, sys
 import coordloader as cl
-from coordloader.checkpoint import read_checkpoint
-from coordloader.plan import make_plan
+from coordloader.checkpoint.reader import read_checkpoint
+from coordloader.api import make_plan
 
 
 def hwm() -> int:
@@ -132,7 +130,7 @@ rank_plan = make_plan(meta, layout).rank(rank)
 held = rank_plan.bytes_held
 if mode == "into":   # a model that exists: parameters allocated and touched before the load
     import torch
-    from coordloader import dtypes
+    from coordloader.checkpoint import dtypes
     model = torch.nn.Module()
     names = {ts.name: f"p{i}" for i, ts in enumerate(rank_plan.tensors)}
     for ts in rank_plan.tensors:

@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from coordloader import manifest as mf
-from coordloader.checkpoint import read_checkpoint
-from coordloader.digest import digest
+from coordloader.checkpoint.metadata import full_box
+from coordloader.checkpoint.reader import read_checkpoint
+from coordloader.cli.manifest import main as manifest_main
 from coordloader.errors import SaveError, VerifyError
-from coordloader.metadata import full_box
+from coordloader.verify import manifest as mf
+from coordloader.verify.digest import digest
 
 
 def tensors_a():
@@ -167,12 +168,12 @@ def test_cli_writes_then_check_names_corrupted_tensor(tmp_path, capsys):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "wrote" in r.stdout and os.path.exists(mf.manifest_path(root))
-    assert mf.main([root, "--check"]) == 0
+    assert manifest_main([root, "--check"]) == 0
     meta = read_checkpoint(root)
     last = max(meta.tensors.values(), key=lambda t: t.pieces[0].end)
     flip_byte(os.path.join(root, last.file), offset_from_end=1)
     capsys.readouterr()
-    assert mf.main([root, "--check"]) == 1
+    assert manifest_main([root, "--check"]) == 1
     assert last.name in capsys.readouterr().err
-    assert mf.main([str(tmp_path / "nope")]) == 2
+    assert manifest_main([str(tmp_path / "nope")]) == 2
     assert "error" in capsys.readouterr().err

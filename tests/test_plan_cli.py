@@ -4,17 +4,16 @@ import sys
 
 import pytest
 
+from coordloader.api import make_plan
+from coordloader.cli.plan import format_table, main, ranges_str, rank_rows
 from coordloader.layout import Layout
-from coordloader.plan import make_plan, meta_from_specs
-from coordloader.plan_cli import format_table, main, ranges_str, rank_rows
-from coordloader.planmodel import TensorSlice
-
-synth = pytest.importorskip("coordloader.synth")
+from coordloader.planning.model import TensorSlice
+from coordloader.planning.planner import meta_from_specs
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return synth.synthesize(str(tmp_path_factory.mktemp("q3") / "ck"), "qwen3_moe", "tiny")
+def ckpt(tiny_qwen3_moe):
+    return tiny_qwen3_moe
 
 
 def test_table_and_json(ckpt, tmp_path, capsys):
@@ -25,7 +24,8 @@ def test_table_and_json(ckpt, tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["version"] == 1 and len(doc["ranks"]) == 4 and len(doc["digest"]) == 64
     t = doc["ranks"][0]["tensors"][0]
-    assert {"name", "file", "dtype", "global_shape", "local_shape", "replica", "pieces", "byte_runs"} <= set(t)
+    assert {"name", "file", "dtype", "global_shape", "local_shape", "replica", "pieces",
+            "byte_runs"} <= set(t)
     TensorSlice.from_json(t)
     full = {int(l.split()[0]): l for l in text.splitlines() if l.strip()[:1].isdigit()}
     assert sorted(full) == [0, 1, 2, 3]
@@ -72,8 +72,8 @@ def test_formatting_functions():
 
 
 def test_layout_from_args_placement_forms(tmp_path):
+    from coordloader.cli.plan import build_parser, layout_from_args
     from coordloader.errors import PlanError
-    from coordloader.plan_cli import build_parser, layout_from_args
     f = tmp_path / "map.json"
     f.write_text(json.dumps({"expert_placement": [[1, 0], [3, 2]]}))
     base = ["ck", "--tp", "2", "--ep", "2", "--pp", "2", "--pp-layers", "1,3"]

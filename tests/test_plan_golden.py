@@ -1,11 +1,12 @@
 """Golden shapes against hand-computed vLLM layouts (full published dims, metadata only)."""
 import pytest
 
-from coordloader.archs import arch_tensors
-from coordloader.cover import validate_cover
+from coordloader.api import make_plan
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
-from coordloader.plan import make_plan, meta_from_specs
+from coordloader.planning.cover import validate_cover
+from coordloader.planning.planner import meta_from_specs
+from coordloader.synth.archs import arch_tensors
 
 
 def meta(arch, size="full", files=8):
@@ -80,6 +81,7 @@ def test_deepseek_v3_include_mtp_pp(dsv3):
     assert "model.layers.31.input_layernorm.weight" in last
 
 
+@pytest.mark.slow   # full-size metadata
 def test_qwen3_30b_a3b_tp8_kv_replicated():
     m = meta("qwen3_moe")
     plan = make_plan(m, Layout(tp=8))

@@ -2,10 +2,11 @@
 import pickle
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from coordloader.planmodel import ByteRun
-from coordloader.runs import RunList, box_runs, merge_groups
+from coordloader.planning.model import ByteRun
+from coordloader.planning.runs import RunList, box_runs, merge_groups
 
 
 @st.composite
@@ -64,7 +65,7 @@ def test_runlist_sequence():
 def test_digest_runs_key_is_canonical(groups):
     """The plan digest's run encoding depends on the run sequence only: grouped or not,
     and it equals a brute-force greedy folding of the expanded runs."""
-    from coordloader.planmodel import _runs_key
+    from coordloader.planning.model import _runs_key
     gs = [(f, o * 2, ln, d, c, ss if c > 1 else 0, ds if c > 1 else 0)
           for f, o, ln, d, c, ss, ds in groups]
     rl = RunList(gs)
@@ -89,10 +90,11 @@ def test_digest_runs_key_is_canonical(groups):
 def test_plan_digest_ignores_sharing_and_sees_every_run():
     from dataclasses import replace
 
-    from coordloader.archs import arch_tensors
+    from coordloader.api import make_plan
     from coordloader.layout import Layout
-    from coordloader.plan import make_plan, meta_from_specs
-    from coordloader.planmodel import Plan, RankPlan
+    from coordloader.planning.model import Plan, RankPlan
+    from coordloader.planning.planner import meta_from_specs
+    from coordloader.synth.archs import arch_tensors
     cfg, specs = arch_tensors("deepseek_v3", "tiny")
     meta = meta_from_specs(cfg, specs, files=2)
     plan = make_plan(meta, Layout(tp=2, dp=2))
@@ -124,9 +126,10 @@ def test_plan_digest_ignores_sharing_and_sees_every_run():
 def test_plan_digest_not_carried_by_replace():
     from dataclasses import replace
 
-    from coordloader.archs import arch_tensors
+    from coordloader.api import make_plan
     from coordloader.layout import Layout
-    from coordloader.plan import make_plan, meta_from_specs
+    from coordloader.planning.planner import meta_from_specs
+    from coordloader.synth.archs import arch_tensors
     cfg, specs = arch_tensors("llama", "tiny")
     meta = meta_from_specs(cfg, specs)
     plan = make_plan(meta, Layout(tp=2))

@@ -2,15 +2,15 @@
 import pytest
 
 import coordloader as cl
-from coordloader.archs import arch_tensors
-from coordloader.plan import meta_from_specs
+from coordloader.planning.planner import meta_from_specs
+from coordloader.synth.archs import arch_tensors
 
 ARCHS = ["llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3", "bert"]
 LAYOUTS = [dict(tp=2), dict(tp=4, ep=2), dict(tp=2, pp=2), dict(tp=2, dp=2, ep=4, ep_spans_dp=True)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("size", ["tiny", "full"])
+@pytest.mark.parametrize("size", ["tiny", pytest.param("full", marks=pytest.mark.slow)])
 def test_preset_plans_with_exact_cover(arch, size):
     config, specs = arch_tensors(arch, size)
     meta = meta_from_specs(config, specs)

@@ -14,14 +14,18 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from coordloader.api import make_plan
+from coordloader.dist.collective import free_port
 from coordloader.errors import PlanError
+from coordloader.handoff.save import INDEX_NAME, save
 from coordloader.layout import Layout
-from coordloader.load import load
-from coordloader.plan import make_plan
-from coordloader.save import INDEX_NAME, save
+from coordloader.loader import load
 from coordloader.synth import synthesize
-from coordloader.collective import free_port
+
+from helpers import tensor_bits
 from ranks import spawn_and_wait
+
+pytestmark = pytest.mark.slow   # rank processes and resharded saves
 
 # source layouts, saved by a distributed save over 4 (or the first 2) spawned processes
 SOURCE_LAYOUTS = {
@@ -35,11 +39,6 @@ MOE_EXTRA = {"dp2ep2": Layout(dp=2, ep=2, ep_spans_dp=True)}
 TARGET_LAYOUTS = [Layout(), Layout(tp=2), Layout(tp=4, ep=2), Layout(pp=2, tp=2), Layout(tp=8)]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.uint8)
-
-
 def assert_same_load(src: str, resharded: str, layout: Layout, **kw) -> None:
     for r in range(layout.world_size):
         want = load(src, layout, rank=r, **kw)
@@ -47,7 +46,7 @@ def assert_same_load(src: str, resharded: str, layout: Layout, **kw) -> None:
         assert list(got) == list(want), (layout, r)
         for n in want:
             assert got[n].dtype == want[n].dtype and got[n].shape == want[n].shape, (layout, r, n)
-            assert torch.equal(_bits(got[n]), _bits(want[n])), f"{layout} rank {r}: {n} differs"
+            assert torch.equal(tensor_bits(got[n]), tensor_bits(want[n])), f"{layout} rank {r}: {n} differs"
 
 
 def _worker(rank: int, port: int, jobs: list, q) -> None:
@@ -69,7 +68,7 @@ def _worker(rank: int, port: int, jobs: list, q) -> None:
             got, want = load(out, b, verify="digest"), load(src, b)
             assert list(got) == list(want)
             for n in want:
-                assert torch.equal(_bits(got[n]), _bits(want[n])), (layout, b, n)
+                assert torch.equal(tensor_bits(got[n]), tensor_bits(want[n])), (layout, b, n)
         dist.barrier()
         q.put((rank, "ok"))
     except BaseException as e:  # noqa: BLE001
@@ -120,8 +119,8 @@ def test_distributed_save_then_load_anywhere(saved, arch):
 
 
 def test_consolidate_of_resharded_equals_original(saved, tmp_path):
-    from coordloader.checkpoint import read_checkpoint
-    from coordloader.consolidate import consolidate, read_full
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.handoff.consolidate import consolidate, read_full
     src, dst = saved[("qwen3_moe", "tp2ep2")]
     out = tmp_path / "hf"
     consolidate(dst, str(out), max_shard_bytes=200_000, block_bytes=4096)
@@ -129,7 +128,7 @@ def test_consolidate_of_resharded_equals_original(saved, tmp_path):
     assert list(b.tensors) == list(a.tensors) or set(b.tensors) == set(a.tensors)
     assert all(t.is_whole for t in b.tensors.values()) and len(b.files) > 1
     for n in a.tensors:
-        assert torch.equal(_bits(read_full(a, n)), _bits(read_full(b, n))), n
+        assert torch.equal(tensor_bits(read_full(a, n)), tensor_bits(read_full(b, n))), n
 
 
 # ---- hypothesis: random model, random source and target layouts ------------------------

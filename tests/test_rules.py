@@ -2,10 +2,11 @@ import json
 
 import pytest
 
+from coordloader.api import make_plan, read_rules
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
-from coordloader.plan import make_plan, meta_from_specs
-from coordloader.rules import detect_preset, resolve_rules
+from coordloader.planning.planner import meta_from_specs
+from coordloader.planning.rules import detect_preset, resolve_rules
 
 CFG = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
        "num_hidden_layers": 1, "tie_word_embeddings": True}
@@ -79,7 +80,9 @@ def test_override_and_bad_rules(tmp_path):
     f = tmp_path / "bad.json"
     f.write_text("{not json")
     with pytest.raises(PlanError, match="not valid JSON"):
-        resolve_rules(CFG, str(f))
+        resolve_rules(CFG, read_rules(str(f)))
+    with pytest.raises(PlanError, match="unknown preset 'no/such/rules.json'"):
+        resolve_rules(CFG, "no/such/rules.json")   # the planner never opens a path itself
     rs = resolve_rules(CFG, {"mode": "replace", "rules": [{"pattern": "*", "strategy": "replicate"}]})
     assert rs.preset is None and len(rs) == 1
 

@@ -13,13 +13,14 @@ import textwrap
 import pytest
 import torch
 
-from coordloader.checkpoint import read_checkpoint
-from coordloader.consolidate import read_full
+from coordloader.checkpoint.reader import read_checkpoint
+from coordloader.dist.collective import free_port
 from coordloader.errors import SaveError
+from coordloader.handoff.consolidate import read_full
+from coordloader.handoff.save import INDEX_NAME, save
 from coordloader.layout import Layout
-from coordloader.planmodel import Piece, Plan, RankPlan, TensorSlice
-from coordloader.save import INDEX_NAME, save
-from coordloader.collective import free_port
+from coordloader.planning.model import Piece, Plan, RankPlan, TensorSlice
+
 from ranks import spawn_and_wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +39,7 @@ def _full_tensors():
 
 
 def _ts(name, full, local_shape, pieces, replica=0):
-    from coordloader.dtypes import from_torch
+    from coordloader.checkpoint.dtypes import from_torch
     return TensorSlice(name, "f", from_torch(full.dtype), tuple(full.shape), tuple(local_shape),
                        tuple(Piece(tuple(s), tuple(d)) for s, d in pieces), replica, ())
 
@@ -103,9 +104,11 @@ def test_save_format_and_roundtrip(tmp_path):
     sec = idx["coordloader"]
     assert sec["version"] == 1 and sec["layout"]["tp"] == 2
     # replicas written once, by the primary (rank 0)
-    assert [p["file"] for p in sec["tensors"]["n.weight"]["pieces"]] == ["model-rank-00000-part-00000.safetensors"]
+    assert [p["file"] for p in sec["tensors"]["n.weight"]["pieces"]] == [
+        "model-rank-00000-part-00000.safetensors"]
     assert sec["tensors"]["n.weight"]["pieces"][0]["key"] == "n.weight"
-    assert [p["key"] for p in sec["tensors"]["b.weight"]["pieces"]] == ["b.weight@0:4,0:3", "b.weight@0:4,3:6"]
+    assert [p["key"] for p in sec["tensors"]["b.weight"]["pieces"]] == [
+        "b.weight@0:4,0:3", "b.weight@0:4,3:6"]
     assert len(sec["tensors"]["gate_up.weight"]["pieces"]) == 4
     # padding rows never written: rank 1's piece of embed holds 2 rows
     emb = {p["key"]: p["box"] for p in sec["tensors"]["embed.weight"]["pieces"]}
@@ -123,7 +126,7 @@ def test_save_format_and_roundtrip(tmp_path):
     assert json.loads((out / "config.json").read_text()) == {"model_type": "toy"}
     meta = assert_equal_ckpt(out, full)
     # the manifest (digests summed from the pieces while saving) matches a fresh re-read
-    from coordloader import manifest as mf
+    from coordloader.verify import manifest as mf
     m = mf.load_manifest(str(out), meta, required=True)
     fresh = mf.compute(meta)
     assert {n: d.digest for n, d in m.tensors.items()} == {n: d.digest for n, d in fresh.items()}
@@ -175,9 +178,8 @@ def test_bad_inputs_name_tensor_and_rank(tmp_path):
 def test_digest_failure_names_shard_tensor_and_rank(tmp_path, monkeypatch):
     """A piece that cannot be digested stops the save with an error naming the shard file,
     the tensor, the rank and the piece, not a bare exception from the digest thread."""
-    import sys
     from coordloader.errors import VerifyError
-    dgm = sys.modules["coordloader.digest"]
+    from coordloader.verify import digest as dgm
     real = dgm.digest_many
 
     def failing(items, **kw):
@@ -185,8 +187,9 @@ def test_digest_failure_names_shard_tensor_and_rank(tmp_path, monkeypatch):
         return [VerifyError("boom")] + out[1:]
     monkeypatch.setattr(dgm, "digest_many", failing)
     plan, locs, _ = make_plan_and_locals()
-    with pytest.raises(SaveError, match=r"rank 0, file model-rank-00000-part-00000\.safetensors, tensor 'a\.weight': "
-                                        r"cannot digest the piece \[\[.*: boom"):
+    with pytest.raises(SaveError, match=r"rank 0, file model-rank-00000-part-00000\.safetensors, "
+                                         r"tensor 'a\.weight': "
+                                         r"cannot digest the piece \[\[.*: boom"):
         save(tmp_path / "x", locs[0], plan, rank=0)
     assert not any(n.startswith(".coordloader") for n in os.listdir(tmp_path / "x"))
 
@@ -224,7 +227,7 @@ _CRASH = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {tests!r})
     from test_save import make_plan_and_locals
-    import importlib; sm = importlib.import_module("coordloader.save")
+    from coordloader.handoff import save as sm
     plan, locs, full = make_plan_and_locals()
     stage = sys.argv[2]
     def hook(s):

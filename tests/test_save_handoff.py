@@ -4,6 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow   # runs the handoff example end to end
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -22,8 +22,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from coordloader import synth
+from coordloader.checkpoint.fileio import header_bytes, write_safetensors, write_safetensors_stream
+from coordloader.cli.synth import main as synth_main
 from coordloader.errors import CoordloaderError, SaveError
-from coordloader.safetensors_io import header_bytes, write_safetensors, write_safetensors_stream
 
 ARCHS = ["llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3", "bert"]
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
@@ -450,6 +451,7 @@ def test_split_shards_exact_count():
 
 # ---------------------------------------------------------------- CLI
 
+@pytest.mark.slow   # two interpreters start
 def test_cli(tmp_path):
     out = str(tmp_path / "cli")
     cmd = [sys.executable, "-m", "coordloader.synth", "--arch", "qwen3_moe", "--size", "tiny",
@@ -461,10 +463,10 @@ def test_cli(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not empty" in r.stderr
     # The remaining paths in-process (a subprocess costs a torch import each).
-    assert synth.main([out, "--arch", "qwen3_moe", "--shards", "3", "--overwrite",
+    assert synth_main([out, "--arch", "qwen3_moe", "--shards", "3", "--overwrite",
                        "--metadata-only"]) == 0
     with pytest.raises(SystemExit):
-        synth.main(["--arch", "nope", out])
+        synth_main(["--arch", "nope", out])
 
 
 # ---------------------------------------------------------------- safetensors_io
@@ -595,6 +597,7 @@ def test_prefetch_closed_early_does_not_wait_on_its_producer():
     once: a producer blocked on a full queue, with its last item or with its end mark or
     error to hand over, sees the stop instead of the close waiting out its 5 s join."""
     import threading
+
     from coordloader.synth import _prefetch
 
     def failing():

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from coordloader import verify as vf
-from coordloader.checkpoint import read_checkpoint
+from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.errors import VerifyError
 from coordloader.layout import Layout
-from coordloader.manifest import load_manifest, write_manifest
-from coordloader.planmodel import Piece, Plan, RankPlan, TensorSlice
+from coordloader.planning.model import Piece, Plan, RankPlan, TensorSlice
+from coordloader.verify import checks as vf
+from coordloader.verify.manifest import load_manifest, write_manifest
 
 
 def make_ckpt(root):

@@ -11,8 +11,11 @@ import shutil
 import pytest
 import torch
 
-from coordloader.collective import free_port
+from coordloader.dist.collective import free_port
+
 from ranks import spawn_and_wait
+
+pytestmark = pytest.mark.slow   # rank processes over gloo
 
 WORLD = 2
 
@@ -29,9 +32,9 @@ def _flip(path: str, offset: int) -> None:
 def fixtures(tmp_path_factory):
     from test_verify import make_ckpt
 
-    from coordloader.checkpoint import read_checkpoint
-    from coordloader.manifest import MANIFEST_NAME, write_manifest
+    from coordloader.checkpoint.reader import read_checkpoint
     from coordloader.synth import synthesize
+    from coordloader.verify.manifest import MANIFEST_NAME, write_manifest
     base = tmp_path_factory.mktemp("vmp")
     ok, _ = make_ckpt(base / "ok")
     write_manifest(read_checkpoint(ok))
@@ -83,10 +86,10 @@ def _worker(rank: int, port: int, fx: dict, out_dir: str):
     from safetensors.torch import load_file
     from test_verify import simulate_load, tp2_plan
 
-    from coordloader.checkpoint import read_checkpoint
+    from coordloader.checkpoint.reader import read_checkpoint
     from coordloader.layout import Layout
-    from coordloader.load import load_detailed
-    from coordloader.verify import verify_rank
+    from coordloader.loader import load_detailed
+    from coordloader.verify.checks import verify_rank
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
     pg = dist.group.WORLD

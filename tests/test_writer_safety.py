@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import coordloader as cl
-from coordloader.checkpoint import read_checkpoint
-from coordloader.dump import dump_path, dump_rank
+from coordloader.api import make_plan
+from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.errors import SaveError
+from coordloader.handoff.dump import dump_path, dump_rank
 from coordloader.layout import Layout
-from coordloader.plan import make_plan
 from coordloader.synth import synthesize
 
 INDEX = "model.safetensors.index.json"
@@ -226,7 +226,7 @@ def test_writer_takes_each_tensors_bytes_as_it_writes_it(tmp_path, monkeypatch):
     """write_safetensors (save, --dump, consolidate) converts one entry to bytes, writes
     it, then the next: a rank's GPU tensors reach host memory one at a time, not all before
     the file is opened. A bad last entry still publishes nothing."""
-    from coordloader import safetensors_io as sio
+    from coordloader.checkpoint import fileio as sio
     events = []
     real_bytes, real_write = sio.as_bytes, sio._write_all
     monkeypatch.setattr(sio, "as_bytes", lambda d: events.append("bytes") or real_bytes(d))

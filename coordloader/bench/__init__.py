@@ -9,7 +9,7 @@ plots (PNG, optional matplotlib).
 
 
 def main(argv=None) -> int:
-    from .cli import main as _main
+    from coordloader.bench.cli import main as _main
     return _main(argv)
 
 

@@ -9,8 +9,9 @@ import sys
 import time
 import traceback
 
-from . import report
-from .common import cached_checkpoint, log_err as log, machine_info
+from coordloader.bench import report
+from coordloader.bench.common import cached_checkpoint, machine_info
+from coordloader.bench.common import log_err as log
 
 SECTIONS = ("load", "verify", "save", "plan")
 
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--worlds", metavar="N,N,...",
                     help="rank counts for the plan bench (default 8,16,...,1024; with --quick "
                          "8,64,1024)")
-    from .load_bench import load_methods
+    from coordloader.bench.load_bench import load_methods
     ap.add_argument("--methods", metavar="M,M,...",
                     help=f"load methods to run (default: all that apply): {', '.join(load_methods())}")
     ap.add_argument("--timeout", type=float, default=900.0,
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
         return 2
     methods = a.methods.split(",") if a.methods else None
     if methods:
-        from .load_bench import load_methods
+        from coordloader.bench.load_bench import load_methods
         known = load_methods()   # what --help lists: digest and save are not load methods
         bad = [m for m in methods if m not in known]
         if bad:
@@ -90,24 +91,24 @@ def main(argv=None) -> int:
     for sec in sections:
         try:
             if sec == "load":
-                from .load_bench import bench_load
+                from coordloader.bench.load_bench import bench_load
                 results["load"] = bench_load(load_ckpt(), tp=a.tp, repeats=repeats,
                                              cold=not (a.no_cold or a.quick),
                                              cold_repeats=a.cold_repeats, methods=methods,
                                              timeout=a.timeout, log=log)
             elif sec == "verify":
-                from .verify_bench import bench_verify
+                from coordloader.bench.verify_bench import bench_verify
                 results["verify"] = bench_verify(load_ckpt(), tp=a.tp, repeats=repeats,
                                                  load_section=results.get("load"),
                                                  cold=not (a.no_cold or a.quick),
                                                  cold_repeats=a.cold_repeats,
                                                  timeout=a.timeout, log=log)
             elif sec == "save":
-                from .save_bench import bench_save
+                from coordloader.bench.save_bench import bench_save
                 results["save"] = bench_save(load_ckpt(), tp=a.tp, repeats=repeats,
                                              timeout=a.timeout, log=log)
             elif sec == "plan":
-                from .plan_bench import QUICK_WORLDS, bench_plan
+                from coordloader.bench.plan_bench import QUICK_WORLDS, bench_plan
                 pc = (os.path.abspath(a.plan_ckpt) if a.plan_ckpt else
                       cached_checkpoint("deepseek_v3", "full", metadata_only=True, log=log))
                 worlds = ([int(x) for x in a.worlds.split(",")] if a.worlds else
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
             log(f"[bench] {sec} failed: {type(e).__name__}: {e}")
             log(traceback.format_exc())
     results["seconds"] = time.perf_counter() - t_start
-    from .plots import write_plots
+    from coordloader.bench.plots import write_plots
     plots, note = write_plots(a.out, results)
     results["plots"] = plots
     if note:

@@ -96,8 +96,8 @@ def cached_checkpoint(arch: str, size: str, *, metadata_only: bool = False,
                       log=print) -> str:
     """Path of a synthesized checkpoint under the bench cache, made once. A directory
     that does not read back (an interrupted synth) is made again."""
-    from ..checkpoint import read_checkpoint
-    from ..synth import synthesize
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.synth import synthesize
     tag = f"{arch}-{size}" + ("-meta" if metadata_only else "")
     out = os.path.join(CACHE_DIR, tag)
     if os.path.isdir(out):

@@ -9,8 +9,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .common import can_drop_caches, ckpt_files, dir_bytes, median, rate, warm_files
-from .runner import MethodFailed, run_ranks
+from coordloader.bench.common import (
+    can_drop_caches,
+    ckpt_files,
+    dir_bytes,
+    median,
+    rate,
+    warm_files,
+)
+from coordloader.bench.runner import MethodFailed, run_ranks
 
 CPU_METHODS = ["ceiling", "fresh_floor", "preadv", "span", "cpu", "st_whole", "cpu_into",
                "st_whole_into", "st_mmap_narrow", "st_slice"]
@@ -19,15 +26,15 @@ RSS_FACTOR, RSS_SLACK = 1.3, 300e6
 
 def load_methods(cuda: bool = True) -> list[str]:
     """The methods ``bench load`` runs by default (the CUDA ones only with ``cuda``)."""
-    from .methods import METHODS
+    from coordloader.bench.methods import METHODS
     return CPU_METHODS + ["load_e2e"] + ([k for k, m in METHODS.items() if m.needs_cuda]
                                          if cuda else [])
 
 
 def prepare(ckpt: str, layout) -> tuple[Any, Any]:
-    from ..checkpoint import read_checkpoint
-    from ..cover import validate_cover
-    from ..plan import make_plan
+    from coordloader.api import make_plan
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.planning.cover import validate_cover
     meta = read_checkpoint(ckpt)
     plan = make_plan(meta, layout)
     validate_cover(plan, meta)
@@ -42,7 +49,8 @@ def page_bytes(rank_plan) -> int:
     transfers for a cold slice-exact read of the plan, whatever the method (storage and
     the page cache work in whole pages, so a gap shorter than a page saves no I/O)."""
     import numpy as np
-    from ..runs import groups_of
+
+    from coordloader.planning.runs import groups_of
     by_file: dict[str, list] = {}
     for ts in rank_plan.tensors:
         for f, o, ln, _d, c, ss, _ds in groups_of(ts.byte_runs):
@@ -114,7 +122,7 @@ def summarize(key: str, label: str, runs, *, bytes_key: str = "bytes_held") -> d
 
 
 def _run_set(methods, repeats, *, cold, common, log) -> tuple[dict, dict]:
-    from .methods import METHODS
+    from coordloader.bench.methods import METHODS
     runs: dict[str, list] = {m: [] for m in methods}
     failed: dict[str, str] = {}
     first = True
@@ -199,8 +207,9 @@ def bench_load(ckpt: str, *, tp: int = 2, repeats: int = 3, cold: bool = True,
                cold_repeats: int = 1, methods: list[str] | None = None,
                timeout: float = 900.0, log=print) -> dict:
     import torch
-    from ..layout import Layout
-    from .methods import METHODS
+
+    from coordloader.bench.methods import METHODS
+    from coordloader.layout import Layout
     cuda_only = [k for k, m in METHODS.items() if m.needs_cuda]
     layout = Layout(tp=tp)
     t0 = time.perf_counter()
@@ -261,7 +270,7 @@ def bench_single(method: str, ckpt: str, layout, *, repeats: int, options: dict 
                  timeout: float = 900.0, log=print, meta=None, plan=None,
                  bytes_key: str = "bytes_held") -> dict:
     """Warm repeats of one method (used by the verify and save benches)."""
-    from .methods import METHODS
+    from coordloader.bench.methods import METHODS
     if meta is None or plan is None:
         meta, plan = prepare(ckpt, layout)
     runs = [run_ranks(method, ckpt=ckpt, layout=layout, meta=meta, plan=plan,

@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..dtypes import itemsize
-from ..engines import allocate, narrow_box, select_engine
-from ..metadata import box_shape
-from ..runs import groups_of
+from coordloader.checkpoint.dtypes import itemsize
+from coordloader.checkpoint.metadata import box_shape
+from coordloader.engines import allocate, narrow_box, select_engine
+from coordloader.planning.runs import groups_of
 
 
 @dataclass
@@ -378,7 +378,7 @@ def _it_engine_run(ctx, engine):
 # -- coordloader.load end to end (headers split over ranks, plan agreed, load, verify) --
 
 def _load_e2e_setup(ctx):
-    from ..load import load_detailed
+    from coordloader.loader import load_detailed
     return load_detailed
 
 
@@ -405,8 +405,7 @@ def _digest_setup(ctx):
     """The rank's slices loaded (untimed), the digest route chosen by options["kernel"]
     (default: the compiled kernel when built) and its one-time self-test run, so the timed
     section is what every later --verify digest in a process pays."""
-    import sys
-    dgm = sys.modules["coordloader.digest"]
+    from coordloader.verify import digest as dgm
     dgm.USE_KERNEL = dgm.USE_KERNEL and ctx.options.get("kernel", True)   # a throwaway process
     dgm.kernel_available()
     dgm.int8_mm_available()
@@ -415,7 +414,7 @@ def _digest_setup(ctx):
 
 def _digest_run(ctx, tensors):
     # verify's own digest step, with verify's thread count
-    from ..verify import _digest_all, digest_workers
+    from coordloader.verify.checks import _digest_all, digest_workers
     jobs = [(ts.name, tensors[ts.name], ts) for ts in ctx.rank_plan.tensors]
     _digest_all(jobs, digest_workers(cap=torch.get_num_threads()))
     return tensors, sum(ts.covered_numel * itemsize(ts.dtype) for ts in ctx.rank_plan.tensors), {}
@@ -424,7 +423,7 @@ def _digest_run(ctx, tensors):
 # -- coordloader.save of the rank's share (tensors loaded untimed first: _loaded_setup) -
 
 def _save_run(ctx, tensors):
-    from ..save import save
+    from coordloader.handoff.save import save
     out = ctx.options["save_dir"]
     # config.json travels with the state so the saved checkpoint's preset is detected
     cfg = os.path.join(ctx.meta.root, "config.json")

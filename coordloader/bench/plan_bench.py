@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import time
 
-from .common import median
+from coordloader.bench.common import median
 
 # tp=8, ep=8 throughout (vLLM's DeepSeek-V3 serving shape), then pp and dp grow the world
 SERIES = [(8, dict(tp=8, ep=8)), (16, dict(tp=8, ep=8, pp=2)), (32, dict(tp=8, ep=8, pp=4)),
@@ -32,10 +32,10 @@ def plan_counts(plan) -> dict:
 
 
 def bench_plan(ckpt: str, *, worlds=None, repeats: int = 1, log=print) -> dict:
-    from ..checkpoint import read_checkpoint
-    from ..cover import validate_cover
-    from ..layout import Layout
-    from ..plan import make_plan
+    from coordloader.api import make_plan
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.layout import Layout
+    from coordloader.planning.cover import validate_cover
     t0 = time.perf_counter()
     meta = read_checkpoint(ckpt)
     t_meta = time.perf_counter() - t0

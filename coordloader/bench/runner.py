@@ -7,8 +7,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from ..collective import free_port
-from .common import ckpt_files, drop_caches, evict_files
+from coordloader.bench.common import ckpt_files, drop_caches, evict_files
+from coordloader.dist.collective import free_port
 
 
 class MethodFailed(RuntimeError):
@@ -42,7 +42,7 @@ def _context():
 
 
 def _entry(spec, conn) -> None:
-    from .worker import rank_main
+    from coordloader.bench.worker import rank_main
     os._exit(rank_main(spec, conn))
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 import shutil
 
-from .common import CACHE_DIR, dir_bytes
-from .runner import MethodFailed
+from coordloader.bench.common import CACHE_DIR, dir_bytes
+from coordloader.bench.runner import MethodFailed
 
 
 def bench_save(ckpt: str, *, tp: int = 2, repeats: int = 3, timeout: float = 900.0,
                log=print) -> dict:
-    from ..layout import Layout
-    from .load_bench import bench_single, prepare
+    from coordloader.bench.load_bench import bench_single, prepare
+    from coordloader.layout import Layout
     layout_a = Layout(tp=tp)
     layout_b = Layout(tp=tp, ep=tp)
     meta, plan = prepare(ckpt, layout_a)

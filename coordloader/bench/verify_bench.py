@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import time
 
-from .common import CACHE_DIR, can_drop_caches, median, rate
-from .runner import MethodFailed, run_ranks
+from coordloader.bench.common import CACHE_DIR, can_drop_caches, median, rate
+from coordloader.bench.runner import MethodFailed, run_ranks
 
 
 def _manifest(ckpt: str, meta, *, may_write: bool, log) -> dict:
-    from ..manifest import manifest_path, write_manifest
+    from coordloader.verify.manifest import manifest_path, write_manifest
     if not may_write:
         return {"available": os.path.exists(manifest_path(ckpt)), "written": False,
                 "note": "checkpoint given by --ckpt: its directory is not written to"}
@@ -32,8 +32,8 @@ def _manifest(ckpt: str, meta, *, may_write: bool, log) -> dict:
 def _e2e_pairs(ckpt, layout, meta, plan, repeats: int, *, cold: bool, timeout, log) -> dict:
     """``repeats`` pairs of load(verify="shapes") and load(verify="digest") end to end,
     alternating so a noisy neighbour hits both alike -> the pairs' summary."""
-    from .load_bench import summarize
-    from .methods import METHODS
+    from coordloader.bench.load_bench import summarize
+    from coordloader.bench.methods import METHODS
     runs = {"shapes": [], "digest": []}
     for _ in range(repeats):
         for mode in ("shapes", "digest"):
@@ -61,8 +61,8 @@ def _e2e_pairs(ckpt, layout, meta, plan, repeats: int, *, cold: bool, timeout, l
 def bench_verify(ckpt: str, *, tp: int = 2, repeats: int = 3, load_section: dict | None = None,
                  cold: bool = False, cold_repeats: int = 1, timeout: float = 900.0,
                  log=print) -> dict:
-    from ..layout import Layout
-    from .load_bench import bench_single, prepare
+    from coordloader.bench.load_bench import bench_single, prepare
+    from coordloader.layout import Layout
     layout = Layout(tp=tp)
     meta, plan = prepare(ckpt, layout)
     out: dict = {"ckpt": ckpt, "layout": layout.to_dict(), "notes": []}
@@ -128,8 +128,7 @@ def bench_verify(ckpt: str, *, tp: int = 2, repeats: int = 3, load_section: dict
 
 def digest_routes() -> tuple[str, str]:
     """(the CPU digest route this install takes, the one it falls back to)."""
-    import sys
-    dgm = sys.modules["coordloader.digest"]
+    from coordloader.verify import digest as dgm
     fallback = "int8 product" if dgm.int8_mm_available() else "int64 gemv"
     return ("kernel" if dgm.kernel_available() else fallback), fallback
 

@@ -36,6 +36,7 @@ def _warm_up() -> None:
     bridge, thread pool machinery, safetensors' extension): done before the timed
     section so a method is not charged for being first."""
     import concurrent.futures  # noqa: F401
+
     import numpy  # noqa: F401
     import torch
     torch.empty(8, dtype=torch.bfloat16).view(torch.uint8).numpy()
@@ -53,7 +54,8 @@ def rank_main(spec: dict, conn) -> int:
     rank, world = spec["rank"], spec["world"]
     try:
         import torch
-        from .methods import METHODS, RankContext, checksum
+
+        from coordloader.bench.methods import METHODS, RankContext, checksum
         # a rank of a real job owns its share of the cores; without this two ranks'
         # intra-op pools would fight over the same cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -61,8 +63,9 @@ def rank_main(spec: dict, conn) -> int:
         device = spec.get("device", "cpu")
         group = None
         if method.needs_group:
-            import torch.distributed as dist
             from datetime import timedelta
+
+            import torch.distributed as dist
             backend = "nccl" if device.startswith("cuda") else "gloo"
             if device.startswith("cuda"):
                 torch.cuda.set_device(torch.device(device))

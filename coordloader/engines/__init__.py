@@ -21,10 +21,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..errors import LoadError
-from ..metadata import Box, box_numel, box_shape, piece_key
-from ..planmodel import TensorSlice
-from .. import dtypes
+from coordloader.checkpoint import dtypes
+from coordloader.checkpoint.metadata import Box, box_numel, box_shape, piece_key
+from coordloader.errors import LoadError
+from coordloader.planning.model import TensorSlice
 
 ENGINE_NAMES = ("auto", "cpu", "safetensors", "instanttensor")
 
@@ -77,12 +77,12 @@ def select_engine(name: str = "auto", device: Any = None, **options):
     ``group`` and ``loader_config``; the cpu engine ``threads``)."""
     name = resolve_engine_name(name, device)
     if name == "cpu":
-        from .cpu import CpuEngine
+        from coordloader.engines.cpu import CpuEngine
         return CpuEngine(**{k: v for k, v in options.items() if k in ("threads", "chunk_bytes")})
     if name == "safetensors":
-        from .safetensors_engine import SafetensorsEngine
+        from coordloader.engines.safetensors_engine import SafetensorsEngine
         return SafetensorsEngine()
-    from .instanttensor_engine import InstantTensorEngine
+    from coordloader.engines.instanttensor_engine import InstantTensorEngine
     return InstantTensorEngine(**{k: v for k, v in options.items()
                                   if k in ("plan", "group", "loader_config")})
 

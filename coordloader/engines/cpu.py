@@ -34,11 +34,11 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..errors import LoadError
-from ..metadata import CheckpointMeta
-from ..planmodel import RankPlan
-from ..runs import groups_of
-from . import LoadStats, Progress, allocate, host_out, slice_nbytes, to_device
+from coordloader.checkpoint.metadata import CheckpointMeta
+from coordloader.engines import LoadStats, Progress, allocate, host_out, slice_nbytes, to_device
+from coordloader.errors import LoadError
+from coordloader.planning.model import RankPlan
+from coordloader.planning.runs import groups_of
 
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 # Gaps shorter than a page never hold a whole page: reading through them touches no page

@@ -24,10 +24,18 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import LoadError
-from ..metadata import CheckpointMeta, box_shape
-from ..planmodel import LoadGroup, Plan, RankPlan
-from . import LoadStats, Progress, allocate, copy_overlap, intersect, piece_key, slice_nbytes
+from coordloader.checkpoint.metadata import CheckpointMeta, box_shape
+from coordloader.engines import (
+    LoadStats,
+    Progress,
+    allocate,
+    copy_overlap,
+    intersect,
+    piece_key,
+    slice_nbytes,
+)
+from coordloader.errors import LoadError
+from coordloader.planning.model import LoadGroup, Plan, RankPlan
 
 # Arguments the engine sets itself: overriding them would break correctness.
 FIXED_ARGS = ("filename", "framework", "device", "process_group", "copy")

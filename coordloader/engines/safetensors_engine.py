@@ -15,12 +15,21 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import LoadError
-from ..metadata import CheckpointMeta, box_shape
-from ..planmodel import RankPlan
-from .. import dtypes
-from . import (LoadStats, Progress, allocate, copy_overlap, host_out, intersect, piece_key,
-               slice_nbytes, to_device)
+from coordloader.checkpoint import dtypes
+from coordloader.checkpoint.metadata import CheckpointMeta, box_shape
+from coordloader.engines import (
+    LoadStats,
+    Progress,
+    allocate,
+    copy_overlap,
+    host_out,
+    intersect,
+    piece_key,
+    slice_nbytes,
+    to_device,
+)
+from coordloader.errors import LoadError
+from coordloader.planning.model import RankPlan
 
 
 class SafetensorsEngine:

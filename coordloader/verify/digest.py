@@ -1,4 +1,4 @@
-"""Position-weighted, linearly combinable content digests (DESIGN.md, "Content digests").
+"""Position-weighted, linearly combinable content digests.
 
     digest(T) = sum over elements e of  w(e) * v(bits(e))   mod 2^64
 
@@ -52,9 +52,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .dtypes import _BITS_VIEW
-from .errors import VerifyError
-from .metadata import Box, box_numel, box_shape
+from coordloader.checkpoint.dtypes import _BITS_VIEW
+from coordloader.checkpoint.metadata import Box, box_numel, box_shape
+from coordloader.errors import VerifyError
 
 MASK64 = (1 << 64) - 1
 # recorded in manifests; bump if the math changes (v3: signed-byte element values)
@@ -312,7 +312,8 @@ def _int_view(tensor: torch.Tensor) -> torch.Tensor:
     try:
         view = _BITS_VIEW[tensor.element_size()]
     except KeyError:
-        raise VerifyError(f"cannot digest dtype {tensor.dtype} (element size {tensor.element_size()})") from None
+        raise VerifyError(f"cannot digest dtype {tensor.dtype} "
+                          f"(element size {tensor.element_size()})") from None
     if tensor.dtype == view:
         return tensor
     if tensor.dim() == 0:
@@ -746,7 +747,7 @@ def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_erro
 # Optional: without a C compiler at install time the int8-product route is used.
 
 try:
-    from . import _digestkernel as _kernel
+    from coordloader.verify import _digestkernel as _kernel
 except ImportError:  # not built (no C compiler at install time)
     _kernel = None
 USE_KERNEL = os.environ.get("COORDLOADER_DIGEST_KERNEL", "1") != "0"   # tests and benches switch it

@@ -7,12 +7,12 @@ import argparse
 import json
 import sys
 
-from .errors import CoordloaderError, PlanError
-from .layout import Layout
-from .plan import EXPERT_RE
-from .runs import groups_of
-from .safetensors_io import write_file_atomic
-from .rules.ruleset import read_json_file
+from coordloader.api import read_json_file
+from coordloader.checkpoint.fileio import write_file_atomic
+from coordloader.errors import CoordloaderError, PlanError
+from coordloader.layout import Layout
+from coordloader.planning.planner import EXPERT_RE
+from coordloader.planning.runs import groups_of
 
 
 def parse_placement(v: str):
@@ -176,12 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from .cover import validate_cover
-        from .plan import make_plan
+        from coordloader.api import make_plan
+        from coordloader.planning.cover import validate_cover
         layout = layout_from_args(args)
         if args.rank is not None and not 0 <= args.rank < layout.world_size:
             raise PlanError(f"--rank {args.rank} outside world of size {layout.world_size} ({layout})")
-        from .checkpoint import read_checkpoint
+        from coordloader.checkpoint.reader import read_checkpoint
         meta = read_checkpoint(args.checkpoint)
         plan = make_plan(meta, layout, args.rules, replicate_unmatched=args.replicate_unmatched)
         validate_cover(plan, meta)

@@ -9,8 +9,8 @@ from typing import Mapping
 
 import torch
 
-from . import dtypes
-from .errors import SaveError
+from coordloader.checkpoint import dtypes
+from coordloader.errors import SaveError
 
 
 def dump_path(out_dir: str, rank: int) -> str:
@@ -24,7 +24,7 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
     fsync, rename, directory fsync) by ``safetensors_io.write_safetensors``: a reader
     (or a crash, or a full disk) sees the previous file or the new one, never a torn one.
     An existing dump file is replaced only with ``overwrite=True`` (``--overwrite``)."""
-    from .safetensors_io import write_safetensors
+    from coordloader.checkpoint.fileio import write_safetensors
     path = dump_path(out_dir, rank)
     # Checked before any work so a refused dump costs nothing; the rename below is what
     # makes the replacement itself safe.

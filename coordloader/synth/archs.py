@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import math
 
-from .errors import CoordloaderError
+from coordloader.errors import CoordloaderError
 
 ARCHS = ("llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3", "bert")
 SIZES = ("tiny", "small", "full")

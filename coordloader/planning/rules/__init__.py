@@ -3,20 +3,29 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..errors import PlanError
-from .presets import PRESETS, detect_preset, num_experts_of, preset_rules
-from .ruleset import Rule, RuleSet, load_rule_file, make_rule, parse_rule_file, rule_from_dict
-from .strategies import STRATEGIES, check_params
+from coordloader.errors import PlanError
+from coordloader.planning.rules.presets import PRESETS, detect_preset, num_experts_of, preset_rules
+from coordloader.planning.rules.ruleset import (
+    Rule,
+    RuleFile,
+    RuleSet,
+    make_rule,
+    parse_rule_file,
+    rule_from_dict,
+)
+from coordloader.planning.rules.strategies import STRATEGIES, check_params
 
-__all__ = ["Rule", "RuleSet", "STRATEGIES", "PRESETS", "detect_preset", "preset_rules",
-           "resolve_rules", "load_rule_file", "make_rule", "num_experts_of", "check_params"]
+__all__ = ["Rule", "RuleFile", "RuleSet", "STRATEGIES", "PRESETS", "detect_preset", "preset_rules",
+           "resolve_rules", "make_rule", "num_experts_of", "check_params"]
 
 
 def resolve_rules(config: Mapping | None, rules: Any = None) -> RuleSet:
     """Build the RuleSet the planner uses.
 
-    ``rules``: None (preset detected from config.json), a preset name, a path to a JSON rule
-    file, a RuleSet, or a list of rules (dicts or Rule) that extend the detected preset."""
+    ``rules``: None (preset detected from config.json), a preset name, a parsed rule file (a
+    Mapping), a RuleSet, or a list of rules (dicts or Rule) that extend the detected preset.
+    A rule file's path is read by ``coordloader.api.read_rules`` first: planning does no
+    I/O."""
     if isinstance(rules, RuleSet):
         return rules
     user: list[Rule] = []
@@ -26,8 +35,11 @@ def resolve_rules(config: Mapping | None, rules: Any = None) -> RuleSet:
         pass
     elif isinstance(rules, str) and rules in PRESETS:
         preset = rules
+    elif isinstance(rules, RuleFile):
+        user, preset, mode = rules
     elif isinstance(rules, str):
-        user, preset, mode = load_rule_file(rules)
+        raise PlanError(f"unknown preset {rules!r} (presets: {', '.join(sorted(PRESETS))}); a "
+                        f"rule file path is read by coordloader.make_plan, not by the planner")
     elif isinstance(rules, Mapping):
         user, preset, mode = parse_rule_file(dict(rules), "rules")
     elif isinstance(rules, Sequence):

@@ -13,13 +13,12 @@ drops the preset."""
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
-from ..errors import PlanError
-from .strategies import check_params
+from coordloader.errors import PlanError
+from coordloader.planning.rules.strategies import check_params
 
 
 @dataclass(frozen=True)
@@ -136,10 +135,17 @@ class RuleSet:
         return [r.to_dict() for r in self.rules]
 
 
-def parse_rule_file(data: Any, source: str) -> tuple[list[Rule], str | None, str]:
-    """-> (rules, preset or 'auto' or None, mode)."""
+class RuleFile(NamedTuple):
+    """A parsed rule file: its rules, the preset they extend ('auto', a name, or None) and
+    the mode ('extend' the preset or 'replace' it)."""
+    rules: list[Rule]
+    preset: str | None
+    mode: str
+
+
+def parse_rule_file(data: Any, source: str) -> RuleFile:
     if isinstance(data, list):
-        return [rule_from_dict(d, source, i) for i, d in enumerate(data)], "auto", "extend"
+        return RuleFile([rule_from_dict(d, source, i) for i, d in enumerate(data)], "auto", "extend")
     if not isinstance(data, dict):
         raise PlanError(f"{source}: a rule file is a JSON list of rules or an object with 'rules'")
     extra = set(data) - {"preset", "mode", "rules", "comment"}
@@ -152,19 +158,4 @@ def parse_rule_file(data: Any, source: str) -> tuple[list[Rule], str | None, str
     if not isinstance(rules, list):
         raise PlanError(f"{source}: 'rules' must be a list")
     preset = data.get("preset", "auto")
-    return [rule_from_dict(d, source, i) for i, d in enumerate(rules)], preset, mode
-
-
-def read_json_file(path: str, what: str) -> Any:
-    """The JSON document in ``path``; a PlanError naming ``what`` and the file otherwise."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except OSError as e:
-        raise PlanError(f"cannot read {what} {path}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{what} {path} is not valid JSON: {e}") from None
-
-
-def load_rule_file(path: str) -> tuple[list[Rule], str | None, str]:
-    return parse_rule_file(read_json_file(path, "rule file"), path)
+    return RuleFile([rule_from_dict(d, source, i) for i, d in enumerate(rules)], preset, mode)

@@ -9,7 +9,7 @@ started), every surviving rank raises within the timeout, naming the missing ran
 
 API (all a phase needs)::
 
-    from coordloader.collective import init_group, run_phase, exit_on_error
+    from coordloader.dist.collective import init_group, run_phase, exit_on_error
 
     def main():
         with exit_on_error():                      # one line on stderr, exit code 1
@@ -34,7 +34,7 @@ API (all a phase needs)::
   SaveError: ...")`` listing every failing rank (identical messages are merged: ``ranks
   1,3``). On the failing rank the original exception is the ``__cause__``. With
   ``group=None`` or world 1, ``fn`` just runs and its own exception propagates unchanged.
-  Every rank must call the same phases in the same order (the DESIGN's collective
+  Every rank must call the same phases in the same order (the collective
   discipline); a rank that is in a different phase is reported by name.
 - ``Group.close()`` ends the group (the rank hosting the store waits, bounded, until the
   others are done with it) and destroys the process group it created.
@@ -90,7 +90,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
-from .errors import CollectiveError, CoordloaderError
+from coordloader.errors import CollectiveError, CoordloaderError
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_GRACE_S = 5.0

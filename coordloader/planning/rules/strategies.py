@@ -5,7 +5,7 @@ turns (strategy, params, tensor, layout) into per-rank slices; this module only 
 is allowed, so a bad rule file fails at load time with the offending rule named."""
 from __future__ import annotations
 
-from ..errors import PlanError
+from coordloader.errors import PlanError
 
 # strategy -> accepted params (all optional unless noted in the docs)
 STRATEGIES: dict[str, frozenset[str]] = {

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ..errors import PlanError
-from .ruleset import Rule, make_rule
+from coordloader.errors import PlanError
+from coordloader.planning.rules.ruleset import Rule, make_rule
 
 PRESETS = ("llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3", "bert")
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 from math import prod
 from typing import Iterable, Mapping, Sequence
 
-from .dtypes import itemsize
-from .errors import PlanError
-from .gcpause import gc_paused
-from .runs import groups_of
+from coordloader.checkpoint.dtypes import itemsize
+from coordloader.errors import PlanError
+from coordloader.gcpause import gc_paused
+from coordloader.planning.runs import groups_of
 
 Box = tuple
 

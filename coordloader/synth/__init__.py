@@ -18,23 +18,21 @@ full DeepSeek-V3 (688 GB, 163 shards) takes a few MB of disk and can be read and
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
 import queue
 import shutil
-import sys
 import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
 
-from . import archs, dtypes
-from .errors import CoordloaderError, SaveError
-from .safetensors_io import write_file_atomic, write_safetensors_stream
+from coordloader.checkpoint import dtypes
+from coordloader.checkpoint.fileio import write_file_atomic, write_safetensors_stream
+from coordloader.errors import CoordloaderError, SaveError
+from coordloader.synth import archs
 
 arch_config = archs.arch_config
 arch_tensors = archs.arch_tensors
@@ -254,42 +252,3 @@ def _swap_in(work: str, out_dir: str, overwrite: bool) -> None:
     os.rename(work, out_dir)
     if old:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m coordloader.synth",
-                                 description="Write a synthetic HF-style safetensors checkpoint "
-                                             "with real architecture naming and shapes.")
-    ap.add_argument("out", metavar="OUT", help="output directory (must be empty or absent)")
-    ap.add_argument("--arch", required=True, choices=archs.ARCHS)
-    ap.add_argument("--size", default="tiny", choices=archs.SIZES)
-    ap.add_argument("--shards", type=int, default=None,
-                    help="number of shard files (default: the published count for full)")
-    ap.add_argument("--metadata-only", action="store_true",
-                    help="real headers, data left as sparse holes (no disk used)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
-    ap.add_argument("--fsync", action="store_true",
-                    help="fsync every file (crash-durable; slower, bound by the disk)")
-    args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    try:
-        path = synthesize(args.out, args.arch, args.size, shards=args.shards,
-                          metadata_only=args.metadata_only, seed=args.seed,
-                          overwrite=args.overwrite, fsync=args.fsync)
-    except CoordloaderError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    dt = time.perf_counter() - t0
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    _, specs = archs.arch_tensors(args.arch, args.size)
-    total = sum(math.prod(s) * dtypes.itemsize(d) for _, d, s in specs)
-    disk = sum(os.stat(os.path.join(path, f)).st_blocks * 512 for f in os.listdir(path))
-    print(f"{path}: {args.arch}/{args.size}, {len(specs)} tensors in {len(files)} file(s), "
-          f"{total:,} data bytes, {disk:,} bytes on disk, {dt:.2f} s"
-          + (f" ({total / dt / 1e6:.0f} MB/s)" if not args.metadata_only and dt > 0 else ""))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,11 +7,11 @@ from importlib import import_module
 
 # tool -> (module holding main(argv), one-line summary)
 TOOLS = {
-    "synth": ("coordloader.synth", "write a synthetic checkpoint with real tensor names"),
-    "plan": ("coordloader.plan", "show which slices every rank holds (no tensor I/O)"),
-    "load": ("coordloader.load", "load this rank's slices (run under torchrun for a group)"),
-    "manifest": ("coordloader.manifest", "write per-tensor content digests next to a checkpoint"),
-    "consolidate": ("coordloader.consolidate", "turn a coordloader-sharded checkpoint into plain HF"),
+    "synth": ("coordloader.cli.synth", "write a synthetic checkpoint with real tensor names"),
+    "plan": ("coordloader.cli.plan", "show which slices every rank holds (no tensor I/O)"),
+    "load": ("coordloader.cli.load", "load this rank's slices (run under torchrun for a group)"),
+    "manifest": ("coordloader.cli.manifest", "write per-tensor content digests next to a checkpoint"),
+    "consolidate": ("coordloader.cli.consolidate", "turn a coordloader-sharded checkpoint into plain HF"),
     "bench": ("coordloader.bench.cli", "benchmark the engines and baselines side by side"),
 }
 

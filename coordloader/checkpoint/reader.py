@@ -32,11 +32,19 @@ from hashlib import sha256
 from math import prod
 from typing import Any, Iterable
 
-from .dtypes import SUPPORTED, itemsize
-from .errors import CheckpointError
-from .gcpause import gc_paused
-from .metadata import (CheckpointMeta, FileInfo, SourcePiece, TensorInfo, box_numel, box_shape,
-                       full_box, piece_key)
+from coordloader.checkpoint.dtypes import SUPPORTED, itemsize
+from coordloader.checkpoint.metadata import (
+    CheckpointMeta,
+    FileInfo,
+    SourcePiece,
+    TensorInfo,
+    box_numel,
+    box_shape,
+    full_box,
+    piece_key,
+)
+from coordloader.errors import CheckpointError
+from coordloader.gcpause import gc_paused
 
 MAX_HEADER_LEN = 100_000_000        # the safetensors format's own limit
 MAX_JSON_FILE = 256 * 1024 * 1024   # index / config.json size cap (a 91k-tensor index is ~9 MB)

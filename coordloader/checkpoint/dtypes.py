@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CheckpointError
+from coordloader.errors import CheckpointError
 
 # name -> (itemsize in bytes, torch dtype); torch >= 2.8 (pyproject) has all of them
 _DTYPES: dict[str, tuple[int, torch.dtype]] = {

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import dtypes
-from .errors import SaveError
+from coordloader.checkpoint import dtypes
+from coordloader.errors import SaveError
 
 _ALIGN = 8
 _MAX_WRITE = 1 << 30  # one os.write call stays below 2 GiB (Linux caps a write at ~2 GiB)

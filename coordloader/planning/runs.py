@@ -16,7 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .planmodel import ByteRun
+from coordloader.planning.model import ByteRun
 
 Group = tuple  # (file, offset, length, dest, count, src_stride, dst_stride)
 
@@ -91,7 +91,8 @@ class RunList(Sequence):
             z = np.zeros(0, np.int64)
             return files, z, z, z, z
         cnt = np.fromiter((g[4] for g in self.groups), np.int64, len(self.groups))
-        rep = lambda k: np.repeat(np.fromiter((g[k] for g in self.groups), np.int64, len(self.groups)), cnt)
+        def rep(k):
+            return np.repeat(np.fromiter((g[k] for g in self.groups), np.int64, len(self.groups)), cnt)
         # index of each run inside its group
         starts = np.cumsum(cnt) - cnt
         within = np.arange(self._n, dtype=np.int64) - np.repeat(starts, cnt)

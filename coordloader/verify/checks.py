@@ -28,12 +28,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from coordloader.checkpoint.dtypes import from_torch, itemsize, torch_dtype
+from coordloader.checkpoint.metadata import Box, box_numel, box_shape, full_box, piece_key
+from coordloader.engines import intersect, narrow_box
+from coordloader.errors import CollectiveError, CoordloaderError, VerifyError
+
 # explicit names: the package re-exports the function `digest`, shadowing the module
-from .digest import _int_view, combine, fmt, iter_subboxes
-from .dtypes import from_torch, itemsize, torch_dtype
-from .errors import CollectiveError, CoordloaderError, VerifyError
-from .engines import intersect, narrow_box
-from .metadata import Box, box_numel, box_shape, full_box, piece_key
+from coordloader.verify.digest import _int_view, combine, fmt, iter_subboxes
 
 MODES = ("none", "shapes", "digest", "full")
 _LEVEL = {m: i for i, m in enumerate(MODES)}
@@ -81,7 +82,7 @@ def cover_problems(name: str, shape: tuple[int, ...], primaries: Sequence[tuple[
     pieces over all ranks. The tiling test is the planner's (``cover.tiling_problem``:
     sort/sweep, n log n for a valid tiling); this adds rank names, the uncovered regions
     of a gap, and a per-piece replica check."""
-    from .cover import tiling_problem
+    from coordloader.planning.cover import tiling_problem
     shape = tuple(shape)
     boxes = [tuple(tuple(x) for x in b) for _, b in primaries]
     problems = []
@@ -300,7 +301,7 @@ def _digest_all(jobs, workers: int = 1):
     into one int8 product), so a job costs a few microseconds of Python, not a dozen torch
     calls. ``workers`` threads (``digest_workers()``, capped by torch's intra-op thread
     count); ``digest_many`` sets torch's own pool to one thread while they run."""
-    from .digest import digest_many, piece_view
+    from coordloader.verify.digest import digest_many, piece_view
     items, owner = [], []
     errors: dict[str, str] = {}
     for name, t, ts in jobs:
@@ -477,7 +478,8 @@ def render(f: dict) -> str:
     if f.get("tensor") is not None:
         parts.append(f"tensor {f['tensor']!r}")
     if f.get("piece") is not None:
-        parts.append(f"piece {f['piece']}" + (f" {_fmt_box(tuple(map(tuple, f['box'])))}" if f.get("box") else ""))
+        box = f" {_fmt_box(tuple(map(tuple, f['box'])))}" if f.get("box") else ""
+        parts.append(f"piece {f['piece']}" + box)
     return (", ".join(parts) + ": " if parts else "") + f"[{f['check']}] {f['detail']}"
 
 
@@ -534,7 +536,7 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
     manifest_error = None
     if _LEVEL[mode] >= _LEVEL["digest"] and manifest is None and meta is not None:
         try:
-            from .manifest import load_manifest
+            from coordloader.verify.manifest import load_manifest
             manifest = load_manifest(meta.root, meta)
         except CoordloaderError as e:
             manifest, manifest_error = None, str(e)

@@ -11,8 +11,8 @@ from functools import cached_property
 from math import prod
 from typing import Any, Mapping
 
-from .gcpause import gc_paused
-from .metadata import Box, box_numel
+from coordloader.checkpoint.metadata import Box, box_numel
+from coordloader.gcpause import gc_paused
 
 SCHEMA_VERSION = 1
 
@@ -96,7 +96,7 @@ class RankPlan:
 
     @property
     def bytes_held(self) -> int:
-        from .dtypes import itemsize
+        from coordloader.checkpoint.dtypes import itemsize
         return sum(t.local_numel * itemsize(t.dtype) for t in self.tensors)
 
     @property

@@ -35,10 +35,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .dtypes import itemsize
-from .errors import CoordloaderError, SaveError
-from .manifest import MANIFEST_NAME
-from .metadata import Box, box_numel, box_shape, piece_key
+from coordloader.checkpoint.dtypes import itemsize
+from coordloader.checkpoint.metadata import Box, box_numel, box_shape, piece_key
+from coordloader.errors import CoordloaderError, SaveError
+from coordloader.verify.manifest import MANIFEST_NAME
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -136,8 +136,8 @@ def _local_pieces(tensors: Mapping[str, torch.Tensor], rank_plan, rank: int):
     """(PieceOut, tensor view) for every primary piece of this rank, in plan order.
     Views are narrowed from the local tensor at the piece's destination offset, so vocab
     padding rows (covered by no piece) are never written."""
-    from .dtypes import torch_dtype
-    from .engines import narrow_box
+    from coordloader.checkpoint.dtypes import torch_dtype
+    from coordloader.engines import narrow_box
     out = []
     for ts in rank_plan.tensors:
         if ts.replica != 0:
@@ -182,8 +182,8 @@ def _write_rank(stage: str, tensors, plan, rank: int, max_shard_bytes: int, with
     ops and os.write both release the GIL), so the manifest costs little wall time."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .digest import digest_many
-    from .safetensors_io import write_safetensors
+    from coordloader.checkpoint.fileio import write_safetensors
+    from coordloader.verify.digest import digest_many
     pieces = _local_pieces(tensors, plan.rank(rank), rank)
     records, files, total = [], [], 0
     pool = ThreadPoolExecutor(1, thread_name_prefix="coordloader-save-digest") if with_digests else None
@@ -327,9 +327,9 @@ def staged_manifest(stage_dir: str, files: list[str], entries: dict) -> dict:
     """The manifest document of the staged ``files`` (fingerprint from their headers,
     exactly as the reader computes it) with the given per-tensor ``TensorDigest``s: save
     sums them from the pieces' digests, consolidate carries the source's over; no re-read."""
-    from . import manifest as mf
-    from .checkpoint import read_file_header
-    from .metadata import CheckpointMeta
+    from coordloader.checkpoint.metadata import CheckpointMeta
+    from coordloader.checkpoint.reader import read_file_header
+    from coordloader.verify import manifest as mf
     infos = sorted((read_file_header(stage_dir, f).info for f in files), key=lambda i: i.name)
     meta = CheckpointMeta(root=os.path.abspath(stage_dir), files=tuple(infos), tensors={})
     return mf.to_json(meta, entries)
@@ -364,7 +364,7 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, overwrite: boo
     # manifest: digests summed from the pieces' digests, against the new files' fingerprint
     wrote_manifest = False
     if digests:
-        from .manifest import TensorDigest
+        from coordloader.verify.manifest import TensorDigest
         tensors = index["coordloader"]["tensors"]
         doc = staged_manifest(stage_dir, shard_files, {
             n: TensorDigest(tensors[n]["dtype"], tuple(tensors[n]["shape"]), d)
@@ -433,7 +433,7 @@ def publish_staged(out_dir: str, stage_dir: str, files: list[str], *,
 def _resolve_group(group):
     """``group`` as a coordloader.collective.Group (error agreement with rank naming and
     timeouts)."""
-    from . import collective as coll
+    from coordloader.dist import collective as coll
     return group if isinstance(group, coll.Group) else coll.wrap_group(group)
 
 
@@ -467,7 +467,7 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
     planner's presets are detected from config.json. Returns a :class:`SaveResult` for this rank."""
     import torch.distributed as dist
 
-    from .collective import gather_object, run_phase
+    from coordloader.dist.collective import gather_object, run_phase
     out_dir = os.fspath(out_dir)
     if max_shard_bytes <= 0:
         raise SaveError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
@@ -520,7 +520,8 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
         _prepare_local = _prepare(out_dir, overwrite, rank, "local-" + plan.digest()[:16])
         assert _prepare_local == stage
     else:
-        missing = [r for r in range(rank) if not os.path.exists(os.path.join(stage_dir, f"rank-{r:05d}.json"))]
+        missing = [r for r in range(rank)
+                   if not os.path.exists(os.path.join(stage_dir, f"rank-{r:05d}.json"))]
         if missing:
             raise SaveError(f"local-mode save: call save() for ranks in order 0..{world - 1}; ranks "
                             f"{missing} have not been saved into this staging directory", file=stage_dir,

@@ -1,0 +1,46 @@
+"""The path-taking entry points in front of the pure planner: they read what lies on disk
+(the checkpoint's headers, a rule file), then hand plain data to `planning`."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from coordloader.checkpoint.metadata import CheckpointMeta
+from coordloader.checkpoint.reader import read_checkpoint
+from coordloader.errors import PlanError
+from coordloader.layout import Layout
+from coordloader.planning.model import Plan
+from coordloader.planning.planner import build_plan
+from coordloader.planning.rules import PRESETS
+from coordloader.planning.rules.ruleset import parse_rule_file
+
+
+def read_json_file(path: str, what: str) -> Any:
+    """The JSON document in ``path``; a PlanError naming ``what`` and the file otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise PlanError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{what} {path} is not valid JSON: {e}") from None
+
+
+def read_rules(rules: Any) -> Any:
+    """``rules`` with a rule-file path replaced by the file's parsed content (the source name
+    kept for messages); anything else as given."""
+    if isinstance(rules, str) and rules not in PRESETS:
+        return parse_rule_file(read_json_file(rules, "rule file"), rules)
+    return rules
+
+
+def make_plan(checkpoint: str | CheckpointMeta, layout: Layout, rules: Any = None, *,
+              replicate_unmatched: bool = False) -> Plan:
+    """Plan which slice of which tensor every rank of ``layout`` holds.
+
+    ``checkpoint``: a directory (read with coordloader.read_checkpoint) or its
+    CheckpointMeta. ``rules``: None (preset detected from config.json), a preset name, a
+    rule-file path, a list of rules, or a RuleSet. Tensors no rule matches are an error
+    unless ``replicate_unmatched``. Raises PlanError naming tensor, size and layout."""
+    meta = read_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
+    return build_plan(meta, layout, read_rules(rules), replicate_unmatched=replicate_unmatched)

@@ -1,0 +1,31 @@
+"""`python -m coordloader.consolidate SRC OUT: a coordloader sharded checkpoint to plain HF.`"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from coordloader.errors import CoordloaderError
+from coordloader.handoff.consolidate import DEFAULT_BLOCK_BYTES, consolidate
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m coordloader.consolidate",
+                                 description="Write a plain HF safetensors checkpoint (one tensor per "
+                                             "name, standard index) from a coordloader sharded one.")
+    ap.add_argument("sharded", help="source checkpoint directory (coordloader sharded or HF)")
+    ap.add_argument("out", help="output directory")
+    ap.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per output file (default 5)")
+    ap.add_argument("--block-mib", type=float, default=DEFAULT_BLOCK_BYTES / 2**20,
+                    help="memory bound: MiB assembled at a time (default 64)")
+    ap.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in OUT")
+    a = ap.parse_args(argv)
+    try:
+        r = consolidate(a.sharded, a.out, max_shard_bytes=max(1, int(a.max_shard_size * 2**30)),
+                        block_bytes=max(1, int(a.block_mib * 2**20)), overwrite=a.overwrite)
+    except CoordloaderError as e:
+        print(f"coordloader.consolidate: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {r.tensors} tensors, {r.bytes / 2**20:.1f} MiB in {len(r.files)} file(s) to "
+          f"{r.out_dir} in {r.seconds:.2f} s")
+    return 0
+

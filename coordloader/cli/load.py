@@ -1,0 +1,191 @@
+"""`torchrun -m coordloader.load CKPT ...`: form the group from the environment, load this
+rank's slices, verify, optionally dump and report."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Mapping
+
+import torch
+
+from coordloader.checkpoint.fileio import write_file_atomic
+from coordloader.cli.plan import add_layout_args, experts_held, human, layout_from_args, ranges_str
+from coordloader.dist import collective
+from coordloader.engines import ENGINE_NAMES
+from coordloader.errors import LoadError, SaveError
+from coordloader.loader import VERIFY_MODES, load_detailed, run_phase
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m coordloader.load",
+        description="Load a safetensors checkpoint onto every rank of a torch.distributed job "
+                    "(run under torchrun: torchrun --nproc-per-node N -m coordloader.load CKPT "
+                    "...). Each rank ends up with exactly its slices for the layout.")
+    p.add_argument("checkpoint", help="checkpoint directory (or a .safetensors file)")
+    add_layout_args(p.add_argument_group("layout"))
+    e = p.add_argument_group("loading")
+    e.add_argument("--engine", default="auto", choices=ENGINE_NAMES,
+                   help="auto = instanttensor with CUDA, else cpu (default auto)")
+    e.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="where tensors go; cuda uses cuda:LOCAL_RANK (default: cuda when the "
+                        "engine is instanttensor/auto and CUDA is available, else cpu)")
+    e.add_argument("--loader-config", default=None, metavar="JSON",
+                   help="instanttensor tuning, e.g. '{\"backend\": [\"URING\", \"AIO\"], "
+                        "\"chunk_size\": 8388608, \"io_depth\": 64, \"buffer_size\": ...}'")
+    e.add_argument("--verify", default="shapes", choices=VERIFY_MODES,
+                   help="none, shapes (names/dtypes/shapes/zero padding; default), digest "
+                        "(content digests vs the manifest), full (re-read and compare bytes)")
+    e.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="bound on every collective, seconds (default 600)")
+    e.add_argument("--rank", type=int, default=None,
+                   help="without torchrun: load this rank's share in a single process")
+    o = p.add_argument_group("output")
+    o.add_argument("--report", default=None, metavar="FILE",
+                   help="write the per-rank summary (and the plan digest) as JSON")
+    o.add_argument("--dump", default=None, metavar="DIR",
+                   help="write each rank's tensors to DIR/rank-00000.safetensors, ...")
+    o.add_argument("--overwrite", action="store_true",
+                   help="replace existing --dump files (default: refuse)")
+    o.add_argument("--quiet", action="store_true", help="no progress bar, no summary table")
+    return p
+
+
+def summary_rows(per_rank: list[dict]) -> tuple[list[dict], dict]:
+    total_held = sum(r["bytes_held"] for r in per_rank)
+    total_read = sum(r["bytes_read"] for r in per_rank)
+    wall = max((r["seconds"] for r in per_rank), default=0.0)
+    totals = {"tensors": sum(r["tensors"] for r in per_rank), "bytes_held": total_held,
+              "bytes_read": total_read, "seconds": wall,
+              "gbps": total_held / wall / 1e9 if wall > 0 else 0.0,
+              "read_amplification": total_read / total_held if total_held else 0.0}
+    return per_rank, totals
+
+
+def _coords_str(c: Mapping | None) -> str:
+    if not c:
+        return "-"
+    return f"pp{c['pp']} dp{c['dp']} tp{c['tp']} ep{c['ep']}.{c['moe_tp']}"
+
+
+def format_table(per_rank: list[dict], totals: dict) -> str:
+    head = f"{'rank':>5} {'coords':<18} {'tensors':>8} {'held':>12} {'read':>12} " \
+           f"{'read/held':>9} {'seconds':>8} {'GB/s':>7}  experts"
+    lines = [head, "-" * len(head)]
+    for r in per_rank:
+        lines.append(f"{r['rank']:>5} {_coords_str(r.get('coords')):<18} {r['tensors']:>8} "
+                     f"{human(r['bytes_held']):>12} "
+                     f"{human(r['bytes_read']):>12} {r['read_amplification']:>9.3f} "
+                     f"{r['seconds']:>8.3f} {r['gbps']:>7.2f}  {ranges_str(r.get('experts', []))}")
+    lines.append("-" * len(head))
+    lines.append(f"{'total':>5} {'':<18} {totals['tensors']:>8} "
+                 f"{human(totals['bytes_held']):>12} "
+                 f"{human(totals['bytes_read']):>12} {totals['read_amplification']:>9.3f} "
+                 f"{totals['seconds']:>8.3f} {totals['gbps']:>7.2f}")
+    lines.append("coords: ppS dpD tpT epE.M = pipeline stage S, data-parallel replica D, "
+                 "tensor-parallel rank T, expert-parallel rank E and M its rank in the TP "
+                 "split of each expert it owns; experts: ids the rank holds (part of)")
+    return "\n".join(lines)
+
+
+def _want_cuda(args) -> bool:
+    return args.device == "cuda" or (args.device is None and args.engine in ("auto", "instanttensor")
+                                     and torch.cuda.is_available())
+
+
+def _init_from_env(args):
+    """Form the group from torchrun's (or plain processes') environment: gloo for CPU,
+    nccl for CUDA, device cuda:LOCAL_RANK. Returns (group handle or None, device)."""
+    want_cuda = _want_cuda(args)
+    if want_cuda and not torch.cuda.is_available():
+        raise LoadError("--device cuda asked for, but CUDA is not available here")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+    if "WORLD_SIZE" not in os.environ:
+        return None, device
+    g = collective.init_group("nccl" if want_cuda else "gloo", timeout_s=args.timeout)
+    return (g if g.world > 1 else None), device
+
+
+def _run(args) -> int:
+    layout = layout_from_args(args)
+    mark = os.environ.get("COORDLOADER_TEST_START_FILE")
+    if mark:   # test hook: when this rank is past imports, before any group formation
+        with open(mark, "w") as f:
+            f.write(repr(time.time()))
+    group, device = _init_from_env(args)
+    try:
+        if group is not None:
+            if group.world != layout.world_size:
+                raise LoadError(f"launched with {group.world} ranks but the layout ({layout}) "
+                                f"needs {layout.world_size} = pp*dp*tp; use --nproc-per-node "
+                                f"{layout.world_size} (or change the layout)", rank=group.rank)
+            if args.rank is not None:
+                raise LoadError("--rank is for single-process use; under torchrun the rank "
+                                "comes from the environment")
+        rank0 = group is None or group.rank == 0
+        res = load_detailed(args.checkpoint, layout, group=group, rank=args.rank, device=device,
+                            engine=args.engine, verify=args.verify, rules=args.rules,
+                            progress=(not args.quiet) and rank0, loader_config=args.loader_config,
+                            replicate_unmatched=args.replicate_unmatched, timeout=args.timeout)
+        mine = dict(res.stats.to_dict(), rank=res.rank, phases=res.phases,
+                    coords=dict(res.rank_plan.coords), experts=experts_held(res.rank_plan))
+        if res.verify_report is not None:
+            mine["verify"] = {k: v for k, v in res.verify_report.items()
+                              if k in ("ok", "mode", "notes", "stats")}
+        if args.dump:
+            from coordloader.handoff.dump import dump_rank
+            mine["dump"] = run_phase("dump", group, lambda: dump_rank(
+                args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
+                layout=layout.to_dict(), coords=dict(res.rank_plan.coords),
+                overwrite=args.overwrite))
+        # a phase like the others: a rank dying here is named, not a bare gloo timeout
+        per_rank = run_phase("summary", group, lambda: collective.gather_object(group, mine))
+        def finish():
+            if not rank0:
+                return
+            rows, totals = summary_rows(per_rank)
+            if not args.quiet:
+                print(f"coordloader: {args.checkpoint} layout {layout} engine {res.stats.engine} "
+                      f"verify {args.verify} plan {res.plan.digest()[:12]}")
+                print(format_table(rows, totals), flush=True)
+                vr = res.verify_report or {}
+                if args.verify != "none" and vr:
+                    # the verdict is agreed (verify_rank gathers), so rank 0 speaks for all
+                    print(f"verify {args.verify}: passed on all {len(per_rank)} rank(s): "
+                          f"{', '.join(vr.get('checks', []))}", flush=True)
+                    for note in vr.get("notes", []):
+                        print(f"  note: {note}", flush=True)
+            if args.report:
+                report = {"checkpoint": os.path.abspath(args.checkpoint),
+                          "layout": layout.to_dict(), "engine": res.stats.engine,
+                          "verify": args.verify, "plan_digest": res.plan.digest(),
+                          "verify_report": {k: v for k, v in (res.verify_report or {}).items()
+                                            if k in ("ok", "mode", "checks", "manifest", "notes")},
+                          "ranks": rows, "totals": totals}
+                try:
+                    write_file_atomic(args.report,
+                                      json.dumps(report, indent=2, sort_keys=True).encode())
+                except SaveError as e:
+                    raise LoadError(f"cannot write the report: {e.message}", file=args.report,
+                                    rank=0) from None
+
+        # inside a phase: a failure on rank 0 (unwritable report) reaches every rank
+        run_phase("report", group, finish)
+        return 0
+    finally:
+        if group is not None:
+            group.close()
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    with collective.exit_on_error():
+        return _run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""``python -m coordloader.consolidate SHARDED OUT``: turn any checkpoint the reader
+understands (coordloader's sharded format, or plain HF) into a plain HF checkpoint: one
+tensor per name, shards split by size, the standard ``model.safetensors.index.json``.
+
+Memory stays bounded whatever the tensor sizes: every output file is first created at its
+final size with a hole for the data (``write_safetensors(..., sparse=True)``), then each
+tensor is assembled one *row block* (a range of dim 0) at a time from the source pieces
+that overlap it, read with ``preadv`` and written with ``pwrite`` into its region. At most
+one block plus one piece slab of it is in memory. Publishing follows ``coordloader.save``:
+staging directory inside OUT, fsync, rename, index last.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+
+from coordloader.checkpoint.dtypes import itemsize
+from coordloader.checkpoint.fileio import OpenFiles, _pwrite_all, pread_into
+from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape
+from coordloader.errors import SaveError
+from coordloader.handoff.save import (
+    INDEX_NAME,
+    _fsync_dir,
+    _os_error,
+    _prepare,
+    _write_json_durable,
+    _writer_error,
+    publish_staged,
+    staged_manifest,
+)
+from coordloader.verify.manifest import MANIFEST_NAME
+
+DEFAULT_BLOCK_BYTES = 64 * 2**20
+_NP_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@dataclass(frozen=True)
+class ConsolidateResult:
+    out_dir: str
+    files: tuple[str, ...]
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+def iter_row_blocks(t: TensorInfo, src: OpenFiles, block_bytes: int = DEFAULT_BLOCK_BYTES):
+    """Yield (row_start, numpy block of raw element bits) covering ``t`` along dim 0; each
+    block is assembled from the overlapping source pieces (sweep over pieces sorted by
+    their dim-0 start, so no all-pairs overlap test)."""
+    isz = itemsize(t.dtype)
+    npdt = _NP_BITS[isz]
+    if len(t.shape) == 0:
+        (p,) = t.pieces
+        buf = np.empty((), dtype=npdt)
+        pread_into(src.fd(p.file), memoryview(buf.reshape(1).view(np.uint8)), p.start,
+                   file=p.file, tensor=t.name)
+        yield 0, buf
+        return
+    rows = t.shape[0]
+    row_elems = prod(t.shape[1:])
+    rows_per_block = max(1, block_bytes // max(1, row_elems * isz))
+    pieces = sorted(t.pieces, key=lambda p: p.box[0][0])
+    active, nxt = [], 0  # sweep: pieces whose dim-0 range may overlap the current block
+    for r0 in range(0, rows, rows_per_block):
+        r1 = min(rows, r0 + rows_per_block)
+        block = np.empty((r1 - r0,) + tuple(t.shape[1:]), dtype=npdt)
+        while nxt < len(pieces) and pieces[nxt].box[0][0] < r1:
+            active.append(pieces[nxt])
+            nxt += 1
+        active = [p for p in active if p.box[0][1] > r0]
+        for p in active:
+            (a, b) = p.box[0]
+            i0, i1 = max(a, r0), min(b, r1)
+            if i0 >= i1:
+                continue
+            pshape = box_shape(p.box)
+            slab = prod(pshape[1:]) * isz
+            part = np.empty((i1 - i0,) + tuple(pshape[1:]), dtype=npdt)
+            if part.size:
+                pread_into(src.fd(p.file), memoryview(part.reshape(-1).view(np.uint8)),
+                           p.start + (i0 - a) * slab, file=p.file, tensor=t.name)
+            idx = (slice(i0 - r0, i1 - r0),) + tuple(slice(x, y) for x, y in p.box[1:])
+            block[idx] = part
+        yield r0, block
+    if rows == 0:
+        yield 0, np.empty(tuple(t.shape), dtype=npdt)
+
+
+def read_full(meta: CheckpointMeta, name: str):
+    """The whole tensor ``name`` as a torch tensor (tests, small tools)."""
+    import torch
+
+    from coordloader.checkpoint.dtypes import torch_dtype
+    t = meta.tensors[name]
+    src = OpenFiles(meta.root)
+    try:
+        blocks = [b for _, b in iter_row_blocks(t, src, 1 << 62)]
+    finally:
+        src.close()
+    arr = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+    raw = torch.from_numpy(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).copy())
+    return raw.view(torch_dtype(t.dtype)).reshape(t.shape)
+
+
+def _plan_shards(meta: CheckpointMeta, max_shard_bytes: int) -> list[list[TensorInfo]]:
+    shards, cur, size = [], [], 0
+    for t in meta.tensors.values():
+        nb = t.numel * itemsize(t.dtype)
+        if cur and size + nb > max_shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(t)
+        size += nb
+    if cur or not shards:
+        shards.append(cur)
+    return shards
+
+
+def _data_offsets(path: str) -> tuple[int, dict[str, tuple[int, int]]]:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(n))
+    return 8 + n, {k: tuple(v["data_offsets"]) for k, v in head.items() if k != "__metadata__"}
+
+
+def _carry_manifest(meta: CheckpointMeta, stage_dir: str, names: list[str]) -> bool:
+    from coordloader.errors import VerifyError
+    from coordloader.verify import manifest as mf
+    try:
+        m = mf.load_manifest(meta.root, meta)
+    except VerifyError:
+        return False
+    if m is None:
+        return False
+    _write_json_durable(os.path.join(stage_dir, MANIFEST_NAME),
+                        staged_manifest(stage_dir, names, dict(m.tensors)))
+    return True
+
+
+def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
+                block_bytes: int = DEFAULT_BLOCK_BYTES, overwrite: bool = False,
+                meta: CheckpointMeta | None = None) -> ConsolidateResult:
+    """Write ``src`` (any checkpoint the reader accepts) as a plain HF checkpoint in
+    ``out_dir``. Raises SaveError / CheckpointError naming the file."""
+    from coordloader.checkpoint.fileio import write_safetensors
+    t0 = time.perf_counter()
+    if meta is None:
+        from coordloader.checkpoint.reader import read_checkpoint
+        meta = read_checkpoint(src)
+    out_dir = os.fspath(out_dir)
+    if os.path.abspath(out_dir) == os.path.abspath(meta.root):
+        raise SaveError("output directory is the source checkpoint; choose another directory",
+                        file=out_dir)
+    stage = _prepare(out_dir, overwrite, None, "consolidate-" + uuid.uuid4().hex[:12])
+    stage_dir = os.path.join(out_dir, stage)
+    srcs = OpenFiles(meta.root)
+    try:
+        shards = _plan_shards(meta, max_shard_bytes)
+        n = len(shards)
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map, total = {}, 0
+        for fname, group in zip(names, shards):
+            path = os.path.join(stage_dir, fname)
+            entries = [(t.name, t.dtype, list(t.shape), None) for t in group]
+            try:
+                write_safetensors(path, entries, {"format": "pt"}, sparse=True)
+            except SaveError as e:
+                raise _writer_error(e, fname, None, "creating an output shard") from e
+            data_start, offs = _data_offsets(path)
+            fd = os.open(path, os.O_RDWR)
+            try:
+                for t in group:
+                    begin = data_start + offs[t.name][0]
+                    row_bytes = prod(t.shape[1:]) * itemsize(t.dtype) if t.shape else itemsize(t.dtype)
+                    for r0, block in iter_row_blocks(t, srcs, block_bytes):
+                        if block.size:
+                            flat = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+                            _pwrite_all(fd, memoryview(flat),
+                                        begin + r0 * row_bytes)
+                    weight_map[t.name] = fname
+                    total += t.numel * itemsize(t.dtype)
+                os.fsync(fd)
+            except OSError as e:
+                raise _os_error(e, fname, None, "writing an output shard") from e
+            finally:
+                os.close(fd)
+        # Small companion files (config.json, tokenizer files ...) travel along; the source
+        # index/manifest/safetensors do not (they describe the source files).
+        skip = {f.name for f in meta.files} | {MANIFEST_NAME}
+        extras = []
+        for entry in sorted(os.listdir(meta.root)):
+            p = os.path.join(meta.root, entry)
+            if (entry in skip or entry.startswith(".") or entry.endswith(".safetensors")
+                    or entry.endswith(".safetensors.index.json") or not os.path.isfile(p)
+                    or os.path.islink(p) and not os.path.isfile(os.path.realpath(p))):
+                continue
+            if os.path.getsize(p) > 64 * 2**20:
+                continue
+            shutil.copyfile(p, os.path.join(stage_dir, entry))
+            extras.append(entry)
+        # Content is unchanged, so the source's digests carry over: a manifest for the new
+        # files (their fingerprint) without re-reading anything. A stale source manifest
+        # is refused by load_manifest and simply not carried.
+        if _carry_manifest(meta, stage_dir, names):
+            extras.append(MANIFEST_NAME)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_json_durable(os.path.join(stage_dir, INDEX_NAME), index)
+        _fsync_dir(stage_dir)
+        publish_staged(out_dir, stage_dir, names + extras)
+    except OSError as e:
+        raise _os_error(e, getattr(e, "filename", None) or out_dir, None, "consolidating") from e
+    finally:
+        srcs.close()
+        shutil.rmtree(stage_dir, ignore_errors=True)
+    return ConsolidateResult(out_dir, tuple(names), len(weight_map), total, time.perf_counter() - t0)

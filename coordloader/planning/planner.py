@@ -1,0 +1,677 @@
+"""The planner: checkpoint metadata + layout + rules -> Plan (pure; no I/O beyond reading
+the checkpoint's headers when given a path, no torch.distributed).
+
+For each tensor the planner derives a *placement*: the pipeline stages that hold it, a
+*selector* mapping every rank of those stages to a *class* (or to nothing), and per class
+the local shape and the pieces (source box -> destination offset). Ranks of one class hold
+identical pieces; the lowest such rank holds the primary copy (replica 0), the others
+replicas 1, 2, ... in rank order. Selectors repeat across tensors, so the rank groups of a
+(stages, selector) pair are computed once and shared, and byte runs are computed once per
+class and shared by every replica. Cost is linear in the number of (rank, tensor) slices.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from math import prod
+from typing import Any, Mapping
+
+from coordloader.checkpoint.dtypes import itemsize
+from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo
+from coordloader.errors import PlanError
+from coordloader.gcpause import gc_paused
+from coordloader.layout import Layout
+from coordloader.planning.model import LoadGroup, Piece, Plan, RankPlan, TensorSlice
+from coordloader.planning.rules import RuleSet, make_rule, num_experts_of, resolve_rules
+from coordloader.planning.runs import RunList, box_runs, merge_groups
+
+LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
+EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+_REPLICATE = make_rule("*", "replicate", source="replicate_unmatched")
+
+
+def build_plan(meta: CheckpointMeta, layout: Layout, rules: Any = None, *,
+               replicate_unmatched: bool = False) -> Plan:
+    """Plan which slice of which tensor every rank of ``layout`` holds. Pure: the checkpoint
+    comes as its metadata and a rule file as its parsed content (``coordloader.make_plan``
+    takes paths and reads them first).
+
+    ``rules``: None (preset detected from config.json), a preset name, a parsed rule file
+    (Mapping), a list of rules, or a RuleSet. Tensors no rule matches are an error unless
+    ``replicate_unmatched``. Raises PlanError naming tensor, size and layout."""
+    if not isinstance(meta, CheckpointMeta):
+        raise PlanError(f"checkpoint must be a path or CheckpointMeta, got {type(meta).__name__}")
+    if not isinstance(layout, Layout):
+        raise PlanError(f"layout must be a coordloader.Layout, got {type(layout).__name__}")
+    ruleset = resolve_rules(meta.config, rules)
+    # The planner allocates hundreds of thousands of small objects that all stay alive;
+    # the cyclic GC would rescan them over and over (it was a third of planning time).
+    with gc_paused():
+        return _Planner(meta, layout, ruleset, replicate_unmatched).run()
+
+
+def chunk_ranges(n: int, parts: int, uneven: bool, what: str) -> list[tuple[int, int]]:
+    """[start, stop) per part: an even split, or torch.chunk semantics when ``uneven``
+    (chunk size ceil(n/parts); trailing parts may be short or empty)."""
+    if parts == 1:
+        return [(0, n)]
+    if n % parts == 0:
+        c = n // parts
+        return [(i * c, i * c + c) for i in range(parts)]
+    if not uneven:
+        raise PlanError(f"{what}: size {n} is not divisible by {parts}")
+    c = -(-n // parts)
+    return [(min(i * c, n), min(i * c + c, n)) for i in range(parts)]
+
+
+class _Planner:
+    def __init__(self, meta: CheckpointMeta, layout: Layout, rules: RuleSet, replicate_unmatched: bool):
+        self.meta = meta
+        self.L = layout
+        self.rules = rules
+        self.replicate_unmatched = replicate_unmatched
+        self.config = dict(meta.config or {})
+        self.world = layout.world_size
+        self.stage_size = layout.tp * layout.dp
+        # stage-local index i -> (tp, dp, ep, moe_tp); identical for every stage
+        self.local = []
+        for i in range(self.stage_size):
+            c = layout.coords(i)
+            self.local.append((c.tp, c.dp, c.ep, c.moe_tp))
+        self._groups: dict = {}
+        self._placed: dict[str, tuple] = {}
+        self._rule_params = [r.param_dict for r in rules.rules]
+        self._id_res: dict[str, re.Pattern] = {}
+        self._num_experts: int | None = None
+        self._checked_E: set[int] = set()
+        self._wcache: dict = {}
+        self._scache: dict = {}
+
+    def _err(self, msg: str, name: str) -> PlanError:
+        return PlanError(f"{msg} (layout {self.L})", tensor=name)
+
+    # -- driver --------------------------------------------------------------
+    def run(self) -> Plan:
+        meta, L = self.meta, self.L
+        names = sorted(meta.tensors)
+        layer_of = {}
+        max_layer = -1
+        for n in names:
+            m = LAYER_RE.search(n)
+            if m:
+                li = int(m.group(1))
+                layer_of[n] = li
+                max_layer = max(max_layer, li)
+        nl = self.config.get("num_hidden_layers")
+        if nl is None and not layer_of:
+            nl = 0
+        if nl is None:
+            nl = max_layer + 1
+        if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
+            raise PlanError(f"config.json: num_hidden_layers must be a non-negative integer, got {nl!r}")
+        self.num_layers = nl
+        stage_of = [0] * nl
+        if nl:
+            for s, rg in enumerate(L.stage_layers(nl)):
+                for li in rg:
+                    stage_of[li] = s
+        elif L.pp > 1 and layer_of:
+            raise PlanError(f"layout: pp={L.pp} but config.json says num_hidden_layers=0")
+        self.stage_of = stage_of
+        self.layer_of = layer_of
+        tied = (self.rules.preset != "bert" and self.config.get("tie_word_embeddings", True)
+                and "lm_head.weight" not in meta.tensors)
+        self.tied = tied
+
+        # match rules first: unmatched names fail before any work
+        match = {}
+        hits = set()
+        unmatched = []
+        for n in names:
+            i = self.rules.match(n)
+            if i is None:
+                if not self.replicate_unmatched:
+                    unmatched.append(n)
+                    continue
+                match[n] = (_REPLICATE, {})
+            else:
+                hits.add(i)
+                match[n] = (self.rules.rules[i], self._rule_params[i])
+        if unmatched:
+            more = (f" (and {len(unmatched) - 1} more: {', '.join(unmatched[1:4])}...)"
+                    if len(unmatched) > 1 else "")
+            raise PlanError(f"no sharding rule matches this tensor{more}; preset "
+                            f"{self.rules.preset or 'none detected'}; add a rule (rules=...) or pass "
+                            f"replicate_unmatched=True / --replicate-unmatched (layout {L})",
+                            tensor=unmatched[0])
+        for i in range(self.rules.user_count):
+            if i not in hits:
+                r = self.rules.rules[i]
+                warnings.warn(f"sharding rule {r.pattern!r} ({r.strategy}, from {r.source}) matches "
+                              f"no tensor of the checkpoint", stacklevel=3)
+        self.match = match
+
+        per_rank: list[list[TensorSlice]] = [[] for _ in range(self.world)]
+        excluded = []
+        new = object.__new__
+        setattr_ = object.__setattr__
+        for n in names:
+            t = meta.tensors[n]
+            pl = self._place(n)
+            if pl is None:
+                excluded.append(n)
+                continue
+            stages, selector, classes, strategy = pl
+            classes, groups = _dedupe(classes, self._rank_groups(stages, selector, len(classes)))
+            isz = itemsize(t.dtype)
+            for (lshape, pieces), ranks in zip(classes, groups):
+                if not ranks:
+                    continue
+                runs = self._runs(t, pieces, lshape, isz)
+                f = runs.groups[0][0] if runs.groups else t.file
+                base = new(TensorSlice)
+                setattr_(base, "__dict__", {"name": n, "file": f, "dtype": t.dtype,
+                                            "global_shape": t.shape, "local_shape": lshape,
+                                            "pieces": pieces, "replica": 0, "byte_runs": runs,
+                                            "strategy": strategy})
+                per_rank[ranks[0]].append(base)
+                if len(ranks) > 1:
+                    # replicas: copies of the base's fields with another replica id. "_base"
+                    # (not a dataclass field: ignored by ==, repr and to_json) lets
+                    # Plan.digest() encode the shared fields once.
+                    bd = base.__dict__
+                    bd["_base"] = base
+                    for rep in range(1, len(ranks)):
+                        s = new(TensorSlice)
+                        d = bd.copy()
+                        d["replica"] = rep
+                        setattr_(s, "__dict__", d)
+                        per_rank[ranks[rep]].append(s)
+        rank_plans = tuple(RankPlan(r, L.coords(r).as_dict(), tuple(per_rank[r]))
+                           for r in range(self.world))
+        return Plan(L, meta.fingerprint(), rank_plans, tuple(excluded), load_groups(L, rank_plans, meta))
+
+    # -- placement -----------------------------------------------------------
+    def _stages(self, n: str, params: Mapping) -> tuple[int, ...] | None:
+        """Stages holding tensor ``n``; None = excluded (MTP layers)."""
+        pp = self.L.pp
+        st = params.get("stage")
+        li = self.layer_of.get(n)
+        if li is not None and st in (None, "layer"):
+            if li >= self.num_layers:
+                return (pp - 1,) if self.L.include_mtp else None
+            return (self.stage_of[li],)
+        if st == "all":
+            return tuple(range(pp))
+        if st is None:
+            st = "first" if "embed" in n else "last"
+        if st == "first":
+            if self.tied and li is None and n.endswith("embed_tokens.weight") and pp > 1:
+                return (0, pp - 1)   # tied embeddings: the last stage's lm_head reads it too
+            return (0,)
+        return (pp - 1,)
+
+    def _place(self, n: str):
+        """-> (stages, selector, classes, strategy) or None when excluded. Memoised: scale
+        tensors reuse their weight's placement."""
+        got = self._placed.get(n)
+        if got is not None or n in self._placed:
+            return got
+        rule, params = self.match[n]
+        t = self.meta.tensors[n]
+        strategy = rule.strategy
+        if strategy == "scale":
+            res = self._scale(t, params)
+        else:
+            stages = self._stages(n, params)
+            if stages is None:
+                res = None
+            else:
+                selector, classes = getattr(self, "_s_" + strategy)(t, params)
+                res = (stages, selector, classes, strategy)
+        # only weights that have a scale are looked up again; keep memory modest
+        if n + "_scale_inv" in self.meta.tensors:
+            self._placed[n] = res
+        return res
+
+    # selectors: ("all",) | ("tp", g) | ("moe", owners, split) | ("moe_fused", split)
+    def _whole(self, t: TensorInfo):
+        # classes depend only on the shape: share them (and their Piece objects) across the
+        # thousands of same-shaped tensors (experts)
+        c = self._wcache.get(t.shape)
+        if c is None:
+            c = self._wcache[t.shape] = [(t.shape, (Piece(tuple((0, s) for s in t.shape),
+                                                          (0,) * len(t.shape)),))]
+        return ("all",), c
+
+    def _s_replicate(self, t, p):
+        return self._whole(t)
+
+    def _split_dim(self, t: TensorInfo, dim: int, parts: int, what: str):
+        """Classes of an even (or chunked) split of ``dim`` into ``parts`` (shared per shape)."""
+        key = (t.shape, dim, parts)
+        c = self._scache.get(key)
+        if c is None:
+            c = self._scache[key] = self._split_dim_new(t, dim, parts, what)
+        return c
+
+    def _chunks(self, t: TensorInfo, n: int, parts: int, what: str) -> list[tuple[int, int]]:
+        """``chunk_ranges`` of ``n`` into ``parts``, its error naming the tensor and layout."""
+        try:
+            return chunk_ranges(n, parts, self.L.allow_uneven, what)
+        except PlanError as e:
+            raise self._err(e.message, t.name) from None
+
+    def _split_dim_new(self, t: TensorInfo, dim: int, parts: int, what: str):
+        if dim >= len(t.shape):
+            raise self._err(f"split dim {dim} out of range for shape {list(t.shape)}", t.name)
+        return _dim_classes(t.shape, dim, self._chunks(t, t.shape[dim], parts,
+                                                       f"{what} of dim {dim} (shape {list(t.shape)})"))
+
+    def _s_colwise(self, t, p, dim=None):
+        dim = p.get("dim", 0) if dim is None else dim
+        if not t.shape or self.L.tp == 1:
+            return self._whole(t)
+        classes = self._split_dim(t, dim, self.L.tp, f"split over tp={self.L.tp}")
+        return ("tp", tuple(range(self.L.tp))), classes
+
+    def _s_rowwise(self, t, p):
+        dim = p.get("dim", 1)
+        if len(t.shape) <= dim:       # the bias of a row-parallel layer is replicated
+            return self._whole(t)
+        return self._s_colwise(t, p, dim)
+
+    def _s_vocab(self, t, p):
+        if not t.shape:
+            raise self._err("vocab strategy needs a tensor with a row dim", t.name)
+        V, pad, tp = t.shape[0], p["pad_to"], self.L.tp
+        Vp = -(-V // pad) * pad
+        rngs = self._chunks(t, Vp, tp, f"vocab {V} padded to {Vp} (multiple of {pad}) split "
+                                       f"over tp={tp}")
+        zero = (0,) * len(t.shape)
+        rest = tuple((0, s) for s in t.shape[1:])
+        classes = []
+        for a, b in rngs:
+            pieces = (Piece(((a, min(b, V)),) + rest, zero),) if a < V else ()
+            classes.append(((b - a,) + t.shape[1:], pieces))
+        if tp == 1 and Vp == V:
+            return ("all",), classes
+        return ("tp", tuple(range(tp))), classes
+
+    def _head_split(self, n_size: int, heads: int, kv: bool, name: str, what: str):
+        """-> (g: tp rank -> class, ranges per class) for whole-head splitting of a dim of
+        ``n_size`` holding ``heads`` heads."""
+        tp = self.L.tp
+        if n_size % heads:
+            raise self._err(f"{what}: size {n_size} is not a multiple of num_heads={heads}", name)
+        hd = n_size // heads
+        if tp <= heads:
+            if heads % tp:
+                raise self._err(f"{what}: {heads} heads are not divisible by tp={tp}", name)
+            per = heads // tp
+            return tuple(range(tp)), [(j * per * hd, (j + 1) * per * hd) for j in range(tp)]
+        if not kv:
+            raise self._err(f"{what}: tp={tp} exceeds the {heads} heads", name)
+        if tp % heads:
+            raise self._err(f"{what}: tp={tp} is not a multiple of the {heads} K/V heads, so they "
+                            f"cannot be replicated evenly", name)
+        rep = tp // heads
+        return tuple(t // rep for t in range(tp)), [(h * hd, (h + 1) * hd) for h in range(heads)]
+
+    def _s_heads(self, t, p):
+        dim = p.get("dim", 0)
+        if dim >= len(t.shape):
+            raise self._err(f"heads split dim {dim} out of range for shape {list(t.shape)}", t.name)
+        g, rngs = self._head_split(t.shape[dim], p["num_heads"], p["kv"], t.name,
+                                   f"heads split of dim {dim} (shape {list(t.shape)})")
+        if len(rngs) == 1:
+            return self._whole(t)
+        return ("tp", g), _dim_classes(t.shape, dim, rngs)
+
+    def _s_packed(self, t, p):
+        dim = p.get("dim", 0)
+        if dim >= len(t.shape):
+            raise self._err(f"packed split dim {dim} out of range for shape {list(t.shape)}", t.name)
+        size = t.shape[dim]
+        tp = self.L.tp
+        if "blocks" in p:
+            blocks = list(p["blocks"])
+            if sum(blocks) != size:
+                raise self._err(f"packed blocks {blocks} sum to {sum(blocks)}, but dim {dim} has "
+                                f"size {size}", t.name)
+        else:
+            nb = p["num_blocks"]
+            if size % nb:
+                raise self._err(f"dim {dim} of size {size} does not hold {nb} equal packed blocks", t.name)
+            blocks = [size // nb] * nb
+        heads = p.get("heads")
+        kvs = p.get("kv") or (False,) * len(blocks)
+        per_block = []   # (g, ranges) per block
+        for bi, bs in enumerate(blocks):
+            what = f"packed block {bi} (size {bs}) of dim {dim}"
+            if heads:
+                per_block.append(self._head_split(bs, heads[bi], kvs[bi], t.name, what))
+            else:
+                per_block.append((tuple(range(tp)), self._chunks(t, bs, tp, what + f" over tp={tp}")))
+        offs = [0]
+        for bs in blocks:
+            offs.append(offs[-1] + bs)
+        keys, classes, g = {}, [], []
+        for r in range(tp):
+            key = tuple(pb[0][r] for pb in per_block)
+            if key not in keys:
+                keys[key] = len(classes)
+                pieces, loc = [], 0
+                for bi, (gb, rngs) in enumerate(per_block):
+                    a, b = rngs[key[bi]]
+                    if b > a:
+                        box = [(0, s) for s in t.shape]
+                        box[dim] = (offs[bi] + a, offs[bi] + b)
+                        dst = [0] * len(t.shape)
+                        dst[dim] = loc
+                        pieces.append(Piece(tuple(box), tuple(dst)))
+                    loc += b - a
+                ls = list(t.shape)
+                ls[dim] = loc
+                classes.append((tuple(ls), tuple(pieces)))
+            g.append(keys[key])
+        if len(classes) == 1:
+            return ("all",), classes
+        return ("tp", tuple(g)), classes
+
+    def _experts_count(self, t: TensorInfo, p) -> int:
+        E = p.get("num_experts")
+        if E is None:
+            E = num_experts_of(self.config)
+        if E is None:
+            if self._num_experts is None:
+                # infer from the names: the largest expert id + 1
+                mx = -1
+                for n in self.meta.tensors:
+                    m = EXPERT_RE.search(n)
+                    if m:
+                        mx = max(mx, int(m.group(1)))
+                self._num_experts = mx + 1
+            E = self._num_experts
+        if E not in self._checked_E:
+            try:
+                self.L.check_experts(E)
+            except PlanError as e:
+                raise self._err(e.message, t.name) from None
+            self._checked_E.add(E)
+        return E
+
+    def _s_expert(self, t, p):
+        rx = self._id_res.get(p["id_regex"])
+        if rx is None:
+            rx = self._id_res[p["id_regex"]] = re.compile(p["id_regex"])
+        m = rx.search(t.name)
+        dim = p.get("dim")
+        L = self.L
+        if m:
+            e = int(m.group(1))
+            E = self._experts_count(t, p)
+            if e >= E:
+                raise self._err(f"expert id {e} is outside the {E} experts", t.name)
+            owners = L.owners_of(e, E)
+            if not owners:
+                raise self._err(f"expert {e} has no owner in the expert placement", t.name)
+            if dim is None or L.moe_tp == 1 or not t.shape:
+                _, classes = self._whole(t)
+                return ("moe", owners, False), classes
+            if dim >= len(t.shape):
+                raise self._err(f"expert split dim {dim} out of range for shape {list(t.shape)}", t.name)
+            classes = self._split_dim(t, dim, L.moe_tp, f"expert split over moe_tp={L.moe_tp}")
+            return ("moe", owners, True), classes
+        # fused: the leading dim indexes the experts
+        if not t.shape:
+            raise self._err("expert tensor has no expert id in its name and no expert dim", t.name)
+        E = p.get("num_experts") or num_experts_of(self.config) or t.shape[0]
+        if t.shape[0] != E:
+            raise self._err(f"fused expert tensor has leading dim {t.shape[0]}, expected the "
+                            f"{E} experts", t.name)
+        E = self._experts_count(t, {"num_experts": E})
+        sets = [L.experts_of(q, E) for q in range(L.ep)]
+        if not isinstance(L.expert_placement, str):
+            seen = {}
+            for q, ids in enumerate(sets):
+                for e in ids:
+                    if e in seen and sets[seen[e]] != ids:
+                        raise self._err(f"expert {e} is placed on ep ranks {seen[e]} and {q} with "
+                                        f"different expert sets; a fused expert tensor can only be "
+                                        f"replicated as a whole set", t.name)
+                    seen.setdefault(e, q)
+        split = dim is not None and L.moe_tp > 1
+        if split:
+            if dim + 1 >= len(t.shape):
+                raise self._err(f"expert split dim {dim} out of range for fused shape "
+                                f"{list(t.shape)}", t.name)
+            rngs = self._chunks(t, t.shape[dim + 1], L.moe_tp,
+                                f"fused expert split of dim {dim + 1} (shape {list(t.shape)}) "
+                                f"over moe_tp={L.moe_tp}")
+        else:
+            rngs = [(0, t.shape[dim + 1])] if dim is not None else [None]
+        classes = []
+        for q in range(L.ep):
+            for rg in (rngs if split else rngs[:1]):
+                pieces = []
+                for i, e in enumerate(sets[q]):
+                    box = [(e, e + 1)] + [(0, s) for s in t.shape[1:]]
+                    if rg is not None:
+                        box[dim + 1] = rg
+                    if rg is None or rg[1] > rg[0]:
+                        pieces.append(Piece(tuple(box), (i,) + (0,) * (len(t.shape) - 1)))
+                ls = [len(sets[q])] + list(t.shape[1:])
+                if rg is not None:
+                    ls[dim + 1] = rg[1] - rg[0]
+                classes.append((tuple(ls), tuple(pieces)))
+        return ("moe_fused", split), classes
+
+    def _scale(self, t: TensorInfo, p):
+        n = t.name
+        wname = p.get("weight") or (n[:-len("_scale_inv")] if n.endswith("_scale_inv") else None)
+        if wname is None or wname not in self.meta.tensors:
+            raise self._err(f"block scale without its weight {wname!r}", n)
+        if wname not in self.match:
+            raise self._err(f"weight {wname!r} of this scale has no rule", n)
+        if self.match[wname][0].strategy == "scale":
+            raise self._err(f"weight {wname!r} of this scale is itself a scale", n)
+        wp = self._place(wname)
+        if wp is None:
+            return None
+        stages, selector, wclasses, wstrat = wp
+        w = self.meta.tensors[wname]
+        nd = len(w.shape)
+        if len(t.shape) != nd:
+            raise self._err(f"scale shape {list(t.shape)} does not match weight {wname!r} shape "
+                            f"{list(w.shape)}", n)
+        blk = list(p["block"])
+        if len(blk) > nd:
+            blk = blk[-nd:] if nd else []
+        B = [1] * (nd - len(blk)) + blk
+        want = tuple(-(-w.shape[i] // B[i]) for i in range(nd))
+        if tuple(t.shape) != want:
+            raise self._err(f"scale shape {list(t.shape)} is not weight {wname!r} shape "
+                            f"{list(w.shape)} in {B} blocks (expected {list(want)})", n)
+        if wclasses is self._wcache.get(w.shape):
+            return stages, selector, self._whole(t)[1], "scale"
+        classes = []
+        for ls, pieces in wclasses:
+            sp = []
+            for pc in pieces:
+                box = []
+                for i, (a, b) in enumerate(pc.src):
+                    if a % B[i] or (b % B[i] and b != w.shape[i]) or pc.dst[i] % B[i]:
+                        raise self._err(
+                            f"weight {wname!r} (shape {list(w.shape)}) is split into per-rank "
+                            f"size {b - a} at offset {a} along dim {i}, not a multiple of the "
+                            f"{B[i]}-element quantisation block, so its scale {list(t.shape)} "
+                            f"cannot follow", n)
+                    box.append((a // B[i], -(-b // B[i])))
+                sp.append(Piece(tuple(box), tuple(pc.dst[i] // B[i] for i in range(nd))))
+            for i in range(nd):
+                if ls[i] % B[i] and any(pc.dst[i] + pc.src[i][1] - pc.src[i][0] != ls[i] for pc in pieces):
+                    raise self._err(f"weight {wname!r} local size {ls[i]} along dim {i} is not a "
+                                    f"multiple of the {B[i]}-element block", n)
+            classes.append((tuple(-(-ls[i] // B[i]) for i in range(nd)), tuple(sp)))
+        return stages, selector, classes, "scale"
+
+    # -- rank groups ----------------------------------------------------------
+    def _rank_groups(self, stages, selector, ncls):
+        key = (stages, selector, ncls)
+        g = self._groups.get(key)
+        if g is not None:
+            return g
+        out = [[] for _ in range(ncls)]
+        kind = selector[0]
+        S = self.stage_size
+        moe_tp = self.L.moe_tp
+        for s in stages:
+            base = s * S
+            for i, (tpr, dpr, epr, mtr) in enumerate(self.local):
+                if kind == "all":
+                    c = 0
+                elif kind == "tp":
+                    c = selector[1][tpr]
+                elif kind == "moe":
+                    if epr not in selector[1]:
+                        continue
+                    c = mtr if selector[2] else 0
+                else:  # moe_fused
+                    c = epr * moe_tp + mtr if selector[1] else epr
+                out[c].append(base + i)
+        g = tuple(tuple(sorted(x)) for x in out)
+        self._groups[key] = g
+        return g
+
+    # -- byte runs ------------------------------------------------------------
+    def _runs(self, t: TensorInfo, pieces, lshape, isz) -> RunList:
+        groups = []
+        src = t.pieces
+        if len(src) == 1 and src[0].box == tuple((0, s) for s in t.shape):
+            sp = src[0]
+            if len(pieces) == 1 and lshape == t.shape and pieces[0].src == sp.box:
+                return RunList(((sp.file, sp.start, sp.end - sp.start, 0, 1, 0, 0),))
+            for pc in pieces:
+                groups += box_runs(sp.file, sp.start, sp.box, t.shape, pc.src, lshape, pc.dst, isz)
+        else:
+            for pc in pieces:
+                for sp in src:
+                    o = []
+                    for (a, b), (c, d) in zip(pc.src, sp.box):
+                        lo, hi = max(a, c), min(b, d)
+                        if hi <= lo:
+                            break
+                        o.append((lo, hi))
+                    else:
+                        if len(o) != len(pc.src):
+                            continue
+                        corner = tuple(pc.dst[j] + o[j][0] - pc.src[j][0] for j in range(len(o)))
+                        sshape = tuple(d - c for c, d in sp.box)
+                        groups += box_runs(sp.file, sp.start, sp.box, sshape, tuple(o), lshape,
+                                           corner, isz)
+        if len(groups) > 1:
+            groups = merge_groups(groups)
+        return RunList(groups)
+
+
+def _dim_classes(shape, dim: int, rngs) -> list:
+    """Classes of a split of ``dim`` into the [start, stop) ranges ``rngs``: per range the
+    local shape and its one piece (none for an empty range)."""
+    full = [(0, s) for s in shape]
+    zero = (0,) * len(shape)
+    classes = []
+    for a, b in rngs:
+        box = list(full)
+        box[dim] = (a, b)
+        ls = list(shape)
+        ls[dim] = b - a
+        classes.append((tuple(ls), (Piece(tuple(box), zero),) if b > a else ()))
+    return classes
+
+
+def _dedupe(classes, groups):
+    """Merge classes with identical pieces and local shape (e.g. empty chunks, or an
+    explicit expert map listing the same set twice): they are replicas of one another."""
+    if len(classes) == 1:
+        return classes, groups
+    seen: dict = {}
+    for i, c in enumerate(classes):
+        seen.setdefault(c, []).append(i)
+    if len(seen) == len(classes):
+        return classes, groups
+    nc, ng = [], []
+    for c, idx in seen.items():
+        nc.append(c)
+        ng.append(tuple(sorted(r for i in idx for r in groups[i])))
+    return nc, ng
+
+
+# -- load groups (instanttensor engine cost model) -------------------------------------------
+# Group mode reads each file once across the stage's ranks and all-gathers it: per rank
+# about size/n from storage plus size over the interconnect. Filtered mode reads only the
+# rank's own tensors (whole, since tensor_filter selects by name). Filtered wins when a
+# rank needs a small share of a file: fraction f < 1/n + STORAGE_TO_NET, the storage
+# bandwidth relative to the interconnect bandwidth (NVMe/GPUDirect ~ 10% of NVLink).
+STORAGE_TO_NET = 0.1
+
+
+def load_groups(L: Layout, rank_plans: tuple[RankPlan, ...], meta: CheckpointMeta) -> tuple[LoadGroup, ...]:
+    S = L.tp * L.dp
+    file_bytes: dict[str, int] = {}
+    tensor_bytes: dict[str, tuple] = {}
+    for t in meta.tensors.values():
+        tb: dict[str, int] = {}
+        for sp in t.pieces:
+            tb[sp.file] = tb.get(sp.file, 0) + sp.end - sp.start
+            file_bytes[sp.file] = file_bytes.get(sp.file, 0) + sp.end - sp.start
+        tensor_bytes[t.name] = tuple(tb.items())
+    out = []
+    for s in range(L.pp):
+        ranks = tuple(range(s * S, (s + 1) * S))
+        # representative ranks: one DP replica unless experts span DP
+        reps = ranks if L.ep_spans_dp else ranks[:L.tp]
+        need: dict[str, int] = {}
+        for r in reps:
+            for ts in rank_plans[r].tensors:
+                for f, b in tensor_bytes[ts.name]:
+                    need[f] = need.get(f, 0) + b
+        grp, filt = [], []
+        for f in sorted(need):
+            size = file_bytes[f]
+            frac = (need[f] / len(reps)) / size if size else 1.0
+            (filt if frac < 1 / len(ranks) + STORAGE_TO_NET else grp).append(f)
+        if grp:
+            out.append(LoadGroup(tuple(grp), ranks, "group"))
+        if filt:
+            out.append(LoadGroup(tuple(filt), ranks, "filtered"))
+    return tuple(out)
+
+
+def meta_from_specs(config: Mapping | None, specs, *, files: int = 1,
+                    root: str = "<memory>") -> CheckpointMeta:
+    """An in-memory CheckpointMeta for ``[(name, dtype, shape), ...]`` laid out as a plain
+    HF checkpoint over ``files`` shards (no I/O): for tests and planner benchmarks."""
+    import hashlib
+
+    from coordloader.checkpoint.metadata import FileInfo, SourcePiece
+    specs = list(specs)
+    nf = max(1, min(files, len(specs) or 1))
+    per = -(-len(specs) // nf) if specs else 0
+    tensors, finfos = {}, []
+    for fi in range(nf):
+        fname = f"model-{fi + 1:05d}-of-{nf:05d}.safetensors"
+        chunk = specs[fi * per:(fi + 1) * per]
+        hlen = 8 * (16 + 16 * len(chunk))  # any plausible header size; offsets follow it
+        off = 8 + hlen
+        h = hashlib.sha256(fname.encode())
+        for name, dt, shape in chunk:
+            shape = tuple(int(x) for x in shape)
+            nbytes = prod(shape) * itemsize(dt)
+            tensors[name] = TensorInfo(name, dt, shape,
+                                       (SourcePiece(fname, tuple((0, s) for s in shape), off, off + nbytes),))
+            h.update(f"{name}|{dt}|{shape}|{off}".encode())
+            off += nbytes
+        finfos.append(FileInfo(fname, off, hlen, h.hexdigest()))
+    return CheckpointMeta(root, tuple(finfos), tensors, dict(config) if config else None)

@@ -1,0 +1,5 @@
+import sys
+
+from coordloader.cli.synth import main
+
+sys.exit(main())

@@ -1,0 +1,208 @@
+"""Per-tensor content digests of a checkpoint, kept next to it in
+``coordloader.manifest.json``, so ``--verify digest`` can check what ranks loaded against
+what is on disk without a second read.
+
+    python -m coordloader.manifest CKPT [--jobs N]
+
+Digests are computed streaming: each source piece is read in bounded chunks with
+``os.preadv`` into one reusable buffer per worker, never a whole shard in memory. A
+tensor stored as several pieces (coordloader's sharded format) gets the sum of its
+pieces' digests, which is the digest of the whole tensor because digests are linear over
+disjoint boxes. The manifest records the checkpoint fingerprint (file names, sizes,
+header hashes); a manifest whose fingerprint differs from the checkpoint's is refused.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from coordloader.checkpoint.dtypes import bits_dtype, itemsize
+from coordloader.checkpoint.fileio import OpenFiles, pread_into, write_file_atomic
+from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
+from coordloader.errors import VerifyError
+
+# explicit names: the package re-exports the function `digest`, shadowing the module
+from coordloader.verify.digest import ALGORITHM, MASK64, digest, flat_offset, fmt, iter_subboxes
+
+MANIFEST_NAME = "coordloader.manifest.json"
+VERSION = 1
+READ_CHUNK_BYTES = 32 << 20   # per read; digest() then works through it in cache-sized chunks
+
+_tls = threading.local()
+
+
+@dataclass(frozen=True)
+class TensorDigest:
+    dtype: str
+    shape: tuple[int, ...]
+    digest: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: str
+    fingerprint: str
+    algorithm: str
+    tensors: Mapping[str, TensorDigest]
+
+    def get(self, name: str) -> TensorDigest | None:
+        return self.tensors.get(name)
+
+
+def manifest_path(root: str) -> str:
+    return os.path.join(root, MANIFEST_NAME)
+
+
+def tensor_digest(meta: CheckpointMeta, info: TensorInfo, *,
+                  read_chunk_bytes: int = READ_CHUNK_BYTES, files: OpenFiles | None = None) -> int:
+    """Digest of one checkpoint tensor read from disk in bounded chunks, through ``files``
+    (the checkpoint's files, each opened once; default: opened for this tensor alone)."""
+    if files is None:
+        with OpenFiles(meta.root) as own:
+            return tensor_digest(meta, info, read_chunk_bytes=read_chunk_bytes, files=own)
+    size = itemsize(info.dtype)
+    view_dt = bits_dtype(info.dtype)
+    budget = max(1, read_chunk_bytes // size)
+    need = min(budget, max(info.numel, 1)) * size
+    # one read buffer per worker thread, grown on demand (a fresh zero-filled buffer per
+    # tensor measured as costly as the digest for small expert tensors)
+    buf = getattr(_tls, "buf", None)
+    if buf is None or len(buf) < need:
+        buf = _tls.buf = bytearray(max(need, min(read_chunk_bytes, 1 << 20)))
+    mv = memoryview(buf)
+    total = 0
+    for sp in info.pieces:
+        # 0-d tensors are digested as one-element 1-d tensors (as digest() does)
+        box = sp.box if info.shape else ((0, 1),)
+        shape = tuple(info.shape) if info.shape else (1,)
+        if sp.end - sp.start != box_numel(box) * size:
+            raise VerifyError(f"source piece {[list(p) for p in sp.box]} spans {sp.end - sp.start} bytes, "
+                              f"expected {box_numel(box) * size}", file=sp.file, tensor=info.name)
+        try:
+            fd = files.fd(sp.file)
+        except OSError as e:
+            raise VerifyError(f"cannot open: {e.strerror}", file=sp.file, tensor=info.name) from None
+        for sub in iter_subboxes(box, budget):
+            n = box_numel(sub)
+            off = sp.start + flat_offset(box, sub) * size
+            pread_into(fd, mv[:n * size], off, file=sp.file, tensor=info.name, error=VerifyError)
+            t = torch.frombuffer(buf, dtype=view_dt, count=n).view(box_shape(sub))
+            total += digest(t, sub, shape)
+    return total & MASK64
+
+
+def compute(meta: CheckpointMeta, *, jobs: int = 1, progress=None) -> dict[str, TensorDigest]:
+    """Digest every tensor of the checkpoint; ``jobs`` worker threads (reads and torch ops
+    release the GIL)."""
+    names = list(meta.tensors)
+
+    def one(name: str) -> tuple[str, TensorDigest]:
+        info = meta.tensors[name]
+        d = tensor_digest(meta, info, files=files)
+        if progress:
+            progress(name, info)
+        return name, TensorDigest(info.dtype, tuple(info.shape), d)
+
+    with OpenFiles(meta.root) as files:   # each shard opened once, not once per tensor
+        if jobs <= 1:
+            return dict(one(n) for n in names)
+        with ThreadPoolExecutor(max_workers=jobs) as ex:
+            return dict(ex.map(one, names))
+
+
+def to_json(meta: CheckpointMeta, digests: Mapping[str, TensorDigest]) -> dict:
+    return {
+        "format": "coordloader.manifest",
+        "version": VERSION,
+        "algorithm": ALGORITHM,
+        "fingerprint": meta.fingerprint(),
+        "files": [{"name": f.name, "size": f.size, "header_sha256": f.header_sha256} for f in meta.files],
+        "tensors": {n: {"dtype": d.dtype, "shape": list(d.shape), "digest": fmt(d.digest)}
+                    for n, d in digests.items()},
+    }
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """temp file + fsync + rename (+ directory fsync): readers see the old file or the
+    new one, never a torn one. The temp name carries the pid: two processes writing the
+    same manifest never share a temp file."""
+    write_file_atomic(path, data, tmp_suffix=f".tmp.{os.getpid()}")
+
+
+def write_manifest(meta: CheckpointMeta, *, jobs: int = 1, path: str | None = None,
+                   progress=None) -> str:
+    digests = compute(meta, jobs=jobs, progress=progress)
+    path = path or manifest_path(meta.root)
+    blob = json.dumps(to_json(meta, digests), indent=1, sort_keys=False).encode() + b"\n"
+    write_atomic(path, blob)
+    return path
+
+
+def _staleness(doc: dict, meta: CheckpointMeta) -> str:
+    old = {f["name"]: f for f in doc.get("files", [])}
+    new = {f.name: f for f in meta.files}
+    what = []
+    for n in sorted(set(old) - set(new)):
+        what.append(f"file {n} is gone")
+    for n in sorted(set(new) - set(old)):
+        what.append(f"file {n} is new")
+    for n in sorted(set(old) & set(new)):
+        if old[n].get("size") != new[n].size:
+            what.append(f"file {n} changed size ({old[n].get('size')} -> {new[n].size} bytes)")
+        elif old[n].get("header_sha256") != new[n].header_sha256:
+            what.append(f"file {n} has a different header")
+    return "; ".join(what) or "the recorded fingerprint differs"
+
+
+def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) -> Manifest | None:
+    """The checkpoint's manifest, or None when there is none (unless ``required``).
+    Raises VerifyError for a malformed or stale manifest, naming what changed."""
+    path = manifest_path(root)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        if required:
+            raise VerifyError(f"no manifest; create it with `python -m coordloader.manifest {root}`",
+                              file=path) from None
+        return None
+    except OSError as e:   # a directory in its place, no permission, an I/O error
+        raise VerifyError(f"cannot read the manifest: {e.strerror or e}", file=path) from None
+    try:
+        doc = json.loads(raw)
+        if doc.get("format") != "coordloader.manifest" or doc.get("version") != VERSION:
+            raise ValueError(f"not a version-{VERSION} coordloader manifest")
+        tensors = {n: TensorDigest(str(t["dtype"]), tuple(int(s) for s in t["shape"]), int(t["digest"], 16))
+                   for n, t in doc["tensors"].items()}
+        fp = str(doc["fingerprint"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise VerifyError(f"malformed manifest: {e}", file=path) from None
+    except RecursionError:
+        raise VerifyError("malformed manifest: JSON nested too deeply", file=path) from None
+    if doc.get("algorithm") != ALGORITHM:
+        # a well-formed manifest of another coordloader version: its digests are not
+        # comparable, and recomputing them is the fix
+        raise VerifyError(f"stale manifest: its digests use algorithm {doc.get('algorithm')!r}, "
+                          f"this coordloader computes {ALGORITHM!r}; regenerate it with "
+                          f"`python -m coordloader.manifest {root}`", file=path)
+    if fp != meta.fingerprint():
+        raise VerifyError(f"stale manifest: the checkpoint changed since it was written "
+                          f"({_staleness(doc, meta)}); regenerate it with "
+                          f"`python -m coordloader.manifest {root}`", file=path)
+    missing = sorted(set(meta.tensors) - set(tensors))
+    extra = sorted(set(tensors) - set(meta.tensors))
+    if missing or extra:
+        raise VerifyError(f"manifest does not match the checkpoint's tensors (missing {missing[:5]}, "
+                          f"unexpected {extra[:5]})", file=path)
+    for n, t in tensors.items():
+        info = meta.tensors[n]
+        if t.dtype != info.dtype or t.shape != tuple(info.shape):
+            raise VerifyError(f"manifest records {t.dtype}{list(t.shape)}, checkpoint has "
+                              f"{info.dtype}{list(info.shape)}", file=path, tensor=n)
+    return Manifest(path, fp, doc["algorithm"], tensors)
