@@ -19,7 +19,7 @@ SHIMS = {"coordloader.load", "coordloader.plan", "coordloader.manifest",
 # the stage a module belongs to -> the stages (and base modules) it may import
 ALLOWED = {
     "checkpoint": {"checkpoint"},
-    "planning": {"checkpoint.metadata", "checkpoint.dtypes", "planning"},
+    "planning": {"checkpoint.metadata", "checkpoint.dtypes", "checkpoint.tiling", "planning"},
     "engines": {"checkpoint", "planning", "engines"},
     "verify": {"checkpoint", "planning", "engines", "verify", "dist"},
     "dist": {"dist"},

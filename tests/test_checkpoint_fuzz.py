@@ -266,8 +266,9 @@ def _boxes(draw):
 def test_overlap_sweep_matches_brute_force(boxes):
     """The sorted sweep used to check that a tensor's pieces tile it finds an overlap
     exactly when some pair of boxes intersects, and the pair it names does intersect."""
-    from coordloader.checkpoint.reader import _find_overlap
-    pair = _find_overlap(boxes, 0)
+    from coordloader.checkpoint.tiling import find_overlap
+    pair = find_overlap(boxes)
     assert (pair is not None) == _brute_overlap(boxes)
     if pair is not None:
-        assert _brute_overlap(list(pair))
+        i, j = pair
+        assert i != j and _brute_overlap([boxes[i], boxes[j]])

@@ -3,9 +3,10 @@ import dataclasses
 import pytest
 
 from coordloader.api import make_plan
+from coordloader.checkpoint.tiling import tiling_problem
 from coordloader.errors import PlanError, VerifyError
 from coordloader.layout import Layout
-from coordloader.planning.cover import check_cover, tiling_problem, validate_cover
+from coordloader.planning.cover import check_cover, validate_cover
 from coordloader.planning.model import ByteRun, Piece, Plan, RankPlan
 from coordloader.planning.planner import meta_from_specs
 from coordloader.planning.runs import RunList, box_runs
@@ -43,6 +44,10 @@ def test_tiling_problem_kinds():
     assert tiling_problem([((0, 2), (0, 4)), ((1, 4), (0, 4))], (4, 4))[0] == "overlap"
     assert tiling_problem([((0, 2), (0, 4))], (4, 4))[0] == "gap"
     assert tiling_problem([((0, 5), (0, 4))], (4, 4))[0] == "outside"
+    # a zero-element tensor is tiled by its one empty box; elsewhere an empty box is refused
+    assert tiling_problem([((0, 0), (0, 4))], (0, 4)) is None
+    assert tiling_problem([((1, 1), (0, 4)), ((0, 4), (0, 4))], (4, 4))[0] == "outside"
+    assert tiling_problem([((1, 1), (0, 4)), ((0, 4), (0, 4))], (4, 4), allow_empty=True) is None
     # checkerboard of 16 boxes in a random order
     boxes = [((i, i + 1), (j, j + 1)) for j in range(4) for i in (3, 1, 0, 2)]
     assert tiling_problem(boxes, (4, 4)) is None

@@ -22,7 +22,6 @@ and every rank calls ``assemble``. ``read_checkpoint`` does all three in one pro
 """
 from __future__ import annotations
 
-import heapq
 import json
 import os
 import stat
@@ -43,6 +42,7 @@ from coordloader.checkpoint.metadata import (
     full_box,
     piece_key,
 )
+from coordloader.checkpoint.tiling import TilingKind, tiling_problem
 from coordloader.errors import CheckpointError
 from coordloader.gcpause import gc_paused
 
@@ -656,54 +656,17 @@ def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorI
 
 def _check_tiling(name: str, shape: tuple[int, ...], pieces: list[SourcePiece],
                   file: str | None) -> None:
-    """Pieces lie inside the shape (checked by the caller); they tile it exactly iff their
-    volumes add up to numel and no two overlap. Overlaps are found by a sweep, not all
-    pairs: along dim 0, at each distinct start the active boxes are checked recursively on
-    the remaining dims (1-D: sort and compare neighbours)."""
-    numel = prod(shape)
-    vol = sum(box_numel(p.box) for p in pieces)
-    boxes = [p.box for p in pieces if all(b > a for a, b in p.box)]  # empty boxes can't overlap
-    if len(boxes) < 2:
-        pair = None
-    elif not shape:  # two pieces of a scalar
-        pair = boxes[0], boxes[1]
-    else:
-        pair = _find_overlap(boxes, 0)
-    if pair:
-        a, b = ([list(r) for r in bx] for bx in pair)
+    """The pieces (inside the shape, checked by the caller) tile it exactly once."""
+    prob = tiling_problem([p.box for p in pieces], shape, allow_empty=True)
+    if prob is None:
+        return
+    if prob.kind is TilingKind.OVERLAP:
+        a, b = ([list(r) for r in pieces[k].box] for k in (prob.first, prob.second))
         raise CheckpointError(f"pieces {a} and {b} overlap; expected the pieces to tile the "
                               f"tensor exactly once", file=file, tensor=name)
-    if vol != numel:
-        raise CheckpointError(f"pieces cover {vol} of {numel} elements of shape {list(shape)}; "
-                              f"expected them to tile the tensor exactly", file=file, tensor=name)
-
-
-def _find_overlap(boxes: list, dim: int):
-    """Return two overlapping boxes (all dims >= ``dim`` intersect), or None."""
-    if dim == len(boxes[0]) - 1:
-        srt = sorted(boxes, key=lambda bx: bx[dim])
-        far = srt[0]
-        for bx in srt[1:]:
-            if bx[dim][0] < far[dim][1]:
-                return far, bx
-            if bx[dim][1] > far[dim][1]:
-                far = bx
-        return None
-    srt = sorted(boxes, key=lambda bx: bx[dim][0])
-    active: list = []  # heap of (end, seq, box)
-    i, n = 0, len(srt)
-    while i < n:
-        s = srt[i][dim][0]
-        while active and active[0][0] <= s:
-            heapq.heappop(active)
-        while i < n and srt[i][dim][0] == s:
-            heapq.heappush(active, (srt[i][dim][1], i, srt[i]))
-            i += 1
-        if len(active) > 1:
-            pair = _find_overlap([a[2] for a in active], dim + 1)
-            if pair:
-                return pair
-    return None
+    vol = sum(box_numel(p.box) for p in pieces)
+    raise CheckpointError(f"pieces cover {vol} of {prod(shape)} elements of shape {list(shape)}; "
+                          f"expected them to tile the tensor exactly", file=file, tensor=name)
 
 
 # --------------------------------------------------------------------------- all in one

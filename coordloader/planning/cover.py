@@ -17,6 +17,7 @@ from math import prod
 from typing import Iterable, Mapping, Sequence
 
 from coordloader.checkpoint.dtypes import itemsize
+from coordloader.checkpoint.tiling import tiling_problem
 from coordloader.errors import PlanError
 from coordloader.gcpause import gc_paused
 from coordloader.planning.runs import groups_of
@@ -27,47 +28,6 @@ Box = tuple
 def _as_box(p) -> Box:
     src = getattr(p, "src", p)
     return tuple((int(a), int(b)) for a, b in src)
-
-
-def tiling_problem(boxes: Sequence[Box], shape: Sequence[int]) -> tuple | None:
-    """None if ``boxes`` tile ``shape`` exactly once, else (kind, i, j, detail):
-    kind "outside" (box i is empty or leaves the tensor), "overlap" (boxes i and j
-    intersect), "gap" (the boxes cover fewer elements than the tensor)."""
-    nd = len(shape)
-    total = 0
-    for i, b in enumerate(boxes):
-        if len(b) != nd:
-            return ("outside", i, None, f"box {list(map(list, b))} has {len(b)} dims, tensor has {nd}")
-        v = 1
-        for (a, c), s in zip(b, shape):
-            if not (0 <= a < c <= s):
-                return ("outside", i, None, f"box {list(map(list, b))} is empty or outside shape "
-                                            f"{list(shape)}")
-            v *= c - a
-        total += v
-    n = len(boxes)
-    if n > 1 and nd:
-        # sweep along the dim where the boxes' starts vary most
-        d = max(range(nd), key=lambda k: len({b[k][0] for b in boxes})) if nd > 1 else 0
-        order = sorted(range(n), key=lambda i: boxes[i][d][0])
-        active: list[int] = []
-        for i in order:
-            b = boxes[i]
-            s0 = b[d][0]
-            if active:
-                active = [j for j in active if boxes[j][d][1] > s0]
-                for j in active:
-                    o = boxes[j]
-                    if all(max(x[0], y[0]) < min(x[1], y[1]) for x, y in zip(o, b)):
-                        return ("overlap", j, i, f"boxes {list(map(list, o))} and "
-                                                 f"{list(map(list, b))} overlap")
-            active.append(i)
-    elif n > 1 and not nd:
-        return ("overlap", 0, 1, "a scalar is held twice")
-    numel = prod(shape)
-    if total != numel:
-        return ("gap", None, None, f"primary pieces cover {total} of {numel} elements")
-    return None
 
 
 def _core(prim: Mapping[str, list], reps: Mapping[str, list], shapes: Mapping[str, Sequence[int]],

@@ -30,10 +30,11 @@ import torch
 
 from coordloader.checkpoint.dtypes import from_torch, itemsize, torch_dtype
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape, full_box, piece_key
-from coordloader.engines import intersect, narrow_box
-from coordloader.errors import CollectiveError, CoordloaderError, VerifyError
 
 # explicit names: the package re-exports the function `digest`, shadowing the module
+from coordloader.checkpoint.tiling import fmt_box, tiling_problem
+from coordloader.engines import intersect, narrow_box
+from coordloader.errors import CollectiveError, CoordloaderError, VerifyError
 from coordloader.verify.digest import _int_view, combine, fmt, iter_subboxes
 
 MODES = ("none", "shapes", "digest", "full")
@@ -72,17 +73,12 @@ def uncovered(whole: Box, pieces: Iterable[Box], limit: int = 4096) -> list[Box]
     return left
 
 
-def _fmt_box(b: Box) -> str:
-    return "[" + ",".join(f"{a}:{c}" for a, c in b) + "]"
-
-
 def cover_problems(name: str, shape: tuple[int, ...], primaries: Sequence[tuple[int, Box]],
                    replicas: Sequence[tuple[int, Box]]) -> list[str]:
     """Exact-cover problems of one tensor, given (rank, box) of its primary and replica
-    pieces over all ranks. The tiling test is the planner's (``cover.tiling_problem``:
+    pieces over all ranks. The tiling test is the one every stage uses (``tiling_problem``:
     sort/sweep, n log n for a valid tiling); this adds rank names, the uncovered regions
     of a gap, and a per-piece replica check."""
-    from coordloader.planning.cover import tiling_problem
     shape = tuple(shape)
     boxes = [tuple(tuple(x) for x in b) for _, b in primaries]
     problems = []
@@ -90,16 +86,16 @@ def cover_problems(name: str, shape: tuple[int, ...], primaries: Sequence[tuple[
     if prob is not None:
         kind, i, j, detail = prob
         if kind == "outside":
-            problems.append(f"rank {primaries[i][0]} holds primary piece {_fmt_box(boxes[i])} outside "
+            problems.append(f"rank {primaries[i][0]} holds primary piece {fmt_box(boxes[i])} outside "
                             f"the tensor's shape {list(shape)}")
         elif kind == "overlap":
-            problems.append(f"primary pieces overlap: rank {primaries[i][0]} {_fmt_box(boxes[i])} and "
-                            f"rank {primaries[j][0]} {_fmt_box(boxes[j])} (a region loaded twice as "
+            problems.append(f"primary pieces overlap: rank {primaries[i][0]} {fmt_box(boxes[i])} and "
+                            f"rank {primaries[j][0]} {fmt_box(boxes[j])} (a region loaded twice as "
                             f"primary)")
         else:
             total = sum(box_numel(b) for b in boxes)
             gaps = uncovered(full_box(shape), boxes) if shape else None
-            where = (", ".join(_fmt_box(g) for g in gaps[:4]) + (" ..." if len(gaps) > 4 else "")
+            where = (", ".join(fmt_box(g) for g in gaps[:4]) + (" ..." if len(gaps) > 4 else "")
                      if gaps else "")
             problems.append(f"primary pieces cover {total} of {prod(shape)} elements"
                             + (f"; held by no rank: {where}" if where else ""))
@@ -107,7 +103,7 @@ def cover_problems(name: str, shape: tuple[int, ...], primaries: Sequence[tuple[
     for r, b in replicas:
         b = tuple(tuple(x) for x in b)
         if b not in pboxes:
-            problems.append(f"rank {r} holds replica piece {_fmt_box(b)} that matches no "
+            problems.append(f"rank {r} holds replica piece {fmt_box(b)} that matches no "
                             f"primary piece")
     return problems
 
@@ -136,7 +132,7 @@ def _check_padding(t: torch.Tensor, ts) -> str | None:
         region = narrow_box(bits, [a for a, _ in g], box_shape(g))
         nz = int(torch.count_nonzero(region).item())
         if nz:
-            return (f"padding region {_fmt_box(g)} (covered by no piece) has {nz} non-zero "
+            return (f"padding region {fmt_box(g)} (covered by no piece) has {nz} non-zero "
                     f"element(s); padding must be zero")
     return None
 
@@ -188,7 +184,7 @@ class _FullReader:
                     mask = (1 << w) - 1
                     got = int(mb[tuple(first)].item()) & mask
                     want = int(rb[tuple(first)].item()) & mask
-                    return (f"{n} element(s) differ from {sp.file} in {_fmt_box(sub)}; first at "
+                    return (f"{n} element(s) differ from {sp.file} in {fmt_box(sub)}; first at "
                             f"global index {at}: holds bits 0x{got:0{w // 4}x}, checkpoint has "
                             f"0x{want:0{w // 4}x}")
         return None
@@ -449,7 +445,7 @@ def evaluate(payloads: Sequence[dict], mode: str, *, meta=None, manifest=None,
                     continue
                 got = combine(d for _, _, d in prim_d.values())
                 if got != md.digest:
-                    who = ", ".join(f"rank {r} piece {i} {_fmt_box(b)}"
+                    who = ", ".join(f"rank {r} piece {i} {fmt_box(b)}"
                                     for b, (r, i, _) in sorted(prim_d.items(), key=lambda kv: kv[1][0]))
                     rs = sorted({r for r, _, _ in prim_d.values()})
                     failures.append(_finding(rs[0] if len(rs) == 1 else None, "digest",
@@ -478,7 +474,7 @@ def render(f: dict) -> str:
     if f.get("tensor") is not None:
         parts.append(f"tensor {f['tensor']!r}")
     if f.get("piece") is not None:
-        box = f" {_fmt_box(tuple(map(tuple, f['box'])))}" if f.get("box") else ""
+        box = f" {fmt_box(tuple(map(tuple, f['box'])))}" if f.get("box") else ""
         parts.append(f"piece {f['piece']}" + box)
     return (", ".join(parts) + ": " if parts else "") + f"[{f['check']}] {f['detail']}"
 
