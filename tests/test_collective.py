@@ -14,7 +14,6 @@ import pytest
 
 from coordloader.dist.collective import (
     Group,
-    _ranges,
     describe_exception,
     exit_on_error,
     free_port,
@@ -172,8 +171,11 @@ def test_describe_exception_keeps_context_and_drops_own_rank():
 
 
 def test_rank_ranges():
-    assert _ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7,8"
-    assert _ranges([]) == ""
+    from coordloader.text import format_ranges
+    assert format_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7,8"
+    assert format_ranges([]) == ""
+    assert format_ranges([], empty="-") == "-"
+    assert format_ranges(range(0, 200, 2), max_chars=12) == "0,2,4,6,8..."
 
 
 def test_exit_on_error_prints_one_line_and_exit_codes(capsys, monkeypatch):

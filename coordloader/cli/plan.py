@@ -13,6 +13,7 @@ from coordloader.errors import CoordloaderError, PlanError
 from coordloader.layout import Layout
 from coordloader.planning.planner import EXPERT_RE
 from coordloader.planning.runs import groups_of
+from coordloader.text import format_ranges
 
 
 def parse_placement(v: str):
@@ -61,19 +62,8 @@ def human(n: float) -> str:
 
 
 def ranges_str(ids) -> str:
-    ids = sorted(set(ids))
-    if not ids:
-        return "-"
-    out, a, b = [], ids[0], ids[0]
-    for x in ids[1:]:
-        if x == b + 1:
-            b = x
-            continue
-        out.append(f"{a}" if a == b else f"{a}-{b}")
-        a = b = x
-    out.append(f"{a}" if a == b else f"{a}-{b}")
-    s = ",".join(out)
-    return s if len(s) <= 40 else s[:37] + "..."
+    """Expert ids for a table cell."""
+    return format_ranges(ids, empty="-", max_chars=40)
 
 
 def rank_rows(plan, ranks=None) -> list[dict]:

@@ -90,6 +90,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
+from coordloader.text import format_ranges
 from coordloader.errors import CollectiveError, CoordloaderError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -129,21 +130,10 @@ def _one_line(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-def _ranges(ranks) -> str:
-    ranks = sorted(ranks)
-    out, i = [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if j == i else
-                   f"{ranks[i]},{ranks[j]}" if j == i + 1 else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def _rank_word(ranks) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + _ranges(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + format_ranges(ranks)
 
 
 def _phase_error(phase: str, failures: dict[int, tuple[str, str]], notes: list[str],
@@ -371,7 +361,7 @@ def _join(group: Group) -> None:
                f"{group.store_desc} went away")
     else:
         msg = (f"group did not form within {group.timeout_s:g} s: {_rank_word(missing)} "
-               f"did not join (joined: {_ranges(present)})")
+               f"did not join (joined: {format_ranges(present)})")
     _ack_and_linger(group, "join", present or [])
     raise CollectiveError(msg, rank=group.rank) from cause
 
@@ -506,7 +496,7 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
             notes.append(f"{_rank_word(late)} did not report within "
                          f"{min(group.grace_s, group.timeout_s):g} s of the failure")
     if timed_out and missing:
-        notes[-1] += f" (arrived: {_ranges(statuses) or 'none'})"
+        notes[-1] += f" (arrived: {format_ranges(statuses) or 'none'})"
     err = _phase_error(name, failures, notes, local, missing)
     _ack_and_linger(group, str(seq), list(statuses))
     raise err from local
