@@ -30,8 +30,9 @@ from coordloader.engines import LoadStats, resolve_engine_name, select_engine
 from coordloader.errors import CollectiveError, LoadError, PlanError, VerifyError
 from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout
+from coordloader.verify.checks import MODES, verify_rank
 
-VERIFY_MODES = ("none", "shapes", "digest", "full")
+VERIFY_MODES = MODES   # the command line and load() accept exactly verify's modes
 
 
 @dataclass
@@ -165,7 +166,7 @@ def run_verify(mode: str, tensors, plan, meta, rank: int, group) -> dict:
     with the report on every rank), inside a phase."""
     if mode == "none":
         return {"ok": True, "mode": "none"}
-    from coordloader.verify.checks import verify_rank
+
     # verify_rank makes its own all_gather; inside a phase, a rank failing before it
     # (or dying in it) reaches every rank by name instead of as a bare gloo timeout.
     try:

@@ -288,11 +288,11 @@ def test_full_mode_reads_multi_piece_checkpoint_tensors(tmp_path):
     rp = RankPlan(0, {}, (ts_("w", "F32", (4, 6), (4, 3), [(((0, 4), (2, 5)), (0, 0))]),))
     local = g[:, 2:5].clone()
     payload = vf.local_payload({"w": local}, rp, "full", meta=meta)
-    assert payload["findings"] == []
+    assert payload.findings == []
     local[3, 1] += 1     # global element [3, 3]: stored in the third piece
     payload = vf.local_payload({"w": local}, rp, "full", meta=meta)
-    (f,) = payload["findings"]
-    assert f["check"] == "bytes" and "s1.safetensors" in f["detail"] and "[3, 3]" in f["detail"]
+    (f,) = payload.findings
+    assert f.check == "bytes" and "s1.safetensors" in f.detail and "[3, 3]" in f.detail
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-2"])

@@ -23,22 +23,35 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
 from math import prod
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
 from coordloader.checkpoint.dtypes import from_torch, itemsize, torch_dtype
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape, full_box, piece_key
-
-# explicit names: the package re-exports the function `digest`, shadowing the module
 from coordloader.checkpoint.tiling import fmt_box, tiling_problem
 from coordloader.engines import intersect, narrow_box
 from coordloader.errors import CollectiveError, CoordloaderError, VerifyError
 from coordloader.verify.digest import _int_view, combine, fmt, iter_subboxes
 
-MODES = ("none", "shapes", "digest", "full")
-_LEVEL = {m: i for i, m in enumerate(MODES)}
+
+class VerifyMode(str, Enum):
+    """How much is checked; each mode includes the ones before it."""
+    NONE = "none"
+    SHAPES = "shapes"
+    DIGEST = "digest"
+    FULL = "full"
+
+    @property
+    def level(self) -> int:
+        return _ORDER.index(self)
+
+
+_ORDER = list(VerifyMode)
+MODES = tuple(m.value for m in VerifyMode)
 FULL_CHUNK_BYTES = 64 << 20
 MAX_FINDINGS_PER_RANK = 200     # keep the gathered payload small when everything is wrong
 
@@ -110,13 +123,75 @@ def cover_problems(name: str, shape: tuple[int, ...], primaries: Sequence[tuple[
 
 # --------------------------------------------------------------------------- local work
 
-def _finding(rank, check, detail, tensor=None, piece=None, box=None, ranks=None) -> dict:
+@dataclass(frozen=True)
+class Finding:
     """One problem. ``rank``: the rank at fault when it is known; ``ranks``: the ranks
     involved (e.g. every holder of a tensor whose digest sum is wrong)."""
-    return {"rank": rank, "ranks": sorted(ranks) if ranks is not None else
-            ([rank] if rank is not None else []), "tensor": tensor, "piece": piece,
-            "box": [list(p) for p in box] if box is not None else None,
-            "check": check, "detail": detail}
+    rank: int | None
+    check: str
+    detail: str
+    tensor: str | None = None
+    piece: int | None = None
+    box: Box | None = None
+    ranks: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict:
+        """The report's form: JSON-ready (lists, not tuples)."""
+        d = asdict(self)
+        d["ranks"] = sorted(self.ranks) if self.ranks else ([self.rank] if self.rank is not None else [])
+        d["box"] = [list(p) for p in self.box] if self.box is not None else None
+        return d
+
+    def render(self) -> str:
+        parts = []
+        if self.rank is not None:
+            parts.append(f"rank {self.rank}")
+        elif self.ranks:
+            parts.append(f"ranks {sorted(self.ranks)}")
+        if self.tensor is not None:
+            parts.append(f"tensor {self.tensor!r}")
+        if self.piece is not None:
+            parts.append(f"piece {self.piece}" + (f" {fmt_box(self.box)}" if self.box else ""))
+        return (", ".join(parts) + ": " if parts else "") + f"[{self.check}] {self.detail}"
+
+
+def _finding(rank, check, detail, tensor=None, piece=None, box=None, ranks=None) -> Finding:
+    return Finding(rank, check, detail, tensor, piece,
+                   tuple(tuple(x) for x in box) if box is not None else None,
+                   tuple(ranks) if ranks is not None else ())
+
+
+class ViewEntry(NamedTuple):
+    """What a rank holds of one tensor, as every rank sees it after the gather (no data)."""
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    replica: int
+    boxes: tuple[Box, ...]
+
+
+@dataclass
+class Payload:
+    """One rank's share of the verification, gathered to every rank."""
+    rank: int
+    view: list[ViewEntry]
+    findings: list[Finding]
+    digests: dict[str, list[str]]
+    stats: dict[str, float]
+
+
+class HeldPiece(NamedTuple):
+    rank: int
+    index: int      # the piece's index in the rank's TensorSlice
+    box: Box
+
+
+@dataclass
+class Holders:
+    """Per tensor: who declares which (dtype, global shape), and who holds which pieces."""
+    decl: dict[tuple[str, tuple[int, ...]], list[int]] = field(default_factory=dict)
+    prim: list[HeldPiece] = field(default_factory=list)
+    repl: list[HeldPiece] = field(default_factory=list)
 
 
 def _check_padding(t: torch.Tensor, ts) -> str | None:
@@ -190,13 +265,13 @@ class _FullReader:
         return None
 
 
-def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, meta=None) -> dict:
+def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, meta=None) -> Payload:
     """This rank's share of the verification: compact view, local findings and (digest
     mode) per-piece digests. Never raises for a data problem: everything is a finding, so
     the rank still joins the collective that follows."""
     rank = rank_plan.rank
-    level = _LEVEL[mode]
-    findings: list[dict] = []
+    level = VerifyMode(mode).level
+    findings: list[Finding] = []
     view = []
     digests: dict[str, list[str]] = {}
     stats = {"tensors": 0, "bytes_digested": 0, "digest_s": 0.0, "bytes_compared": 0, "full_s": 0.0}
@@ -209,15 +284,15 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
             findings.append(_finding(rank, "missing", "planned for this rank but not loaded", n))
         for n in extra:
             findings.append(_finding(rank, "unexpected", "loaded but not in this rank's plan", n))
-        full = _FullReader(meta) if level >= _LEVEL["full"] and meta is not None else None
-        if level >= _LEVEL["full"] and meta is None:
+        full = _FullReader(meta) if level >= VerifyMode.FULL.level and meta is not None else None
+        if level >= VerifyMode.FULL.level and meta is None:
             findings.append(_finding(rank, "full", "--verify full needs the checkpoint metadata"))
         for name, ts in want.items():
             if name not in tensors:
                 continue
             t = tensors[name]
-            view.append((name, ts.dtype, tuple(ts.global_shape), ts.replica,
-                         tuple(tuple(tuple(x) for x in p.src) for p in ts.pieces)))
+            view.append(ViewEntry(name, ts.dtype, tuple(ts.global_shape), ts.replica,
+                                  tuple(tuple(tuple(x) for x in p.src) for p in ts.pieces)))
             stats["tensors"] += 1
             try:
                 dt = torch_dtype(ts.dtype)
@@ -230,7 +305,7 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
                     bad = _check_padding(t, ts)
                     if bad:
                         findings.append(_finding(rank, "padding", bad, name))
-                if level >= _LEVEL["digest"]:
+                if level >= VerifyMode.DIGEST.level:
                     jobs.append((name, t, ts))
                 if full is not None:
                     t0 = time.perf_counter()
@@ -266,7 +341,7 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
         n = len(findings)
         findings = findings[:MAX_FINDINGS_PER_RANK] + [
             _finding(rank, "truncated", f"{n - MAX_FINDINGS_PER_RANK} more finding(s) on this rank")]
-    return {"rank": rank, "view": view, "findings": findings, "digests": digests, "stats": stats}
+    return Payload(rank, view, findings, digests, stats)
 
 
 def digest_workers(cap: int | None = None) -> int:
@@ -333,75 +408,28 @@ def from_torch_safe(dt: torch.dtype) -> str:
 
 # --------------------------------------------------------------------------- evaluation
 
-def evaluate(payloads: Sequence[dict], mode: str, *, meta=None, manifest=None,
+def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None,
              manifest_error: str | None = None, excluded: Iterable[str] = (),
              complete: bool = True) -> dict:
     """The verdict over every rank's payload (pure: every rank computes the same one).
 
     ``complete`` says the payloads are the whole world; otherwise (one rank of a larger
     plan checked in a single process) the global cover and manifest sums are skipped."""
-    level = _LEVEL[mode]
-    failures = [f for p in sorted(payloads, key=lambda p: p["rank"]) for f in p["findings"]]
+    mode = VerifyMode(mode)
+    failures = [f for p in sorted(payloads, key=lambda p: p.rank) for f in p.findings]
     checks = ["local"]
-    notes = []
-    bad_local = {(f["rank"], f["tensor"]) for f in failures if f["tensor"] is not None}
-    bad_tensor = {t for _, t in bad_local}
-
-    # -- gathered view: per tensor, who holds which pieces
-    holders: dict[str, dict] = {}
-    for p in payloads:
-        r = p["rank"]
-        for name, dtype, gshape, replica, boxes in p["view"]:
-            h = holders.setdefault(name, {"decl": {}, "prim": [], "repl": []})
-            h["decl"].setdefault((dtype, tuple(gshape)), []).append(r)
-            for i, b in enumerate(boxes):
-                (h["prim"] if replica == 0 else h["repl"]).append((r, i, tuple(b)))
-
+    notes: list[str] = []
+    bad_tensor = {f.tensor for f in failures if f.tensor is not None}
+    holders = _holders(payloads)
     cover_ok: set[str] = set()
     if complete:
         checks.append("cover")
-        for name in sorted(holders):
-            h = holders[name]
-            decl = h["decl"]
-            info = meta.tensors.get(name) if meta is not None else None
-            if info is not None:
-                truth = (info.dtype, tuple(info.shape))
-                wrong = {k: v for k, v in decl.items() if k != truth}
-                for (dt, gs), rs in wrong.items():
-                    failures.append(_finding(rs[0], "cover", f"ranks {rs} plan it as {dt} {list(gs)}, "
-                                             f"the checkpoint has {truth[0]} {list(truth[1])}", name))
-            elif meta is not None:
-                rs = sorted({r for v in decl.values() for r in v})
-                failures.append(_finding(rs[0], "cover", f"held by ranks {rs} but not in the "
-                                         "checkpoint", name))
-                continue
-            if len(decl) > 1:
-                desc = "; ".join(f"ranks {rs}: {dt} {list(gs)}" for (dt, gs), rs in decl.items())
-                failures.append(_finding(min(min(v) for v in decl.values()), "cover",
-                                         f"ranks disagree on dtype/shape ({desc})", name))
-                continue
-            (_, gshape), = decl.keys()
-            probs = cover_problems(name, gshape, [(r, b) for r, _, b in h["prim"]],
-                                   [(r, b) for r, _, b in h["repl"]])
-            for msg in probs:
-                rs = sorted({r for r, _, _ in h["prim"] + h["repl"]})
-                failures.append(_finding(rs[0] if len(rs) == 1 else None, "cover", msg, name,
-                                         ranks=rs))
-            if not probs:
-                cover_ok.add(name)
-        if meta is not None:
-            skip = set(excluded)
-            for name in meta.tensors:
-                if name not in holders and name not in skip:
-                    failures.append(_finding(None, "cover", "checkpoint tensor held by no rank "
-                                             "(and not excluded by the plan)", name))
+        cover_ok = _cover_findings(holders, meta, set(excluded), failures)
     else:
         notes.append("global cover and manifest sums skipped: only this rank's share was "
                      "checked (no process group)")
-
-    # -- digests
     manifest_info = None
-    if level >= _LEVEL["digest"]:
+    if mode.level >= VerifyMode.DIGEST.level:
         if manifest_error:
             failures.append(_finding(None, "manifest", manifest_error))
         if manifest is not None:
@@ -412,71 +440,128 @@ def evaluate(payloads: Sequence[dict], mode: str, *, meta=None, manifest=None,
             manifest_info = ("no manifest: checked replicas against primaries only (create one "
                              "with `python -m coordloader.manifest CKPT`)")
             notes.append(manifest_info)
-        dig = {p["rank"]: p["digests"] for p in payloads}
+        digests = {p.rank: p.digests for p in payloads}
         for name in sorted(holders):
-            h = holders[name]
             if complete and name not in cover_ok:
                 continue
             if name in bad_tensor:
                 notes.append(f"{name}: digests not compared (local check failed)")
                 continue
-            prim_d = {}
-            for r, i, b in h["prim"]:
-                d = dig.get(r, {}).get(name)
-                if d is not None:
-                    prim_d[b] = (r, i, int(d[i], 16))
-            for r, i, b in h["repl"]:
-                d = dig.get(r, {}).get(name)
-                if d is None or b not in prim_d:
-                    continue
-                pr, pi, pd = prim_d[b]
-                if int(d[i], 16) != pd:
-                    failures.append(_finding(r, "digest", f"replica digest {d[i]} differs from the "
-                                             f"primary copy on rank {pr} (piece {pi}): {fmt(pd)}",
-                                             name, i, b))
-            if manifest is not None and complete and len(prim_d) < len(h["prim"]):
-                # a holder sent no digests (its failure is already a finding): a partial sum
-                # would only add a false "content differs"
-                notes.append(f"{name}: not compared with the manifest (primary digests missing)")
-            elif manifest is not None and complete:
-                md = manifest.get(name)
-                if md is None:
-                    failures.append(_finding(None, "digest", "not in the manifest", name))
-                    continue
-                got = combine(d for _, _, d in prim_d.values())
-                if got != md.digest:
-                    who = ", ".join(f"rank {r} piece {i} {fmt_box(b)}"
-                                    for b, (r, i, _) in sorted(prim_d.items(), key=lambda kv: kv[1][0]))
-                    rs = sorted({r for r, _, _ in prim_d.values()})
-                    failures.append(_finding(rs[0] if len(rs) == 1 else None, "digest",
-                                             f"content differs from the manifest: primary pieces sum "
-                                             f"to {fmt(got)}, manifest has {fmt(md.digest)}; "
-                                             f"held by {who}", name, ranks=rs))
-    if level >= _LEVEL["full"]:
+            _digest_findings(name, holders[name], digests, manifest if complete else None,
+                             failures, notes)
+    if mode.level >= VerifyMode.FULL.level:
         checks.append("full")
+    return {"ok": not failures, "mode": mode.value, "ranks": sorted(p.rank for p in payloads),
+            "checks": checks, "manifest": manifest_info, "notes": notes,
+            "failures": [f.to_dict() for f in failures], "stats": _sum_stats(payloads)}
 
+
+def _holders(payloads: Sequence[Payload]) -> dict[str, Holders]:
+    """The gathered view, per tensor."""
+    holders: dict[str, Holders] = {}
+    for p in payloads:
+        for v in p.view:
+            h = holders.setdefault(v.name, Holders())
+            h.decl.setdefault((v.dtype, tuple(v.global_shape)), []).append(p.rank)
+            for i, b in enumerate(v.boxes):
+                (h.prim if v.replica == 0 else h.repl).append(HeldPiece(p.rank, i, tuple(b)))
+    return holders
+
+
+def _cover_findings(holders: Mapping[str, Holders], meta, excluded: set[str],
+                    failures: list[Finding]) -> set[str]:
+    """Append the global cover's findings; -> the tensors whose cover is right."""
+    cover_ok: set[str] = set()
+    for name in sorted(holders):
+        h = holders[name]
+        decl = h.decl
+        info = meta.tensors.get(name) if meta is not None else None
+        if info is not None:
+            truth = (info.dtype, tuple(info.shape))
+            for (dt, gs), rs in decl.items():
+                if (dt, gs) != truth:
+                    failures.append(_finding(rs[0], "cover", f"ranks {rs} plan it as {dt} {list(gs)}, "
+                                             f"the checkpoint has {truth[0]} {list(truth[1])}", name))
+        elif meta is not None:
+            rs = sorted({r for v in decl.values() for r in v})
+            failures.append(_finding(rs[0], "cover", f"held by ranks {rs} but not in the "
+                                     "checkpoint", name))
+            continue
+        if len(decl) > 1:
+            desc = "; ".join(f"ranks {rs}: {dt} {list(gs)}" for (dt, gs), rs in decl.items())
+            failures.append(_finding(min(min(v) for v in decl.values()), "cover",
+                                     f"ranks disagree on dtype/shape ({desc})", name))
+            continue
+        (_, gshape), = decl.keys()
+        probs = cover_problems(name, gshape, [(p.rank, p.box) for p in h.prim],
+                               [(p.rank, p.box) for p in h.repl])
+        for msg in probs:
+            rs = sorted({p.rank for p in h.prim + h.repl})
+            failures.append(_finding(rs[0] if len(rs) == 1 else None, "cover", msg, name,
+                                     ranks=rs))
+        if not probs:
+            cover_ok.add(name)
+    if meta is not None:
+        for name in meta.tensors:
+            if name not in holders and name not in excluded:
+                failures.append(_finding(None, "cover", "checkpoint tensor held by no rank "
+                                         "(and not excluded by the plan)", name))
+    return cover_ok
+
+
+def _digest_findings(name: str, h: Holders, digests: Mapping[int, Mapping[str, list[str]]],
+                     manifest, failures: list[Finding], notes: list[str]) -> None:
+    """Replicas against their primary; with a manifest, the primaries' sum against it."""
+    prim_d = {}
+    for r, i, b in h.prim:
+        d = digests.get(r, {}).get(name)
+        if d is not None:
+            prim_d[b] = (r, i, int(d[i], 16))
+    for r, i, b in h.repl:
+        d = digests.get(r, {}).get(name)
+        if d is None or b not in prim_d:
+            continue
+        pr, pi, pd = prim_d[b]
+        if int(d[i], 16) != pd:
+            failures.append(_finding(r, "digest", f"replica digest {d[i]} differs from the "
+                                     f"primary copy on rank {pr} (piece {pi}): {fmt(pd)}",
+                                     name, i, b))
+    if manifest is None:
+        return
+    if len(prim_d) < len(h.prim):
+        # a holder sent no digests (its failure is already a finding): a partial sum
+        # would only add a false "content differs"
+        notes.append(f"{name}: not compared with the manifest (primary digests missing)")
+        return
+    md = manifest.get(name)
+    if md is None:
+        failures.append(_finding(None, "digest", "not in the manifest", name))
+        return
+    got = combine(d for _, _, d in prim_d.values())
+    if got != md.digest:
+        who = ", ".join(f"rank {r} piece {i} {fmt_box(b)}"
+                        for b, (r, i, _) in sorted(prim_d.items(), key=lambda kv: kv[1][0]))
+        rs = sorted({r for r, _, _ in prim_d.values()})
+        failures.append(_finding(rs[0] if len(rs) == 1 else None, "digest",
+                                 f"content differs from the manifest: primary pieces sum "
+                                 f"to {fmt(got)}, manifest has {fmt(md.digest)}; "
+                                 f"held by {who}", name, ranks=rs))
+
+
+def _sum_stats(payloads: Sequence[Payload]) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     for key in ("tensors", "bytes_digested", "digest_s", "bytes_compared", "full_s"):
-        stats[key] = sum(p["stats"].get(key, 0) for p in payloads)
+        stats[key] = sum(p.stats.get(key, 0) for p in payloads)
     if stats["digest_s"] > 0:
         stats["digest_gbps"] = stats["bytes_digested"] / stats["digest_s"] / 1e9
-    return {"ok": not failures, "mode": mode, "ranks": sorted(p["rank"] for p in payloads),
-            "checks": checks, "manifest": manifest_info, "notes": notes,
-            "failures": failures, "stats": stats}
+    return stats
 
 
-def render(f: dict) -> str:
-    parts = []
-    if f.get("rank") is not None:
-        parts.append(f"rank {f['rank']}")
-    elif f.get("ranks"):
-        parts.append(f"ranks {f['ranks']}")
-    if f.get("tensor") is not None:
-        parts.append(f"tensor {f['tensor']!r}")
-    if f.get("piece") is not None:
-        box = f" {fmt_box(tuple(map(tuple, f['box'])))}" if f.get("box") else ""
-        parts.append(f"piece {f['piece']}" + box)
-    return (", ".join(parts) + ": " if parts else "") + f"[{f['check']}] {f['detail']}"
+def render(f: Mapping) -> str:
+    """A report finding (its dict form) as one line."""
+    box = tuple(map(tuple, f["box"])) if f.get("box") else None
+    return Finding(f.get("rank"), f["check"], f["detail"], f.get("tensor"), f.get("piece"), box,
+                   tuple(f.get("ranks") or ())).render()
 
 
 # --------------------------------------------------------------------------- entry point
@@ -530,7 +615,7 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
     pg = _process_group(group)
 
     manifest_error = None
-    if _LEVEL[mode] >= _LEVEL["digest"] and manifest is None and meta is not None:
+    if VerifyMode(mode).level >= VerifyMode.DIGEST.level and manifest is None and meta is not None:
         try:
             from coordloader.verify.manifest import load_manifest
             manifest = load_manifest(meta.root, meta)
