@@ -81,10 +81,10 @@ def rank_rows(plan, ranks=None) -> list[dict]:
             sp = span_cache.get(k)
             if sp is None:
                 lo: dict = {}
-                for f, o, ln, d, c, ss, ds in groups_of(t.byte_runs):
-                    a, b = min(o, o + (c - 1) * ss), max(o, o + (c - 1) * ss) + ln
-                    x = lo.get(f)
-                    lo[f] = (a, b) if x is None else (min(x[0], a), max(x[1], b))
+                for g in groups_of(t.byte_runs):
+                    a, b = g.src_span()
+                    x = lo.get(g.file)
+                    lo[g.file] = (a, b) if x is None else (min(x[0], a), max(x[1], b))
                 sp = span_cache[k] = sum(b - a for a, b in lo.values())
             span += sp
         rows.append({"rank": rp.rank, "coords": dict(rp.coords), "tensors": len(rp.tensors),

@@ -164,22 +164,18 @@ def _check_slice(s, tensors, ranges, rank, pieces_ok=None) -> None:
         for sp in t.pieces:
             rg.setdefault(sp.file, []).append((sp.start, sp.end))
     lbytes = prod(ls) * isz
-    for f, o, ln, d, c, ss, ds in groups_of(s.byte_runs):
-        if c == 1:
-            lo, hi, dlo, dhi = o, o + ln, d, d + ln
-        else:
-            last_o, last_d = o + (c - 1) * ss, d + (c - 1) * ds
-            lo, hi = (o, last_o + ln) if last_o >= o else (last_o, o + ln)
-            dlo, dhi = (d, last_d + ln) if last_d >= d else (last_d, d + ln)
+    for g in groups_of(s.byte_runs):
+        (lo, hi), (dlo, dhi) = g.src_span(), g.dst_span()
+        f = g.file
         spans = rg.get(f, ())
         for a, b in spans:
             if a <= lo and hi <= b:
                 break
         else:
-            raise PlanError(f"byte run {o}+{ln} in {f} lies outside the tensor's bytes {spans}",
+            raise PlanError(f"byte run {g.offset}+{g.length} in {f} lies outside the tensor's bytes {spans}",
                             tensor=s.name, rank=rank)
         if dlo < 0 or dhi > lbytes:
-            raise PlanError(f"byte run to dest {d}+{ln} lies outside the local tensor ({lbytes} "
+            raise PlanError(f"byte run to dest {g.dest}+{g.length} lies outside the local tensor ({lbytes} "
                             f"bytes)", tensor=s.name, rank=rank)
 
 

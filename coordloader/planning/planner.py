@@ -23,7 +23,7 @@ from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout
 from coordloader.planning.model import LoadGroup, Piece, Plan, RankPlan, TensorSlice
 from coordloader.planning.rules import RuleSet, make_rule, num_experts_of, resolve_rules
-from coordloader.planning.runs import RunList, box_runs, merge_groups
+from coordloader.planning.runs import RunGroup, RunList, box_runs, merge_groups
 
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
@@ -552,7 +552,7 @@ class _Planner:
         if len(src) == 1 and src[0].box == tuple((0, s) for s in t.shape):
             sp = src[0]
             if len(pieces) == 1 and lshape == t.shape and pieces[0].src == sp.box:
-                return RunList(((sp.file, sp.start, sp.end - sp.start, 0, 1, 0, 0),))
+                return RunList((RunGroup(sp.file, sp.start, sp.end - sp.start, 0, 1, 0, 0),))
             for pc in pieces:
                 groups += box_runs(sp.file, sp.start, sp.box, t.shape, pc.src, lshape, pc.dst, isz)
         else:

@@ -3,29 +3,51 @@
 A slice along dim 1 of a row-major tensor needs one read per row: DeepSeek-V3's o_proj
 alone gives 7168 runs per rank and layer, millions per plan. Materialising each as a
 Python object would dominate planning time and memory, so the planner stores runs as
-*strided groups* ``(file, offset, length, dest, count, src_stride, dst_stride)`` -- run
+*strided groups* (``RunGroup``: file, offset, length, dest, count, src_stride, dst_stride) -- run
 ``i`` of a group reads ``length`` bytes at ``offset + i*src_stride`` into
 ``dest + i*dst_stride`` -- and ``RunList`` presents them as the immutable sequence of
-``planmodel.ByteRun`` that the plan model promises (iteration, len, indexing, equality
+``model.ByteRun`` that the plan model promises (iteration, len, indexing, equality
 with a plain tuple of ByteRuns). Engines that want vectorised access use ``arrays()``."""
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
 from coordloader.planning.model import ByteRun
 
-Group = tuple  # (file, offset, length, dest, count, src_stride, dst_stride)
+
+class RunGroup(NamedTuple):
+    """``count`` runs of ``length`` bytes: run i reads at ``offset + i*src_stride`` of
+    ``file`` into byte ``dest + i*dst_stride`` of the local tensor (strides 0 when
+    ``count`` is 1). A tuple, so the hot paths build and unpack it as one."""
+    file: str
+    offset: int
+    length: int
+    dest: int
+    count: int
+    src_stride: int
+    dst_stride: int
+
+    def src_span(self) -> tuple[int, int]:
+        """[lo, hi) of the file bytes the group's runs lie in (a stride may be negative)."""
+        last = self.offset + (self.count - 1) * self.src_stride
+        return min(self.offset, last), max(self.offset, last) + self.length
+
+    def dst_span(self) -> tuple[int, int]:
+        """[lo, hi) of the destination bytes the group's runs write."""
+        last = self.dest + (self.count - 1) * self.dst_stride
+        return min(self.dest, last), max(self.dest, last) + self.length
+
 
 
 class RunList(Sequence):
     __slots__ = ("groups", "_n", "_total", "_hash", "_cum")
 
     def __init__(self, groups=()):
-        self.groups: tuple[Group, ...] = tuple(groups)
+        self.groups: tuple[RunGroup, ...] = tuple(groups)
         n = t = 0
         for g in self.groups:
             n += g[4]
@@ -39,7 +61,7 @@ class RunList(Sequence):
     def from_runs(runs) -> "RunList":
         if isinstance(runs, RunList):
             return runs
-        return RunList((r.file, r.offset, r.length, r.dest, 1, 0, 0) for r in runs)
+        return RunList(RunGroup(r.file, r.offset, r.length, r.dest, 1, 0, 0) for r in runs)
 
     # -- sequence ------------------------------------------------------------
     def __len__(self) -> int:
@@ -130,14 +152,14 @@ class RunList(Sequence):
         return f"RunList({self._n} runs, {self._total} bytes, {len(self.groups)} groups)"
 
 
-def groups_of(runs) -> tuple[Group, ...]:
+def groups_of(runs) -> tuple[RunGroup, ...]:
     """The strided groups of a RunList, or one single-run group per ByteRun of a plain
     sequence (plans read from JSON, slices built by hand)."""
     return RunList.from_runs(runs).groups
 
 
 def box_runs(file: str, src_start: int, src_box, src_shape, o_box, local_shape, dst_corner,
-             isz: int) -> list[Group]:
+             isz: int) -> list[RunGroup]:
     """Strided groups reading overlap box ``o_box`` (global coords) of a source piece stored
     row-major at byte ``src_start`` holding ``src_box`` (global coords, shape ``src_shape``)
     into a row-major local tensor of ``local_shape``, where global point x lands at local
@@ -145,7 +167,7 @@ def box_runs(file: str, src_start: int, src_box, src_shape, o_box, local_shape, 
     or any box contiguous in both source and destination is a single run."""
     n = len(o_box)
     if n == 0:
-        return [(file, src_start, isz, 0, 1, 0, 0)]
+        return [RunGroup(file, src_start, isz, 0, 1, 0, 0)]
     if n == 2:  # fast path: most tensors are matrices
         (a0, b0), (a1, b1) = o_box
         S1, L1 = src_shape[1], local_shape[1]
@@ -155,13 +177,13 @@ def box_runs(file: str, src_start: int, src_box, src_shape, o_box, local_shape, 
         so = src_start + ((a0 - src_box[0][0]) * S1 + a1 - src_box[1][0]) * isz
         do = (dst_corner[0] * L1 + dst_corner[1]) * isz
         if (e1 == S1 and e1 == L1) or e0 == 1:
-            return [(file, so, e0 * e1 * isz, do, 1, 0, 0)]
-        return [(file, so, e1 * isz, do, e0, S1 * isz, L1 * isz)]
+            return [RunGroup(file, so, e0 * e1 * isz, do, 1, 0, 0)]
+        return [RunGroup(file, so, e1 * isz, do, e0, S1 * isz, L1 * isz)]
     if n == 1:
         (a0, b0), = o_box
         if b0 <= a0:
             return []
-        return [(file, src_start + (a0 - src_box[0][0]) * isz, (b0 - a0) * isz, dst_corner[0] * isz,
+        return [RunGroup(file, src_start + (a0 - src_box[0][0]) * isz, (b0 - a0) * isz, dst_corner[0] * isz,
                  1, 0, 0)]
     ext = [b - a for a, b in o_box]
     # innermost dims that are whole in both source and destination fold into the run
@@ -182,32 +204,32 @@ def box_runs(file: str, src_start: int, src_box, src_shape, o_box, local_shape, 
     so = sum((o_box[j][0] - src_box[j][0]) * sst[j] for j in range(n))
     do = sum(dst_corner[j] * dst[j] for j in range(n))
     if k == 0:
-        return [(file, src_start + so * isz, run, do * isz, 1, 0, 0)]
+        return [RunGroup(file, src_start + so * isz, run, do * isz, 1, 0, 0)]
     cnt = ext[k - 1]
     ss, ds = sst[k - 1] * isz, dst[k - 1] * isz
     if k == 1 or all(e == 1 for e in ext[:k - 1]):   # one group (e.g. one expert of a fused tensor)
         if cnt == 1:
-            return [(file, src_start + so * isz, run, do * isz, 1, 0, 0)]
-        return [(file, src_start + so * isz, run, do * isz, cnt, ss, ds)]
+            return [RunGroup(file, src_start + so * isz, run, do * isz, 1, 0, 0)]
+        return [RunGroup(file, src_start + so * isz, run, do * isz, cnt, ss, ds)]
     # more outer dims: one group per index of dims 0..k-2 (rare: sliced 3-D tensors)
     out = []
     for idx in np.indices(ext[:k - 1]).reshape(k - 1, -1).T:
         s_off = so + sum(int(idx[j]) * sst[j] for j in range(k - 1))
         d_off = do + sum(int(idx[j]) * dst[j] for j in range(k - 1))
-        out.append((file, src_start + s_off * isz, run, d_off * isz, cnt, ss if cnt > 1 else 0,
+        out.append(RunGroup(file, src_start + s_off * isz, run, d_off * isz, cnt, ss if cnt > 1 else 0,
                     ds if cnt > 1 else 0))
     return out
 
 
-def merge_groups(groups: list[Group]) -> list[Group]:
+def merge_groups(groups: list[RunGroup]) -> list[RunGroup]:
     """Merge consecutive single runs adjacent in both the file and the destination."""
-    out: list[Group] = []
+    out: list[RunGroup] = []
     for g in groups:
         if out:
             p = out[-1]
-            if (p[4] == 1 and g[4] == 1 and p[0] == g[0] and p[1] + p[2] == g[1]
-                    and p[3] + p[2] == g[3]):
-                out[-1] = (p[0], p[1], p[2] + g[2], p[3], 1, 0, 0)
+            if (p.count == 1 and g.count == 1 and p.file == g.file
+                    and p.offset + p.length == g.offset and p.dest + p.length == g.dest):
+                out[-1] = RunGroup(p.file, p.offset, p.length + g.length, p.dest, 1, 0, 0)
                 continue
         out.append(g)
     return out
