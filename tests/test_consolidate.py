@@ -113,7 +113,8 @@ def test_refusals(tmp_path):
         consolidate(out, out, overwrite=True)
     p = subprocess.run([sys.executable, "-m", "coordloader.consolidate", str(tmp_path / "nope"), out + "2"],
                        capture_output=True, text=True, timeout=60)
-    assert p.returncode == 1 and "CheckpointError" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 1 and p.stderr.startswith("coordloader consolidate: CheckpointError: ")
+    assert "Traceback" not in p.stderr
 
 
 def test_save_warns_about_excluded_tensors(tmp_path):

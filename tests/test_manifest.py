@@ -174,6 +174,8 @@ def test_cli_writes_then_check_names_corrupted_tensor(tmp_path, capsys):
     flip_byte(os.path.join(root, last.file), offset_from_end=1)
     capsys.readouterr()
     assert manifest_main([root, "--check"]) == 1
-    assert last.name in capsys.readouterr().err
-    assert manifest_main([str(tmp_path / "nope")]) == 2
-    assert "error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("coordloader manifest: VerifyError: ") and last.name in err
+    assert manifest_main([str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("coordloader manifest: CheckpointError: ") and err.count("\n") == 1

@@ -37,11 +37,12 @@ def test_table_and_json(ckpt, tmp_path, capsys):
 
 def test_json_write_failure_is_an_error_naming_the_file(ckpt, tmp_path, capsys):
     """The plan file is written via temp file + rename: a path that cannot be written is
-    a one-line error naming it (exit 2), and an existing file is replaced whole."""
+    a one-line error naming it (exit 1), and an existing file is replaced whole."""
     bad = tmp_path / "no-such-dir" / "plan.json"
-    assert main([ckpt, "--tp", "2", "--json", str(bad)]) == 2
+    assert main([ckpt, "--tp", "2", "--json", str(bad)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and str(bad) in err and "Traceback" not in err
+    assert err.startswith("coordloader plan: SaveError: ") and str(bad) in err
+    assert err.count("\n") == 1
     out = tmp_path / "plan.json"
     out.write_text("old")
     assert main([ckpt, "--tp", "2", "--json", str(out)]) == 0
@@ -52,7 +53,8 @@ def test_json_write_failure_is_an_error_naming_the_file(ckpt, tmp_path, capsys):
 def test_invalid_layout_exit_code_no_traceback(ckpt):
     p = subprocess.run([sys.executable, "-m", "coordloader.plan", ckpt, "--tp", "4", "--ep", "3"],
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and "does not divide" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 1 and p.stderr.startswith("coordloader plan: PlanError: ")
+    assert "does not divide" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_formatting_functions():

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from coordloader.errors import CoordloaderError
+from coordloader.cli.common import run_command
 from coordloader.handoff.consolidate import DEFAULT_BLOCK_BYTES, consolidate
 
 
@@ -19,12 +18,12 @@ def main(argv=None) -> int:
                     help="memory bound: MiB assembled at a time (default 64)")
     ap.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in OUT")
     a = ap.parse_args(argv)
-    try:
-        r = consolidate(a.sharded, a.out, max_shard_bytes=max(1, int(a.max_shard_size * 2**30)),
-                        block_bytes=max(1, int(a.block_mib * 2**20)), overwrite=a.overwrite)
-    except CoordloaderError as e:
-        print(f"coordloader.consolidate: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    return run_command("consolidate", lambda: _run(a))
+
+
+def _run(a) -> int:
+    r = consolidate(a.sharded, a.out, max_shard_bytes=max(1, int(a.max_shard_size * 2**30)),
+                    block_bytes=max(1, int(a.block_mib * 2**20)), overwrite=a.overwrite)
     print(f"wrote {r.tensors} tensors, {r.bytes / 2**20:.1f} MiB in {len(r.files)} file(s) to "
           f"{r.out_dir} in {r.seconds:.2f} s")
     return 0

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 
-from coordloader.errors import CoordloaderError
+from coordloader.checkpoint.reader import read_checkpoint
+from coordloader.cli.common import run_command
+from coordloader.errors import VerifyError
 from coordloader.verify.manifest import compute, load_manifest, write_manifest
 
 
@@ -26,8 +27,11 @@ def main(argv=None) -> int:
     # parallel over tensors, one intra-op thread each: torch's own pool on these
     # chunk-sized ops measured up to 10x slower on a busy 2-core machine
     torch.set_num_threads(1)
-    try:
-        from coordloader.checkpoint.reader import read_checkpoint
+    return run_command("manifest", lambda: _run(args))
+
+
+def _run(args) -> int:
+    if True:
         meta = read_checkpoint(args.ckpt)
         t0 = time.perf_counter()
         if args.check:
@@ -35,9 +39,8 @@ def main(argv=None) -> int:
             got = compute(meta, jobs=args.jobs)
             bad = [n for n, d in got.items() if d.digest != man.tensors[n].digest]
             if bad:
-                print(f"coordloader.manifest: {len(bad)} tensor(s) differ from the manifest: "
-                      + ", ".join(bad[:10]), file=sys.stderr)
-                return 1
+                raise VerifyError(f"{len(bad)} tensor(s) differ from the manifest: "
+                                  + ", ".join(bad[:10]), file=man.path)
             path = man.path
         else:
             path = write_manifest(meta, jobs=args.jobs)
@@ -47,7 +50,4 @@ def main(argv=None) -> int:
             print(f"{'checked' if args.check else 'wrote'} {path}: {len(meta.tensors)} tensors, "
                   f"{nbytes / 1e6:.1f} MB in {dt:.2f} s ({nbytes / max(dt, 1e-9) / 1e9:.2f} GB/s)")
         return 0
-    except CoordloaderError as e:
-        print(f"coordloader.manifest: error: {e}", file=sys.stderr)
-        return 2
 

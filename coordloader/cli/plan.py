@@ -9,7 +9,8 @@ import sys
 
 from coordloader.api import read_json_file
 from coordloader.checkpoint.fileio import write_file_atomic
-from coordloader.errors import CoordloaderError, PlanError
+from coordloader.cli.common import run_command
+from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning.planner import EXPERT_RE
 from coordloader.planning.runs import groups_of
@@ -165,31 +166,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        from coordloader.api import make_plan
-        from coordloader.planning.cover import validate_cover
-        layout = layout_from_args(args)
-        if args.rank is not None and not 0 <= args.rank < layout.world_size:
-            raise PlanError(f"--rank {args.rank} outside world of size {layout.world_size} ({layout})")
-        from coordloader.checkpoint.reader import read_checkpoint
-        meta = read_checkpoint(args.checkpoint)
-        plan = make_plan(meta, layout, args.rules, replicate_unmatched=args.replicate_unmatched)
-        validate_cover(plan, meta)
-        print(format_table(plan, rank=args.rank))
-        if args.json:
-            doc = plan.to_json()
-            if args.json == "-":
-                json.dump(doc, sys.stdout)
-                sys.stdout.write("\n")
-            else:
-                # temp file + rename: an interrupted write never leaves a torn plan file
-                write_file_atomic(args.json, json.dumps(doc).encode(), fsync=False)
-    except CoordloaderError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command("plan", lambda: _run(args))
+
+
+def _run(args) -> int:
+    from coordloader.api import make_plan
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.planning.cover import validate_cover
+    layout = layout_from_args(args)
+    if args.rank is not None and not 0 <= args.rank < layout.world_size:
+        raise PlanError(f"--rank {args.rank} outside world of size {layout.world_size} ({layout})")
+    meta = read_checkpoint(args.checkpoint)
+    plan = make_plan(meta, layout, args.rules, replicate_unmatched=args.replicate_unmatched)
+    validate_cover(plan, meta)
+    print(format_table(plan, rank=args.rank))
+    if args.json:
+        doc = plan.to_json()
+        if args.json == "-":
+            json.dump(doc, sys.stdout)
+            sys.stdout.write("\n")
+        else:
+            # temp file + rename: an interrupted write never leaves a torn plan file
+            write_file_atomic(args.json, json.dumps(doc).encode(), fsync=False)
     return 0
 
 

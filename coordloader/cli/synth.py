@@ -4,11 +4,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 
 from coordloader.checkpoint import dtypes
-from coordloader.errors import CoordloaderError
+from coordloader.cli.common import run_command
 from coordloader.synth import archs, synthesize
 
 
@@ -28,14 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fsync", action="store_true",
                     help="fsync every file (crash-durable; slower, bound by the disk)")
     args = ap.parse_args(argv)
+    return run_command("synth", lambda: _run(args))
+
+
+def _run(args) -> int:
     t0 = time.perf_counter()
-    try:
-        path = synthesize(args.out, args.arch, args.size, shards=args.shards,
-                          metadata_only=args.metadata_only, seed=args.seed,
-                          overwrite=args.overwrite, fsync=args.fsync)
-    except CoordloaderError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    path = synthesize(args.out, args.arch, args.size, shards=args.shards,
+                      metadata_only=args.metadata_only, seed=args.seed,
+                      overwrite=args.overwrite, fsync=args.fsync)
     dt = time.perf_counter() - t0
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     _, specs = archs.arch_tensors(args.arch, args.size)

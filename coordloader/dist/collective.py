@@ -605,9 +605,10 @@ def _agree_over_pg(name: str, group: Group, status: tuple, local) -> None:
 # --------------------------------------------------------------------------- CLI
 
 class _ExitOnError(contextlib.ContextDecorator):
-    def __init__(self, rank, usage_errors):
+    def __init__(self, rank, usage_errors, tool=None):
         self.rank = rank
         self.usage_errors = tuple(usage_errors)
+        self.tool = tool
 
     def __enter__(self):
         return self
@@ -628,7 +629,8 @@ class _ExitOnError(contextlib.ContextDecorator):
             text = m if isinstance(exc, CollectiveError) else f"{t}: {m}"
         if os.environ.get("COORDLOADER_DEBUG") == "1":
             traceback.print_exception(et, exc, tb, file=sys.stderr)
-        sys.stderr.write(f"coordloader: rank {rank}: {text}\n")
+        who = f"coordloader {self.tool}" if self.tool else f"coordloader: rank {rank}"
+        sys.stderr.write(f"{who}: {text}\n")
         sys.stderr.flush()
         sys.stdout.flush()
         if _dist_initialised():
@@ -656,15 +658,17 @@ def _as_int(v):
         return None
 
 
-def exit_on_error(fn: Callable | None = None, *, rank=None, usage_errors=()):
-    """Entry-point guard: ``with exit_on_error(): ...`` or ``@exit_on_error``.
+def exit_on_error(fn: Callable | None = None, *, rank=None, usage_errors=(), tool=None):
+    """Entry-point guard: ``with exit_on_error(): ...`` or ``@exit_on_error``; the one
+    error/exit policy of every coordloader command.
 
-    Prints ``coordloader: rank R: <message>`` (one line) and exits 1; 2 for exceptions in
-    ``usage_errors``; 130 on KeyboardInterrupt. ``rank`` may be an int or a callable
-    returning it (default: $RANK, else 0). COORDLOADER_DEBUG=1 adds the traceback.
+    Prints ``coordloader: rank R: <message>`` (one line; ``coordloader <tool>: <message>``
+    for a single-process ``tool``) and exits 1; 2 for exceptions in ``usage_errors``; 130
+    on KeyboardInterrupt. ``rank`` may be an int or a callable returning it (default:
+    $RANK, else 0). COORDLOADER_DEBUG=1 adds the traceback.
     When torch.distributed is initialised it leaves with ``os._exit`` (after flushing):
     a broken process group's destructors can abort or hang at interpreter exit."""
-    guard = _ExitOnError(rank, usage_errors)
+    guard = _ExitOnError(rank, usage_errors, tool)
     if fn is None:
         return guard
 
