@@ -32,35 +32,37 @@ def fmt_box(box: Box) -> str:
     return "[" + ",".join(f"{a}:{c}" for a, c in box) + "]"
 
 
-def _inside(box: Box, shape: Sequence[int], allow_empty: bool) -> bool:
-    # an extent may be empty only where the tensor's dim is 0 (a zero-element tensor
-    # is tiled by its one empty box), or anywhere when the caller allows empty pieces
-    return all(0 <= a <= c <= s and (a < c or allow_empty or s == 0)
-               for (a, c), s in zip(box, shape))
-
-
 def tiling_problem(boxes: Sequence[Box], shape: Sequence[int], *,
                    allow_empty: bool = False) -> TilingProblem | None:
     """None if ``boxes`` tile ``shape`` exactly once, else the first problem found.
-    ``allow_empty``: empty boxes are accepted (and tile nothing)."""
+    An extent may be empty only where the tensor's dim is 0 (a zero-element tensor is tiled
+    by its one empty box), or anywhere with ``allow_empty`` (empty boxes then tile nothing).
+    Called for every planned tensor: plain loops, no per-box generators."""
     nd = len(shape)
     total = 0
+    empty = False
     for i, b in enumerate(boxes):
         if len(b) != nd:
             return TilingProblem(TilingKind.OUTSIDE, i, None,
                                  f"box {fmt_box(b)} has {len(b)} dims, the tensor has {nd}")
-        if not _inside(b, shape, allow_empty):
-            return TilingProblem(TilingKind.OUTSIDE, i, None,
-                                 f"box {fmt_box(b)} is empty or outside the shape {list(shape)}")
-        total += prod(c - a for a, c in b)
-    live = [i for i, b in enumerate(boxes) if all(c > a for a, c in b)]  # empties overlap nothing
-    pair = None
-    if len(live) > 1:
-        pair = (live[0], live[1]) if not nd else _find_overlap([boxes[i] for i in live], live, 0)
-    if pair is not None:
-        i, j = sorted(pair)
-        return TilingProblem(TilingKind.OVERLAP, i, j,
-                             f"boxes {fmt_box(boxes[i])} and {fmt_box(boxes[j])} overlap")
+        v = 1
+        for (a, c), s in zip(b, shape):
+            if not (0 <= a <= c <= s) or (a == c and s and not allow_empty):
+                return TilingProblem(TilingKind.OUTSIDE, i, None, f"box {fmt_box(b)} is empty "
+                                     f"or outside the shape {list(shape)}")
+            v *= c - a
+        total += v
+        empty = empty or not v
+    if len(boxes) > 1:
+        live = [i for i, b in enumerate(boxes) if not empty or all(c > a for a, c in b)]
+        pair = None
+        if len(live) > 1:
+            pair = ((live[0], live[1]) if not nd
+                    else _find_overlap([boxes[i] for i in live], live, 0))
+        if pair is not None:
+            i, j = sorted(pair)
+            return TilingProblem(TilingKind.OVERLAP, i, j,
+                                 f"boxes {fmt_box(boxes[i])} and {fmt_box(boxes[j])} overlap")
     numel = prod(shape)
     if total != numel:
         return TilingProblem(TilingKind.GAP, None, None,

@@ -165,17 +165,20 @@ def _check_slice(s, tensors, ranges, rank, pieces_ok=None) -> None:
             rg.setdefault(sp.file, []).append((sp.start, sp.end))
     lbytes = prod(ls) * isz
     for g in groups_of(s.byte_runs):
-        (lo, hi), (dlo, dhi) = g.src_span(), g.dst_span()
-        f = g.file
+        f, o, ln, d, c, _, _ = g
+        if c == 1:   # the common case, kept free of method calls: this runs per group
+            lo, hi, dlo, dhi = o, o + ln, d, d + ln
+        else:
+            (lo, hi), (dlo, dhi) = g.src_span(), g.dst_span()
         spans = rg.get(f, ())
         for a, b in spans:
             if a <= lo and hi <= b:
                 break
         else:
-            raise PlanError(f"byte run {g.offset}+{g.length} in {f} lies outside the tensor's bytes {spans}",
+            raise PlanError(f"byte run {o}+{ln} in {f} lies outside the tensor's bytes {spans}",
                             tensor=s.name, rank=rank)
         if dlo < 0 or dhi > lbytes:
-            raise PlanError(f"byte run to dest {g.dest}+{g.length} lies outside the local tensor ({lbytes} "
+            raise PlanError(f"byte run to dest {d}+{ln} lies outside the local tensor ({lbytes} "
                             f"bytes)", tensor=s.name, rank=rank)
 
 
