@@ -107,10 +107,9 @@ def _with_test_hang(name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
     return hang
 
 
-def run_phase(name: str, group, fn: Callable[[], Any]):
-    """Run one step on every rank, then agree: if any rank failed, every rank raises
-    (coordloader.collective.run_phase: a CollectiveError naming the failing rank and its
-    message). Without a group the step's own error propagates."""
+def _phase(name: str, fn: Callable[[], Any], group):
+    """``collective.run_phase`` (every rank runs ``fn``, then they agree), with the fault
+    tests' hang hook."""
     return collective.run_phase(name, _with_test_hang(name, fn), group)
 
 
@@ -130,21 +129,21 @@ def read_metadata(ckpt, group, rank: int, world: int):
         disc = checkpoint.discover(root)
         return disc, [checkpoint.read_file_header(disc.root, n) for n in disc.files[rank::world]]
 
-    disc, headers = run_phase("metadata-read", group, mine)
+    disc, headers = _phase("metadata-read", mine, group)
 
     def gather_and_assemble():
         # Inside a phase: every rank finished reading (the previous phase agreed), so all
         # of them reach this all_gather; one dying in it (or in assemble) is still named.
         gathered = collective.gather_object(group, headers)
         return checkpoint.assemble(disc.root, disc, [h for part in gathered for h in part])
-    return run_phase("metadata-assemble", group, gather_and_assemble)
+    return _phase("metadata-assemble", gather_and_assemble, group)
 
 
 def agree_on_plan(plan, group, rank: int) -> None:
     """Every rank must have computed the same plan before any tensor I/O."""
     if group is None:
         return
-    run_phase("plan-agree", group, lambda: _compare_plan_digests(plan, group, rank))
+    _phase("plan-agree", lambda: _compare_plan_digests(plan, group, rank), group)
 
 
 def _compare_plan_digests(plan, group, rank: int) -> None:
@@ -170,8 +169,8 @@ def run_verify(mode: str, tensors, plan, meta, rank: int, group) -> dict:
     # verify_rank makes its own all_gather; inside a phase, a rank failing before it
     # (or dying in it) reaches every rank by name instead of as a bare gloo timeout.
     try:
-        return run_phase("verify", group, lambda: verify_rank(
-            tensors, plan, rank, mode=mode, meta=meta, group=group))
+        return _phase("verify", lambda: verify_rank(
+            tensors, plan, rank, mode=mode, meta=meta, group=group), group)
     except CollectiveError as e:
         # verify_rank reaches one verdict on every rank; the user asked for a verify
         # result, so give them the VerifyError (with its report), not the phase wrapper.
@@ -239,7 +238,7 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
             kw = {"replicate_unmatched": True} if replicate_unmatched else {}
             return make_plan(meta, layout, rules, **kw)
 
-        plan = run_phase("plan", group, build_plan)
+        plan = _phase("plan", build_plan, group)
         agree_on_plan(plan, group, rank)
         phases["plan"] = time.perf_counter() - t
 
@@ -253,7 +252,7 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
 
         t = time.perf_counter()
         try:
-            tensors, stats = run_phase("load", group, do_load)
+            tensors, stats = _phase("load", do_load, group)
         finally:
             if bar is not None:
                 bar.close()

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from coordloader.api import make_plan
-from coordloader.cli.plan import format_table, main, ranges_str, rank_rows
+from coordloader.cli.plan import format_plan_table, main, ranges_str, rank_rows
 from coordloader.layout import Layout
 from coordloader.planning.model import TensorSlice
 from coordloader.planning.planner import meta_from_specs
@@ -70,7 +70,7 @@ def test_formatting_functions():
     rows = rank_rows(plan)
     assert rows[1]["experts"] == [2, 3] and rows[0]["read_amplification"] > 1.0
     assert rows[0]["bytes_to_read"] == plan.rank(0).bytes_to_read
-    assert "2,3" in format_table(plan)   # one range style everywhere: a run of two is "a,b"
+    assert "2,3" in format_plan_table(plan)   # one range style everywhere: a run of two is "a,b"
 
 
 def test_layout_from_args_placement_forms(tmp_path):

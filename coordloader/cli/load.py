@@ -16,7 +16,7 @@ from coordloader.cli.plan import add_layout_args, experts_held, human, layout_fr
 from coordloader.dist import collective
 from coordloader.engines import ENGINE_NAMES
 from coordloader.errors import LoadError, SaveError
-from coordloader.loader import VERIFY_MODES, load_detailed, run_phase
+from coordloader.loader import VERIFY_MODES, load_detailed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +71,7 @@ def _coords_str(c: Mapping | None) -> str:
     return f"pp{c['pp']} dp{c['dp']} tp{c['tp']} ep{c['ep']}.{c['moe_tp']}"
 
 
-def format_table(per_rank: list[dict], totals: dict) -> str:
+def format_load_table(per_rank: list[dict], totals: dict) -> str:
     head = f"{'rank':>5} {'coords':<18} {'tensors':>8} {'held':>12} {'read':>12} " \
            f"{'read/held':>9} {'seconds':>8} {'GB/s':>7}  experts"
     lines = [head, "-" * len(head)]
@@ -138,12 +138,12 @@ def _run(args) -> int:
                               if k in ("ok", "mode", "notes", "stats")}
         if args.dump:
             from coordloader.handoff.dump import dump_rank
-            mine["dump"] = run_phase("dump", group, lambda: dump_rank(
+            mine["dump"] = collective.run_phase("dump", lambda: dump_rank(
                 args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
                 layout=layout.to_dict(), coords=dict(res.rank_plan.coords),
-                overwrite=args.overwrite))
+                overwrite=args.overwrite), group)
         # a phase like the others: a rank dying here is named, not a bare gloo timeout
-        per_rank = run_phase("summary", group, lambda: collective.gather_object(group, mine))
+        per_rank = collective.run_phase("summary", lambda: collective.gather_object(group, mine), group)
         def finish():
             if not rank0:
                 return
@@ -151,7 +151,7 @@ def _run(args) -> int:
             if not args.quiet:
                 print(f"coordloader: {args.checkpoint} layout {layout} engine {res.stats.engine} "
                       f"verify {args.verify} plan {res.plan.digest()[:12]}")
-                print(format_table(rows, totals), flush=True)
+                print(format_load_table(rows, totals), flush=True)
                 vr = res.verify_report or {}
                 if args.verify != "none" and vr:
                     # the verdict is agreed (verify_rank gathers), so rank 0 speaks for all
@@ -174,7 +174,7 @@ def _run(args) -> int:
                                     rank=0) from None
 
         # inside a phase: a failure on rank 0 (unwritable report) reaches every rank
-        run_phase("report", group, finish)
+        collective.run_phase("report", finish, group)
         return 0
     finally:
         if group is not None:

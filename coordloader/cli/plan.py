@@ -108,7 +108,7 @@ def experts_held(rank_plan) -> list[int]:
     return sorted(experts)
 
 
-def format_table(plan, rank: int | None = None) -> str:
+def format_plan_table(plan, rank: int | None = None) -> str:
     # one rank's figures only: at 1024 ranks the others cost seconds
     rows = rank_rows(plan, None if rank is None else [rank])
     hdr = f"{'rank':>5} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3} {'moe_tp':>6} {'tensors':>8} " \
@@ -179,7 +179,7 @@ def _run(args) -> int:
     meta = read_checkpoint(args.checkpoint)
     plan = make_plan(meta, layout, args.rules, replicate_unmatched=args.replicate_unmatched)
     validate_cover(plan, meta)
-    print(format_table(plan, rank=args.rank))
+    print(format_plan_table(plan, rank=args.rank))
     if args.json:
         doc = plan.to_json()
         if args.json == "-":
