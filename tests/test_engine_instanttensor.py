@@ -231,3 +231,22 @@ def test_loader_config_conversion_and_refusals():
         ite.parse_loader_config("{backend: URING}")
     with pytest.raises(LoadError, match="backend list is empty"):
         ite.parse_loader_config({"backend": []})
+
+
+def test_open_calls_decides_which_safe_open_calls_a_rank_makes():
+    """The pure decision behind load_rank: group members open their group's files even
+    when they need nothing there; filtered groups only for the keys needed; needed files
+    no group of the rank covers get one filtered call of their own."""
+    from coordloader.engines.instanttensor_engine import OpenCall, open_calls
+    groups = [LoadGroup(("a", "b"), (0, 1), "group"), LoadGroup(("c",), (0, 1), "filtered"),
+              LoadGroup(("d",), (1,), "group")]
+    pgs = ["pg01", None, None]
+    need = {"c": {"w@1", "w@0"}, "e": {"x"}}
+    assert open_calls(groups, pgs, 0, need) == [
+        OpenCall(["a", "b"], "pg01", None, 2),       # nothing needed in a, b: still a member
+        OpenCall(["c"], None, ["w@0", "w@1"], 1),
+        OpenCall(["e"], None, ["x"], 1)]
+    # rank 1 needs nothing in c: no filtered call there; d is its own one-rank group
+    assert open_calls(groups, pgs, 1, {"d": {"y"}}) == [
+        OpenCall(["a", "b"], "pg01", None, 2), OpenCall(["d"], None, None, 1)]
+    assert open_calls([], [], 0, {}) == []

@@ -20,7 +20,7 @@ import inspect
 import json
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ from coordloader.engines import (
     slice_nbytes,
 )
 from coordloader.errors import LoadError
-from coordloader.planning.model import LoadGroup, Plan, RankPlan
+from coordloader.planning.model import LoadGroup, LoadGroupMode, Plan, RankPlan
 
 # Arguments the engine sets itself: overriding them would break correctness.
 FIXED_ARGS = ("filename", "framework", "device", "process_group", "copy")
@@ -125,6 +125,54 @@ def _instanttensor_errors(what: str, rank: int):
         raise LoadError(f"{what}: {type(e).__name__}: {e}", rank=rank) from None
 
 
+class OpenCall(NamedTuple):
+    """One ``instanttensor.safe_open``: these files, over this process group (None: this
+    rank alone), keeping only these keys (None: every tensor streams past), the bytes split
+    ``group_size`` ways."""
+    files: list[str]
+    process_group: Any
+    keys: list[str] | None
+    group_size: int
+
+
+def needed_keys(meta: CheckpointMeta, rank_plan: RankPlan) -> dict[str, set[str]]:
+    """file -> the keys of the stored pieces this rank's slices overlap."""
+    need: dict[str, set[str]] = {}
+    for ts in rank_plan.tensors:
+        info = meta.tensors.get(ts.name)
+        if info is None:
+            continue
+        for sp in info.pieces:
+            if any(intersect(pc.src, sp.box) is not None for pc in ts.pieces):
+                need.setdefault(sp.file, set()).add(piece_key(info.name, sp.box, info.shape))
+    return need
+
+
+def open_calls(groups: Sequence[LoadGroup], process_groups: Sequence[Any], rank: int,
+               need: Mapping[str, set[str]]) -> list[OpenCall]:
+    """Which safe_open calls this rank makes (pure; the engine runs them in order).
+
+    A group-mode group is opened by every member, whether it needs the files or not: the
+    members read collectively. A filtered group is opened only for the keys this rank
+    needs. Files the rank needs that no group of its own covers get one filtered call."""
+    calls: list[OpenCall] = []
+    covered: set[str] = set()
+    for g, pg in zip(groups, process_groups):
+        if rank not in g.ranks:
+            continue
+        covered.update(g.files)
+        if g.mode == LoadGroupMode.GROUP:
+            calls.append(OpenCall(list(g.files), pg, None, len(g.ranks) if pg is not None else 1))
+        else:
+            keys = sorted(k for f in g.files for k in need.get(f, ()))
+            if keys:
+                calls.append(OpenCall(list(g.files), None, keys, 1))
+    rest = sorted(f for f in need if f not in covered)
+    if rest:
+        calls.append(OpenCall(rest, None, sorted(k for f in rest for k in need[f]), 1))
+    return calls
+
+
 def check_device(device: Any) -> torch.device:
     """Refuse anything but an available CUDA device before InstantTensor is touched."""
     if device is None:
@@ -201,53 +249,31 @@ class InstantTensorEngine:
             if bad:
                 raise LoadError(f"plan load group names files not in the checkpoint: {bad}",
                                 rank=rank)
-            if g.mode not in ("group", "filtered"):
+            if g.mode not in tuple(LoadGroupMode):
                 raise LoadError(f"plan load group mode {g.mode!r}; expected 'group' or 'filtered'",
                                 rank=rank)
         pgs = self._process_groups(groups, world)
-
+        slices = rank_plan.by_name()
+        alloc_dev = _allocation_device(dev)
+        tensors: dict[str, torch.Tensor] = {}
+        held = 0
+        for ts in rank_plan.tensors:
+            if ts.name not in meta.tensors:
+                raise LoadError("planned tensor is not in the checkpoint", tensor=ts.name, rank=rank)
+            tensors[ts.name] = allocate(ts, alloc_dev, out, rank=rank)
+            held += slice_nbytes(ts)
         # key -> (tensor name, source piece); keys are unique within a checkpoint
         keymap: dict[str, tuple] = {}
         for info in meta.tensors.values():
             for sp in info.pieces:
                 keymap[piece_key(info.name, sp.box, info.shape)] = (info, sp)
-        slices = rank_plan.by_name()
-        alloc_dev = _allocation_device(dev)
-        tensors: dict[str, torch.Tensor] = {}
-        held = 0
-        need: dict[str, set[str]] = {}   # file -> keys this rank must see
-        for ts in rank_plan.tensors:
-            info = meta.tensors.get(ts.name)
-            if info is None:
-                raise LoadError("planned tensor is not in the checkpoint", tensor=ts.name, rank=rank)
-            tensors[ts.name] = allocate(ts, alloc_dev, out, rank=rank)
-            held += slice_nbytes(ts)
-            for sp in info.pieces:
-                if any(intersect(pc.src, sp.box) is not None for pc in ts.pieces):
-                    need.setdefault(sp.file, set()).add(piece_key(info.name, sp.box, info.shape))
-
-        calls = []  # (files, process group or None, filter keys or None, group size)
-        covered: set[str] = set()
-        for g, pg in zip(groups, pgs):
-            if rank not in g.ranks:
-                continue
-            if g.mode == "group":
-                # every member takes part, needed or not: the group reads collectively
-                calls.append((list(g.files), pg, None, len(g.ranks) if pg is not None else 1))
-                covered.update(g.files)
-            else:
-                keys = sorted(k for f in g.files for k in need.get(f, ()))
-                covered.update(g.files)
-                if keys:
-                    calls.append((list(g.files), None, keys, 1))
-        rest = sorted(f for f in need if f not in covered)
-        if rest:
-            calls.append((rest, None, sorted(k for f in rest for k in need[f]), 1))
+        need = needed_keys(meta, rank_plan)
+        calls = open_calls(groups, pgs, rank, need)
 
         streamed = share = 0
         seen: set[str] = set()
         opener = _safe_open()
-        for files, pg, keys, gsize in calls:
+        for files, pg, keys, gsize in calls:   # OpenCall
             paths = [os.path.join(meta.root, f) for f in files]
             kwargs = dict(self.tuning)
             if keys is not None:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import cached_property
 from math import prod
 from typing import Any, Mapping
@@ -111,12 +112,18 @@ class RankPlan:
                 "tensors": [t.to_json() for t in self.tensors]}
 
 
+class LoadGroupMode(str, Enum):
+    """How a set of files is fetched. A str, so the plan JSON keeps writing "group"."""
+    GROUP = "group"         # the members split the reads and all-gather
+    FILTERED = "filtered"   # each rank reads only its own tensors (tensor_filter)
+
+
 @dataclass(frozen=True)
 class LoadGroup:
     """How the instanttensor engine fetches a set of files (chosen by the cost model)."""
     files: tuple[str, ...]
     ranks: tuple[int, ...]   # members of the process group ("group" mode)
-    mode: str                # "group" (split reads + all-gather) or "filtered" (own tensors only)
+    mode: str                # a LoadGroupMode value
 
 
 @dataclass(frozen=True)
