@@ -3,7 +3,6 @@ shifts, chunking invariance, and agreement with a pure-Python reference."""
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
 from math import prod
 
 import pytest
@@ -265,30 +264,29 @@ def test_position_matters_not_just_content():
 
 
 def use_route(monkeypatch, route: str):
-    """Send CPU digests down one route: the compiled kernel, the int8 product (in place or
-    stacked), the int64 gemv, the accelerator mul+sum, or that with the sign-extend+mask
-    fallback (backends without unsigned copies)."""
+    """The digest Route for one of the test's route names (passed as ``route=`` to every
+    digest call): the compiled kernel, the int8 product (in place or stacked: the size
+    threshold decides), the int64 gemv, the accelerator mul+sum, or that with the
+    sign-extend+mask fallback (backends without unsigned copies). Installs the route's
+    call-counting spy."""
     dgm = _dgm()
     if route == "kernel":
         if dgm._kernel is None:
             pytest.skip("the digest kernel is not built (no C compiler at install time)")
-        monkeypatch.setattr(dgm, "USE_KERNEL", True)
-        assert dgm.kernel_available()        # (runs the self-test once, before the spy)
+        assert dgm.kernel_available(forced=True)   # (runs the self-test once, before the spy)
         monkeypatch.setattr(dgm, "_kernel", _KernelSpy(dgm._kernel))
-        return dgm
-    monkeypatch.setattr(dgm, "USE_KERNEL", False)
+        return dgm.Route.KERNEL
     if route in ("in_place", "stacked"):
         assert dgm.int8_mm_available()
         monkeypatch.setattr(dgm, "MM_DIRECT_BYTES", 0 if route == "in_place" else 1 << 60)
         name = "_mm_direct" if route == "in_place" else "_mm_batch"
         monkeypatch.setattr(dgm, name, _CallSpy(getattr(dgm, name)))
-        return dgm
-    monkeypatch.setattr(dgm, "USE_INT8_MM", False)
-    if route != "gemv":
-        monkeypatch.setattr(dgm, "USE_CPU_GEMV", False)
+        return dgm.Route.INT8
+    if route == "gemv":
+        return dgm.Route.INT64
     if route == "mask":
         monkeypatch.setattr(dgm, "_UNSIGNED", {})
-    return dgm
+    return dgm.Route.ELEMENTWISE
 
 
 class _CallSpy:
@@ -322,55 +320,46 @@ def test_kernel_splits_long_boxes_and_takes_views_as_they_read(monkeypatch):
     (bounded weight vectors), with the same digest; conjugate and negative views digest
     as the values they present (the kernel never reads their raw memory); quantized
     tensors are refused by name."""
-    dgm = use_route(monkeypatch, "kernel")
+    r = use_route(monkeypatch, "kernel")
+    dgm = _dgm()
     monkeypatch.setattr(dgm, "KERNEL_MAX_WEIGHTS", 16)
     g = torch.Generator().manual_seed(17)
     for shape, parts in (((100, 3), 7), ((3, 100), 7), ((5, 7, 9), 21)):
         t = (torch.randn(*shape, generator=g) * 100).to(torch.bfloat16)
         before = route_calls("kernel")
-        assert digest(t, full_box(shape), shape) == reference(t)
+        assert digest(t, full_box(shape), shape, route=r) == reference(t)
         assert route_calls("kernel") - before >= parts     # sub-boxes of <= 16 elements
     c = torch.randn(4, 6, generator=g, dtype=torch.complex64)
     box = full_box((4, 6))
-    assert digest(c.conj(), box, (4, 6)) == digest(c.conj().resolve_conj(), box, (4, 6)) \
-        != digest(c, box, (4, 6))
+    assert digest(c.conj(), box, (4, 6), route=r) \
+        == digest(c.conj().resolve_conj(), box, (4, 6), route=r) != digest(c, box, (4, 6), route=r)
     neg = c.conj().imag          # a lazy negative view
     assert neg.is_neg()
-    assert digest(neg, box, (4, 6)) == digest(neg.resolve_neg(), box, (4, 6))
+    assert digest(neg, box, (4, 6), route=r) == digest(neg.resolve_neg(), box, (4, 6), route=r)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")      # quantized tensors are deprecated in torch
         q = torch.quantize_per_tensor(torch.randn(2, 3), 0.1, 0, torch.qint8)
     with pytest.raises(VerifyError, match=r"cannot digest a quantized tensor \(torch.qint8\)"):
-        digest(q, full_box((2, 3)), (2, 3))
-
-
-@contextmanager
-def gemv_only(dgm):
-    """The int64 gemv route for the enclosed digests (the reference for the fast routes)."""
-    saved = dgm.USE_KERNEL, dgm.USE_INT8_MM
-    dgm.USE_KERNEL = dgm.USE_INT8_MM = False
-    try:
-        yield
-    finally:
-        dgm.USE_KERNEL, dgm.USE_INT8_MM = saved
+        digest(q, full_box((2, 3)), (2, 3), route=r)
 
 
 @pytest.mark.parametrize("route", ["kernel", "in_place", "stacked", "gemv", "mul_sum", "mask"])
 def test_code_paths_agree(monkeypatch, route):
     """Every route computes the digest of the Python reference, for every element width."""
-    use_route(monkeypatch, route)
+    r = use_route(monkeypatch, route)
     g = torch.Generator().manual_seed(3)
     for dt in (torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int16):
         t = (torch.randn(5, 7, 3, generator=g) * 1000).to(dt)
-        assert digest(t, full_box((5, 7, 3)), (5, 7, 3), chunk_elems=4) == reference(t)
+        assert digest(t, full_box((5, 7, 3)), (5, 7, 3), chunk_elems=4, route=r) == reference(t)
         # a narrowed middle dim: leading strides that are not one row apart
         v = t[:, 2:6]
         box = ((0, 5), (2, 6), (0, 3))
-        assert digest(v, box, (5, 7, 3)) == reference_box(t, box)
+        assert digest(v, box, (5, 7, 3), route=r) == reference_box(t, box)
         # an even column range in rows an odd number of elements apart (BF16 pairs as
         # words on unaligned addresses)
         u = (torch.randn(4, 9, generator=g) * 1000).to(dt)
-        assert digest(u[:, 2:8], ((0, 4), (2, 8)), (4, 9)) == reference_box(u, ((0, 4), (2, 8)))
+        assert digest(u[:, 2:8], ((0, 4), (2, 8)), (4, 9), route=r) \
+            == reference_box(u, ((0, 4), (2, 8)))
     assert route_calls(route) > 0
 
 
@@ -398,7 +387,7 @@ def test_a_kernel_that_fails_its_self_test_is_not_used(monkeypatch):
     monkeypatch.setattr(dgm, "_kernel_real", dgm._kernel, raising=False)
     monkeypatch.setattr(dgm, "_kernel", OffByOne())
     monkeypatch.setattr(dgm, "_kernel_ok", None)
-    monkeypatch.setattr(dgm, "USE_KERNEL", True)
+    monkeypatch.setattr(dgm, "KERNEL_BY_DEFAULT", True)
     with pytest.warns(RuntimeWarning, match="self-test .it disagrees with the torch digest on "
                                             "torch.int8 box"):
         assert not dgm.kernel_available()
@@ -486,14 +475,16 @@ ROUTES = pytest.mark.parametrize("route", ["kernel", "in_place", "stacked"])
 def test_extreme_bytes(monkeypatch, route, fill, dt):
     """Every byte at an extreme of the signed/unsigned range (the int32 sums' worst case),
     on rows wider than one product (split into column blocks)."""
-    dgm = use_route(monkeypatch, route)
+    r = use_route(monkeypatch, route)
+    dgm = _dgm()
     # an odd column count (elementwise on the kernel) and an even one across the kernel's
     # 1024-column blocks (BF16/FP8 pairs as words)
     for n in (dgm.MM_ROW_BYTES // _size(dt) * 2 + 3, 2 * 1024 + 6):
         t = torch.full((3, n * _size(dt)), fill, dtype=torch.uint8).view(dt)
-        assert digest(t, ((0, 3), (0, n)), (3, n)) == reference(t)
+        assert digest(t, ((0, 3), (0, n)), (3, n), route=r) == reference(t)
         part = t[:, 2:n - 2]   # an even column range of rows an odd number of elements apart
-        assert digest(part, ((0, 3), (2, n - 2)), (3, n)) == reference_box(t, ((0, 3), (2, n - 2)))
+        assert digest(part, ((0, 3), (2, n - 2)), (3, n), route=r) \
+            == reference_box(t, ((0, 3), (2, n - 2)))
     assert route_calls(route) > 0
 
 
@@ -502,7 +493,8 @@ def test_digest_many_matches_digest_and_reports_errors(monkeypatch, route):
     """Batched digests (stacked products or in place, threads, column blocks) equal
     one-by-one digests of the int64 path; a bad item yields its error without spoiling
     the others."""
-    dgm = use_route(monkeypatch, route)
+    r = use_route(monkeypatch, route)
+    dgm = _dgm()
     monkeypatch.setattr(dgm, "MM_ROW_BYTES", 64)        # force column blocks
     monkeypatch.setattr(dgm, "MM_BATCH_BYTES", 512)     # force several batches
     g = torch.Generator().manual_seed(7)
@@ -515,15 +507,15 @@ def test_digest_many_matches_digest_and_reports_errors(monkeypatch, route):
         items.append((t[2], ((2, 3), (0, 50)), (6, 50))) if i == 0 else None
     items = [it for it in items if it is not None]
     items[0:0] = [(torch.zeros(2, 2), ((0, 3), (0, 2)), (4, 2))]     # shape != box
-    with gemv_only(dgm):
-        want = [digest(t.unsqueeze(0) if t.dim() == 1 else t, b, s) for t, b, s in items[1:]]
+    want = [digest(t.unsqueeze(0) if t.dim() == 1 else t, b, s, route=dgm.Route.INT64)
+            for t, b, s in items[1:]]
     items = [(t.unsqueeze(0) if t.dim() == 1 else t, b, s) for t, b, s in items]
     for threads in (1, 3):
-        got = dgm.digest_many(items, threads=threads, return_errors=True)
+        got = dgm.digest_many(items, threads=threads, return_errors=True, route=r)
         assert isinstance(got[0], VerifyError)
         assert got[1:] == want
     with pytest.raises(VerifyError):
-        dgm.digest_many(items)
+        dgm.digest_many(items, route=r)
     assert route_calls(route) > 0
 
 
@@ -532,7 +524,7 @@ def test_views_with_overlapping_or_broadcast_rows(monkeypatch, route):
     """Expanded (stride-0) and transposed views digest like their contiguous copies on
     every route: the in-place int8 product must not be handed rows that overlap (oneDNN
     read a stride-0 matrix wrongly), against the Python reference."""
-    use_route(monkeypatch, route)
+    r = use_route(monkeypatch, route)
     g = torch.Generator().manual_seed(13)
     views = [
         (torch.randn(1, 96, generator=g) * 50).to(torch.bfloat16).expand(40, 96),
@@ -542,6 +534,6 @@ def test_views_with_overlapping_or_broadcast_rows(monkeypatch, route):
     ]
     for v in views:
         box, shape = full_box(tuple(v.shape)), tuple(v.shape)
-        got = digest(v, box, shape)
-        assert got == digest(v.contiguous(), box, shape) == reference(v.contiguous())
+        got = digest(v, box, shape, route=r)
+        assert got == digest(v.contiguous(), box, shape, route=r) == reference(v.contiguous())
     assert route_calls(route) > 0

@@ -406,17 +406,21 @@ def _digest_setup(ctx):
     (default: the compiled kernel when built) and its one-time self-test run, so the timed
     section is what every later --verify digest in a process pays."""
     from coordloader.verify import digest as dgm
-    dgm.USE_KERNEL = dgm.USE_KERNEL and ctx.options.get("kernel", True)   # a throwaway process
     dgm.kernel_available()
     dgm.int8_mm_available()
     return _loaded_setup(ctx)
+
+
+def _digest_route(ctx):
+    from coordloader.verify import digest as dgm
+    return dgm.Route.AUTO if ctx.options.get("kernel", True) else dgm.fallback_route()
 
 
 def _digest_run(ctx, tensors):
     # verify's own digest step, with verify's thread count
     from coordloader.verify.checks import _digest_all, digest_workers
     jobs = [(ts.name, tensors[ts.name], ts) for ts in ctx.rank_plan.tensors]
-    _digest_all(jobs, digest_workers(cap=torch.get_num_threads()))
+    _digest_all(jobs, digest_workers(cap=torch.get_num_threads()), route=_digest_route(ctx))
     return tensors, sum(ts.covered_numel * itemsize(ts.dtype) for ts in ctx.rank_plan.tensors), {}
 
 

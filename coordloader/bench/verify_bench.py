@@ -129,7 +129,7 @@ def bench_verify(ckpt: str, *, tp: int = 2, repeats: int = 3, load_section: dict
 def digest_routes() -> tuple[str, str]:
     """(the CPU digest route this install takes, the one it falls back to)."""
     from coordloader.verify import digest as dgm
-    fallback = "int8 product" if dgm.int8_mm_available() else "int64 gemv"
+    fallback = "int8 product" if dgm.fallback_route() is dgm.Route.INT8 else "int64 gemv"
     return ("kernel" if dgm.kernel_available() else fallback), fallback
 
 

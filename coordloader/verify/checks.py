@@ -364,15 +364,16 @@ def digest_workers(cap: int | None = None) -> int:
     return max(1, min(8, n, cap if cap is not None else n))
 
 
-def _digest_all(jobs, workers: int = 1):
+def _digest_all(jobs, workers: int = 1, route=None):
     """Per-piece digests of every (name, tensor, slice) job -> [(name, digests | error)].
 
     All pieces go to ``digest.digest_many`` in one call: on CPU the compiled kernel takes
     them in batches (or, without it, the many small pieces that share a box are stacked
     into one int8 product), so a job costs a few microseconds of Python, not a dozen torch
     calls. ``workers`` threads (``digest_workers()``, capped by torch's intra-op thread
-    count); ``digest_many`` sets torch's own pool to one thread while they run."""
-    from coordloader.verify.digest import digest_many, piece_view
+    count); ``digest_many`` sets torch's own pool to one thread while they run. ``route``:
+    a ``digest.Route`` (default AUTO)."""
+    from coordloader.verify.digest import Route, digest_many, piece_view
     items, owner = [], []
     errors: dict[str, str] = {}
     for name, t, ts in jobs:
@@ -387,7 +388,8 @@ def _digest_all(jobs, workers: int = 1):
         for v, p in zip(views, ts.pieces):
             items.append((v, p.src, ts.global_shape))
             owner.append(name)
-    res = digest_many(items, threads=workers, return_errors=True)   # one intra-op thread inside
+    res = digest_many(items, threads=workers, return_errors=True,   # one intra-op thread inside
+                      route=route or Route.AUTO)
     out: dict[str, list] = {}
     for name, r in zip(owner, res):
         if name in errors:

@@ -46,6 +46,7 @@ import os
 import sys
 import threading
 from contextlib import contextmanager
+from enum import Enum
 from functools import partial
 from math import prod
 from typing import Iterator, Sequence
@@ -161,7 +162,20 @@ PAIRED = (1, 2)                              # element widths digested in column
 _WORD = {1: torch.int16, 2: torch.int32}     # the pair's word (widened like any element)
 _LITTLE = sys.byteorder == "little"
 _tls = threading.local()
-USE_CPU_GEMV = True   # tests switch it off to run the accelerator code path on CPU
+
+
+class Route(str, Enum):
+    """How a digest is computed; every route gives the same digest. AUTO takes the fastest
+    this install has: on CPU the compiled kernel (unless COORDLOADER_DIGEST_KERNEL=0 or it
+    failed its self-test), else the int8 product, else the int64 gemv; on an accelerator
+    the elementwise multiply + sum. The others force one (tests and benchmarks); items a
+    forced route cannot take (a kernel route given a tensor the kernel refuses, an int8
+    route given a width it has no product for) take the int64 path."""
+    AUTO = "auto"
+    KERNEL = "kernel"           # the compiled loop (coordloader/verify/_digestkernel.c)
+    INT8 = "int8"               # int8 products against byte weights
+    INT64 = "int64"             # widen to int64, gemv against the weights
+    ELEMENTWISE = "elementwise"  # widen, multiply, sum: the accelerator route, on any device
 
 
 def _work_buffer(device: torch.device, n: int, slot: int = 0) -> torch.Tensor:
@@ -214,10 +228,11 @@ def col_weight_py(c: int, width: int) -> int:
 class _Accumulator:
     """Digest state for one global shape on one device."""
 
-    def __init__(self, global_shape: tuple[int, ...], device: torch.device, chunk: int):
+    def __init__(self, global_shape: tuple[int, ...], device: torch.device, chunk: int,
+                 gemv: bool = True):
         self.shape = global_shape
         self.device = device
-        self.cpu = device.type == "cpu" and USE_CPU_GEMV
+        self.cpu = device.type == "cpu" and gemv
         self.chunk = chunk
         self.acc = torch.zeros((), dtype=torch.int64, device=device)
 
@@ -347,20 +362,21 @@ def _prepare(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int])
 
 
 def digest(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int], *,
-           chunk_elems: int | None = None) -> int:
+           chunk_elems: int | None = None, route: Route = Route.AUTO) -> int:
     """Digest of ``tensor`` holding the box ``global_box`` of a tensor of ``global_shape``.
 
     Returns a uint64 as a Python int. Extra memory is bounded regardless of the tensor's
     size: ``chunk_elems`` int64 elements (two buffers for 64-bit dtypes) on the torch
     routes, weight vectors of at most KERNEL_MAX_WEIGHTS entries on the compiled kernel's;
     the tensor may be non-contiguous (a view into a local tensor)."""
-    return _digest_many_prepared([_prepare(tensor, global_box, global_shape)], chunk_elems, 1, False)[0]
+    return _digest_many_prepared([_prepare(tensor, global_box, global_shape)], chunk_elems, 1,
+                                 False, Route(route))[0]
 
 
-def _digest_slow(shape, box, bits, chunk_elems) -> int:
-    """The int64 widen + gemv (CPU) or multiply + sum (accelerators) path."""
+def _digest_slow(shape, box, bits, chunk_elems, gemv: bool = True) -> int:
+    """The int64 widen + gemv (CPU) or multiply + sum (accelerators, or ``gemv=False``)."""
     chunk = int(chunk_elems or _default_chunk(bits.device))
-    acc = _Accumulator(shape, bits.device, chunk)
+    acc = _Accumulator(shape, bits.device, chunk, gemv)
     _add_box(acc, bits, box, chunk)
     return acc.value()
 
@@ -381,11 +397,11 @@ def _add_box(acc: _Accumulator, bits: torch.Tensor, box: Box, chunk: int) -> Non
 
 
 def digest_local(tensor: torch.Tensor, pieces: Sequence, global_shape: Sequence[int], *,
-                 chunk_elems: int | None = None) -> list[int]:
+                 chunk_elems: int | None = None, route: Route = Route.AUTO) -> list[int]:
     """Per-piece digests of a rank's local tensor: each ``Piece`` (src box, dst offset) is
     narrowed out of ``tensor`` at its destination offset and digested at its source box."""
     return digest_many([(piece_view(tensor, p, i), p.src, global_shape)
-                        for i, p in enumerate(pieces)], chunk_elems=chunk_elems)
+                        for i, p in enumerate(pieces)], chunk_elems=chunk_elems, route=route)
 
 
 def piece_view(tensor: torch.Tensor, p, i: int = 0) -> torch.Tensor:
@@ -429,7 +445,6 @@ def piece_view(tensor: torch.Tensor, p, i: int = 0) -> torch.Tensor:
 # big-endian hosts keep the int64 path. torch._int_mm is private API: it is self-tested
 # once on extreme inputs and the int64 path is used if it is missing or inexact.
 
-USE_INT8_MM = True           # tests switch it off to compare with the int64 path
 MM_ROW_BYTES = 1 << 14       # bytes of a row per product (exact up to 2^16: |S| <= 2^16 * 2^14 = 2^30;
                              # rows of 16 KiB measured faster than 64 KiB)
 MM_BATCH_BYTES = 2 << 20     # data bytes per stacked product (1-4 MiB measured alike; 256 KiB slower)
@@ -607,7 +622,7 @@ def _mm_units(bits: torch.Tensor, box: Box, budget: int):
 
 
 def digest_many(items: Sequence, *, chunk_elems: int | None = None, threads: int = 1,
-                return_errors: bool = False) -> list:
+                return_errors: bool = False, route: Route = Route.AUTO) -> list:
     """``[digest(t, box, shape) for t, box, shape in items]``, computed together: on CPU,
     small pieces with the same box and global shape share one int8 product, and the
     products run on ``threads`` threads (torch ops release the GIL). With
@@ -623,7 +638,7 @@ def digest_many(items: Sequence, *, chunk_elems: int | None = None, threads: int
                 raise
             prepared.append(None)
             out[i] = e
-    res = _digest_many_prepared(prepared, chunk_elems, threads, return_errors)
+    res = _digest_many_prepared(prepared, chunk_elems, threads, return_errors, Route(route))
     return [o if o is not None else r for o, r in zip(out, res)]
 
 
@@ -645,11 +660,17 @@ def one_intra_op_thread():
             torch.set_num_threads(prev)
 
 
-def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_errors: bool) -> list:
+def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_errors: bool,
+                          route: Route) -> list:
     out: list = [0] * len(prepared)
     groups: dict = {}     # (shape, sub, width) -> [(item, part)]: stacked products
     batches: list = []    # ([item per result], thunk -> [digest per item]): run on threads
-    mm = USE_INT8_MM and USE_CPU_GEMV and _LITTLE   # and int8_mm_available(), asked lazily
+    if route is Route.KERNEL and not kernel_available(forced=True):
+        raise VerifyError("digest route 'kernel': the compiled kernel is not built or failed "
+                          "its self-test")
+    use_kernel = route is Route.KERNEL or (route is Route.AUTO and kernel_available())
+    mm = route in (Route.AUTO, Route.INT8) and _LITTLE   # and int8_mm_available(), asked lazily
+    gemv = route is not Route.ELEMENTWISE
     kitems: list = []     # (item, shape, box, bits): the compiled kernel's share
 
     def unit(i, shape, sub, width, part):
@@ -668,14 +689,14 @@ def _digest_many_prepared(prepared: list, chunk_elems, threads: int, return_erro
             continue
         shape, box, bits = p
         try:
-            if _kernel_fits(bits) and kernel_available():   # (self-tested on first use)
+            if use_kernel and _kernel_fits(bits):
                 kitems.append((i, shape, box, bits))
                 continue
             bits = _int_view(bits)
             width = bits.element_size()
             if not (mm and width in _MM_WIDTHS and bits.device.type == "cpu"
                     and int8_mm_available()):
-                out[i] = _digest_slow(shape, box, bits, chunk_elems)
+                out[i] = _digest_slow(shape, box, bits, chunk_elems, gemv)
                 continue
             budget = int(chunk_elems or max(1, MM_BATCH_BYTES // width))
             n = bits.numel()
@@ -750,16 +771,24 @@ try:
     from coordloader.verify import _digestkernel as _kernel
 except ImportError:  # not built (no C compiler at install time)
     _kernel = None
-USE_KERNEL = os.environ.get("COORDLOADER_DIGEST_KERNEL", "1") != "0"   # tests and benches switch it
+# whether Route.AUTO may take the kernel (a forced Route.KERNEL takes it regardless)
+KERNEL_BY_DEFAULT = os.environ.get("COORDLOADER_DIGEST_KERNEL", "1") != "0"
 KERNEL_GROUP_BYTES = 8 << 20    # data bytes per batch of kernel items (threads take batches)
 
 
 _kernel_ok: bool | None = None
 
 
-def kernel_available() -> bool:
+def fallback_route() -> Route:
+    """The CPU route AUTO takes where the kernel is not used."""
+    return Route.INT8 if _LITTLE and int8_mm_available() else Route.INT64
+
+
+def kernel_available(*, forced: bool = False) -> bool:
+    """The kernel is built, passed its self-test (run on the first call) and, unless
+    ``forced``, is not switched off by COORDLOADER_DIGEST_KERNEL=0."""
     global _kernel_ok
-    if _kernel is None or not (USE_KERNEL and USE_CPU_GEMV and _LITTLE):
+    if _kernel is None or not _LITTLE or not (KERNEL_BY_DEFAULT or forced):
         return False
     if _kernel_ok is None:
         with _mm_lock:
