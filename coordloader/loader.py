@@ -25,6 +25,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from coordloader.api import make_plan
+from coordloader.checkpoint import reader as checkpoint
+from coordloader.checkpoint.metadata import CheckpointMeta
 from coordloader.dist import collective
 from coordloader.engines import LoadStats, resolve_engine_name, select_engine
 from coordloader.errors import CollectiveError, LoadError, PlanError, VerifyError
@@ -117,10 +120,8 @@ def _phase(name: str, fn: Callable[[], Any], group):
 
 def read_metadata(ckpt, group, rank: int, world: int):
     """Headers split across ranks, gathered, assembled identically everywhere."""
-    from coordloader.checkpoint.metadata import CheckpointMeta
     if isinstance(ckpt, CheckpointMeta):
         return ckpt
-    from coordloader.checkpoint import reader as checkpoint
     if group is None:
         return checkpoint.read_checkpoint(os.fspath(ckpt))
     root = os.fspath(ckpt)
@@ -234,7 +235,6 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
         t = time.perf_counter()
 
         def build_plan():
-            from coordloader.api import make_plan
             kw = {"replicate_unmatched": True} if replicate_unmatched else {}
             return make_plan(meta, layout, rules, **kw)
 

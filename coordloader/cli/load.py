@@ -16,6 +16,7 @@ from coordloader.cli.plan import add_layout_args, experts_held, human, layout_fr
 from coordloader.dist import collective
 from coordloader.engines import ENGINE_NAMES
 from coordloader.errors import LoadError, SaveError
+from coordloader.handoff.dump import dump_rank
 from coordloader.loader import VERIFY_MODES, load_detailed
 
 
@@ -137,7 +138,6 @@ def _run(args) -> int:
             mine["verify"] = {k: v for k, v in res.verify_report.items()
                               if k in ("ok", "mode", "notes", "stats")}
         if args.dump:
-            from coordloader.handoff.dump import dump_rank
             mine["dump"] = collective.run_phase("dump", lambda: dump_rank(
                 args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
                 layout=layout.to_dict(), coords=dict(res.rank_plan.coords),

@@ -7,11 +7,13 @@ import argparse
 import json
 import sys
 
-from coordloader.api import read_json_file
+from coordloader.api import make_plan, read_json_file
 from coordloader.checkpoint.fileio import write_file_atomic
+from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.cli.common import run_command
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
+from coordloader.planning.cover import validate_cover
 from coordloader.planning.planner import EXPERT_RE
 from coordloader.planning.runs import groups_of
 from coordloader.text import format_ranges
@@ -170,9 +172,6 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from coordloader.api import make_plan
-    from coordloader.checkpoint.reader import read_checkpoint
-    from coordloader.planning.cover import validate_cover
     layout = layout_from_args(args)
     if args.rank is not None and not 0 <= args.rank < layout.world_size:
         raise PlanError(f"--rank {args.rank} outside world of size {layout.world_size} ({layout})")

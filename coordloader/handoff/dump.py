@@ -10,6 +10,7 @@ from typing import Mapping
 import torch
 
 from coordloader.checkpoint import dtypes
+from coordloader.checkpoint.fileio import write_safetensors
 from coordloader.errors import SaveError
 
 
@@ -24,7 +25,6 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
     fsync, rename, directory fsync) by ``safetensors_io.write_safetensors``: a reader
     (or a crash, or a full disk) sees the previous file or the new one, never a torn one.
     An existing dump file is replaced only with ``overwrite=True`` (``--overwrite``)."""
-    from coordloader.checkpoint.fileio import write_safetensors
     path = dump_path(out_dir, rank)
     # Checked before any work so a refused dump costs nothing; the rename below is what
     # makes the replacement itself safe.

@@ -12,6 +12,7 @@ from functools import cached_property
 from math import prod
 from typing import Any, Mapping
 
+from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.metadata import Box, box_numel
 from coordloader.gcpause import gc_paused
 
@@ -97,7 +98,6 @@ class RankPlan:
 
     @property
     def bytes_held(self) -> int:
-        from coordloader.checkpoint.dtypes import itemsize
         return sum(t.local_numel * itemsize(t.dtype) for t in self.tensors)
 
     @property

@@ -35,7 +35,8 @@ from coordloader.checkpoint.metadata import Box, box_numel, box_shape, full_box,
 from coordloader.checkpoint.tiling import fmt_box, tiling_problem
 from coordloader.engines import intersect, narrow_box
 from coordloader.errors import CollectiveError, CoordloaderError, VerifyError
-from coordloader.verify.digest import _int_view, combine, fmt, iter_subboxes
+from coordloader.verify.digest import Route, _int_view, combine, digest_many, fmt, iter_subboxes, piece_view
+from coordloader.verify.manifest import load_manifest
 
 
 class VerifyMode(str, Enum):
@@ -373,7 +374,6 @@ def _digest_all(jobs, workers: int = 1, route=None):
     calls. ``workers`` threads (``digest_workers()``, capped by torch's intra-op thread
     count); ``digest_many`` sets torch's own pool to one thread while they run. ``route``:
     a ``digest.Route`` (default AUTO)."""
-    from coordloader.verify.digest import Route, digest_many, piece_view
     items, owner = [], []
     errors: dict[str, str] = {}
     for name, t, ts in jobs:
@@ -619,7 +619,6 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
     manifest_error = None
     if VerifyMode(mode).level >= VerifyMode.DIGEST.level and manifest is None and meta is not None:
         try:
-            from coordloader.verify.manifest import load_manifest
             manifest = load_manifest(meta.root, meta)
         except CoordloaderError as e:
             manifest, manifest_error = None, str(e)
