@@ -92,28 +92,20 @@ def _resolve_group(group, rank, layout: Layout, timeout=None):
     return None, rank, world_needed
 
 
-def _with_test_hang(name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
-    """Test hook for the fault tests (tests/test_faults_mp.py): with
-    COORDLOADER_TEST_HANG_PHASE=<phase> in this process's environment, the phase touches
-    $COORDLOADER_TEST_HANG_FILE (if set) and then sleeps instead of returning, so the test
-    can SIGKILL a rank that is provably in the middle of that phase. Unset = no effect."""
-    if os.environ.get("COORDLOADER_TEST_HANG_PHASE") != name:
-        return fn
-
-    def hang():
-        mark = os.environ.get("COORDLOADER_TEST_HANG_FILE")
-        if mark:
-            with open(mark, "w") as f:
-                f.write(repr(time.time()))
-        time.sleep(float(os.environ.get("COORDLOADER_TEST_HANG_S", "3600")))
-        return fn()
-    return hang
+# Called with the phase's name on this rank as each phase of load() starts, before its
+# work. Empty in normal use; the fault tests append one to hold a rank inside a phase so
+# it can be killed there (tests/rank_driver.py).
+PHASE_HOOKS: list[Callable[[str], None]] = []
 
 
 def _phase(name: str, fn: Callable[[], Any], group):
-    """``collective.run_phase`` (every rank runs ``fn``, then they agree), with the fault
-    tests' hang hook."""
-    return collective.run_phase(name, _with_test_hang(name, fn), group)
+    """``collective.run_phase`` (every rank runs ``fn``, then they agree), after the
+    PHASE_HOOKS."""
+    def step():
+        for hook in PHASE_HOOKS:
+            hook(name)
+        return fn()
+    return collective.run_phase(name, step if PHASE_HOOKS else fn, group)
 
 
 # -- phases -----------------------------------------------------------------------------

@@ -34,21 +34,20 @@ def ckpt(tiny_qwen3_moe):
     return tiny_qwen3_moe
 
 
-def _launch(tmp: Path, ckpt: str, ranks, extra_env=None, on_running=None):
+def _launch(tmp: Path, ckpt: str, ranks, hooks=None, on_running=None):
     """Run `ranks` of a 4-rank job; returns {rank: (rc, stderr, end time, start time)}.
+    ``hooks``: per rank, extra rank_driver.py options (e.g. a phase to hang in).
     ``on_running(procs)`` is polled while they run (returns True once it did its job)."""
     port = free_port()
 
     def start(r):
-        env = rank_env(port, r, 4, LOCAL_RANK=str(r), OMP_NUM_THREADS="1",
-                       COORDLOADER_TEST_START_FILE=str(tmp / f"start-{r}"))
-        for k in ("COORDLOADER_TEST_HANG_PHASE", "TORCHELASTIC_USE_AGENT_STORE",
-                  "TORCH_CPP_LOG_LEVEL"):
+        env = rank_env(port, r, 4, LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
+        for k in ("TORCHELASTIC_USE_AGENT_STORE", "TORCH_CPP_LOG_LEVEL"):
             env.pop(k, None)
-        env.update((extra_env or {}).get(r, {}))
-        cmd = [sys.executable, "-m", "coordloader.load", ckpt, "--tp", "2", "--ep", "2",
-               "--dp", "2", "--engine", "cpu", "--timeout", str(TIMEOUT), "--quiet",
-               "--dump", str(tmp / "dump")]
+        cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "rank_driver.py"),
+               "--start-file", str(tmp / f"start-{r}"), *(hooks or {}).get(r, ()), "--",
+               ckpt, "--tp", "2", "--ep", "2", "--dp", "2", "--engine", "cpu",
+               "--timeout", str(TIMEOUT), "--quiet", "--dump", str(tmp / "dump")]
         with open(tmp / f"err-{r}", "wb") as ef:
             return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
                                     cwd=str(tmp), start_new_session=True)
@@ -108,8 +107,7 @@ def test_rank_2_sigkilled_mid_load(tmp_path, ckpt):
         return False
 
     res = _launch(tmp_path, ckpt, range(4), on_running=kill_when_hanging,
-                  extra_env={2: {"COORDLOADER_TEST_HANG_PHASE": "load",
-                                 "COORDLOADER_TEST_HANG_FILE": str(mark)}})
+                  hooks={2: ("--hang-phase", "load", "--hang-file", str(mark))})
     assert "at" in killed, "rank 2 never reached the load phase"
     assert res[2][0] == -signal.SIGKILL
     for r in (0, 1, 3):

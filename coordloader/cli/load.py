@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from typing import Mapping
 
 import torch
@@ -113,10 +112,6 @@ def _init_from_env(args):
 
 def _run(args) -> int:
     layout = layout_from_args(args)
-    mark = os.environ.get("COORDLOADER_TEST_START_FILE")
-    if mark:   # test hook: when this rank is past imports, before any group formation
-        with open(mark, "w") as f:
-            f.write(repr(time.time()))
     group, device = _init_from_env(args)
     try:
         if group is not None:
