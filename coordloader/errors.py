@@ -66,4 +66,27 @@ class SaveError(CoordloaderError):
 
 
 class CollectiveError(CoordloaderError):
-    """Another rank failed, or did not arrive in time; names the rank and its cause."""
+    """Another rank failed, or did not arrive in time; names the rank and its cause.
+
+    ``phase``: the phase the group was in; ``failures``: rank -> (error type, message) of
+    every rank that failed it; ``missing``: ranks that never arrived; ``local_error``: this
+    rank's own exception in the phase, if it had one (not carried between processes)."""
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None,
+                 rank: int | None = None, phase: str | None = None,
+                 failures: dict[int, tuple[str, str]] | None = None, missing=(),
+                 local_error: BaseException | None = None):
+        self.phase = phase
+        self.failures = dict(failures or {})
+        self.missing = list(missing)
+        self.local_error = local_error
+        super().__init__(message, file=file, tensor=tensor, rank=rank)
+
+    def __reduce__(self):
+        return (_rebuild_collective, (self.message, self.file, self.tensor, self.rank, self.phase,
+                                      self.failures, self.missing))
+
+
+def _rebuild_collective(message, file, tensor, rank, phase, failures, missing):
+    return CollectiveError(message, file=file, tensor=tensor, rank=rank, phase=phase,
+                           failures=failures, missing=missing)

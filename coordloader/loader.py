@@ -167,7 +167,7 @@ def run_verify(mode: str, tensors, plan, meta, rank: int, group) -> dict:
     except CollectiveError as e:
         # verify_rank reaches one verdict on every rank; the user asked for a verify
         # result, so give them the VerifyError (with its report), not the phase wrapper.
-        local = getattr(e, "local_error", None)
+        local = e.local_error
         if isinstance(local, VerifyError):
             raise local from None
         raise

@@ -209,3 +209,17 @@ def test_exit_on_error_prints_one_line_and_exit_codes(capsys, monkeypatch):
     with exit_on_error(rank=0):
         pass   # no exception: nothing printed, no exit
     assert capsys.readouterr().err == ""
+
+
+def test_collective_error_declares_its_fields_and_pickles_them():
+    import pickle
+
+    from coordloader.errors import CollectiveError
+    e = CollectiveError("phase load: rank 2: LoadError: short read", rank=0, phase="load",
+                        failures={2: ("LoadError", "short read")}, missing=[3],
+                        local_error=ValueError("mine"))
+    back = pickle.loads(pickle.dumps(e))
+    assert (back.phase, back.failures, back.missing, back.rank) == (
+        "load", {2: ("LoadError", "short read")}, [3], 0)
+    assert back.local_error is None and str(back) == str(e)   # this rank's own error stays here
+    assert CollectiveError("x").failures == {} and CollectiveError("x").phase is None

@@ -144,12 +144,8 @@ def _phase_error(phase: str, failures: dict[int, tuple[str, str]], notes: list[s
     for r, (t, m) in sorted(failures.items()):
         groups.setdefault((t, m), []).append(r)
     parts = list(notes) + [f"{_rank_word(rs)}: {t}: {m}" for (t, m), rs in groups.items()]
-    err = CollectiveError(f"phase {phase}: " + "; ".join(parts))
-    err.phase = phase
-    err.failures = dict(failures)
-    err.missing = list(missing)
-    err.local_error = local
-    return err
+    return CollectiveError(f"phase {phase}: " + "; ".join(parts), phase=phase, failures=failures,
+                           missing=missing, local_error=local)
 
 
 @dataclass(eq=False)
