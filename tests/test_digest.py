@@ -271,21 +271,21 @@ def use_route(monkeypatch, route: str):
     call-counting spy."""
     dgm = _dgm()
     if route == "kernel":
-        if dgm._kernel is None:
+        if dgm.kernel._kernel is None:
             pytest.skip("the digest kernel is not built (no C compiler at install time)")
         assert dgm.kernel_available(forced=True)   # (runs the self-test once, before the spy)
-        monkeypatch.setattr(dgm, "_kernel", _KernelSpy(dgm._kernel))
+        monkeypatch.setattr(dgm.kernel, "_kernel", _KernelSpy(dgm.kernel._kernel))
         return dgm.Route.KERNEL
     if route in ("in_place", "stacked"):
         assert dgm.int8_mm_available()
-        monkeypatch.setattr(dgm, "MM_DIRECT_BYTES", 0 if route == "in_place" else 1 << 60)
+        monkeypatch.setattr(dgm.routes, "MM_DIRECT_BYTES", 0 if route == "in_place" else 1 << 60)
         name = "_mm_direct" if route == "in_place" else "_mm_batch"
-        monkeypatch.setattr(dgm, name, _CallSpy(getattr(dgm, name)))
+        monkeypatch.setattr(dgm.routes, name, _CallSpy(getattr(dgm.routes, name)))
         return dgm.Route.INT8
     if route == "gemv":
         return dgm.Route.INT64
     if route == "mask":
-        monkeypatch.setattr(dgm, "_UNSIGNED", {})
+        monkeypatch.setattr(dgm.routes, "_UNSIGNED", {})
     return dgm.Route.ELEMENTWISE
 
 
@@ -310,8 +310,8 @@ def route_calls(route: str) -> int:
     """Calls that reached ``route``'s spy (use_route installs it); 1 for routes without
     one."""
     dgm = _dgm()
-    spy = {"kernel": lambda: dgm._kernel.rows, "in_place": lambda: dgm._mm_direct,
-           "stacked": lambda: dgm._mm_batch}.get(route)
+    spy = {"kernel": lambda: dgm.kernel._kernel.rows, "in_place": lambda: dgm.routes._mm_direct,
+           "stacked": lambda: dgm.routes._mm_batch}.get(route)
     return spy().calls if spy else 1
 
 
@@ -322,7 +322,7 @@ def test_kernel_splits_long_boxes_and_takes_views_as_they_read(monkeypatch):
     tensors are refused by name."""
     r = use_route(monkeypatch, "kernel")
     dgm = _dgm()
-    monkeypatch.setattr(dgm, "KERNEL_MAX_WEIGHTS", 16)
+    monkeypatch.setattr(dgm.kernel, "KERNEL_MAX_WEIGHTS", 16)
     g = torch.Generator().manual_seed(17)
     for shape, parts in (((100, 3), 7), ((3, 100), 7), ((5, 7, 9), 21)):
         t = (torch.randn(*shape, generator=g) * 100).to(torch.bfloat16)
@@ -370,41 +370,41 @@ def test_kernel_is_built_where_a_compiler_is():
     import sysconfig
     if not (shutil.which(sysconfig.get_config_var("CC") or "cc") or shutil.which("cc")):
         pytest.skip("no C compiler: the kernel is optional")
-    assert _dgm()._kernel is not None, "coordloader._digestkernel is not built: pip install -e ."
+    assert _dgm().kernel._kernel is not None, "the digest kernel is not built: pip install -e ."
 
 
 def test_a_kernel_that_fails_its_self_test_is_not_used(monkeypatch):
     """A kernel build that disagrees with the torch digest (a miscompiled variant for this
     CPU) is caught by the self-test on first use: a warning, and the torch routes digest."""
     dgm = _dgm()
-    if dgm._kernel is None:
+    if dgm.kernel._kernel is None:
         pytest.skip("the digest kernel is not built")
 
     class OffByOne:
         def rows(self, *a):
-            return (dgm._kernel_real.rows(*a) + 1) & MASK64
+            return (dgm.kernel._kernel_real.rows(*a) + 1) & MASK64
 
-    monkeypatch.setattr(dgm, "_kernel_real", dgm._kernel, raising=False)
-    monkeypatch.setattr(dgm, "_kernel", OffByOne())
-    monkeypatch.setattr(dgm, "_kernel_ok", None)
-    monkeypatch.setattr(dgm, "KERNEL_BY_DEFAULT", True)
+    monkeypatch.setattr(dgm.kernel, "_kernel_real", dgm.kernel._kernel, raising=False)
+    monkeypatch.setattr(dgm.kernel, "_kernel", OffByOne())
+    monkeypatch.setattr(dgm.kernel, "_kernel_ok", None)
+    monkeypatch.setattr(dgm.kernel, "KERNEL_BY_DEFAULT", True)
     with pytest.warns(RuntimeWarning, match="self-test .it disagrees with the torch digest on "
                                             "torch.int8 box"):
         assert not dgm.kernel_available()
     t = (torch.randn(4, 6) * 100).to(torch.bfloat16)
     assert digest(t, full_box((4, 6)), (4, 6)) == reference(t)   # not off by one
-    monkeypatch.setattr(dgm, "_kernel", dgm._kernel_real)
-    monkeypatch.setattr(dgm, "_kernel_ok", None)
+    monkeypatch.setattr(dgm.kernel, "_kernel", dgm.kernel._kernel_real)
+    monkeypatch.setattr(dgm.kernel, "_kernel_ok", None)
     assert dgm.kernel_available()                                 # the real one passes
 
 
 def test_kernel_refuses_bad_arguments():
     dgm = _dgm()
-    if dgm._kernel is None:
+    if dgm.kernel._kernel is None:
         pytest.skip("the digest kernel is not built")
     w = torch.ones(4, dtype=torch.int64)
     t = torch.zeros(2, 4, dtype=torch.int32)
-    rows = dgm._kernel.rows
+    rows = dgm.kernel._kernel.rows
     assert rows(t.data_ptr(), 4, (2, 4), (16,), w.data_ptr(), w.data_ptr()) == 0
     # sum_r roww[r] * sum_c colw[c] * v(x[r, c]), v = signed little-endian bytes, mod 2^64
     x = torch.tensor([[1, -1, 0x7F80, 5], [0x01020304, -2**31, 7, 0]], dtype=torch.int32)
@@ -458,7 +458,7 @@ def test_balanced_limbs_reconstruct_mod_2_64():
     v = torch.cat([torch.randint(-2**63, 2**63 - 1, (2000,), dtype=torch.int64, generator=g),
                    torch.tensor([0, 1, -1, 127, 128, -128, -129, 2**63 - 1, -2**63,
                                  2**63 - 128, -2**63 + 127], dtype=torch.int64)])
-    t = dgm.balanced_limbs(v)
+    t = dgm.routes.balanced_limbs(v)
     assert t.dtype == torch.int8
     back = sum(t[:, l].to(torch.int64) << (8 * l) for l in range(8))
     assert torch.equal(back, v)
@@ -479,7 +479,7 @@ def test_extreme_bytes(monkeypatch, route, fill, dt):
     dgm = _dgm()
     # an odd column count (elementwise on the kernel) and an even one across the kernel's
     # 1024-column blocks (BF16/FP8 pairs as words)
-    for n in (dgm.MM_ROW_BYTES // _size(dt) * 2 + 3, 2 * 1024 + 6):
+    for n in (dgm.routes.MM_ROW_BYTES // _size(dt) * 2 + 3, 2 * 1024 + 6):
         t = torch.full((3, n * _size(dt)), fill, dtype=torch.uint8).view(dt)
         assert digest(t, ((0, 3), (0, n)), (3, n), route=r) == reference(t)
         part = t[:, 2:n - 2]   # an even column range of rows an odd number of elements apart
@@ -495,8 +495,8 @@ def test_digest_many_matches_digest_and_reports_errors(monkeypatch, route):
     the others."""
     r = use_route(monkeypatch, route)
     dgm = _dgm()
-    monkeypatch.setattr(dgm, "MM_ROW_BYTES", 64)        # force column blocks
-    monkeypatch.setattr(dgm, "MM_BATCH_BYTES", 512)     # force several batches
+    monkeypatch.setattr(dgm.routes, "MM_ROW_BYTES", 64)        # force column blocks
+    monkeypatch.setattr(dgm.routes, "MM_BATCH_BYTES", 512)     # force several batches
     g = torch.Generator().manual_seed(7)
     items = []
     for i in range(40):

@@ -418,9 +418,9 @@ def _digest_route(ctx):
 
 def _digest_run(ctx, tensors):
     # verify's own digest step, with verify's thread count
-    from coordloader.verify.checks import _digest_all, digest_workers
+    from coordloader.verify.checks import digest_pieces, digest_workers
     jobs = [(ts.name, tensors[ts.name], ts) for ts in ctx.rank_plan.tensors]
-    _digest_all(jobs, digest_workers(cap=torch.get_num_threads()), route=_digest_route(ctx))
+    digest_pieces(jobs, digest_workers(cap=torch.get_num_threads()), route=_digest_route(ctx))
     return tensors, sum(ts.covered_numel * itemsize(ts.dtype) for ts in ctx.rank_plan.tensors), {}
 
 

@@ -35,7 +35,7 @@ from coordloader.checkpoint.metadata import Box, box_numel, box_shape, full_box,
 from coordloader.checkpoint.tiling import fmt_box, tiling_problem
 from coordloader.engines import intersect, narrow_box
 from coordloader.errors import CollectiveError, CoordloaderError, VerifyError
-from coordloader.verify.digest import Route, _int_view, combine, digest_many, fmt, iter_subboxes, piece_view
+from coordloader.verify.digest import Route, combine, digest_many, fmt, int_view, iter_subboxes, piece_view
 from coordloader.verify.manifest import load_manifest
 
 
@@ -203,7 +203,7 @@ def _check_padding(t: torch.Tensor, ts) -> str | None:
     gaps = uncovered(local, dst)
     if gaps is None:
         return "too many disjoint padding regions to check"
-    bits = _int_view(t)
+    bits = int_view(t)
     for g in gaps:
         region = narrow_box(bits, [a for a, _ in g], box_shape(g))
         nz = int(torch.count_nonzero(region).item())
@@ -235,7 +235,7 @@ class _FullReader:
         if not shape:
             sp = info.pieces[0]
             ref = self._open(sp.file).get_tensor(name)
-            a, b = _int_view(ref.to(local.device)), _int_view(local)
+            a, b = int_view(ref.to(local.device)), int_view(local)
             return None if torch.equal(a, b) else "scalar differs from the checkpoint"
         budget = max(1, FULL_CHUNK_BYTES // itemsize(info.dtype))
         for sp in info.pieces:
@@ -248,7 +248,7 @@ class _FullReader:
                 ref = sl[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(sub, sp.box))]
                 mine = narrow_box(local, [o + a - p0 for o, (a, _), (p0, _) in
                                           zip(piece.dst, sub, piece.src)], box_shape(sub))
-                rb, mb = _int_view(ref.to(local.device)), _int_view(mine)
+                rb, mb = int_view(ref.to(local.device)), int_view(mine)
                 if tuple(rb.shape) != tuple(mb.shape):
                     return f"re-read {list(rb.shape)} elements, holds {list(mb.shape)}"
                 if not torch.equal(rb, mb):
@@ -331,7 +331,7 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
             findings.append(_finding(rank, "error", e.message))
             workers = 1
         t0 = time.perf_counter()
-        for name, res in _digest_all(jobs, workers):
+        for name, res in digest_pieces(jobs, workers):
             if isinstance(res, str):
                 findings.append(_finding(rank, "error", res, name))
             else:
@@ -365,7 +365,7 @@ def digest_workers(cap: int | None = None) -> int:
     return max(1, min(8, n, cap if cap is not None else n))
 
 
-def _digest_all(jobs, workers: int = 1, route=None):
+def digest_pieces(jobs, workers: int = 1, route=None):
     """Per-piece digests of every (name, tensor, slice) job -> [(name, digests | error)].
 
     All pieces go to ``digest.digest_many`` in one call: on CPU the compiled kernel takes
