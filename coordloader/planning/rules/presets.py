@@ -10,12 +10,13 @@ from typing import Mapping
 from coordloader.errors import PlanError
 from coordloader.planning.rules.ruleset import Rule, make_rule
 
-PRESETS = ("llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3", "bert")
+PRESETS = ("llama", "qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "bert")
 
 # config.json "architectures" entries -> preset
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "LlamaModel": "llama",
     "Qwen2ForCausalLM": "qwen2", "Qwen2Model": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen2MoeModel": "qwen2_moe",
     "Qwen3ForCausalLM": "qwen3_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v3",
@@ -23,7 +24,8 @@ _ARCHITECTURES = {
     "BertForPreTraining": "bert",
 }
 _MODEL_TYPES = {
-    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3_moe",
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen2_moe": "qwen2_moe",
+    "qwen3": "qwen3_moe",
     "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "deepseek_v3": "deepseek_v3",
     "deepseek_v2": "deepseek_v3", "bert": "bert",
 }
@@ -114,7 +116,9 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
             R(r".*\.block_sparse_moe\.experts\.\d+\.w[13]\.weight", "expert", dim=0, **exp),
             R(r".*\.block_sparse_moe\.experts\.\d+\.w2\.weight", "expert", dim=1, **exp),
         ]
-    if name in ("qwen3_moe", "qwen2"):
+    if name in ("qwen3_moe", "qwen2", "qwen2_moe"):
+        # vLLM qwen2_moe.py: shared_expert is a Qwen2MoeMLP (merged gate/up colwise, down
+        # rowwise); gate is a ReplicatedLinear and shared_expert_gate a plain nn.Linear
         rules += [R(r".*\.mlp\.gate\.weight", "replicate"),
                   R(r".*\.mlp\.shared_expert_gate\.weight", "replicate"),
                   R(r".*\.mlp\.shared_expert\.(gate|up)_proj\.weight", "colwise"),

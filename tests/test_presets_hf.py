@@ -1,0 +1,196 @@
+"""Presets against checkpoints transformers itself writes.
+
+Each family: a tiny random model from its transformers config, every parameter refilled
+with seeded values (transformers starts biases at zero and norms at one, which would hide
+a swapped slice), written by ``save_pretrained`` in several shards with a vocab that is
+not a multiple of 64. ``coordloader.load(..., rank=r)`` gives every rank's tensors in this
+process; each is compared with a reference slicer written here from vLLM's model files,
+not from the planner."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import coordloader as cl
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 100          # not a multiple of 64: the last TP rank holds zero padding rows
+PAD = 64
+
+
+class Coords(NamedTuple):
+    tp: int
+    tp_rank: int
+    ep: int          # 1 when experts are only split by TP
+    moe_tp: int
+    ep_rank: int
+    moe_tp_rank: int
+
+
+def coords_of(layout: dict, rank: int) -> Coords:
+    tp, ep = layout.get("tp", 1), layout.get("ep", 1)
+    tp_rank = rank % tp
+    moe_tp = tp // ep
+    return Coords(tp, tp_rank, ep, moe_tp, tp_rank // moe_tp, tp_rank % moe_tp)
+
+
+# --- the reference: vLLM's parallel layers, one function each ---------------------------
+
+def split(t: torch.Tensor, dim: int, parts: int, i: int) -> torch.Tensor:
+    """ColumnParallelLinear (dim 0) / RowParallelLinear (dim 1): equal contiguous chunks."""
+    n = t.shape[dim] // parts
+    assert n * parts == t.shape[dim], (t.shape, dim, parts)
+    return t.narrow(dim, i * n, n)
+
+
+def vocab_parallel(t: torch.Tensor, c: Coords) -> torch.Tensor:
+    """VocabParallelEmbedding / ParallelLMHead: rows padded to 64, split over TP."""
+    vp = -(-t.shape[0] // PAD) * PAD
+    padded = torch.zeros((vp,) + tuple(t.shape[1:]), dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    return split(padded, 0, c.tp, c.tp_rank)
+
+
+def qkv_heads(t: torch.Tensor, heads: int, c: Coords, kv: bool) -> torch.Tensor:
+    """QKVParallelLinear: whole heads per rank; K/V heads replicate when tp > kv heads."""
+    hd = t.shape[0] // heads
+    if c.tp > heads:
+        assert kv
+        h = c.tp_rank // (c.tp // heads)
+        return t.narrow(0, h * hd, hd)
+    return split(t, 0, c.tp, c.tp_rank)
+
+
+def linear_experts(num: int, c: Coords) -> range:
+    """FusedMoE's linear expert placement over the EP ranks."""
+    base, rem = divmod(num, c.ep)
+    q = c.ep_rank
+    start = q * base + min(q, rem)
+    return range(start, start + base + (q < rem))
+
+
+# --- families -----------------------------------------------------------------------------
+
+class Family(NamedTuple):
+    name: str
+    make: Callable[[], object]                 # -> a transformers model
+    reference: Callable[[str, torch.Tensor, dict, Coords], torch.Tensor | None]
+    layouts: tuple
+
+
+def _qwen2_moe_model():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                         moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                         mlp_only_layers=[1], tie_word_embeddings=False)
+    return Qwen2MoeForCausalLM(cfg)
+
+
+def _qwen2_moe_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM qwen2_moe.py: Qwen2MoeAttention (QKVParallelLinear with bias, RowParallelLinear
+    o_proj), Qwen2MoeSparseMoeBlock (ReplicatedLinear gate, FusedMoE experts, shared_expert
+    a Qwen2MoeMLP, shared_expert_gate a replicated nn.Linear), dense Qwen2MoeMLP on
+    mlp_only_layers, VocabParallelEmbedding and ParallelLMHead."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return vocab_parallel(t, c)
+    parts = name.split(".")
+    leaf = ".".join(parts[3:])                 # after model.layers.N.
+    if leaf.startswith("self_attn.q_proj."):
+        return qkv_heads(t, cfg["num_attention_heads"], c, kv=False)
+    if leaf.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
+        return qkv_heads(t, cfg["num_key_value_heads"], c, kv=True)
+    if leaf == "self_attn.o_proj.weight":
+        return split(t, 1, c.tp, c.tp_rank)
+    if leaf.startswith("mlp.experts."):
+        e, proj = int(parts[5]), parts[6]
+        if e not in linear_experts(cfg["num_experts"], c):
+            return None
+        return split(t, 1 if proj == "down_proj" else 0, c.moe_tp, c.moe_tp_rank)
+    if leaf in ("mlp.gate.weight", "mlp.shared_expert_gate.weight"):
+        return t
+    if leaf in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                "mlp.gate_proj.weight", "mlp.up_proj.weight"):
+        return split(t, 0, c.tp, c.tp_rank)
+    if leaf in ("mlp.shared_expert.down_proj.weight", "mlp.down_proj.weight"):
+        return split(t, 1, c.tp, c.tp_rank)
+    if name.endswith("norm.weight"):
+        return t
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
+FAMILIES = {
+    "qwen2_moe": Family("qwen2_moe", _qwen2_moe_model, _qwen2_moe_reference,
+                        (dict(tp=2), dict(tp=2, ep=2))),
+}
+
+
+def _refill(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype))
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """family name -> a directory transformers wrote; each family built once per session."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            torch.manual_seed(0)
+            model = FAMILIES[family].make()
+            _refill(model, seed=1234)
+            out = tmp_path_factory.mktemp(f"hf-{family}")
+            model.save_pretrained(out, max_shard_size="20KB")
+            assert len(list(out.glob("*.safetensors"))) > 2, "want several shards"
+            built[family] = out
+        return built[family]
+    return get
+
+
+def _full_tensors(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            for k in s.keys():
+                out[k] = s.get_tensor(k)
+    return out
+
+
+def check_family(path: Path, family: Family, layout: dict, rules=None) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    full = _full_tensors(path)
+    world = layout.get("tp", 1)
+    for rank in range(world):
+        c = coords_of(layout, rank)
+        got = cl.load(str(path), cl.Layout(**layout), rank=rank, rules=rules)
+        want = {}
+        for n, t in full.items():
+            r = family.reference(n, t, cfg, c)
+            if r is not None:
+                want[n] = r
+        assert set(got) == set(want), (rank, sorted(set(got) ^ set(want)))
+        for n, w in want.items():
+            assert got[n].shape == w.shape, (rank, n, tuple(got[n].shape), tuple(w.shape))
+            assert torch.equal(got[n], w), (rank, n)
+
+
+def test_qwen2_moe_detected(hf_checkpoint):
+    path = hf_checkpoint("qwen2_moe")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cl.planning.rules.detect_preset(cfg) == "qwen2_moe"
+    assert cl.planning.rules.detect_preset({"model_type": "qwen2_moe"}) == "qwen2_moe"
+
+
+@pytest.mark.parametrize("layout", FAMILIES["qwen2_moe"].layouts, ids=str)
+def test_qwen2_moe_matches_vllm(hf_checkpoint, layout):
+    check_family(hf_checkpoint("qwen2_moe"), FAMILIES["qwen2_moe"], layout)
