@@ -126,9 +126,36 @@ def _qwen2_moe_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
     raise AssertionError(f"reference has no vLLM rule for {name}")
 
 
+def _bert_model():
+    from transformers import BertConfig, BertModel
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=48,
+                     max_position_embeddings=40, type_vocab_size=2)
+    return BertModel(cfg)
+
+
+def _bert_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM bert.py: BertEmbedding (word, position and token type embeddings all
+    VocabParallelEmbedding), BertSelfAttention (QKVParallelLinear), BertSelfOutput and
+    BertOutput (RowParallelLinear: bias whole), BertIntermediate (ColumnParallelLinear),
+    LayerNorms and BertPooler's nn.Linear replicated."""
+    if name.startswith("embeddings.") and name.endswith("_embeddings.weight"):
+        return vocab_parallel(t, c)
+    if ".attention.self." in name:
+        return qkv_heads(t, cfg["num_attention_heads"], c, kv=False)
+    if name.endswith(("attention.output.dense.weight", ".output.dense.weight")):
+        return split(t, 1, c.tp, c.tp_rank)
+    if ".intermediate.dense." in name:
+        return split(t, 0, c.tp, c.tp_rank)
+    if "LayerNorm" in name or name.startswith("pooler.") or name.endswith("output.dense.bias"):
+        return t
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
 FAMILIES = {
     "qwen2_moe": Family("qwen2_moe", _qwen2_moe_model, _qwen2_moe_reference,
                         (dict(tp=2), dict(tp=2, ep=2))),
+    "bert": Family("bert", _bert_model, _bert_reference, (dict(tp=2),)),
 }
 
 
@@ -194,3 +221,8 @@ def test_qwen2_moe_detected(hf_checkpoint):
 @pytest.mark.parametrize("layout", FAMILIES["qwen2_moe"].layouts, ids=str)
 def test_qwen2_moe_matches_vllm(hf_checkpoint, layout):
     check_family(hf_checkpoint("qwen2_moe"), FAMILIES["qwen2_moe"], layout)
+
+
+@pytest.mark.parametrize("layout", FAMILIES["bert"].layouts, ids=str)
+def test_bert_matches_vllm(hf_checkpoint, layout):
+    check_family(hf_checkpoint("bert"), FAMILIES["bert"], layout)

@@ -141,8 +141,8 @@ def _bert(config, R) -> list[Rule]:
         raise PlanError("preset bert: config.json lacks num_attention_heads")
     p = r"(?:.*\.)?"
     return [
-        R(p + r"embeddings\.word_embeddings\.weight", "vocab", stage="first"),
-        R(p + r"embeddings\.(position_embeddings|token_type_embeddings)\.weight", "replicate",
+        # vLLM bert.py builds all three embeddings as VocabParallelEmbedding
+        R(p + r"embeddings\.(word|position|token_type)_embeddings\.weight", "vocab",
           stage="first"),
         R(p + r"embeddings\.(LayerNorm\.(weight|bias)|position_ids|token_type_ids)", "replicate",
           stage="first"),
