@@ -152,10 +152,42 @@ def _bert_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
     raise AssertionError(f"reference has no vLLM rule for {name}")
 
 
+def _phi3_model():
+    from transformers import Phi3Config, Phi3ForCausalLM
+    cfg = Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     tie_word_embeddings=False)
+    return Phi3ForCausalLM(cfg)
+
+
+def _phi3_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM phi3.py (LlamaForCausalLM): the checkpoint's fused qkv_proj goes through
+    QKVParallelLinear.weight_loader with shard id None (cut into q, k, v by head counts,
+    each sliced by heads, concatenated); gate_up_proj through MergedColumnParallelLinear
+    the same way (two equal halves, each split over TP); o_proj/down_proj RowParallelLinear."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return vocab_parallel(t, c)
+    if name.endswith("self_attn.qkv_proj.weight"):
+        h, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        hd = cfg["hidden_size"] // h
+        q, k, v = t.split([h * hd, kv * hd, kv * hd])
+        return torch.cat([qkv_heads(q, h, c, False), qkv_heads(k, kv, c, True),
+                          qkv_heads(v, kv, c, True)])
+    if name.endswith("mlp.gate_up_proj.weight"):
+        return torch.cat([split(x, 0, c.tp, c.tp_rank) for x in t.chunk(2)])
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return split(t, 1, c.tp, c.tp_rank)
+    if name.endswith("norm.weight"):
+        return t
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
 FAMILIES = {
     "qwen2_moe": Family("qwen2_moe", _qwen2_moe_model, _qwen2_moe_reference,
                         (dict(tp=2), dict(tp=2, ep=2))),
     "bert": Family("bert", _bert_model, _bert_reference, (dict(tp=2),)),
+    "phi3": Family("phi3", _phi3_model, _phi3_reference, (dict(tp=2), dict(tp=4))),
 }
 
 
@@ -226,3 +258,21 @@ def test_qwen2_moe_matches_vllm(hf_checkpoint, layout):
 @pytest.mark.parametrize("layout", FAMILIES["bert"].layouts, ids=str)
 def test_bert_matches_vllm(hf_checkpoint, layout):
     check_family(hf_checkpoint("bert"), FAMILIES["bert"], layout)
+
+
+def test_phi3_detected(hf_checkpoint):
+    cfg = json.loads((hf_checkpoint("phi3") / "config.json").read_text())
+    assert cl.planning.rules.detect_preset(cfg) == "phi3"
+
+
+@pytest.mark.parametrize("layout", FAMILIES["phi3"].layouts, ids=str)
+def test_phi3_matches_vllm(hf_checkpoint, layout):
+    check_family(hf_checkpoint("phi3"), FAMILIES["phi3"], layout)
+
+
+def test_reference_catches_fused_blocks_split_as_one(hf_checkpoint):
+    """A planted wrong rule (gate_up_proj split as one colwise tensor instead of two
+    packed halves) gives different bytes, and the reference sees it."""
+    rules = [{"pattern": "*.mlp.gate_up_proj.weight", "strategy": "colwise"}]
+    with pytest.raises(AssertionError, match="gate_up_proj"):
+        check_family(hf_checkpoint("phi3"), FAMILIES["phi3"], dict(tp=2), rules=rules)

@@ -10,7 +10,8 @@ from typing import Mapping
 from coordloader.errors import PlanError
 from coordloader.planning.rules.ruleset import Rule, make_rule
 
-PRESETS = ("llama", "qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "bert")
+PRESETS = ("llama", "qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "bert",
+           "phi3")
 
 # config.json "architectures" entries -> preset
 _ARCHITECTURES = {
@@ -18,7 +19,7 @@ _ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2", "Qwen2Model": "qwen2",
     "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen2MoeModel": "qwen2_moe",
     "Qwen3ForCausalLM": "qwen3_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
+    "MixtralForCausalLM": "mixtral", "Phi3ForCausalLM": "phi3",
     "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v3",
     "BertModel": "bert", "BertForMaskedLM": "bert", "BertForSequenceClassification": "bert",
     "BertForPreTraining": "bert",
@@ -27,7 +28,7 @@ _MODEL_TYPES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen2_moe": "qwen2_moe",
     "qwen3": "qwen3_moe",
     "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "deepseek_v3": "deepseek_v3",
-    "deepseek_v2": "deepseek_v3", "bert": "bert",
+    "deepseek_v2": "deepseek_v3", "bert": "bert", "phi3": "phi3",
 }
 
 
@@ -101,6 +102,9 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
             R(r".*\.mlp\.gate\.(weight|e_score_correction_bias)", "replicate"),
             R(r".*\.eh_proj\.weight", "replicate"),
         ]
+    elif name == "phi3":
+        rules += _phi3(config, R, need(heads, "num_attention_heads"),
+                       need(kv_heads, "num_key_value_heads"))
     else:
         rules += [
             R(r".*\.self_attn\.q_proj\.(weight|bias)", "heads", num_heads=need(heads, "num_attention_heads")),
@@ -133,6 +137,25 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
         R(r".*rotary_emb\.inv_freq", "replicate"),
     ]
     return rules
+
+
+def _phi3(config, R, heads: int, kv_heads: int) -> list[Rule]:
+    """phi3 (Phi-3, Phi-4), as vLLM's phi3.py (a Llama with stacked params): the checkpoint
+    already holds the fused qkv_proj and gate_up_proj that QKVParallelLinear and
+    MergedColumnParallelLinear load with shard id None, i.e. cut into q/k/v (gate/up)
+    blocks, each split over TP on its own."""
+    hidden = _cfg_int(config, "hidden_size", preset="phi3")
+    hd = _cfg_int(config, "head_dim", preset="phi3") or (hidden // heads if hidden else None)
+    if hd is None:
+        raise PlanError("preset phi3: config.json lacks head_dim and hidden_size, needed to "
+                        "cut qkv_proj into q, k and v")
+    return [
+        R(r".*\.self_attn\.qkv_proj\.weight", "packed",
+          blocks=[heads * hd, kv_heads * hd, kv_heads * hd], heads=[heads, kv_heads, kv_heads],
+          kv=[False, True, True]),
+        R(r".*\.self_attn\.o_proj\.weight", "rowwise"),
+        R(r".*\.mlp\.gate_up_proj\.weight", "packed", num_blocks=2),
+    ]
 
 
 def _bert(config, R) -> list[Rule]:
