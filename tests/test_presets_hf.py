@@ -183,11 +183,39 @@ def _phi3_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
     raise AssertionError(f"reference has no vLLM rule for {name}")
 
 
+def _gemma3_model():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, sliding_window=16, pad_token_id=0)
+    return Gemma3ForCausalLM(cfg)
+
+
+def _gemma3_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM gemma3.py: Gemma3Attention (QKVParallelLinear, RowParallelLinear o_proj,
+    GemmaRMSNorm q_norm/k_norm), Gemma3MLP (MergedColumnParallelLinear gate_up,
+    RowParallelLinear down), a tied VocabParallelEmbedding; every norm replicated."""
+    if name == "model.embed_tokens.weight":
+        return vocab_parallel(t, c)
+    if name.endswith("self_attn.q_proj.weight"):
+        return qkv_heads(t, cfg["num_attention_heads"], c, kv=False)
+    if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+        return qkv_heads(t, cfg["num_key_value_heads"], c, kv=True)
+    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+        return split(t, 0, c.tp, c.tp_rank)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return split(t, 1, c.tp, c.tp_rank)
+    if name.endswith("norm.weight"):
+        return t
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
 FAMILIES = {
     "qwen2_moe": Family("qwen2_moe", _qwen2_moe_model, _qwen2_moe_reference,
                         (dict(tp=2), dict(tp=2, ep=2))),
     "bert": Family("bert", _bert_model, _bert_reference, (dict(tp=2),)),
     "phi3": Family("phi3", _phi3_model, _phi3_reference, (dict(tp=2), dict(tp=4))),
+    "gemma3": Family("gemma3", _gemma3_model, _gemma3_reference, (dict(tp=2), dict(tp=4))),
 }
 
 
@@ -276,3 +304,13 @@ def test_reference_catches_fused_blocks_split_as_one(hf_checkpoint):
     rules = [{"pattern": "*.mlp.gate_up_proj.weight", "strategy": "colwise"}]
     with pytest.raises(AssertionError, match="gate_up_proj"):
         check_family(hf_checkpoint("phi3"), FAMILIES["phi3"], dict(tp=2), rules=rules)
+
+
+def test_gemma3_detected(hf_checkpoint):
+    cfg = json.loads((hf_checkpoint("gemma3") / "config.json").read_text())
+    assert cl.planning.rules.detect_preset(cfg) == "gemma3"
+
+
+@pytest.mark.parametrize("layout", FAMILIES["gemma3"].layouts, ids=str)
+def test_gemma3_matches_vllm(hf_checkpoint, layout):
+    check_family(hf_checkpoint("gemma3"), FAMILIES["gemma3"], layout)

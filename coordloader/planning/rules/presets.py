@@ -11,7 +11,7 @@ from coordloader.errors import PlanError
 from coordloader.planning.rules.ruleset import Rule, make_rule
 
 PRESETS = ("llama", "qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "bert",
-           "phi3")
+           "phi3", "gemma3")
 
 # config.json "architectures" entries -> preset
 _ARCHITECTURES = {
@@ -20,6 +20,7 @@ _ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen2MoeModel": "qwen2_moe",
     "Qwen3ForCausalLM": "qwen3_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral", "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
     "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v3",
     "BertModel": "bert", "BertForMaskedLM": "bert", "BertForSequenceClassification": "bert",
     "BertForPreTraining": "bert",
@@ -29,6 +30,7 @@ _MODEL_TYPES = {
     "qwen3": "qwen3_moe",
     "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "deepseek_v3": "deepseek_v3",
     "deepseek_v2": "deepseek_v3", "bert": "bert", "phi3": "phi3",
+    "gemma3_text": "gemma3",
 }
 
 
@@ -112,6 +114,9 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
               num_heads=need(kv_heads, "num_key_value_heads"), kv=True),
             R(r".*\.self_attn\.o_proj\.(weight|bias)", "rowwise"),
         ]
+    # gemma3 (text), as vLLM's gemma3.py: Llama's split (QKVParallelLinear, merged gate/up,
+    # row o/down, tied VocabParallelEmbedding); its q_norm/k_norm and four norms per layer
+    # are replicated by the norm rule below
     n_exp = num_experts_of(config)
     exp = {"num_experts": n_exp} if n_exp else {}
     if name == "mixtral":
