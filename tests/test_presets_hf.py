@@ -210,12 +210,50 @@ def _gemma3_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
     raise AssertionError(f"reference has no vLLM rule for {name}")
 
 
+def _glm4_moe_model():
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    cfg = Glm4MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                        moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, n_routed_experts=4,
+                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                        n_group=1, topk_group=1, num_nextn_predict_layers=0, use_qk_norm=True,
+                        attention_bias=True, tie_word_embeddings=False)
+    return Glm4MoeForCausalLM(cfg)
+
+
+def _glm4_moe_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM glm4_moe.py: Glm4MoeAttention (QKVParallelLinear with bias, RowParallelLinear
+    o_proj, replicated q_norm/k_norm), Glm4MoE (ReplicatedLinear gate and its
+    e_score_correction_bias, FusedMoE experts, shared_experts a Glm4MoeMLP), dense
+    Glm4MoeMLP in the first_k_dense_replace layers, VocabParallelEmbedding, ParallelLMHead."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return vocab_parallel(t, c)
+    parts = name.split(".")
+    if ".self_attn.q_proj." in name:
+        return qkv_heads(t, cfg["num_attention_heads"], c, kv=False)
+    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        return qkv_heads(t, cfg["num_key_value_heads"], c, kv=True)
+    if ".mlp.experts." in name:
+        if int(parts[5]) not in linear_experts(cfg["n_routed_experts"], c):
+            return None
+        return split(t, 1 if parts[6] == "down_proj" else 0, c.moe_tp, c.moe_tp_rank)
+    if ".mlp.gate." in name or name.endswith("norm.weight"):
+        return t
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+        return split(t, 0, c.tp, c.tp_rank)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return split(t, 1, c.tp, c.tp_rank)
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
 FAMILIES = {
     "qwen2_moe": Family("qwen2_moe", _qwen2_moe_model, _qwen2_moe_reference,
                         (dict(tp=2), dict(tp=2, ep=2))),
     "bert": Family("bert", _bert_model, _bert_reference, (dict(tp=2),)),
     "phi3": Family("phi3", _phi3_model, _phi3_reference, (dict(tp=2), dict(tp=4))),
     "gemma3": Family("gemma3", _gemma3_model, _gemma3_reference, (dict(tp=2), dict(tp=4))),
+    "glm4_moe": Family("glm4_moe", _glm4_moe_model, _glm4_moe_reference,
+                       (dict(tp=2), dict(tp=2, ep=2), dict(tp=4, ep=4))),
 }
 
 
@@ -314,3 +352,13 @@ def test_gemma3_detected(hf_checkpoint):
 @pytest.mark.parametrize("layout", FAMILIES["gemma3"].layouts, ids=str)
 def test_gemma3_matches_vllm(hf_checkpoint, layout):
     check_family(hf_checkpoint("gemma3"), FAMILIES["gemma3"], layout)
+
+
+def test_glm4_moe_detected(hf_checkpoint):
+    cfg = json.loads((hf_checkpoint("glm4_moe") / "config.json").read_text())
+    assert cl.planning.rules.detect_preset(cfg) == "glm4_moe"
+
+
+@pytest.mark.parametrize("layout", FAMILIES["glm4_moe"].layouts, ids=str)
+def test_glm4_moe_matches_vllm(hf_checkpoint, layout):
+    check_family(hf_checkpoint("glm4_moe"), FAMILIES["glm4_moe"], layout)

@@ -11,7 +11,7 @@ from coordloader.errors import PlanError
 from coordloader.planning.rules.ruleset import Rule, make_rule
 
 PRESETS = ("llama", "qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "bert",
-           "phi3", "gemma3")
+           "phi3", "gemma3", "glm4_moe")
 
 # config.json "architectures" entries -> preset
 _ARCHITECTURES = {
@@ -20,7 +20,7 @@ _ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen2MoeModel": "qwen2_moe",
     "Qwen3ForCausalLM": "qwen3_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral", "Phi3ForCausalLM": "phi3",
-    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForCausalLM": "gemma3", "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v3",
     "BertModel": "bert", "BertForMaskedLM": "bert", "BertForSequenceClassification": "bert",
     "BertForPreTraining": "bert",
@@ -30,7 +30,7 @@ _MODEL_TYPES = {
     "qwen3": "qwen3_moe",
     "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "deepseek_v3": "deepseek_v3",
     "deepseek_v2": "deepseek_v3", "bert": "bert", "phi3": "phi3",
-    "gemma3_text": "gemma3",
+    "gemma3_text": "gemma3", "glm4_moe": "glm4_moe",
 }
 
 
@@ -125,6 +125,12 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
             R(r".*\.block_sparse_moe\.experts\.\d+\.w[13]\.weight", "expert", dim=0, **exp),
             R(r".*\.block_sparse_moe\.experts\.\d+\.w2\.weight", "expert", dim=1, **exp),
         ]
+    if name == "glm4_moe":
+        # GLM-4.5/4.6, as vLLM's glm4_moe.py: the router (with its e_score_correction_bias)
+        # is a ReplicatedLinear; shared experts, dense first layers and the MTP layer's
+        # eh_proj follow the DeepSeek-style rules below
+        rules += [R(r".*\.mlp\.gate\.(weight|e_score_correction_bias)", "replicate"),
+                  R(r".*\.eh_proj\.weight", "replicate")]
     if name in ("qwen3_moe", "qwen2", "qwen2_moe"):
         # vLLM qwen2_moe.py: shared_expert is a Qwen2MoeMLP (merged gate/up colwise, down
         # rowwise); gate is a ReplicatedLinear and shared_expert_gate a plain nn.Linear
