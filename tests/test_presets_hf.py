@@ -248,7 +248,7 @@ def _glm4_moe_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
 
 FAMILIES = {
     "qwen2_moe": Family("qwen2_moe", _qwen2_moe_model, _qwen2_moe_reference,
-                        (dict(tp=2), dict(tp=2, ep=2))),
+                        (dict(tp=2), dict(tp=2, ep=2), dict(tp=4, ep=4))),
     "bert": Family("bert", _bert_model, _bert_reference, (dict(tp=2),)),
     "phi3": Family("phi3", _phi3_model, _phi3_reference, (dict(tp=2), dict(tp=4))),
     "gemma3": Family("gemma3", _gemma3_model, _gemma3_reference, (dict(tp=2), dict(tp=4))),
@@ -362,3 +362,14 @@ def test_glm4_moe_detected(hf_checkpoint):
 @pytest.mark.parametrize("layout", FAMILIES["glm4_moe"].layouts, ids=str)
 def test_glm4_moe_matches_vllm(hf_checkpoint, layout):
     check_family(hf_checkpoint("glm4_moe"), FAMILIES["glm4_moe"], layout)
+
+
+def test_kimi_k2_rides_on_deepseek_v3():
+    """Kimi-K2's config.json names DeepseekV3ForCausalLM with model_type kimi_k2 (and a
+    remote-code auto_map); either key alone must pick the deepseek_v3 preset."""
+    from transformers import DeepseekV3Config
+    cfg = DeepseekV3Config(vocab_size=VOCAB).to_dict()
+    kimi = dict(cfg, model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"],
+                auto_map={"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    assert cl.planning.rules.detect_preset(kimi) == "deepseek_v3"
+    assert cl.planning.rules.detect_preset(dict(kimi, architectures=None)) == "deepseek_v3"

@@ -29,7 +29,8 @@ _MODEL_TYPES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen2_moe": "qwen2_moe",
     "qwen3": "qwen3_moe",
     "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "deepseek_v3": "deepseek_v3",
-    "deepseek_v2": "deepseek_v3", "bert": "bert", "phi3": "phi3",
+    "deepseek_v2": "deepseek_v3",
+    "kimi_k2": "deepseek_v3", "bert": "bert", "phi3": "phi3",
     "gemma3_text": "gemma3", "glm4_moe": "glm4_moe",
 }
 
