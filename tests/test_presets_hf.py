@@ -373,3 +373,50 @@ def test_kimi_k2_rides_on_deepseek_v3():
                 auto_map={"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
     assert cl.planning.rules.detect_preset(kimi) == "deepseek_v3"
     assert cl.planning.rules.detect_preset(dict(kimi, architectures=None)) == "deepseek_v3"
+
+
+# --- fused 3-D experts (transformers 5 in memory: experts.gate_up_proj [E, 2I, H]) --------
+
+FUSED_RULES = [
+    {"pattern": "*.mlp.experts.gate_up_proj", "strategy": "expert",
+     "params": {"dim": 0, "num_blocks": 2}},
+    {"pattern": "*.mlp.experts.down_proj", "strategy": "expert", "params": {"dim": 1}},
+]
+
+
+@pytest.fixture(scope="session")
+def fused_experts_ckpt(tmp_path_factory):
+    """The fused expert tensors of a transformers 5 Qwen2Moe model, as its modules hold them,
+    written with safetensors beside the model's config.json."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    model = _qwen2_moe_model()
+    _refill(model, seed=99)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if ".mlp.experts." in k}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in sd, sorted(sd)
+    out = tmp_path_factory.mktemp("fused-experts")
+    save_file(sd, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(model.config.to_dict()))
+    return out
+
+
+def _fused_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM FusedMoE: experts by linear placement; inside each, w13 holds gate and up
+    halves each split over moe_tp, w2 split on its input (last) dim."""
+    mine = t[list(linear_experts(cfg["num_experts"], c))]
+    if name.endswith("gate_up_proj"):
+        return torch.cat([split(h, 1, c.moe_tp, c.moe_tp_rank) for h in mine.chunk(2, dim=1)],
+                         dim=1)
+    return split(mine, 2, c.moe_tp, c.moe_tp_rank)
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=4, ep=2)], ids=str)
+def test_fused_experts_split_per_packed_half(fused_experts_ckpt, layout):
+    fam = Family("fused", lambda: None, _fused_reference, ())
+    check_family(fused_experts_ckpt, fam, layout, rules=FUSED_RULES)
+
+
+def test_fused_gate_up_split_without_declared_halves_is_refused(fused_experts_ckpt):
+    rules = [dict(FUSED_RULES[0], params={"dim": 0}), FUSED_RULES[1]]
+    with pytest.raises(cl.errors.PlanError, match="gate_up_proj.*num_blocks=2"):
+        cl.make_plan(str(fused_experts_ckpt), cl.Layout(tp=2), rules=rules)
