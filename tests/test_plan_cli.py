@@ -50,6 +50,16 @@ def test_json_write_failure_is_an_error_naming_the_file(ckpt, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]   # no temp file left
 
 
+def test_json_to_stdout_is_only_json(ckpt):
+    """`--json -` can be piped into a JSON parser: the table goes to stderr."""
+    p = subprocess.run([sys.executable, "-m", "coordloader.plan", ckpt, "--tp", "2", "--ep", "2",
+                        "--json", "-"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["version"] == 1 and len(doc["ranks"]) == 2
+    assert "world 2" in p.stderr
+
+
 def test_invalid_layout_exit_code_no_traceback(ckpt):
     p = subprocess.run([sys.executable, "-m", "coordloader.plan", ckpt, "--tp", "4", "--ep", "3"],
                        capture_output=True, text=True, timeout=120)

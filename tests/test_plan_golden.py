@@ -114,7 +114,9 @@ def test_minilm_vocab_padding_tp2():
     assert r0["encoder.layer.0.attention.output.dense.bias"].local_shape == (384,)
     assert r0["encoder.layer.0.intermediate.dense.weight"].local_shape == (768, 384)
     assert r0["encoder.layer.0.output.dense.weight"].local_shape == (384, 768)
-    assert r0["embeddings.position_embeddings.weight"].local_shape == (512, 384)
+    # vLLM's BERT splits the position and token type embeddings like the vocab
+    assert r0["embeddings.position_embeddings.weight"].local_shape == (256, 384)
+    assert r0["embeddings.token_type_embeddings.weight"].local_shape == (32, 384)
     assert plan.rank(1).by_name()["pooler.dense.weight"].replica == 1
 
 

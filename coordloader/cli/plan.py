@@ -162,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="checkpoint directory")
     add_layout_args(p)
     p.add_argument("--rank", type=int, default=None, help="show only this rank")
-    p.add_argument("--json", default=None, help="write the plan (schema v1) to FILE ('-' = stdout)")
+    p.add_argument("--json", default=None,
+                   help="write the plan (schema v1) to FILE ('-' = stdout, the table then "
+                        "goes to stderr)")
     return p
 
 
@@ -178,7 +180,9 @@ def _run(args) -> int:
     meta = read_checkpoint(args.checkpoint)
     plan = make_plan(meta, layout, args.rules, replicate_unmatched=args.replicate_unmatched)
     validate_cover(plan, meta)
-    print(format_plan_table(plan, rank=args.rank))
+    # with the plan on stdout the table goes to stderr, so stdout parses as JSON alone
+    print(format_plan_table(plan, rank=args.rank),
+          file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
         doc = plan.to_json()
         if args.json == "-":

@@ -443,28 +443,46 @@ class _Planner:
                                         f"replicated as a whole set", t.name)
                     seen.setdefault(e, q)
         split = dim is not None and L.moe_tp > 1
+        nb = p.get("num_blocks") or 1
         if split:
             if dim + 1 >= len(t.shape):
                 raise self._err(f"expert split dim {dim} out of range for fused shape "
                                 f"{list(t.shape)}", t.name)
-            rngs = self._chunks(t, t.shape[dim + 1], L.moe_tp,
-                                f"fused expert split of dim {dim + 1} (shape {list(t.shape)}) "
-                                f"over moe_tp={L.moe_tp}")
+            size = t.shape[dim + 1]
+            if size % nb:
+                raise self._err(f"dim {dim + 1} of size {size} does not hold {nb} equal packed "
+                                f"blocks", t.name)
+            if nb == 1 and any("gate_up" in c for c in t.name.split(".")[-2:]):
+                # a plain split of [gate; up] would give a rank gate rows only
+                raise self._err(f"fused expert tensor packs gate and up halves on dim {dim + 1}; "
+                                f"splitting it over moe_tp={L.moe_tp} needs the rule to declare "
+                                f"them (param num_blocks=2)", t.name)
+            bs = size // nb
+            per = self._chunks(t, bs, L.moe_tp,
+                               f"fused expert split of dim {dim + 1} (shape {list(t.shape)}, "
+                               f"{nb} packed blocks) over moe_tp={L.moe_tp}")
+            # each packed block is split on its own; a rank's parts are concatenated
+            rngs = [tuple((j * bs + a, j * bs + b) for j in range(nb)) for a, b in per]
         else:
-            rngs = [(0, t.shape[dim + 1])] if dim is not None else [None]
+            rngs = [((0, t.shape[dim + 1]),)] if dim is not None else [None]
         classes = []
         for q in range(L.ep):
             for rg in (rngs if split else rngs[:1]):
                 pieces = []
                 for i, e in enumerate(sets[q]):
-                    box = [(e, e + 1)] + [(0, s) for s in t.shape[1:]]
-                    if rg is not None:
-                        box[dim + 1] = rg
-                    if rg is None or rg[1] > rg[0]:
-                        pieces.append(Piece(tuple(box), (i,) + (0,) * (len(t.shape) - 1)))
+                    loc = 0
+                    for a, b in (rg if rg is not None else ((None, None),)):
+                        box = [(e, e + 1)] + [(0, s) for s in t.shape[1:]]
+                        dst = [i] + [0] * (len(t.shape) - 1)
+                        if rg is not None:
+                            box[dim + 1] = (a, b)
+                            dst[dim + 1] = loc
+                            loc += b - a
+                        if rg is None or b > a:
+                            pieces.append(Piece(tuple(box), tuple(dst)))
                 ls = [len(sets[q])] + list(t.shape[1:])
                 if rg is not None:
-                    ls[dim + 1] = rg[1] - rg[0]
+                    ls[dim + 1] = sum(b - a for a, b in rg)
                 classes.append((tuple(ls), tuple(pieces)))
         return ("moe_fused", split), classes
 

@@ -10,22 +10,28 @@ from typing import Mapping
 from coordloader.errors import PlanError
 from coordloader.planning.rules.ruleset import Rule, make_rule
 
-PRESETS = ("llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3", "bert")
+PRESETS = ("llama", "qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "bert",
+           "phi3", "gemma3", "glm4_moe")
 
 # config.json "architectures" entries -> preset
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "LlamaModel": "llama",
     "Qwen2ForCausalLM": "qwen2", "Qwen2Model": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen2MoeModel": "qwen2_moe",
     "Qwen3ForCausalLM": "qwen3_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
+    "MixtralForCausalLM": "mixtral", "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3", "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v3",
     "BertModel": "bert", "BertForMaskedLM": "bert", "BertForSequenceClassification": "bert",
     "BertForPreTraining": "bert",
 }
 _MODEL_TYPES = {
-    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3_moe",
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen2_moe": "qwen2_moe",
+    "qwen3": "qwen3_moe",
     "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "deepseek_v3": "deepseek_v3",
-    "deepseek_v2": "deepseek_v3", "bert": "bert",
+    "deepseek_v2": "deepseek_v3",
+    "kimi_k2": "deepseek_v3", "bert": "bert", "phi3": "phi3",
+    "gemma3_text": "gemma3", "glm4_moe": "glm4_moe",
 }
 
 
@@ -99,6 +105,9 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
             R(r".*\.mlp\.gate\.(weight|e_score_correction_bias)", "replicate"),
             R(r".*\.eh_proj\.weight", "replicate"),
         ]
+    elif name == "phi3":
+        rules += _phi3(config, R, need(heads, "num_attention_heads"),
+                       need(kv_heads, "num_key_value_heads"))
     else:
         rules += [
             R(r".*\.self_attn\.q_proj\.(weight|bias)", "heads", num_heads=need(heads, "num_attention_heads")),
@@ -106,6 +115,9 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
               num_heads=need(kv_heads, "num_key_value_heads"), kv=True),
             R(r".*\.self_attn\.o_proj\.(weight|bias)", "rowwise"),
         ]
+    # gemma3 (text), as vLLM's gemma3.py: Llama's split (QKVParallelLinear, merged gate/up,
+    # row o/down, tied VocabParallelEmbedding); its q_norm/k_norm and four norms per layer
+    # are replicated by the norm rule below
     n_exp = num_experts_of(config)
     exp = {"num_experts": n_exp} if n_exp else {}
     if name == "mixtral":
@@ -114,7 +126,15 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
             R(r".*\.block_sparse_moe\.experts\.\d+\.w[13]\.weight", "expert", dim=0, **exp),
             R(r".*\.block_sparse_moe\.experts\.\d+\.w2\.weight", "expert", dim=1, **exp),
         ]
-    if name in ("qwen3_moe", "qwen2"):
+    if name == "glm4_moe":
+        # GLM-4.5/4.6, as vLLM's glm4_moe.py: the router (with its e_score_correction_bias)
+        # is a ReplicatedLinear; shared experts, dense first layers and the MTP layer's
+        # eh_proj follow the DeepSeek-style rules below
+        rules += [R(r".*\.mlp\.gate\.(weight|e_score_correction_bias)", "replicate"),
+                  R(r".*\.eh_proj\.weight", "replicate")]
+    if name in ("qwen3_moe", "qwen2", "qwen2_moe"):
+        # vLLM qwen2_moe.py: shared_expert is a Qwen2MoeMLP (merged gate/up colwise, down
+        # rowwise); gate is a ReplicatedLinear and shared_expert_gate a plain nn.Linear
         rules += [R(r".*\.mlp\.gate\.weight", "replicate"),
                   R(r".*\.mlp\.shared_expert_gate\.weight", "replicate"),
                   R(r".*\.mlp\.shared_expert\.(gate|up)_proj\.weight", "colwise"),
@@ -131,14 +151,33 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
     return rules
 
 
+def _phi3(config, R, heads: int, kv_heads: int) -> list[Rule]:
+    """phi3 (Phi-3, Phi-4), as vLLM's phi3.py (a Llama with stacked params): the checkpoint
+    already holds the fused qkv_proj and gate_up_proj that QKVParallelLinear and
+    MergedColumnParallelLinear load with shard id None, i.e. cut into q/k/v (gate/up)
+    blocks, each split over TP on its own."""
+    hidden = _cfg_int(config, "hidden_size", preset="phi3")
+    hd = _cfg_int(config, "head_dim", preset="phi3") or (hidden // heads if hidden else None)
+    if hd is None:
+        raise PlanError("preset phi3: config.json lacks head_dim and hidden_size, needed to "
+                        "cut qkv_proj into q, k and v")
+    return [
+        R(r".*\.self_attn\.qkv_proj\.weight", "packed",
+          blocks=[heads * hd, kv_heads * hd, kv_heads * hd], heads=[heads, kv_heads, kv_heads],
+          kv=[False, True, True]),
+        R(r".*\.self_attn\.o_proj\.weight", "rowwise"),
+        R(r".*\.mlp\.gate_up_proj\.weight", "packed", num_blocks=2),
+    ]
+
+
 def _bert(config, R) -> list[Rule]:
     heads = _cfg_int(config, "num_attention_heads", preset="bert")
     if heads is None:
         raise PlanError("preset bert: config.json lacks num_attention_heads")
     p = r"(?:.*\.)?"
     return [
-        R(p + r"embeddings\.word_embeddings\.weight", "vocab", stage="first"),
-        R(p + r"embeddings\.(position_embeddings|token_type_embeddings)\.weight", "replicate",
+        # vLLM bert.py builds all three embeddings as VocabParallelEmbedding
+        R(p + r"embeddings\.(word|position|token_type)_embeddings\.weight", "vocab",
           stage="first"),
         R(p + r"embeddings\.(LayerNorm\.(weight|bias)|position_ids|token_type_ids)", "replicate",
           stage="first"),

@@ -15,7 +15,7 @@ STRATEGIES: dict[str, frozenset[str]] = {
     "vocab": frozenset({"pad_to", "stage"}),
     "heads": frozenset({"num_heads", "kv", "dim", "stage"}),
     "packed": frozenset({"dim", "blocks", "num_blocks", "heads", "kv", "stage"}),
-    "expert": frozenset({"num_experts", "dim", "id_regex", "stage"}),
+    "expert": frozenset({"num_experts", "dim", "id_regex", "num_blocks", "stage"}),
     "scale": frozenset({"block", "weight", "stage"}),
 }
 
@@ -89,6 +89,8 @@ def check_params(strategy: str, params: dict, where: str) -> dict:
     if strategy == "expert":
         if "num_experts" in p:
             pos_int("num_experts")
+        if "num_blocks" in p:
+            pos_int("num_blocks")
         p.setdefault("dim", None)
         p.setdefault("id_regex", r"(?:^|\.)experts\.(\d+)\.")
         if not isinstance(p["id_regex"], str):

@@ -1,0 +1,422 @@
+"""Presets against checkpoints transformers itself writes.
+
+Each family: a tiny random model from its transformers config, every parameter refilled
+with seeded values (transformers starts biases at zero and norms at one, which would hide
+a swapped slice), written by ``save_pretrained`` in several shards with a vocab that is
+not a multiple of 64. ``coordloader.load(..., rank=r)`` gives every rank's tensors in this
+process; each is compared with a reference slicer written here from vLLM's model files,
+not from the planner."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import coordloader as cl
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 100          # not a multiple of 64: the last TP rank holds zero padding rows
+PAD = 64
+
+
+class Coords(NamedTuple):
+    tp: int
+    tp_rank: int
+    ep: int          # 1 when experts are only split by TP
+    moe_tp: int
+    ep_rank: int
+    moe_tp_rank: int
+
+
+def coords_of(layout: dict, rank: int) -> Coords:
+    tp, ep = layout.get("tp", 1), layout.get("ep", 1)
+    tp_rank = rank % tp
+    moe_tp = tp // ep
+    return Coords(tp, tp_rank, ep, moe_tp, tp_rank // moe_tp, tp_rank % moe_tp)
+
+
+# --- the reference: vLLM's parallel layers, one function each ---------------------------
+
+def split(t: torch.Tensor, dim: int, parts: int, i: int) -> torch.Tensor:
+    """ColumnParallelLinear (dim 0) / RowParallelLinear (dim 1): equal contiguous chunks."""
+    n = t.shape[dim] // parts
+    assert n * parts == t.shape[dim], (t.shape, dim, parts)
+    return t.narrow(dim, i * n, n)
+
+
+def vocab_parallel(t: torch.Tensor, c: Coords) -> torch.Tensor:
+    """VocabParallelEmbedding / ParallelLMHead: rows padded to 64, split over TP."""
+    vp = -(-t.shape[0] // PAD) * PAD
+    padded = torch.zeros((vp,) + tuple(t.shape[1:]), dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    return split(padded, 0, c.tp, c.tp_rank)
+
+
+def qkv_heads(t: torch.Tensor, heads: int, c: Coords, kv: bool) -> torch.Tensor:
+    """QKVParallelLinear: whole heads per rank; K/V heads replicate when tp > kv heads."""
+    hd = t.shape[0] // heads
+    if c.tp > heads:
+        assert kv
+        h = c.tp_rank // (c.tp // heads)
+        return t.narrow(0, h * hd, hd)
+    return split(t, 0, c.tp, c.tp_rank)
+
+
+def linear_experts(num: int, c: Coords) -> range:
+    """FusedMoE's linear expert placement over the EP ranks."""
+    base, rem = divmod(num, c.ep)
+    q = c.ep_rank
+    start = q * base + min(q, rem)
+    return range(start, start + base + (q < rem))
+
+
+# --- families -----------------------------------------------------------------------------
+
+class Family(NamedTuple):
+    name: str
+    make: Callable[[], object]                 # -> a transformers model
+    reference: Callable[[str, torch.Tensor, dict, Coords], torch.Tensor | None]
+    layouts: tuple
+
+
+def _qwen2_moe_model():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                         moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                         mlp_only_layers=[1], tie_word_embeddings=False)
+    return Qwen2MoeForCausalLM(cfg)
+
+
+def _qwen2_moe_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM qwen2_moe.py: Qwen2MoeAttention (QKVParallelLinear with bias, RowParallelLinear
+    o_proj), Qwen2MoeSparseMoeBlock (ReplicatedLinear gate, FusedMoE experts, shared_expert
+    a Qwen2MoeMLP, shared_expert_gate a replicated nn.Linear), dense Qwen2MoeMLP on
+    mlp_only_layers, VocabParallelEmbedding and ParallelLMHead."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return vocab_parallel(t, c)
+    parts = name.split(".")
+    leaf = ".".join(parts[3:])                 # after model.layers.N.
+    if leaf.startswith("self_attn.q_proj."):
+        return qkv_heads(t, cfg["num_attention_heads"], c, kv=False)
+    if leaf.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
+        return qkv_heads(t, cfg["num_key_value_heads"], c, kv=True)
+    if leaf == "self_attn.o_proj.weight":
+        return split(t, 1, c.tp, c.tp_rank)
+    if leaf.startswith("mlp.experts."):
+        e, proj = int(parts[5]), parts[6]
+        if e not in linear_experts(cfg["num_experts"], c):
+            return None
+        return split(t, 1 if proj == "down_proj" else 0, c.moe_tp, c.moe_tp_rank)
+    if leaf in ("mlp.gate.weight", "mlp.shared_expert_gate.weight"):
+        return t
+    if leaf in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                "mlp.gate_proj.weight", "mlp.up_proj.weight"):
+        return split(t, 0, c.tp, c.tp_rank)
+    if leaf in ("mlp.shared_expert.down_proj.weight", "mlp.down_proj.weight"):
+        return split(t, 1, c.tp, c.tp_rank)
+    if name.endswith("norm.weight"):
+        return t
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
+def _bert_model():
+    from transformers import BertConfig, BertModel
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=48,
+                     max_position_embeddings=40, type_vocab_size=2)
+    return BertModel(cfg)
+
+
+def _bert_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM bert.py: BertEmbedding (word, position and token type embeddings all
+    VocabParallelEmbedding), BertSelfAttention (QKVParallelLinear), BertSelfOutput and
+    BertOutput (RowParallelLinear: bias whole), BertIntermediate (ColumnParallelLinear),
+    LayerNorms and BertPooler's nn.Linear replicated."""
+    if name.startswith("embeddings.") and name.endswith("_embeddings.weight"):
+        return vocab_parallel(t, c)
+    if ".attention.self." in name:
+        return qkv_heads(t, cfg["num_attention_heads"], c, kv=False)
+    if name.endswith(("attention.output.dense.weight", ".output.dense.weight")):
+        return split(t, 1, c.tp, c.tp_rank)
+    if ".intermediate.dense." in name:
+        return split(t, 0, c.tp, c.tp_rank)
+    if "LayerNorm" in name or name.startswith("pooler.") or name.endswith("output.dense.bias"):
+        return t
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
+def _phi3_model():
+    from transformers import Phi3Config, Phi3ForCausalLM
+    cfg = Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     tie_word_embeddings=False)
+    return Phi3ForCausalLM(cfg)
+
+
+def _phi3_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM phi3.py (LlamaForCausalLM): the checkpoint's fused qkv_proj goes through
+    QKVParallelLinear.weight_loader with shard id None (cut into q, k, v by head counts,
+    each sliced by heads, concatenated); gate_up_proj through MergedColumnParallelLinear
+    the same way (two equal halves, each split over TP); o_proj/down_proj RowParallelLinear."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return vocab_parallel(t, c)
+    if name.endswith("self_attn.qkv_proj.weight"):
+        h, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        hd = cfg["hidden_size"] // h
+        q, k, v = t.split([h * hd, kv * hd, kv * hd])
+        return torch.cat([qkv_heads(q, h, c, False), qkv_heads(k, kv, c, True),
+                          qkv_heads(v, kv, c, True)])
+    if name.endswith("mlp.gate_up_proj.weight"):
+        return torch.cat([split(x, 0, c.tp, c.tp_rank) for x in t.chunk(2)])
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return split(t, 1, c.tp, c.tp_rank)
+    if name.endswith("norm.weight"):
+        return t
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
+def _gemma3_model():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, sliding_window=16, pad_token_id=0)
+    return Gemma3ForCausalLM(cfg)
+
+
+def _gemma3_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM gemma3.py: Gemma3Attention (QKVParallelLinear, RowParallelLinear o_proj,
+    GemmaRMSNorm q_norm/k_norm), Gemma3MLP (MergedColumnParallelLinear gate_up,
+    RowParallelLinear down), a tied VocabParallelEmbedding; every norm replicated."""
+    if name == "model.embed_tokens.weight":
+        return vocab_parallel(t, c)
+    if name.endswith("self_attn.q_proj.weight"):
+        return qkv_heads(t, cfg["num_attention_heads"], c, kv=False)
+    if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+        return qkv_heads(t, cfg["num_key_value_heads"], c, kv=True)
+    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+        return split(t, 0, c.tp, c.tp_rank)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return split(t, 1, c.tp, c.tp_rank)
+    if name.endswith("norm.weight"):
+        return t
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
+def _glm4_moe_model():
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    cfg = Glm4MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                        moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, n_routed_experts=4,
+                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                        n_group=1, topk_group=1, num_nextn_predict_layers=0, use_qk_norm=True,
+                        attention_bias=True, tie_word_embeddings=False)
+    return Glm4MoeForCausalLM(cfg)
+
+
+def _glm4_moe_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM glm4_moe.py: Glm4MoeAttention (QKVParallelLinear with bias, RowParallelLinear
+    o_proj, replicated q_norm/k_norm), Glm4MoE (ReplicatedLinear gate and its
+    e_score_correction_bias, FusedMoE experts, shared_experts a Glm4MoeMLP), dense
+    Glm4MoeMLP in the first_k_dense_replace layers, VocabParallelEmbedding, ParallelLMHead."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return vocab_parallel(t, c)
+    parts = name.split(".")
+    if ".self_attn.q_proj." in name:
+        return qkv_heads(t, cfg["num_attention_heads"], c, kv=False)
+    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        return qkv_heads(t, cfg["num_key_value_heads"], c, kv=True)
+    if ".mlp.experts." in name:
+        if int(parts[5]) not in linear_experts(cfg["n_routed_experts"], c):
+            return None
+        return split(t, 1 if parts[6] == "down_proj" else 0, c.moe_tp, c.moe_tp_rank)
+    if ".mlp.gate." in name or name.endswith("norm.weight"):
+        return t
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+        return split(t, 0, c.tp, c.tp_rank)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return split(t, 1, c.tp, c.tp_rank)
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
+FAMILIES = {
+    "qwen2_moe": Family("qwen2_moe", _qwen2_moe_model, _qwen2_moe_reference,
+                        (dict(tp=2), dict(tp=2, ep=2), dict(tp=4, ep=4))),
+    "bert": Family("bert", _bert_model, _bert_reference, (dict(tp=2),)),
+    "phi3": Family("phi3", _phi3_model, _phi3_reference, (dict(tp=2), dict(tp=4))),
+    "gemma3": Family("gemma3", _gemma3_model, _gemma3_reference, (dict(tp=2), dict(tp=4))),
+    "glm4_moe": Family("glm4_moe", _glm4_moe_model, _glm4_moe_reference,
+                       (dict(tp=2), dict(tp=2, ep=2), dict(tp=4, ep=4))),
+}
+
+
+def _refill(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype))
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """family name -> a directory transformers wrote; each family built once per session."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            torch.manual_seed(0)
+            model = FAMILIES[family].make()
+            _refill(model, seed=1234)
+            out = tmp_path_factory.mktemp(f"hf-{family}")
+            model.save_pretrained(out, max_shard_size="20KB")
+            assert len(list(out.glob("*.safetensors"))) > 2, "want several shards"
+            built[family] = out
+        return built[family]
+    return get
+
+
+def _full_tensors(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            for k in s.keys():
+                out[k] = s.get_tensor(k)
+    return out
+
+
+def check_family(path: Path, family: Family, layout: dict, rules=None) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    full = _full_tensors(path)
+    world = layout.get("tp", 1)
+    for rank in range(world):
+        c = coords_of(layout, rank)
+        got = cl.load(str(path), cl.Layout(**layout), rank=rank, rules=rules)
+        want = {}
+        for n, t in full.items():
+            r = family.reference(n, t, cfg, c)
+            if r is not None:
+                want[n] = r
+        assert set(got) == set(want), (rank, sorted(set(got) ^ set(want)))
+        for n, w in want.items():
+            assert got[n].shape == w.shape, (rank, n, tuple(got[n].shape), tuple(w.shape))
+            assert torch.equal(got[n], w), (rank, n)
+
+
+def test_qwen2_moe_detected(hf_checkpoint):
+    path = hf_checkpoint("qwen2_moe")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cl.planning.rules.detect_preset(cfg) == "qwen2_moe"
+    assert cl.planning.rules.detect_preset({"model_type": "qwen2_moe"}) == "qwen2_moe"
+
+
+@pytest.mark.parametrize("layout", FAMILIES["qwen2_moe"].layouts, ids=str)
+def test_qwen2_moe_matches_vllm(hf_checkpoint, layout):
+    check_family(hf_checkpoint("qwen2_moe"), FAMILIES["qwen2_moe"], layout)
+
+
+@pytest.mark.parametrize("layout", FAMILIES["bert"].layouts, ids=str)
+def test_bert_matches_vllm(hf_checkpoint, layout):
+    check_family(hf_checkpoint("bert"), FAMILIES["bert"], layout)
+
+
+def test_phi3_detected(hf_checkpoint):
+    cfg = json.loads((hf_checkpoint("phi3") / "config.json").read_text())
+    assert cl.planning.rules.detect_preset(cfg) == "phi3"
+
+
+@pytest.mark.parametrize("layout", FAMILIES["phi3"].layouts, ids=str)
+def test_phi3_matches_vllm(hf_checkpoint, layout):
+    check_family(hf_checkpoint("phi3"), FAMILIES["phi3"], layout)
+
+
+def test_reference_catches_fused_blocks_split_as_one(hf_checkpoint):
+    """A planted wrong rule (gate_up_proj split as one colwise tensor instead of two
+    packed halves) gives different bytes, and the reference sees it."""
+    rules = [{"pattern": "*.mlp.gate_up_proj.weight", "strategy": "colwise"}]
+    with pytest.raises(AssertionError, match="gate_up_proj"):
+        check_family(hf_checkpoint("phi3"), FAMILIES["phi3"], dict(tp=2), rules=rules)
+
+
+def test_gemma3_detected(hf_checkpoint):
+    cfg = json.loads((hf_checkpoint("gemma3") / "config.json").read_text())
+    assert cl.planning.rules.detect_preset(cfg) == "gemma3"
+
+
+@pytest.mark.parametrize("layout", FAMILIES["gemma3"].layouts, ids=str)
+def test_gemma3_matches_vllm(hf_checkpoint, layout):
+    check_family(hf_checkpoint("gemma3"), FAMILIES["gemma3"], layout)
+
+
+def test_glm4_moe_detected(hf_checkpoint):
+    cfg = json.loads((hf_checkpoint("glm4_moe") / "config.json").read_text())
+    assert cl.planning.rules.detect_preset(cfg) == "glm4_moe"
+
+
+@pytest.mark.parametrize("layout", FAMILIES["glm4_moe"].layouts, ids=str)
+def test_glm4_moe_matches_vllm(hf_checkpoint, layout):
+    check_family(hf_checkpoint("glm4_moe"), FAMILIES["glm4_moe"], layout)
+
+
+def test_kimi_k2_rides_on_deepseek_v3():
+    """Kimi-K2's config.json names DeepseekV3ForCausalLM with model_type kimi_k2 (and a
+    remote-code auto_map); either key alone must pick the deepseek_v3 preset."""
+    from transformers import DeepseekV3Config
+    cfg = DeepseekV3Config(vocab_size=VOCAB).to_dict()
+    kimi = dict(cfg, model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"],
+                auto_map={"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    assert cl.planning.rules.detect_preset(kimi) == "deepseek_v3"
+    assert cl.planning.rules.detect_preset(dict(kimi, architectures=None)) == "deepseek_v3"
+
+
+# --- fused 3-D experts (transformers 5 in memory: experts.gate_up_proj [E, 2I, H]) --------
+
+FUSED_RULES = [
+    {"pattern": "*.mlp.experts.gate_up_proj", "strategy": "expert",
+     "params": {"dim": 0, "num_blocks": 2}},
+    {"pattern": "*.mlp.experts.down_proj", "strategy": "expert", "params": {"dim": 1}},
+]
+
+
+@pytest.fixture(scope="session")
+def fused_experts_ckpt(tmp_path_factory):
+    """The fused expert tensors of a transformers 5 Qwen2Moe model, as its modules hold them,
+    written with safetensors beside the model's config.json."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    model = _qwen2_moe_model()
+    _refill(model, seed=99)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if ".mlp.experts." in k}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in sd, sorted(sd)
+    out = tmp_path_factory.mktemp("fused-experts")
+    save_file(sd, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(model.config.to_dict()))
+    return out
+
+
+def _fused_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM FusedMoE: experts by linear placement; inside each, w13 holds gate and up
+    halves each split over moe_tp, w2 split on its input (last) dim."""
+    mine = t[list(linear_experts(cfg["num_experts"], c))]
+    if name.endswith("gate_up_proj"):
+        return torch.cat([split(h, 1, c.moe_tp, c.moe_tp_rank) for h in mine.chunk(2, dim=1)],
+                         dim=1)
+    return split(mine, 2, c.moe_tp, c.moe_tp_rank)
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=4, ep=2)], ids=str)
+def test_fused_experts_split_per_packed_half(fused_experts_ckpt, layout):
+    fam = Family("fused", lambda: None, _fused_reference, ())
+    check_family(fused_experts_ckpt, fam, layout, rules=FUSED_RULES)
+
+
+def test_fused_gate_up_split_without_declared_halves_is_refused(fused_experts_ckpt):
+    rules = [dict(FUSED_RULES[0], params={"dim": 0}), FUSED_RULES[1]]
+    with pytest.raises(cl.errors.PlanError, match="gate_up_proj.*num_blocks=2"):
+        cl.make_plan(str(fused_experts_ckpt), cl.Layout(tp=2), rules=rules)
