@@ -129,9 +129,14 @@ def test_plan_bench_on_small_metadata(tmp_path):
     assert re.match(r"^headline: planner\+cover \d+\.\d+ s for 16 ranks \([\d,]+ slices, "
                     r"[\d,]+ slices/s\)$", last), last
     rows = json.loads((out / "results.json").read_text())["plan"]["rows"]
-    assert [r["world"] for r in rows] == [8, 16]
+    assert [(r["kind"], r["world"]) for r in rows] == [
+        (k, w) for k in ("pp+dp", "dp", "ep_spans_dp") for w in (8, 16)]
+    by = {(r["kind"], r["world"]): r for r in rows}
     # pp=2 splits the layers over stages: the same slices, spread over twice the ranks
-    assert rows[1]["slices"] >= rows[0]["slices"] > 0
+    assert by["pp+dp", 16]["slices"] >= by["pp+dp", 8]["slices"] > 0
+    # dp=2 doubles the slices but not the rank classes: each tp rank's replicas share one
+    assert by["dp", 16]["slices"] == 2 * by["dp", 8]["slices"]
+    assert by["dp", 16]["rank_classes"] == by["dp", 8]["rank_classes"] == 8
 
 
 def test_unknown_method_is_refused(tmp_path, capsys):

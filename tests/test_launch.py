@@ -14,7 +14,7 @@ from coordloader.synth import synthesize
 pytestmark = pytest.mark.slow   # the launch scripts start torchrun
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = ["local.sh", "multinode.sh", "slurm.sbatch", "handoff_example.sh"]
+SCRIPTS = ["local.sh", "multinode.sh", "slurm.sbatch", "handoff_example.sh", "gpu_check.sh"]
 
 
 def test_local_sh_runs_two_cpu_ranks(tmp_path):

@@ -12,23 +12,49 @@ import time
 
 from coordloader.bench.common import median
 
-# tp=8, ep=8 throughout (vLLM's DeepSeek-V3 serving shape), then pp and dp grow the world
-SERIES = [(8, dict(tp=8, ep=8)), (16, dict(tp=8, ep=8, pp=2)), (32, dict(tp=8, ep=8, pp=4)),
-          (64, dict(tp=8, ep=8, pp=8)), (128, dict(tp=8, ep=8, pp=8, dp=2)),
-          (256, dict(tp=8, ep=8, pp=8, dp=4)), (512, dict(tp=8, ep=8, pp=8, dp=8)),
-          (1024, dict(tp=8, ep=8, pp=8, dp=16))]
+# Three kinds of layout, each from 8 to 1024 ranks: tp=8 ep=8 (vLLM's DeepSeek-V3 serving
+# shape) with pp then dp growing the world; tp=8 ep=8 with dp alone growing it (dp
+# replicas: one rank class per tp rank); experts spread over the whole dp group
+# (ep_spans_dp, ep = world, redundant copies past the expert count: every rank its own
+# expert set).
+WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
+KINDS = ("pp+dp", "dp", "ep_spans_dp")
+_PP_DP = {8: dict(tp=8, ep=8), 16: dict(tp=8, ep=8, pp=2), 32: dict(tp=8, ep=8, pp=4),
+          64: dict(tp=8, ep=8, pp=8), 128: dict(tp=8, ep=8, pp=8, dp=2),
+          256: dict(tp=8, ep=8, pp=8, dp=4), 512: dict(tp=8, ep=8, pp=8, dp=8),
+          1024: dict(tp=8, ep=8, pp=8, dp=16)}
 QUICK_WORLDS = (8, 64, 1024)
-TARGETS = {8: 2.0, 1024: 30.0}
+# plan + cover, one process (issue 17): tp=8 ep=8 and every 1024-rank layout
+TARGETS = {("pp+dp", 8): 0.3, ("pp+dp", 1024): 2.0, ("dp", 1024): 2.0, ("ep_spans_dp", 1024): 2.0}
+
+
+def layout_kw(kind: str, world: int, num_experts: int | None) -> dict:
+    if kind == "pp+dp":
+        return _PP_DP[world]
+    if kind == "dp":
+        return dict(tp=8, ep=8, dp=world // 8)
+    E = num_experts or world
+    kw = dict(dp=world, ep=world, ep_spans_dp=True)
+    if world > E:   # more ep ranks than experts: each expert on world // E ranks
+        kw["expert_placement"] = [(q % E,) for q in range(world)]
+    return kw
 
 
 def plan_counts(plan) -> dict:
-    slices = pieces = runs = 0
+    """Slices, pieces and byte runs over all ranks, and the rank classes (a rank class's
+    slices are counted once per member, not built per member)."""
+    from coordloader.planning.model import share_of
+    per: dict = {}   # id(slices) -> [slices, members]
     for rp in plan.ranks:
-        slices += len(rp.tensors)
-        for ts in rp.tensors:
-            pieces += len(ts.pieces)
-            runs += len(ts.byte_runs)
-    return {"slices": slices, "pieces": pieces, "byte_runs": runs}
+        sh = share_of(rp)
+        src = rp.tensors if sh is None else sh.slices
+        per.setdefault(id(src), [src, 0])[1] += 1
+    slices = pieces = runs = 0
+    for src, m in per.values():
+        slices += m * len(src)
+        pieces += m * sum(len(ts.pieces) for ts in src)
+        runs += m * sum(len(ts.byte_runs) for ts in src)
+    return {"slices": slices, "pieces": pieces, "byte_runs": runs, "rank_classes": len(per)}
 
 
 def bench_plan(ckpt: str, *, worlds=None, repeats: int = 1, log=print) -> dict:
@@ -41,36 +67,45 @@ def bench_plan(ckpt: str, *, worlds=None, repeats: int = 1, log=print) -> dict:
     t_meta = time.perf_counter() - t0
     log(f"[bench] plan: {ckpt}: {len(meta.tensors)} tensors in {len(meta.files)} files "
         f"({meta.total_bytes / 1e9:.0f} GB described), headers read in {t_meta:.2f} s")
+    from coordloader.planning.rules import num_experts_of
+    E = num_experts_of(meta.config or {})
     rows = []
-    for world, kw in SERIES:
-        if worlds is not None and world not in worlds:
-            continue
-        layout = Layout(**kw)
-        assert layout.world_size == world
-        # the two headline layouts get the repeats; the series points run once when large
-        reps = repeats if world <= 64 or world in TARGETS else 1
-        t_plan, t_cover, counts = [], [], None
-        for _ in range(reps):
-            gc.collect()
-            t = time.perf_counter()
-            plan = make_plan(meta, layout)
-            t_plan.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            validate_cover(plan, meta)
-            t_cover.append(time.perf_counter() - t)
-            counts = plan_counts(plan)
-            del plan
-        gc.collect()
-        tp_, tc = median(t_plan), median(t_cover)
-        total = tp_ + tc
-        row = {"world": world, "layout": str(layout), **counts, "plan_s": tp_, "cover_s": tc,
-               "total_s": total, "slices_per_s": counts["slices"] / total if total else None,
-               "repeats": reps}
-        if world in TARGETS:
-            row["target_s"] = TARGETS[world]
-            row["ok"] = total < TARGETS[world]
-        rows.append(row)
-        log(f"[bench]   {world:5d} ranks ({layout}): plan {tp_:7.2f} s + cover {tc:6.2f} s, "
-            f"{counts['slices']:>9,d} slices, {row['slices_per_s']:,.0f} slices/s")
+    for kind in KINDS:
+        for world in WORLDS:
+            if worlds is not None and world not in worlds:
+                continue
+            rows.append(_row(meta, kind, world, Layout(**layout_kw(kind, world, E)), repeats,
+                             make_plan, validate_cover, log))
     return {"ckpt": ckpt, "tensors": len(meta.tensors), "files": len(meta.files),
             "described_bytes": meta.total_bytes, "metadata_s": t_meta, "rows": rows}
+
+
+def _row(meta, kind, world, layout, repeats, make_plan, validate_cover, log) -> dict:
+    assert layout.world_size == world
+    target = TARGETS.get((kind, world))
+    # the target layouts and the small ones get the repeats; other large ones run once
+    reps = repeats if world <= 64 or target is not None else 1
+    t_plan, t_cover, counts = [], [], None
+    for _ in range(reps):
+        gc.collect()
+        t = time.perf_counter()
+        plan = make_plan(meta, layout)
+        t_plan.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        validate_cover(plan, meta)
+        t_cover.append(time.perf_counter() - t)
+        counts = plan_counts(plan)
+        del plan
+    gc.collect()
+    tp_, tc = median(t_plan), median(t_cover)
+    total = tp_ + tc
+    row = {"kind": kind, "world": world, "layout": str(layout), **counts, "plan_s": tp_,
+           "cover_s": tc, "total_s": total,
+           "slices_per_s": counts["slices"] / total if total else None, "repeats": reps}
+    if target is not None:
+        row["target_s"] = target
+        row["ok"] = total <= target
+    log(f"[bench]   {kind:11s} {world:5d} ranks ({layout}): plan {tp_:7.2f} s + cover {tc:6.2f} s, "
+        f"{counts['slices']:>10,d} slices in {counts['rank_classes']} rank classes, "
+        f"{row['slices_per_s']:,.0f} slices/s")
+    return row

@@ -54,14 +54,15 @@ def plot_plan(sec: dict, path: str, plt) -> str | None:
         return None
     from matplotlib.ticker import FuncFormatter
     fmt = FuncFormatter(lambda v, _: f"{v:g}")
-    w = [r["world"] for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    a1.plot(w, [r["plan_s"] for r in rows], "o-", label="make_plan")
-    a1.plot(w, [r["cover_s"] for r in rows], "s-", label="validate_cover")
-    a1.plot(w, [r["total_s"] for r in rows], "^-", label="total")
+    kinds: dict = {}
+    for r in rows:
+        kinds.setdefault(r.get("kind", "layout"), []).append(r)
+    for kind, rs in kinds.items():   # plan + cover per kind of layout
+        a1.plot([r["world"] for r in rs], [r["total_s"] for r in rs], "o-", label=kind)
     for world, tgt in ((r["world"], r["target_s"]) for r in rows if "target_s" in r):
         a1.plot([world], [tgt], "rx", ms=9)
-        a1.annotate(f"target {tgt:.0f} s", (world, tgt), fontsize=7,
+        a1.annotate(f"target {tgt:g} s", (world, tgt), fontsize=7,
                     textcoords="offset points", xytext=(-40, 6))
     a1.set_xscale("log", base=2)
     a1.set_yscale("log")
@@ -69,14 +70,15 @@ def plot_plan(sec: dict, path: str, plt) -> str | None:
     a1.yaxis.set_minor_formatter(fmt)
     a1.set_xlabel("ranks")
     a1.set_ylabel("seconds")
-    a1.set_title("DeepSeek-V3 full metadata: planner time vs ranks", fontsize=9)
+    a1.set_title("DeepSeek-V3 full metadata: plan + cover vs ranks", fontsize=9)
     a1.legend(fontsize=8)
     a1.grid(alpha=0.3)
-    sl = [r["slices"] for r in rows]
-    a2.plot(sl, [r["total_s"] for r in rows], "o-", label="plan + cover")
-    for s, r in zip(sl, rows):
-        a2.annotate(f"{r['world']}", (s, r["total_s"]), fontsize=7, textcoords="offset points",
-                    xytext=(3, -9))
+    for kind, rs in kinds.items():
+        sl = [r["slices"] for r in rs]
+        a2.plot(sl, [r["total_s"] for r in rs], "o-", label=kind)
+        for s, r in zip(sl, rs):
+            a2.annotate(f"{r['world']}", (s, r["total_s"]), fontsize=7,
+                        textcoords="offset points", xytext=(3, -9))
     a2.set_xscale("log")
     a2.set_yscale("log")
     a2.yaxis.set_major_formatter(fmt)

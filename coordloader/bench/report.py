@@ -102,12 +102,13 @@ def plan_section(sec: dict) -> str:
            f"({sec['tensors']:,} tensors, {sec['files']} files, "
            f"{sec['described_bytes'] / 1e9:.0f} GB described; headers read in "
            f"{sec['metadata_s']:.2f} s)", "",
-           "| ranks | layout | slices | pieces | byte runs | plan s | cover s | total s | "
-           "slices/s | target |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| kind | ranks | layout | rank classes | slices | pieces | byte runs | plan s | "
+           "cover s | total s | slices/s | target |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in sec["rows"]:
-        tgt = f"< {r['target_s']:.0f} s: {_ok(r['ok'])}" if "target_s" in r else ""
-        out.append(f"| {r['world']} | {r['layout']} | {r['slices']:,} | {r['pieces']:,} | "
+        tgt = f"<= {r['target_s']:g} s: {_ok(r['ok'])}" if "target_s" in r else ""
+        out.append(f"| {r.get('kind', '')} | {r['world']} | {r['layout']} | "
+                   f"{r.get('rank_classes', '')} | {r['slices']:,} | {r['pieces']:,} | "
                    f"{r['byte_runs']:,} | {r['plan_s']:.2f} | {r['cover_s']:.2f} | "
                    f"{r['total_s']:.2f} | {r['slices_per_s']:,.0f} | {tgt} |")
     return "\n".join(out) + "\n"

@@ -20,6 +20,7 @@ from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.tiling import tiling_problem
 from coordloader.errors import PlanError
 from coordloader.gcpause import gc_paused
+from coordloader.planning.model import share_of
 from coordloader.planning.runs import groups_of
 
 Box = tuple
@@ -116,8 +117,14 @@ def _validate_cover(plan, meta) -> None:
     checked: set = set()
     ranges: dict[str, dict] = {}
     pieces_ok: dict = {}
+    members: dict = {}   # id(SharedSlices) -> (share, its ranks in this plan)
+    done: set = set()    # ids of shared slices already checked
     for rp in plan.ranks:
         r = rp.rank
+        sh = share_of(rp)
+        if sh is not None:   # a rank class: checked once below, not once per member
+            members.setdefault(id(sh), (sh, []))[1].append(r)
+            continue
         for s in rp.tensors:
             key = (id(s.pieces), id(s.byte_runs), s.local_shape, s.name)
             if key not in checked:
@@ -127,6 +134,8 @@ def _validate_cover(plan, meta) -> None:
                 prim.setdefault(s.name, []).append((r, tuple(p.src for p in s.pieces), id(s.pieces)))
             else:
                 reps.setdefault(s.name, []).append((r, s, id(s.pieces)))
+    for sh, ranks in members.values():
+        _share_entries(sh, ranks, tensors, ranges, pieces_ok, checked, prim, reps, done)
     # replicas whose pieces object is not shared with a primary need their boxes (the
     # others are matched by key and their slot is never read)
     for name, rs in reps.items():
@@ -135,6 +144,41 @@ def _validate_cover(plan, meta) -> None:
             if k not in keys:
                 rs[i] = (r, tuple(p.src for p in s.pieces), ("rank", r))
     _core(prim, reps, {n: t.shape for n, t in tensors.items()}, plan.excluded, PlanError)
+
+
+def _share_entries(sh, ranks, tensors, ranges, pieces_ok, checked, prim, reps, done) -> None:
+    """Add the primaries and replicas of a rank class (ranks sharing ``sh``) as the per-rank
+    loop would, at the cost of one rank: each slice is checked once; per replica table,
+    the members whose replica id is 0 hold the primaries, and one member with another id
+    stands for the replicas (they share the primary's pieces, so one match proves all)."""
+    zero: dict = {}
+    for s, k in zip(sh.slices, sh.tables):
+        z = zero.get(k)
+        if z is None:
+            rep = sh.replicas[k]
+            held = [(r, rep[r]) for r in ranks]
+            missing = [r for r, i in held if i < 0]
+            if missing:
+                raise PlanError("rank class lists a slice its member does not hold",
+                                tensor=s.name, rank=missing[0])
+            z = zero[k] = ([r for r, i in held if i == 0], [r for r, i in held if i != 0])
+        prims, others = z
+        if prims:
+            boxes = tuple(p.src for p in s.pieces)
+            lst = prim.setdefault(s.name, [])
+            for r in prims:
+                lst.append((r, boxes, id(s.pieces)))
+        # a slice object shared by several rank classes (a tensor replicated on every
+        # rank) is checked, and stands for its replicas, once
+        if id(s) in done:
+            continue
+        done.add(id(s))
+        key = (id(s.pieces), id(s.byte_runs), s.local_shape, s.name)
+        if key not in checked:
+            _check_slice(s, tensors, ranges, ranks[0], pieces_ok)
+            checked.add(key)
+        if others:
+            reps.setdefault(s.name, []).append((others[0], s, id(s.pieces)))
 
 
 def _check_slice(s, tensors, ranges, rank, pieces_ok=None) -> None:

@@ -119,6 +119,91 @@ class LoadGroupMode(str, Enum):
 
 
 @dataclass(frozen=True)
+class SharedSlices:
+    """What every rank of a *rank class* holds alike: ranks whose coordinates give the same
+    slices (DP replicas, and any other symmetry the planner finds) share one of these, and
+    only their replica ids differ. The planner builds each once, so planning, the digest
+    and cover validation cost by distinct ranks, not by world size."""
+    slices: tuple[TensorSlice, ...]       # replica-0 form of each slice, sorted by name
+    tables: tuple[int, ...]               # per slice: the replica table giving its replica id
+    replicas: tuple[tuple[int, ...], ...]  # replicas[table][rank] (-1: not held); plan-wide
+    ranks: tuple[int, ...]                # the ranks of the class, ascending
+
+    def replica_ids(self, rank: int) -> tuple[int, ...]:
+        """The replica id of each of ``slices`` on ``rank`` (one C-level gather)."""
+        row = [tbl[rank] for tbl in self.replicas]
+        n = len(self.tables)
+        if n == 0:
+            return ()
+        if n == 1:
+            return (row[self.tables[0]],)
+        return self._gather(row)
+
+    @cached_property
+    def _gather(self):
+        from operator import itemgetter
+        return itemgetter(*self.tables)
+
+    def slices_of(self, rank: int) -> tuple[TensorSlice, ...]:
+        """``rank``'s own slices: the shared ones, copied where its replica id is not 0."""
+        new, setattr_ = object.__new__, object.__setattr__
+        out = []
+        for b, rep in zip(self.slices, self.replica_ids(rank)):
+            if rep == 0:
+                out.append(b)
+            else:
+                s = new(TensorSlice)
+                d = b.__dict__.copy()
+                d["replica"] = rep
+                setattr_(s, "__dict__", d)
+                out.append(s)
+        return tuple(out)
+
+
+class SharedRankPlan(RankPlan):
+    """A RankPlan whose slices come from its rank class's SharedSlices (``share``), built on
+    first use of ``tensors``: a 1024-rank plan is assembled without 12 M slice objects, and
+    a process that loads one rank materialises that rank only. Equal to the RankPlan with
+    the same fields."""
+
+    @cached_property
+    def tensors(self) -> tuple[TensorSlice, ...]:   # type: ignore[override]
+        return self.__dict__["share"].slices_of(self.rank)
+
+    @property
+    def share(self) -> SharedSlices:
+        return self.__dict__["share"]
+
+    @staticmethod
+    def make(rank: int, coords: Mapping[str, int], share: SharedSlices) -> "SharedRankPlan":
+        rp = object.__new__(SharedRankPlan)
+        object.__setattr__(rp, "__dict__", {"rank": rank, "coords": coords, "share": share})
+        return rp
+
+    def __eq__(self, other):
+        if not isinstance(other, RankPlan):
+            return NotImplemented
+        return (self.rank, self.coords, self.tensors) == (other.rank, other.coords, other.tensors)
+
+    __hash__ = RankPlan.__hash__
+
+    def __repr__(self) -> str:
+        return (f"SharedRankPlan(rank={self.rank}, coords={dict(self.coords)}, "
+                f"slices={len(self.share.slices)})")
+
+
+def share_of(rp: RankPlan) -> SharedSlices | None:
+    """The rank class ``rp`` shares its slices with, or None for a plain RankPlan."""
+    return rp.__dict__.get("share")
+
+
+def slice_count(rp: RankPlan) -> int:
+    """len(rp.tensors) without materialising a shared rank's slices."""
+    sh = share_of(rp)
+    return len(rp.tensors) if sh is None else len(sh.slices)
+
+
+@dataclass(frozen=True)
 class LoadGroup:
     """How the instanttensor engine fetches a set of files (chosen by the cost model)."""
     files: tuple[str, ...]
@@ -230,19 +315,52 @@ def _plan_digest(plan: "Plan") -> str:
     # on every CPython) into a table, numbered by first appearance; each rank then adds
     # two int64 arrays: its slices' table numbers and replica ids. The table is keyed by
     # the encoding (content), so equal plans give equal digests however their objects are
-    # shared; ids only memoise work: the encodings of pieces and runs objects are computed
-    # once per object (the planner shares them across replicas and same-shaped tensors),
-    # and a replica reuses its base's row ("_base", set by the planner: the slice whose
-    # other fields it copies). The objects live in the plan meanwhile, so ids are stable.
-    table = hashlib.sha256()
-    number: dict[bytes, int] = {}
-    row_of: dict = {}
-    pieces_of: dict = {}
-    runs_of: dict = {}
+    # shared; ids only memoise work (see _Rows). A rank of a rank class (SharedRankPlan)
+    # reuses its class's table numbers and gathers its replica ids without building its
+    # slices.
+    rows_of = _Rows()
+    shared_rows: dict = {}   # id(SharedSlices) -> its rows bytes, the same for all its ranks
     for rp in plan.ranks:
+        sh = share_of(rp)
+        if sh is not None:
+            rows = shared_rows.get(id(sh))
+            if rows is None:
+                rows = shared_rows[id(sh)] = rows_of(sh.slices)
+            replicas = array.array("q", sh.replica_ids(rp.rank))
+            n = len(sh.slices)
+        else:
+            rows = rows_of(rp.tensors)
+            replicas = array.array("q", [t.replica for t in rp.tensors])
+            n = len(rp.tensors)
+        h.update(b"\x00R" + _canon([rp.rank, dict(rp.coords), n]))
+        if sys.byteorder != "little":   # canonical: little-endian int64 ("q" is 8 bytes)
+            replicas.byteswap()
+        h.update(rows)
+        h.update(replicas.tobytes())
+    h.update(b"\x00T" + rows_of.table.digest())
+    return h.hexdigest()
+
+
+class _Rows:
+    """Table numbers of slices for Plan.digest(), the table hashed as it grows. The
+    encodings of pieces and runs objects are computed once per object (the planner shares
+    them across replicas and same-shaped tensors), and a replica reuses its base's row
+    ("_base", set by the planner: the slice whose other fields it copies). The objects live
+    in the plan meanwhile, so ids are stable."""
+
+    def __init__(self):
+        self.table = hashlib.sha256()
+        self.number: dict[bytes, int] = {}
+        self.row_of: dict = {}
+        self.pieces_of: dict = {}
+        self.runs_of: dict = {}
+
+    def __call__(self, slices) -> bytes:
+        """Little-endian int64 table numbers of ``slices``."""
+        import array
+        number, row_of, pieces_of, runs_of = self.number, self.row_of, self.pieces_of, self.runs_of
         rows = array.array("q")
-        replicas = array.array("q")
-        for t in rp.tensors:
+        for t in slices:
             d = t.__dict__
             b = d.get("_base", t)
             k = row_of.get(id(b))
@@ -261,15 +379,9 @@ def _plan_digest(plan: "Plan") -> str:
                 k = number.get(enc)
                 if k is None:
                     k = number[enc] = len(number)
-                    table.update(enc)
+                    self.table.update(enc)
                 row_of[id(b)] = k
             rows.append(k)
-            replicas.append(d["replica"])
-        h.update(b"\x00R" + _canon([rp.rank, dict(rp.coords), len(rp.tensors)]))
-        if sys.byteorder != "little":   # canonical: little-endian int64 ("q" is 8 bytes)
+        if sys.byteorder != "little":
             rows.byteswap()
-            replicas.byteswap()
-        h.update(rows.tobytes())
-        h.update(replicas.tobytes())
-    h.update(b"\x00T" + table.digest())
-    return h.hexdigest()
+        return rows.tobytes()

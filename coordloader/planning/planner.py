@@ -7,21 +7,32 @@ the local shape and the pieces (source box -> destination offset). Ranks of one 
 identical pieces; the lowest such rank holds the primary copy (replica 0), the others
 replicas 1, 2, ... in rank order. Selectors repeat across tensors, so the rank groups of a
 (stages, selector) pair are computed once and shared, and byte runs are computed once per
-class and shared by every replica. Cost is linear in the number of (rank, tensor) slices.
+class and shared by every replica. Ranks that fall in the same class of every tensor (DP
+replicas without ep_spans_dp, redundant expert copies, ...) form a *rank class* and share
+one SharedSlices: cost grows with the distinct slices, not with the world size.
 """
 from __future__ import annotations
 
 import re
 import warnings
 from math import prod
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo
 from coordloader.errors import PlanError
 from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout
-from coordloader.planning.model import LoadGroup, Piece, Plan, RankPlan, TensorSlice
+from coordloader.planning.model import (
+    LoadGroup,
+    Piece,
+    Plan,
+    RankPlan,
+    SharedRankPlan,
+    SharedSlices,
+    TensorSlice,
+    share_of,
+)
 from coordloader.planning.rules import RuleSet, make_rule, num_experts_of, resolve_rules
 from coordloader.planning.runs import RunGroup, RunList, box_runs, merge_groups
 
@@ -152,43 +163,59 @@ class _Planner:
                               f"no tensor of the checkpoint", stacklevel=3)
         self.match = match
 
-        per_rank: list[list[TensorSlice]] = [[] for _ in range(self.world)]
+        # pass 1: each tensor's classes and rank groups; a "replica table" per distinct
+        # rank-groups object (selectors repeat, so there are few)
         excluded = []
-        new = object.__new__
-        setattr_ = object.__setattr__
+        todo = []
+        table_of: dict[int, int] = {}
+        tables: list = []          # rank groups per table
+        dedupe_memo: dict = {}
         for n in names:
-            t = meta.tensors[n]
             pl = self._place(n)
             if pl is None:
                 excluded.append(n)
                 continue
             stages, selector, classes, strategy = pl
-            classes, groups = _dedupe(classes, self._rank_groups(stages, selector, len(classes)))
+            classes, groups = _dedupe(classes, self._rank_groups(stages, selector, len(classes)),
+                                      dedupe_memo)
+            k = table_of.get(id(groups))
+            if k is None:
+                k = table_of[id(groups)] = len(tables)
+                tables.append(groups)
+            todo.append((n, classes, k, strategy))
+        rc_of, rc_ranks, holders, replicas = _rank_classes(self.world, tables)
+
+        # pass 2: one slice per (tensor, class), appended to each rank class holding it
+        slots: list[list[TensorSlice]] = [[] for _ in rc_ranks]
+        slot_tables: list[list[int]] = [[] for _ in rc_ranks]
+        new = object.__new__
+        setattr_ = object.__setattr__
+        for n, classes, k, strategy in todo:
+            t = meta.tensors[n]
             isz = itemsize(t.dtype)
-            for (lshape, pieces), ranks in zip(classes, groups):
+            groups = tables[k]
+            for c, (lshape, pieces) in enumerate(classes):
+                ranks = groups[c]
                 if not ranks:
                     continue
                 runs = self._runs(t, pieces, lshape, isz)
                 f = runs.groups[0][0] if runs.groups else t.file
                 base = new(TensorSlice)
-                setattr_(base, "__dict__", {"name": n, "file": f, "dtype": t.dtype,
-                                            "global_shape": t.shape, "local_shape": lshape,
-                                            "pieces": pieces, "replica": 0, "byte_runs": runs,
-                                            "strategy": strategy})
-                per_rank[ranks[0]].append(base)
+                bd = {"name": n, "file": f, "dtype": t.dtype, "global_shape": t.shape,
+                      "local_shape": lshape, "pieces": pieces, "replica": 0, "byte_runs": runs,
+                      "strategy": strategy}
                 if len(ranks) > 1:
-                    # replicas: copies of the base's fields with another replica id. "_base"
-                    # (not a dataclass field: ignored by ==, repr and to_json) lets
-                    # Plan.digest() encode the shared fields once.
-                    bd = base.__dict__
+                    # a rank's replica is a copy of the base's fields with another replica
+                    # id; "_base" (not a dataclass field: ignored by ==, repr and to_json)
+                    # lets Plan.digest() encode the shared fields once.
                     bd["_base"] = base
-                    for rep in range(1, len(ranks)):
-                        s = new(TensorSlice)
-                        d = bd.copy()
-                        d["replica"] = rep
-                        setattr_(s, "__dict__", d)
-                        per_rank[ranks[rep]].append(s)
-        rank_plans = tuple(RankPlan(r, L.coords(r).as_dict(), tuple(per_rank[r]))
+                setattr_(base, "__dict__", bd)
+                for rc in holders[k][c]:
+                    slots[rc].append(base)
+                    slot_tables[rc].append(k)
+        shares = [SharedSlices(tuple(slots[i]), tuple(slot_tables[i]), replicas, rc_ranks[i])
+                  for i in range(len(rc_ranks))]
+        rank_plans = tuple(SharedRankPlan.make(r, L.coords(r).as_dict(), shares[rc_of[r]])
                            for r in range(self.world))
         return Plan(L, meta.fingerprint(), rank_plans, tuple(excluded), load_groups(L, rank_plans, meta))
 
@@ -609,9 +636,11 @@ def _dim_classes(shape, dim: int, rngs) -> list:
     return classes
 
 
-def _dedupe(classes, groups):
+def _dedupe(classes, groups, memo=None):
     """Merge classes with identical pieces and local shape (e.g. empty chunks, or an
-    explicit expert map listing the same set twice): they are replicas of one another."""
+    explicit expert map listing the same set twice): they are replicas of one another.
+    ``memo`` keeps one merged groups object per (groups, merge pattern), so the tensors
+    that merge alike share one replica table."""
     if len(classes) == 1:
         return classes, groups
     seen: dict = {}
@@ -619,11 +648,49 @@ def _dedupe(classes, groups):
         seen.setdefault(c, []).append(i)
     if len(seen) == len(classes):
         return classes, groups
-    nc, ng = [], []
-    for c, idx in seen.items():
-        nc.append(c)
-        ng.append(tuple(sorted(r for i in idx for r in groups[i])))
-    return nc, ng
+    key = (id(groups), tuple(tuple(idx) for idx in seen.values()))
+    ng = None if memo is None else memo.get(key)
+    if ng is None:
+        ng = tuple(tuple(sorted(r for i in idx for r in groups[i])) for idx in seen.values())
+        if memo is not None:
+            memo[key] = ng
+    return list(seen), ng
+
+
+class RankClasses(NamedTuple):
+    rank_class: list[int]                  # rank -> its rank class
+    ranks: list[tuple[int, ...]]           # rank class -> its ranks, ascending
+    holders: list[list[tuple[int, ...]]]   # [table][class] -> rank classes holding it
+    replicas: tuple[tuple[int, ...], ...]  # [table][rank] -> replica id, -1 when not held
+
+
+def _rank_classes(world: int, tables) -> RankClasses:
+    """Ranks that fall in the same class of every replica table hold the same slices: they
+    form one rank class. ``tables``: per table, the rank groups of its classes."""
+    assign, replicas = [], []
+    for groups in tables:
+        a = [-1] * world
+        rep = [-1] * world
+        for c, g in enumerate(groups):
+            for i, r in enumerate(g):
+                a[r] = c
+                rep[r] = i
+        assign.append(a)
+        replicas.append(tuple(rep))
+    ids: dict = {}
+    rank_class = []
+    ranks: list[list[int]] = []
+    for r, sig in enumerate(zip(*assign) if assign else [()] * world):
+        i = ids.get(sig)
+        if i is None:
+            i = ids[sig] = len(ranks)
+            ranks.append([])
+        rank_class.append(i)
+        ranks[i].append(r)
+    holders = []
+    for groups in tables:
+        holders.append([tuple(sorted({rank_class[r] for r in g})) for g in groups])
+    return RankClasses(rank_class, [tuple(x) for x in ranks], holders, tuple(replicas))
 
 
 # -- load groups (instanttensor engine cost model) -------------------------------------------
@@ -651,10 +718,16 @@ def load_groups(L: Layout, rank_plans: tuple[RankPlan, ...], meta: CheckpointMet
         # representative ranks: one DP replica unless experts span DP
         reps = ranks if L.ep_spans_dp else ranks[:L.tp]
         need: dict[str, int] = {}
+        # the ranks of a rank class hold the same tensors: count its bytes once per member
+        held: dict = {}   # id(slices) -> [slices, members]
         for r in reps:
-            for ts in rank_plans[r].tensors:
+            sh = share_of(rank_plans[r])
+            src = rank_plans[r].tensors if sh is None else sh.slices
+            held.setdefault(id(src), [src, 0])[1] += 1
+        for src, m in held.values():
+            for ts in src:
                 for f, b in tensor_bytes[ts.name]:
-                    need[f] = need.get(f, 0) + b
+                    need[f] = need.get(f, 0) + b * m
         grp, filt = [], []
         for f in sorted(need):
             size = file_bytes[f]

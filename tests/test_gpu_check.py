@@ -1,0 +1,47 @@
+"""launch/gpu_check.sh on a machine without CUDA: it refuses before installing or writing
+anything, with a message saying why, and a non-zero exit."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "launch" / "gpu_check.sh"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_refuses_without_cuda(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable)
+    p = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "no CUDA device" in p.stderr and "torch.cuda.is_available() is False" in p.stderr
+    assert not out.exists()   # refused before writing results or installing anything
+
+
+def test_hidden_gpus_are_refused_too(tmp_path):
+    # CUDA_VISIBLE_DEVICES="" hides every GPU: the same refusal on a GPU machine
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], capture_output=True,
+                       text=True, timeout=120, env=env, cwd=tmp_path)
+    assert p.returncode == 2 and "no CUDA device" in p.stderr, p.stderr
+
+
+def test_needs_an_output_directory(tmp_path):
+    p = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30,
+                       cwd=tmp_path)
+    assert p.returncode == 2 and "usage:" in p.stderr
+
+
+def test_refuses_a_python_without_torch(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexec " + sys.executable + " -S -I -c 'raise SystemExit(1)' \"$@\"\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake))
+    p = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], capture_output=True,
+                       text=True, timeout=30, env=env, cwd=tmp_path)
+    assert p.returncode == 2 and "cannot import torch" in p.stderr, p.stderr
