@@ -40,7 +40,8 @@ def tiling_problem(boxes: Sequence[Box], shape: Sequence[int]) -> tuple | None:
             return ("outside", i, None, f"box {list(map(list, b))} has {len(b)} dims, tensor has {nd}")
         v = 1
         for (a, c), s in zip(b, shape):
-            if not (0 <= a < c <= s):
+            # an empty extent is only right on a dim of size 0 (zero-element tensors)
+            if not (0 <= a < c <= s or a == c == s == 0):
                 return ("outside", i, None, f"box {list(map(list, b))} is empty or outside shape "
                                             f"{list(shape)}")
             v *= c - a
@@ -237,7 +238,7 @@ def _check_pieces(s, t, ls, rank) -> int:
             raise PlanError(f"piece {[list(x) for x in p.src]} -> {list(p.dst)} does not have "
                             f"{nd} dims", tensor=s.name, rank=rank)
         for (a, b), o, g, l in zip(p.src, p.dst, t.shape, ls):
-            if not (0 <= a < b <= g) or not (0 <= o and o + b - a <= l):
+            if not (0 <= a < b <= g or a == b == g == 0) or not (0 <= o and o + b - a <= l):
                 raise PlanError(f"piece {[list(x) for x in p.src]} -> {list(p.dst)} lies outside the "
                                 f"tensor {list(t.shape)} or the local shape {list(ls)}",
                                 tensor=s.name, rank=rank)
