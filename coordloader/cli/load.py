@@ -19,6 +19,19 @@ from coordloader.errors import LoadError, SaveError
 from coordloader.loader import VERIFY_MODES, load_detailed, run_phase
 
 
+def seconds(text: str) -> float:
+    """argparse type of a timeout: 0, negative, nan and inf would reach the store as a
+    C++ error with a backtrace, so they are a usage error here."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of seconds") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: expected a finite number of seconds "
+                                         f"greater than 0")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m coordloader.load",
@@ -39,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--verify", default="shapes", choices=VERIFY_MODES,
                    help="none, shapes (names/dtypes/shapes/zero padding; default), digest "
                         "(content digests vs the manifest), full (re-read and compare bytes)")
-    e.add_argument("--timeout", type=float, default=600.0, metavar="S",
+    e.add_argument("--timeout", type=seconds, default=600.0, metavar="S",
                    help="bound on every collective, seconds (default 600)")
     e.add_argument("--rank", type=int, default=None,
                    help="without torchrun: load this rank's share in a single process")
