@@ -32,6 +32,18 @@ def seconds(text: str) -> float:
     return v
 
 
+def json_object(text: str) -> dict:
+    """argparse type of --loader-config: parsed whatever the engine, so '{bad' is an error
+    even when the engine that would read it is not chosen."""
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(v).__name__}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m coordloader.load",
@@ -46,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="where tensors go; cuda uses cuda:LOCAL_RANK (default: cuda when the "
                         "engine is instanttensor/auto and CUDA is available, else cpu)")
-    e.add_argument("--loader-config", default=None, metavar="JSON",
+    e.add_argument("--loader-config", default=None, metavar="JSON", type=json_object,
                    help="instanttensor tuning, e.g. '{\"backend\": [\"URING\", \"AIO\"], "
                         "\"chunk_size\": 8388608, \"io_depth\": 64, \"buffer_size\": ...}'")
     e.add_argument("--verify", default="shapes", choices=VERIFY_MODES,
