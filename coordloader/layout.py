@@ -22,6 +22,12 @@ class Coords:
         return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "ep": self.ep, "moe_tp": self.moe_tp}
 
 
+# The most ranks one layout may have (tp * pp * dp, so each of tp, pp, dp, ep too). Far
+# above any real deployment; it exists so a typo such as tp=1000000000 fails at once
+# instead of building per-rank tables of that size (docs/layout.md).
+MAX_WORLD_SIZE = 1 << 16
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1
@@ -40,6 +46,11 @@ class Layout:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise PlanError(f"layout: {k} must be a positive integer, got {v!r}")
+            if v > MAX_WORLD_SIZE:
+                raise PlanError(f"layout: {k}={v} exceeds the maximum of {MAX_WORLD_SIZE} ranks")
+        if self.world_size > MAX_WORLD_SIZE:
+            raise PlanError(f"layout: world size tp*pp*dp = {self.world_size} exceeds the maximum "
+                            f"of {MAX_WORLD_SIZE} ranks")
         if isinstance(self.expert_placement, (list, tuple)):
             m = tuple(tuple(int(e) for e in ids) for ids in self.expert_placement)
             object.__setattr__(self, "expert_placement", m)

@@ -818,3 +818,23 @@ def test_overlap_sweep_cases():
     assert f([((0, 10), (0, 1), (0, 5)), ((5, 6), (0, 1), (4, 9))]) is not None
     # a long box starting first must still be checked against boxes starting later
     assert sorted(f([((0, 100), (0, 1)), ((1, 2), (1, 2)), ((50, 51), (0, 1))])) == [0, 2]
+
+
+def test_zero_element_stride_overflow_in_header(tmp_path):
+    # holds no bytes, so the offsets check passes, but torch cannot build its strides
+    shape = [0] + [2**62] * 10000
+    one(tmp_path, {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}})
+    bad(tmp_path, f"file {M}, tensor 'w'", "strides overflow")
+
+
+def test_zero_element_tensor_is_read(tmp_path):
+    one(tmp_path, header_for([("w", "F32", [0]), ("m", "F32", [4, 0]), ("v", "F32", [4])])[0],
+        16)
+    meta = read_checkpoint(str(tmp_path))
+    assert meta.tensors["w"].shape == (0,) and meta.tensors["m"].shape == (4, 0)
+
+
+def test_coordloader_zero_element_stride_overflow_in_index(tmp_path):
+    write_coordloader(tmp_path, {"w": ("F32", [0, 2**62, 2**62],
+                                       [("rank-0.safetensors", [[0, 0], [0, 1], [0, 1]])])})
+    bad(tmp_path, "file model.safetensors.index.json, tensor 'w'", "strides overflow")

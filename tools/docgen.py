@@ -479,7 +479,8 @@ def error_examples() -> list[tuple[str, str, str]]:
         sub = [s for s in specs if s[0].startswith("model.layers.0.mlp.down_proj")]
         add("a block-quantised (FP8) weight split off its 128-element blocks (DeepSeek-V3 "
             "dense MLP at tp=32: 18432/32 = 576)",
-            lambda: make_plan(meta_from_specs(dict(cfg), sub), Layout(tp=32)))
+            lambda: make_plan(meta_from_specs(dict(cfg, num_hidden_layers=1), sub),
+                              Layout(tp=32)))
 
         # -- LoadError
         add("a multi-rank layout in a single process without a process group or rank=",

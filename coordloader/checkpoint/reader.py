@@ -301,6 +301,18 @@ def _header_from_raw(raw: bytes, name: str, n: int, size: int) -> FileHeader:
     return FileHeader(info=info, entries=entries)
 
 
+def _stride_overflow(shape, isz: int) -> bool:
+    """True if a zero-element ``shape`` still has a byte stride of 2**63 or more. Torch
+    computes strides with zero dims counted as 1, so ``[0] + [2**62] * k`` holds no bytes
+    yet cannot be allocated; a tensor with elements already has its size bounded."""
+    n = isz
+    for d in shape[1:]:
+        n *= d or 1
+        if n >= _INT_LIMIT:
+            return True
+    return False
+
+
 def _numel(shape: list) -> int:
     if 0 in shape:
         return 0
@@ -355,6 +367,11 @@ def _validate_entries(hdr: dict, file: str, data_start: int, size: int) -> tuple
             what = (f"{nbytes}" if nbytes < _INT_LIMIT else "more than 2**63")
             raise CheckpointError(f"data_offsets [{b}, {e}] span {e - b} bytes but shape "
                                   f"{str(shape)[:80]} of {dtype} needs {what}", file=file,
+                                  tensor=key)
+        if not nbytes and _stride_overflow(shape, isz):
+            raise CheckpointError(f"shape {str(shape)[:80]} holds no elements but its strides "
+                                  f"overflow (zero dims count as 1: their product of "
+                                  f"{dtype} items is 2**63 bytes or more)", file=file,
                                   tensor=key)
         append((b, e, key, dtype, shape))
     rows.sort()
@@ -509,6 +526,9 @@ def _validate_section(sec: Any, index_name: str) -> dict:
         if type(shape) is not list or any(type(x) is not int or not 0 <= x < _INT_LIMIT
                                           for x in shape):
             bad(f"shape {str(shape)[:80]}; expected a list of non-negative integers")
+        if _stride_overflow(shape, _ITEMSIZE[spec["dtype"]]):
+            bad(f"shape {str(shape)[:80]}: its strides overflow (the product of its dims, zero "
+                f"dims counted as 1, is 2**63 bytes or more)")
         pieces = spec.get("pieces")
         if type(pieces) is not list or not pieces:
             bad("pieces is not a non-empty list")

@@ -19,6 +19,31 @@ from coordloader.handoff.dump import dump_rank
 from coordloader.loader import VERIFY_MODES, load_detailed
 
 
+def seconds(text: str) -> float:
+    """argparse type of a timeout: 0, negative, nan and inf would reach the store as a
+    C++ error with a backtrace, so they are a usage error here."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of seconds") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: expected a finite number of seconds "
+                                         f"greater than 0")
+    return v
+
+
+def json_object(text: str) -> dict:
+    """argparse type of --loader-config: parsed whatever the engine, so '{bad' is an error
+    even when the engine that would read it is not chosen."""
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(v).__name__}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m coordloader.load",
@@ -33,13 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="where tensors go; cuda uses cuda:LOCAL_RANK (default: cuda when the "
                         "engine is instanttensor/auto and CUDA is available, else cpu)")
-    e.add_argument("--loader-config", default=None, metavar="JSON",
+    e.add_argument("--loader-config", default=None, metavar="JSON", type=json_object,
                    help="instanttensor tuning, e.g. '{\"backend\": [\"URING\", \"AIO\"], "
                         "\"chunk_size\": 8388608, \"io_depth\": 64, \"buffer_size\": ...}'")
     e.add_argument("--verify", default="shapes", choices=VERIFY_MODES,
                    help="none, shapes (names/dtypes/shapes/zero padding; default), digest "
                         "(content digests vs the manifest), full (re-read and compare bytes)")
-    e.add_argument("--timeout", type=float, default=600.0, metavar="S",
+    e.add_argument("--timeout", type=seconds, default=600.0, metavar="S",
                    help="bound on every collective, seconds (default 600)")
     e.add_argument("--rank", type=int, default=None,
                    help="without torchrun: load this rank's share in a single process")

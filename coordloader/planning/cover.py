@@ -240,7 +240,7 @@ def _check_pieces(s, t, ls, rank) -> int:
             raise PlanError(f"piece {[list(x) for x in p.src]} -> {list(p.dst)} does not have "
                             f"{nd} dims", tensor=s.name, rank=rank)
         for (a, b), o, g, l in zip(p.src, p.dst, t.shape, ls):
-            if not (0 <= a < b <= g) or not (0 <= o and o + b - a <= l):
+            if not (0 <= a < b <= g or a == b == g == 0) or not (0 <= o and o + b - a <= l):
                 raise PlanError(f"piece {[list(x) for x in p.src]} -> {list(p.dst)} lies outside the "
                                 f"tensor {list(t.shape)} or the local shape {list(ls)}",
                                 tensor=s.name, rank=rank)

@@ -85,6 +85,12 @@ class _Planner:
         self.config = dict(meta.config or {})
         self.world = layout.world_size
         self.stage_size = layout.tp * layout.dp
+        if layout.tp > 1:
+            # checked before the per-rank tables below, which are proportional to tp
+            big = max((max(t.shape) for t in meta.tensors.values() if t.shape), default=0)
+            if layout.tp > big:
+                raise PlanError(f"layout: tp={layout.tp} exceeds the largest dim of any tensor "
+                                f"of the checkpoint ({big}): no tensor can be split that many ways")
         # stage-local index i -> (tp, dp, ep, moe_tp); identical for every stage
         self.local = []
         for i in range(self.stage_size):
@@ -121,11 +127,17 @@ class _Planner:
             nl = max_layer + 1
         if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
             raise PlanError(f"config.json: num_hidden_layers must be a non-negative integer, got {nl!r}")
+        if layer_of and nl > max_layer + 1:
+            # checked before stage_of, which is proportional to nl
+            raise PlanError(f"config.json: num_hidden_layers={nl} but the checkpoint's tensor "
+                            f"names hold layers 0..{max_layer} only; expected at most "
+                            f"{max_layer + 1}")
         self.num_layers = nl
-        stage_of = [0] * nl
+        # no layer tensors: nothing reads stage_of, but the layout checks (pp vs layers) hold
+        stage_of = [0] * nl if layer_of else []
         if nl:
             for s, rg in enumerate(L.stage_layers(nl)):
-                for li in rg:
+                for li in rg if layer_of else ():
                     stage_of[li] = s
         elif L.pp > 1 and layer_of:
             raise PlanError(f"layout: pp={L.pp} but config.json says num_hidden_layers=0")
@@ -411,16 +423,21 @@ class _Planner:
         E = p.get("num_experts")
         if E is None:
             E = num_experts_of(self.config)
+        if self._num_experts is None:
+            # the largest expert id in the names + 1
+            mx = -1
+            for n in self.meta.tensors:
+                m = EXPERT_RE.search(n)
+                if m:
+                    mx = max(mx, int(m.group(1)))
+            self._num_experts = mx + 1
         if E is None:
-            if self._num_experts is None:
-                # infer from the names: the largest expert id + 1
-                mx = -1
-                for n in self.meta.tensors:
-                    m = EXPERT_RE.search(n)
-                    if m:
-                        mx = max(mx, int(m.group(1)))
-                self._num_experts = mx + 1
             E = self._num_experts
+        elif E not in self._checked_E and self._num_experts and E > self._num_experts:
+            # config.json (or a rule) claiming more experts than the names hold would leave
+            # ranks without experts; checked before the placement tables, sized by E
+            raise self._err(f"config.json / rule says {E} experts but the checkpoint's tensor "
+                            f"names hold expert ids 0..{self._num_experts - 1} only", t.name)
         if E not in self._checked_E:
             try:
                 self.L.check_experts(E)

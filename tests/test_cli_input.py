@@ -1,0 +1,32 @@
+"""Bad command-line input is a usage error (exit 2, one line naming the option), never a
+store error with a C++ backtrace."""
+from __future__ import annotations
+
+import pytest
+
+from coordloader.cli.load import build_parser
+
+
+@pytest.mark.parametrize("bad", ["0", "-5", "nan", "inf", "-inf", "soon"])
+def test_timeout_must_be_positive_and_finite(bad, capsys):
+    with pytest.raises(SystemExit) as ei:
+        build_parser().parse_args(["ckpt", "--timeout", bad])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "--timeout" in err and "Traceback" not in err
+
+
+def test_timeout_accepts_seconds():
+    assert build_parser().parse_args(["ckpt", "--timeout", "2.5"]).timeout == 2.5
+
+
+@pytest.mark.parametrize("bad", ["{bad", "[1, 2]", "3"])
+def test_loader_config_is_parsed_under_any_engine(bad, capsys):
+    with pytest.raises(SystemExit) as ei:
+        build_parser().parse_args(["ckpt", "--engine", "auto", "--loader-config", bad])
+    assert ei.value.code == 2 and "--loader-config" in capsys.readouterr().err
+
+
+def test_loader_config_object_is_kept():
+    a = build_parser().parse_args(["ckpt", "--loader-config", '{"io_depth": 64}'])
+    assert a.loader_config == {"io_depth": 64}
