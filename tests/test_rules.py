@@ -34,6 +34,8 @@ def test_unmatched_is_error_or_replicated():
         make_plan(meta, Layout(tp=2))
     assert ei.value.tensor in ("model.layers.0.extra.weight", "model.layers.0.mlp.experts.gate_up_proj",
                                "model.layers.0.mlp.gate_up_proj.weight")
+    # Followed blindly at tp=2, the replicate hint gives every rank every weight.
+    assert "held whole on every rank" in str(ei.value)
 
 
 def test_rule_file_extends_preset(tmp_path):

@@ -165,8 +165,10 @@ class _Planner:
             more = (f" (and {len(unmatched) - 1} more: {', '.join(unmatched[1:4])}...)"
                     if len(unmatched) > 1 else "")
             raise PlanError(f"no sharding rule matches this tensor{more}; preset "
-                            f"{self.rules.preset or 'none detected'}; add a rule (rules=...) or pass "
-                            f"replicate_unmatched=True / --replicate-unmatched (layout {L})",
+                            f"{self.rules.preset or 'none detected'}; add a rule (rules=...), or pass "
+                            f"replicate_unmatched=True / --replicate-unmatched only if every "
+                            f"unmatched tensor should be held whole on every rank (not split; "
+                            f"layout {L})",
                             tensor=unmatched[0])
         for i in range(self.rules.user_count):
             if i not in hits:
