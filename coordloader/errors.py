@@ -90,3 +90,9 @@ class CollectiveError(CoordloaderError):
 def _rebuild_collective(message, file, tensor, rank, phase, failures, missing):
     return CollectiveError(message, file=file, tensor=tensor, rank=rank, phase=phase,
                            failures=failures, missing=missing)
+
+
+class FitError(LoadError):
+    """A serving engine's weight loaders and a rank's planned slices disagree: they asked
+    for elements the rank does not hold, touched a held tensor's data in a way that cannot
+    be answered from the rank's slices, or left held elements unused."""

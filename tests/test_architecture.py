@@ -27,6 +27,9 @@ ALLOWED = {
     "synth": {"checkpoint", "synth"},
     "api": {"checkpoint", "planning", "api"},
     "loader": {"checkpoint", "planning", "engines", "verify", "dist", "api", "loader"},
+    # adapters to serving engines: read the plan and the loaded tensors, never the reverse
+    "integrations": {"checkpoint", "planning", "engines", "verify", "dist", "api", "loader",
+                     "integrations"},
 }
 # modules planning may never reach, even through a stage it is allowed (no I/O, no group)
 PLANNING_FORBIDDEN_EXTERNAL = ("torch.distributed", "os", "io", "socket", "subprocess")

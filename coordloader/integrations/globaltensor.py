@@ -1,0 +1,257 @@
+"""A tensor with a checkpoint tensor's global shape that holds only this rank's boxes.
+
+Serving engines build their fused, sharded parameters in per-layer weight loaders that
+narrow *whole* checkpoint tensors at their own tp-rank offsets. Handing those loaders a
+``GlobalShapeTensor`` lets each model's own loader place the rank's slices (no per-model
+offset table here): shape, ndim, dtype and device are the global tensor's; narrowing,
+slicing, ``select``, ``unbind``, ``unsqueeze``/``squeeze``, ``split`` and ``detach`` give
+lazy views; the data is read only when a view is copied out (``copy_`` into a parameter,
+or ``materialize()``), and only when every element of the view is held. Any other data
+access (a transpose, a dtype conversion, ``repeat_interleave``, arithmetic) raises
+``FitError`` naming the tensor, the requested box and the held boxes: a loader that
+would compute on the full tensor before narrowing would otherwise load wrong values.
+
+Every copied-out box is recorded, so after loading ``unconsumed`` tells which held
+elements no loader used (exact fit: each element asked for was held, each held element
+was asked for).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, NamedTuple
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from coordloader.checkpoint.dtypes import torch_dtype
+from coordloader.checkpoint.metadata import Box, box_numel, box_shape
+from coordloader.checkpoint.tiling import fmt_box
+from coordloader.engines import intersect, narrow_box
+from coordloader.errors import FitError
+from coordloader.planning.model import Piece, TensorSlice
+from coordloader.verify.checks import uncovered
+
+aten = torch.ops.aten
+
+
+def fmt_boxes(boxes: Iterable[Box]) -> str:
+    return "{" + ", ".join(fmt_box(b) for b in boxes) + "}"
+
+
+@dataclass(eq=False)
+class HeldTensor:
+    """One checkpoint tensor on this rank: its local data, where each planned piece sits
+    in it, and the boxes loaders have copied out so far (shared by all views)."""
+    name: str
+    global_shape: tuple[int, ...]
+    local: torch.Tensor
+    pieces: tuple[Piece, ...]
+    rank: int | None = None
+    consumed: list[Box] = field(default_factory=list)
+
+    @property
+    def held_boxes(self) -> tuple[Box, ...]:
+        return tuple(p.src for p in self.pieces)
+
+    def refuse(self, what: str, box: Box) -> FitError:
+        return FitError(f"{what}; requested box {fmt_box(box)} of global shape "
+                        f"{list(self.global_shape)}, held boxes {fmt_boxes(self.held_boxes)}",
+                        tensor=self.name, rank=self.rank)
+
+    def gather(self, box: Box) -> torch.Tensor:
+        """The elements of global ``box`` as a tensor of ``box_shape(box)``; FitError unless
+        every one is held. Recorded as consumed."""
+        if uncovered(box, self.held_boxes):
+            raise self.refuse("asked for elements this rank does not hold (the serving "
+                              "engine's split differs from the plan's)", box)
+        out = torch.empty(box_shape(box), dtype=self.local.dtype, device=self.local.device)
+        for p in self.pieces:
+            ov = intersect(p.src, box)
+            if ov is None:
+                continue
+            shape = box_shape(ov)
+            src = narrow_box(self.local, [d + o[0] - s[0] for d, o, s in zip(p.dst, ov, p.src)], shape)
+            narrow_box(out, [o[0] - b[0] for o, b in zip(ov, box)], shape).copy_(src)
+        self.consumed.append(box)
+        return out
+
+    def unconsumed(self) -> list[Box]:
+        """Held elements no loader copied out, as disjoint boxes."""
+        left: list[Box] = []
+        for held in self.held_boxes:
+            left.extend(uncovered(held, self.consumed) or [])
+        return left
+
+
+# one dim of a view: the global dim it shows, or None for a size-1 dim unsqueeze added
+ViewDim = int | None
+
+
+class GlobalShapeTensor(torch.Tensor):
+    """See the module docstring. Build with ``global_tensor``."""
+
+    _held: HeldTensor
+    _box: Box                      # the view's region, in global coordinates
+    _dims: tuple[ViewDim, ...]     # global dims not listed here were fixed by select
+
+    @staticmethod
+    def __new__(cls, held: HeldTensor, box: Box, dims: tuple[ViewDim, ...]):
+        shape = tuple(1 if g is None else box[g][1] - box[g][0] for g in dims)
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=held.local.dtype,
+                                                device=held.local.device, requires_grad=False)
+        t._held, t._box, t._dims = held, box, dims
+        return t
+
+    def __repr__(self, *, tensor_contents=None) -> str:   # default repr would read the data
+        return (f"GlobalShapeTensor({self._held.name!r}, shape={list(self.shape)}, "
+                f"box={fmt_box(self._box)}, held={fmt_boxes(self._held.held_boxes)})")
+
+    @property
+    def checkpoint_name(self) -> str:
+        return self._held.name
+
+    @property
+    def box(self) -> Box:
+        return self._box
+
+    def materialize(self) -> torch.Tensor:
+        """This view's data as a plain tensor (recorded as consumed)."""
+        return self._held.gather(self._box).reshape(self.shape)
+
+    # -- lazy views ----------------------------------------------------------------------
+
+    def _view(self, box: Box, dims: tuple[ViewDim, ...]) -> "GlobalShapeTensor":
+        return GlobalShapeTensor(self._held, box, dims)
+
+    def _dim(self, d: int, ndim: int | None = None) -> int:
+        n = self.dim() if ndim is None else ndim
+        if not -n <= d < max(n, 1):
+            raise self._held.refuse(f"dim {d} out of range for a {n}-d view", self._box)
+        return d % n if n else 0
+
+    def _slice(self, d: int, start, stop, step: int) -> "GlobalShapeTensor":
+        d = self._dim(d)
+        n = self.shape[d]
+        if step != 1:
+            raise self._held.refuse(f"a strided slice (step {step}) of dim {d} is not a box", self._box)
+        start = 0 if start is None else start
+        stop = n if stop is None or stop >= sys.maxsize else stop
+        start = min(max(start + n if start < 0 else start, 0), n)
+        stop = min(max(stop + n if stop < 0 else stop, start), n)
+        if start == stop:
+            raise self._held.refuse(f"an empty slice [{start}:{stop}] of dim {d}", self._box)
+        g = self._dims[d]
+        if g is None:
+            return self._view(self._box, self._dims)
+        lo = self._box[g][0]
+        return self._view(self._box[:g] + ((lo + start, lo + stop),) + self._box[g + 1:], self._dims)
+
+    def _select(self, d: int, index: int) -> "GlobalShapeTensor":
+        d = self._dim(d)
+        n = self.shape[d]
+        if not -n <= index < n:
+            raise self._held.refuse(f"index {index} out of range for dim {d} of size {n}", self._box)
+        index %= n
+        g = self._dims[d]
+        dims = self._dims[:d] + self._dims[d + 1:]
+        if g is None:
+            return self._view(self._box, dims)
+        lo = self._box[g][0]
+        return self._view(self._box[:g] + ((lo + index, lo + index + 1),) + self._box[g + 1:], dims)
+
+    def _unsqueeze(self, d: int) -> "GlobalShapeTensor":
+        d = self._dim(d, self.dim() + 1)
+        return self._view(self._box, self._dims[:d] + (None,) + self._dims[d:])
+
+    def _squeeze(self, ds: Iterable[int]) -> "GlobalShapeTensor":
+        drop = {self._dim(d) for d in ds}
+        drop = {d for d in drop if self.shape[d] == 1}
+        return self._view(self._box, tuple(g for i, g in enumerate(self._dims) if i not in drop))
+
+    def _split(self, sizes: list[int], d: int) -> list["GlobalShapeTensor"]:
+        out, at = [], 0
+        for s in sizes:
+            out.append(self._slice(d, at, at + s, 1))
+            at += s
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        pkt = func.overloadpacket
+        if pkt is aten.copy_:
+            dst, src = args[0], args[1]
+            if isinstance(dst, GlobalShapeTensor):
+                raise dst._held.refuse("writing into a checkpoint tensor", dst._box)
+            return dst.copy_(src.materialize(), *args[2:], **kwargs)
+        self = args[0]
+        if not isinstance(self, GlobalShapeTensor):
+            held = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, GlobalShapeTensor))._held
+            raise held.refuse(f"{func} reads the data of a whole checkpoint tensor", full(held))
+        a = list(args[1:])
+
+        def arg(i: int, name: str, default):
+            return a[i] if len(a) > i else kwargs.get(name, default)
+
+        if pkt is aten.slice:
+            return self._slice(arg(0, "dim", 0), arg(1, "start", None), arg(2, "end", None),
+                               arg(3, "step", 1))
+        if pkt is aten.narrow:
+            start = arg(1, "start", 0)
+            return self._slice(arg(0, "dim", 0), start, start + arg(2, "length", 0), 1)
+        if pkt is aten.select:
+            return self._select(arg(0, "dim", 0), arg(1, "index", 0))
+        if pkt is aten.unbind:
+            d = self._dim(arg(0, "dim", 0))
+            return tuple(self._select(d, i) for i in range(self.shape[d]))
+        if pkt is aten.unsqueeze:
+            return self._unsqueeze(arg(0, "dim", 0))
+        if pkt is aten.squeeze:
+            d = arg(0, "dim", None)
+            ds = range(self.dim()) if d is None else ([d] if isinstance(d, int) else d)
+            return self._squeeze(ds)
+        if pkt is aten.split or pkt is aten.split_with_sizes:
+            d = self._dim(arg(1, "dim", 0))
+            n = self.shape[d]
+            sz = arg(0, "split_size", None) if pkt is aten.split else arg(0, "split_sizes", None)
+            if isinstance(sz, int):
+                sz = [min(sz, n - s) for s in range(0, n, sz)]
+            return self._split(list(sz), d)
+        if pkt in (aten.detach, aten.alias):
+            return self._view(self._box, self._dims)
+        raise self._held.refuse(f"{func} would read or compute on the data before narrowing it "
+                                f"to this rank's slice (only narrow/slice/select/unbind/unsqueeze/"
+                                f"split/detach are answered lazily, then copy_)", self._box)
+
+
+def full(held: HeldTensor) -> Box:
+    return tuple((0, s) for s in held.global_shape)
+
+
+def global_tensor(name: str, local: torch.Tensor, ts: TensorSlice, *,
+                  rank: int | None = None) -> GlobalShapeTensor:
+    """The global-shape view of one planned tensor: ``local`` is what the engine loaded
+    for ``ts`` (local shape, pieces at their planned destinations)."""
+    if tuple(local.shape) != tuple(ts.local_shape) or local.dtype != torch_dtype(ts.dtype):
+        raise FitError(f"local tensor is {local.dtype} {list(local.shape)}, the plan says "
+                       f"{ts.dtype} {list(ts.local_shape)}", tensor=name, rank=rank)
+    held = HeldTensor(name, tuple(ts.global_shape), local, tuple(ts.pieces), rank)
+    return GlobalShapeTensor(held, full(held), tuple(range(len(ts.global_shape))))
+
+
+class Unconsumed(NamedTuple):
+    name: str
+    boxes: tuple[Box, ...]    # held boxes (or parts of them) no loader copied out
+    numel: int
+
+
+def unconsumed(tensors: Mapping[str, GlobalShapeTensor]) -> list[Unconsumed]:
+    """Exact fit, the second half: held elements no loader used, per tensor."""
+    out = []
+    for name, t in sorted(tensors.items()):
+        left = t._held.unconsumed()
+        if left:
+            out.append(Unconsumed(name, tuple(left), sum(box_numel(b) for b in left)))
+    return out
+

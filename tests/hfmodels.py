@@ -1,0 +1,32 @@
+"""Tiny checkpoints written by transformers' own ``save_pretrained``, every parameter
+refilled with seeded random values (a fresh model's init has constant norms and zero
+biases, which would hide a misplaced slice)."""
+from __future__ import annotations
+
+import torch
+
+# head_dim 32 (vLLM-CPU attention refuses 16); vocab 300 is not a multiple of 64, so
+# vLLM's padded vocab split leaves the last rank a short slice
+LLAMA = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, num_hidden_layers=2, vocab_size=300, max_position_embeddings=256,
+             tie_word_embeddings=False)
+
+
+def refill(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            vals = torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.05
+            if name.endswith("norm.weight"):
+                vals += 1.0
+            p.copy_(vals.to(p.dtype))
+
+
+def write_llama(out: str, *, seed: int = 0, dtype=torch.bfloat16, shard_size: str = "150KB") -> str:
+    """A tiny LlamaForCausalLM in several shards; returns ``out``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA)).to(dtype)
+    refill(model, seed)
+    model.save_pretrained(out, max_shard_size=shard_size)
+    return out

@@ -1,0 +1,212 @@
+"""The global-shape tensor (coordloader.integrations.globaltensor), without vLLM.
+
+A tiny llama written by transformers is planned and loaded per rank by coordloader; the
+rank's tensors, wrapped, are then narrowed at the offsets vLLM 0.32's layers use
+(ColumnParallel/RowParallel: tp_rank * size; QKV k/v: (tp_rank // replicas) * size;
+VocabParallelEmbedding: the vocab padded to 64 split evenly, the last slice clipped) and
+copied into parameters, as the layers' weight_loaders do. Values are compared with the
+whole tensors read by the safetensors library.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import coordloader as cl
+from coordloader.errors import FitError
+from coordloader.integrations.globaltensor import global_tensor, unconsumed
+from coordloader.planning.model import Piece, TensorSlice
+
+from hfmodels import LLAMA, write_llama
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return write_llama(str(tmp_path_factory.mktemp("llama")))
+
+
+def whole(ckpt: str) -> dict[str, torch.Tensor]:
+    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    out = {}
+    for fn in files:
+        with safe_open(os.path.join(ckpt, fn), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def rank_tensors(ckpt: str, tp: int, rank: int):
+    res = cl.load_detailed(ckpt, cl.Layout(tp=tp), rank=rank, verify="none")
+    by = res.rank_plan.by_name()
+    return {n: global_tensor(n, t, by[n], rank=rank) for n, t in res.tensors.items()}
+
+
+def vllm_like_copy(name: str, t, tp: int, rank: int) -> torch.Tensor:
+    """What vLLM's layer for ``name`` copies into this rank's parameter."""
+    heads, kv, hd = LLAMA["num_attention_heads"], LLAMA["num_key_value_heads"], LLAMA["head_dim"]
+    vocab = LLAMA["vocab_size"]
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        assert t.shape[0] == vocab            # vLLM asserts the global vocab
+        per = -(-vocab // 64) * 64 // tp
+        start, end = rank * per, min(rank * per + per, vocab)
+        part = t.narrow(0, start, end - start)
+    elif name.endswith("q_proj.weight"):
+        size = heads * hd // tp
+        part = t.narrow(0, rank * size, size)
+    elif name.endswith(("k_proj.weight", "v_proj.weight")):
+        replicas = max(1, tp // kv)
+        size = max(1, kv // tp) * hd
+        part = t.narrow(0, (rank // replicas) * size, size)
+    elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+        size = t.shape[0] // tp
+        part = t.narrow(0, rank * size, size)
+    elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        size = t.shape[1] // tp
+        part = t.narrow(1, rank * size, size)
+    else:
+        part = t
+    param = torch.empty(part.shape, dtype=t.dtype)
+    param.copy_(part)
+    return param
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vllm_offsets_read_exactly_the_planned_slices(llama, tp):
+    full = whole(llama)
+    for rank in range(tp):
+        gts = rank_tensors(llama, tp, rank)
+        assert set(gts) == set(full)
+        for name, t in gts.items():
+            assert t.shape == full[name].shape and t.dim() == full[name].ndim
+            assert t.dtype == full[name].dtype and t.device.type == "cpu"
+            got = vllm_like_copy(name, t, tp, rank)
+            ref = vllm_like_copy(name, full[name], tp, rank)
+            assert torch.equal(got, ref), (name, rank)
+        # every held element was narrowed by some loader, each narrowed one was held
+        assert unconsumed(gts) == []
+
+
+def test_a_tensor_no_loader_used_is_reported(llama):
+    gts = rank_tensors(llama, 2, 1)
+    skip = "model.layers.0.self_attn.o_proj.weight"
+    for name, t in gts.items():
+        if name != skip:
+            vllm_like_copy(name, t, 2, 1)
+    left = unconsumed(gts)
+    assert [u.name for u in left] == [skip]
+    assert left[0].boxes == (((0, 128), (64, 128)),) and left[0].numel == 128 * 64
+
+
+def test_half_of_a_held_box_left_is_reported(llama):
+    gts = rank_tensors(llama, 2, 0)
+    name = "model.layers.1.mlp.gate_proj.weight"          # held rows 0:128 of 256
+    torch.empty(100, 128, dtype=torch.bfloat16).copy_(gts[name].narrow(0, 0, 100))
+    left = {u.name: u for u in unconsumed({name: gts[name]})}
+    assert left[name].boxes == (((100, 128), (0, 128)),)
+
+
+def test_another_ranks_offset_is_refused_with_tensor_box_and_held_boxes(llama):
+    gts = rank_tensors(llama, 2, 1)
+    t = gts["model.layers.0.mlp.up_proj.weight"]
+    view = t.narrow(0, 0, 128)                             # rank 0's rows: still lazy
+    with pytest.raises(FitError) as e:
+        torch.empty(128, 128, dtype=torch.bfloat16).copy_(view)
+    msg = str(e.value)
+    assert "rank 1" in msg and "'model.layers.0.mlp.up_proj.weight'" in msg
+    assert "requested box [0:128,0:128]" in msg and "held boxes {[128:256,0:128]}" in msg
+    assert unconsumed({"x": t})[0].numel == 128 * 128      # nothing was consumed
+
+
+def test_an_unpadded_vocab_split_is_refused(llama):
+    # a loader splitting the unpadded vocab (150 rows a rank) asks rank 1 for rows 150:300;
+    # the plan padded to 320 and gave rank 1 rows 160:300
+    t = rank_tensors(llama, 2, 1)["lm_head.weight"]
+    with pytest.raises(FitError, match=r"requested box \[150:300,0:128\].*"
+                                       r"held boxes \{\[160:300,0:128\]\}"):
+        t.narrow(0, 150, 150).materialize()
+
+
+@pytest.mark.parametrize("op", [
+    lambda t: t.t().contiguous(),
+    lambda t: t.repeat_interleave(2, dim=0),
+    lambda t: t.to(torch.float16),
+    lambda t: t * 2,
+    lambda t: t.view(-1),
+    lambda t: t[::2],
+    lambda t: torch.cat([t, t]),
+    lambda t: t.narrow(0, 0, 64).sum(),
+], ids=["t_contiguous", "repeat_interleave", "to_dtype", "mul", "view", "strided", "cat", "sum"])
+def test_data_access_before_narrowing_is_refused(llama, op):
+    t = rank_tensors(llama, 2, 0)["model.layers.0.self_attn.k_proj.weight"]
+    with pytest.raises(FitError) as e:
+        op(t)
+    assert "'model.layers.0.self_attn.k_proj.weight'" in str(e.value)
+    assert "held boxes {[0:32,0:128]}" in str(e.value)
+
+
+def test_metadata_and_lazy_views_never_read():
+    # a local tensor that would fail any read: views and metadata must not touch it
+    ts = TensorSlice("w", "f", "F32", (6, 4), (3, 4), (Piece(((3, 6), (0, 4)), (0, 0)),), 0, ())
+    t = global_tensor("w", torch.empty(3, 4, device="meta"), ts)
+    assert t.shape == (6, 4) and t.numel() == 24 and t.size(1) == 4 and t.device.type == "meta"
+    v = t.detach()[3:].split([1, 2])[1].unsqueeze(0).squeeze(0).select(1, 2)
+    assert v.shape == (2,) and v.box == ((4, 6), (2, 3))
+    assert "GlobalShapeTensor('w'" in repr(t)
+
+
+def _experts(rank_experts: range):
+    """A fused expert tensor [E=4, 2, 3] of which this rank holds ``rank_experts``."""
+    e0, e1 = rank_experts.start, rank_experts.stop
+    data = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 2, 3)
+    ts = TensorSlice("experts.w13", "f", "F32", (4, 2, 3), (e1 - e0, 2, 3),
+                     (Piece(((e0, e1), (0, 2), (0, 3)), (0, 0, 0)),), 0, ())
+    return data, global_tensor("experts.w13", data[e0:e1].clone(), ts, rank=3)
+
+
+def test_unbind_gives_each_expert_and_refuses_the_others():
+    data, t = _experts(range(2, 4))
+    per = t.unbind(0)
+    assert len(per) == 4 and all(p.shape == (2, 3) for p in per)
+    for e in (2, 3):
+        assert torch.equal(per[e].materialize(), data[e])
+    with pytest.raises(FitError, match=r"requested box \[0:1,0:2,0:3\]"):
+        per[0].materialize()
+    assert unconsumed({"x": t}) == []
+
+
+def test_unsqueeze_unbind_of_a_per_expert_tensor():
+    # vLLM's FusedMoE takes a 2-D per-expert weight as w.unsqueeze(0).unbind()
+    ts = TensorSlice("e.w", "f", "F32", (4, 3), (2, 3), (Piece(((2, 4), (0, 3)), (0, 0)),), 0, ())
+    local = torch.arange(6.0).reshape(2, 3)
+    t = global_tensor("e.w", local, ts)
+    (only,) = t.unsqueeze(0).unbind()
+    assert only.shape == (4, 3)
+    dst = torch.zeros(2, 3)
+    dst.copy_(only.narrow(0, 2, 2))
+    assert torch.equal(dst, local)
+
+
+def test_a_slice_spanning_two_held_pieces_is_assembled():
+    # packed strategy: the rank holds two separate boxes of one global tensor
+    full = torch.arange(8 * 2, dtype=torch.float32).reshape(8, 2)
+    ts = TensorSlice("p", "f", "F32", (8, 2), (4, 2), (Piece(((2, 4), (0, 2)), (0, 0)),
+                                                        Piece(((4, 6), (0, 2)), (2, 0))), 0, ())
+    t = global_tensor("p", full[2:6].clone(), ts)
+    assert torch.equal(t[2:6].materialize(), full[2:6])
+    assert torch.equal(t[3:5, 1].materialize(), full[3:5, 1])
+
+
+def test_writing_into_a_checkpoint_tensor_is_refused():
+    _, t = _experts(range(0, 4))
+    with pytest.raises(FitError, match="writing into"):
+        t[0].copy_(torch.zeros(2, 3))
+
+
+def test_local_tensor_must_match_the_plan():
+    ts = TensorSlice("w", "f", "F32", (6, 4), (3, 4), (Piece(((3, 6), (0, 4)), (0, 0)),), 0, ())
+    with pytest.raises(FitError, match=r"plan says F32 \[3, 4\]"):
+        global_tensor("w", torch.zeros(4, 4), ts)
