@@ -61,6 +61,11 @@ def _rebuild_verify(message, file, tensor, rank, report):
     return VerifyError(message, file=file, tensor=tensor, rank=rank, report=report)
 
 
+class ConfigError(CoordloaderError):
+    """A setting handed to coordloader (an option, a serving engine's loader config or
+    parallel layout) is invalid or not supported."""
+
+
 class SaveError(CoordloaderError):
     """Writing a checkpoint or manifest failed; the previous state on disk is intact."""
 

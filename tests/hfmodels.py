@@ -11,6 +11,11 @@ LLAMA = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
              head_dim=32, num_hidden_layers=2, vocab_size=300, max_position_embeddings=256,
              tie_word_embeddings=False)
 
+QWEN3_MOE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=4,
+                 num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 num_hidden_layers=2, vocab_size=300, max_position_embeddings=256,
+                 decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+
 
 def refill(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
@@ -27,6 +32,17 @@ def write_llama(out: str, *, seed: int = 0, dtype=torch.bfloat16, shard_size: st
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**LLAMA)).to(dtype)
+    refill(model, seed)
+    model.save_pretrained(out, max_shard_size=shard_size)
+    return out
+
+
+def write_qwen3_moe(out: str, *, seed: int = 0, dtype=torch.bfloat16,
+                    shard_size: str = "150KB") -> str:
+    """A tiny Qwen3MoeForCausalLM (4 experts) in several shards; returns ``out``."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_MOE)).to(dtype)
     refill(model, seed)
     model.save_pretrained(out, max_shard_size=shard_size)
     return out

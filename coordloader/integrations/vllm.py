@@ -1,0 +1,269 @@
+"""coordloader as a vLLM load format: ``vllm serve MODEL --load-format coordloader``.
+
+vLLM's own formats hand every rank every whole checkpoint tensor and let each layer's
+``weight_loader`` narrow it. Here each rank plans and reads only its slices (coordloader's
+planner and engine over vLLM's own process groups), wraps them as ``GlobalShapeTensor``s
+so the same ``weight_loader``s place them unchanged, then checks what vLLM cannot:
+
+- exact fit: every element a loader narrowed was held (else the loader raises
+  ``FitError`` at once) and every held element was copied out by some loader;
+- expert slots: the experts vLLM keeps on this rank are the experts coordloader loaded;
+- vLLM's own ``track_weights_loading`` (every parameter initialised from the checkpoint).
+
+A failure on any rank fails the load on every rank (one agreed phase), naming the rank
+and tensor. Registered through the ``vllm.general_plugins`` entry point (``register``), so
+vLLM's worker processes see it too. Options come through
+``--model-loader-extra-config`` (``LOADER_OPTIONS``); unknown keys are refused.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple
+
+from coordloader.errors import ConfigError, FitError
+from coordloader.layout import Layout
+
+LOAD_FORMAT = "coordloader"
+
+# key -> (type, meaning); the only keys --model-loader-extra-config may carry
+LOADER_OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "engine": (str, "coordloader engine: auto or cpu (host memory; vLLM copies to the device)"),
+    "verify": (str, "verify mode after the load: none, shapes, digest"),
+    "rules": ((str, list), "preset name or rule file(s), instead of detecting from config.json"),
+    "timeout": ((int, float), "seconds a rank waits for the others at each phase"),
+    "loader_config": (dict, "engine options (as the load CLI's --loader-config)"),
+}
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    engine: str = "cpu"
+    verify: str = "shapes"
+    rules: Any = None
+    timeout: float | None = None
+    loader_config: dict | None = None
+
+    @staticmethod
+    def parse(extra: Any) -> "LoaderOptions":
+        """``model_loader_extra_config`` -> options; ConfigError naming the key otherwise."""
+        if extra is None:
+            return LoaderOptions()
+        if not isinstance(extra, Mapping):
+            raise ConfigError(f"--model-loader-extra-config for load format {LOAD_FORMAT!r} must "
+                              f"be a JSON object, got {type(extra).__name__}")
+        unknown = sorted(set(extra) - set(LOADER_OPTIONS))
+        if unknown:
+            raise ConfigError(f"--model-loader-extra-config: unknown key(s) {', '.join(unknown)} for "
+                              f"load format {LOAD_FORMAT!r}; known: {', '.join(LOADER_OPTIONS)}")
+        for key, value in extra.items():
+            kind, meaning = LOADER_OPTIONS[key]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ConfigError(f"--model-loader-extra-config: {key} ({meaning}) has the wrong "
+                                  f"type: {value!r}")
+        if extra.get("engine", "auto") not in ("auto", "cpu"):
+            # the instanttensor engine would need vLLM's device group, which load() does not
+            # take yet; host reads + vLLM's own copy to the device are correct everywhere
+            raise ConfigError(f"--model-loader-extra-config: engine {extra['engine']!r} is not "
+                              f"available under vLLM; use auto or cpu")
+        t = extra.get("timeout")
+        if t is not None and not (math.isfinite(t) and t > 0):
+            raise ConfigError(f"--model-loader-extra-config: timeout must be a finite number of "
+                              f"seconds above 0, got {t!r}")
+        opts = dict(extra)
+        opts["engine"] = "cpu"
+        return LoaderOptions(**opts)
+
+
+class VllmRank(NamedTuple):
+    """Where this vLLM worker sits, read from vLLM's parallel config and groups."""
+    layout: Layout
+    rank: int           # coordloader's rank for the worker's tp/pp coordinates
+    cpu_group: Any      # vLLM's world group over gloo: metadata, plan and phase agreement
+
+
+def layout_of(tp: int, pp: int, dp: int, expert_parallel: bool, placement: str) -> Layout:
+    """The coordloader layout that places slices where vLLM's layers expect them.
+
+    Without expert parallelism vLLM splits every expert over the TP group (``ep=1``,
+    ``moe_tp = tp``); with it, experts are spread over the TP x DP ranks of a stage
+    (vLLM's ``ep_size = dp * tp``, ``ep_rank = dp_rank * tp + tp_rank``), whole."""
+    if expert_parallel:
+        return Layout(tp=tp, pp=pp, dp=dp, ep=tp * dp, ep_spans_dp=dp > 1,
+                      expert_placement=placement)
+    return Layout(tp=tp, pp=pp, dp=dp)
+
+
+def coordinate_rank(layout: Layout, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+    """coordloader's global rank with these coordinates (TP innermost, then DP, then PP)."""
+    return (pp_rank * layout.dp + dp_rank) * layout.tp + tp_rank
+
+
+def vllm_rank() -> VllmRank:
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    pc = get_current_vllm_config().parallel_config
+    if getattr(pc, "prefill_context_parallel_size", 1) > 1 or \
+            getattr(pc, "decode_context_parallel_size", 1) > 1:
+        raise ConfigError(f"load format {LOAD_FORMAT!r} does not plan context parallelism "
+                          f"(prefill/decode_context_parallel_size > 1)")
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    # vLLM's DP replicas are separate engines unless expert parallelism joins them
+    dp = pc.data_parallel_size if pc.enable_expert_parallel else 1
+    layout = layout_of(tp, pp, dp, pc.enable_expert_parallel, pc.expert_placement_strategy)
+    tp_rank = ps.get_tp_group().rank_in_group
+    pp_rank = ps.get_pp_group().rank_in_group
+    dp_rank = ps.get_dp_group().rank_in_group if dp > 1 else 0
+    rank = coordinate_rank(layout, tp_rank, pp_rank, dp_rank)
+    if dp > 1:
+        # each DP engine has a world group of its own; the TP x DP expert group spans them
+        raise ConfigError(f"load format {LOAD_FORMAT!r}: expert parallel over data parallel "
+                          f"(data_parallel_size={pc.data_parallel_size}) is not supported yet")
+    world = ps.get_world_group()
+    if world.world_size != layout.world_size or world.rank_in_group != rank:
+        raise ConfigError(f"load format {LOAD_FORMAT!r}: vLLM's world group (rank "
+                          f"{world.rank_in_group} of {world.world_size}) does not match the "
+                          f"layout {layout} (this worker is tp {tp_rank}, pp {pp_rank}, so "
+                          f"coordloader rank {rank})")
+    return VllmRank(layout, rank, world.cpu_group)
+
+
+_LAYER_EXPERT = re.compile(r"(?:^|\.)layers\.(\d+)\..*?experts\.(\d+)\.")
+
+
+def planned_experts(names) -> dict[int, set[int]]:
+    """layer -> expert ids this rank's plan holds a slice of (per-expert checkpoint names)."""
+    out: dict[int, set[int]] = {}
+    for n in names:
+        m = _LAYER_EXPERT.search(n)
+        if m:
+            out.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    return out
+
+
+_MODULE_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def vllm_experts(model) -> dict[int, set[int]]:
+    """layer -> expert ids vLLM keeps on this rank, from each routed-experts module's
+    global -> local expert map (None: every expert is local, split over TP)."""
+    out: dict[int, set[int]] = {}
+    for name, mod in model.named_modules():
+        if not hasattr(mod, "_expert_map") or not hasattr(mod, "global_num_experts"):
+            continue
+        m = _MODULE_LAYER.search(name)
+        if m is None:
+            continue
+        emap = mod._expert_map
+        n = int(mod.global_num_experts)
+        ids = set(range(n)) if emap is None else \
+            {e for e, slot in enumerate(emap.tolist()) if slot >= 0}
+        out[int(m.group(1))] = ids
+    return out
+
+
+def check_expert_slots(planned: dict[int, set[int]], kept: dict[int, set[int]], rank: int) -> None:
+    """FitError unless, for every MoE layer both know, vLLM's experts are coordloader's."""
+    for layer in sorted(set(planned) & set(kept)):
+        if planned[layer] != kept[layer]:
+            only_v = sorted(kept[layer] - planned[layer])
+            only_c = sorted(planned[layer] - kept[layer])
+            raise FitError(f"layer {layer}: vLLM keeps experts the plan did not load "
+                           f"{only_v[:16]} and the plan loaded experts vLLM does not keep "
+                           f"{only_c[:16]} (expert placement differs)", rank=rank)
+
+
+class LoadReport(dict):
+    """What one rank's coordloader load cost, attached to the model as
+    ``model.coordloader_report`` for benches and tests."""
+
+
+def load_into_vllm(model, ckpt: str, vr: VllmRank, opts: LoaderOptions, *,
+                   track=None) -> LoadReport:
+    """Plan, load and verify this rank's slices, feed them to ``model.load_weights``, and
+    check the fit; every rank fails together if any rank fails."""
+    from coordloader.dist import collective
+    from coordloader.integrations.globaltensor import global_tensor, unconsumed
+    from coordloader.loader import load_detailed
+
+    group = collective.wrap_group(vr.cpu_group, timeout_s=opts.timeout) \
+        if vr.layout.world_size > 1 else None
+    t0 = time.perf_counter()
+    res = load_detailed(ckpt, vr.layout, group=group, rank=vr.rank, engine=opts.engine,
+                        verify=opts.verify, rules=opts.rules, loader_config=opts.loader_config,
+                        timeout=opts.timeout)
+    t_load = time.perf_counter() - t0
+    by = res.rank_plan.by_name()
+
+    def fit():
+        wrapped = {n: global_tensor(n, t, by[n], rank=vr.rank) for n, t in res.tensors.items()}
+        loaded = model.load_weights(iter(sorted(wrapped.items())))
+        left = unconsumed(wrapped)
+        if left:
+            u = left[0]
+            raise FitError(f"{len(left)} held tensor(s) not fully used by vLLM's weight loaders, "
+                           f"first: {u.numel} elements in {list(map(list, u.boxes[:4]))} (the "
+                           f"plan's split differs from vLLM's, or the rule holds more than the "
+                           f"layer needs)", tensor=u.name, rank=vr.rank)
+        experts = planned_experts(by)
+        check_expert_slots(experts, vllm_experts(model), vr.rank)
+        if track is not None:
+            track(model, loaded)
+        return experts
+
+    experts = collective.run_phase("vllm-fit", fit, group)
+    report = LoadReport(rank=vr.rank, layout=str(vr.layout), tensors=len(res.tensors),
+                        bytes_read=res.stats.bytes_read, bytes_held=res.stats.bytes_held,
+                        seconds_load=t_load, seconds_total=time.perf_counter() - t0,
+                        engine=res.stats.engine,
+                        experts={str(k): sorted(v) for k, v in sorted(experts.items())})
+    return report
+
+
+def _local_checkpoint(model_config) -> str:
+    path = model_config.model
+    if not os.path.isdir(path):
+        raise ConfigError(f"load format {LOAD_FORMAT!r} reads a local checkpoint directory; "
+                          f"{path!r} is not one (download it first, e.g. "
+                          f"`huggingface-cli download {path} --local-dir DIR`)", file=path)
+    return path
+
+
+def _loader_class():
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    class CoordloaderModelLoader(BaseModelLoader):
+        """vLLM model loader: each rank reads only its slices (see the module docstring)."""
+
+        def __init__(self, load_config):
+            super().__init__(load_config)
+            self.options = LoaderOptions.parse(load_config.model_loader_extra_config)
+            self.report: LoadReport | None = None
+
+        def download_model(self, model_config) -> None:
+            _local_checkpoint(model_config)
+
+        def load_weights(self, model, model_config) -> None:
+            ckpt = _local_checkpoint(model_config)
+            quantized = model_config.quantization is not None
+
+            def track(m, loaded):
+                if loaded is not None and not quantized:
+                    # vLLM's own check, unchanged: every parameter came from the checkpoint
+                    DefaultModelLoader.track_weights_loading(self, m, loaded)
+
+            self.report = load_into_vllm(model, ckpt, vllm_rank(), self.options, track=track)
+            model.coordloader_report = self.report
+
+    return CoordloaderModelLoader
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: make ``--load-format coordloader`` known."""
+    from vllm.model_executor.model_loader import register_model_loader
+    register_model_loader(LOAD_FORMAT)(_loader_class())

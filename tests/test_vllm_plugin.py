@@ -1,0 +1,71 @@
+"""The vLLM load format's pure parts, without vLLM: options, layout and rank mapping,
+expert-slot check. The real vLLM runs are in test_vllm_e2e.py."""
+from __future__ import annotations
+
+import pytest
+
+import coordloader as cl
+from coordloader.errors import ConfigError, FitError
+from coordloader.integrations.vllm import (
+    LoaderOptions,
+    check_expert_slots,
+    coordinate_rank,
+    layout_of,
+    planned_experts,
+)
+
+
+def test_options_default_and_known_keys():
+    assert LoaderOptions.parse(None) == LoaderOptions()
+    o = LoaderOptions.parse({"engine": "cpu", "verify": "digest", "rules": "llama", "timeout": 30})
+    assert (o.engine, o.verify, o.rules, o.timeout) == ("cpu", "digest", "llama", 30)
+    with pytest.raises(ConfigError, match="engine .instanttensor. is not available under vLLM"):
+        LoaderOptions.parse({"engine": "instanttensor"})
+
+
+@pytest.mark.parametrize("extra, msg", [
+    ({"engnie": "cpu"}, "unknown key(s) engnie for load format 'coordloader'; known: engine"),
+    ({"timeout": "10"}, "timeout (seconds a rank waits"),
+    ({"timeout": True}, "timeout (seconds a rank waits"),
+    ({"timeout": float("nan")}, "timeout must be a finite number of seconds above 0"),
+    ({"timeout": 0}, "timeout must be a finite number of seconds above 0"),
+    ({"loader_config": "[1]"}, "loader_config (engine options"),
+    ([("engine", "cpu")], "must be a JSON object, got list"),
+])
+def test_bad_options_are_refused_naming_the_key(extra, msg):
+    with pytest.raises(ConfigError) as e:
+        LoaderOptions.parse(extra)
+    assert msg in str(e.value)
+
+
+def test_layout_without_expert_parallel_splits_experts_over_tp():
+    lay = layout_of(tp=4, pp=2, dp=1, expert_parallel=False, placement="linear")
+    assert (lay.tp, lay.pp, lay.ep, lay.moe_tp) == (4, 2, 1, 4)
+
+
+def test_layout_with_expert_parallel_keeps_experts_whole():
+    lay = layout_of(tp=2, pp=1, dp=1, expert_parallel=True, placement="round_robin")
+    assert (lay.ep, lay.moe_tp, lay.expert_placement) == (2, 1, "round_robin")
+
+
+@pytest.mark.parametrize("tp, pp, dp", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (4, 2, 1), (2, 2, 3)])
+def test_coordinate_rank_inverts_layout_coords(tp, pp, dp):
+    lay = cl.Layout(tp=tp, pp=pp, dp=dp)
+    for r in range(lay.world_size):
+        c = lay.coords(r)
+        assert coordinate_rank(lay, c.tp, c.pp, c.dp) == r
+
+
+def test_planned_experts_reads_layer_and_expert_ids():
+    names = ["model.layers.0.mlp.experts.3.up_proj.weight", "model.layers.0.mlp.experts.1.w2",
+             "model.layers.12.block_sparse_moe.experts.7.w1.weight", "model.layers.1.mlp.gate.weight",
+             "model.layers.2.mlp.shared_experts.down_proj.weight"]
+    assert planned_experts(names) == {0: {1, 3}, 12: {7}}
+
+
+def test_expert_slot_mismatch_names_layer_rank_and_both_sides():
+    check_expert_slots({0: {0, 1}}, {0: {0, 1}, 1: {2, 3}}, rank=0)   # layer 1 not planned here
+    with pytest.raises(FitError) as e:
+        check_expert_slots({0: {0, 1}, 1: {0, 1}}, {0: {0, 1}, 1: {1, 2}}, rank=1)
+    msg = str(e.value)
+    assert "rank 1" in msg and "layer 1" in msg and "[2]" in msg and "[0]" in msg, msg

@@ -1,0 +1,90 @@
+"""Run vLLM (the real one, CPU build) on a checkpoint with several load formats in one
+process and write what each gave: greedy tokens, a digest of every parameter on every
+worker, coordloader's per-rank report, or the error. Used by tests/test_vllm_e2e.py and
+``python -m coordloader.bench vllm``; needs a venv where ``import vllm`` works.
+
+    python tests/vllm_driver.py JOBS.json OUT.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+
+PROMPTS = [[1, 17, 42, 99, 7, 250], [5, 6, 7, 8]]
+NEW_TOKENS = 16
+
+
+def _worker_state(worker):
+    """Runs on each vLLM worker: parameter digests and coordloader's report."""
+    import torch
+    model = worker.model_runner.model
+    params = {}
+    for name, p in model.named_parameters():
+        t = p.detach().cpu().contiguous()
+        raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+        params[name] = [str(t.dtype), list(t.shape), hashlib.sha256(raw.numpy().tobytes()).hexdigest()]
+    report = getattr(model, "coordloader_report", None)
+    return {"params": params, "report": dict(report) if report is not None else None}
+
+
+def run_format(ckpt: str, fmt: str, tp: int, pp: int, ep: bool, extra: dict | None,
+               generate: bool) -> dict:
+    from vllm import LLM, SamplingParams
+    kw = dict(model=ckpt, load_format=fmt, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=128,
+              enable_expert_parallel=ep)
+    # vLLM's "auto" thread binding refuses 2 workers on a 2-core machine
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp * pp == 2 else "auto"
+    if extra is not None and fmt == "coordloader":
+        kw["model_loader_extra_config"] = extra
+    t = time.perf_counter()
+    llm = None
+    try:
+        llm = LLM(**kw)
+        out = {"seconds_init": time.perf_counter() - t}
+        out["workers"] = llm.collective_rpc(_worker_state)
+        if generate:
+            sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+            res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+            out["tokens"] = [list(r.outputs[0].token_ids) for r in res]
+        return out
+    except Exception as e:  # noqa: BLE001 - the test reads the failure from the report
+        return {"error": {"type": type(e).__name__, "message": str(e),
+                          "traceback": traceback.format_exc()[-4000:]}}
+    finally:
+        if llm is not None:
+            shutdown = getattr(llm.llm_engine, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        del llm
+        gc.collect()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("jobs", help="JSON file: a list of {name, checkpoint, format, tp, pp, ep, "
+                                 "extra, generate}")
+    ap.add_argument("out", help="JSON file: name -> result, rewritten after each job")
+    a = ap.parse_args(argv)
+    with open(a.jobs) as f:
+        jobs = json.load(f)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # collective_rpc(callable)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    results = {}
+    for job in jobs:
+        results[job["name"]] = run_format(job["checkpoint"], job["format"], job.get("tp", 1),
+                                          job.get("pp", 1), job.get("ep", False), job.get("extra"),
+                                          job.get("generate", True))
+        with open(a.out, "w") as f:
+            json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
