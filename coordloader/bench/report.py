@@ -227,6 +227,9 @@ def render(results: dict) -> str:
         parts.append(verify_section(results["verify"]))
     if results.get("save"):
         parts.append(save_section(results["save"]))
+    if results.get("vllm"):
+        from coordloader.bench.vllm_bench import vllm_section
+        parts.append(vllm_section(results["vllm"]))
     for k, v in results.get("errors", {}).items():
         parts.append(f"- **{k} bench failed**: {v.splitlines()[0]} (details in results.json)")
     return "\n".join(parts)

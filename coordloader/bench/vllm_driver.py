@@ -1,9 +1,11 @@
-"""Run vLLM (the real one, CPU build) on a checkpoint with several load formats in one
-process and write what each gave: greedy tokens, a digest of every parameter on every
-worker, coordloader's per-rank report, or the error. Used by tests/test_vllm_e2e.py and
-``python -m coordloader.bench vllm``; needs a venv where ``import vllm`` works.
+"""Run the real vLLM on checkpoints with several load formats, one after another in one
+process (each vLLM start costs tens of seconds; the imports are paid once), and write
+what each gave: greedy tokens, a digest of every parameter on every worker, the bytes
+each worker read from storage, coordloader's per-rank report, or the error. Used by
+tests/test_vllm_e2e.py and ``python -m coordloader.bench vllm``; needs an environment
+where ``import vllm`` works.
 
-    python tests/vllm_driver.py JOBS.json OUT.json
+    python -m coordloader.bench.vllm_driver JOBS.json OUT.json
 """
 from __future__ import annotations
 
@@ -20,8 +22,17 @@ PROMPTS = [[1, 17, 42, 99, 7, 250], [5, 6, 7, 8]]
 NEW_TOKENS = 16
 
 
+def _read_bytes() -> int | None:
+    """Bytes this process caused to be fetched from storage (page-cache misses)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("read_bytes:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def _worker_state(worker):
-    """Runs on each vLLM worker: parameter digests and coordloader's report."""
+    """Runs on each vLLM worker: parameter digests, storage reads, coordloader's report."""
     import torch
     model = worker.model_runner.model
     params = {}
@@ -30,12 +41,16 @@ def _worker_state(worker):
         raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
         params[name] = [str(t.dtype), list(t.shape), hashlib.sha256(raw.numpy().tobytes()).hexdigest()]
     report = getattr(model, "coordloader_report", None)
-    return {"params": params, "report": dict(report) if report is not None else None}
+    return {"params": params, "report": dict(report) if report is not None else None,
+            "read_bytes": _read_bytes()}
 
 
 def run_format(ckpt: str, fmt: str, tp: int, pp: int, ep: bool, extra: dict | None,
-               generate: bool) -> dict:
+               generate: bool, cold: bool = False) -> dict:
     from vllm import LLM, SamplingParams
+    if cold:
+        from coordloader.bench.common import evict_files
+        evict_files(os.path.join(ckpt, n) for n in os.listdir(ckpt) if n.endswith(".safetensors"))
     kw = dict(model=ckpt, load_format=fmt, tensor_parallel_size=tp, pipeline_parallel_size=pp,
               dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=128,
               enable_expert_parallel=ep)
@@ -69,7 +84,7 @@ def run_format(ckpt: str, fmt: str, tp: int, pp: int, ep: bool, extra: dict | No
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("jobs", help="JSON file: a list of {name, checkpoint, format, tp, pp, ep, "
-                                 "extra, generate}")
+                                 "extra, generate, cold}")
     ap.add_argument("out", help="JSON file: name -> result, rewritten after each job")
     a = ap.parse_args(argv)
     with open(a.jobs) as f:
@@ -80,7 +95,7 @@ def main(argv=None) -> int:
     for job in jobs:
         results[job["name"]] = run_format(job["checkpoint"], job["format"], job.get("tp", 1),
                                           job.get("pp", 1), job.get("ep", False), job.get("extra"),
-                                          job.get("generate", True))
+                                          job.get("generate", True), job.get("cold", False))
         with open(a.out, "w") as f:
             json.dump(results, f)
     return 0
