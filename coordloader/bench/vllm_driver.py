@@ -10,6 +10,7 @@ where ``import vllm`` works.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import json
@@ -93,12 +94,44 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     results = {}
     for job in jobs:
-        results[job["name"]] = run_format(job["checkpoint"], job["format"], job.get("tp", 1),
-                                          job.get("pp", 1), job.get("ep", False), job.get("extra"),
-                                          job.get("generate", True), job.get("cold", False))
+        log = f"{a.out}.{job['name']}.log"
+        with _output_to(log):
+            r = run_format(job["checkpoint"], job["format"], job.get("tp", 1), job.get("pp", 1),
+                           job.get("ep", False), job.get("extra"), job.get("generate", True),
+                           job.get("cold", False))
+        if "error" in r:
+            # vLLM reports a worker's exception in the worker's own output; the engine's
+            # exception only says that initialisation failed
+            with open(log, errors="replace") as f:
+                r["error"]["log_tail"] = f.read()[-LOG_TAIL:]
+        results[job["name"]] = r
         with open(a.out, "w") as f:
             json.dump(results, f)
     return 0
+
+
+LOG_TAIL = 40000
+
+
+@contextlib.contextmanager
+def _output_to(path: str):
+    """stdout and stderr of this process, and of every process it starts (vLLM's engine
+    core and workers inherit the descriptors), go to ``path``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for x in saved + [fd]:
+            os.close(x)
 
 
 if __name__ == "__main__":
