@@ -223,3 +223,32 @@ def test_collective_error_declares_its_fields_and_pickles_them():
         "load", {2: ("LoadError", "short read")}, [3], 0)
     assert back.local_error is None and str(back) == str(e)   # this rank's own error stays here
     assert CollectiveError("x").failures == {} and CollectiveError("x").phase is None
+
+
+def test_deadline_store_names_a_request_that_never_returns_and_fails_fast_after():
+    import threading
+    import time
+    from datetime import timedelta
+
+    from coordloader.dist.collective import DeadlineStore, StoreStalled
+
+    release = threading.Event()
+
+    class Stopped:      # a store host that keeps its socket open and never answers
+        def add(self, key, n):
+            release.wait(30)
+            return 1
+
+        def wait(self, keys, timeout):
+            release.wait(30)
+
+    st = DeadlineStore(Stopped(), op_s=0.2)
+    t = time.monotonic()
+    with pytest.raises(StoreStalled, match="no reply to add within 0.2 s"):
+        st.add("n", 1)
+    assert time.monotonic() - t < 5
+    t = time.monotonic()
+    with pytest.raises(StoreStalled):     # queued behind the stuck request: fail at once
+        st.wait(["k"], timedelta(seconds=60))
+    assert time.monotonic() - t < 0.1
+    release.set()

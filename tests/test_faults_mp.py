@@ -132,3 +132,39 @@ def test_rank_2_never_joins(tmp_path, ckpt):
         assert "group did not form" in line and "rank 2 did not join" in line, line
         print(f"rank {r} exited {end - started:.1f} s after it started")
         assert end - started < TIMEOUT + SLACK, (r, end - started, line)
+
+
+def _signal_rank_in_phase(rank: int, sig: int, mark: Path, sent: dict, then_kill=()):
+    """on_running hook: send ``sig`` to ``rank`` once it is inside the held phase; when
+    every rank in ``then_kill``... has exited, SIGKILL ``rank`` (a stopped process never
+    exits by itself)."""
+    def hook(procs):
+        if "at" not in sent:
+            if mark.exists() and mark.read_text():
+                os.kill(procs[rank].pid, sig)
+                sent["at"] = time.time()
+            return False
+        if all(procs[r].poll() is not None for r in then_kill):
+            os.killpg(procs[rank].pid, signal.SIGKILL)
+            return True
+        return False
+    return hook
+
+
+def test_store_host_rank_0_sigstopped_is_named_by_every_rank(tmp_path, ckpt):
+    # Rank 0 hosts the store: stopped, it keeps its sockets open and never answers, so a
+    # store request without a deadline blocks forever (150 s seen before the fix).
+    mark = tmp_path / "hanging"
+    sent: dict = {}
+    res = _launch(tmp_path, ckpt, range(4),
+                  on_running=_signal_rank_in_phase(0, signal.SIGSTOP, mark, sent, (1, 2, 3)),
+                  hooks={0: ("--hang-phase", "load", "--hang-file", str(mark))})
+    assert "at" in sent, "rank 0 never reached the load phase"
+    for r in (1, 2, 3):
+        rc, err, end, _ = res[r]
+        assert rc == 1, (r, err)
+        line = rank_line(err, r, only=_CPP_QUIET)
+        print(line, f"-- {end - sent['at']:.1f} s after the SIGSTOP")
+        assert "phase load: the coordination store" in line, line
+        assert "hosted by rank 0" in line and "stopped answering" in line, line
+        assert end - sent["at"] < TIMEOUT + SLACK, (r, end - sent["at"], line)

@@ -148,6 +148,102 @@ def _phase_error(phase: str, failures: dict[int, tuple[str, str]], notes: list[s
                            missing=missing, local_error=local)
 
 
+# ------------------------------------------------------------------ store deadlines
+
+# A healthy store answers a set/add/get in milliseconds, even with thousands of clients
+# queued on it; a store host that is SIGSTOPped or wedged still holds its TCP connections
+# open, so torch's client blocks in recv forever (its own timeout covers connecting and
+# server-side waits, not a reply that never comes). Every store call therefore runs on a
+# daemon thread (the binding releases the GIL) that the caller abandons after a deadline:
+# STORE_OP_S for a plain request (capped by the group's timeout), a wait's own timeout
+# plus WAIT_MARGIN_S for a wait (the client gives up on its own socket poll at the
+# timeout, so a live store answers a wait by then). With timeout T a store host stopped at
+# any moment is named within T + STORE_OP_S (a rank in a gloo collective with it first
+# waits out T) or T + WAIT_MARGIN_S, inside the promised T + 10 s.
+STORE_OP_S = 5.0
+WAIT_MARGIN_S = 3.0
+
+
+class StoreStalled(Exception):
+    """A store request got no reply within its deadline: the host is stopped or hung."""
+
+    def __init__(self, op: str, seconds: float):
+        super().__init__(f"no reply to {op} within {seconds:g} s")
+        self.op, self.seconds = op, seconds
+
+
+def call_with_deadline(what: str, fn: Callable, deadline_s: float):
+    """``fn()`` on a daemon thread; StoreStalled(what) when it has not returned within
+    ``deadline_s``. Its exception, if any, is re-raised here. The abandoned thread stays
+    blocked in C++ until the process exits (it holds no Python state anyone waits for)."""
+    import threading
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name=f"coordloader-store-{what}", daemon=True)
+    t.start()
+    t.join(deadline_s)
+    if t.is_alive():
+        raise StoreStalled(what, deadline_s)
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+class DeadlineStore:
+    """A torch Store whose every request is bounded (``call_with_deadline``). After one
+    request stalls, later ones fail at once: torch's client serialises requests on its
+    connection, so they would queue behind the stuck one anyway."""
+
+    def __init__(self, store, op_s: float):
+        self.inner = store
+        self.op_s = op_s
+        self.stalled: StoreStalled | None = None
+
+    def _call(self, op: str, fn: Callable, deadline_s: float | None = None):
+        if self.stalled is not None:
+            raise self.stalled
+        try:
+            return call_with_deadline(op, fn, self.op_s if deadline_s is None else deadline_s)
+        except StoreStalled as exc:
+            self.stalled = exc
+            raise
+
+    def set(self, key: str, value) -> None:
+        self._call("set", lambda: self.inner.set(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", lambda: self.inner.get(key))
+
+    def add(self, key: str, n: int) -> int:
+        return self._call("add", lambda: self.inner.add(key, n))
+
+    def check(self, keys: list) -> bool:
+        return self._call("check", lambda: self.inner.check(keys))
+
+    def multi_get(self, keys: list) -> list:
+        return self._call("multi_get", lambda: self.inner.multi_get(keys))
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", lambda: self.inner.delete_key(key))
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._call("compare_set", lambda: self.inner.compare_set(key, expected, desired))
+
+    def wait(self, keys: list, timeout: timedelta) -> None:
+        self._call("wait", lambda: self.inner.wait(keys, timeout),
+                   timeout.total_seconds() + WAIT_MARGIN_S)
+
+
+def _store_op_s(timeout_s: float) -> float:
+    return min(STORE_OP_S, timeout_s)
+
+
 @dataclass(eq=False)
 class Group:
     """This rank's view of the group: rank, world size, process group, status board.
@@ -240,9 +336,19 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
         raise CollectiveError(f"group did not form: cannot reach the rendezvous store at {desc} "
                               f"within {timeout_s:g} s; {who} did not start or is unreachable",
                               rank=rank)
+    op_s = _store_op_s(timeout_s)
     try:
-        base = dist.TCPStore(addr, port, world, is_master=host, timeout=td,
-                             wait_for_workers=False, multi_tenant=True)
+        # bounded: a listener that accepts and never answers (a foreign process on
+        # MASTER_PORT, or a stopped rank 0) would block the client's handshake forever
+        base = call_with_deadline("connect", lambda: dist.TCPStore(
+            addr, port, world, is_master=host, timeout=td, wait_for_workers=False,
+            multi_tenant=True), timeout_s + op_s)
+    except StoreStalled as exc:
+        raise CollectiveError(
+            f"group did not form: something accepts connections on {addr}:{port} but did not "
+            f"answer the store handshake within {exc.seconds:g} s; another process holds "
+            f"MASTER_PORT={port} (choose a free port), or {who} is stopped or hung",
+            rank=rank) from None
     except Exception as exc:  # noqa: BLE001 - turned into a clear message
         t, m = describe_exception(exc)
         if host:
@@ -254,7 +360,7 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
     # A namespace per group so restarts (torchrun agent store) and repeated init never
     # read stale keys; every rank computes the same name.
     ns = _namespace(f"{addr}:{port}", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    board = dist.PrefixStore(ns, base)
+    board = DeadlineStore(dist.PrefixStore(ns, base), op_s)
     group = Group(rank=rank, world=world, store=board, timeout_s=timeout_s, grace_s=grace,
                   backend=backend, store_host=host, store_desc=desc)
     group._base_store = base  # keep the server (rank 0) alive as long as the group
@@ -264,8 +370,14 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
         local = _env_int("LOCAL_RANK")
         torch.cuda.set_device(local if local is not None else rank % torch.cuda.device_count())
     try:
-        dist.init_process_group(backend, store=dist.PrefixStore(ns + "pg", base), rank=rank,
-                                world_size=world, timeout=td)
+        # its rendezvous reads the store too: bounded like every other store request
+        call_with_deadline("init_process_group", lambda: dist.init_process_group(
+            backend, store=dist.PrefixStore(ns + "pg", base), rank=rank, world_size=world,
+            timeout=td), timeout_s + op_s)
+    except StoreStalled as exc:
+        raise CollectiveError(f"group formed but init_process_group({backend!r}) did not "
+                              f"complete within {exc.seconds:g} s: the store {desc} stopped "
+                              f"answering or a rank stopped", rank=rank) from None
     except Exception as exc:  # noqa: BLE001
         t, m = describe_exception(exc)
         raise CollectiveError(f"group formed but init_process_group({backend!r}) failed: "
@@ -302,8 +414,9 @@ def _start_heartbeat(group: Group, addr: str, port: int, ns: str) -> None:
     import threading
     import torch.distributed as dist
     try:
-        conn = dist.TCPStore(addr, port, group.world, is_master=False,
-                             timeout=timedelta(seconds=group.timeout_s), wait_for_workers=False)
+        conn = call_with_deadline("connect", lambda: dist.TCPStore(
+            addr, port, group.world, is_master=False, timeout=timedelta(seconds=group.timeout_s),
+            wait_for_workers=False), group.timeout_s + _store_op_s(group.timeout_s))
     except Exception:  # noqa: BLE001 - liveness is a diagnostic aid, never fatal
         return
     st = dist.PrefixStore(ns, conn)
@@ -351,11 +464,11 @@ def _join(group: Group) -> None:
             raise _lost(group, "group formation", exc) from exc
         cause = exc
     present = _present(group, "join/")
-    missing = [r for r in range(world) if r not in present]
     if present is None:
         msg = (f"group did not form within {group.timeout_s:g} s and the store "
                f"{group.store_desc} went away")
     else:
+        missing = [r for r in range(world) if r not in present]
         msg = (f"group did not form within {group.timeout_s:g} s: {_rank_word(missing)} "
                f"did not join (joined: {format_ranges(present)})")
     _ack_and_linger(group, "join", present or [])
@@ -382,7 +495,8 @@ def wrap_group(pg=None, timeout_s: float | None = None, *, grace_s: float | None
     try:
         base = dist.distributed_c10d._get_default_store()
         name = getattr(pg, "group_name", None) if pg is not None else "world"
-        store = dist.PrefixStore(_namespace(f"wrap/{name}", "0"), base)
+        store = DeadlineStore(dist.PrefixStore(_namespace(f"wrap/{name}", "0"), base),
+                              _store_op_s(timeout_s))
     except Exception:  # noqa: BLE001 - private API gone: use the fallback exchange
         store = None
     return Group(rank=rank, world=world, pg=pg if pg is not None else dist.group.WORLD,
@@ -471,8 +585,9 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
                 break   # every rank still missing has stopped beating: dead
     statuses = _read_statuses(group, seq)
     if statuses is None:
-        raise _lost(group, name, RuntimeError("store went away while reading statuses"),
-                    local) from local
+        gone = getattr(st, "stalled", None) or RuntimeError("store went away while reading "
+                                                            "statuses")
+        raise _lost(group, name, gone, local) from local
     failures = {r: (s[2], s[3]) for r, s in statuses.items() if not s[1]}
     for r, s in statuses.items():   # collective discipline: same phase at the same step
         if s[0] != name and s[1]:
@@ -564,7 +679,7 @@ def _is_lost(exc: BaseException) -> bool:
     """A store call failed because the connection broke (DistNetworkError: the server
     process is gone), not because its deadline passed (DistStoreError)."""
     import torch.distributed as dist
-    return isinstance(exc, (dist.DistNetworkError, ConnectionError))
+    return isinstance(exc, (dist.DistNetworkError, ConnectionError, StoreStalled))
 
 
 def _lost(group: Group, phase: str, exc: BaseException, local=None) -> CollectiveError:
@@ -573,8 +688,12 @@ def _lost(group: Group, phase: str, exc: BaseException, local=None) -> Collectiv
     failures = {}
     if local is not None:
         failures[group.rank] = describe_exception(local, group.rank)
-    note = (f"lost contact with the coordination store {group.store_desc}: {who} exited or "
-            f"died ({t}: {m})")
+    if isinstance(exc, StoreStalled):
+        note = (f"the coordination store {group.store_desc} stopped answering ({exc}): {who} "
+                f"is stopped (SIGSTOP), hung or overloaded")
+    else:
+        note = (f"lost contact with the coordination store {group.store_desc}: {who} exited or "
+                f"died ({t}: {m})")
     return _phase_error(phase, failures, [note], local)
 
 
