@@ -79,13 +79,14 @@ with exit_on_error():
 '''
 
 
-def _launch(tmp_path: Path, mode: str, ranks, world: int = 4, timeout: float = TIMEOUT):
+def _launch(tmp_path: Path, mode: str, ranks, world: int = 4, timeout: float = TIMEOUT,
+            port: int | None = None):
     """Start `ranks` of a `world`-rank group; return ({rank: (rc, out, err, end_time,
     start_time)}, launch time, time rank 2 killed itself or None)."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     mark = tmp_path / "killed_at"
-    port = free_port()
+    port = port or free_port()
     procs, ends, t0 = run_ranks(ranks, lambda r: subprocess.Popen(
         [sys.executable, str(script), mode, str(mark)],
         env=rank_env(port, r, world, CL_TIMEOUT=str(timeout)), stdout=subprocess.PIPE,
@@ -148,6 +149,24 @@ def test_foreign_exception_keeps_type_and_text(tmp_path):
     for r, (rc, out, err, *_) in res.items():
         assert rc == 1
         assert "phase plan: rank 1: ZeroDivisionError: division by zero" in rank_line(err, r)
+
+
+def test_foreign_listener_on_master_port_is_named_by_every_rank(tmp_path):
+    # Another process holds MASTER_PORT: it accepts connections (the kernel does, into
+    # the backlog) and never answers. Rank 0 cannot bind; rank 1's store handshake used to
+    # block past its own timeout (still running at 90 s).
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.bind(("0.0.0.0", 0))
+        squatter.listen(16)
+        port = squatter.getsockname()[1]
+        res, _, _ = _launch(tmp_path, "happy", range(2), world=2, port=port)
+    for r, (rc, out, err, end, started) in res.items():
+        assert rc == 1, f"rank {r}: rc {rc}\n{err}"
+        line = rank_line(err, r)
+        print(line, f"-- {end - started:.1f} s")
+        assert f"another process holds MASTER_PORT={port}" in line, line
+        assert end - started < TIMEOUT + 10, f"rank {r} took {end - started:.1f} s"
 
 
 # ----------------------------------------------------------------- in-process unit tests

@@ -300,6 +300,15 @@ def _env_int(name: str) -> int | None:
         raise CollectiveError(f"environment variable {name}={v!r} is not an integer") from None
 
 
+def _env_port() -> int | None:
+    port = _env_int("MASTER_PORT")
+    if port is not None and not 1 <= port <= 65535:
+        # torch's binding would raise a TypeError about uint16 arguments
+        raise CollectiveError(f"environment variable MASTER_PORT={port} is not a TCP port; "
+                              f"expected an integer in 1-65535")
+    return port
+
+
 def init_group(backend: str | None = None, timeout_s: float | None = None, *,
                grace_s: float | None = None) -> Group:
     """Form the group from the environment (torchrun or plain processes).
@@ -321,7 +330,7 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
     if world < 1 or not 0 <= rank < world:
         raise CollectiveError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
     addr = os.environ.get("MASTER_ADDR")
-    port = _env_int("MASTER_PORT")
+    port = _env_port()
     if not addr or port is None:
         raise CollectiveError("MASTER_ADDR and MASTER_PORT must be set when RANK and "
                               "WORLD_SIZE are (torchrun sets all four)")
@@ -351,7 +360,11 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
             rank=rank) from None
     except Exception as exc:  # noqa: BLE001 - turned into a clear message
         t, m = describe_exception(exc)
-        if host:
+        if host and "address already in use" in m.lower():
+            msg = (f"group did not form: cannot start the rendezvous store on {addr}:{port}: "
+                   f"another process holds MASTER_PORT={port} (address already in use); "
+                   f"choose a free port")
+        elif host:
             msg = f"group did not form: cannot start the rendezvous store on {addr}:{port}: {t}: {m}"
         else:
             msg = (f"group did not form: cannot reach the rendezvous store at {desc} within "
