@@ -90,12 +90,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
-from coordloader.text import format_ranges
+from coordloader.text import MAX_MESSAGE_CHARS, MAX_NAME_CHARS, clip, format_ranges
 from coordloader.errors import CollectiveError, CoordloaderError
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_GRACE_S = 5.0
-_MAX_MESSAGE = 2000          # per-rank message cap: the board must stay small at any scale
 _NAMESPACES: dict[str, int] = {}   # per-store-identity counter; same order on every rank
 
 
@@ -111,16 +110,16 @@ def describe_exception(exc: BaseException, rank: int | None = None) -> tuple[str
         if exc.rank is not None and exc.rank != rank:
             parts.append(f"rank {exc.rank}")
         if exc.file is not None:
-            parts.append(f"file {exc.file}")
+            parts.append(f"file {clip(str(exc.file), MAX_NAME_CHARS)}")
         if exc.tensor is not None:
-            parts.append(f"tensor {exc.tensor!r}")
+            parts.append(f"tensor {clip(repr(exc.tensor), MAX_NAME_CHARS)}")
         text = (", ".join(parts) + ": " + exc.message) if parts else exc.message
     else:
         text = str(exc)
         if not text and exc.args:
             text = repr(exc.args)
-    text = _one_line(text) or "(no message)"
-    return type(exc).__name__, text[:_MAX_MESSAGE]
+    # capped: the message travels through the status board and must stay small at any scale
+    return type(exc).__name__, clip(_one_line(text) or "(no message)", MAX_MESSAGE_CHARS)
 
 
 def _one_line(text: str) -> str:
@@ -758,7 +757,7 @@ class _ExitOnError(contextlib.ContextDecorator):
         if os.environ.get("COORDLOADER_DEBUG") == "1":
             traceback.print_exception(et, exc, tb, file=sys.stderr)
         who = f"coordloader {self.tool}" if self.tool else f"coordloader: rank {rank}"
-        sys.stderr.write(f"{who}: {text}\n")
+        sys.stderr.write(f"{who}: {clip(text)}\n")
         sys.stderr.flush()
         sys.stdout.flush()
         if _dist_initialised():

@@ -35,6 +35,7 @@ from coordloader.planning.model import (
 )
 from coordloader.planning.rules import RuleSet, make_rule, num_experts_of, resolve_rules
 from coordloader.planning.runs import RunGroup, RunList, box_runs, merge_groups
+from coordloader.text import MAX_NAME_CHARS, clip
 
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
@@ -173,8 +174,9 @@ class _Planner:
         for i in range(self.rules.user_count):
             if i not in hits:
                 r = self.rules.rules[i]
-                warnings.warn(f"sharding rule {r.pattern!r} ({r.strategy}, from {r.source}) matches "
-                              f"no tensor of the checkpoint", stacklevel=3)
+                warnings.warn(f"sharding rule {clip(repr(r.pattern), MAX_NAME_CHARS)} "
+                              f"({r.strategy}, from {clip(str(r.source), MAX_NAME_CHARS)}) "
+                              f"matches no tensor of the checkpoint", stacklevel=3)
         self.match = match
 
         # pass 1: each tensor's classes and rank groups; a "replica table" per distinct
