@@ -64,6 +64,23 @@ def main():
             dist.all_reduce(t)   # a real collective with the dead peer inside the phase
             return r
         run_phase("load", load, g)
+    elif mode == "sigint":
+        def load():
+            if r == 2:   # Ctrl-C on rank 2 while it works in the phase
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            return r
+        run_phase("load", load, g)
+    elif mode == "sigint_wait":
+        def load():
+            if r == 2:   # rank 2 is first at the boundary; Ctrl-C reaches it while it waits
+                import threading
+                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+            else:
+                time.sleep(3)
+            return r
+        run_phase("load", load, g)
+        run_phase("verify", lambda: r, g)
     elif mode == "plain_error":
         run_phase("plan", lambda: 1 / (r - 1), g)
     elif mode == "happy":
@@ -142,6 +159,23 @@ def test_rank_that_never_starts_is_named_by_the_others(tmp_path, ranks, wanted):
         line = rank_line(err, r)
         assert all(w in line for w in wanted), line
         assert end - started < TIMEOUT + 10, f"rank {r} took {end - started:.1f} s"
+
+
+@pytest.mark.parametrize("mode, phase", [("sigint", "load"), ("sigint_wait", "verify")],
+                         ids=["in_the_phase", "at_the_boundary"])
+def test_sigint_on_one_rank_exits_130_there_and_1_naming_it_elsewhere(tmp_path, mode, phase):
+    res, _, _ = _launch(tmp_path, mode, range(4))
+    rc, out, err, end2, _ = res[2]
+    assert rc == 130, f"rank 2: rc {rc}\n{err}"
+    assert rank_line(err, 2).endswith(": interrupted"), err
+    for r in (0, 1, 3):
+        rc, out, err, end, _ = res[r]
+        assert rc == 1, f"rank {r}: rc {rc}\n{err}"
+        line = rank_line(err, r)
+        # named at once, not after the 5 s timeout as a rank that did not arrive
+        assert f"phase {phase}: rank 2: KeyboardInterrupt: interrupted (SIGINT / Ctrl-C)" in line, line
+        assert "did not arrive" not in line and "died" not in line, line
+        assert end - end2 < TIMEOUT, f"rank {r} exited {end - end2:.1f} s after rank 2"
 
 
 def test_foreign_exception_keeps_type_and_text(tmp_path):

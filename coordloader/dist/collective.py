@@ -114,6 +114,8 @@ def describe_exception(exc: BaseException, rank: int | None = None) -> tuple[str
         if exc.tensor is not None:
             parts.append(f"tensor {clip(repr(exc.tensor), MAX_NAME_CHARS)}")
         text = (", ".join(parts) + ": " + exc.message) if parts else exc.message
+    elif isinstance(exc, KeyboardInterrupt):
+        text = "interrupted (SIGINT / Ctrl-C)"
     else:
         text = str(exc)
         if not text and exc.args:
@@ -263,7 +265,7 @@ class Group:
     _hb_stop: Any = field(default=None, repr=False)
     _failed: bool = field(default=False, repr=False)   # a phase failed: close() must not wait
     _seq: int = field(default=0, repr=False)
-    _prev: str | None = field(default=None, repr=False)
+    _prev: tuple[str, str] | None = field(default=None, repr=False)   # step, arrival key
     _closed: bool = field(default=False, repr=False)
 
     def close(self) -> None:
@@ -447,6 +449,7 @@ def _start_heartbeat(group: Group, addr: str, port: int, ns: str) -> None:
     threading.Thread(target=beat, name="coordloader-heartbeat", daemon=True).start()
     group._hb_stop = stop
     group._hb_conn = conn
+    group._hb_store = DeadlineStore(st, _store_op_s(group.timeout_s))
 
 
 def _heartbeats(group: Group, ranks) -> dict[int, int] | None:
@@ -543,24 +546,52 @@ def run_phase(name: str, fn: Callable, group: Group | None, *args, **kw):
             _agree_over_store(name, group, status, local)
     except CollectiveError:
         group._failed = True
+        if local is not None and not isinstance(local, Exception):
+            raise local from None   # Ctrl-C / SystemExit: the others were told; exit 130 here
+        raise
+    except KeyboardInterrupt:
+        # Ctrl-C while waiting at the boundary: this rank's status of this step is already
+        # out, so leave a note where the others will wait for it next
+        group._failed = True
+        _post_leaving(group, KeyboardInterrupt())
         raise
     if local is not None and not isinstance(local, Exception):
         raise local  # KeyboardInterrupt / SystemExit: others were told, keep its meaning
     return value
 
 
+def _post_leaving(group: Group, exc: BaseException) -> None:
+    """Best effort, bounded: report ``exc`` as this rank's failure at the next step, so
+    the others name it as soon as they reach that boundary, not after their timeout."""
+    # the heartbeat's own connection: the main one may still carry the wait we left
+    st = getattr(group, "_hb_store", None) or group.store
+    if st is None:
+        return
+    seq = group._seq
+    with contextlib.suppress(Exception):
+        st.set(f"{seq}/s/{group.rank}",
+               pickle.dumps(("?", False) + describe_exception(exc, group.rank)))
+        st.add(f"{seq}/f", 1)
+        st.set(f"{seq}/ev", b"f")
+        st.set(f"ack/{seq}/{group.rank}", b"1")   # gone: the store host need not wait for it
+
+
 def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
     st, rank, world = group.store, group.rank, group.world
     seq = group._seq
     group._seq += 1
-    k = f"{seq}/{name}"
+    # failure counter and event by step, arrivals by step and phase: a rank that leaves
+    # (Ctrl-C) posts where the others will wait without knowing their next phase, and a
+    # rank in another phase at the same step never completes the count, so it is named
+    # by its status (PhaseMismatch) instead of passing unnoticed
+    k = str(seq)
     ok = status[1]
     try:
         st.set(f"{seq}/s/{rank}", pickle.dumps(status))
         if not ok:
             st.add(f"{k}/f", 1)
             st.set(f"{k}/ev", b"f")        # wake the others now: no need to wait for all
-        if st.add(f"{k}/n", 1) == world:
+        if st.add(f"{k}/{name}/n", 1) == world:
             st.set(f"{k}/ev", b"a")
     except Exception as exc:  # noqa: BLE001
         raise _lost(group, name, exc, local) from (local or exc)
@@ -677,14 +708,15 @@ def _ack_and_linger(group: Group, tag: str, present: list[int]) -> None:
 
 def _cleanup(group: Group, seq: int, name: str) -> None:
     # Everyone has arrived at `seq`, so everyone has finished reading step seq-1.
-    prev, group._prev = group._prev, f"{seq}/{name}"
+    prev, group._prev = group._prev, (str(seq), f"{seq}/{name}/n")
     if prev is None:
         return
     with contextlib.suppress(Exception):
         group.store.delete_key(f"{seq - 1}/s/{group.rank}")
         if group.rank == 0:
-            for suffix in ("n", "f", "ev"):
-                group.store.delete_key(f"{prev}/{suffix}")
+            step, arrivals = prev
+            for key in (arrivals, f"{step}/f", f"{step}/ev"):
+                group.store.delete_key(key)
 
 
 def _is_lost(exc: BaseException) -> bool:
