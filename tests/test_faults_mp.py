@@ -168,3 +168,34 @@ def test_store_host_rank_0_sigstopped_is_named_by_every_rank(tmp_path, ckpt):
         assert "phase load: the coordination store" in line, line
         assert "hosted by rank 0" in line and "stopped answering" in line, line
         assert end - sent["at"] < TIMEOUT + SLACK, (r, end - sent["at"], line)
+
+
+def test_rank_2_sigkilled_in_verify_gather_same_message_everywhere(tmp_path, ckpt):
+    # The others are inside verify's all_gather (gloo) with rank 2 when it dies: some see
+    # the connection close at once, some wait for the collective's timeout. Every rank must
+    # still name rank 2, with the same message and no raw gloo text.
+    mark = tmp_path / "hanging"
+    killed = {}
+
+    def kill_when_hanging(procs):
+        if mark.exists() and mark.read_text():
+            time.sleep(1.0)   # let the others enter the gather
+            os.kill(procs[2].pid, signal.SIGKILL)
+            killed["at"] = time.time()
+            return True
+        return False
+
+    res = _launch(tmp_path, ckpt, range(4), on_running=kill_when_hanging,
+                  hooks={2: ("--hang-phase", "verify", "--hang-file", str(mark))})
+    assert "at" in killed, "rank 2 never reached the verify phase"
+    lines = {}
+    for r in (0, 1, 3):
+        rc, err, end, _ = res[r]
+        assert rc == 1, (r, err)
+        line = rank_line(err, r, only=_CPP_QUIET)
+        print(line, f"-- {end - killed['at']:.1f} s after the SIGKILL")
+        assert "phase verify: rank 2 died" in line, line
+        assert "gloo" not in line.lower() and "connection" not in line.lower(), line
+        assert end - killed["at"] < TIMEOUT + SLACK, (r, end - killed["at"], line)
+        lines[r] = line.split(": ", 2)[2]
+    assert len(set(lines.values())) == 1, lines

@@ -538,7 +538,7 @@ def run_phase(name: str, fn: Callable, group: Group | None, *args, **kw):
         status = (name, True, "", "")
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the others
         local = exc
-        status = (name, False) + describe_exception(exc, group.rank)
+        status = (name, False) + describe_exception(exc, group.rank) + (_is_comm_failure(exc),)
     try:
         if group.store is None:
             _agree_over_pg(name, group, status, local)
@@ -639,6 +639,13 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
     missing = [r for r in range(world) if r not in statuses]
     dead = _dead_ranks(group, missing)
     late = [r for r in missing if r not in dead]
+    if dead:
+        # A dead rank is the cause: the others' collectives with it failed (or are still
+        # failing: those are the late ones) because of it. Name it alone, so every rank
+        # prints the same line whatever it saw of the breakage.
+        failures = {r: f for r, f in failures.items()
+                    if not (len(statuses[r]) > 4 and statuses[r][4])}
+        late = []
     notes = []
     if dead:
         notes.append(f"{_rank_word(dead)} died or hung hard (no heartbeat for "
@@ -649,7 +656,7 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
         else:
             notes.append(f"{_rank_word(late)} did not report within "
                          f"{min(group.grace_s, group.timeout_s):g} s of the failure")
-    if timed_out and missing:
+    if timed_out and late:
         notes[-1] += f" (arrived: {format_ranges(statuses) or 'none'})"
     err = _phase_error(name, failures, notes, local, missing)
     _ack_and_linger(group, str(seq), list(statuses))
@@ -717,6 +724,26 @@ def _cleanup(group: Group, seq: int, name: str) -> None:
             step, arrivals = prev
             for key in (arrivals, f"{step}/f", f"{step}/ev"):
                 group.store.delete_key(key)
+
+
+# What a collective backend says when a peer went away; gloo raises plain RuntimeErrors.
+_COMM_TEXT = ("connection closed by peer", "connection reset by peer", "timed out waiting",
+              "broken pipe", "gloo", "nccl", "connection refused")
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is a collective failing because a peer
+    stopped answering: with a dead rank known, such a failure is its consequence, not a
+    cause of its own, and its raw backend text would differ from rank to rank."""
+    import torch.distributed as dist
+    seen = 0
+    while exc is not None and seen < 6:
+        if isinstance(exc, dist.DistError):
+            return True
+        if isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _COMM_TEXT):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _is_lost(exc: BaseException) -> bool:
