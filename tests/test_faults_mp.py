@@ -9,6 +9,7 @@ bound and kills its whole process groups on the way out."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,7 +166,8 @@ def test_store_host_rank_0_sigstopped_is_named_by_every_rank(tmp_path, ckpt):
         assert rc == 1, (r, err)
         line = rank_line(err, r, only=_CPP_QUIET)
         print(line, f"-- {end - sent['at']:.1f} s after the SIGSTOP")
-        assert "phase load: the coordination store" in line, line
+        # a slow rank may still be reading the board of the phase before
+        assert re.search(r": phase (plan-agree|load): the coordination store ", line), line
         assert "hosted by rank 0" in line and "stopped answering" in line, line
         assert end - sent["at"] < TIMEOUT + SLACK, (r, end - sent["at"], line)
 
