@@ -380,14 +380,21 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
     group._base_store = base  # keep the server (rank 0) alive as long as the group
     _join(group)
     _start_heartbeat(group, addr, port, ns)
+    device = None
     if backend == "nccl":
         local = _env_int("LOCAL_RANK")
-        torch.cuda.set_device(local if local is not None else rank % torch.cuda.device_count())
+        device = local if local is not None else rank % torch.cuda.device_count()
+        torch.cuda.set_device(device)
+
+    def init_pg():
+        if device is not None:
+            torch.cuda.set_device(device)   # the current device is per thread
+        dist.init_process_group(backend, store=dist.PrefixStore(ns + "pg", base), rank=rank,
+                                world_size=world, timeout=td)
+
     try:
         # its rendezvous reads the store too: bounded like every other store request
-        call_with_deadline("init_process_group", lambda: dist.init_process_group(
-            backend, store=dist.PrefixStore(ns + "pg", base), rank=rank, world_size=world,
-            timeout=td), timeout_s + op_s)
+        call_with_deadline("init_process_group", init_pg, timeout_s + op_s)
     except StoreStalled as exc:
         raise CollectiveError(f"group formed but init_process_group({backend!r}) did not "
                               f"complete within {exc.seconds:g} s: the store {desc} stopped "
