@@ -22,8 +22,13 @@ def read_json_file(path: str, what: str) -> Any:
             return json.load(f)
     except OSError as e:
         raise PlanError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise PlanError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise PlanError(f"{what} {path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise PlanError(f"{what} {path} is nested too deeply (expected a list of rules or an "
+                        f"object)") from None
 
 
 def read_rules(rules: Any) -> Any:

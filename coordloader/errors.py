@@ -2,13 +2,15 @@
 (file, tensor, rank, what was expected), so callers never see a bare traceback."""
 from __future__ import annotations
 
+from coordloader.text import MAX_NAME_CHARS, clip
+
 
 class CoordloaderError(Exception):
     """Base class of every error coordloader raises on purpose."""
 
     def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None,
                  rank: int | None = None):
-        self.message = message
+        self.message = clip(message)
         self.file = file
         self.tensor = tensor
         self.rank = rank
@@ -19,9 +21,9 @@ class CoordloaderError(Exception):
         if self.rank is not None:
             where.append(f"rank {self.rank}")
         if self.file is not None:
-            where.append(f"file {self.file}")
+            where.append(f"file {clip(str(self.file), MAX_NAME_CHARS)}")
         if self.tensor is not None:
-            where.append(f"tensor {self.tensor!r}")
+            where.append(f"tensor {clip(repr(self.tensor), MAX_NAME_CHARS)}")
         return (", ".join(where) + ": " + self.message) if where else self.message
 
     def __reduce__(self):

@@ -9,7 +9,8 @@ with the failing rank's message, never a hang):
 
 1. metadata: each rank reads the headers of a share of the files (``files[r::world]``),
    ``all_gather_object``, every rank assembles the same ``CheckpointMeta``;
-2. plan: every rank builds the (pure) plan; the ranks compare ``Plan.digest()`` before any
+2. plan: every rank builds the (pure) plan; the ranks compare ``Plan.digest()`` and their
+   own fingerprints of the files (``checkpoint.identity``, read in phase 1) before any
    tensor I/O;
 3. load: the engine moves this rank's bytes;
 4. verify: local check of names, dtypes, shapes, zero padding (``coordloader.verify`` for
@@ -27,13 +28,15 @@ import torch
 
 from coordloader.api import make_plan
 from coordloader.checkpoint import reader as checkpoint
+from coordloader.checkpoint.identity import CheckpointIdentity, checkpoint_identity, identity_mismatch
 from coordloader.checkpoint.metadata import CheckpointMeta
 from coordloader.dist import collective
 from coordloader.engines import LoadStats, resolve_engine_name, select_engine
-from coordloader.errors import CollectiveError, LoadError, PlanError, VerifyError
+from coordloader.errors import CheckpointError, CollectiveError, LoadError, PlanError, VerifyError
 from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout
 from coordloader.verify.checks import MODES, verify_rank
+from coordloader.verify.manifest import MANIFEST_NAME
 
 VERIFY_MODES = MODES   # the command line and load() accept exactly verify's modes
 
@@ -110,37 +113,53 @@ def _phase(name: str, fn: Callable[[], Any], group):
 
 # -- phases -----------------------------------------------------------------------------
 
-def read_metadata(ckpt, group, rank: int, world: int):
-    """Headers split across ranks, gathered, assembled identically everywhere."""
+def read_metadata(ckpt, group, rank: int, world: int) -> tuple[CheckpointMeta,
+                                                               CheckpointIdentity | None]:
+    """Headers split across ranks, gathered, assembled identically everywhere; and this
+    rank's own fingerprint of every file (None in one process), for ``agree_on_plan``."""
     if isinstance(ckpt, CheckpointMeta):
-        return ckpt
+        if group is None:
+            return ckpt, None
+        return ckpt, _phase("metadata-read", lambda: checkpoint_identity(
+            ckpt.root, [f.name for f in ckpt.files], [MANIFEST_NAME]), group)
     if group is None:
-        return checkpoint.read_checkpoint(os.fspath(ckpt))
+        return checkpoint.read_checkpoint(os.fspath(ckpt)), None
     root = os.fspath(ckpt)
 
     def mine():
         disc = checkpoint.discover(root)
-        return disc, [checkpoint.read_file_header(disc.root, n) for n in disc.files[rank::world]]
+        side = [MANIFEST_NAME] + ([disc.index_file] if disc.index_file else [])
+        return (disc, [checkpoint.read_file_header(disc.root, n) for n in disc.files[rank::world]],
+                checkpoint_identity(disc.root, disc.files, side))
 
-    disc, headers = _phase("metadata-read", mine, group)
+    disc, headers, identity = _phase("metadata-read", mine, group)
 
     def gather_and_assemble():
         # Inside a phase: every rank finished reading (the previous phase agreed), so all
         # of them reach this all_gather; one dying in it (or in assemble) is still named.
         gathered = collective.gather_object(group, headers)
         return checkpoint.assemble(disc.root, disc, [h for part in gathered for h in part])
-    return _phase("metadata-assemble", gather_and_assemble, group)
+    return _phase("metadata-assemble", gather_and_assemble, group), identity
 
 
-def agree_on_plan(plan, group, rank: int) -> None:
-    """Every rank must have computed the same plan before any tensor I/O."""
+def agree_on_plan(plan, group, rank: int, identity: CheckpointIdentity | None = None) -> None:
+    """Every rank must have computed the same plan from the same checkpoint (its own
+    fingerprint ``identity`` of the files) before any tensor I/O."""
     if group is None:
         return
-    _phase("plan-agree", lambda: _compare_plan_digests(plan, group, rank), group)
+    _phase("plan-agree", lambda: _compare_plan_digests(plan, group, rank, identity), group)
 
 
-def _compare_plan_digests(plan, group, rank: int) -> None:
-    digests = collective.gather_object(group, plan.digest())
+def _compare_plan_digests(plan, group, rank: int, identity: CheckpointIdentity | None) -> None:
+    pairs = collective.gather_object(group, (plan.digest(),
+                                             identity.digest() if identity else None))
+    if len({i for _, i in pairs}) > 1:
+        # the root cause of a plan difference too, so named first; the full fingerprints
+        # travel only now, when they are needed to name the file
+        mismatch = identity_mismatch(collective.gather_object(group, identity))
+        if mismatch:
+            raise CheckpointError(mismatch, rank=rank)
+    digests = [p for p, _ in pairs]
     if len(set(digests)) > 1:
         by: dict[str, list[int]] = {}
         for r, x in enumerate(digests):
@@ -221,7 +240,7 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
         phases: dict[str, float] = {}
 
         t = time.perf_counter()
-        meta = read_metadata(ckpt, group, rank, world)
+        meta, identity = read_metadata(ckpt, group, rank, world)
         phases["metadata"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -231,7 +250,7 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
             return make_plan(meta, layout, rules, **kw)
 
         plan = _phase("plan", build_plan, group)
-        agree_on_plan(plan, group, rank)
+        agree_on_plan(plan, group, rank, identity)
         phases["plan"] = time.perf_counter() - t
 
         rank_plan = plan.rank(rank)

@@ -1,6 +1,9 @@
-"""How ids are written in messages and tables (one way, used by every stage)."""
+"""How ids are written in messages and tables, and how long a message may be (one way,
+used by every stage)."""
 from __future__ import annotations
 
+import argparse
+import sys
 from typing import Iterable
 
 
@@ -21,3 +24,32 @@ def format_ranges(ids: Iterable[int], *, empty: str = "", max_chars: int | None 
     if max_chars is not None and len(s) > max_chars:
         s = s[:max_chars - 3] + "..."
     return s
+
+
+# Every message a user sees is bounded, whatever the input: a crafted checkpoint can name a
+# tensor with 10 MB of characters and a rank's message travels through the status board.
+MAX_MESSAGE_CHARS = 2000    # one error line, one warning, one usage error
+MAX_NAME_CHARS = 200        # a file, tensor or pattern quoted inside a message
+
+
+def clip(text: str, max_chars: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` when it fits in ``max_chars``; else its head and tail around a note of how
+    much was cut. The tail stays because that is where a message says what was expected."""
+    if len(text) <= max_chars:
+        return text
+    keep = max_chars
+    for _ in range(3):   # the note's own length changes how much is cut; settles at once
+        note = f"...[{len(text) - keep} chars cut]..."
+        keep = max(max_chars - len(note), 2)
+    note = f"...[{len(text) - keep} chars cut]..."
+    head = keep - keep // 3
+    return text[:head] + note + text[len(text) - (keep - head):]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the message cap: a usage error quotes the offending value, which may
+    be megabytes long. Every command's parser (cli/, the bench) is one of these."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {clip(message)}\n")

@@ -30,3 +30,19 @@ def test_loader_config_is_parsed_under_any_engine(bad, capsys):
 def test_loader_config_object_is_kept():
     a = build_parser().parse_args(["ckpt", "--loader-config", '{"io_depth": 64}'])
     assert a.loader_config == {"io_depth": 64}
+
+
+@pytest.mark.parametrize("port, wanted", [
+    ("99999", "MASTER_PORT=99999 is not a TCP port; expected an integer in 1-65535"),
+    ("0", "MASTER_PORT=0 is not a TCP port"),
+    ("29x", "MASTER_PORT='29x' is not an integer"),
+])
+def test_master_port_out_of_range_or_not_an_integer_is_named(monkeypatch, port, wanted):
+    from coordloader.dist.collective import init_group
+    from coordloader.errors import CollectiveError
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", port)
+    with pytest.raises(CollectiveError, match=wanted.replace("(", r"\(")):
+        init_group(timeout_s=1)

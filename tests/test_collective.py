@@ -64,6 +64,23 @@ def main():
             dist.all_reduce(t)   # a real collective with the dead peer inside the phase
             return r
         run_phase("load", load, g)
+    elif mode == "sigint":
+        def load():
+            if r == 2:   # Ctrl-C on rank 2 while it works in the phase
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            return r
+        run_phase("load", load, g)
+    elif mode == "sigint_wait":
+        def load():
+            if r == 2:   # rank 2 is first at the boundary; Ctrl-C reaches it while it waits
+                import threading
+                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+            else:
+                time.sleep(3)
+            return r
+        run_phase("load", load, g)
+        run_phase("verify", lambda: r, g)
     elif mode == "plain_error":
         run_phase("plan", lambda: 1 / (r - 1), g)
     elif mode == "happy":
@@ -79,13 +96,14 @@ with exit_on_error():
 '''
 
 
-def _launch(tmp_path: Path, mode: str, ranks, world: int = 4, timeout: float = TIMEOUT):
+def _launch(tmp_path: Path, mode: str, ranks, world: int = 4, timeout: float = TIMEOUT,
+            port: int | None = None):
     """Start `ranks` of a `world`-rank group; return ({rank: (rc, out, err, end_time,
     start_time)}, launch time, time rank 2 killed itself or None)."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     mark = tmp_path / "killed_at"
-    port = free_port()
+    port = port or free_port()
     procs, ends, t0 = run_ranks(ranks, lambda r: subprocess.Popen(
         [sys.executable, str(script), mode, str(mark)],
         env=rank_env(port, r, world, CL_TIMEOUT=str(timeout)), stdout=subprocess.PIPE,
@@ -143,11 +161,46 @@ def test_rank_that_never_starts_is_named_by_the_others(tmp_path, ranks, wanted):
         assert end - started < TIMEOUT + 10, f"rank {r} took {end - started:.1f} s"
 
 
+@pytest.mark.parametrize("mode, phase", [("sigint", "load"), ("sigint_wait", "verify")],
+                         ids=["in_the_phase", "at_the_boundary"])
+def test_sigint_on_one_rank_exits_130_there_and_1_naming_it_elsewhere(tmp_path, mode, phase):
+    res, _, _ = _launch(tmp_path, mode, range(4))
+    rc, out, err, end2, _ = res[2]
+    assert rc == 130, f"rank 2: rc {rc}\n{err}"
+    assert rank_line(err, 2).endswith(": interrupted"), err
+    for r in (0, 1, 3):
+        rc, out, err, end, _ = res[r]
+        assert rc == 1, f"rank {r}: rc {rc}\n{err}"
+        line = rank_line(err, r)
+        # named at once, not after the 5 s timeout as a rank that did not arrive
+        assert f"phase {phase}: rank 2: KeyboardInterrupt: interrupted (SIGINT / Ctrl-C)" in line, line
+        assert "did not arrive" not in line and "died" not in line, line
+        assert end - end2 < TIMEOUT, f"rank {r} exited {end - end2:.1f} s after rank 2"
+
+
 def test_foreign_exception_keeps_type_and_text(tmp_path):
     res, _, _ = _launch(tmp_path, "plain_error", range(4))
     for r, (rc, out, err, *_) in res.items():
         assert rc == 1
         assert "phase plan: rank 1: ZeroDivisionError: division by zero" in rank_line(err, r)
+
+
+def test_foreign_listener_on_master_port_is_named_by_every_rank(tmp_path):
+    # Another process holds MASTER_PORT: it accepts connections (the kernel does, into
+    # the backlog) and never answers. Rank 0 cannot bind; rank 1's store handshake used to
+    # block past its own timeout (still running at 90 s).
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.bind(("0.0.0.0", 0))
+        squatter.listen(16)
+        port = squatter.getsockname()[1]
+        res, _, _ = _launch(tmp_path, "happy", range(2), world=2, port=port)
+    for r, (rc, out, err, end, started) in res.items():
+        assert rc == 1, f"rank {r}: rc {rc}\n{err}"
+        line = rank_line(err, r)
+        print(line, f"-- {end - started:.1f} s")
+        assert f"another process holds MASTER_PORT={port}" in line, line
+        assert end - started < TIMEOUT + 10, f"rank {r} took {end - started:.1f} s"
 
 
 # ----------------------------------------------------------------- in-process unit tests
@@ -223,3 +276,32 @@ def test_collective_error_declares_its_fields_and_pickles_them():
         "load", {2: ("LoadError", "short read")}, [3], 0)
     assert back.local_error is None and str(back) == str(e)   # this rank's own error stays here
     assert CollectiveError("x").failures == {} and CollectiveError("x").phase is None
+
+
+def test_deadline_store_names_a_request_that_never_returns_and_fails_fast_after():
+    import threading
+    import time
+    from datetime import timedelta
+
+    from coordloader.dist.collective import DeadlineStore, StoreStalled
+
+    release = threading.Event()
+
+    class Stopped:      # a store host that keeps its socket open and never answers
+        def add(self, key, n):
+            release.wait(30)
+            return 1
+
+        def wait(self, keys, timeout):
+            release.wait(30)
+
+    st = DeadlineStore(Stopped(), op_s=0.2)
+    t = time.monotonic()
+    with pytest.raises(StoreStalled, match="no reply to add within 0.2 s"):
+        st.add("n", 1)
+    assert time.monotonic() - t < 5
+    t = time.monotonic()
+    with pytest.raises(StoreStalled):     # queued behind the stuck request: fail at once
+        st.wait(["k"], timedelta(seconds=60))
+    assert time.monotonic() - t < 0.1
+    release.set()

@@ -9,6 +9,7 @@ bound and kills its whole process groups on the way out."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -132,3 +133,71 @@ def test_rank_2_never_joins(tmp_path, ckpt):
         assert "group did not form" in line and "rank 2 did not join" in line, line
         print(f"rank {r} exited {end - started:.1f} s after it started")
         assert end - started < TIMEOUT + SLACK, (r, end - started, line)
+
+
+def _signal_rank_in_phase(rank: int, sig: int, mark: Path, sent: dict, then_kill=()):
+    """on_running hook: send ``sig`` to ``rank`` once it is inside the held phase; when
+    every rank in ``then_kill``... has exited, SIGKILL ``rank`` (a stopped process never
+    exits by itself)."""
+    def hook(procs):
+        if "at" not in sent:
+            if mark.exists() and mark.read_text():
+                os.kill(procs[rank].pid, sig)
+                sent["at"] = time.time()
+            return False
+        if all(procs[r].poll() is not None for r in then_kill):
+            os.killpg(procs[rank].pid, signal.SIGKILL)
+            return True
+        return False
+    return hook
+
+
+def test_store_host_rank_0_sigstopped_is_named_by_every_rank(tmp_path, ckpt):
+    # Rank 0 hosts the store: stopped, it keeps its sockets open and never answers, so a
+    # store request without a deadline blocks forever (150 s seen before the fix).
+    mark = tmp_path / "hanging"
+    sent: dict = {}
+    res = _launch(tmp_path, ckpt, range(4),
+                  on_running=_signal_rank_in_phase(0, signal.SIGSTOP, mark, sent, (1, 2, 3)),
+                  hooks={0: ("--hang-phase", "load", "--hang-file", str(mark))})
+    assert "at" in sent, "rank 0 never reached the load phase"
+    for r in (1, 2, 3):
+        rc, err, end, _ = res[r]
+        assert rc == 1, (r, err)
+        line = rank_line(err, r, only=_CPP_QUIET)
+        print(line, f"-- {end - sent['at']:.1f} s after the SIGSTOP")
+        # a slow rank may still be reading the board of the phase before
+        assert re.search(r": phase (plan-agree|load): the coordination store ", line), line
+        assert "hosted by rank 0" in line and "stopped answering" in line, line
+        assert end - sent["at"] < TIMEOUT + SLACK, (r, end - sent["at"], line)
+
+
+def test_rank_2_sigkilled_in_verify_gather_same_message_everywhere(tmp_path, ckpt):
+    # The others are inside verify's all_gather (gloo) with rank 2 when it dies: some see
+    # the connection close at once, some wait for the collective's timeout. Every rank must
+    # still name rank 2, with the same message and no raw gloo text.
+    mark = tmp_path / "hanging"
+    killed = {}
+
+    def kill_when_hanging(procs):
+        if mark.exists() and mark.read_text():
+            time.sleep(1.0)   # let the others enter the gather
+            os.kill(procs[2].pid, signal.SIGKILL)
+            killed["at"] = time.time()
+            return True
+        return False
+
+    res = _launch(tmp_path, ckpt, range(4), on_running=kill_when_hanging,
+                  hooks={2: ("--hang-phase", "verify", "--hang-file", str(mark))})
+    assert "at" in killed, "rank 2 never reached the verify phase"
+    lines = {}
+    for r in (0, 1, 3):
+        rc, err, end, _ = res[r]
+        assert rc == 1, (r, err)
+        line = rank_line(err, r, only=_CPP_QUIET)
+        print(line, f"-- {end - killed['at']:.1f} s after the SIGKILL")
+        assert "phase verify: rank 2 died" in line, line
+        assert "gloo" not in line.lower() and "connection" not in line.lower(), line
+        assert end - killed["at"] < TIMEOUT + SLACK, (r, end - killed["at"], line)
+        lines[r] = line.split(": ", 2)[2]
+    assert len(set(lines.values())) == 1, lines

@@ -156,7 +156,8 @@ def cli_markdown() -> str:
            "Every tool follows one error policy: an error is one line on stderr, "
            "`coordloader: rank R: ErrorType: ...` for the distributed `load` and "
            "`coordloader TOOL: ErrorType: ...` for the others; the exit code is 1 for an error, "
-           "2 for bad command-line usage, 130 on Ctrl-C. See [troubleshooting](troubleshooting.md).",
+           "2 for bad command-line usage, 130 on Ctrl-C (in a multi-rank load: on the interrupted "
+           "rank; the others exit 1 naming it). See [troubleshooting](troubleshooting.md).",
            ""]
     for module, prog, what in CLI_TOOLS:
         out.append(f"- [`{prog}`](#{_anchor(prog)}): {what}")

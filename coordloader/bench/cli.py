@@ -12,12 +12,13 @@ import traceback
 from coordloader.bench import report
 from coordloader.bench.common import cached_checkpoint, machine_info
 from coordloader.bench.common import log_err as log
+from coordloader.text import ArgumentParser
 
 SECTIONS = ("load", "verify", "save", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m coordloader.bench",
         description="Benchmark coordloader's planner, engines and verification against "
                     "baselines on this machine's storage; writes a markdown table, a JSON "

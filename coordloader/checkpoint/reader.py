@@ -456,7 +456,11 @@ def _read_config(d: str) -> dict | None:
     p = os.path.join(d, "config.json")
     if not os.path.lexists(p):
         return None
-    return _read_json_file(p, "config.json", _INDEX_DECODER, "config.json")
+    config = _read_json_file(p, "config.json", _INDEX_DECODER, "config.json")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"config.json must hold a JSON object, got "
+                              f"{type(config).__name__}", file="config.json")
+    return config
 
 
 def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:

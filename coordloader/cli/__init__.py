@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from importlib import import_module
 
+from coordloader.text import MAX_NAME_CHARS, clip
+
 # tool -> (module holding main(argv), one-line summary)
 TOOLS = {
     "synth": ("coordloader.cli.synth", "write a synthetic checkpoint with real tensor names"),
@@ -31,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     tool, rest = argv[0], argv[1:]
     if tool not in TOOLS:
-        print(f"coordloader: unknown tool {tool!r}\n\n{usage()}", file=sys.stderr)
+        print(f"coordloader: unknown tool {clip(repr(tool), MAX_NAME_CHARS)}\n\n{usage()}",
+              file=sys.stderr)
         return 2
     # import_module, not attribute access: `coordloader.load` is the library function
     mod = import_module(TOOLS[tool][0])

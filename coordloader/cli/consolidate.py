@@ -1,14 +1,13 @@
 """`python -m coordloader.consolidate SRC OUT: a coordloader sharded checkpoint to plain HF.`"""
 from __future__ import annotations
 
-import argparse
-
 from coordloader.cli.common import run_command
 from coordloader.handoff.consolidate import DEFAULT_BLOCK_BYTES, consolidate
+from coordloader.text import ArgumentParser
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m coordloader.consolidate",
+    ap = ArgumentParser(prog="python -m coordloader.consolidate",
                                  description="Write a plain HF safetensors checkpoint (one tensor per "
                                              "name, standard index) from a coordloader sharded one.")
     ap.add_argument("sharded", help="source checkpoint directory (coordloader sharded or HF)")

@@ -17,17 +17,19 @@ from coordloader.engines import ENGINE_NAMES
 from coordloader.errors import LoadError, SaveError
 from coordloader.handoff.dump import dump_rank
 from coordloader.loader import VERIFY_MODES, load_detailed
+from coordloader.text import MAX_NAME_CHARS, ArgumentParser, clip
 
 
 def seconds(text: str) -> float:
     """argparse type of a timeout: 0, negative, nan and inf would reach the store as a
     C++ error with a backtrace, so they are a usage error here."""
+    shown = clip(repr(text), MAX_NAME_CHARS)
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of seconds") from None
+        raise argparse.ArgumentTypeError(f"{shown} is not a number of seconds") from None
     if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text[:40]!r}: expected a finite number of seconds "
+        raise argparse.ArgumentTypeError(f"{shown}: expected a finite number of seconds "
                                          f"greater than 0")
     return v
 
@@ -45,7 +47,7 @@ def json_object(text: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m coordloader.load",
         description="Load a safetensors checkpoint onto every rank of a torch.distributed job "
                     "(run under torchrun: torchrun --nproc-per-node N -m coordloader.load CKPT "

@@ -1,7 +1,6 @@
 """`python -m coordloader.manifest CKPT: write or check a checkpoint's content manifest.`"""
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -10,11 +9,12 @@ import torch
 from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.cli.common import run_command
 from coordloader.errors import VerifyError
+from coordloader.text import ArgumentParser
 from coordloader.verify.manifest import compute, load_manifest, write_manifest
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m coordloader.manifest",
+    ap = ArgumentParser(prog="python -m coordloader.manifest",
                                  description="Write coordloader.manifest.json (per-tensor content "
                                              "digests) next to a safetensors checkpoint.")
     ap.add_argument("ckpt", help="checkpoint directory")

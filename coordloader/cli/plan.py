@@ -16,7 +16,7 @@ from coordloader.layout import Layout
 from coordloader.planning.cover import validate_cover
 from coordloader.planning.planner import EXPERT_RE
 from coordloader.planning.runs import groups_of
-from coordloader.text import format_ranges
+from coordloader.text import ArgumentParser, format_ranges
 
 
 def parse_placement(v: str):
@@ -157,7 +157,7 @@ def add_layout_args(g) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m coordloader.plan",
+    p = ArgumentParser(prog="python -m coordloader.plan",
                                 description="Plan which slice of each tensor every rank holds.")
     p.add_argument("checkpoint", help="checkpoint directory")
     add_layout_args(p)

@@ -1,7 +1,6 @@
 """`python -m coordloader.synth OUT --arch A --size S: write a synthetic checkpoint.`"""
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import time
@@ -9,10 +8,11 @@ import time
 from coordloader.checkpoint import dtypes
 from coordloader.cli.common import run_command
 from coordloader.synth import archs, synthesize
+from coordloader.text import ArgumentParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m coordloader.synth",
+    ap = ArgumentParser(prog="python -m coordloader.synth",
                                  description="Write a synthetic HF-style safetensors checkpoint "
                                              "with real architecture naming and shapes.")
     ap.add_argument("out", metavar="OUT", help="output directory (must be empty or absent)")

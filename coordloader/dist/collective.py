@@ -90,12 +90,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
-from coordloader.text import format_ranges
+from coordloader.text import MAX_MESSAGE_CHARS, MAX_NAME_CHARS, clip, format_ranges
 from coordloader.errors import CollectiveError, CoordloaderError
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_GRACE_S = 5.0
-_MAX_MESSAGE = 2000          # per-rank message cap: the board must stay small at any scale
 _NAMESPACES: dict[str, int] = {}   # per-store-identity counter; same order on every rank
 
 
@@ -111,16 +110,18 @@ def describe_exception(exc: BaseException, rank: int | None = None) -> tuple[str
         if exc.rank is not None and exc.rank != rank:
             parts.append(f"rank {exc.rank}")
         if exc.file is not None:
-            parts.append(f"file {exc.file}")
+            parts.append(f"file {clip(str(exc.file), MAX_NAME_CHARS)}")
         if exc.tensor is not None:
-            parts.append(f"tensor {exc.tensor!r}")
+            parts.append(f"tensor {clip(repr(exc.tensor), MAX_NAME_CHARS)}")
         text = (", ".join(parts) + ": " + exc.message) if parts else exc.message
+    elif isinstance(exc, KeyboardInterrupt):
+        text = "interrupted (SIGINT / Ctrl-C)"
     else:
         text = str(exc)
         if not text and exc.args:
             text = repr(exc.args)
-    text = _one_line(text) or "(no message)"
-    return type(exc).__name__, text[:_MAX_MESSAGE]
+    # capped: the message travels through the status board and must stay small at any scale
+    return type(exc).__name__, clip(_one_line(text) or "(no message)", MAX_MESSAGE_CHARS)
 
 
 def _one_line(text: str) -> str:
@@ -148,6 +149,102 @@ def _phase_error(phase: str, failures: dict[int, tuple[str, str]], notes: list[s
                            missing=missing, local_error=local)
 
 
+# ------------------------------------------------------------------ store deadlines
+
+# A healthy store answers a set/add/get in milliseconds, even with thousands of clients
+# queued on it; a store host that is SIGSTOPped or wedged still holds its TCP connections
+# open, so torch's client blocks in recv forever (its own timeout covers connecting and
+# server-side waits, not a reply that never comes). Every store call therefore runs on a
+# daemon thread (the binding releases the GIL) that the caller abandons after a deadline:
+# STORE_OP_S for a plain request (capped by the group's timeout), a wait's own timeout
+# plus WAIT_MARGIN_S for a wait (the client gives up on its own socket poll at the
+# timeout, so a live store answers a wait by then). With timeout T a store host stopped at
+# any moment is named within T + STORE_OP_S (a rank in a gloo collective with it first
+# waits out T) or T + WAIT_MARGIN_S, inside the promised T + 10 s.
+STORE_OP_S = 5.0
+WAIT_MARGIN_S = 3.0
+
+
+class StoreStalled(Exception):
+    """A store request got no reply within its deadline: the host is stopped or hung."""
+
+    def __init__(self, op: str, seconds: float):
+        super().__init__(f"no reply to {op} within {seconds:g} s")
+        self.op, self.seconds = op, seconds
+
+
+def call_with_deadline(what: str, fn: Callable, deadline_s: float):
+    """``fn()`` on a daemon thread; StoreStalled(what) when it has not returned within
+    ``deadline_s``. Its exception, if any, is re-raised here. The abandoned thread stays
+    blocked in C++ until the process exits (it holds no Python state anyone waits for)."""
+    import threading
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name=f"coordloader-store-{what}", daemon=True)
+    t.start()
+    t.join(deadline_s)
+    if t.is_alive():
+        raise StoreStalled(what, deadline_s)
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+class DeadlineStore:
+    """A torch Store whose every request is bounded (``call_with_deadline``). After one
+    request stalls, later ones fail at once: torch's client serialises requests on its
+    connection, so they would queue behind the stuck one anyway."""
+
+    def __init__(self, store, op_s: float):
+        self.inner = store
+        self.op_s = op_s
+        self.stalled: StoreStalled | None = None
+
+    def _call(self, op: str, fn: Callable, deadline_s: float | None = None):
+        if self.stalled is not None:
+            raise self.stalled
+        try:
+            return call_with_deadline(op, fn, self.op_s if deadline_s is None else deadline_s)
+        except StoreStalled as exc:
+            self.stalled = exc
+            raise
+
+    def set(self, key: str, value) -> None:
+        self._call("set", lambda: self.inner.set(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", lambda: self.inner.get(key))
+
+    def add(self, key: str, n: int) -> int:
+        return self._call("add", lambda: self.inner.add(key, n))
+
+    def check(self, keys: list) -> bool:
+        return self._call("check", lambda: self.inner.check(keys))
+
+    def multi_get(self, keys: list) -> list:
+        return self._call("multi_get", lambda: self.inner.multi_get(keys))
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", lambda: self.inner.delete_key(key))
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._call("compare_set", lambda: self.inner.compare_set(key, expected, desired))
+
+    def wait(self, keys: list, timeout: timedelta) -> None:
+        self._call("wait", lambda: self.inner.wait(keys, timeout),
+                   timeout.total_seconds() + WAIT_MARGIN_S)
+
+
+def _store_op_s(timeout_s: float) -> float:
+    return min(STORE_OP_S, timeout_s)
+
+
 @dataclass(eq=False)
 class Group:
     """This rank's view of the group: rank, world size, process group, status board.
@@ -168,7 +265,7 @@ class Group:
     _hb_stop: Any = field(default=None, repr=False)
     _failed: bool = field(default=False, repr=False)   # a phase failed: close() must not wait
     _seq: int = field(default=0, repr=False)
-    _prev: str | None = field(default=None, repr=False)
+    _prev: tuple[str, str] | None = field(default=None, repr=False)   # step, arrival key
     _closed: bool = field(default=False, repr=False)
 
     def close(self) -> None:
@@ -204,6 +301,15 @@ def _env_int(name: str) -> int | None:
         raise CollectiveError(f"environment variable {name}={v!r} is not an integer") from None
 
 
+def _env_port() -> int | None:
+    port = _env_int("MASTER_PORT")
+    if port is not None and not 1 <= port <= 65535:
+        # torch's binding would raise a TypeError about uint16 arguments
+        raise CollectiveError(f"environment variable MASTER_PORT={port} is not a TCP port; "
+                              f"expected an integer in 1-65535")
+    return port
+
+
 def init_group(backend: str | None = None, timeout_s: float | None = None, *,
                grace_s: float | None = None) -> Group:
     """Form the group from the environment (torchrun or plain processes).
@@ -225,7 +331,7 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
     if world < 1 or not 0 <= rank < world:
         raise CollectiveError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
     addr = os.environ.get("MASTER_ADDR")
-    port = _env_int("MASTER_PORT")
+    port = _env_port()
     if not addr or port is None:
         raise CollectiveError("MASTER_ADDR and MASTER_PORT must be set when RANK and "
                               "WORLD_SIZE are (torchrun sets all four)")
@@ -240,12 +346,26 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
         raise CollectiveError(f"group did not form: cannot reach the rendezvous store at {desc} "
                               f"within {timeout_s:g} s; {who} did not start or is unreachable",
                               rank=rank)
+    op_s = _store_op_s(timeout_s)
     try:
-        base = dist.TCPStore(addr, port, world, is_master=host, timeout=td,
-                             wait_for_workers=False, multi_tenant=True)
+        # bounded: a listener that accepts and never answers (a foreign process on
+        # MASTER_PORT, or a stopped rank 0) would block the client's handshake forever
+        base = call_with_deadline("connect", lambda: dist.TCPStore(
+            addr, port, world, is_master=host, timeout=td, wait_for_workers=False,
+            multi_tenant=True), timeout_s + op_s)
+    except StoreStalled as exc:
+        raise CollectiveError(
+            f"group did not form: something accepts connections on {addr}:{port} but did not "
+            f"answer the store handshake within {exc.seconds:g} s; another process holds "
+            f"MASTER_PORT={port} (choose a free port), or {who} is stopped or hung",
+            rank=rank) from None
     except Exception as exc:  # noqa: BLE001 - turned into a clear message
         t, m = describe_exception(exc)
-        if host:
+        if host and "address already in use" in m.lower():
+            msg = (f"group did not form: cannot start the rendezvous store on {addr}:{port}: "
+                   f"another process holds MASTER_PORT={port} (address already in use); "
+                   f"choose a free port")
+        elif host:
             msg = f"group did not form: cannot start the rendezvous store on {addr}:{port}: {t}: {m}"
         else:
             msg = (f"group did not form: cannot reach the rendezvous store at {desc} within "
@@ -254,18 +374,31 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
     # A namespace per group so restarts (torchrun agent store) and repeated init never
     # read stale keys; every rank computes the same name.
     ns = _namespace(f"{addr}:{port}", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    board = dist.PrefixStore(ns, base)
+    board = DeadlineStore(dist.PrefixStore(ns, base), op_s)
     group = Group(rank=rank, world=world, store=board, timeout_s=timeout_s, grace_s=grace,
                   backend=backend, store_host=host, store_desc=desc)
     group._base_store = base  # keep the server (rank 0) alive as long as the group
     _join(group)
     _start_heartbeat(group, addr, port, ns)
+    device = None
     if backend == "nccl":
         local = _env_int("LOCAL_RANK")
-        torch.cuda.set_device(local if local is not None else rank % torch.cuda.device_count())
-    try:
+        device = local if local is not None else rank % torch.cuda.device_count()
+        torch.cuda.set_device(device)
+
+    def init_pg():
+        if device is not None:
+            torch.cuda.set_device(device)   # the current device is per thread
         dist.init_process_group(backend, store=dist.PrefixStore(ns + "pg", base), rank=rank,
                                 world_size=world, timeout=td)
+
+    try:
+        # its rendezvous reads the store too: bounded like every other store request
+        call_with_deadline("init_process_group", init_pg, timeout_s + op_s)
+    except StoreStalled as exc:
+        raise CollectiveError(f"group formed but init_process_group({backend!r}) did not "
+                              f"complete within {exc.seconds:g} s: the store {desc} stopped "
+                              f"answering or a rank stopped", rank=rank) from None
     except Exception as exc:  # noqa: BLE001
         t, m = describe_exception(exc)
         raise CollectiveError(f"group formed but init_process_group({backend!r}) failed: "
@@ -302,8 +435,9 @@ def _start_heartbeat(group: Group, addr: str, port: int, ns: str) -> None:
     import threading
     import torch.distributed as dist
     try:
-        conn = dist.TCPStore(addr, port, group.world, is_master=False,
-                             timeout=timedelta(seconds=group.timeout_s), wait_for_workers=False)
+        conn = call_with_deadline("connect", lambda: dist.TCPStore(
+            addr, port, group.world, is_master=False, timeout=timedelta(seconds=group.timeout_s),
+            wait_for_workers=False), group.timeout_s + _store_op_s(group.timeout_s))
     except Exception:  # noqa: BLE001 - liveness is a diagnostic aid, never fatal
         return
     st = dist.PrefixStore(ns, conn)
@@ -322,6 +456,7 @@ def _start_heartbeat(group: Group, addr: str, port: int, ns: str) -> None:
     threading.Thread(target=beat, name="coordloader-heartbeat", daemon=True).start()
     group._hb_stop = stop
     group._hb_conn = conn
+    group._hb_store = DeadlineStore(st, _store_op_s(group.timeout_s))
 
 
 def _heartbeats(group: Group, ranks) -> dict[int, int] | None:
@@ -351,11 +486,11 @@ def _join(group: Group) -> None:
             raise _lost(group, "group formation", exc) from exc
         cause = exc
     present = _present(group, "join/")
-    missing = [r for r in range(world) if r not in present]
     if present is None:
         msg = (f"group did not form within {group.timeout_s:g} s and the store "
                f"{group.store_desc} went away")
     else:
+        missing = [r for r in range(world) if r not in present]
         msg = (f"group did not form within {group.timeout_s:g} s: {_rank_word(missing)} "
                f"did not join (joined: {format_ranges(present)})")
     _ack_and_linger(group, "join", present or [])
@@ -382,7 +517,8 @@ def wrap_group(pg=None, timeout_s: float | None = None, *, grace_s: float | None
     try:
         base = dist.distributed_c10d._get_default_store()
         name = getattr(pg, "group_name", None) if pg is not None else "world"
-        store = dist.PrefixStore(_namespace(f"wrap/{name}", "0"), base)
+        store = DeadlineStore(dist.PrefixStore(_namespace(f"wrap/{name}", "0"), base),
+                              _store_op_s(timeout_s))
     except Exception:  # noqa: BLE001 - private API gone: use the fallback exchange
         store = None
     return Group(rank=rank, world=world, pg=pg if pg is not None else dist.group.WORLD,
@@ -409,7 +545,7 @@ def run_phase(name: str, fn: Callable, group: Group | None, *args, **kw):
         status = (name, True, "", "")
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the others
         local = exc
-        status = (name, False) + describe_exception(exc, group.rank)
+        status = (name, False) + describe_exception(exc, group.rank) + (_is_comm_failure(exc),)
     try:
         if group.store is None:
             _agree_over_pg(name, group, status, local)
@@ -417,24 +553,52 @@ def run_phase(name: str, fn: Callable, group: Group | None, *args, **kw):
             _agree_over_store(name, group, status, local)
     except CollectiveError:
         group._failed = True
+        if local is not None and not isinstance(local, Exception):
+            raise local from None   # Ctrl-C / SystemExit: the others were told; exit 130 here
+        raise
+    except KeyboardInterrupt:
+        # Ctrl-C while waiting at the boundary: this rank's status of this step is already
+        # out, so leave a note where the others will wait for it next
+        group._failed = True
+        _post_leaving(group, KeyboardInterrupt())
         raise
     if local is not None and not isinstance(local, Exception):
         raise local  # KeyboardInterrupt / SystemExit: others were told, keep its meaning
     return value
 
 
+def _post_leaving(group: Group, exc: BaseException) -> None:
+    """Best effort, bounded: report ``exc`` as this rank's failure at the next step, so
+    the others name it as soon as they reach that boundary, not after their timeout."""
+    # the heartbeat's own connection: the main one may still carry the wait we left
+    st = getattr(group, "_hb_store", None) or group.store
+    if st is None:
+        return
+    seq = group._seq
+    with contextlib.suppress(Exception):
+        st.set(f"{seq}/s/{group.rank}",
+               pickle.dumps(("?", False) + describe_exception(exc, group.rank)))
+        st.add(f"{seq}/f", 1)
+        st.set(f"{seq}/ev", b"f")
+        st.set(f"ack/{seq}/{group.rank}", b"1")   # gone: the store host need not wait for it
+
+
 def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
     st, rank, world = group.store, group.rank, group.world
     seq = group._seq
     group._seq += 1
-    k = f"{seq}/{name}"
+    # failure counter and event by step, arrivals by step and phase: a rank that leaves
+    # (Ctrl-C) posts where the others will wait without knowing their next phase, and a
+    # rank in another phase at the same step never completes the count, so it is named
+    # by its status (PhaseMismatch) instead of passing unnoticed
+    k = str(seq)
     ok = status[1]
     try:
         st.set(f"{seq}/s/{rank}", pickle.dumps(status))
         if not ok:
             st.add(f"{k}/f", 1)
             st.set(f"{k}/ev", b"f")        # wake the others now: no need to wait for all
-        if st.add(f"{k}/n", 1) == world:
+        if st.add(f"{k}/{name}/n", 1) == world:
             st.set(f"{k}/ev", b"a")
     except Exception as exc:  # noqa: BLE001
         raise _lost(group, name, exc, local) from (local or exc)
@@ -471,8 +635,9 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
                 break   # every rank still missing has stopped beating: dead
     statuses = _read_statuses(group, seq)
     if statuses is None:
-        raise _lost(group, name, RuntimeError("store went away while reading statuses"),
-                    local) from local
+        gone = getattr(st, "stalled", None) or RuntimeError("store went away while reading "
+                                                            "statuses")
+        raise _lost(group, name, gone, local) from local
     failures = {r: (s[2], s[3]) for r, s in statuses.items() if not s[1]}
     for r, s in statuses.items():   # collective discipline: same phase at the same step
         if s[0] != name and s[1]:
@@ -481,6 +646,13 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
     missing = [r for r in range(world) if r not in statuses]
     dead = _dead_ranks(group, missing)
     late = [r for r in missing if r not in dead]
+    if dead:
+        # A dead rank is the cause: the others' collectives with it failed (or are still
+        # failing: those are the late ones) because of it. Name it alone, so every rank
+        # prints the same line whatever it saw of the breakage.
+        failures = {r: f for r, f in failures.items()
+                    if not (len(statuses[r]) > 4 and statuses[r][4])}
+        late = []
     notes = []
     if dead:
         notes.append(f"{_rank_word(dead)} died or hung hard (no heartbeat for "
@@ -491,7 +663,7 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
         else:
             notes.append(f"{_rank_word(late)} did not report within "
                          f"{min(group.grace_s, group.timeout_s):g} s of the failure")
-    if timed_out and missing:
+    if timed_out and late:
         notes[-1] += f" (arrived: {format_ranges(statuses) or 'none'})"
     err = _phase_error(name, failures, notes, local, missing)
     _ack_and_linger(group, str(seq), list(statuses))
@@ -550,21 +722,42 @@ def _ack_and_linger(group: Group, tag: str, present: list[int]) -> None:
 
 def _cleanup(group: Group, seq: int, name: str) -> None:
     # Everyone has arrived at `seq`, so everyone has finished reading step seq-1.
-    prev, group._prev = group._prev, f"{seq}/{name}"
+    prev, group._prev = group._prev, (str(seq), f"{seq}/{name}/n")
     if prev is None:
         return
     with contextlib.suppress(Exception):
         group.store.delete_key(f"{seq - 1}/s/{group.rank}")
         if group.rank == 0:
-            for suffix in ("n", "f", "ev"):
-                group.store.delete_key(f"{prev}/{suffix}")
+            step, arrivals = prev
+            for key in (arrivals, f"{step}/f", f"{step}/ev"):
+                group.store.delete_key(key)
+
+
+# What a collective backend says when a peer went away; gloo raises plain RuntimeErrors.
+_COMM_TEXT = ("connection closed by peer", "connection reset by peer", "timed out waiting",
+              "broken pipe", "gloo", "nccl", "connection refused")
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is a collective failing because a peer
+    stopped answering: with a dead rank known, such a failure is its consequence, not a
+    cause of its own, and its raw backend text would differ from rank to rank."""
+    import torch.distributed as dist
+    seen = 0
+    while exc is not None and seen < 6:
+        if isinstance(exc, dist.DistError):
+            return True
+        if isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _COMM_TEXT):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _is_lost(exc: BaseException) -> bool:
     """A store call failed because the connection broke (DistNetworkError: the server
     process is gone), not because its deadline passed (DistStoreError)."""
     import torch.distributed as dist
-    return isinstance(exc, (dist.DistNetworkError, ConnectionError))
+    return isinstance(exc, (dist.DistNetworkError, ConnectionError, StoreStalled))
 
 
 def _lost(group: Group, phase: str, exc: BaseException, local=None) -> CollectiveError:
@@ -573,8 +766,12 @@ def _lost(group: Group, phase: str, exc: BaseException, local=None) -> Collectiv
     failures = {}
     if local is not None:
         failures[group.rank] = describe_exception(local, group.rank)
-    note = (f"lost contact with the coordination store {group.store_desc}: {who} exited or "
-            f"died ({t}: {m})")
+    if isinstance(exc, StoreStalled):
+        note = (f"the coordination store {group.store_desc} stopped answering ({exc}): {who} "
+                f"is stopped (SIGSTOP), hung or overloaded")
+    else:
+        note = (f"lost contact with the coordination store {group.store_desc}: {who} exited or "
+                f"died ({t}: {m})")
     return _phase_error(phase, failures, [note], local)
 
 
@@ -626,7 +823,7 @@ class _ExitOnError(contextlib.ContextDecorator):
         if os.environ.get("COORDLOADER_DEBUG") == "1":
             traceback.print_exception(et, exc, tb, file=sys.stderr)
         who = f"coordloader {self.tool}" if self.tool else f"coordloader: rank {rank}"
-        sys.stderr.write(f"{who}: {text}\n")
+        sys.stderr.write(f"{who}: {clip(text)}\n")
         sys.stderr.flush()
         sys.stdout.flush()
         if _dist_initialised():

@@ -35,6 +35,7 @@ from coordloader.planning.model import (
 )
 from coordloader.planning.rules import RuleSet, make_rule, num_experts_of, resolve_rules
 from coordloader.planning.runs import RunGroup, RunList, box_runs, merge_groups
+from coordloader.text import MAX_NAME_CHARS, clip
 
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
@@ -55,6 +56,8 @@ def build_plan(meta: CheckpointMeta, layout: Layout, rules: Any = None, *,
         raise PlanError(f"checkpoint must be a path or CheckpointMeta, got {type(meta).__name__}")
     if not isinstance(layout, Layout):
         raise PlanError(f"layout must be a coordloader.Layout, got {type(layout).__name__}")
+    if meta.config is not None and not isinstance(meta.config, Mapping):
+        raise PlanError(f"config.json must hold a JSON object, got {type(meta.config).__name__}")
     ruleset = resolve_rules(meta.config, rules)
     # The planner allocates hundreds of thousands of small objects that all stay alive;
     # the cyclic GC would rescan them over and over (it was a third of planning time).
@@ -126,7 +129,8 @@ class _Planner:
         if nl is None:
             nl = max_layer + 1
         if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
-            raise PlanError(f"config.json: num_hidden_layers must be a non-negative integer, got {nl!r}")
+            raise PlanError(f"config.json: num_hidden_layers must be a non-negative integer, got "
+                            f"{clip(repr(nl), MAX_NAME_CHARS)}")
         if layer_of and nl > max_layer + 1:
             # checked before stage_of, which is proportional to nl
             raise PlanError(f"config.json: num_hidden_layers={nl} but the checkpoint's tensor "
@@ -143,8 +147,11 @@ class _Planner:
             raise PlanError(f"layout: pp={L.pp} but config.json says num_hidden_layers=0")
         self.stage_of = stage_of
         self.layer_of = layer_of
-        tied = (self.rules.preset != "bert" and self.config.get("tie_word_embeddings", True)
-                and "lm_head.weight" not in meta.tensors)
+        tie = self.config.get("tie_word_embeddings", True)
+        if tie is not None and not isinstance(tie, bool):   # null: not tied, as before
+            raise PlanError(f"config.json: tie_word_embeddings must be true or false, got "
+                            f"{clip(repr(tie), MAX_NAME_CHARS)}")
+        tied = self.rules.preset != "bert" and tie and "lm_head.weight" not in meta.tensors
         self.tied = tied
 
         # match rules first: unmatched names fail before any work
@@ -173,8 +180,9 @@ class _Planner:
         for i in range(self.rules.user_count):
             if i not in hits:
                 r = self.rules.rules[i]
-                warnings.warn(f"sharding rule {r.pattern!r} ({r.strategy}, from {r.source}) matches "
-                              f"no tensor of the checkpoint", stacklevel=3)
+                warnings.warn(f"sharding rule {clip(repr(r.pattern), MAX_NAME_CHARS)} "
+                              f"({r.strategy}, from {clip(str(r.source), MAX_NAME_CHARS)}) "
+                              f"matches no tensor of the checkpoint", stacklevel=3)
         self.match = match
 
         # pass 1: each tensor's classes and rank groups; a "replica table" per distinct

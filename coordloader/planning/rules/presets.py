@@ -9,6 +9,7 @@ from typing import Mapping
 
 from coordloader.errors import PlanError
 from coordloader.planning.rules.ruleset import Rule, make_rule
+from coordloader.text import MAX_NAME_CHARS, clip
 
 PRESETS = ("llama", "qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "bert",
            "phi3", "gemma3", "glm4_moe")
@@ -39,10 +40,18 @@ def detect_preset(config: Mapping | None) -> str | None:
     """Preset name from config.json (``architectures`` first, then ``model_type``)."""
     if not config:
         return None
-    for a in config.get("architectures") or ():
+    archs = config.get("architectures") or ()
+    if not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs):
+        raise PlanError(f"config.json: architectures must be a list of strings, got "
+                        f"{clip(repr(archs), MAX_NAME_CHARS)}")
+    for a in archs:
         if a in _ARCHITECTURES:
             return _ARCHITECTURES[a]
-    return _MODEL_TYPES.get(config.get("model_type"))
+    mt = config.get("model_type")
+    if mt is not None and not isinstance(mt, str):
+        raise PlanError(f"config.json: model_type must be a string, got "
+                        f"{clip(repr(mt), MAX_NAME_CHARS)}")
+    return _MODEL_TYPES.get(mt)
 
 
 def _cfg_int(config: Mapping, *keys, default=None, preset: str = "") -> int | None:
@@ -50,8 +59,8 @@ def _cfg_int(config: Mapping, *keys, default=None, preset: str = "") -> int | No
         v = config.get(k)
         if v is not None:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlanError(f"config.json: {k} must be a positive integer, got {v!r} "
-                                f"(preset {preset})")
+                raise PlanError(f"config.json: {k} must be a positive integer, got "
+                                f"{clip(repr(v), MAX_NAME_CHARS)} (preset {preset})")
             return v
     return default
 
@@ -64,8 +73,16 @@ def num_experts_of(config: Mapping | None) -> int | None:
 
 def block_of(config: Mapping | None) -> list[int]:
     q = (config or {}).get("quantization_config") or {}
+    if not isinstance(q, Mapping):
+        raise PlanError(f"config.json: quantization_config must be an object, got "
+                        f"{clip(repr(q), MAX_NAME_CHARS)}")
     b = q.get("weight_block_size")
-    return list(b) if isinstance(b, (list, tuple)) and b else [128, 128]
+    if b is None:
+        return [128, 128]
+    if not (isinstance(b, list) and b and all(type(x) is int and x > 0 for x in b)):
+        raise PlanError(f"config.json: quantization_config.weight_block_size must be a list "
+                        f"of positive integers, got {clip(repr(b), MAX_NAME_CHARS)}")
+    return list(b)
 
 
 def preset_rules(name: str, config: Mapping | None) -> list[Rule]:

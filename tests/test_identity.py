@@ -1,0 +1,135 @@
+"""Ranks agree on the checkpoint's identity, not only on its headers.
+
+Each rank reads only a share of the headers, so two ranks pointed at copies with the same
+shapes but other data (``synth --seed 1``) used to agree on the plan digest and load
+different bytes, exit 0. Every rank now fingerprints every file it may read (size, header
+bytes, sampled data blocks, index and manifest bytes) and the ranks compare fingerprints
+with the plan digest."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from coordloader.checkpoint.identity import (
+    SAMPLE_BYTES,
+    checkpoint_identity,
+    identity_mismatch,
+)
+from coordloader.dist.collective import free_port
+from coordloader.synth import synthesize
+
+from helpers import rank_line
+from ranks import rank_env, run_ranks
+
+SIDE = ["coordloader.manifest.json", "model.safetensors.index.json"]
+
+
+def _shards(path):
+    return sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+@pytest.fixture(scope="module")
+def two_seeds(tmp_path_factory):
+    """(seed 0, a copy of it whose data, not headers, is seed 1's): synth records the seed
+    in each header's __metadata__, so seed 1 as such differs in the headers already; the
+    copy is the hard case, every header byte and size the same."""
+    root = tmp_path_factory.mktemp("seeds")
+    a = synthesize(str(root / "a"), "qwen3_moe", "tiny", shards=2, seed=0)
+    b = synthesize(str(root / "b"), "qwen3_moe", "tiny", shards=2, seed=1)
+    mixed = shutil.copytree(a, root / "a-header-b-data")
+    for name in _shards(a):
+        with open(os.path.join(a, name), "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            f.seek(0)
+            head = f.read(8 + n)
+        with open(os.path.join(b, name), "rb") as f:
+            f.seek(len(head))
+            data = f.read()
+        dst = os.path.join(mixed, name)
+        os.chmod(dst, 0o644)
+        with open(dst, "wb") as f:
+            f.write(head + data)
+    return a, str(mixed), b
+
+
+def test_byte_identical_copy_elsewhere_has_the_same_identity(two_seeds, tmp_path):
+    a, *_ = two_seeds
+    time.sleep(0.01)   # the copy gets other mtimes and inodes: they are not compared
+    c = shutil.copytree(a, tmp_path / "copy")
+    assert os.stat(os.path.join(c, _shards(a)[0])).st_ino != os.stat(
+        os.path.join(a, _shards(a)[0])).st_ino
+    ia, ic = checkpoint_identity(a, _shards(a), SIDE), checkpoint_identity(c, _shards(c), SIDE)
+    assert ia == ic and ia.digest() == ic.digest()
+    assert identity_mismatch([ia, ic, ia]) is None
+
+
+def test_other_seed_same_headers_differs_in_data_and_names_the_first_file(two_seeds):
+    a, b, seed1 = two_seeds
+    ia, ib = checkpoint_identity(a, _shards(a), SIDE), checkpoint_identity(b, _shards(b), SIDE)
+    # same shapes and names: the headers and sizes agree, only the data differs
+    assert [(f.name, f.size, f.header_sha256) for f in ia.files if f.sample_sha256] == \
+        [(f.name, f.size, f.header_sha256) for f in ib.files if f.sample_sha256]
+    msg = identity_mismatch([ia, ia, ia, ib])
+    assert msg is not None
+    first = _shards(a)[0]
+    assert f"file {first} differs in its data on rank 3 " in msg, msg
+    assert "ranks 0-2: " in msg and "rank 3: " in msg, msg
+    msg = identity_mismatch([ia, checkpoint_identity(seed1, _shards(seed1), SIDE)])
+    assert f"file {first} differs in its header on rank 1 " in msg, msg
+
+
+def test_a_change_in_one_sampled_block_is_seen(tmp_path):
+    # a shard whose data region is larger than the samples: change the last byte only
+    p = synthesize(str(tmp_path / "c"), "llama", "tiny", seed=0)
+    name = _shards(p)[0]
+    before = checkpoint_identity(p, [name])
+    path = os.path.join(p, name)
+    assert os.path.getsize(path) > 64 * SAMPLE_BYTES
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    after = checkpoint_identity(p, [name])
+    assert after.files[0].differs_in(before.files[0]) == "data"
+
+
+def test_manifest_present_on_one_rank_only_is_named(two_seeds, tmp_path):
+    a, *_ = two_seeds
+    c = shutil.copytree(a, tmp_path / "copy")
+    with_m = checkpoint_identity(a, _shards(a), SIDE)
+    if os.path.exists(os.path.join(c, SIDE[0])):
+        os.remove(os.path.join(c, SIDE[0]))
+    else:
+        with open(os.path.join(c, SIDE[0]), "w") as f:
+            f.write("{}")
+    msg = identity_mismatch([with_m, checkpoint_identity(c, _shards(c), SIDE)])
+    assert msg is not None and f"file {SIDE[0]} differs" in msg and "rank 1" in msg, msg
+
+
+@pytest.mark.slow
+def test_ranks_on_copies_with_other_data_stop_naming_the_rank_and_file(two_seeds, tmp_path):
+    a, b, _ = two_seeds
+    port = free_port()
+
+    def start(r):
+        env = rank_env(port, r, 2, LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "coordloader.load", a if r == 0 else b, "--tp", "2",
+               "--engine", "cpu", "--timeout", "20", "--quiet"]
+        with open(tmp_path / f"err-{r}", "wb") as ef:
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
+                                    cwd=str(tmp_path), start_new_session=True)
+
+    procs, _, _ = run_ranks(range(2), start, 90)
+    for r, p in procs.items():
+        err = (tmp_path / f"err-{r}").read_text()
+        assert p.returncode == 1, (r, err)
+        line = rank_line(err, r)
+        assert "phase plan-agree: " in line and "CheckpointError" in line, line
+        assert f"file {_shards(a)[0]} differs in its data on rank 1 " in line, line
