@@ -32,6 +32,18 @@ from math import prod
 from typing import Any, Iterable
 
 from coordloader.checkpoint.dtypes import SUPPORTED, itemsize
+from coordloader.checkpoint.formats import (
+    HF_INDEX_SUFFIX,
+    HF_SINGLE,
+    PUBLISH_MARKER,
+    SHARD_SUFFIX,
+    SHARDED_FORMAT,
+    SHARDED_INDEX,
+    SHARDED_VERSION,
+    V1_SHARD_RE,
+    V1_VERSION,
+    interrupted_message,
+)
 from coordloader.checkpoint.metadata import (
     CheckpointMeta,
     FileInfo,
@@ -51,8 +63,8 @@ MAX_JSON_FILE = 256 * 1024 * 1024   # index / config.json size cap (a 91k-tensor
 _MAX_INT_DIGITS = 19                # every valid offset/dim is < 2**63 < 10**19
 _INT_LIMIT = 1 << 63
 
-SINGLE_FILE = "model.safetensors"
-INDEX_SUFFIX = ".safetensors.index.json"
+SINGLE_FILE = HF_SINGLE
+INDEX_SUFFIX = HF_INDEX_SUFFIX
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 _ITEMSIZE = {name: itemsize(name) for name in SUPPORTED}
@@ -68,7 +80,7 @@ class Discovery:
     """What ``discover`` found. Picklable; cheap to broadcast."""
     root: str                                   # absolute checkpoint directory
     files: tuple[str, ...]                      # safetensors files to read, sorted
-    kind: str                                   # "single" | "index" | "directory"
+    kind: str                                   # "single" | "index" | "directory" | "sharded"
     index_file: str | None = None               # name of the index, if one was used
     weight_map: tuple[tuple[str, str], ...] | None = None   # index tensor -> file
     coordloader: dict | None = None             # validated "coordloader" index section
@@ -416,6 +428,13 @@ def discover(root: str) -> Discovery:
                               ".safetensors file)", file=path) from None
     if stat.S_ISREG(st.st_mode):
         d, base = os.path.split(path)
+        _refuse_interrupted(d)
+        if base == SHARDED_INDEX:
+            return _discover_sharded(d, _read_config(d))
+        if base.endswith(SHARD_SUFFIX) or V1_SHARD_RE.match(base):
+            raise CheckpointError("is one shard of a coordloader sharded save, holding pieces of "
+                                  "tensors; pass the save's directory (its index lists every "
+                                  "piece)", file=path)
         if base.endswith(INDEX_SUFFIX):
             return _discover_index(d, base, _read_config(d))
         if base.endswith(PICKLE_SUFFIXES):
@@ -431,8 +450,16 @@ def discover(root: str) -> Discovery:
         names = sorted(os.listdir(path))
     except OSError as e:
         raise CheckpointError(f"cannot list directory: {e.strerror}", file=path) from None
+    if PUBLISH_MARKER in names:
+        raise CheckpointError(interrupted_message(path), file=path)
     config = _read_config(path)
     indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
+    if SHARDED_INDEX in names:
+        if indexes:
+            raise CheckpointError(f"holds both a coordloader sharded index ({SHARDED_INDEX}) and "
+                                  f"a safetensors index {indexes[0]}; expected one checkpoint "
+                                  f"per directory", file=path)
+        return _discover_sharded(path, config)
     if indexes:
         if len(indexes) > 1:
             if "model" + INDEX_SUFFIX not in indexes:
@@ -443,6 +470,14 @@ def discover(root: str) -> Discovery:
     if SINGLE_FILE in names:
         return Discovery(root=path, files=(SINGLE_FILE,), kind="single", config=config)
     shards = tuple(n for n in names if n.endswith(".safetensors"))
+    loose = [n for n in names if V1_SHARD_RE.match(n) or n.endswith(SHARD_SUFFIX)]
+    if loose:
+        # pieces of a coordloader save without its index: assembling them would give each
+        # piece as a tensor of its own (or a mix of two saves after an interrupted publish)
+        raise CheckpointError(f"holds shards of a coordloader sharded save ({loose[0]}, ...) "
+                              f"but no index: the save was interrupted before it was published, "
+                              f"or its index was removed. Run the save again (overwrite=True); "
+                              f"these shards cannot be read on their own", file=path)
     if shards:
         return Discovery(root=path, files=shards, kind="directory", config=config)
     pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES) or n.endswith(".bin.index.json")]
@@ -450,6 +485,32 @@ def discover(root: str) -> Discovery:
         _refuse_pickle(pickles[0])
     raise CheckpointError("no .safetensors files and no model.safetensors.index.json found "
                           "(expected a safetensors checkpoint directory)", file=path)
+
+
+def _refuse_interrupted(d: str) -> None:
+    if os.path.lexists(os.path.join(d, PUBLISH_MARKER)):
+        raise CheckpointError(interrupted_message(d), file=d)
+
+
+def _discover_sharded(d: str, config: dict | None) -> Discovery:
+    """A coordloader sharded save (format version 2): its index lists every piece."""
+    with gc_paused():
+        idx = _read_json_file(os.path.join(d, SHARDED_INDEX), SHARDED_INDEX, _INDEX_DECODER,
+                              "index")
+    if idx.get("format") != SHARDED_FORMAT:
+        raise CheckpointError(f"index format {str(idx.get('format'))[:40]!r}; expected "
+                              f"{SHARDED_FORMAT!r}", file=SHARDED_INDEX)
+    section = _validate_section(idx, SHARDED_INDEX, SHARDED_VERSION, SHARD_SUFFIX)
+    files = {p["file"] for spec in section["tensors"].values() for p in spec["pieces"]}
+    if not files:
+        raise CheckpointError("the index lists no tensors; expected at least one",
+                              file=SHARDED_INDEX)
+    for fname in sorted(files):
+        if not os.path.lexists(os.path.join(d, fname)):
+            raise CheckpointError(f"the index lists file {fname!r} which does not exist in the "
+                                  f"checkpoint directory", file=SHARDED_INDEX)
+    return Discovery(root=d, files=tuple(sorted(files)), kind="sharded",
+                     index_file=SHARDED_INDEX, coordloader=section, config=config)
 
 
 def _read_config(d: str) -> dict | None:
@@ -481,7 +542,9 @@ def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
             files.add(fname)
     section = idx.get("coordloader")
     if section is not None:
-        section = _validate_section(section, index_name)
+        # format version 1 (coordloader <= 0.2): still read, so that saves made before
+        # version 2 keep loading; consolidate turns one into a plain HF checkpoint
+        section = _validate_section(section, index_name, V1_VERSION, ".safetensors")
         for spec in section["tensors"].values():
             for p in spec["pieces"]:
                 files.add(p["file"])
@@ -502,13 +565,14 @@ def _is_box(box, ndim: int) -> bool:
                 for r in box))
 
 
-def _validate_section(sec: Any, index_name: str) -> dict:
-    """Structure of the coordloader sharded-format section (contents vs files: assemble)."""
+def _validate_section(sec: Any, index_name: str, version: int, suffix: str) -> dict:
+    """Structure of the coordloader sharded-format section (contents vs files: assemble):
+    the whole index in version 2, the "coordloader" section of an HF index in version 1."""
     if type(sec) is not dict:
         raise CheckpointError("\"coordloader\" section is not a JSON object", file=index_name)
-    if sec.get("version") != 1 or type(sec.get("version")) is not int:
-        raise CheckpointError(f"\"coordloader\" version {sec.get('version')!r}; expected 1",
-                              file=index_name)
+    if sec.get("version") != version or type(sec.get("version")) is not int:
+        raise CheckpointError(f"\"coordloader\" version {sec.get('version')!r}; expected "
+                              f"{version}", file=index_name)
     if "layout" in sec and type(sec["layout"]) is not dict:
         raise CheckpointError("\"coordloader\".layout is not a JSON object", file=index_name)
     tensors = sec.get("tensors")
@@ -536,8 +600,8 @@ def _validate_section(sec: Any, index_name: str) -> dict:
             if type(p) is not dict or type(p.get("key")) is not str:
                 bad(f"piece {str(p)[:80]} is not an object with file, key, box")
             _check_name(p.get("file"), f"coordloader section, tensor {name!r}", index_name)
-            if not p["file"].endswith(".safetensors"):
-                bad(f"piece file {p['file']!r}; expected a .safetensors file")
+            if not p["file"].endswith(suffix):
+                bad(f"piece file {p['file']!r}; expected a {suffix} file")
             if not _is_box(p.get("box"), len(shape)):
                 bad(f"piece box {str(p.get('box'))[:80]}; expected {len(shape)} [start, stop] "
                     f"integer pairs")
@@ -572,12 +636,23 @@ def assemble(root: str, discovery: Discovery, headers: Iterable[FileHeader]) -> 
                           config=discovery.config, source_layout=layout)
 
 
+def _refuse_coordloader_pieces(fname: str, header: FileHeader) -> None:
+    """A shard of a coordloader save read without its index (renamed, copied out, or left
+    by a crash): its keys ``name@a:b`` are pieces, never tensors of their own."""
+    for k, v in header.info.metadata:
+        if "@" in k and v.startswith("{") and '"box"' in v:
+            raise CheckpointError(f"holds piece {k[:120]!r} of a coordloader sharded save; read "
+                                  f"the save's directory (its index lists every piece), not its "
+                                  f"shards on their own", file=fname)
+
+
 def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     wm = dict(discovery.weight_map) if discovery.weight_map is not None else None
     idx = discovery.index_file
     boxes: dict[tuple, tuple] = {}  # shapes repeat (experts, layers): share the box tuples
     for fname in names:
+        _refuse_coordloader_pieces(fname, by_file[fname])
         for key, dtype, shape, start, end in by_file[fname].entries:
             if key in tensors:
                 raise CheckpointError(f"tensor is stored in both {tensors[key].file!r} and "
@@ -616,10 +691,9 @@ def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorI
     used: set[tuple[str, str]] = set()
     order = []
     spec_tensors = discovery.coordloader["tensors"]
-    wm = dict(discovery.weight_map or ())
+    wm = dict(discovery.weight_map) if discovery.weight_map is not None else None
     for name, spec in spec_tensors.items():
         dtype, shape = spec["dtype"], tuple(spec["shape"])
-        listed = wm.get(name)
         pieces = []
         for p in spec["pieces"]:
             fname = p["file"]
@@ -649,10 +723,11 @@ def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorI
                                       f"box needs {list(box_shape(box))}", file=fname,
                                       tensor=name)
             pieces.append(SourcePiece(fname, box, ent[3], ent[4]))
-        if listed is None:
+        listed = wm.get(name, "") if wm is not None else None
+        if listed == "":
             raise CheckpointError("tensor is in the coordloader section but not in the "
                                   "weight_map", file=idx, tensor=name)
-        if listed not in {p.file for p in pieces}:
+        if listed is not None and listed not in {p.file for p in pieces}:
             raise CheckpointError(f"weight_map maps the tensor to {listed!r}, which holds none "
                                   f"of its pieces", file=idx, tensor=name)
         _check_tiling(name, shape, pieces, idx)
@@ -666,7 +741,7 @@ def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorI
                     raise CheckpointError("key is stored in the file but the index's "
                                           "coordloader section does not list it", file=fname,
                                           tensor=ent[0])
-    for name in wm:
+    for name in wm or ():
         if name not in spec_tensors:
             raise CheckpointError("tensor is in the weight_map but not in the coordloader "
                                   "section", file=idx, tensor=name)

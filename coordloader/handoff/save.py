@@ -1,63 +1,62 @@
 """``coordloader.save``: write a sharded state (one dict of local tensors per rank, as a
 plan describes them) as a coordloader sharded checkpoint that any layout can load.
 
-On-disk format (read back by ``coordloader.checkpoint``):
+On-disk format, version 2 (read back by ``coordloader.checkpoint``; names in
+``checkpoint/formats.py``, chosen so that no Hugging Face reader takes the directory for
+a checkpoint of its own):
 
 - every rank writes the pieces it holds as *primary* copy (``replica == 0``; replicas are
-  not written twice) into its own files ``model-rank-RRRRR-part-PPPPP.safetensors``. A piece
-  is stored under the key ``name`` when it is the whole tensor, else ``name@a:b,c:d`` (its
-  box in the global tensor). The file's ``__metadata__`` maps each key to a JSON string
-  ``{"name", "shape", "box"}`` so a shard file explains itself without the index;
-- ``model.safetensors.index.json`` holds the HF ``weight_map`` (name -> file of its first
-  piece) plus a ``"coordloader"`` section: version, the saving layout and, per tensor,
-  dtype, global shape and its pieces ``[{file, key, box}]``;
+  not written twice) into its own files ``rank-RRRRR-part-PPPPP.coordloader-shard``
+  (safetensors content). A piece is stored under the key ``name`` when it is the whole
+  tensor, else ``name@a:b,c:d`` (its box in the global tensor). The file's
+  ``__metadata__`` maps each key to a JSON string ``{"name", "shape", "box"}`` so a shard
+  file explains itself without the index;
+- ``coordloader-index.json``: format, version, the saving layout, the model (preset,
+  architectures, model_type from config.json) and, per tensor, dtype, global shape and
+  its pieces ``[{file, key, box}]``;
 - ``coordloader.manifest.json``: content digests per tensor, the sum of the pieces'
-  digests (digests are linear), so the manifest costs no second read.
+  digests (digests are linear), so the manifest costs no second read;
+- ``config.json`` (required) and the source directory's companion files
+  (``generation_config.json``, tokenizer files, chat template).
 
-Publishing is atomic at the level that matters to a reader: every file is written and
-fsynced in a hidden staging directory inside ``out_dir``, renamed into place, the
-directory fsynced, and the index is renamed in LAST. A crash at any point leaves either
-the previous checkpoint or a directory without an index (which no reader takes for a
-checkpoint); a re-run cleans the leftovers. An existing checkpoint is never replaced unless
-``overwrite=True``; its files that the new checkpoint does not reuse are removed only after
-the new index is published.
+Publishing goes through ``handoff/publish.py``: staged and fsynced first, then moved in
+under a marker that every coordloader reader refuses, so a kill at any point leaves the
+previous checkpoint, the new one, or a directory that says a save was interrupted and how
+to finish it.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 
 from coordloader.checkpoint.dtypes import itemsize
+from coordloader.checkpoint.formats import (
+    CONFIG_NAME,
+    SHARDED_FORMAT,
+    SHARDED_INDEX,
+    SHARDED_VERSION,
+    STAGING_PREFIX,
+    shard_name,
+)
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape, piece_key
 from coordloader.errors import CoordloaderError, SaveError
+from coordloader.handoff.publish import (
+    companion_files,
+    os_error,
+    prepare_target,
+    publish,
+    write_bytes_durable,
+    write_json_durable,
+    writer_error,
+)
 from coordloader.verify.manifest import MANIFEST_NAME
-
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
-STAGING_PREFIX = ".coordloader-staging-"
-FORMAT_VERSION = 1
-SHARD_PATTERN = "model-rank-{rank:05d}-part-{part:05d}.safetensors"
-
-# Test hook: called with a stage name ("staged", "published-shards") so a test can kill
-# the process between shard writes and the index. Never set in production.
-_test_hook: Callable[[str], None] | None = None
-
-
-def _hook(stage: str) -> None:
-    if _test_hook is not None:
-        _test_hook(stage)
-
-
-def shard_name(rank: int, part: int) -> str:
-    return SHARD_PATTERN.format(rank=rank, part=part)
 
 
 @dataclass(frozen=True)
@@ -72,50 +71,55 @@ class SaveResult:
 
 
 # ---------------------------------------------------------------------------------------
-# low-level durable file helpers
+# the model's config: required, since the planner detects the preset from it
 # ---------------------------------------------------------------------------------------
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+class ModelConfig(NamedTuple):
+    """``config=`` resolved: the config.json bytes to write, their parsed content, and the
+    directory whose companion files travel along (None for a dict or a file)."""
+    data: bytes
+    doc: dict
+    src_dir: str | None
+
+
+def resolve_config(config: Any, rank: int | None) -> ModelConfig:
+    """Read ``config=`` (a dict, a path to config.json, or the source checkpoint directory)
+    before anything is written; refuse None: a checkpoint without config.json cannot be
+    planned at any sharded layout nor consolidated into something transformers loads."""
+    if config is None:
+        raise SaveError("config= is required: pass the source checkpoint directory, a path to "
+                        "its config.json, or the config as a dict. The planner detects the "
+                        "architecture preset from config.json, so without it the saved "
+                        "checkpoint could not be loaded at any sharded layout, nor consolidated "
+                        "into a checkpoint transformers accepts", rank=rank)
+    if isinstance(config, Mapping):
+        doc = dict(config)
+        try:
+            data = (json.dumps(doc, indent=2) + "\n").encode()
+        except (TypeError, ValueError) as e:
+            raise SaveError(f"config= dict is not JSON-serialisable: {e}", rank=rank) from e
+        return ModelConfig(data, doc, None)
+    if not isinstance(config, (str, os.PathLike)):
+        raise SaveError(f"config= must be a dict, a path to config.json or a checkpoint "
+                        f"directory, got {type(config).__name__}", rank=rank)
+    path = os.fspath(config)
+    src_dir = None
+    if os.path.isdir(path):
+        src_dir, path = path, os.path.join(path, CONFIG_NAME)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _os_error(e: OSError, path: str, rank: int | None, what: str) -> SaveError:
-    if e.errno == errno.ENOSPC:
-        msg = f"no space left on device while {what}; the previous state of the directory is intact"
-    elif e.errno == errno.EDQUOT:
-        msg = f"disk quota exceeded while {what}; the previous state of the directory is intact"
-    else:
-        msg = f"{what} failed: {e.strerror or e}"
-    return SaveError(msg, file=path, rank=rank)
-
-
-def _writer_error(e: SaveError, path: str, rank: int | None, what: str) -> SaveError:
-    """The safetensors writer's SaveError re-addressed to ``path`` and ``rank``: an OS error
-    (it wraps every one) in ``_os_error``'s words, anything else with its tensor kept."""
-    if isinstance(e.__cause__, OSError):
-        return _os_error(e.__cause__, path, rank, what)
-    return SaveError(e.message, file=path, tensor=e.tensor, rank=rank)
-
-
-def _write_bytes_durable(path: str, data: bytes) -> None:
-    """Write a small file completely and fsync it (the caller renames it into place)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise SaveError(f"cannot read the config given as config=: {e.strerror or e}",
+                        file=path, rank=rank) from e
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json_durable(path: str, obj: Any) -> None:
-    _write_bytes_durable(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+        doc = json.loads(data)
+    except ValueError as e:
+        raise SaveError(f"config is not valid JSON: {e}", file=path, rank=rank) from e
+    if not isinstance(doc, dict):
+        raise SaveError(f"config is a JSON {type(doc).__name__}, expected an object", file=path,
+                        rank=rank)
+    return ModelConfig(data, doc, src_dir)
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,7 +216,7 @@ def _write_rank(stage: str, tensors, plan, rank: int, max_shard_bytes: int, with
             try:
                 write_safetensors(path, entries, meta)
             except SaveError as e:
-                raise _writer_error(e, fname, rank, "writing a shard file") from e
+                raise writer_error(e, fname, rank, "writing a shard file") from e
             if fut is not None:
                 for rec, d in zip(records[len(records) - len(items):], fut.result()):
                     if isinstance(d, Exception):
@@ -228,60 +232,13 @@ def _write_rank(stage: str, tensors, plan, rank: int, max_shard_bytes: int, with
 
 
 # ---------------------------------------------------------------------------------------
-# rank 0: index, manifest, atomic publication
+# the last rank to finish: index, manifest, config, publication
 # ---------------------------------------------------------------------------------------
 
-def _existing_checkpoint_files(out_dir: str) -> set[str] | None:
-    """Files of the checkpoint already in ``out_dir`` (None when there is none)."""
-    idx = os.path.join(out_dir, INDEX_NAME)
-    if os.path.exists(idx):
-        names = {INDEX_NAME}
-        try:
-            with open(idx) as f:
-                d = json.load(f)
-            names |= {v for v in (d.get("weight_map") or {}).values() if isinstance(v, str)}
-            for t in ((d.get("coordloader") or {}).get("tensors") or {}).values():
-                names |= {p.get("file") for p in t.get("pieces", []) if isinstance(p.get("file"), str)}
-        except (OSError, ValueError, AttributeError):
-            pass  # unreadable old index: only its own name is known
-        for extra in (MANIFEST_NAME,):
-            if os.path.exists(os.path.join(out_dir, extra)):
-                names.add(extra)
-        # never follow names out of the directory
-        return {n for n in names if n and "/" not in n and "\\" not in n and n not in (".", "..")}
-    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
-        names = {"model.safetensors"}
-        if os.path.exists(os.path.join(out_dir, MANIFEST_NAME)):
-            names.add(MANIFEST_NAME)
-        return names
-    return None
-
-
-def _prepare(out_dir: str, overwrite: bool, rank: int, token: str) -> str:
-    """Check the target and create a fresh staging directory; returns its name."""
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise _os_error(e, out_dir, rank, "creating the output directory") from e
-    if not os.path.isdir(out_dir):
-        raise SaveError("output path exists and is not a directory", file=out_dir, rank=rank)
-    if _existing_checkpoint_files(out_dir) is not None and not overwrite:
-        raise SaveError("a checkpoint already exists here; pass overwrite=True to replace it",
-                        file=out_dir, rank=rank)
-    # Leftovers of a crashed save (never part of a published checkpoint).
-    for n in os.listdir(out_dir):
-        if n.startswith(STAGING_PREFIX):
-            shutil.rmtree(os.path.join(out_dir, n), ignore_errors=True)
-    stage = STAGING_PREFIX + token
-    try:
-        os.mkdir(os.path.join(out_dir, stage))
-    except OSError as e:
-        raise _os_error(e, os.path.join(out_dir, stage), rank, "creating the staging directory") from e
-    return stage
-
-
-def _build_index(records: list[dict], layout_dict: dict, names_order: list[str]) -> tuple[dict, dict]:
+def _build_index(records: list[dict], layout_dict: dict, names_order: list[str],
+                 cfg: ModelConfig) -> tuple[dict, dict]:
     """(index, per-tensor digests or {}) from every rank's records."""
+    from coordloader.planning.rules.presets import detect_preset
     tensors: dict[str, dict] = {}
     digests: dict[str, int | None] = {}
     for rec in records:
@@ -312,11 +269,16 @@ def _build_index(records: list[dict], layout_dict: dict, names_order: list[str])
         t["pieces"].sort(key=lambda pc: pc["box"])
         total += numel * itemsize(t["dtype"])
     order = [n for n in names_order if n in tensors] + sorted(set(tensors) - set(names_order))
-    ordered = {n: tensors[n] for n in order}
     index = {
-        "metadata": {"total_size": total, "format": "coordloader-sharded"},
-        "weight_map": {n: ordered[n]["pieces"][0]["file"] for n in order},
-        "coordloader": {"version": FORMAT_VERSION, "layout": layout_dict, "tensors": ordered},
+        "format": SHARDED_FORMAT,
+        "version": SHARDED_VERSION,
+        "total_size": total,
+        "layout": layout_dict,
+        # what the checkpoint is, for a reader that has only this directory
+        "model": {"preset": detect_preset(cfg.doc),
+                  "architectures": list(cfg.doc.get("architectures") or []),
+                  "model_type": cfg.doc.get("model_type")},
+        "tensors": {n: tensors[n] for n in order},
     }
     if any(v is None for v in digests.values()):
         digests = {}
@@ -335,45 +297,40 @@ def staged_manifest(stage_dir: str, files: list[str], entries: dict) -> dict:
     return mf.to_json(meta, entries)
 
 
-def _publish(out_dir: str, stage: str, records: list[dict], plan, overwrite: bool,
-             config: Any, rank: int, names_order: list[str]) -> bool:
-    """Rank 0: write index/manifest/config into the stage, then move everything into
-    place, index last. Returns True when a manifest was written."""
+def _publish(out_dir: str, stage: str, records: list[dict], plan, cfg: ModelConfig,
+             rank: int, names_order: list[str]) -> bool:
+    """Write index/manifest/config/companions into the stage, then publish it. Returns
+    True when a manifest was written."""
     stage_dir = os.path.join(out_dir, stage)
-    index, digests = _build_index(records, plan.layout.to_dict(), names_order)
+    index, digests = _build_index(records, plan.layout.to_dict(), names_order, cfg)
     shard_files = [f for rec in records for f in rec["files"]]
     small: list[str] = []
-    # config.json
-    if config is not None:
-        p = os.path.join(stage_dir, CONFIG_NAME)
-        try:
-            if isinstance(config, (str, os.PathLike)):
-                if os.path.isdir(config):  # a checkpoint directory: take its config.json
-                    config = os.path.join(config, CONFIG_NAME)
-                with open(config, "rb") as f:
-                    data = f.read()
-                json.loads(data)  # refuse to publish a config that is not JSON
-                _write_bytes_durable(p, data)
-            else:
-                _write_json_durable(p, dict(config))
-        except OSError as e:
-            raise _os_error(e, p, rank, "writing config.json") from e
-        except ValueError as e:
-            raise SaveError(f"config is not valid JSON: {e}", file=str(config), rank=rank) from e
+    p = os.path.join(stage_dir, CONFIG_NAME)
+    try:
+        write_bytes_durable(p, cfg.data)
         small.append(CONFIG_NAME)
+        if cfg.src_dir is not None:
+            for n in companion_files(cfg.src_dir, {CONFIG_NAME}):
+                p = os.path.join(stage_dir, n)
+                shutil.copyfile(os.path.join(cfg.src_dir, n), p)
+                with open(p, "rb+") as f:
+                    os.fsync(f.fileno())
+                small.append(n)
+    except OSError as e:
+        raise os_error(e, p, rank, "copying the config and companion files") from e
     # manifest: digests summed from the pieces' digests, against the new files' fingerprint
     wrote_manifest = False
     if digests:
         from coordloader.verify.manifest import TensorDigest
-        tensors = index["coordloader"]["tensors"]
+        tensors = index["tensors"]
         doc = staged_manifest(stage_dir, shard_files, {
             n: TensorDigest(tensors[n]["dtype"], tuple(tensors[n]["shape"]), d)
             for n, d in digests.items()})
         p = os.path.join(stage_dir, MANIFEST_NAME)
         try:
-            _write_json_durable(p, doc)
+            write_json_durable(p, doc)
         except OSError as e:
-            raise _os_error(e, p, rank, "writing the manifest") from e
+            raise os_error(e, p, rank, "writing the manifest") from e
         small.append(MANIFEST_NAME)
         wrote_manifest = True
     if plan.excluded:
@@ -383,51 +340,19 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, overwrite: boo
         warnings.warn(f"coordloader.save: {len(plan.excluded)} checkpoint tensors excluded by the plan "
                       f"are not saved (e.g. {list(plan.excluded)[:3]}); use a layout that includes "
                       f"them (include_mtp=True) to keep them", stacklevel=3)
-    ip = os.path.join(stage_dir, INDEX_NAME)
+    ip = os.path.join(stage_dir, SHARDED_INDEX)
     try:
-        _write_json_durable(ip, index)
-        _fsync_dir(stage_dir)
+        write_json_durable(ip, index)
+        from coordloader.checkpoint.fileio import fsync_dir
+        fsync_dir(stage_dir)
+        publish(out_dir, stage, shard_files + small, SHARDED_INDEX)
     except OSError as e:
-        raise _os_error(e, ip, rank, "writing the index") from e
-    _hook("staged")
-    publish_staged(out_dir, stage_dir, shard_files + small, stray_prefix="model-rank-")
-    shutil.rmtree(stage_dir, ignore_errors=True)
-    _fsync_dir(out_dir)
+        raise os_error(e, getattr(e, "filename", None) or ip, rank, "publishing the checkpoint") from e
     return wrote_manifest
 
 
-def publish_staged(out_dir: str, stage_dir: str, files: list[str], *,
-                   stray_prefix: str | None = None) -> None:
-    """Move ``files`` and then the index from ``stage_dir`` (inside ``out_dir``, all
-    written and fsynced) into place, index LAST, then remove the previous checkpoint's
-    files the new one does not use (and, with ``stray_prefix``, ``*.safetensors`` files of
-    that prefix left by a crashed run). ``config.json`` is never removed. Used by
-    ``save`` and ``consolidate``."""
-    # From here on nothing is written, only renamed: no ENOSPC. First take the old index
-    # away (overwrite only), so that no moment shows an old index over new shards.
-    old = _existing_checkpoint_files(out_dir) or set()
-    if INDEX_NAME in old:
-        os.unlink(os.path.join(out_dir, INDEX_NAME))
-        _fsync_dir(out_dir)
-    for f in files:
-        os.replace(os.path.join(stage_dir, f), os.path.join(out_dir, f))
-    _fsync_dir(out_dir)
-    _hook("published-shards")
-    os.replace(os.path.join(stage_dir, INDEX_NAME), os.path.join(out_dir, INDEX_NAME))
-    _fsync_dir(out_dir)
-    # Published. Now remove what the new checkpoint does not use.
-    stray = set()
-    if stray_prefix:
-        stray = {n for n in os.listdir(out_dir) if n.startswith(stray_prefix) and n.endswith(".safetensors")}
-    for n in sorted((old | stray) - set(files) - {INDEX_NAME, CONFIG_NAME}):
-        try:
-            os.unlink(os.path.join(out_dir, n))
-        except FileNotFoundError:
-            pass
-
-
 # ---------------------------------------------------------------------------------------
-# error agreement across ranks
+# public entry: one function per mode
 # ---------------------------------------------------------------------------------------
 
 def _resolve_group(group):
@@ -436,10 +361,6 @@ def _resolve_group(group):
     from coordloader.dist import collective as coll
     return group if isinstance(group, coll.Group) else coll.wrap_group(group)
 
-
-# ---------------------------------------------------------------------------------------
-# public entry
-# ---------------------------------------------------------------------------------------
 
 def _ckpt_order(plan) -> list[str]:
     seen, order = set(), []
@@ -459,66 +380,98 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
 
     ``tensors`` is this rank's dict as ``coordloader.load`` returns it for ``plan`` (local
     tensors keyed by checkpoint names). Distributed mode (``group`` given, or the default
-    group initialised and ``rank`` None): every rank of the group calls save; errors are
-    agreed so every rank raises. Local mode (no process group): call once per plan rank,
-    in rank order 0..world-1 (``rank=r``); the call for rank 0 starts a fresh save, the
-    call for the last rank publishes it. ``config`` (a dict, a path to config.json, or the
-    source checkpoint directory) is written next to the index: pass it, since the
-    planner's presets are detected from config.json. Returns a :class:`SaveResult` for this rank."""
+    group initialised and ``rank`` None): every rank of the group calls save
+    (``save_distributed``). Local mode (no process group): call once per plan rank, in
+    rank order 0..world-1 (``rank=r``, ``save_local``). ``config`` (required: a dict, a
+    path to config.json, or the source checkpoint directory, whose generation config,
+    tokenizer files and chat template are copied too) is written next to the index.
+    Returns a :class:`SaveResult` for this rank."""
     import torch.distributed as dist
+    if group is not None or (rank is None and dist.is_available() and dist.is_initialized()):
+        return save_distributed(out_dir, tensors, plan, group=group, rank=rank,
+                                max_shard_bytes=max_shard_bytes, overwrite=overwrite,
+                                config=config, digests=digests)
+    return save_local(out_dir, tensors, plan, rank=0 if rank is None else int(rank),
+                      max_shard_bytes=max_shard_bytes, overwrite=overwrite, config=config,
+                      digests=digests)
 
-    from coordloader.dist.collective import gather_object, run_phase
-    out_dir = os.fspath(out_dir)
+
+def _check_args(max_shard_bytes: int) -> None:
     if max_shard_bytes <= 0:
         raise SaveError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    world = plan.world_size
-    distributed = group is not None or (rank is None and dist.is_available() and dist.is_initialized())
+
+
+def save_distributed(out_dir, tensors, plan, *, group=None, rank: int | None = None,
+                     max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, config=None,
+                     digests: bool = True) -> SaveResult:
+    """Every rank of ``group`` (default: the default group) calls this; errors are agreed
+    at each phase (prepare, write, publish) so every rank raises, naming the failing one."""
+    from coordloader.dist.collective import gather_object, run_phase
+    out_dir = os.fspath(out_dir)
+    _check_args(max_shard_bytes)
+    g = _resolve_group(group)
+    rank_, world = g.rank, g.world
+    if rank is not None and rank != rank_:
+        raise SaveError(f"rank={rank} given, but this process is rank {rank_} of the group", rank=rank_)
+    rank = rank_
     names_order = _ckpt_order(plan)
+    token = uuid.uuid4().hex[:16]
 
-    if distributed:
-        g = _resolve_group(group)
-        rank_, gworld = g.rank, g.world
-        if rank is not None and rank != rank_:
-            raise SaveError(f"rank={rank} given, but this process is rank {rank_} of the group", rank=rank_)
-        rank = rank_
-        if gworld != world:
-            raise SaveError(f"the process group has {gworld} ranks but the plan has {world} "
-                            f"({plan.layout})", rank=rank)
-        token = uuid.uuid4().hex[:16]
-        stage = run_phase("save-prepare",
-                          lambda: _prepare(out_dir, overwrite, rank, token) if rank == 0 else None, g)
-        stage = gather_object(g, stage)[0]   # rank 0's staging directory name
-        t0 = time.perf_counter()
-        try:
-            mine = run_phase("save-write", _write_rank, g, os.path.join(out_dir, stage), tensors,
-                             plan, rank, max_shard_bytes, digests)
-        except CoordloaderError:
-            if rank == 0:  # every rank has stopped writing: the stage can go
-                shutil.rmtree(os.path.join(out_dir, stage), ignore_errors=True)
-            raise
-        secs = time.perf_counter() - t0
-        recs = gather_object(g, mine)
+    def prepare():
+        if world != plan.world_size:
+            raise SaveError(f"the process group has {world} ranks but the plan has "
+                            f"{plan.world_size} ({plan.layout})", rank=rank)
+        cfg = resolve_config(config, rank)
+        return (cfg, prepare_target(out_dir, overwrite, rank, token)) if rank == 0 else (cfg, None)
+    cfg, stage = run_phase("save-prepare", prepare, g)
+    stage = gather_object(g, stage)[0]   # rank 0's staging directory name
+    t0 = time.perf_counter()
+    try:
+        mine = run_phase("save-write", _write_rank, g, os.path.join(out_dir, stage), tensors,
+                         plan, rank, max_shard_bytes, digests)
+    except CoordloaderError:
+        if rank == 0:  # every rank has stopped writing: the stage can go
+            shutil.rmtree(os.path.join(out_dir, stage), ignore_errors=True)
+        raise
+    secs = time.perf_counter() - t0
+    recs = gather_object(g, mine)
 
-        def publish():
-            if rank != 0:
-                return None
-            try:
-                return _publish(out_dir, stage, recs, plan, overwrite, config, rank, names_order)
-            except BaseException:
-                shutil.rmtree(os.path.join(out_dir, stage), ignore_errors=True)
-                raise
-        wrote = gather_object(g, run_phase("save-publish", publish, g))[0]
-        return SaveResult(out_dir, rank, tuple(mine["files"]), mine["bytes"], secs, rank == 0, bool(wrote))
+    def publish_():
+        if rank != 0:
+            return None
+        return _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order)
+    wrote = gather_object(g, run_phase("save-publish", publish_, g))[0]
+    return SaveResult(out_dir, rank, tuple(mine["files"]), mine["bytes"], secs, rank == 0, bool(wrote))
 
-    # ---- local mode -------------------------------------------------------------------
-    rank = 0 if rank is None else int(rank)
+
+def _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order) -> bool:
+    """Publish; a failure before the marker was written removes the stage (the previous
+    checkpoint is untouched), one after it leaves marker and stage for ``recover_save``."""
+    from coordloader.checkpoint.formats import PUBLISH_MARKER
+    try:
+        return _publish(out_dir, stage, recs, plan, cfg, rank, names_order)
+    except BaseException:
+        if not os.path.lexists(os.path.join(out_dir, PUBLISH_MARKER)):
+            shutil.rmtree(os.path.join(out_dir, stage), ignore_errors=True)
+        raise
+
+
+def save_local(out_dir, tensors, plan, *, rank: int, max_shard_bytes: int = 5 * 2**30,
+               overwrite: bool = False, config=None, digests: bool = True) -> SaveResult:
+    """One process saves every plan rank in turn (rank 0, 1, ..., world-1): the call for
+    rank 0 starts a fresh save, the call for the last rank publishes it."""
+    out_dir = os.fspath(out_dir)
+    _check_args(max_shard_bytes)
+    world = plan.world_size
     if not 0 <= rank < world:
         raise SaveError(f"rank {rank} outside the plan's world of {world} ({plan.layout})", rank=rank)
-    stage = STAGING_PREFIX + "local-" + plan.digest()[:16]
+    cfg = resolve_config(config, rank)
+    names_order = _ckpt_order(plan)
+    token = "local-" + plan.digest()[:16]
+    stage = STAGING_PREFIX + token
     stage_dir = os.path.join(out_dir, stage)
     if rank == 0:
-        _prepare_local = _prepare(out_dir, overwrite, rank, "local-" + plan.digest()[:16])
-        assert _prepare_local == stage
+        prepare_target(out_dir, overwrite, rank, token)
     else:
         missing = [r for r in range(rank)
                    if not os.path.exists(os.path.join(stage_dir, f"rank-{r:05d}.json"))]
@@ -529,10 +482,10 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
     t0 = time.perf_counter()
     try:
         rec = _write_rank(stage_dir, tensors, plan, rank, max_shard_bytes, digests)
-        _write_json_durable(os.path.join(stage_dir, f"rank-{rank:05d}.json"), rec)
+        write_json_durable(os.path.join(stage_dir, f"rank-{rank:05d}.json"), rec)
     except OSError as e:
         shutil.rmtree(stage_dir, ignore_errors=True)
-        raise _os_error(e, stage_dir, rank, "writing the rank record") from e
+        raise os_error(e, stage_dir, rank, "writing the rank record") from e
     except BaseException:
         shutil.rmtree(stage_dir, ignore_errors=True)
         raise
@@ -543,9 +496,5 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, 
         for r in range(world):
             with open(os.path.join(stage_dir, f"rank-{r:05d}.json")) as f:
                 recs.append(json.load(f))
-        try:
-            wrote = _publish(out_dir, stage, recs, plan, overwrite, config, rank, names_order)
-        except BaseException:
-            shutil.rmtree(stage_dir, ignore_errors=True)
-            raise
+        wrote = _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order)
     return SaveResult(out_dir, rank, tuple(rec["files"]), rec["bytes"], secs, rank == world - 1, wrote)
