@@ -140,6 +140,11 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
                   R(r".*\.mlp\.shared_expert\.(gate|up)_proj\.weight", "colwise"),
                   R(r".*\.mlp\.shared_expert\.down_proj\.weight", "rowwise")]
     rules += [
+        # transformers 5 holds the experts of a layer fused in memory (what state_dict() and
+        # DCP write): gate_up_proj [E, 2I, H] packs gate and up halves, each split over
+        # moe_tp like vLLM's w13; down_proj [E, H, I] splits on its input dim like w2
+        R(r".*\.experts\.gate_up_proj", "expert", dim=0, num_blocks=2, **exp),
+        R(r".*\.experts\.down_proj", "expert", dim=1, **exp),
         R(r".*\.experts\.\d+\.(gate|up)_proj\.weight", "expert", dim=0, **exp),
         R(r".*\.experts\.\d+\.down_proj\.weight", "expert", dim=1, **exp),
         # dense MLP and DeepSeek's shared experts: like vLLM's MLP (merged gate/up, row down)
