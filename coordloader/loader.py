@@ -203,7 +203,8 @@ def _load_device(engine: str, device) -> torch.device:
 def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, device=None,
                   engine: str = "auto", verify: str = "shapes", rules=None,
                   progress: Any = False, loader_config=None, out=None,
-                  replicate_unmatched: bool = False, timeout: float | None = None) -> LoadResult:
+                  replicate_unmatched: bool = False, timeout: float | None = None,
+                  config=None) -> LoadResult:
     """``load`` returning the plan and the load statistics too."""
     if not isinstance(layout, Layout):
         raise PlanError(f"layout must be a coordloader.Layout, got {type(layout).__name__}")
@@ -228,7 +229,7 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
 
         def build_plan():
             kw = {"replicate_unmatched": True} if replicate_unmatched else {}
-            return make_plan(meta, layout, rules, **kw)
+            return make_plan(meta, layout, rules, config=config, **kw)
 
         plan = _phase("plan", build_plan, group)
         agree_on_plan(plan, group, rank)
@@ -258,16 +259,17 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
 
 def load(ckpt, layout: Layout, *, group=None, rank: int | None = None, device=None,
          engine: str = "auto", verify: str = "shapes", rules=None, timeout=None,
-         progress: Any = False, loader_config=None) -> dict[str, torch.Tensor]:
+         progress: Any = False, loader_config=None, config=None) -> dict[str, torch.Tensor]:
     """This rank's tensors (checkpoint names, local shapes) for ``layout``.
 
     Uses ``group``, else the default process group when one is initialised, else loads
     the share of ``rank`` (or of the only rank of a world-1 layout) in this process.
     ``timeout`` (seconds) bounds how long a rank waits for the others at each phase
-    boundary; collectives inside a phase are bounded by the group's own timeout."""
+    boundary; collectives inside a phase are bounded by the group's own timeout.
+    ``config``: the model's config.json (a path or a dict) when the checkpoint has none."""
     return load_detailed(ckpt, layout, group=group, rank=rank, device=device, engine=engine,
                          verify=verify, rules=rules, progress=progress, timeout=timeout,
-                         loader_config=loader_config).tensors
+                         loader_config=loader_config, config=config).tensors
 
 
 @dataclass
