@@ -27,6 +27,13 @@ SHARDED_VERSION = 2
 V1_VERSION = 1
 V1_SHARD_RE = re.compile(r"model-rank-\d{5}-part-\d{5}\.safetensors\Z")
 
+# torch DCP's HuggingFaceStorageWriter(save_distributed=True): one file per rank, plain
+# tensor names, each piece's offsets in the file's __metadata__ under this key (no index,
+# no global shapes)
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
+DCP_SAVED_OFFSETS = "saved_offsets"
+DCP_SHARD_RE = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors\Z")
+
 # Present from the first visible change of a publish to its last: while it exists the
 # directory mixes two checkpoints, and every coordloader reader refuses it.
 PUBLISH_MARKER = "coordloader-publishing.json"

@@ -33,6 +33,9 @@ from typing import Any, Iterable
 
 from coordloader.checkpoint.dtypes import SUPPORTED, itemsize
 from coordloader.checkpoint.formats import (
+    DCP_SAVED_OFFSETS,
+    DCP_SHARD_RE,
+    DCP_SHARDING_INFO,
     HF_INDEX_SUFFIX,
     HF_SINGLE,
     PUBLISH_MARKER,
@@ -435,6 +438,10 @@ def discover(root: str) -> Discovery:
             raise CheckpointError("is one shard of a coordloader sharded save, holding pieces of "
                                   "tensors; pass the save's directory (its index lists every "
                                   "piece)", file=path)
+        if DCP_SHARD_RE.match(base):
+            raise CheckpointError("is one rank's shard of a torch DCP HuggingFaceStorageWriter "
+                                  "save, holding pieces of tensors; pass the directory of all "
+                                  "its shards", file=path)
         if base.endswith(INDEX_SUFFIX):
             return _discover_index(d, base, _read_config(d))
         if base.endswith(PICKLE_SUFFIXES):
@@ -629,11 +636,82 @@ def assemble(root: str, discovery: Discovery, headers: Iterable[FileHeader]) -> 
         if discovery.coordloader is not None:
             tensors = _assemble_sharded(discovery, by_file, names)
             layout = discovery.coordloader.get("layout")
+        elif _dcp_files(by_file, names):
+            tensors = _assemble_dcp(by_file, names)
+            layout = None
         else:
             tensors = _assemble_plain(discovery, by_file, names)
             layout = None
     return CheckpointMeta(root=discovery.root, files=files, tensors=tensors,
                           config=discovery.config, source_layout=layout)
+
+
+def _dcp_info(header: FileHeader) -> str | None:
+    for k, v in header.info.metadata:
+        if k == DCP_SHARDING_INFO:
+            return v
+    return None
+
+
+def _dcp_files(by_file, names) -> bool:
+    """True when the files are torch DCP's HF sharded output (every file carries
+    DCP_SHARDING_INFO); a mix of such files and plain ones is refused."""
+    marked = [n for n in names if _dcp_info(by_file[n]) is not None]
+    if marked and len(marked) != len(names):
+        plain = next(n for n in names if _dcp_info(by_file[n]) is None)
+        raise CheckpointError(f"has no {DCP_SHARDING_INFO} metadata, but {marked[0]!r} in the "
+                              f"same directory is a torch DCP shard; expected one checkpoint per "
+                              f"directory", file=plain)
+    return bool(marked)
+
+
+def _assemble_dcp(by_file, names) -> dict[str, TensorInfo]:
+    """torch DCP ``HuggingFaceStorageWriter(save_distributed=True)`` output: every file
+    holds one rank's pieces under the tensors' own names, and its ``__metadata__``
+    ``DCP_SHARDING_INFO`` gives each piece's ``saved_offsets`` in the global tensor. DCP
+    records no global shape: it is the extent of the pieces, which must tile it exactly
+    once (the checks of coordloader's own sharded format)."""
+    found: dict[str, list] = {}   # name -> [(dtype, box, SourcePiece)]
+    for fname in names:
+        info = _parse_json(_dcp_info(by_file[fname]).encode(), _INDEX_DECODER, fname,
+                           f"__metadata__ {DCP_SHARDING_INFO}")
+        keys = set()
+        for key, dtype, shape, start, end in by_file[fname].entries:
+            keys.add(key)
+            spec = info.get(key)
+            offs = spec.get(DCP_SAVED_OFFSETS) if type(spec) is dict else None
+            if (type(offs) is not list or len(offs) != len(shape)
+                    or any(type(o) is not int or not 0 <= o < _INT_LIMIT for o in offs)):
+                raise CheckpointError(f"{DCP_SHARDING_INFO} gives the tensor {str(spec)[:80]}; "
+                                      f"expected {{\"{DCP_SAVED_OFFSETS}\": [{len(shape)} "
+                                      f"non-negative integers]}}", file=fname, tensor=key)
+            box = tuple((o, o + s) for o, s in zip(offs, shape))
+            found.setdefault(key, []).append((dtype, box, SourcePiece(fname, box, start, end)))
+        extra = sorted(set(info) - keys)
+        if extra:
+            raise CheckpointError(f"{DCP_SHARDING_INFO} lists {extra[0][:200]!r}, which the file "
+                                  f"does not store", file=fname, tensor=extra[0])
+    order = []
+    for name, parts in found.items():
+        dtypes = {d for d, _, _ in parts}
+        if len({len(b) for _, b, _ in parts}) > 1:
+            raise CheckpointError(f"pieces have different numbers of dims "
+                                  f"{sorted({len(b) for _, b, _ in parts})}; expected one",
+                                  file=parts[0][2].file, tensor=name)
+        if len(dtypes) > 1:
+            raise CheckpointError(f"pieces are stored as {sorted(dtypes)}; expected one dtype",
+                                  file=parts[0][2].file, tensor=name)
+        shape = tuple(max((b[d][1] for _, b, _ in parts), default=0)
+                      for d in range(len(parts[0][1])))
+        if _stride_overflow(list(shape), _ITEMSIZE[parts[0][0]]):
+            raise CheckpointError(f"pieces span shape {list(shape)[:8]}, whose strides overflow",
+                                  file=parts[0][2].file, tensor=name)
+        pieces = sorted((p for _, _, p in parts), key=lambda p: p.box)
+        _check_tiling(name, shape, pieces, pieces[0].file)
+        first = min((p.file, p.start) for p in pieces)
+        order.append((first, name, TensorInfo(name, parts[0][0], shape, tuple(pieces))))
+    order.sort(key=lambda t: t[0])
+    return {name: t for _, name, t in order}
 
 
 def _refuse_coordloader_pieces(fname: str, header: FileHeader) -> None:

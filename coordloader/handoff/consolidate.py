@@ -31,6 +31,8 @@ from coordloader.handoff.publish import (
     os_error,
     prepare_target,
     publish,
+    resolve_config,
+    stage_config,
     write_json_durable,
     writer_error,
 )
@@ -146,11 +148,15 @@ def _carry_manifest(meta: CheckpointMeta, stage_dir: str, names: list[str]) -> b
 
 def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
                 block_bytes: int = DEFAULT_BLOCK_BYTES, overwrite: bool = False,
-                meta: CheckpointMeta | None = None) -> ConsolidateResult:
-    """Write ``src`` (any checkpoint the reader accepts) as a plain HF checkpoint in
-    ``out_dir``. Raises SaveError / CheckpointError naming the file."""
+                meta: CheckpointMeta | None = None, config=None) -> ConsolidateResult:
+    """Write ``src`` (any checkpoint the reader accepts, torch DCP's HF sharded output
+    included) as a plain HF checkpoint in ``out_dir``. ``config`` (a dict, a path to
+    config.json, or a checkpoint directory whose generation config, tokenizer files and
+    chat template come too) is written in place of the source's own: DCP's output has
+    none, and transformers needs one. Raises SaveError / CheckpointError naming the file."""
     from coordloader.checkpoint.fileio import write_safetensors
     t0 = time.perf_counter()
+    cfg = resolve_config(config, None) if config is not None else None
     if meta is None:
         from coordloader.checkpoint.reader import read_checkpoint
         meta = read_checkpoint(src)
@@ -198,6 +204,8 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
             shutil.copyfile(os.path.join(meta.root, entry), os.path.join(stage_dir, entry))
             with open(os.path.join(stage_dir, entry), "rb+") as f:
                 os.fsync(f.fileno())
+        if cfg is not None:
+            extras = sorted(set(extras) | set(stage_config(stage_dir, cfg)))
         # Content is unchanged, so the source's digests carry over: a manifest for the new
         # files (their fingerprint) without re-reading anything. A stale source manifest
         # is refused by load_manifest and simply not carried.

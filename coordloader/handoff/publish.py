@@ -26,7 +26,7 @@ import errno
 import json
 import os
 import shutil
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 from coordloader.checkpoint.fileio import fsync_dir, write_file_atomic
 from coordloader.checkpoint.formats import (
@@ -258,6 +258,57 @@ def recover_save(out_dir: str | os.PathLike) -> bool:
     return True
 
 
+# ------------------------------------------------------------------- the model's config
+
+class ModelConfig(NamedTuple):
+    """``config=`` resolved: the config.json bytes to write, their parsed content, and the
+    directory whose companion files travel along (None for a dict or a file)."""
+    data: bytes
+    doc: dict
+    src_dir: str | None
+
+
+def resolve_config(config: Any, rank: int | None) -> ModelConfig:
+    """Read ``config=`` (a dict, a path to config.json, or the source checkpoint directory)
+    before anything is written; refuse None (save's rule: a checkpoint without config.json
+    cannot be planned at any sharded layout nor consolidated into something transformers
+    loads)."""
+    if config is None:
+        raise SaveError("config= is required: pass the source checkpoint directory, a path to "
+                        "its config.json, or the config as a dict. The planner detects the "
+                        "architecture preset from config.json, so without it the saved "
+                        "checkpoint could not be loaded at any sharded layout, nor consolidated "
+                        "into a checkpoint transformers accepts", rank=rank)
+    if isinstance(config, Mapping):
+        doc = dict(config)
+        try:
+            data = (json.dumps(doc, indent=2) + "\n").encode()
+        except (TypeError, ValueError) as e:
+            raise SaveError(f"config= dict is not JSON-serialisable: {e}", rank=rank) from e
+        return ModelConfig(data, doc, None)
+    if not isinstance(config, (str, os.PathLike)):
+        raise SaveError(f"config= must be a dict, a path to config.json or a checkpoint "
+                        f"directory, got {type(config).__name__}", rank=rank)
+    path = os.fspath(config)
+    src_dir = None
+    if os.path.isdir(path):
+        src_dir, path = path, os.path.join(path, CONFIG_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise SaveError(f"cannot read the config given as config=: {e.strerror or e}",
+                        file=path, rank=rank) from e
+    try:
+        doc = json.loads(data)
+    except ValueError as e:
+        raise SaveError(f"config is not valid JSON: {e}", file=path, rank=rank) from e
+    if not isinstance(doc, dict):
+        raise SaveError(f"config is a JSON {type(doc).__name__}, expected an object", file=path,
+                        rank=rank)
+    return ModelConfig(data, doc, src_dir)
+
+
 # --------------------------------------------------------------------- companion files
 
 def companion_files(src_dir: str, skip: set[str]) -> list[str]:
@@ -276,3 +327,23 @@ def companion_files(src_dir: str, skip: set[str]) -> list[str]:
             continue
         out.append(entry)
     return out
+
+
+def stage_config(stage_dir: str, cfg: ModelConfig, skip: set[str] = frozenset()) -> list[str]:
+    """Write ``cfg``'s config.json and copy its directory's companion files into the stage
+    (fsynced: the publish renames them); returns the names written."""
+    written = []
+    p = os.path.join(stage_dir, CONFIG_NAME)
+    try:
+        write_bytes_durable(p, cfg.data)
+        written.append(CONFIG_NAME)
+        if cfg.src_dir is not None:
+            for n in companion_files(cfg.src_dir, set(skip) | {CONFIG_NAME}):
+                p = os.path.join(stage_dir, n)
+                shutil.copyfile(os.path.join(cfg.src_dir, n), p)
+                with open(p, "rb+") as f:
+                    os.fsync(f.fileno())
+                written.append(n)
+    except OSError as e:
+        raise os_error(e, p, None, "copying the config and companion files") from e
+    return written

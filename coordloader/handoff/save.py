@@ -32,13 +32,12 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Mapping
 
 import torch
 
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.formats import (
-    CONFIG_NAME,
     SHARDED_FORMAT,
     SHARDED_INDEX,
     SHARDED_VERSION,
@@ -48,11 +47,12 @@ from coordloader.checkpoint.formats import (
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape, piece_key
 from coordloader.errors import CoordloaderError, SaveError
 from coordloader.handoff.publish import (
-    companion_files,
+    ModelConfig,
     os_error,
     prepare_target,
     publish,
-    write_bytes_durable,
+    resolve_config,
+    stage_config,
     write_json_durable,
     writer_error,
 )
@@ -68,58 +68,6 @@ class SaveResult:
     seconds: float                  # this rank's write time (staging, before the barrier)
     published: bool                 # True on the rank that published the index
     manifest: bool = False          # a content-digest manifest was written
-
-
-# ---------------------------------------------------------------------------------------
-# the model's config: required, since the planner detects the preset from it
-# ---------------------------------------------------------------------------------------
-
-class ModelConfig(NamedTuple):
-    """``config=`` resolved: the config.json bytes to write, their parsed content, and the
-    directory whose companion files travel along (None for a dict or a file)."""
-    data: bytes
-    doc: dict
-    src_dir: str | None
-
-
-def resolve_config(config: Any, rank: int | None) -> ModelConfig:
-    """Read ``config=`` (a dict, a path to config.json, or the source checkpoint directory)
-    before anything is written; refuse None: a checkpoint without config.json cannot be
-    planned at any sharded layout nor consolidated into something transformers loads."""
-    if config is None:
-        raise SaveError("config= is required: pass the source checkpoint directory, a path to "
-                        "its config.json, or the config as a dict. The planner detects the "
-                        "architecture preset from config.json, so without it the saved "
-                        "checkpoint could not be loaded at any sharded layout, nor consolidated "
-                        "into a checkpoint transformers accepts", rank=rank)
-    if isinstance(config, Mapping):
-        doc = dict(config)
-        try:
-            data = (json.dumps(doc, indent=2) + "\n").encode()
-        except (TypeError, ValueError) as e:
-            raise SaveError(f"config= dict is not JSON-serialisable: {e}", rank=rank) from e
-        return ModelConfig(data, doc, None)
-    if not isinstance(config, (str, os.PathLike)):
-        raise SaveError(f"config= must be a dict, a path to config.json or a checkpoint "
-                        f"directory, got {type(config).__name__}", rank=rank)
-    path = os.fspath(config)
-    src_dir = None
-    if os.path.isdir(path):
-        src_dir, path = path, os.path.join(path, CONFIG_NAME)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise SaveError(f"cannot read the config given as config=: {e.strerror or e}",
-                        file=path, rank=rank) from e
-    try:
-        doc = json.loads(data)
-    except ValueError as e:
-        raise SaveError(f"config is not valid JSON: {e}", file=path, rank=rank) from e
-    if not isinstance(doc, dict):
-        raise SaveError(f"config is a JSON {type(doc).__name__}, expected an object", file=path,
-                        rank=rank)
-    return ModelConfig(data, doc, src_dir)
 
 
 # ---------------------------------------------------------------------------------------
@@ -304,20 +252,10 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, cfg: ModelConf
     stage_dir = os.path.join(out_dir, stage)
     index, digests = _build_index(records, plan.layout.to_dict(), names_order, cfg)
     shard_files = [f for rec in records for f in rec["files"]]
-    small: list[str] = []
-    p = os.path.join(stage_dir, CONFIG_NAME)
     try:
-        write_bytes_durable(p, cfg.data)
-        small.append(CONFIG_NAME)
-        if cfg.src_dir is not None:
-            for n in companion_files(cfg.src_dir, {CONFIG_NAME}):
-                p = os.path.join(stage_dir, n)
-                shutil.copyfile(os.path.join(cfg.src_dir, n), p)
-                with open(p, "rb+") as f:
-                    os.fsync(f.fileno())
-                small.append(n)
-    except OSError as e:
-        raise os_error(e, p, rank, "copying the config and companion files") from e
+        small = stage_config(stage_dir, cfg)
+    except SaveError as e:
+        raise SaveError(e.message, file=e.file, rank=rank) from e
     # manifest: digests summed from the pieces' digests, against the new files' fingerprint
     wrote_manifest = False
     if digests:
