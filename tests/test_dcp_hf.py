@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 
-def _dcp_worker(rank, port, src, out_fsdp, out_tp):
+def _dcp_worker(rank, port, src, out_fsdp, out_tp, cl_fsdp, cl_tp):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -46,6 +46,8 @@ def _dcp_worker(rank, port, src, out_fsdp, out_tp):
         fully_shard(model, mesh=mesh)
         dcp.save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(
             out_fsdp, save_distributed=True))
+        # the same DTensor state through coordloader.save, with no plan
+        cl.save(cl_fsdp, model.state_dict(), config=src)
         # TP: q/k/v/gate/up Shard(0), o/down Shard(1), the rest plain replicated tensors
         model = AutoModelForCausalLM.from_pretrained(src)
         plan = {f"model.layers.{i}.{m}": style for i in range(len(model.model.layers))
@@ -59,6 +61,7 @@ def _dcp_worker(rank, port, src, out_fsdp, out_tp):
         parallelize_module(model, mesh, plan)
         dcp.save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(
             out_tp, save_distributed=True))
+        cl.save(cl_tp, model.state_dict(), config=src)
     finally:
         dist.destroy_process_group()
 
@@ -67,9 +70,9 @@ def _dcp_worker(rank, port, src, out_fsdp, out_tp):
 def dcp_out(tmp_path_factory):
     base = tmp_path_factory.mktemp("dcp")
     src = write_llama(str(base / "src"), dtype=torch.float32)
-    outs = {k: str(base / k) for k in ("fsdp2", "tp")}
-    spawn_and_wait(_dcp_worker, (free_port(), src, outs["fsdp2"], outs["tp"]), 2,
-                   "DCP HF save from 2 gloo ranks", hard_s=120)
+    outs = {k: str(base / k) for k in ("fsdp2", "tp", "cl-fsdp2", "cl-tp")}
+    spawn_and_wait(_dcp_worker, (free_port(), src, outs["fsdp2"], outs["tp"], outs["cl-fsdp2"],
+                                 outs["cl-tp"]), 2, "DCP HF save from 2 gloo ranks", hard_s=120)
     return src, outs, base
 
 
@@ -122,3 +125,59 @@ def test_dcp_pieces_that_do_not_tile_are_refused(dcp_out, tmp_path):
         cl.read_checkpoint(str(dup))
     with pytest.raises(CheckpointError, match="one rank's shard of a torch DCP"):
         cl.read_checkpoint(os.path.join(outs["fsdp2"], files[0]))
+
+
+@pytest.mark.parametrize("kind", ["cl-fsdp2", "cl-tp"])
+def test_cl_save_of_dtensor_state_loads_anywhere(dcp_out, kind):
+    """FSDP2 / TP DTensor state -> coordloader.save (no plan: boxes from the placements)
+    -> load at tp=2 and tp=4: every slice equals the source's."""
+    src, outs, _ = dcp_out
+    out = outs[kind]
+    assert "coordloader-index.json" in os.listdir(out)
+    meta = cl.read_checkpoint(out)
+    assert max(len(t.pieces) for t in meta.tensors.values()) == 2
+    for layout in (Layout(tp=2), Layout(tp=4)):
+        for r in range(layout.world_size):
+            got = cl.load(out, layout, rank=r, verify="digest")
+            want = cl.load(src, layout, rank=r)
+            assert got.keys() == want.keys()
+            for n in want:
+                assert torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)), (kind, r, n)
+
+
+def _strided_worker(rank, port, out):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        g = torch.Generator().manual_seed(3)
+        full = {"colwise": torch.randn(8, 6, generator=g), "rowwise": torch.randn(6, 8, generator=g),
+                "uneven": torch.randn(7, 3, generator=g), "norm": torch.randn(6, generator=g)}
+        # FSDP2 over TP on the same dim (_StridedShard), TP rowwise under FSDP dim 0,
+        # an uneven Shard with Replicate, and a replicated tensor
+        placements = {"colwise": [_StridedShard(0, split_factor=2), Shard(0)],
+                      "rowwise": [Shard(0), Shard(1)],
+                      "uneven": [Replicate(), Shard(0)],
+                      "norm": [Replicate(), Replicate()]}
+        state = {n: distribute_tensor(t, mesh, placements[n]) for n, t in full.items()}
+        cl.save(out, state, config={"model_type": "toy"})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cl_save_of_strided_and_2d_dtensors(tmp_path):
+    out = str(tmp_path / "s")
+    spawn_and_wait(_strided_worker, (free_port(), out), 4, "4-rank DTensor save", hard_s=90)
+    g = torch.Generator().manual_seed(3)
+    full = {"colwise": torch.randn(8, 6, generator=g), "rowwise": torch.randn(6, 8, generator=g),
+            "uneven": torch.randn(7, 3, generator=g), "norm": torch.randn(6, generator=g)}
+    from coordloader.handoff.consolidate import read_full
+    meta = cl.read_checkpoint(out)
+    assert {n: len(t.pieces) for n, t in meta.tensors.items()} == \
+        {"colwise": 4, "rowwise": 4, "uneven": 2, "norm": 1}
+    for n, t in full.items():
+        assert torch.equal(read_full(meta, n), t), n

@@ -179,8 +179,9 @@ def test_bad_inputs_name_tensor_and_rank(tmp_path):
         save(tmp_path / "z", bad, plan, rank=0, config=CFG)
     with pytest.raises(SaveError, match="in order"):
         save(tmp_path / "w", locs[1], plan, rank=1, config=CFG)
-    for d in ("x", "y", "z"):
-        assert not any(n.startswith(".coordloader") for n in os.listdir(tmp_path / d))
+    assert not any(n.startswith(".coordloader") for n in os.listdir(tmp_path / "x"))
+    for d in ("y", "z"):   # refused before anything was written
+        assert not (tmp_path / d).exists()
 
 
 def test_digest_failure_names_shard_tensor_and_rank(tmp_path, monkeypatch):
@@ -257,6 +258,49 @@ def test_save_copies_config_and_companion_files_and_records_the_preset(tmp_path)
     assert (tmp_path / "out" / "config.json").read_bytes() == (tmp_path / "src" / "config.json").read_bytes()
     idx = json.loads((tmp_path / "out" / SHARDED_INDEX).read_text())
     assert idx["model"]["preset"] == "llama" and idx["model"]["architectures"] == ["LlamaForCausalLM"]
+
+
+# ---- training-side state: boxes given by hand, whole tensors, no plan -------------------
+
+def test_save_without_a_plan_takes_whole_and_boxed_tensors(tmp_path):
+    """A plain state dict saved in one call without a plan; and FSDP-style dim-0 shards
+    that no plan describes (coordloader.Boxed) next to a plan's slices."""
+    from coordloader.handoff.pieces import Boxed
+    f = _full_tensors()
+    save(tmp_path / "whole", f, config=CFG)
+    assert_equal_ckpt(tmp_path / "whole", f)
+    plan, locs, full = make_plan_and_locals()
+    w = torch.randn(8, 5)
+    rows = {0: (0, 5), 1: (5, 8)}      # 5 + 3 rows: no plan's split
+    for r in range(2):
+        a, b = rows[r]
+        save(tmp_path / "boxed", dict(locs[r], fsdp=Boxed(w[a:b], w.shape, (a, 0))), plan,
+             rank=r, config=CFG)
+    assert_equal_ckpt(tmp_path / "boxed", dict(full, fsdp=w))
+
+
+def test_save_refuses_gaps_and_overlaps_naming_ranks(tmp_path):
+    from coordloader.handoff.pieces import Boxed
+    w = _full_tensors()["a.weight"]
+    with pytest.raises(SaveError, match=r"tensor 'a.weight': the pieces saved by ranks \[0\] hold "
+                                        r"18 elements of the global shape \[8, 6\]"):
+        save(tmp_path / "gap", {"a.weight": Boxed(w[0:3], w.shape, (0, 0))}, config=CFG)
+    assert not (tmp_path / "gap").exists() or not os.listdir(tmp_path / "gap")
+    plan, locs, _ = make_plan_and_locals()
+    with pytest.raises(SaveError, match=r"tensor 'fsdp': the pieces saved by rank 0 \[0:5,0:6\] "
+                                        r"and rank 1 \[4:8,0:6\] overlap"):
+        for r, (a, b) in enumerate([(0, 5), (4, 8)]):
+            save(tmp_path / "overlap", dict(locs[r], fsdp=Boxed(w[a:b], w.shape, (a, 0))), plan,
+                 rank=r, config=CFG)
+    assert not os.path.exists(tmp_path / "overlap" / SHARDED_INDEX)
+
+
+def test_local_and_global_shapes_are_labelled(tmp_path):
+    plan, locs, _ = make_plan_and_locals()
+    bad = dict(locs[0], **{"a.weight": torch.zeros(8, 6)})
+    with pytest.raises(SaveError, match=r"local shape \[8, 6\] differs from the plan's local shape "
+                                        r"\[4, 6\] \(global shape \[8, 6\]\)"):
+        save(tmp_path / "x", bad, plan, rank=0, config=CFG)
 
 
 # ---- publish: a kill at any step leaves old, new, or a refusal that says how to recover

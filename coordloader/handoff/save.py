@@ -1,5 +1,6 @@
-"""``coordloader.save``: write a sharded state (one dict of local tensors per rank, as a
-plan describes them) as a coordloader sharded checkpoint that any layout can load.
+"""``coordloader.save``: write what the ranks of a training job hold (a plan's slices,
+DTensors, boxes given by hand: ``handoff/pieces.py``) as a coordloader sharded checkpoint
+that any layout can load.
 
 On-disk format, version 2 (read back by ``coordloader.checkpoint``; names in
 ``checkpoint/formats.py``, chosen so that no Hugging Face reader takes the directory for
@@ -44,8 +45,10 @@ from coordloader.checkpoint.formats import (
     STAGING_PREFIX,
     shard_name,
 )
-from coordloader.checkpoint.metadata import Box, box_numel, box_shape, piece_key
+from coordloader.checkpoint.metadata import box_numel, box_shape
+from coordloader.checkpoint.tiling import TilingKind, fmt_box, tiling_problem
 from coordloader.errors import CoordloaderError, SaveError
+from coordloader.handoff.pieces import collect_pieces, keep_primaries, undecided
 from coordloader.handoff.publish import (
     ModelConfig,
     os_error,
@@ -74,61 +77,21 @@ class SaveResult:
 # per-rank work: choose pieces, narrow them out of the local tensors, write shard files
 # ---------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _PieceOut:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    box: Box
-    key: str
-    nbytes: int
-
-
-def _local_pieces(tensors: Mapping[str, torch.Tensor], rank_plan, rank: int):
-    """(PieceOut, tensor view) for every primary piece of this rank, in plan order.
-    Views are narrowed from the local tensor at the piece's destination offset, so vocab
-    padding rows (covered by no piece) are never written."""
-    from coordloader.checkpoint.dtypes import torch_dtype
-    from coordloader.engines import narrow_box
-    out = []
-    for ts in rank_plan.tensors:
-        if ts.replica != 0:
-            continue
-        if ts.name not in tensors:
-            raise SaveError("the plan gives this rank a primary slice of the tensor, but it is "
-                            "missing from the tensors passed to save()", tensor=ts.name, rank=rank)
-        t = tensors[ts.name]
-        if not isinstance(t, torch.Tensor):
-            raise SaveError(f"expected a torch.Tensor, got {type(t).__name__}", tensor=ts.name, rank=rank)
-        if tuple(t.shape) != tuple(ts.local_shape):
-            raise SaveError(f"local shape {list(t.shape)} differs from the plan's {list(ts.local_shape)}",
-                            tensor=ts.name, rank=rank)
-        if t.dtype != torch_dtype(ts.dtype):
-            raise SaveError(f"dtype {t.dtype} differs from the checkpoint dtype {ts.dtype} "
-                            f"({torch_dtype(ts.dtype)}); convert before saving", tensor=ts.name, rank=rank)
-        for pc in ts.pieces:
-            view = narrow_box(t, pc.dst, box_shape(pc.src))
-            key = piece_key(ts.name, pc.src, ts.global_shape)
-            nb = box_numel(pc.src) * itemsize(ts.dtype)
-            out.append((_PieceOut(ts.name, ts.dtype, tuple(ts.global_shape), tuple(pc.src), key, nb), view))
-    return out
-
-
 def _split_parts(pieces, max_shard_bytes: int):
     """Greedy packing in plan order; a piece larger than the bound gets its own file."""
     parts, cur, size = [], [], 0
-    for p, v in pieces:
+    for p in pieces:
         if cur and size + p.nbytes > max_shard_bytes:
             parts.append(cur)
             cur, size = [], 0
-        cur.append((p, v))
+        cur.append(p)
         size += p.nbytes
     if cur:
         parts.append(cur)
     return parts
 
 
-def _write_rank(stage: str, tensors, plan, rank: int, max_shard_bytes: int, with_digests: bool):
+def _write_rank(stage: str, pieces, rank: int, max_shard_bytes: int, with_digests: bool):
     """Write this rank's shard files into ``stage``; return its record for the index.
     The pieces' digests are computed on a worker thread while the file is written (torch
     ops and os.write both release the GIL), so the manifest costs little wall time."""
@@ -136,7 +99,6 @@ def _write_rank(stage: str, tensors, plan, rank: int, max_shard_bytes: int, with
 
     from coordloader.checkpoint.fileio import write_safetensors
     from coordloader.verify.digest import digest_many
-    pieces = _local_pieces(tensors, plan.rank(rank), rank)
     records, files, total = [], [], 0
     pool = ThreadPoolExecutor(1, thread_name_prefix="coordloader-save-digest") if with_digests else None
     try:
@@ -144,8 +106,8 @@ def _write_rank(stage: str, tensors, plan, rank: int, max_shard_bytes: int, with
             fname = shard_name(rank, part)
             path = os.path.join(stage, fname)
             entries, meta, items = [], {"format": "pt"}, []
-            for p, view in chunk:
-                data = view.detach()
+            for p in chunk:
+                data = p.view.detach()
                 if data.device.type != "cpu":
                     data = data.cpu()
                 data = data.contiguous()
@@ -189,6 +151,7 @@ def _build_index(records: list[dict], layout_dict: dict, names_order: list[str],
     from coordloader.planning.rules.presets import detect_preset
     tensors: dict[str, dict] = {}
     digests: dict[str, int | None] = {}
+    ranks_of: dict[str, list[int]] = {}   # the rank of each piece, for messages
     for rec in records:
         for p in rec["pieces"]:
             t = tensors.get(p["name"])
@@ -196,24 +159,35 @@ def _build_index(records: list[dict], layout_dict: dict, names_order: list[str],
                 t = tensors[p["name"]] = {"dtype": p["dtype"], "shape": p["shape"], "pieces": []}
                 digests[p["name"]] = 0
             elif t["dtype"] != p["dtype"] or t["shape"] != p["shape"]:
-                raise SaveError(f"ranks disagree on dtype/shape ({t['dtype']} {t['shape']} vs "
-                                f"{p['dtype']} {p['shape']} on rank {rec['rank']})", tensor=p["name"])
+                raise SaveError(f"ranks disagree on dtype / global shape ({t['dtype']} "
+                                f"{t['shape']} on rank {ranks_of[p['name']][0]} vs {p['dtype']} "
+                                f"{p['shape']} on rank {rec['rank']})", tensor=p["name"])
             t["pieces"].append({"file": p["file"], "key": p["key"], "box": p["box"]})
+            ranks_of.setdefault(p["name"], []).append(rec["rank"])
             if p["digest"] is None or digests[p["name"]] is None:
                 digests[p["name"]] = None
             else:
                 digests[p["name"]] = (digests[p["name"]] + p["digest"]) % (1 << 64)
-    # The plan is cover-validated, but a caller may hand in a hand-made one: refuse a
-    # checkpoint whose pieces do not add up to each tensor (cheap volume check).
+    # Whatever the pieces came from (a plan, DTensor placements, boxes given by hand),
+    # they must tile each tensor exactly once: refuse gaps and overlaps, naming the ranks.
     total = 0
     for name, t in tensors.items():
+        boxes = [tuple(tuple(x) for x in pc["box"]) for pc in t["pieces"]]
+        prob = tiling_problem(boxes, t["shape"], allow_empty=True)
+        if prob is not None:
+            who = ranks_of[name]
+            if prob.kind is TilingKind.OVERLAP:
+                raise SaveError(f"the pieces saved by rank {who[prob.first]} "
+                                f"{fmt_box(boxes[prob.first])} and rank {who[prob.second]} "
+                                f"{fmt_box(boxes[prob.second])} overlap; expected every element "
+                                f"of the global shape {t['shape']} saved exactly once", tensor=name)
+            got = sum(box_numel(b) for b in boxes)
+            raise SaveError(f"the pieces saved by ranks {sorted(set(who))} hold {got} elements of "
+                            f"the global shape {t['shape']} ({prob.detail}); expected them to "
+                            f"tile the tensor exactly once", tensor=name)
         numel = 1
         for s in t["shape"]:
             numel *= s
-        got = sum(box_numel(tuple(tuple(x) for x in pc["box"])) for pc in t["pieces"])
-        if got != numel:
-            raise SaveError(f"primary pieces hold {got} elements of {numel}: the plan does not cover "
-                            f"the tensor exactly once", tensor=name)
         t["pieces"].sort(key=lambda pc: pc["box"])
         total += numel * itemsize(t["dtype"])
     order = [n for n in names_order if n in tensors] + sorted(set(tensors) - set(names_order))
@@ -247,10 +221,12 @@ def staged_manifest(stage_dir: str, files: list[str], entries: dict) -> dict:
 
 def _publish(out_dir: str, stage: str, records: list[dict], plan, cfg: ModelConfig,
              rank: int, names_order: list[str]) -> bool:
+    # the saving layout, for information; a plan-less save records its world size only
     """Write index/manifest/config/companions into the stage, then publish it. Returns
     True when a manifest was written."""
     stage_dir = os.path.join(out_dir, stage)
-    index, digests = _build_index(records, plan.layout.to_dict(), names_order, cfg)
+    layout = plan.layout.to_dict() if plan is not None else {"world_size": len(records)}
+    index, digests = _build_index(records, layout, names_order, cfg)
     shard_files = [f for rec in records for f in rec["files"]]
     try:
         small = stage_config(stage_dir, cfg)
@@ -271,7 +247,7 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, cfg: ModelConf
             raise os_error(e, p, rank, "writing the manifest") from e
         small.append(MANIFEST_NAME)
         wrote_manifest = True
-    if plan.excluded:
+    if plan is not None and plan.excluded:
         # The plan left these out on purpose (e.g. MTP layers): they are not in the new
         # checkpoint either. Say so, since a handoff usually wants everything.
         import warnings
@@ -300,30 +276,34 @@ def _resolve_group(group):
     return group if isinstance(group, coll.Group) else coll.wrap_group(group)
 
 
-def _ckpt_order(plan) -> list[str]:
+def _ckpt_order(plan, tensors) -> list[str]:
     seen, order = set(), []
-    for rp in plan.ranks:
+    for rp in plan.ranks if plan is not None else ():
         for ts in rp.tensors:
             if ts.name not in seen:
                 seen.add(ts.name)
                 order.append(ts.name)
-    return order
+    return order + [n for n in tensors if n not in seen]
 
 
-def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan, *,
+def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan=None, *,
          rank: int | None = None, group=None, max_shard_bytes: int = 5 * 2**30,
          overwrite: bool = False, config: Mapping | str | os.PathLike | None = None,
          digests: bool = True) -> SaveResult:
     """Save this rank's share of a sharded state as a coordloader sharded checkpoint.
 
-    ``tensors`` is this rank's dict as ``coordloader.load`` returns it for ``plan`` (local
-    tensors keyed by checkpoint names). Distributed mode (``group`` given, or the default
-    group initialised and ``rank`` None): every rank of the group calls save
-    (``save_distributed``). Local mode (no process group): call once per plan rank, in
-    rank order 0..world-1 (``rank=r``, ``save_local``). ``config`` (required: a dict, a
-    path to config.json, or the source checkpoint directory, whose generation config,
-    tokenizer files and chat template are copied too) is written next to the index.
-    Returns a :class:`SaveResult` for this rank."""
+    ``tensors``: this rank's state dict. Its values are plain tensors as
+    ``coordloader.load`` returns them for ``plan`` (checkpoint names, local shapes),
+    ``DTensor``s (FSDP2 / TP: the boxes come from their placements, no plan needed),
+    ``coordloader.Boxed`` local tensors (a box given by hand), or, without a plan, whole
+    tensors. Any set of boxes over the ranks that tiles each tensor exactly once is
+    accepted; a box held by several ranks is written once. Distributed mode (``group``
+    given, or the default group initialised and ``rank`` None): every rank of the group
+    calls save (``save_distributed``). Local mode (no process group): call once per plan
+    rank, in rank order 0..world-1 (``rank=r``, ``save_local``); without a plan, one call.
+    ``config`` (required: a dict, a path to config.json, or the source checkpoint
+    directory, whose generation config, tokenizer files and chat template are copied too)
+    is written next to the index. Returns a :class:`SaveResult` for this rank."""
     import torch.distributed as dist
     if group is not None or (rank is None and dist.is_available() and dist.is_initialized()):
         return save_distributed(out_dir, tensors, plan, group=group, rank=rank,
@@ -339,7 +319,7 @@ def _check_args(max_shard_bytes: int) -> None:
         raise SaveError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
 
 
-def save_distributed(out_dir, tensors, plan, *, group=None, rank: int | None = None,
+def save_distributed(out_dir, tensors, plan=None, *, group=None, rank: int | None = None,
                      max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, config=None,
                      digests: bool = True) -> SaveResult:
     """Every rank of ``group`` (default: the default group) calls this; errors are agreed
@@ -352,21 +332,33 @@ def save_distributed(out_dir, tensors, plan, *, group=None, rank: int | None = N
     if rank is not None and rank != rank_:
         raise SaveError(f"rank={rank} given, but this process is rank {rank_} of the group", rank=rank_)
     rank = rank_
-    names_order = _ckpt_order(plan)
     token = uuid.uuid4().hex[:16]
 
     def prepare():
-        if world != plan.world_size:
+        if plan is not None and world != plan.world_size:
             raise SaveError(f"the process group has {world} ranks but the plan has "
                             f"{plan.world_size} ({plan.layout})", rank=rank)
         cfg = resolve_config(config, rank)
-        return (cfg, prepare_target(out_dir, overwrite, rank, token)) if rank == 0 else (cfg, None)
-    cfg, stage = run_phase("save-prepare", prepare, g)
-    stage = gather_object(g, stage)[0]   # rank 0's staging directory name
+        pieces = collect_pieces(tensors, plan.rank(rank) if plan is not None else None, rank)
+        stage = prepare_target(out_dir, overwrite, rank, token) if rank == 0 else None
+        return cfg, pieces, stage
+    try:
+        cfg, pieces, stage = run_phase("save-prepare", prepare, g)
+    except CoordloaderError:
+        if rank == 0:  # another rank refused its tensors: the stage made here can go
+            shutil.rmtree(os.path.join(out_dir, STAGING_PREFIX + token), ignore_errors=True)
+        raise
+    # rank 0's staging directory, and who holds which undecided box (written once, by
+    # the lowest rank holding it)
+    held = gather_object(g, (stage, undecided(pieces)))
+    stage = held[0][0]
+    pieces = keep_primaries(pieces, [h[1] for h in held], rank)
+    names = gather_object(g, _ckpt_order(plan, tensors) if rank == 0 or plan is None else [])
+    names_order = list(dict.fromkeys(n for part in names for n in part))
     t0 = time.perf_counter()
     try:
-        mine = run_phase("save-write", _write_rank, g, os.path.join(out_dir, stage), tensors,
-                         plan, rank, max_shard_bytes, digests)
+        mine = run_phase("save-write", _write_rank, g, os.path.join(out_dir, stage), pieces,
+                         rank, max_shard_bytes, digests)
     except CoordloaderError:
         if rank == 0:  # every rank has stopped writing: the stage can go
             shutil.rmtree(os.path.join(out_dir, stage), ignore_errors=True)
@@ -394,20 +386,29 @@ def _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order) -> boo
         raise
 
 
-def save_local(out_dir, tensors, plan, *, rank: int, max_shard_bytes: int = 5 * 2**30,
+def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: int = 5 * 2**30,
                overwrite: bool = False, config=None, digests: bool = True) -> SaveResult:
     """One process saves every plan rank in turn (rank 0, 1, ..., world-1): the call for
-    rank 0 starts a fresh save, the call for the last rank publishes it."""
+    rank 0 starts a fresh save, the call for the last rank publishes it. Without a plan
+    the world is this one call (whole tensors, or ``Boxed`` ones that tile alone)."""
     out_dir = os.fspath(out_dir)
     _check_args(max_shard_bytes)
-    world = plan.world_size
+    world = plan.world_size if plan is not None else 1
     if not 0 <= rank < world:
-        raise SaveError(f"rank {rank} outside the plan's world of {world} ({plan.layout})", rank=rank)
-    cfg = resolve_config(config, rank)
-    names_order = _ckpt_order(plan)
-    token = "local-" + plan.digest()[:16]
+        where = f"the plan's world of {world} ({plan.layout})" if plan is not None else \
+            "a save without a plan, which is one call (rank 0)"
+        raise SaveError(f"rank {rank} outside {where}", rank=rank)
+    token = "local-" + (plan.digest()[:16] if plan is not None else uuid.uuid4().hex[:16])
     stage = STAGING_PREFIX + token
     stage_dir = os.path.join(out_dir, stage)
+    try:  # refused before anything is written; a refused later rank ends the save
+        cfg = resolve_config(config, rank)
+        pieces = collect_pieces(tensors, plan.rank(rank) if plan is not None else None, rank)
+    except BaseException:
+        if rank > 0:
+            shutil.rmtree(stage_dir, ignore_errors=True)
+        raise
+    names_order = _ckpt_order(plan, tensors)
     if rank == 0:
         prepare_target(out_dir, overwrite, rank, token)
     else:
@@ -419,7 +420,7 @@ def save_local(out_dir, tensors, plan, *, rank: int, max_shard_bytes: int = 5 * 
                             rank=rank)
     t0 = time.perf_counter()
     try:
-        rec = _write_rank(stage_dir, tensors, plan, rank, max_shard_bytes, digests)
+        rec = _write_rank(stage_dir, pieces, rank, max_shard_bytes, digests)
         write_json_durable(os.path.join(stage_dir, f"rank-{rank:05d}.json"), rec)
     except OSError as e:
         shutil.rmtree(stage_dir, ignore_errors=True)
