@@ -23,7 +23,16 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 
-def _dcp_worker(rank, port, src, out_fsdp, out_tp, cl_fsdp, cl_tp):
+def _moe_model():
+    """A transformers 5 Qwen2Moe (fused experts in memory), the same on every process."""
+    from test_presets_hf import _qwen2_moe_model, _refill
+    torch.manual_seed(0)
+    model = _qwen2_moe_model()
+    _refill(model, seed=11)
+    return model
+
+
+def _dcp_worker(rank, port, src, out_fsdp, out_tp, cl_fsdp, cl_tp, cl_moe):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -62,6 +71,10 @@ def _dcp_worker(rank, port, src, out_fsdp, out_tp, cl_fsdp, cl_tp):
         dcp.save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(
             out_tp, save_distributed=True))
         cl.save(cl_tp, model.state_dict(), config=src)
+        # FSDP2 over a MoE model: the fused expert tensors are DTensors split on dim 0
+        moe = _moe_model()
+        fully_shard(moe, mesh=mesh)
+        cl.save(cl_moe, moe.state_dict(), config=moe.config.to_dict())
     finally:
         dist.destroy_process_group()
 
@@ -70,9 +83,10 @@ def _dcp_worker(rank, port, src, out_fsdp, out_tp, cl_fsdp, cl_tp):
 def dcp_out(tmp_path_factory):
     base = tmp_path_factory.mktemp("dcp")
     src = write_llama(str(base / "src"), dtype=torch.float32)
-    outs = {k: str(base / k) for k in ("fsdp2", "tp", "cl-fsdp2", "cl-tp")}
+    outs = {k: str(base / k) for k in ("fsdp2", "tp", "cl-fsdp2", "cl-tp", "cl-moe")}
     spawn_and_wait(_dcp_worker, (free_port(), src, outs["fsdp2"], outs["tp"], outs["cl-fsdp2"],
-                                 outs["cl-tp"]), 2, "DCP HF save from 2 gloo ranks", hard_s=120)
+                                 outs["cl-tp"], outs["cl-moe"]), 2,
+                   "DCP HF save from 2 gloo ranks", hard_s=150)
     return src, outs, base
 
 
@@ -181,3 +195,26 @@ def test_cl_save_of_strided_and_2d_dtensors(tmp_path):
         {"colwise": 4, "rowwise": 4, "uneven": 2, "norm": 1}
     for n, t in full.items():
         assert torch.equal(read_full(meta, n), t), n
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, ep=2), dict(tp=4, ep=2)], ids=str)
+def test_cl_save_of_fsdp2_moe_state_loads_at_any_ep(dcp_out, layout, tmp_path):
+    """FSDP2 state of a transformers 5 MoE model (fused gate_up_proj / down_proj) ->
+    cl.save -> load at ep 1/2, experts split over 2 ranks at tp=4 ep=2: equal to a direct
+    load of the same state written whole (whose split test_presets_hf checks against an
+    independent vLLM-style reference)."""
+    from safetensors.torch import save_file
+    _, outs, _ = dcp_out
+    whole = tmp_path / "whole"
+    os.makedirs(whole)
+    model = _moe_model()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(whole / "model.safetensors"))
+    (whole / "config.json").write_text(json.dumps(model.config.to_dict()))
+    L = Layout(**layout)
+    for r in range(L.world_size):
+        got = cl.load(outs["cl-moe"], L, rank=r, verify="digest")
+        want = cl.load(str(whole), L, rank=r)
+        assert got.keys() == want.keys() and any("experts.gate_up_proj" in n for n in got)
+        for n in want:
+            assert torch.equal(got[n], want[n]), (layout, r, n)
