@@ -452,3 +452,26 @@ def test_preset_splits_fused_experts_like_vllm(fused_qwen2_moe_state, layout):
     assert "num_experts" in names
     fam = Family("fused_qwen2_moe", lambda: None, _fused_qwen2_moe_reference, ())
     check_family(fused_qwen2_moe_state, fam, layout)
+
+
+def test_load_into_fills_fused_expert_parameters(hf_checkpoint):
+    """A transformers 5 MoE model holds experts fused (gate_up_proj [E, 2I, H]); its
+    checkpoint stores them one by one. load_into applies transformers' own conversion
+    mapping (many checkpoint tensors into one parameter): every parameter ends equal to
+    what from_pretrained gives."""
+    from transformers import AutoModelForCausalLM
+    path = hf_checkpoint("qwen2_moe")
+    assert any(".mlp.experts.0.gate_proj.weight" in k for k in _full_tensors(path))
+    want = AutoModelForCausalLM.from_pretrained(str(path))
+    torch.manual_seed(5)
+    model = _qwen2_moe_model()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters())
+    # whole vocab tensors, as the transformers module holds them (no vocab padding)
+    whole = [{"pattern": n, "strategy": "replicate"} for n in ("*embed_tokens.weight", "lm_head.weight")]
+    res = cl.load_into(model, str(path), cl.Layout(), rank=0, rules=whole)
+    assert set(dict(model.named_parameters())) <= set(res.loaded)   # rotary buffers are computed
+    assert "model.layers.0.mlp.experts.gate_up_proj" in res.loaded
+    got, ref = model.state_dict(), want.state_dict()
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
