@@ -30,6 +30,8 @@ from coordloader.errors import (
     VerifyError,
 )
 from coordloader.handoff.consolidate import consolidate
+from coordloader.handoff.pieces import Boxed
+from coordloader.handoff.publish import recover_save
 from coordloader.handoff.save import save
 from coordloader.layout import Layout
 from coordloader.loader import load, load_detailed, load_into
@@ -44,4 +46,4 @@ __version__ = "0.1.0"
 __all__ = ["Layout", "CoordloaderError", "CheckpointError", "PlanError", "LoadError",
            "VerifyError", "SaveError", "CollectiveError", "read_checkpoint", "make_plan",
            "validate_cover", "load", "load_detailed", "load_into", "verify_rank", "digest",
-           "write_manifest", "save", "consolidate", "synthesize", "__version__"]
+           "write_manifest", "save", "Boxed", "recover_save", "consolidate", "synthesize", "__version__"]

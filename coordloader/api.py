@@ -2,8 +2,10 @@
 (the checkpoint's headers, a rule file), then hand plain data to `planning`."""
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any
+import os
+from typing import Any, Mapping
 
 from coordloader.checkpoint.metadata import CheckpointMeta
 from coordloader.checkpoint.reader import read_checkpoint
@@ -39,13 +41,38 @@ def read_rules(rules: Any) -> Any:
     return rules
 
 
+def read_config(config: Any) -> dict | None:
+    """``config=``: None, a dict, a path to a config.json, or a directory holding one."""
+    if config is None or isinstance(config, Mapping):
+        return None if config is None else dict(config)
+    if not isinstance(config, (str, os.PathLike)):
+        raise PlanError(f"config must be a dict or a path to config.json, got "
+                        f"{type(config).__name__}")
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    doc = read_json_file(path, "config file")
+    if not isinstance(doc, dict):
+        raise PlanError(f"config file {path} holds a JSON {type(doc).__name__}; expected an object")
+    return doc
+
+
+def with_config(meta: CheckpointMeta, config: Any) -> CheckpointMeta:
+    """``meta`` planned with ``config`` in place of its own config.json (when given)."""
+    doc = read_config(config)
+    return meta if doc is None else dataclasses.replace(meta, config=doc)
+
+
 def make_plan(checkpoint: str | CheckpointMeta, layout: Layout, rules: Any = None, *,
-              replicate_unmatched: bool = False) -> Plan:
+              replicate_unmatched: bool = False, config: Any = None) -> Plan:
     """Plan which slice of which tensor every rank of ``layout`` holds.
 
     ``checkpoint``: a directory (read with coordloader.read_checkpoint) or its
     CheckpointMeta. ``rules``: None (preset detected from config.json), a preset name, a
     rule-file path, a list of rules, or a RuleSet. Tensors no rule matches are an error
-    unless ``replicate_unmatched``. Raises PlanError naming tensor, size and layout."""
+    unless ``replicate_unmatched``. ``config``: the model's config (a dict, or a path to
+    config.json) when the checkpoint directory has none, or to use instead of its own.
+    Raises PlanError naming tensor, size and layout."""
     meta = read_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
+    meta = with_config(meta, config)
     return build_plan(meta, layout, read_rules(rules), replicate_unmatched=replicate_unmatched)

@@ -19,10 +19,11 @@ with the failing rank's message, never a hang):
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
@@ -222,7 +223,8 @@ def _load_device(engine: str, device) -> torch.device:
 def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, device=None,
                   engine: str = "auto", verify: str = "shapes", rules=None,
                   progress: Any = False, loader_config=None, out=None,
-                  replicate_unmatched: bool = False, timeout: float | None = None) -> LoadResult:
+                  replicate_unmatched: bool = False, timeout: float | None = None,
+                  config=None) -> LoadResult:
     """``load`` returning the plan and the load statistics too."""
     if not isinstance(layout, Layout):
         raise PlanError(f"layout must be a coordloader.Layout, got {type(layout).__name__}")
@@ -247,7 +249,7 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
 
         def build_plan():
             kw = {"replicate_unmatched": True} if replicate_unmatched else {}
-            return make_plan(meta, layout, rules, **kw)
+            return make_plan(meta, layout, rules, config=config, **kw)
 
         plan = _phase("plan", build_plan, group)
         agree_on_plan(plan, group, rank, identity)
@@ -277,16 +279,17 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
 
 def load(ckpt, layout: Layout, *, group=None, rank: int | None = None, device=None,
          engine: str = "auto", verify: str = "shapes", rules=None, timeout=None,
-         progress: Any = False, loader_config=None) -> dict[str, torch.Tensor]:
+         progress: Any = False, loader_config=None, config=None) -> dict[str, torch.Tensor]:
     """This rank's tensors (checkpoint names, local shapes) for ``layout``.
 
     Uses ``group``, else the default process group when one is initialised, else loads
     the share of ``rank`` (or of the only rank of a world-1 layout) in this process.
     ``timeout`` (seconds) bounds how long a rank waits for the others at each phase
-    boundary; collectives inside a phase are bounded by the group's own timeout."""
+    boundary; collectives inside a phase are bounded by the group's own timeout.
+    ``config``: the model's config.json (a path or a dict) when the checkpoint has none."""
     return load_detailed(ckpt, layout, group=group, rank=rank, device=device, engine=engine,
                          verify=verify, rules=rules, progress=progress, timeout=timeout,
-                         loader_config=loader_config).tensors
+                         loader_config=loader_config, config=config).tensors
 
 
 @dataclass
@@ -336,6 +339,71 @@ class _DirectDests:
         return self._memo[name]
 
 
+class _Fusion(NamedTuple):
+    """One of transformers' own weight converters that load_into can apply: checkpoint
+    tensors matching ``sources`` (``*`` = expert id) become the one parameter ``prefix +
+    target`` through ``ops`` (("merge", dim): stack the experts; ("concat", dim): join the
+    sources), e.g. per-expert gate/up -> fused ``mlp.experts.gate_up_proj``."""
+    sources: tuple[re.Pattern, ...]
+    target: str
+    ops: tuple[tuple[str, int], ...]
+
+
+def _transformers_fusions(target) -> list[_Fusion]:
+    """transformers' conversion mapping for ``target`` (a transformers model), as far as
+    it consists of MergeModulelist / Concatenate: the model holds experts fused that
+    checkpoints store one by one. Read from transformers, never a table of our own."""
+    if not isinstance(target, torch.nn.Module) or not hasattr(getattr(target, "config", None),
+                                                               "model_type"):
+        return []
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+    except ImportError:
+        return []
+    out = []
+    for conv in get_model_conversion_mapping(target):
+        if not isinstance(conv, WeightConverter):
+            continue
+        ops = []
+        for op in conv.operations:
+            if type(op) is MergeModulelist:
+                ops.append(("merge", op.dim))
+            elif type(op) is Concatenate:
+                ops.append(("concat", op.dim))
+            else:
+                break
+        else:
+            srcs = getattr(conv, "_original_source_patterns", conv.source_patterns)
+            tgts = getattr(conv, "_original_target_patterns", conv.target_patterns)
+            if len(tgts) == 1 and all(isinstance(s, str) for s in srcs):
+                out.append(_Fusion(tuple(re.compile(re.escape(s).replace(r"\*", r"(\d+)") + r"\Z")
+                                         for s in srcs), tgts[0], tuple(ops)))
+    return out
+
+
+def _fusion_source(fusions: list[_Fusion], name: str):
+    """(fusion index, name prefix, source index, expert id) when ``name`` is a source of
+    one of ``fusions``, else None."""
+    for k, f in enumerate(fusions):
+        for i, pat in enumerate(f.sources):
+            m = pat.search(name)
+            if m is not None and (m.start() == 0 or name[m.start() - 1] == "."):
+                return k, name[:m.start()], i, int(m.group(1)) if m.groups() else 0
+    return None
+
+
+def _fuse(fusion: _Fusion, parts: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor:
+    """Apply ``fusion.ops`` to this rank's source tensors (per source: expert id -> tensor,
+    stacked in expert-id order)."""
+    cur = [[parts.get(i, {})[e] for e in sorted(parts.get(i, {}))]
+           for i in range(len(fusion.sources))]
+    for op, dim in fusion.ops:
+        cur = ([torch.stack(p, dim) for p in cur] if op == "merge" else [torch.cat(cur, dim)])
+    (t,) = cur
+    return t
+
+
 def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = True,
               **load_kw) -> LoadIntoResult:
     """Load this rank's tensors straight into existing parameters/buffers.
@@ -343,6 +411,9 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
     ``name_map``: a mapping or a callable from checkpoint name to target name (None drops
     the tensor). Shapes and dtypes must match exactly (a clear ``LoadError`` names both).
     With ``strict``, a checkpoint tensor of this rank with no target entry is an error.
+    A transformers model whose parameters fuse several checkpoint tensors (transformers 5
+    MoE experts: per-expert gate/up -> ``mlp.experts.gate_up_proj``) is filled through
+    transformers' own conversion mapping (its MergeModulelist / Concatenate steps).
     A destination that is contiguous and on the load device is filled by the engine
     directly; any other through a temporary and ``copy_``."""
     dests = _target_dict(target)
@@ -358,6 +429,8 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
                           _load_device(load_kw.get("engine", "auto"), load_kw.get("device")).type)
     res = load_detailed(ckpt, layout, out=direct, **load_kw)
     loaded, skipped = [], []
+    fusions = _transformers_fusions(target)
+    fused: dict[tuple[int, str], dict[int, dict[int, torch.Tensor]]] = {}
     with torch.no_grad():
         for name, t in res.tensors.items():
             tgt = mapf(name)
@@ -365,6 +438,11 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
                 skipped.append(name)
                 continue
             dst = dests.get(tgt)
+            hit = None if dst is not None else _fusion_source(fusions, tgt)
+            if hit is not None:   # one of many checkpoint tensors of a fused parameter
+                k, prefix, src, expert = hit
+                fused.setdefault((k, prefix), {}).setdefault(src, {})[expert] = t
+                continue
             if dst is None:
                 if strict:
                     raise LoadError(f"no target entry {tgt!r} for this checkpoint tensor (pass "
@@ -376,6 +454,17 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
                                 f"slice is {t.dtype} {list(t.shape)}", tensor=name, rank=res.rank)
             if t.data_ptr() != dst.data_ptr() or t.device != dst.device:
                 dst.copy_(t)   # else the engine filled dst in place (out=direct)
+            loaded.append(tgt)
+        for (k, prefix), parts in fused.items():
+            tgt = prefix + fusions[k].target
+            dst = dests.get(tgt)
+            t = _fuse(fusions[k], parts)
+            if dst is None or tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
+                have = "no such entry" if dst is None else f"{dst.dtype} {list(dst.shape)}"
+                raise LoadError(f"transformers fuses these checkpoint tensors into {tgt!r} "
+                                f"({have}); this rank's experts {sorted(next(iter(parts.values())))} "
+                                f"fuse to {t.dtype} {list(t.shape)}", rank=res.rank)
+            dst.copy_(t)
             loaded.append(tgt)
     filled = set(loaded)
     return LoadIntoResult(loaded, skipped, sorted(k for k in dests if k not in filled), res.stats)

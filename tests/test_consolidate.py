@@ -85,7 +85,8 @@ def test_bounded_memory_and_dim1_pieces(tmp_path):
     plan = Plan(Layout(tp=4), "fp", tuple(ranks))
     sharded = str(tmp_path / "s")
     for r in range(4):
-        save(sharded, {"w": full[:, 256 * r:256 * r + 256].clone()}, plan, rank=r)
+        save(sharded, {"w": full[:, 256 * r:256 * r + 256].clone()}, plan, rank=r,
+             config={"model_type": "toy"})
     del ranks
     tracemalloc.start()
     try:

@@ -420,3 +420,58 @@ def test_fused_gate_up_split_without_declared_halves_is_refused(fused_experts_ck
     rules = [dict(FUSED_RULES[0], params={"dim": 0}), FUSED_RULES[1]]
     with pytest.raises(cl.errors.PlanError, match="gate_up_proj.*num_blocks=2"):
         cl.make_plan(str(fused_experts_ckpt), cl.Layout(tp=2), rules=rules)
+
+
+@pytest.fixture(scope="session")
+def fused_qwen2_moe_state(tmp_path_factory):
+    """A whole transformers 5 Qwen2Moe model as ``model.state_dict()`` holds it (fused
+    experts, the names DCP and FSDP2 state carry), beside its config.json."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    model = _qwen2_moe_model()
+    _refill(model, seed=7)
+    out = tmp_path_factory.mktemp("fused-qwen2-moe")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(model.config.to_dict()))
+    return out
+
+
+def _fused_qwen2_moe_reference(name, t, cfg, c):
+    if ".mlp.experts." in name:
+        return _fused_reference(name, t, cfg, c)
+    return _qwen2_moe_reference(name, t, cfg, c)
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=4, ep=2)], ids=str)
+def test_preset_splits_fused_experts_like_vllm(fused_qwen2_moe_state, layout):
+    """No rules given: the qwen2_moe preset recognises the fused expert tensors. At tp=4
+    ep=2 every expert is split over 2 ranks (moe_tp=2): each rank must get its share of
+    the gate half AND of the up half, not all of one half."""
+    names = set(json.loads((fused_qwen2_moe_state / "config.json").read_text()))
+    assert "num_experts" in names
+    fam = Family("fused_qwen2_moe", lambda: None, _fused_qwen2_moe_reference, ())
+    check_family(fused_qwen2_moe_state, fam, layout)
+
+
+def test_load_into_fills_fused_expert_parameters(hf_checkpoint):
+    """A transformers 5 MoE model holds experts fused (gate_up_proj [E, 2I, H]); its
+    checkpoint stores them one by one. load_into applies transformers' own conversion
+    mapping (many checkpoint tensors into one parameter): every parameter ends equal to
+    what from_pretrained gives."""
+    from transformers import AutoModelForCausalLM
+    path = hf_checkpoint("qwen2_moe")
+    assert any(".mlp.experts.0.gate_proj.weight" in k for k in _full_tensors(path))
+    want = AutoModelForCausalLM.from_pretrained(str(path))
+    torch.manual_seed(5)
+    model = _qwen2_moe_model()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters())
+    # whole vocab tensors, as the transformers module holds them (no vocab padding)
+    whole = [{"pattern": n, "strategy": "replicate"} for n in ("*embed_tokens.weight", "lm_head.weight")]
+    res = cl.load_into(model, str(path), cl.Layout(), rank=0, rules=whole)
+    assert set(dict(model.named_parameters())) <= set(res.loaded)   # rotary buffers are computed
+    assert "model.layers.0.mlp.experts.gate_up_proj" in res.loaded
+    got, ref = model.state_dict(), want.state_dict()
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k

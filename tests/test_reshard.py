@@ -15,9 +15,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from coordloader.api import make_plan
+from coordloader.checkpoint.formats import SHARD_SUFFIX, SHARDED_INDEX
 from coordloader.dist.collective import free_port
 from coordloader.errors import PlanError
-from coordloader.handoff.save import INDEX_NAME, save
+from coordloader.handoff.save import save
 from coordloader.layout import Layout
 from coordloader.loader import load
 from coordloader.synth import synthesize
@@ -107,11 +108,11 @@ def test_distributed_save_then_load_anywhere(saved, arch):
     for (a, name), (src, dst) in saved.items():
         if a != arch:
             continue
-        assert os.path.exists(os.path.join(dst, INDEX_NAME))
+        assert os.path.exists(os.path.join(dst, SHARDED_INDEX))
         assert os.path.exists(os.path.join(dst, "coordloader.manifest.json"))
-        files = sorted(f for f in os.listdir(dst) if f.endswith(".safetensors"))
+        files = sorted(f for f in os.listdir(dst) if f.endswith(SHARD_SUFFIX))
         world = SOURCE_LAYOUTS.get(name, MOE_EXTRA.get(name)).world_size
-        assert {f.split("-part-")[0] for f in files} <= {f"model-rank-{r:05d}" for r in range(world)}
+        assert {f.split("-part-")[0] for f in files} <= {f"rank-{r:05d}" for r in range(world)}
         for b in TARGET_LAYOUTS:
             if arch == "llama" and b.ep > 1:
                 continue

@@ -13,11 +13,12 @@ import textwrap
 import pytest
 import torch
 
+from coordloader.checkpoint.formats import HF_INDEX, SHARDED_INDEX, shard_name
 from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.dist.collective import free_port
 from coordloader.errors import SaveError
 from coordloader.handoff.consolidate import read_full
-from coordloader.handoff.save import INDEX_NAME, save
+from coordloader.handoff.save import save
 from coordloader.layout import Layout
 from coordloader.planning.model import Piece, Plan, RankPlan, TensorSlice
 
@@ -74,7 +75,11 @@ def make_plan_and_locals():
     return Plan(Layout(tp=2), "fp", ranks), locs, f
 
 
+CFG = {"model_type": "toy"}
+
+
 def save_local(out, plan, locs, **kw):
+    kw.setdefault("config", CFG)
     res = []
     for r in range(plan.world_size):
         res.append(save(out, locs[r], plan, rank=r, **kw))
@@ -98,14 +103,17 @@ def test_save_format_and_roundtrip(tmp_path):
     res = save_local(out, plan, locs, config={"model_type": "toy"})
     assert res[-1].published and not res[0].published
     names = sorted(os.listdir(out))
-    assert names == sorted(["config.json", INDEX_NAME, "model-rank-00000-part-00000.safetensors",
-                            "model-rank-00001-part-00000.safetensors", "coordloader.manifest.json"])
-    idx = json.loads((out / INDEX_NAME).read_text())
-    sec = idx["coordloader"]
-    assert sec["version"] == 1 and sec["layout"]["tp"] == 2
+    assert names == sorted(["config.json", SHARDED_INDEX, shard_name(0, 0),
+                            shard_name(1, 0), "coordloader.manifest.json"])
+    # nothing an HF reader would take for its own checkpoint
+    assert not [n for n in names if n.startswith("model") or n.endswith((".safetensors", HF_INDEX))]
+    idx = json.loads((out / SHARDED_INDEX).read_text())
+    sec = idx
+    assert idx["format"] == "coordloader-sharded" and sec["version"] == 2 and sec["layout"]["tp"] == 2
+    assert idx["model"] == {"preset": None, "architectures": [], "model_type": "toy"}
     # replicas written once, by the primary (rank 0)
     assert [p["file"] for p in sec["tensors"]["n.weight"]["pieces"]] == [
-        "model-rank-00000-part-00000.safetensors"]
+        shard_name(0, 0)]
     assert sec["tensors"]["n.weight"]["pieces"][0]["key"] == "n.weight"
     assert [p["key"] for p in sec["tensors"]["b.weight"]["pieces"]] == [
         "b.weight@0:4,0:3", "b.weight@0:4,3:6"]
@@ -113,11 +121,11 @@ def test_save_format_and_roundtrip(tmp_path):
     # padding rows never written: rank 1's piece of embed holds 2 rows
     emb = {p["key"]: p["box"] for p in sec["tensors"]["embed.weight"]["pieces"]}
     assert emb == {"embed.weight@0:8,0:4": [[0, 8], [0, 4]], "embed.weight@8:10,0:4": [[8, 10], [0, 4]]}
-    assert idx["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in full.values())
-    assert set(idx["weight_map"]) == set(full)
+    assert idx["total_size"] == sum(t.numel() * t.element_size() for t in full.values())
+    assert set(idx["tensors"]) == set(full)
     # shard files explain themselves
     from safetensors import safe_open
-    with safe_open(str(out / "model-rank-00001-part-00000.safetensors"), "pt") as f:
+    with safe_open(str(out / shard_name(1, 0)), "pt") as f:
         md = f.metadata()
         assert json.loads(md["embed.weight@8:10,0:4"]) == {"name": "embed.weight", "shape": [10, 4],
                                                            "box": [[8, 10], [0, 4]]}
@@ -136,7 +144,7 @@ def test_max_shard_bytes_splits_parts(tmp_path):
     plan, locs, full = make_plan_and_locals()
     out = tmp_path / "ck"
     res = save_local(out, plan, locs, max_shard_bytes=40)
-    assert len(res[0].files) > 2 and res[0].files[1] == "model-rank-00000-part-00001.safetensors"
+    assert len(res[0].files) > 2 and res[0].files[1] == shard_name(0, 1)
     assert_equal_ckpt(out, full)
 
 
@@ -146,12 +154,12 @@ def test_refuses_existing_checkpoint_and_overwrite_replaces(tmp_path):
     save_local(out, plan, locs, max_shard_bytes=40)
     before = sorted(os.listdir(out))
     with pytest.raises(SaveError, match="already exists.*overwrite=True"):
-        save(out, locs[0], plan, rank=0)
+        save(out, locs[0], plan, rank=0, config=CFG)
     assert sorted(os.listdir(out)) == before
     (out / "notes.txt").write_text("user file")
     save_local(out, plan, locs, overwrite=True)  # one part per rank now
-    assert sorted(os.listdir(out)) == sorted([INDEX_NAME, "model-rank-00000-part-00000.safetensors",
-                                              "model-rank-00001-part-00000.safetensors", "notes.txt",
+    assert sorted(os.listdir(out)) == sorted([SHARDED_INDEX, shard_name(0, 0),
+                                              shard_name(1, 0), "notes.txt", "config.json",
                                               "coordloader.manifest.json"])
     assert_equal_ckpt(out, full)
 
@@ -160,19 +168,20 @@ def test_bad_inputs_name_tensor_and_rank(tmp_path):
     plan, locs, _ = make_plan_and_locals()
     bad = dict(locs[1])
     del bad["a.weight"]
-    save(tmp_path / "x", locs[0], plan, rank=0)
+    save(tmp_path / "x", locs[0], plan, rank=0, config=CFG)
     with pytest.raises(SaveError, match=r"rank 1, tensor 'a.weight': .*missing"):
-        save(tmp_path / "x", bad, plan, rank=1)
+        save(tmp_path / "x", bad, plan, rank=1, config=CFG)
     bad = dict(locs[0], **{"b.weight": locs[0]["b.weight"].float()})
     with pytest.raises(SaveError, match=r"tensor 'b.weight': dtype"):
-        save(tmp_path / "y", bad, plan, rank=0)
+        save(tmp_path / "y", bad, plan, rank=0, config=CFG)
     bad = dict(locs[0], **{"a.weight": torch.zeros(3, 6)})
     with pytest.raises(SaveError, match=r"local shape \[3, 6\]"):
-        save(tmp_path / "z", bad, plan, rank=0)
+        save(tmp_path / "z", bad, plan, rank=0, config=CFG)
     with pytest.raises(SaveError, match="in order"):
-        save(tmp_path / "w", locs[1], plan, rank=1)
-    for d in ("x", "y", "z"):
-        assert not any(n.startswith(".coordloader") for n in os.listdir(tmp_path / d))
+        save(tmp_path / "w", locs[1], plan, rank=1, config=CFG)
+    assert not any(n.startswith(".coordloader") for n in os.listdir(tmp_path / "x"))
+    for d in ("y", "z"):   # refused before anything was written
+        assert not (tmp_path / d).exists()
 
 
 def test_digest_failure_names_shard_tensor_and_rank(tmp_path, monkeypatch):
@@ -187,10 +196,10 @@ def test_digest_failure_names_shard_tensor_and_rank(tmp_path, monkeypatch):
         return [VerifyError("boom")] + out[1:]
     monkeypatch.setattr(dgm, "digest_many", failing)
     plan, locs, _ = make_plan_and_locals()
-    with pytest.raises(SaveError, match=r"rank 0, file model-rank-00000-part-00000\.safetensors, "
+    with pytest.raises(SaveError, match=r"rank 0, file rank-00000-part-00000\.coordloader-shard, "
                                          r"tensor 'a\.weight': "
                                          r"cannot digest the piece \[\[.*: boom"):
-        save(tmp_path / "x", locs[0], plan, rank=0)
+        save(tmp_path / "x", locs[0], plan, rank=0, config=CFG)
     assert not any(n.startswith(".coordloader") for n in os.listdir(tmp_path / "x"))
 
 
@@ -210,63 +219,257 @@ def test_disk_full_keeps_previous_state(tmp_path, monkeypatch, where):
 
     if where == "shard":
         monkeypatch.setattr(os, "write", full_disk)
-        with pytest.raises(SaveError, match=r"rank 0, file model-rank-00000-part-00000.safetensors: "
+        with pytest.raises(SaveError, match=r"rank 0, file rank-00000-part-00000.coordloader-shard: "
                                             r"no space left on device"):
-            save(out, new_locs[0], plan, rank=0, overwrite=True)
+            save(out, new_locs[0], plan, rank=0, overwrite=True, config=CFG)
     else:
-        save(out, new_locs[0], plan, rank=0, overwrite=True)
+        save(out, new_locs[0], plan, rank=0, overwrite=True, config=CFG)
         monkeypatch.setattr(os, "write", full_disk)  # the JSON index/record writes fail
         with pytest.raises(SaveError, match="no space left on device"):
-            save(out, new_locs[1], plan, rank=1, overwrite=True)
+            save(out, new_locs[1], plan, rank=1, overwrite=True, config=CFG)
     monkeypatch.setattr(os, "write", real_write)
     assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
     assert_equal_ckpt(out, full)
 
 
+def test_save_refuses_without_config_naming_the_argument(tmp_path):
+    plan, locs, _ = make_plan_and_locals()
+    with pytest.raises(SaveError, match=r"config= is required.*source checkpoint directory.*"
+                                        r"config\.json"):
+        save(tmp_path / "x", locs[0], plan, rank=0)
+    assert not (tmp_path / "x").exists()
+
+
+def test_save_copies_config_and_companion_files_and_records_the_preset(tmp_path):
+    from coordloader.synth import synthesize
+    src = synthesize(str(tmp_path / "src"), "llama", "tiny")
+    extras = {"generation_config.json": '{"do_sample": false}', "tokenizer.json": "{}",
+              "tokenizer_config.json": '{"chat_template": "x"}', "chat_template.jinja": "{{ x }}",
+              "special_tokens_map.json": "{}"}
+    for n, text in extras.items():
+        (tmp_path / "src" / n).write_text(text)
+    layout = Layout(tp=2)
+    import coordloader as cl
+    plan = cl.make_plan(src, layout)
+    for r in range(2):
+        save(tmp_path / "out", cl.load(src, layout, rank=r), plan, rank=r, config=src)
+    for n, text in extras.items():
+        assert (tmp_path / "out" / n).read_text() == text, n
+    assert (tmp_path / "out" / "config.json").read_bytes() == (tmp_path / "src" / "config.json").read_bytes()
+    idx = json.loads((tmp_path / "out" / SHARDED_INDEX).read_text())
+    assert idx["model"]["preset"] == "llama" and idx["model"]["architectures"] == ["LlamaForCausalLM"]
+
+
+# ---- training-side state: boxes given by hand, whole tensors, no plan -------------------
+
+def test_save_without_a_plan_takes_whole_and_boxed_tensors(tmp_path):
+    """A plain state dict saved in one call without a plan; and FSDP-style dim-0 shards
+    that no plan describes (coordloader.Boxed) next to a plan's slices."""
+    from coordloader.handoff.pieces import Boxed
+    f = _full_tensors()
+    save(tmp_path / "whole", f, config=CFG)
+    assert_equal_ckpt(tmp_path / "whole", f)
+    plan, locs, full = make_plan_and_locals()
+    w = torch.randn(8, 5)
+    rows = {0: (0, 5), 1: (5, 8)}      # 5 + 3 rows: no plan's split
+    for r in range(2):
+        a, b = rows[r]
+        save(tmp_path / "boxed", dict(locs[r], fsdp=Boxed(w[a:b], w.shape, (a, 0))), plan,
+             rank=r, config=CFG)
+    assert_equal_ckpt(tmp_path / "boxed", dict(full, fsdp=w))
+
+
+def test_save_refuses_gaps_and_overlaps_naming_ranks(tmp_path):
+    from coordloader.handoff.pieces import Boxed
+    w = _full_tensors()["a.weight"]
+    with pytest.raises(SaveError, match=r"tensor 'a.weight': the pieces saved by ranks \[0\] hold "
+                                        r"18 elements of the global shape \[8, 6\]"):
+        save(tmp_path / "gap", {"a.weight": Boxed(w[0:3], w.shape, (0, 0))}, config=CFG)
+    assert not (tmp_path / "gap").exists() or not os.listdir(tmp_path / "gap")
+    plan, locs, _ = make_plan_and_locals()
+    with pytest.raises(SaveError, match=r"tensor 'fsdp': the pieces saved by rank 0 \[0:5,0:6\] "
+                                        r"and rank 1 \[4:8,0:6\] overlap"):
+        for r, (a, b) in enumerate([(0, 5), (4, 8)]):
+            save(tmp_path / "overlap", dict(locs[r], fsdp=Boxed(w[a:b], w.shape, (a, 0))), plan,
+                 rank=r, config=CFG)
+    assert not os.path.exists(tmp_path / "overlap" / SHARDED_INDEX)
+
+
+def test_local_and_global_shapes_are_labelled(tmp_path):
+    plan, locs, _ = make_plan_and_locals()
+    bad = dict(locs[0], **{"a.weight": torch.zeros(8, 6)})
+    with pytest.raises(SaveError, match=r"local shape \[8, 6\] differs from the plan's local shape "
+                                        r"\[4, 6\] \(global shape \[8, 6\]\)"):
+        save(tmp_path / "x", bad, plan, rank=0, config=CFG)
+
+
+# ---- publish: a kill at any step leaves old, new, or a refusal that says how to recover
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: not an Exception, so no ``except Exception`` cleanup runs."""
+
+
+def _publish_steps(run) -> list[str]:
+    from coordloader.handoff import publish as pub
+    steps = []
+    pub._test_hook = steps.append
+    try:
+        run()
+    finally:
+        pub._test_hook = None
+    return steps
+
+
+def _kill_at(step, run):
+    from coordloader.handoff import publish as pub
+
+    def hook(s):
+        if s == step:
+            raise _Killed(s)
+    pub._test_hook = hook
+    try:
+        with pytest.raises(_Killed):
+            run()
+    finally:
+        pub._test_hook = None
+
+
+def _state(out, old, new):
+    """"old" / "new" as read by coordloader's reader, or "refused" (with the message every
+    reader must give for an interrupted publish)."""
+    from coordloader.errors import CheckpointError
+    try:
+        meta = read_checkpoint(str(out))
+    except CheckpointError as e:
+        assert "a save into this directory was interrupted" in str(e), str(e)
+        assert "coordloader.recover_save(" in str(e) and "overwrite=True" in str(e), str(e)
+        return "refused"
+    got = {n: read_full(meta, n) for n in meta.tensors}
+    for label, want in (("old", old), ("new", new)):
+        if got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want):
+            return label
+    raise AssertionError(f"{out} reads as neither the old nor the new checkpoint: {sorted(got)}")
+
+
+def _bump(locs):
+    return {r: {k: v + 1 if v.is_floating_point() else v for k, v in locs[r].items()} for r in locs}
+
+
+@pytest.mark.parametrize("previous", ["sharded", "hf"])
+def test_save_killed_at_every_publish_step(tmp_path, previous):
+    from coordloader.handoff.publish import recover_save
+    plan, locs, full = make_plan_and_locals()
+    old = {n: t + 1 if t.is_floating_point() else t for n, t in full.items()}
+
+    def make_old(out):
+        if previous == "sharded":
+            save_local(out, plan, _bump(locs))
+        else:   # a plain HF checkpoint (model.safetensors) with other tensor names too
+            from safetensors.torch import save_file
+            os.makedirs(out)
+            save_file({n: t.contiguous() for n, t in old.items()}, str(out / "model.safetensors"))
+    steps = _publish_steps(lambda: save_local(tmp_path / "rec", plan, locs))
+    assert steps[:3] == ["staged", "marked", "old-entries-removed"] and steps[-1] == "published"
+    assert sum(s.startswith("moved ") for s in steps) == 5 and steps[-3] == f"moved {SHARDED_INDEX}"
+    seen = []
+    for k, step in enumerate(steps):
+        out = tmp_path / f"k{k}"
+        make_old(out)
+        _kill_at(step, lambda: save_local(out, plan, locs, overwrite=True))
+        state = _state(out, old, full)
+        seen.append(state)
+        # before the marker: the old checkpoint; from it on: refused; after the publish: new
+        want = "old" if k == 0 else "new" if step == "published" else "refused"
+        assert state == want, (step, state)
+        assert not (out / HF_INDEX).exists() or k == 0, step   # no old HF index over new files
+        if state == "refused":
+            assert recover_save(out) and _state(out, old, full) == "new"
+            assert not [n for n in os.listdir(out) if n.startswith(".coordloader")]
+            assert "model.safetensors" not in os.listdir(out)
+        # a save run again over whatever the kill left succeeds
+        save_local(out, plan, _bump(_bump(locs)), overwrite=True)
+        twice = {n: (t + 1) + 1 if t.is_floating_point() else t for n, t in full.items()}
+        assert _state(out, twice, full) == "old"
+    assert seen.count("refused") == len(steps) - 2
+
+
+def test_consolidate_killed_at_every_publish_step(tmp_path):
+    from coordloader.handoff.consolidate import consolidate
+    from coordloader.handoff.publish import recover_save
+    plan, locs, full = make_plan_and_locals()
+    src = tmp_path / "src"
+    save_local(src, plan, locs)
+    old_src = tmp_path / "old-src"
+    save_local(old_src, plan, _bump(locs))
+    old = {n: t + 1 if t.is_floating_point() else t for n, t in full.items()}
+    steps = _publish_steps(lambda: consolidate(str(src), str(tmp_path / "rec")))
+    for k, step in enumerate(steps):
+        out = tmp_path / f"k{k}"
+        consolidate(str(old_src), str(out))
+        _kill_at(step, lambda: consolidate(str(src), str(out), overwrite=True))
+        state = _state(out, old, full)
+        assert state == ("old" if k == 0 else "new" if step == "published" else "refused"), step
+        if state == "refused":
+            assert recover_save(out) and _state(out, old, full) == "new"
+
+
 _CRASH = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {tests!r})
-    from test_save import make_plan_and_locals
-    from coordloader.handoff import save as sm
+    from test_save import make_plan_and_locals, save_local
+    from coordloader.handoff import publish
     plan, locs, full = make_plan_and_locals()
-    stage = sys.argv[2]
     def hook(s):
-        if s == stage:
+        if s == sys.argv[2]:
             os.kill(os.getpid(), signal.SIGKILL)
-    sm._test_hook = hook
-    for r in range(2):
-        sm.save(sys.argv[1], locs[r], plan, rank=r, overwrite=True)
+    publish._test_hook = hook
+    save_local(sys.argv[1], plan, locs, overwrite=True)
 """)
 
 
-@pytest.mark.parametrize("stage,previous", [("staged", True), ("published-shards", True),
-                                            ("published-shards", False)])
-def test_crash_before_index_leaves_no_checkpoint(tmp_path, stage, previous):
+@pytest.mark.parametrize("step", ["staged", f"moved {shard_name(1, 0)}"])
+def test_save_sigkilled_mid_publish(tmp_path, step):
+    """The same with a real SIGKILL: nothing runs after the kill, not even ``finally``."""
+    import coordloader as cl
     plan, locs, full = make_plan_and_locals()
     out = tmp_path / "ck"
-    if previous:
-        save_local(out, plan, {r: {k: v + 1 if v.is_floating_point() else v for k, v in locs[r].items()}
-                               for r in locs})
+    save_local(out, plan, _bump(locs))
+    old = {n: t + 1 if t.is_floating_point() else t for n, t in full.items()}
     script = tmp_path / "crash.py"
     script.write_text(_CRASH.format(tests=os.path.join(ROOT, "tests")))
-    p = subprocess.run([sys.executable, str(script), str(out), stage], timeout=60, capture_output=True)
+    p = subprocess.run([sys.executable, str(script), str(out), step], timeout=120, capture_output=True)
     assert p.returncode == -signal.SIGKILL, p.stderr.decode()[-2000:]
-    top = os.listdir(out)
-    assert not [n for n in top if ".tmp" in n]
-    if stage == "staged":
-        # killed before anything was renamed into place: the old state is untouched
-        assert not [n for n in top if n.endswith(".safetensors")] or previous
-        if previous:
-            old = {n: t + 1 if t.is_floating_point() else t for n, t in full.items()}
-            assert_equal_ckpt(out, old)
-        else:
-            assert INDEX_NAME not in top
-    else:
-        # shards in place, index not yet: never looks complete (the old index went first)
-        assert INDEX_NAME not in top
-    save_local(out, plan, locs, overwrite=previous and stage == "staged")  # the re-run succeeds
-    assert not [n for n in os.listdir(out) if n.startswith(".coordloader")]
-    assert_equal_ckpt(out, full)
+    assert _state(out, old, full) == ("old" if step == "staged" else "refused")
+    if step != "staged":
+        from coordloader.errors import CheckpointError
+        with pytest.raises(CheckpointError, match="interrupted"):
+            cl.load(str(out), Layout(tp=2), rank=0)
+        assert cl.recover_save(out)
+    assert _state(out, old, full) == ("old" if step == "staged" else "new")
+
+
+def test_loose_shards_of_a_save_are_never_assembled(tmp_path):
+    """Without its index, a sharded save's files are refused, whether discovered as loose
+    files in a directory, named one by one, or (format 1) named like plain safetensors."""
+    from coordloader.checkpoint.reader import discover
+    from coordloader.errors import CheckpointError
+    plan, locs, full = make_plan_and_locals()
+    out = tmp_path / "ck"
+    save_local(out, plan, locs)
+    os.unlink(out / SHARDED_INDEX)
+    with pytest.raises(CheckpointError, match="shards of a coordloader sharded save.*no index"):
+        read_checkpoint(str(out))
+    with pytest.raises(CheckpointError, match="one shard of a coordloader sharded save"):
+        read_checkpoint(str(out / shard_name(0, 0)))
+    # format 1 names: model-rank-*.safetensors, loose in a directory or renamed
+    v1 = tmp_path / "v1"
+    os.makedirs(v1)
+    os.rename(out / shard_name(0, 0), v1 / "model-rank-00000-part-00000.safetensors")
+    with pytest.raises(CheckpointError, match="no index"):
+        discover(str(v1))
+    os.rename(v1 / "model-rank-00000-part-00000.safetensors", v1 / "weights.safetensors")
+    with pytest.raises(CheckpointError, match=r"holds piece 'a\.weight@0:4,0:6' of a coordloader"):
+        read_checkpoint(str(v1))
 
 
 # ---- distributed: two gloo processes -------------------------------------------------
@@ -282,7 +485,7 @@ def _dist_worker(rank, port, base, q):
             if rank == fail_rank:
                 del mine["b.weight"]
             try:
-                r = save(os.path.join(base, out), mine, plan)
+                r = save(os.path.join(base, out), mine, plan, config=CFG)
                 q.put((out, rank, "ok", r.published))
             except Exception as e:  # noqa: BLE001
                 q.put((out, rank, type(e).__name__, str(e)))
@@ -308,5 +511,5 @@ def test_distributed_save_and_error_agreement(tmp_path):
     bad0, bad1 = res[("bad", 0)], res[("bad", 1)]
     assert bad1[0] in ("SaveError", "CollectiveError") and "b.weight" in bad1[1]
     assert bad0[0] == "CollectiveError" and "rank 1" in bad0[1] and "b.weight" in bad0[1], bad0
-    assert not os.path.exists(tmp_path / "bad" / INDEX_NAME)
+    assert not os.path.exists(tmp_path / "bad" / SHARDED_INDEX)
     assert not [n for n in os.listdir(tmp_path / "bad") if n.startswith(".coordloader")]

@@ -38,6 +38,6 @@ def test_handoff_example_script(tmp_path):
     losses = [float(l.rsplit(" ", 1)[1]) for l in out.splitlines() if l.startswith("train: step")]
     assert len(losses) == 3
     saved = sorted(os.listdir(tmp_path / "trained"))
-    assert "model.safetensors.index.json" in saved
-    assert [f for f in saved if f.startswith("model-rank-")] == [
-        f"model-rank-{r:05d}-part-00000.safetensors" for r in range(4)]
+    assert "coordloader-index.json" in saved
+    assert [f for f in saved if f.startswith("rank-")] == [
+        f"rank-{r:05d}-part-00000.coordloader-shard" for r in range(4)]

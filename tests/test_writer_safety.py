@@ -16,6 +16,7 @@ import torch
 
 import coordloader as cl
 from coordloader.api import make_plan
+from coordloader.checkpoint.formats import SHARD_SUFFIX, SHARDED_INDEX
 from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.errors import SaveError
 from coordloader.handoff.dump import dump_path, dump_rank
@@ -116,8 +117,8 @@ def test_save_publishes_the_index_last_after_every_shard_is_durable(tmp_path, ti
     for r in range(2):
         cl.save(out, locs[r], plan, rank=r, config=tiny)
     out = os.path.realpath(out)
-    i_index = assert_published_durably(events, os.path.join(out, INDEX))
-    shards = [n for n in os.listdir(out) if n.endswith(".safetensors")]
+    i_index = assert_published_durably(events, os.path.join(out, SHARDED_INDEX))
+    shards = [n for n in os.listdir(out) if n.endswith(SHARD_SUFFIX)]
     assert len(shards) == 2
     for n in shards:
         assert assert_published_durably(events, os.path.join(out, n)) < i_index, n

@@ -509,7 +509,7 @@ def error_examples() -> list[tuple[str, str, str]]:
         # -- SaveError
         from coordloader.handoff.save import save
         add("saving over an existing checkpoint without overwrite=True",
-            lambda: save(ck, one.tensors, one.plan, rank=0))
+            lambda: save(ck, one.tensors, one.plan, rank=0, config=ck))
 
         # -- CollectiveError (real processes over gloo)
         out.append(("CollectiveError", "one rank fails inside a phase (rank 1 cannot write "

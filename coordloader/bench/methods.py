@@ -430,9 +430,7 @@ def _save_run(ctx, tensors):
     from coordloader.handoff.save import save
     out = ctx.options["save_dir"]
     # config.json travels with the state so the saved checkpoint's preset is detected
-    cfg = os.path.join(ctx.meta.root, "config.json")
-    save(out, tensors, ctx.plan, group=ctx.group, overwrite=True,
-         config=cfg if os.path.exists(cfg) else None,
+    save(out, tensors, ctx.plan, group=ctx.group, overwrite=True, config=ctx.meta.root,
          digests=ctx.options.get("save_digests", True))
     n = sum(t.numel() * t.element_size() for ts, t in
             ((ts, tensors[ts.name]) for ts in ctx.rank_plan.tensors) if ts.replica == 0)

@@ -144,9 +144,10 @@ def pread_into(fd: int, buf: memoryview, offset: int, *, file: str, tensor: str 
         offset += n
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(directory: str) -> None:
+    """Make the renames into ``directory`` durable (the one directory fsync of the package)."""
     try:
-        fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
+        fd = os.open(directory or ".", os.O_RDONLY)
     except OSError:
         return
     try:
@@ -166,7 +167,7 @@ def _commit(tmp: str, path: str, fd: int, fsync: bool = True) -> None:
         os.close(fd)
     os.replace(tmp, path)
     if fsync:
-        _fsync_dir(path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _abort(tmp: str, fd: int | None) -> None:

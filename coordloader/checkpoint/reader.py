@@ -32,6 +32,21 @@ from math import prod
 from typing import Any, Iterable
 
 from coordloader.checkpoint.dtypes import SUPPORTED, itemsize
+from coordloader.checkpoint.formats import (
+    DCP_SAVED_OFFSETS,
+    DCP_SHARD_RE,
+    DCP_SHARDING_INFO,
+    HF_INDEX_SUFFIX,
+    HF_SINGLE,
+    PUBLISH_MARKER,
+    SHARD_SUFFIX,
+    SHARDED_FORMAT,
+    SHARDED_INDEX,
+    SHARDED_VERSION,
+    V1_SHARD_RE,
+    V1_VERSION,
+    interrupted_message,
+)
 from coordloader.checkpoint.metadata import (
     CheckpointMeta,
     FileInfo,
@@ -51,8 +66,8 @@ MAX_JSON_FILE = 256 * 1024 * 1024   # index / config.json size cap (a 91k-tensor
 _MAX_INT_DIGITS = 19                # every valid offset/dim is < 2**63 < 10**19
 _INT_LIMIT = 1 << 63
 
-SINGLE_FILE = "model.safetensors"
-INDEX_SUFFIX = ".safetensors.index.json"
+SINGLE_FILE = HF_SINGLE
+INDEX_SUFFIX = HF_INDEX_SUFFIX
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 _ITEMSIZE = {name: itemsize(name) for name in SUPPORTED}
@@ -68,7 +83,7 @@ class Discovery:
     """What ``discover`` found. Picklable; cheap to broadcast."""
     root: str                                   # absolute checkpoint directory
     files: tuple[str, ...]                      # safetensors files to read, sorted
-    kind: str                                   # "single" | "index" | "directory"
+    kind: str                                   # "single" | "index" | "directory" | "sharded"
     index_file: str | None = None               # name of the index, if one was used
     weight_map: tuple[tuple[str, str], ...] | None = None   # index tensor -> file
     coordloader: dict | None = None             # validated "coordloader" index section
@@ -416,6 +431,17 @@ def discover(root: str) -> Discovery:
                               ".safetensors file)", file=path) from None
     if stat.S_ISREG(st.st_mode):
         d, base = os.path.split(path)
+        _refuse_interrupted(d)
+        if base == SHARDED_INDEX:
+            return _discover_sharded(d, _read_config(d))
+        if base.endswith(SHARD_SUFFIX) or V1_SHARD_RE.match(base):
+            raise CheckpointError("is one shard of a coordloader sharded save, holding pieces of "
+                                  "tensors; pass the save's directory (its index lists every "
+                                  "piece)", file=path)
+        if DCP_SHARD_RE.match(base):
+            raise CheckpointError("is one rank's shard of a torch DCP HuggingFaceStorageWriter "
+                                  "save, holding pieces of tensors; pass the directory of all "
+                                  "its shards", file=path)
         if base.endswith(INDEX_SUFFIX):
             return _discover_index(d, base, _read_config(d))
         if base.endswith(PICKLE_SUFFIXES):
@@ -431,8 +457,16 @@ def discover(root: str) -> Discovery:
         names = sorted(os.listdir(path))
     except OSError as e:
         raise CheckpointError(f"cannot list directory: {e.strerror}", file=path) from None
+    if PUBLISH_MARKER in names:
+        raise CheckpointError(interrupted_message(path), file=path)
     config = _read_config(path)
     indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
+    if SHARDED_INDEX in names:
+        if indexes:
+            raise CheckpointError(f"holds both a coordloader sharded index ({SHARDED_INDEX}) and "
+                                  f"a safetensors index {indexes[0]}; expected one checkpoint "
+                                  f"per directory", file=path)
+        return _discover_sharded(path, config)
     if indexes:
         if len(indexes) > 1:
             if "model" + INDEX_SUFFIX not in indexes:
@@ -443,6 +477,14 @@ def discover(root: str) -> Discovery:
     if SINGLE_FILE in names:
         return Discovery(root=path, files=(SINGLE_FILE,), kind="single", config=config)
     shards = tuple(n for n in names if n.endswith(".safetensors"))
+    loose = [n for n in names if V1_SHARD_RE.match(n) or n.endswith(SHARD_SUFFIX)]
+    if loose:
+        # pieces of a coordloader save without its index: assembling them would give each
+        # piece as a tensor of its own (or a mix of two saves after an interrupted publish)
+        raise CheckpointError(f"holds shards of a coordloader sharded save ({loose[0]}, ...) "
+                              f"but no index: the save was interrupted before it was published, "
+                              f"or its index was removed. Run the save again (overwrite=True); "
+                              f"these shards cannot be read on their own", file=path)
     if shards:
         return Discovery(root=path, files=shards, kind="directory", config=config)
     pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES) or n.endswith(".bin.index.json")]
@@ -450,6 +492,32 @@ def discover(root: str) -> Discovery:
         _refuse_pickle(pickles[0])
     raise CheckpointError("no .safetensors files and no model.safetensors.index.json found "
                           "(expected a safetensors checkpoint directory)", file=path)
+
+
+def _refuse_interrupted(d: str) -> None:
+    if os.path.lexists(os.path.join(d, PUBLISH_MARKER)):
+        raise CheckpointError(interrupted_message(d), file=d)
+
+
+def _discover_sharded(d: str, config: dict | None) -> Discovery:
+    """A coordloader sharded save (format version 2): its index lists every piece."""
+    with gc_paused():
+        idx = _read_json_file(os.path.join(d, SHARDED_INDEX), SHARDED_INDEX, _INDEX_DECODER,
+                              "index")
+    if idx.get("format") != SHARDED_FORMAT:
+        raise CheckpointError(f"index format {str(idx.get('format'))[:40]!r}; expected "
+                              f"{SHARDED_FORMAT!r}", file=SHARDED_INDEX)
+    section = _validate_section(idx, SHARDED_INDEX, SHARDED_VERSION, SHARD_SUFFIX)
+    files = {p["file"] for spec in section["tensors"].values() for p in spec["pieces"]}
+    if not files:
+        raise CheckpointError("the index lists no tensors; expected at least one",
+                              file=SHARDED_INDEX)
+    for fname in sorted(files):
+        if not os.path.lexists(os.path.join(d, fname)):
+            raise CheckpointError(f"the index lists file {fname!r} which does not exist in the "
+                                  f"checkpoint directory", file=SHARDED_INDEX)
+    return Discovery(root=d, files=tuple(sorted(files)), kind="sharded",
+                     index_file=SHARDED_INDEX, coordloader=section, config=config)
 
 
 def _read_config(d: str) -> dict | None:
@@ -485,7 +553,9 @@ def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
             files.add(fname)
     section = idx.get("coordloader")
     if section is not None:
-        section = _validate_section(section, index_name)
+        # format version 1 (coordloader <= 0.2): still read, so that saves made before
+        # version 2 keep loading; consolidate turns one into a plain HF checkpoint
+        section = _validate_section(section, index_name, V1_VERSION, ".safetensors")
         for spec in section["tensors"].values():
             for p in spec["pieces"]:
                 files.add(p["file"])
@@ -506,13 +576,14 @@ def _is_box(box, ndim: int) -> bool:
                 for r in box))
 
 
-def _validate_section(sec: Any, index_name: str) -> dict:
-    """Structure of the coordloader sharded-format section (contents vs files: assemble)."""
+def _validate_section(sec: Any, index_name: str, version: int, suffix: str) -> dict:
+    """Structure of the coordloader sharded-format section (contents vs files: assemble):
+    the whole index in version 2, the "coordloader" section of an HF index in version 1."""
     if type(sec) is not dict:
         raise CheckpointError("\"coordloader\" section is not a JSON object", file=index_name)
-    if sec.get("version") != 1 or type(sec.get("version")) is not int:
-        raise CheckpointError(f"\"coordloader\" version {sec.get('version')!r}; expected 1",
-                              file=index_name)
+    if sec.get("version") != version or type(sec.get("version")) is not int:
+        raise CheckpointError(f"\"coordloader\" version {sec.get('version')!r}; expected "
+                              f"{version}", file=index_name)
     if "layout" in sec and type(sec["layout"]) is not dict:
         raise CheckpointError("\"coordloader\".layout is not a JSON object", file=index_name)
     tensors = sec.get("tensors")
@@ -540,8 +611,8 @@ def _validate_section(sec: Any, index_name: str) -> dict:
             if type(p) is not dict or type(p.get("key")) is not str:
                 bad(f"piece {str(p)[:80]} is not an object with file, key, box")
             _check_name(p.get("file"), f"coordloader section, tensor {name!r}", index_name)
-            if not p["file"].endswith(".safetensors"):
-                bad(f"piece file {p['file']!r}; expected a .safetensors file")
+            if not p["file"].endswith(suffix):
+                bad(f"piece file {p['file']!r}; expected a {suffix} file")
             if not _is_box(p.get("box"), len(shape)):
                 bad(f"piece box {str(p.get('box'))[:80]}; expected {len(shape)} [start, stop] "
                     f"integer pairs")
@@ -569,11 +640,92 @@ def assemble(root: str, discovery: Discovery, headers: Iterable[FileHeader]) -> 
         if discovery.coordloader is not None:
             tensors = _assemble_sharded(discovery, by_file, names)
             layout = discovery.coordloader.get("layout")
+        elif _dcp_files(by_file, names):
+            tensors = _assemble_dcp(by_file, names)
+            layout = None
         else:
             tensors = _assemble_plain(discovery, by_file, names)
             layout = None
     return CheckpointMeta(root=discovery.root, files=files, tensors=tensors,
                           config=discovery.config, source_layout=layout)
+
+
+def _dcp_info(header: FileHeader) -> str | None:
+    for k, v in header.info.metadata:
+        if k == DCP_SHARDING_INFO:
+            return v
+    return None
+
+
+def _dcp_files(by_file, names) -> bool:
+    """True when the files are torch DCP's HF sharded output (every file carries
+    DCP_SHARDING_INFO); a mix of such files and plain ones is refused."""
+    marked = [n for n in names if _dcp_info(by_file[n]) is not None]
+    if marked and len(marked) != len(names):
+        plain = next(n for n in names if _dcp_info(by_file[n]) is None)
+        raise CheckpointError(f"has no {DCP_SHARDING_INFO} metadata, but {marked[0]!r} in the "
+                              f"same directory is a torch DCP shard; expected one checkpoint per "
+                              f"directory", file=plain)
+    return bool(marked)
+
+
+def _assemble_dcp(by_file, names) -> dict[str, TensorInfo]:
+    """torch DCP ``HuggingFaceStorageWriter(save_distributed=True)`` output: every file
+    holds one rank's pieces under the tensors' own names, and its ``__metadata__``
+    ``DCP_SHARDING_INFO`` gives each piece's ``saved_offsets`` in the global tensor. DCP
+    records no global shape: it is the extent of the pieces, which must tile it exactly
+    once (the checks of coordloader's own sharded format)."""
+    found: dict[str, list] = {}   # name -> [(dtype, box, SourcePiece)]
+    for fname in names:
+        info = _parse_json(_dcp_info(by_file[fname]).encode(), _INDEX_DECODER, fname,
+                           f"__metadata__ {DCP_SHARDING_INFO}")
+        keys = set()
+        for key, dtype, shape, start, end in by_file[fname].entries:
+            keys.add(key)
+            spec = info.get(key)
+            offs = spec.get(DCP_SAVED_OFFSETS) if type(spec) is dict else None
+            if (type(offs) is not list or len(offs) != len(shape)
+                    or any(type(o) is not int or not 0 <= o < _INT_LIMIT for o in offs)):
+                raise CheckpointError(f"{DCP_SHARDING_INFO} gives the tensor {str(spec)[:80]}; "
+                                      f"expected {{\"{DCP_SAVED_OFFSETS}\": [{len(shape)} "
+                                      f"non-negative integers]}}", file=fname, tensor=key)
+            box = tuple((o, o + s) for o, s in zip(offs, shape))
+            found.setdefault(key, []).append((dtype, box, SourcePiece(fname, box, start, end)))
+        extra = sorted(set(info) - keys)
+        if extra:
+            raise CheckpointError(f"{DCP_SHARDING_INFO} lists {extra[0][:200]!r}, which the file "
+                                  f"does not store", file=fname, tensor=extra[0])
+    order = []
+    for name, parts in found.items():
+        dtypes = {d for d, _, _ in parts}
+        if len({len(b) for _, b, _ in parts}) > 1:
+            raise CheckpointError(f"pieces have different numbers of dims "
+                                  f"{sorted({len(b) for _, b, _ in parts})}; expected one",
+                                  file=parts[0][2].file, tensor=name)
+        if len(dtypes) > 1:
+            raise CheckpointError(f"pieces are stored as {sorted(dtypes)}; expected one dtype",
+                                  file=parts[0][2].file, tensor=name)
+        shape = tuple(max((b[d][1] for _, b, _ in parts), default=0)
+                      for d in range(len(parts[0][1])))
+        if _stride_overflow(list(shape), _ITEMSIZE[parts[0][0]]):
+            raise CheckpointError(f"pieces span shape {list(shape)[:8]}, whose strides overflow",
+                                  file=parts[0][2].file, tensor=name)
+        pieces = sorted((p for _, _, p in parts), key=lambda p: p.box)
+        _check_tiling(name, shape, pieces, pieces[0].file)
+        first = min((p.file, p.start) for p in pieces)
+        order.append((first, name, TensorInfo(name, parts[0][0], shape, tuple(pieces))))
+    order.sort(key=lambda t: t[0])
+    return {name: t for _, name, t in order}
+
+
+def _refuse_coordloader_pieces(fname: str, header: FileHeader) -> None:
+    """A shard of a coordloader save read without its index (renamed, copied out, or left
+    by a crash): its keys ``name@a:b`` are pieces, never tensors of their own."""
+    for k, v in header.info.metadata:
+        if "@" in k and v.startswith("{") and '"box"' in v:
+            raise CheckpointError(f"holds piece {k[:120]!r} of a coordloader sharded save; read "
+                                  f"the save's directory (its index lists every piece), not its "
+                                  f"shards on their own", file=fname)
 
 
 def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInfo]:
@@ -582,6 +734,7 @@ def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInf
     idx = discovery.index_file
     boxes: dict[tuple, tuple] = {}  # shapes repeat (experts, layers): share the box tuples
     for fname in names:
+        _refuse_coordloader_pieces(fname, by_file[fname])
         for key, dtype, shape, start, end in by_file[fname].entries:
             if key in tensors:
                 raise CheckpointError(f"tensor is stored in both {tensors[key].file!r} and "
@@ -620,10 +773,9 @@ def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorI
     used: set[tuple[str, str]] = set()
     order = []
     spec_tensors = discovery.coordloader["tensors"]
-    wm = dict(discovery.weight_map or ())
+    wm = dict(discovery.weight_map) if discovery.weight_map is not None else None
     for name, spec in spec_tensors.items():
         dtype, shape = spec["dtype"], tuple(spec["shape"])
-        listed = wm.get(name)
         pieces = []
         for p in spec["pieces"]:
             fname = p["file"]
@@ -653,10 +805,11 @@ def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorI
                                       f"box needs {list(box_shape(box))}", file=fname,
                                       tensor=name)
             pieces.append(SourcePiece(fname, box, ent[3], ent[4]))
-        if listed is None:
+        listed = wm.get(name, "") if wm is not None else None
+        if listed == "":
             raise CheckpointError("tensor is in the coordloader section but not in the "
                                   "weight_map", file=idx, tensor=name)
-        if listed not in {p.file for p in pieces}:
+        if listed is not None and listed not in {p.file for p in pieces}:
             raise CheckpointError(f"weight_map maps the tensor to {listed!r}, which holds none "
                                   f"of its pieces", file=idx, tensor=name)
         _check_tiling(name, shape, pieces, idx)
@@ -670,7 +823,7 @@ def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorI
                     raise CheckpointError("key is stored in the file but the index's "
                                           "coordloader section does not list it", file=fname,
                                           tensor=ent[0])
-    for name in wm:
+    for name in wm or ():
         if name not in spec_tensors:
             raise CheckpointError("tensor is in the weight_map but not in the coordloader "
                                   "section", file=idx, tensor=name)

@@ -153,7 +153,8 @@ def _run(args) -> int:
         res = load_detailed(args.checkpoint, layout, group=group, rank=args.rank, device=device,
                             engine=args.engine, verify=args.verify, rules=args.rules,
                             progress=(not args.quiet) and rank0, loader_config=args.loader_config,
-                            replicate_unmatched=args.replicate_unmatched, timeout=args.timeout)
+                            replicate_unmatched=args.replicate_unmatched, timeout=args.timeout,
+                            config=args.config)
         mine = dict(res.stats.to_dict(), rank=res.rank, phases=res.phases,
                     coords=dict(res.rank_plan.coords), experts=experts_held(res.rank_plan))
         if res.verify_report is not None:

@@ -152,8 +152,12 @@ def add_layout_args(g) -> None:
                    help="load DeepSeek MTP layers (index >= num_hidden_layers) on the last stage")
     g.add_argument("--rules", default=None,
                    help="a preset name, or a JSON rule file overriding/extending the preset")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="the model's config.json, when the checkpoint directory has none (or to "
+                        "use instead of its own)")
     g.add_argument("--replicate-unmatched", action="store_true",
-                   help="replicate tensors no rule matches instead of failing")
+                   help="hold tensors no rule matches whole on every rank (no sharding) "
+                        "instead of failing")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,7 +182,8 @@ def _run(args) -> int:
     if args.rank is not None and not 0 <= args.rank < layout.world_size:
         raise PlanError(f"--rank {args.rank} outside world of size {layout.world_size} ({layout})")
     meta = read_checkpoint(args.checkpoint)
-    plan = make_plan(meta, layout, args.rules, replicate_unmatched=args.replicate_unmatched)
+    plan = make_plan(meta, layout, args.rules, replicate_unmatched=args.replicate_unmatched,
+                     config=args.config)
     validate_cover(plan, meta)
     # with the plan on stdout the table goes to stderr, so stdout parses as JSON alone
     print(format_plan_table(plan, rank=args.rank),

@@ -6,8 +6,8 @@ Memory stays bounded whatever the tensor sizes: every output file is first creat
 final size with a hole for the data (``write_safetensors(..., sparse=True)``), then each
 tensor is assembled one *row block* (a range of dim 0) at a time from the source pieces
 that overlap it, read with ``preadv`` and written with ``pwrite`` into its region. At most
-one block plus one piece slab of it is in memory. Publishing follows ``coordloader.save``:
-staging directory inside OUT, fsync, rename, index last.
+one block plus one piece slab of it is in memory. Publishing is ``handoff/publish.py``'s:
+staging directory inside OUT, fsync, then the moves under a marker, index last.
 """
 from __future__ import annotations
 
@@ -22,19 +22,21 @@ from math import prod
 import numpy as np
 
 from coordloader.checkpoint.dtypes import itemsize
-from coordloader.checkpoint.fileio import OpenFiles, _pwrite_all, pread_into
+from coordloader.checkpoint.fileio import OpenFiles, _pwrite_all, fsync_dir, pread_into
+from coordloader.checkpoint.formats import HF_INDEX, PUBLISH_MARKER
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape
 from coordloader.errors import SaveError
-from coordloader.handoff.save import (
-    INDEX_NAME,
-    _fsync_dir,
-    _os_error,
-    _prepare,
-    _write_json_durable,
-    _writer_error,
-    publish_staged,
-    staged_manifest,
+from coordloader.handoff.publish import (
+    companion_files,
+    os_error,
+    prepare_target,
+    publish,
+    resolve_config,
+    stage_config,
+    write_json_durable,
+    writer_error,
 )
+from coordloader.handoff.save import staged_manifest
 from coordloader.verify.manifest import MANIFEST_NAME
 
 DEFAULT_BLOCK_BYTES = 64 * 2**20
@@ -139,18 +141,22 @@ def _carry_manifest(meta: CheckpointMeta, stage_dir: str, names: list[str]) -> b
         return False
     if m is None:
         return False
-    _write_json_durable(os.path.join(stage_dir, MANIFEST_NAME),
+    write_json_durable(os.path.join(stage_dir, MANIFEST_NAME),
                         staged_manifest(stage_dir, names, dict(m.tensors)))
     return True
 
 
 def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
                 block_bytes: int = DEFAULT_BLOCK_BYTES, overwrite: bool = False,
-                meta: CheckpointMeta | None = None) -> ConsolidateResult:
-    """Write ``src`` (any checkpoint the reader accepts) as a plain HF checkpoint in
-    ``out_dir``. Raises SaveError / CheckpointError naming the file."""
+                meta: CheckpointMeta | None = None, config=None) -> ConsolidateResult:
+    """Write ``src`` (any checkpoint the reader accepts, torch DCP's HF sharded output
+    included) as a plain HF checkpoint in ``out_dir``. ``config`` (a dict, a path to
+    config.json, or a checkpoint directory whose generation config, tokenizer files and
+    chat template come too) is written in place of the source's own: DCP's output has
+    none, and transformers needs one. Raises SaveError / CheckpointError naming the file."""
     from coordloader.checkpoint.fileio import write_safetensors
     t0 = time.perf_counter()
+    cfg = resolve_config(config, None) if config is not None else None
     if meta is None:
         from coordloader.checkpoint.reader import read_checkpoint
         meta = read_checkpoint(src)
@@ -158,7 +164,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     if os.path.abspath(out_dir) == os.path.abspath(meta.root):
         raise SaveError("output directory is the source checkpoint; choose another directory",
                         file=out_dir)
-    stage = _prepare(out_dir, overwrite, None, "consolidate-" + uuid.uuid4().hex[:12])
+    stage = prepare_target(out_dir, overwrite, None, "consolidate-" + uuid.uuid4().hex[:12])
     stage_dir = os.path.join(out_dir, stage)
     srcs = OpenFiles(meta.root)
     try:
@@ -172,7 +178,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
             try:
                 write_safetensors(path, entries, {"format": "pt"}, sparse=True)
             except SaveError as e:
-                raise _writer_error(e, fname, None, "creating an output shard") from e
+                raise writer_error(e, fname, None, "creating an output shard") from e
             data_start, offs = _data_offsets(path)
             fd = os.open(path, os.O_RDWR)
             try:
@@ -188,35 +194,32 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
                     total += t.numel * itemsize(t.dtype)
                 os.fsync(fd)
             except OSError as e:
-                raise _os_error(e, fname, None, "writing an output shard") from e
+                raise os_error(e, fname, None, "writing an output shard") from e
             finally:
                 os.close(fd)
         # Small companion files (config.json, tokenizer files ...) travel along; the source
-        # index/manifest/safetensors do not (they describe the source files).
-        skip = {f.name for f in meta.files} | {MANIFEST_NAME}
-        extras = []
-        for entry in sorted(os.listdir(meta.root)):
-            p = os.path.join(meta.root, entry)
-            if (entry in skip or entry.startswith(".") or entry.endswith(".safetensors")
-                    or entry.endswith(".safetensors.index.json") or not os.path.isfile(p)
-                    or os.path.islink(p) and not os.path.isfile(os.path.realpath(p))):
-                continue
-            if os.path.getsize(p) > 64 * 2**20:
-                continue
-            shutil.copyfile(p, os.path.join(stage_dir, entry))
-            extras.append(entry)
+        # index/manifest/data files do not (they describe the source files).
+        extras = companion_files(meta.root, {f.name for f in meta.files})
+        for entry in extras:
+            shutil.copyfile(os.path.join(meta.root, entry), os.path.join(stage_dir, entry))
+            with open(os.path.join(stage_dir, entry), "rb+") as f:
+                os.fsync(f.fileno())
+        if cfg is not None:
+            extras = sorted(set(extras) | set(stage_config(stage_dir, cfg)))
         # Content is unchanged, so the source's digests carry over: a manifest for the new
         # files (their fingerprint) without re-reading anything. A stale source manifest
         # is refused by load_manifest and simply not carried.
         if _carry_manifest(meta, stage_dir, names):
             extras.append(MANIFEST_NAME)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write_json_durable(os.path.join(stage_dir, INDEX_NAME), index)
-        _fsync_dir(stage_dir)
-        publish_staged(out_dir, stage_dir, names + extras)
+        write_json_durable(os.path.join(stage_dir, HF_INDEX), index)
+        fsync_dir(stage_dir)
+        publish(out_dir, stage, names + extras, HF_INDEX)
     except OSError as e:
-        raise _os_error(e, getattr(e, "filename", None) or out_dir, None, "consolidating") from e
+        raise os_error(e, getattr(e, "filename", None) or out_dir, None, "consolidating") from e
     finally:
         srcs.close()
-        shutil.rmtree(stage_dir, ignore_errors=True)
+        # after the publish marker the stage holds the new files recover_save moves in
+        if not os.path.lexists(os.path.join(out_dir, PUBLISH_MARKER)):
+            shutil.rmtree(stage_dir, ignore_errors=True)
     return ConsolidateResult(out_dir, tuple(names), len(weight_map), total, time.perf_counter() - t0)

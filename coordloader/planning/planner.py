@@ -34,6 +34,7 @@ from coordloader.planning.model import (
     share_of,
 )
 from coordloader.planning.rules import RuleSet, make_rule, num_experts_of, resolve_rules
+from coordloader.planning.rules.presets import missing_config_error
 from coordloader.planning.runs import RunGroup, RunList, box_runs, merge_groups
 from coordloader.text import MAX_NAME_CHARS, clip
 
@@ -168,6 +169,8 @@ class _Planner:
             else:
                 hits.add(i)
                 match[n] = (self.rules.rules[i], self._rule_params[i])
+        if unmatched and not meta.config and self.rules.preset is None:
+            raise missing_config_error(None, tensor=unmatched[0])
         if unmatched:
             more = (f" (and {len(unmatched) - 1} more: {', '.join(unmatched[1:4])}...)"
                     if len(unmatched) > 1 else "")

@@ -85,10 +85,28 @@ def block_of(config: Mapping | None) -> list[int]:
     return list(b)
 
 
+def missing_config_error(preset: str | None, tensor: str | None = None) -> PlanError:
+    """The one error for a checkpoint without config.json that needs one: which preset
+    (or that none could be detected), what it needs from the config, and the ways out."""
+    need = (f"preset {preset} needs its sizes" if preset else
+            "the architecture preset is detected from it, and a preset needs its sizes")
+    return PlanError(
+        f"config.json is missing from the checkpoint directory: {need} (num_attention_heads, "
+        f"num_key_value_heads, num_hidden_layers, the expert count). Ways out: give the model's "
+        f"config.json with --config FILE (config= in Python) or copy it into the checkpoint "
+        f"directory; or --rules PRESET together with --config FILE holding the values the preset "
+        f"needs; or a rule file giving every tensor a strategy with explicit sizes "
+        f"(num_heads=...). --replicate-unmatched is no fix for a sharded layout: it holds every "
+        f"unmatched tensor whole on every rank", file="config.json", tensor=tensor)
+
+
 def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
     if name not in PRESETS:
         raise PlanError(f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}")
-    config = config or {}
+    if not config:
+        # every preset needs head counts from it; say so once, with the ways out, instead
+        # of "config.json lacks num_attention_heads"
+        raise missing_config_error(name)
     src = f"preset:{name}"
 
     def R(pattern, strategy, **params):
@@ -157,6 +175,11 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
                   R(r".*\.mlp\.shared_expert\.(gate|up)_proj\.weight", "colwise"),
                   R(r".*\.mlp\.shared_expert\.down_proj\.weight", "rowwise")]
     rules += [
+        # transformers 5 holds the experts of a layer fused in memory (what state_dict() and
+        # DCP write): gate_up_proj [E, 2I, H] packs gate and up halves, each split over
+        # moe_tp like vLLM's w13; down_proj [E, H, I] splits on its input dim like w2
+        R(r".*\.experts\.gate_up_proj", "expert", dim=0, num_blocks=2, **exp),
+        R(r".*\.experts\.down_proj", "expert", dim=1, **exp),
         R(r".*\.experts\.\d+\.(gate|up)_proj\.weight", "expert", dim=0, **exp),
         R(r".*\.experts\.\d+\.down_proj\.weight", "expert", dim=1, **exp),
         # dense MLP and DeepSeek's shared experts: like vLLM's MLP (merged gate/up, row down)

@@ -1,0 +1,52 @@
+"""File names that say what a directory is. The reader decides from these names alone
+which kind of checkpoint it is looking at, and the writers (``handoff/``) use the same
+constants, so the two can never drift apart.
+
+A coordloader *sharded* save is deliberately named unlike a Hugging Face checkpoint: no
+``model*.safetensors`` and no ``*.safetensors.index.json``. transformers opens only those
+names and vLLM globs ``*.safetensors``; a directory of ``.coordloader-shard`` files under
+``coordloader-index.json`` gives them no weights file at all, so they refuse it instead of
+loading pieces keyed ``name@a:b`` as if they were whole tensors (format version 1 was
+named like HF and transformers loaded it with every split tensor randomly initialised).
+"""
+from __future__ import annotations
+
+import re
+
+CONFIG_NAME = "config.json"
+HF_SINGLE = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+HF_INDEX_SUFFIX = ".safetensors.index.json"
+
+# coordloader sharded format, version 2 (current)
+SHARDED_INDEX = "coordloader-index.json"
+SHARD_SUFFIX = ".coordloader-shard"
+SHARDED_FORMAT = "coordloader-sharded"
+SHARDED_VERSION = 2
+# version 1 (read, never written): an HF-named index with a "coordloader" section
+V1_VERSION = 1
+V1_SHARD_RE = re.compile(r"model-rank-\d{5}-part-\d{5}\.safetensors\Z")
+
+# torch DCP's HuggingFaceStorageWriter(save_distributed=True): one file per rank, plain
+# tensor names, each piece's offsets in the file's __metadata__ under this key (no index,
+# no global shapes)
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
+DCP_SAVED_OFFSETS = "saved_offsets"
+DCP_SHARD_RE = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors\Z")
+
+# Present from the first visible change of a publish to its last: while it exists the
+# directory mixes two checkpoints, and every coordloader reader refuses it.
+PUBLISH_MARKER = "coordloader-publishing.json"
+STAGING_PREFIX = ".coordloader-staging-"
+
+
+def shard_name(rank: int, part: int) -> str:
+    return f"rank-{rank:05d}-part-{part:05d}{SHARD_SUFFIX}"
+
+
+def interrupted_message(directory: str) -> str:
+    """What every reader says about a directory holding the publish marker."""
+    return (f"a save into this directory was interrupted while publishing ({PUBLISH_MARKER} "
+            f"is present): its files mix the previous checkpoint and the new one. Every file of "
+            f"the new checkpoint is on disk: finish it with coordloader.recover_save("
+            f"{directory!r}), or run the save again with overwrite=True")

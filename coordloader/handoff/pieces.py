@@ -1,0 +1,201 @@
+"""What a training rank holds, as boxes of global tensors: the input of ``save``.
+
+A value of the state dict ``save`` receives is one of
+
+- a plain ``torch.Tensor`` with a plan: the plan's slice of that tensor on this rank
+  (``coordloader.load``'s output, modified in place);
+- a plain ``torch.Tensor`` without a plan: the whole tensor (held whole by every rank
+  that passes it: written once, by the lowest such rank);
+- a ``DTensor`` (FSDP2 ``fully_shard``, TP ``parallelize_module``): its boxes come from
+  its placements (``Shard``, ``Replicate``, ``_StridedShard``), computed by torch's own
+  placement code on index vectors, so no placement is reimplemented here;
+- a :class:`Boxed` plain local tensor: the box of the global tensor it holds, for
+  training code that shards by hand (FSDP-style dim-0 shards, any other box).
+
+Any set of boxes over the ranks that tiles each tensor exactly once is a checkpoint;
+``save`` refuses gaps and overlaps naming the tensor and the ranks.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from coordloader.checkpoint.dtypes import from_torch, itemsize
+from coordloader.checkpoint.metadata import Box, box_numel, box_shape, piece_key
+from coordloader.errors import SaveError
+
+
+class Boxed(NamedTuple):
+    """A plain local tensor holding ``tensor.shape`` elements of the global tensor of
+    ``global_shape``, starting at ``offset`` (one start per dim)."""
+    tensor: torch.Tensor
+    global_shape: Sequence[int]
+    offset: Sequence[int]
+
+
+class PieceOut(NamedTuple):
+    """One box of one tensor this rank may write, and where it sits in the local tensor."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]     # global shape
+    box: Box                   # in the global tensor
+    key: str                   # key in the shard file
+    nbytes: int
+    view: torch.Tensor         # the box's data (a view into the local tensor)
+    decided: bool              # primary fixed by a plan; else the lowest rank holding it
+
+
+def _fmt(shape) -> str:
+    return str(list(shape))
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _runs(idx: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(global start, global stop, local start) of the contiguous runs of an index vector."""
+    if idx.numel() == 0:
+        return []
+    vals = idx.tolist()
+    out, start, local = [], vals[0], 0
+    for i in range(1, len(vals) + 1):
+        if i == len(vals) or vals[i] != vals[i - 1] + 1:
+            out.append((start, vals[i - 1] + 1, local))
+            if i < len(vals):
+                start, local = vals[i], i
+    return out
+
+
+def dtensor_boxes(name: str, t, rank: int) -> tuple[tuple[int, ...], list[tuple[Box, tuple]], bool]:
+    """(global shape, [(global box, local offset)], primary) of a DTensor on this rank.
+    ``primary`` is False where a Replicate mesh dim has this rank off coordinate 0."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    mesh, placements = t.device_mesh, t.placements
+    gshape = tuple(t.shape)
+    coord = mesh.get_coordinate()
+    if coord is None:   # this rank is not in the tensor's mesh: it holds nothing
+        return gshape, [], False
+    idx = [torch.arange(n) for n in gshape]
+    primary = True
+    for i, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise SaveError(f"is a DTensor with a Partial placement on mesh dim {i} (a pending "
+                            f"reduction); reduce it first (redistribute to Shard/Replicate, or "
+                            f"full_tensor())", tensor=name, rank=rank)
+        if isinstance(p, Replicate):
+            primary = primary and coord[i] == 0
+            continue
+        if not isinstance(p, (Shard, _StridedShard)):
+            raise SaveError(f"is a DTensor with placement {p!r} on mesh dim {i}; expected Shard, "
+                            f"Replicate or _StridedShard", tensor=name, rank=rank)
+        d = p.dim
+        # torch's own split of a 1-D index vector along dim 0, same kind of placement
+        one_d = (_StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard)
+                 else Shard(0))
+        parts, _ = one_d._split_tensor(idx[d], mesh.size(i), with_padding=False)
+        idx[d] = parts[coord[i]]
+    local = tuple(int(x.numel()) for x in idx)
+    if tuple(t.to_local().shape) != local:
+        raise SaveError(f"DTensor of global shape {_fmt(gshape)} with placements {placements}: "
+                        f"its local tensor has local shape {_fmt(t.to_local().shape)}, but the "
+                        f"placements give local shape {_fmt(local)} on this rank",
+                        tensor=name, rank=rank)
+    return gshape, _product([_runs(x) for x in idx]), primary
+
+
+def _product(runs_per_dim: list[list[tuple[int, int, int]]]) -> list[tuple[Box, tuple]]:
+    out: list[tuple[Box, tuple]] = [((), ())]
+    for runs in runs_per_dim:
+        out = [(box + ((a, b),), dst + (loc,)) for box, dst in out for a, b, loc in runs]
+    return out
+
+
+def _piece(name, data, gshape, box, dst, decided) -> PieceOut:
+    dt = from_torch(data.dtype)
+    view = data
+    for d, (s, n) in enumerate(zip(dst, box_shape(box))):
+        if s != 0 or n != view.shape[d]:
+            view = view.narrow(d, s, n)
+    return PieceOut(name, dt, tuple(gshape), tuple(box), piece_key(name, box, tuple(gshape)),
+                    box_numel(box) * itemsize(dt), view, decided)
+
+
+def collect_pieces(tensors, rank_plan, rank: int) -> list[PieceOut]:
+    """Every piece this rank holds, from the plan's slices (plain tensors), the
+    placements (DTensors) or the boxes given (``Boxed``); a plain tensor without a plan
+    is whole. Vocab padding rows of a plan's slice are covered by no piece: never written."""
+    from coordloader.checkpoint.dtypes import torch_dtype
+    out: list[PieceOut] = []
+    planned = {ts.name: ts for ts in rank_plan.tensors} if rank_plan is not None else {}
+    for ts in planned.values():
+        if ts.replica == 0 and ts.name not in tensors:
+            raise SaveError("the plan gives this rank a primary slice of the tensor, but it is "
+                            "missing from the tensors passed to save()", tensor=ts.name, rank=rank)
+    for name, v in tensors.items():
+        if _is_dtensor(v):
+            gshape, boxes, primary = dtensor_boxes(name, v, rank)
+            ts = planned.get(name)
+            if ts is not None and tuple(ts.global_shape) != gshape:
+                raise SaveError(f"DTensor global shape {_fmt(gshape)} differs from the plan's "
+                                f"global shape {_fmt(ts.global_shape)}", tensor=name, rank=rank)
+            if primary:
+                local = v.to_local().detach()
+                out += [_piece(name, local, gshape, b, d, False) for b, d in boxes]
+            continue
+        if isinstance(v, Boxed):
+            t, gshape, off = v.tensor.detach(), tuple(v.global_shape), tuple(v.offset)
+            if len(off) != t.dim() or len(gshape) != t.dim() or any(
+                    o < 0 or o + s > g for o, s, g in zip(off, t.shape, gshape)):
+                raise SaveError(f"Boxed local shape {_fmt(t.shape)} at offset {_fmt(off)} does "
+                                f"not fit in the global shape {_fmt(gshape)}", tensor=name, rank=rank)
+            box = tuple((o, o + s) for o, s in zip(off, t.shape))
+            out.append(_piece(name, t, gshape, box, (0,) * t.dim(), False))
+            continue
+        if not isinstance(v, torch.Tensor):
+            raise SaveError(f"expected a torch.Tensor, DTensor or coordloader Boxed, got "
+                            f"{type(v).__name__}", tensor=name, rank=rank)
+        t = v.detach()
+        ts = planned.get(name)
+        if rank_plan is None:
+            out.append(_piece(name, t, t.shape, tuple((0, n) for n in t.shape), (0,) * t.dim(),
+                              False))
+            continue
+        if ts is None:
+            raise SaveError("is not in the plan's slices for this rank; pass it as a DTensor or a "
+                            "coordloader Boxed tensor (or save without a plan)", tensor=name,
+                            rank=rank)
+        if ts.replica != 0:
+            continue
+        if tuple(t.shape) != tuple(ts.local_shape):
+            raise SaveError(f"local shape {_fmt(t.shape)} differs from the plan's local shape "
+                            f"{_fmt(ts.local_shape)} (global shape {_fmt(ts.global_shape)})",
+                            tensor=name, rank=rank)
+        if t.dtype != torch_dtype(ts.dtype):
+            raise SaveError(f"dtype {t.dtype} differs from the checkpoint dtype {ts.dtype} "
+                            f"({torch_dtype(ts.dtype)}); convert before saving", tensor=name,
+                            rank=rank)
+        out += [_piece(name, t, ts.global_shape, pc.src, pc.dst, True) for pc in ts.pieces]
+    return out
+
+
+def undecided(pieces: list[PieceOut]) -> list[tuple[str, Box]]:
+    """The (name, box) of the pieces whose writer the ranks still have to agree on."""
+    return [(p.name, p.box) for p in pieces if not p.decided]
+
+
+def keep_primaries(pieces: list[PieceOut], held: list[list[tuple[str, Box]]],
+                   rank: int) -> list[PieceOut]:
+    """Drop the undecided pieces a lower rank also holds (the same box of the same
+    tensor): every replicated box is written once, by the lowest rank holding it."""
+    first: dict[tuple[str, Box], int] = {}
+    for r, keys in enumerate(held):
+        for k in keys:
+            first.setdefault((k[0], tuple(map(tuple, k[1]))), r)
+    return [p for p in pieces if p.decided or first.get((p.name, p.box), rank) == rank]

@@ -1,0 +1,349 @@
+"""Publishing a checkpoint directory that no reader can mistake, shared by ``save`` and
+``consolidate``.
+
+Every file is first written and fsynced in a hidden staging directory inside the target
+(``.coordloader-staging-*``, which no reader looks at). Publishing then makes the visible
+changes under a marker:
+
+1. ``coordloader-publishing.json`` is written atomically (temp + rename + directory fsync).
+   It names the staging directory, the files to move in (the entry file, an index, last)
+   and the previous checkpoint's files to remove;
+2. the previous checkpoint's entry files (its index, ``model.safetensors``) are removed, so
+   no reader that ignores the marker (transformers, vLLM) ever sees an old index over new
+   files;
+3. the new files are renamed in, the entry file last, and the directory fsynced;
+4. the previous checkpoint's other files are removed, the staging directory too;
+5. the marker is removed (and the directory fsynced): the new checkpoint is published.
+
+A kill before step 1 leaves the previous checkpoint as it was; after step 5, the new one.
+In between every coordloader reader refuses the directory (``interrupted_message``), and
+``recover_save`` rolls the publish forward from the marker (every new file is on disk,
+either already moved or still staged), as does the next save into the directory.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from typing import Any, Callable, Mapping, NamedTuple
+
+from coordloader.checkpoint.fileio import fsync_dir, write_file_atomic
+from coordloader.checkpoint.formats import (
+    CONFIG_NAME,
+    HF_INDEX,
+    HF_INDEX_SUFFIX,
+    HF_SINGLE,
+    PUBLISH_MARKER,
+    SHARD_SUFFIX,
+    SHARDED_INDEX,
+    STAGING_PREFIX,
+    V1_SHARD_RE,
+)
+from coordloader.errors import SaveError
+from coordloader.verify.manifest import MANIFEST_NAME
+
+# Test hook: called with the name of each publish step just taken, so a test can kill the
+# process (or inject a fault) at every one of them. Never set in production.
+_test_hook: Callable[[str], None] | None = None
+
+# Companion files larger than this are not copied along (they are not tokenizer or config
+# files; a stray dataset next to a checkpoint must not be duplicated).
+MAX_COMPANION_BYTES = 64 * 2**20
+
+
+def _hook(step: str) -> None:
+    if _test_hook is not None:
+        _test_hook(step)
+
+
+# ------------------------------------------------------------------------------- errors
+
+def os_error(e: OSError, path: str, rank: int | None, what: str) -> SaveError:
+    if e.errno == errno.ENOSPC:
+        msg = f"no space left on device while {what}; the previous state of the directory is intact"
+    elif e.errno == errno.EDQUOT:
+        msg = f"disk quota exceeded while {what}; the previous state of the directory is intact"
+    else:
+        msg = f"{what} failed: {e.strerror or e}"
+    return SaveError(msg, file=path, rank=rank)
+
+
+def writer_error(e: SaveError, path: str, rank: int | None, what: str) -> SaveError:
+    """The safetensors writer's SaveError re-addressed to ``path`` and ``rank``: an OS error
+    (it wraps every one) in ``os_error``'s words, anything else with its tensor kept."""
+    if isinstance(e.__cause__, OSError):
+        return os_error(e.__cause__, path, rank, what)
+    return SaveError(e.message, file=path, tensor=e.tensor, rank=rank)
+
+
+# ---------------------------------------------------------------------- durable writes
+
+def write_bytes_durable(path: str, data: bytes) -> None:
+    """Write a small file completely and fsync it (into staging: the publish renames it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durable(path: str, obj: Any) -> None:
+    write_bytes_durable(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+# ---------------------------------------------------------------- what is already there
+
+class Existing(NamedTuple):
+    """The checkpoint already in a directory: its entry files (what a reader opens first)
+    and every file that belongs to it."""
+    entries: frozenset[str]
+    files: frozenset[str]
+
+
+def _plain(names) -> frozenset[str]:
+    # never follow a name out of the directory
+    return frozenset(n for n in names if isinstance(n, str) and n and "/" not in n
+                     and "\\" not in n and n not in (".", ".."))
+
+
+def _index_files(path: str) -> set[str]:
+    """File names an index (HF, v1 or v2 sharded) refers to; empty if it is unreadable."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        names = {v for v in (d.get("weight_map") or {}).values()}
+        section = d.get("coordloader") if "coordloader" in d else d
+        for t in ((section or {}).get("tensors") or {}).values():
+            names |= {p.get("file") for p in t.get("pieces", [])}
+        return names
+    except (OSError, ValueError, AttributeError, TypeError):
+        return set()  # an unreadable old index: only its own name is known
+
+
+def existing_checkpoint(out_dir: str) -> Existing | None:
+    """The checkpoint in ``out_dir`` (None when there is none). Loose shards of a crashed
+    version-1 save count as its files, so that a save over them removes them."""
+    try:
+        names = set(os.listdir(out_dir))
+    except FileNotFoundError:
+        return None
+    entries = {n for n in names if n == SHARDED_INDEX or n.endswith(HF_INDEX_SUFFIX)
+               or n == HF_SINGLE}
+    if not entries:
+        return None
+    files = set(entries)
+    for e in entries - {HF_SINGLE}:
+        files |= _index_files(os.path.join(out_dir, e))
+    files |= {n for n in names if V1_SHARD_RE.match(n) or n.endswith(SHARD_SUFFIX)}
+    if MANIFEST_NAME in names:
+        files.add(MANIFEST_NAME)
+    return Existing(_plain(entries), _plain(files) & names)
+
+
+def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str) -> str:
+    """Check the target and create a fresh staging directory in it; returns its name. An
+    interrupted publish found there is finished first, so the directory is one checkpoint
+    again before the overwrite rule applies."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, out_dir, rank, "creating the output directory") from e
+    if not os.path.isdir(out_dir):
+        raise SaveError("output path exists and is not a directory", file=out_dir, rank=rank)
+    if os.path.lexists(os.path.join(out_dir, PUBLISH_MARKER)):
+        recover_save(out_dir)
+    if existing_checkpoint(out_dir) is not None and not overwrite:
+        raise SaveError("a checkpoint already exists here; pass overwrite=True to replace it",
+                        file=out_dir, rank=rank)
+    # Leftovers of a save killed before it published (never part of a checkpoint).
+    for n in os.listdir(out_dir):
+        if n.startswith(STAGING_PREFIX):
+            shutil.rmtree(os.path.join(out_dir, n), ignore_errors=True)
+    stage = STAGING_PREFIX + token
+    try:
+        os.mkdir(os.path.join(out_dir, stage))
+    except OSError as e:
+        raise os_error(e, os.path.join(out_dir, stage), rank, "creating the staging directory") from e
+    return stage
+
+
+# ------------------------------------------------------------------------------ publish
+
+class PublishRecord(NamedTuple):
+    """The marker's content: enough to finish the publish from any point."""
+    stage: str               # staging directory (a name inside the target)
+    files: tuple[str, ...]   # new files, in move order: the entry file last
+    remove: tuple[str, ...]  # previous checkpoint's files the new one does not reuse
+    old_entries: tuple[str, ...]
+
+
+def publish(out_dir: str, stage: str, files: list[str], entry: str) -> None:
+    """Move ``files`` and then ``entry`` (all written and fsynced in ``out_dir/stage``)
+    into ``out_dir`` under the publish marker (see the module docstring)."""
+    old = existing_checkpoint(out_dir) or Existing(frozenset(), frozenset())
+    new = [f for f in files if f != entry] + [entry]
+    keep = set(new) | {CONFIG_NAME}
+    rec = PublishRecord(stage, tuple(new), tuple(sorted(old.files - keep)),
+                        tuple(sorted(old.entries - keep)))
+    _hook("staged")
+    write_file_atomic(os.path.join(out_dir, PUBLISH_MARKER),
+                      (json.dumps(rec._asdict(), indent=1) + "\n").encode())
+    _hook("marked")
+    _roll_forward(out_dir, rec)
+
+
+def _roll_forward(out_dir: str, rec: PublishRecord) -> None:
+    """Steps 2-5 of a publish; every step is idempotent, so recovery re-runs them all."""
+    for n in rec.old_entries:
+        _unlink(os.path.join(out_dir, n))
+    fsync_dir(out_dir)
+    _hook("old-entries-removed")
+    stage_dir = os.path.join(out_dir, rec.stage)
+    for f in rec.files:
+        src, dst = os.path.join(stage_dir, f), os.path.join(out_dir, f)
+        if os.path.lexists(src):
+            if f == rec.files[-1]:
+                fsync_dir(out_dir)  # every other file's rename is durable before the entry's
+            os.replace(src, dst)
+        elif not os.path.lexists(dst):
+            raise SaveError(f"cannot finish the interrupted save: {f} is neither in the staging "
+                            f"directory {rec.stage} nor in place; the new checkpoint is lost, "
+                            f"save it again (overwrite=True)", file=out_dir)
+        _hook(f"moved {f}")
+    fsync_dir(out_dir)
+    for n in rec.remove:
+        _unlink(os.path.join(out_dir, n))
+    shutil.rmtree(stage_dir, ignore_errors=True)
+    fsync_dir(out_dir)
+    _hook("old-files-removed")
+    _unlink(os.path.join(out_dir, PUBLISH_MARKER))
+    fsync_dir(out_dir)
+    _hook("published")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def recover_save(out_dir: str | os.PathLike) -> bool:
+    """Finish a save or consolidate whose publish was interrupted in ``out_dir`` (killed
+    after its marker was written). Returns False when there was nothing to finish.
+    Raises SaveError if the marker is unreadable or a new file is gone."""
+    out_dir = os.fspath(out_dir)
+    path = os.path.join(out_dir, PUBLISH_MARKER)
+    if not os.path.lexists(path):
+        return False
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        rec = PublishRecord(str(d["stage"]), tuple(map(str, d["files"])),
+                            tuple(map(str, d["remove"])), tuple(map(str, d["old_entries"])))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SaveError(f"the publish marker {PUBLISH_MARKER} is unreadable ({e}); the directory "
+                        f"mixes two checkpoints: save again into a fresh directory",
+                        file=out_dir) from e
+    names = (rec.stage,) + rec.files + rec.remove + rec.old_entries
+    if not rec.stage.startswith(STAGING_PREFIX) or _plain(names) != frozenset(names):
+        raise SaveError(f"the publish marker {PUBLISH_MARKER} names files outside the directory; "
+                        f"refusing to act on it", file=out_dir)
+    _roll_forward(out_dir, rec)
+    return True
+
+
+# ------------------------------------------------------------------- the model's config
+
+class ModelConfig(NamedTuple):
+    """``config=`` resolved: the config.json bytes to write, their parsed content, and the
+    directory whose companion files travel along (None for a dict or a file)."""
+    data: bytes
+    doc: dict
+    src_dir: str | None
+
+
+def resolve_config(config: Any, rank: int | None) -> ModelConfig:
+    """Read ``config=`` (a dict, a path to config.json, or the source checkpoint directory)
+    before anything is written; refuse None (save's rule: a checkpoint without config.json
+    cannot be planned at any sharded layout nor consolidated into something transformers
+    loads)."""
+    if config is None:
+        raise SaveError("config= is required: pass the source checkpoint directory, a path to "
+                        "its config.json, or the config as a dict. The planner detects the "
+                        "architecture preset from config.json, so without it the saved "
+                        "checkpoint could not be loaded at any sharded layout, nor consolidated "
+                        "into a checkpoint transformers accepts", rank=rank)
+    if isinstance(config, Mapping):
+        doc = dict(config)
+        try:
+            data = (json.dumps(doc, indent=2) + "\n").encode()
+        except (TypeError, ValueError) as e:
+            raise SaveError(f"config= dict is not JSON-serialisable: {e}", rank=rank) from e
+        return ModelConfig(data, doc, None)
+    if not isinstance(config, (str, os.PathLike)):
+        raise SaveError(f"config= must be a dict, a path to config.json or a checkpoint "
+                        f"directory, got {type(config).__name__}", rank=rank)
+    path = os.fspath(config)
+    src_dir = None
+    if os.path.isdir(path):
+        src_dir, path = path, os.path.join(path, CONFIG_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise SaveError(f"cannot read the config given as config=: {e.strerror or e}",
+                        file=path, rank=rank) from e
+    try:
+        doc = json.loads(data)
+    except ValueError as e:
+        raise SaveError(f"config is not valid JSON: {e}", file=path, rank=rank) from e
+    if not isinstance(doc, dict):
+        raise SaveError(f"config is a JSON {type(doc).__name__}, expected an object", file=path,
+                        rank=rank)
+    return ModelConfig(data, doc, src_dir)
+
+
+# --------------------------------------------------------------------- companion files
+
+def companion_files(src_dir: str, skip: set[str]) -> list[str]:
+    """Small regular files of a checkpoint directory that are not checkpoint data
+    (config.json, generation_config.json, tokenizer files, chat template, ...): what a save
+    or a consolidate carries along. ``skip``: the source checkpoint's own files."""
+    out = []
+    for entry in sorted(os.listdir(src_dir)):
+        p = os.path.join(src_dir, entry)
+        if (entry in skip or entry.startswith(".") or entry in (PUBLISH_MARKER, MANIFEST_NAME,
+                                                                SHARDED_INDEX, HF_INDEX)
+                or entry.endswith((".safetensors", HF_INDEX_SUFFIX, SHARD_SUFFIX))
+                or not os.path.isfile(p)):
+            continue
+        if os.path.getsize(p) > MAX_COMPANION_BYTES:
+            continue
+        out.append(entry)
+    return out
+
+
+def stage_config(stage_dir: str, cfg: ModelConfig, skip: set[str] = frozenset()) -> list[str]:
+    """Write ``cfg``'s config.json and copy its directory's companion files into the stage
+    (fsynced: the publish renames them); returns the names written."""
+    written = []
+    p = os.path.join(stage_dir, CONFIG_NAME)
+    try:
+        write_bytes_durable(p, cfg.data)
+        written.append(CONFIG_NAME)
+        if cfg.src_dir is not None:
+            for n in companion_files(cfg.src_dir, set(skip) | {CONFIG_NAME}):
+                p = os.path.join(stage_dir, n)
+                shutil.copyfile(os.path.join(cfg.src_dir, n), p)
+                with open(p, "rb+") as f:
+                    os.fsync(f.fileno())
+                written.append(n)
+    except OSError as e:
+        raise os_error(e, p, None, "copying the config and companion files") from e
+    return written
