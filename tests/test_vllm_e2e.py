@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+import coordloader as cl
+
 from hfmodels import write_llama, write_qwen3_moe
 
 
@@ -59,6 +61,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     ckpt = {"llama": write_llama(str(root / "llama")),
             "qwen3_moe": write_qwen3_moe(str(root / "qwen3_moe"))}
+    # the training end of the handoff: llama saved sharded by coordloader at tp=2
+    sharded = str(root / "llama-sharded")
+    for r in range(2):
+        res = cl.load_detailed(ckpt["llama"], cl.Layout(tp=2), rank=r)
+        cl.save(sharded, res.tensors, res.plan, rank=r, config=ckpt["llama"])
     wrong = root / "wrong_rules.json"
     wrong.write_text(json.dumps(WRONG_RULES))
     jobs = []
@@ -69,6 +76,8 @@ def runs(tmp_path_factory):
     for fmt in ("safetensors", "coordloader"):
         jobs.append(dict(name=f"qwen3_moe-ep2-{fmt}", checkpoint=ckpt["qwen3_moe"], format=fmt,
                          tp=2, ep=True, generate=False))
+    for fmt in ("safetensors", "coordloader"):
+        jobs.append(dict(name=f"llama-sharded-tp2-{fmt}", checkpoint=sharded, format=fmt, tp=2))
     jobs.append(dict(name="llama-tp2-wrong-rules", checkpoint=ckpt["llama"], format="coordloader",
                      tp=2, generate=False, extra={"rules": str(wrong)}))
     jobs.append(dict(name="llama-tp1-unknown-key", checkpoint=ckpt["llama"], format="coordloader",
@@ -113,6 +122,17 @@ def test_every_parameter_bit_equal(runs, model, tp):
     reports = [w["report"] for w in got["workers"]]
     assert [r["rank"] for r in reports] == list(range(tp))
     assert all(r["layout"].startswith(f"tp={tp} ") for r in reports)
+
+
+def test_coordloader_sharded_save_is_served_by_coordloader_only(runs):
+    # vLLM's own loader finds no weights in it (it is not an HF checkpoint) ...
+    err = runs["llama-sharded-tp2-safetensors"]["error"]
+    assert "Cannot find any model weights" in err["log_tail"], err["log_tail"][-3000:]
+    # ... and coordloader serves it: the same tokens and parameters as the original
+    ref, got = ok(runs, "llama-tp2-safetensors"), ok(runs, "llama-sharded-tp2-coordloader")
+    assert got["tokens"] == ref["tokens"]
+    for w_ref, w_got in zip(ref["workers"], got["workers"]):
+        assert w_ref["params"] == w_got["params"]
 
 
 def test_dense_bytes_read_per_rank_about_half_at_tp2(runs):
