@@ -246,6 +246,97 @@ def _glm4_moe_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
     raise AssertionError(f"reference has no vLLM rule for {name}")
 
 
+def _gpt_oss_model():
+    from transformers import GptOssConfig, GptOssForCausalLM
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                       tie_word_embeddings=False)
+    # the published checkpoint's non-expert tensors are bf16
+    return GptOssForCausalLM(cfg).to(torch.bfloat16)
+
+
+def _moe_intermediate_range(size: int, c: Coords, unit: int = 1) -> tuple[int, int]:
+    """vLLM gpt_oss.py's tp_rank_start/tp_rank_end over the MoE TP ranks: a per-rank size of
+    cdiv(size / unit, moe_tp) units of ``unit`` elements (unit 32 for MXFP4), the last rank
+    short."""
+    per = -(-(size // unit) // c.moe_tp) * unit
+    start = c.moe_tp_rank * per
+    return start, min(start + per, size)
+
+
+def _gpt_oss_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM gpt_oss.py (``_load_weights_other``, bf16): QKVParallelLinear q/k/v with
+    biases, RowParallelLinear o_proj (bias whole), ``sinks`` narrowed to the rank's heads
+    (``head_start = tp_rank * heads // tp``), the router an nn.Linear (whole), and the fused
+    experts: with EP a run of whole experts, else ``w13 = gate_up[:, :, 2*start:2*end]``
+    (interleaved gate/up pairs kept together), ``w13_bias[:, 2*start:2*end]``,
+    ``w2 = down[:, start:end, :]`` and w2_bias whole."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return vocab_parallel(t, c)
+    leaf = name.rsplit(".", 1)[1]
+    if ".self_attn.q_proj." in name:
+        return qkv_heads(t, cfg["num_attention_heads"], c, kv=False)
+    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        return qkv_heads(t, cfg["num_key_value_heads"], c, kv=True)
+    if name.endswith("self_attn.o_proj.weight"):
+        return split(t, 1, c.tp, c.tp_rank)
+    if name.endswith("self_attn.sinks"):
+        per = cfg["num_attention_heads"] // c.tp
+        return t.narrow(0, c.tp_rank * per, per)
+    if ".mlp.experts." in name:
+        mine = t[list(linear_experts(cfg["num_local_experts"], c))]
+        a, b = _moe_intermediate_range(cfg["intermediate_size"], c)
+        if leaf == "gate_up_proj":
+            return mine[:, :, 2 * a:2 * b]
+        if leaf == "gate_up_proj_bias":
+            return mine[:, 2 * a:2 * b]
+        if leaf == "down_proj":
+            return mine[:, a:b, :]
+        if leaf == "down_proj_bias":
+            return mine
+    if ".mlp.router." in name or name.endswith(("norm.weight", "o_proj.bias")):
+        return t
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
+def _llama4_model():
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    cfg = Llama4TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16,
+                           intermediate_size_mlp=48, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                           num_experts_per_tok=1, interleave_moe_layer_step=2,
+                           tie_word_embeddings=False)
+    return Llama4ForCausalLM(cfg).to(torch.bfloat16)
+
+
+def _llama4_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM llama4.py: Llama4Attention (QKVParallelLinear, RowParallelLinear o_proj); on
+    every interleave_moe_layer_step-th layer a Llama4MoE (ReplicatedLinear router, FusedMoE
+    experts loaded by ``load_moe_expert_weights``: gate_up_proj [E, H, 2I] chunked into
+    gate and up halves on its last dim, each transposed and split over the MoE TP ranks;
+    down_proj [E, I, H] split on I; shared_expert a LlamaMLP), elsewhere a LlamaMLP."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return vocab_parallel(t, c)
+    if ".self_attn.q_proj." in name:
+        return qkv_heads(t, cfg["num_attention_heads"], c, kv=False)
+    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        return qkv_heads(t, cfg["num_key_value_heads"], c, kv=True)
+    if ".feed_forward.experts." in name:
+        mine = t[list(linear_experts(cfg["num_local_experts"], c))]
+        if name.endswith("gate_up_proj"):
+            return torch.cat([split(h, 2, c.moe_tp, c.moe_tp_rank) for h in mine.chunk(2, dim=-1)],
+                             dim=2)
+        return split(mine, 1, c.moe_tp, c.moe_tp_rank)
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+        return split(t, 0, c.tp, c.tp_rank)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return split(t, 1, c.tp, c.tp_rank)
+    if ".feed_forward.router." in name or name.endswith("norm.weight"):
+        return t
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
 FAMILIES = {
     "qwen2_moe": Family("qwen2_moe", _qwen2_moe_model, _qwen2_moe_reference,
                         (dict(tp=2), dict(tp=2, ep=2), dict(tp=4, ep=4))),
@@ -254,6 +345,10 @@ FAMILIES = {
     "gemma3": Family("gemma3", _gemma3_model, _gemma3_reference, (dict(tp=2), dict(tp=4))),
     "glm4_moe": Family("glm4_moe", _glm4_moe_model, _glm4_moe_reference,
                        (dict(tp=2), dict(tp=2, ep=2), dict(tp=4, ep=4))),
+    "gpt_oss": Family("gpt_oss", _gpt_oss_model, _gpt_oss_reference,
+                      (dict(tp=2), dict(tp=4), dict(tp=2, ep=2), dict(tp=4, ep=4))),
+    "llama4": Family("llama4", _llama4_model, _llama4_reference,
+                     (dict(tp=2), dict(tp=4), dict(tp=2, ep=2), dict(tp=4, ep=4))),
 }
 
 
@@ -420,3 +515,60 @@ def test_fused_gate_up_split_without_declared_halves_is_refused(fused_experts_ck
     rules = [dict(FUSED_RULES[0], params={"dim": 0}), FUSED_RULES[1]]
     with pytest.raises(cl.errors.PlanError, match="gate_up_proj.*num_blocks=2"):
         cl.make_plan(str(fused_experts_ckpt), cl.Layout(tp=2), rules=rules)
+
+
+# --- gpt_oss: interleaved gate/up pairs; llama4: fused block halves -------------------------
+
+def test_gpt_oss_and_llama4_detected(hf_checkpoint):
+    for fam in ("gpt_oss", "llama4"):
+        cfg = json.loads((hf_checkpoint(fam) / "config.json").read_text())
+        assert cl.planning.rules.detect_preset(cfg) == fam
+        assert cl.planning.rules.detect_preset({"model_type": cfg["model_type"]}) == fam
+
+
+@pytest.mark.parametrize("layout", FAMILIES["gpt_oss"].layouts, ids=str)
+def test_gpt_oss_matches_vllm(hf_checkpoint, layout):
+    check_family(hf_checkpoint("gpt_oss"), FAMILIES["gpt_oss"], layout)
+
+
+@pytest.mark.parametrize("layout", FAMILIES["llama4"].layouts, ids=str)
+def test_llama4_matches_vllm(hf_checkpoint, layout):
+    check_family(hf_checkpoint("llama4"), FAMILIES["llama4"], layout)
+
+
+def test_reference_catches_interleaved_pairs_split_as_halves(hf_checkpoint):
+    """A planted wrong rule: gpt-oss's interleaved gate/up pairs declared as block halves."""
+    rules = [{"pattern": "*.mlp.experts.gate_up_proj", "strategy": "expert",
+              "params": {"dim": 1, "num_blocks": 2}}]
+    with pytest.raises(AssertionError, match="gate_up_proj"):
+        check_family(hf_checkpoint("gpt_oss"), FAMILIES["gpt_oss"], dict(tp=2), rules=rules)
+
+
+def test_reference_catches_block_halves_split_as_interleaved(hf_checkpoint):
+    """The reverse: llama4's gate and up halves declared as interleaved pairs."""
+    rules = [{"pattern": "*.feed_forward.experts.gate_up_proj", "strategy": "expert",
+              "params": {"dim": 1, "interleaved": 2}}]
+    with pytest.raises(AssertionError, match="gate_up_proj"):
+        check_family(hf_checkpoint("llama4"), FAMILIES["llama4"], dict(tp=2), rules=rules)
+
+
+@pytest.mark.parametrize("family,pattern", [("gpt_oss", "*.mlp.experts.gate_up_proj"),
+                                            ("gpt_oss", "*.mlp.experts.gate_up_proj_bias"),
+                                            ("llama4", "*.feed_forward.experts.gate_up_proj")])
+def test_gate_up_split_without_declared_packing_is_refused(hf_checkpoint, family, pattern):
+    rules = [{"pattern": pattern, "strategy": "expert", "params": {"dim": 1 if "bias" not in
+                                                                   pattern else 0}}]
+    with pytest.raises(cl.errors.PlanError, match="gate_up_proj.*interleaved=2"):
+        cl.make_plan(str(hf_checkpoint(family)), cl.Layout(tp=2), rules=rules)
+    # with whole experts (moe_tp 1) nothing is split, so nothing needs declaring
+    cl.make_plan(str(hf_checkpoint(family)), cl.Layout(tp=2, ep=2), rules=rules)
+
+
+def test_expert_packing_params_are_checked():
+    from coordloader.planning.rules import make_rule
+    with pytest.raises(cl.errors.PlanError, match="exclusive"):
+        make_rule("*.gate_up_proj", "expert", {"dim": 0, "num_blocks": 2, "interleaved": 2})
+    with pytest.raises(cl.errors.PlanError, match="split 'dim'"):
+        make_rule("*.gate_up_proj", "expert", {"interleaved": 2})
+    with pytest.raises(cl.errors.PlanError, match="positive integer"):
+        make_rule("*.gate_up_proj", "expert", {"dim": 0, "split_unit": 0})
