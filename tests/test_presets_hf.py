@@ -572,3 +572,114 @@ def test_expert_packing_params_are_checked():
         make_rule("*.gate_up_proj", "expert", {"interleaved": 2})
     with pytest.raises(cl.errors.PlanError, match="positive integer"):
         make_rule("*.gate_up_proj", "expert", {"dim": 0, "split_unit": 0})
+
+
+# --- gpt-oss as published: MXFP4 expert storage ---------------------------------------------
+
+def _write_gpt_oss_mxfp4(out: Path, intermediate: int) -> Path:
+    """A hand-written checkpoint in the layout of openai/gpt-oss-*: per layer the router and
+    the experts as ``*_blocks`` (uint8, two FP4 values a byte, 32-value blocks of 16 bytes)
+    and ``*_scales`` (uint8, one per block) plus bf16 biases, with a config that says
+    ``quant_method: mxfp4``."""
+    from safetensors.torch import save_file
+    from transformers import GptOssConfig
+    E, H, I = 4, 64, intermediate
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=I,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, num_local_experts=E, num_experts_per_tok=2).to_dict()
+    cfg["architectures"] = ["GptOssForCausalLM"]
+    cfg["quantization_config"] = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                             "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"]}
+    g = torch.Generator().manual_seed(7)
+
+    def u8(*shape):
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+
+    def bf16(*shape):
+        return torch.randn(shape, generator=g).to(torch.bfloat16)
+    for f in range(2):        # one file per layer: several shards
+        p = f"model.layers.{f}.mlp."
+        save_file({p + "router.weight": bf16(E, H), p + "router.bias": bf16(E),
+                   p + "experts.gate_up_proj_blocks": u8(E, 2 * I, H // 32, 16),
+                   p + "experts.gate_up_proj_scales": u8(E, 2 * I, H // 32),
+                   p + "experts.gate_up_proj_bias": bf16(E, 2 * I),
+                   p + "experts.down_proj_blocks": u8(E, H, I // 32, 16),
+                   p + "experts.down_proj_scales": u8(E, H, I // 32),
+                   p + "experts.down_proj_bias": bf16(E, H)},
+                  str(out / f"model-{f + 1:05d}-of-00002.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def _gpt_oss_mxfp4_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM gpt_oss.py ``_load_weights_mxfp4``: with EP a run of whole experts; else the
+    intermediate range [start, end) moves in whole 32-element blocks (per rank
+    cdiv(I/32, tp) blocks, the last rank short), w13 blocks viewed as (E, 2I, -1) and cut
+    ``[:, 2*start:2*end]`` (interleaved pairs, as the scales and w13 bias), w2 blocks viewed
+    as (E, H, I/2) bytes and cut ``[..., start//2:end//2]``, w2 scales
+    ``[..., start//32:end//32]``, w2 bias whole."""
+    if ".mlp.router." in name:
+        return t
+    I = cfg["intermediate_size"]
+    mine = t[list(linear_experts(cfg["num_local_experts"], c))]
+    n = mine.shape[0]
+    a, b = _moe_intermediate_range(I, c, unit=32)
+    leaf = name.rsplit(".", 1)[1]
+    if leaf == "gate_up_proj_blocks":
+        return mine.reshape(n, 2 * I, -1)[:, 2 * a:2 * b].reshape(n, 2 * (b - a),
+                                                                   *mine.shape[2:])
+    if leaf in ("gate_up_proj_scales", "gate_up_proj_bias"):
+        return mine[:, 2 * a:2 * b]
+    if leaf == "down_proj_blocks":
+        h = mine.shape[1]
+        return mine.reshape(n, h, I // 2)[..., a // 2:b // 2].reshape(n, h, (b - a) // 32, 16)
+    if leaf == "down_proj_scales":
+        return mine[..., a // 32:b // 32]
+    if leaf == "down_proj_bias":
+        return mine
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_mxfp4(tmp_path_factory):
+    """intermediate size -> a hand-written MXFP4 gpt-oss checkpoint, made once."""
+    made: dict[int, Path] = {}
+
+    def get(intermediate: int) -> Path:
+        if intermediate not in made:
+            made[intermediate] = _write_gpt_oss_mxfp4(
+                tmp_path_factory.mktemp(f"gpt-oss-mxfp4-{intermediate}"), intermediate)
+        return made[intermediate]
+    return get
+
+
+MXFP4 = Family("gpt_oss_mxfp4", lambda: None, _gpt_oss_mxfp4_reference, ())
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=4), dict(tp=2, ep=2),
+                                    dict(tp=4, ep=2)], ids=str)
+def test_gpt_oss_mxfp4_matches_vllm(gpt_oss_mxfp4, layout):
+    # I = 128: four 32-element blocks, an even split at moe_tp 2 and 4
+    check_family(gpt_oss_mxfp4(128), MXFP4, layout)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt_oss_mxfp4_uneven_blocks_match_vllm_cdiv(gpt_oss_mxfp4, tp):
+    """I = 96 holds three blocks (as gpt-oss-120b's 90 at tp 4): vLLM gives each rank
+    cdiv(3, tp) blocks and the last rank what is left (at tp 4, nothing); that is
+    allow_uneven's torch.chunk split, and without it the plan is refused."""
+    path = gpt_oss_mxfp4(96)
+    with pytest.raises(cl.errors.PlanError, match="not divisible"):
+        cl.make_plan(str(path), cl.Layout(tp=tp))
+    check_family(path, MXFP4, dict(tp=tp, allow_uneven=True))
+
+
+def test_reference_catches_mxfp4_split_off_its_blocks(gpt_oss_mxfp4):
+    """Without split_unit the gate_up pairs split at element granularity (the bf16 rule);
+    at I = 96, tp = 2 that is 48 elements, not vLLM's two 32-element blocks."""
+    rules = [{"pattern": "re:.*\\.experts\\.gate_up_proj_(bias|blocks|scales)",
+              "strategy": "expert", "params": {"dim": 0, "interleaved": 2}}]
+    with pytest.raises(AssertionError, match="gate_up_proj"):
+        check_family(gpt_oss_mxfp4(96), MXFP4, dict(tp=2, allow_uneven=True), rules=rules)
