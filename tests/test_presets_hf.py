@@ -337,6 +337,58 @@ def _llama4_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
     raise AssertionError(f"reference has no vLLM rule for {name}")
 
 
+def _qwen3_next_model():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                          moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, num_experts=4, num_experts_per_tok=2,
+                          linear_num_key_heads=4, linear_num_value_heads=8,
+                          linear_key_head_dim=8, linear_value_head_dim=4,
+                          linear_conv_kernel_dim=4, full_attention_interval=2,
+                          decoder_sparse_step=1, mlp_only_layers=[3], tie_word_embeddings=False)
+    return Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
+
+
+def _qwen3_next_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
+    """vLLM qwen3_next.py: Qwen3NextAttention's QKVParallelLinear over 2x the heads (query
+    and output gate per head), RowParallelLinear o_proj, replicated q_norm/k_norm; the gated
+    DeltaNet (qwen_gdn_linear_attn.py, Qwen3-Next layout): in_proj_qkvz and in_proj_ba
+    MergedColumnParallelLinear with one output (a contiguous 1/tp of the rows), conv1d
+    through mamba_v2_sharded_weight_loader (q, k, v channel blocks each cut to 1/tp),
+    dt_bias/A_log through sharded_weight_loader(0), out_proj RowParallelLinear, RMSNormGated
+    whole; Qwen3NextSparseMoeBlock (ReplicatedLinear gate and shared_expert_gate, FusedMoE
+    experts, shared_expert a Qwen2MoeMLP), a Qwen2MoeMLP on mlp_only_layers."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return vocab_parallel(t, c)
+    parts = name.split(".")
+    if ".self_attn.q_proj." in name:
+        return qkv_heads(t, 2 * cfg["num_attention_heads"], c, kv=False)
+    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        return qkv_heads(t, cfg["num_key_value_heads"], c, kv=True)
+    if ".linear_attn." in name:
+        leaf = ".".join(parts[4:])
+        if leaf in ("in_proj_qkvz.weight", "in_proj_ba.weight", "dt_bias", "A_log"):
+            return split(t, 0, c.tp, c.tp_rank)
+        if leaf == "conv1d.weight":
+            kd = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+            vd = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+            return torch.cat([split(b, 0, c.tp, c.tp_rank) for b in t.split([kd, kd, vd])])
+        if leaf == "out_proj.weight":
+            return split(t, 1, c.tp, c.tp_rank)
+    if ".mlp.experts." in name:
+        if int(parts[5]) not in linear_experts(cfg["num_experts"], c):
+            return None
+        return split(t, 1 if parts[6] == "down_proj" else 0, c.moe_tp, c.moe_tp_rank)
+    if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "norm.weight")):
+        return t
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+        return split(t, 0, c.tp, c.tp_rank)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return split(t, 1, c.tp, c.tp_rank)
+    raise AssertionError(f"reference has no vLLM rule for {name}")
+
+
 FAMILIES = {
     "qwen2_moe": Family("qwen2_moe", _qwen2_moe_model, _qwen2_moe_reference,
                         (dict(tp=2), dict(tp=2, ep=2), dict(tp=4, ep=4))),
@@ -349,6 +401,8 @@ FAMILIES = {
                       (dict(tp=2), dict(tp=4), dict(tp=2, ep=2), dict(tp=4, ep=4))),
     "llama4": Family("llama4", _llama4_model, _llama4_reference,
                      (dict(tp=2), dict(tp=4), dict(tp=2, ep=2), dict(tp=4, ep=4))),
+    "qwen3_next": Family("qwen3_next", _qwen3_next_model, _qwen3_next_reference,
+                         (dict(tp=2), dict(tp=4), dict(tp=2, ep=2), dict(tp=4, ep=4))),
 }
 
 
@@ -519,8 +573,8 @@ def test_fused_gate_up_split_without_declared_halves_is_refused(fused_experts_ck
 
 # --- gpt_oss: interleaved gate/up pairs; llama4: fused block halves -------------------------
 
-def test_gpt_oss_and_llama4_detected(hf_checkpoint):
-    for fam in ("gpt_oss", "llama4"):
+def test_gpt_oss_llama4_qwen3_next_detected(hf_checkpoint):
+    for fam in ("gpt_oss", "llama4", "qwen3_next"):
         cfg = json.loads((hf_checkpoint(fam) / "config.json").read_text())
         assert cl.planning.rules.detect_preset(cfg) == fam
         assert cl.planning.rules.detect_preset({"model_type": cfg["model_type"]}) == fam
@@ -534,6 +588,19 @@ def test_gpt_oss_matches_vllm(hf_checkpoint, layout):
 @pytest.mark.parametrize("layout", FAMILIES["llama4"].layouts, ids=str)
 def test_llama4_matches_vllm(hf_checkpoint, layout):
     check_family(hf_checkpoint("llama4"), FAMILIES["llama4"], layout)
+
+
+@pytest.mark.parametrize("layout", FAMILIES["qwen3_next"].layouts, ids=str)
+def test_qwen3_next_matches_vllm(hf_checkpoint, layout):
+    check_family(hf_checkpoint("qwen3_next"), FAMILIES["qwen3_next"], layout)
+
+
+def test_qwen3_next_linear_attention_refuses_split_key_head_groups(hf_checkpoint):
+    """tp 8 > the 4 key heads of the linear attention: vLLM cannot view its rank's rows
+    as whole key-head groups either, so the plan is refused, naming the tensor."""
+    with pytest.raises(cl.errors.PlanError, match=r"linear_attn\..*tp=8 exceeds the 4 heads"):
+        cl.make_plan(str(hf_checkpoint("qwen3_next")), cl.Layout(tp=8),
+                     rules=[{"pattern": "*.self_attn.*", "strategy": "replicate"}])
 
 
 def test_reference_catches_interleaved_pairs_split_as_halves(hf_checkpoint):

@@ -12,7 +12,7 @@ from coordloader.planning.rules.ruleset import Rule, make_rule
 
 PRESETS = ("llama", "qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "bert",
            "phi3", "gemma3", "glm4_moe",
-           "gpt_oss", "llama4")
+           "gpt_oss", "llama4", "qwen3_next")
 
 # config.json "architectures" entries -> preset
 _ARCHITECTURES = {
@@ -27,6 +27,7 @@ _ARCHITECTURES = {
     "BertForPreTraining": "bert",
     "GptOssForCausalLM": "gpt_oss",
     "Llama4ForCausalLM": "llama4",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 _MODEL_TYPES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen2_moe": "qwen2_moe",
@@ -37,6 +38,7 @@ _MODEL_TYPES = {
     "gemma3_text": "gemma3", "glm4_moe": "glm4_moe",
     "gpt_oss": "gpt_oss",
     "llama4_text": "llama4",
+    "qwen3_next": "qwen3_next",
 }
 
 
@@ -141,7 +143,9 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
         rules += _gpt_oss(config, R, need(heads, "num_attention_heads"), exp)
     if name == "llama4":
         rules += _llama4(R, exp)
-    if name in ("qwen3_moe", "qwen2", "qwen2_moe"):
+    if name == "qwen3_next":
+        rules += _qwen3_next(config, R)
+    if name in ("qwen3_moe", "qwen2", "qwen2_moe", "qwen3_next"):
         # vLLM qwen2_moe.py: shared_expert is a Qwen2MoeMLP (merged gate/up colwise, down
         # rowwise); gate is a ReplicatedLinear and shared_expert_gate a plain nn.Linear
         rules += [R(r".*\.mlp\.gate\.weight", "replicate"),
@@ -223,6 +227,35 @@ def _llama4(R, exp: dict) -> list[Rule]:
         R(f + r"experts\.down_proj", "expert", dim=0, **exp),
         R(f + r"(shared_expert\.)?(gate|up)_proj\.weight", "colwise"),
         R(f + r"(shared_expert\.)?down_proj\.weight", "rowwise"),
+    ]
+
+
+def _qwen3_next(config, R) -> list[Rule]:
+    """qwen3_next (Qwen3-Next), as vLLM's qwen3_next.py and its gated DeltaNet layer
+    (layers/mamba/gdn/qwen_gdn_linear_attn.py, ``gqa_interleaved_layout``). Full-attention
+    layers: q_proj holds each head's query and output gate (QKVParallelLinear of 2x the
+    heads), so it splits by heads like q/k/v elsewhere. Linear-attention layers:
+    in_proj_qkvz and in_proj_ba are one output shard each whose rows are grouped per key
+    head, so a rank takes whole key-head groups; conv1d packs q, k and v channels, each
+    split on its own (mamba_v2_sharded_weight_loader); dt_bias and A_log one value per
+    value head; out_proj rowwise; the gated norm replicated. The MoE block is qwen2_moe's
+    with the shared expert kept as a Qwen3NextMLP. The MTP draft layers (``mtp.*``) are
+    loaded by vLLM's draft model, not this one: no rule here plans them."""
+    nk = _cfg_int(config, "linear_num_key_heads", preset="qwen3_next")
+    nv = _cfg_int(config, "linear_num_value_heads", preset="qwen3_next")
+    hk = _cfg_int(config, "linear_key_head_dim", preset="qwen3_next")
+    hv = _cfg_int(config, "linear_value_head_dim", preset="qwen3_next")
+    if None in (nk, nv, hk, hv):
+        raise PlanError("preset qwen3_next: config.json lacks linear_num_key_heads, "
+                        "linear_num_value_heads, linear_key_head_dim or "
+                        "linear_value_head_dim, needed to split the linear attention")
+    la = r".*\.linear_attn\."
+    return [
+        R(la + r"in_proj_(qkvz|ba)\.weight", "heads", num_heads=nk),
+        R(la + r"conv1d\.weight", "packed", blocks=[nk * hk, nk * hk, nv * hv],
+          heads=[nk, nk, nv]),
+        R(la + r"(dt_bias|A_log)", "heads", num_heads=nv),
+        R(la + r"out_proj\.weight", "rowwise"),
     ]
 
 
