@@ -611,6 +611,17 @@ def test_qwen3_next_linear_attention_refuses_split_key_head_groups(hf_checkpoint
                      rules=[{"pattern": "*.self_attn.*", "strategy": "replicate"}])
 
 
+def test_qwen3_next_mtp_draft_tensors_are_refused(hf_checkpoint):
+    """The published Qwen3-Next checkpoint carries the MTP draft layer under ``mtp.``;
+    vLLM's main model skips it and no preset rule plans it, so the plan names it."""
+    from coordloader.planning.planner import meta_from_specs
+    meta = cl.read_checkpoint(str(hf_checkpoint("qwen3_next")))
+    specs = [(n, t.dtype, t.shape) for n, t in meta.tensors.items()]
+    specs += [("mtp.fc.weight", "BF16", (32, 64)), ("mtp.norm.weight", "BF16", (32,))]
+    with pytest.raises(cl.errors.PlanError, match="mtp.fc.weight.*no sharding rule"):
+        cl.make_plan(meta_from_specs(meta.config, specs), cl.Layout(tp=2))
+
+
 def test_reference_catches_interleaved_pairs_split_as_halves(hf_checkpoint):
     """A planted wrong rule: gpt-oss's interleaved gate/up pairs declared as block halves."""
     rules = [{"pattern": "*.mlp.experts.gate_up_proj", "strategy": "expert",
