@@ -454,8 +454,9 @@ class _Planner:
         ``num_blocks`` equal blocks (gate and up halves: each block split on its own, the
         parts concatenated), or runs of ``interleaved`` consecutive rows (gate/up pairs: the
         split moves by whole runs, so every rank keeps both members of its pairs).
-        ``split_unit`` makes the split move by that many blocks' rows or runs at a time
-        (MXFP4 storage splits the intermediate dim only on its 32-element blocks).
+        ``split_unit`` makes the split move by that many runs (rows, without interleaving)
+        at a time: MXFP4 storage splits the intermediate dim only on its 32-element blocks,
+        i.e. 32 gate/up pairs.
         A gate_up tensor declared neither way is refused: a plain split would hand a rank
         gate rows only, or pairs cut in half."""
         nb = p.get("num_blocks") or 1
