@@ -41,6 +41,11 @@ def test_error_with_a_10mb_tensor_name_is_bounded_and_keeps_its_point():
 def long_named(tmp_path_factory):
     d = tmp_path_factory.mktemp("longname")
     save_file({LONG: torch.zeros(4)}, str(d / "model.safetensors"))
+    # a llama config, so the preset is found and the long name is what no rule matches
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 1, "hidden_size": 64,
+        "vocab_size": 128}))
     return str(d)
 
 

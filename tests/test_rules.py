@@ -112,3 +112,27 @@ def test_split_errors_name_tensor_and_layout_once():
         msg = str(ei.value)
         assert msg.startswith("tensor 'w': ") and what in msg, msg
         assert msg.count("(layout tp=2 pp=1 dp=1 ep=1)") == 1, msg
+
+
+def test_named_expert_packing_declared_or_refused():
+    """Packing params apply to per-expert tensors too (experts.N.gate_up_proj.weight
+    [2I, H]): halves and interleaved pairs give different rows, and an undeclared split
+    of a gate_up tensor is refused rather than handing a rank gate rows only."""
+    cfg = {"num_experts": 2, "num_hidden_layers": 1}
+    meta = meta_from_specs(cfg, [(f"model.layers.0.mlp.experts.{e}.gate_up_proj.weight", "BF16",
+                                  (8, 4)) for e in range(2)])
+    name = "model.layers.0.mlp.experts.0.gate_up_proj.weight"
+
+    def rows(params, rank=1):
+        rule = {"pattern": "*.gate_up_proj.weight", "strategy": "expert", "params": params}
+        ts = make_plan(meta, Layout(tp=2), {"preset": None, "rules": [rule]}).rank(rank).by_name()[name]
+        return [(p.src[0], p.dst[0]) for p in ts.pieces]
+    with pytest.raises(PlanError, match="interleaved=2"):
+        rows({"dim": 0})
+    assert rows({"dim": 0, "num_blocks": 2}) == [((2, 4), 0), ((6, 8), 2)]
+    assert rows({"dim": 0, "interleaved": 2}) == [((4, 8), 0)]
+    assert rows({"dim": 0, "interleaved": 2, "split_unit": 2}) == [((4, 8), 0)]
+    with pytest.raises(PlanError, match="whole split units of 6 rows"):
+        rows({"dim": 0, "interleaved": 2, "split_unit": 3})
+    with pytest.raises(PlanError, match="not divisible by 2"):    # one unit of 8 rows
+        rows({"dim": 0, "interleaved": 2, "split_unit": 4})

@@ -459,6 +459,39 @@ class _Planner:
             self._checked_E.add(E)
         return E
 
+    def _packed_ranges(self, t: TensorInfo, tdim: int, size: int, p, what: str):
+        """Per moe_tp rank, the [start, stop) ranges of dim ``tdim`` (of ``size``) it holds,
+        in local order, as the rule declares the packing inside each expert:
+        ``num_blocks`` equal blocks (gate and up halves: each block split on its own, the
+        parts concatenated), or runs of ``interleaved`` consecutive rows (gate/up pairs: the
+        split moves by whole runs, so every rank keeps both members of its pairs).
+        ``split_unit`` makes the split move by that many runs (rows, without interleaving)
+        at a time: MXFP4 storage splits the intermediate dim only on its 32-element blocks,
+        i.e. 32 gate/up pairs.
+        A gate_up tensor declared neither way is refused: a plain split would hand a rank
+        gate rows only, or pairs cut in half."""
+        nb = p.get("num_blocks") or 1
+        k = p.get("interleaved") or 1
+        unit = p.get("split_unit") or 1
+        if nb == 1 and k == 1 and any("gate_up" in c for c in t.name.split(".")[-2:]):
+            raise self._err(f"fused expert tensor packs gate and up on dim {tdim}; splitting "
+                            f"it over moe_tp={self.L.moe_tp} needs the rule to declare how "
+                            f"(param num_blocks=2 for halves, interleaved=2 for pairs)", t.name)
+        if size % nb:
+            raise self._err(f"dim {tdim} of size {size} does not hold {nb} equal packed "
+                            f"blocks", t.name)
+        bs = size // nb
+        step = k * unit
+        if bs % step:
+            raise self._err(f"dim {tdim} of size {size} does not hold whole split units of "
+                            f"{step} rows (interleaved={k} x split_unit={unit}, per block of "
+                            f"{bs})", t.name)
+        per = self._chunks(t, bs // step, self.L.moe_tp,
+                           f"{what}: {bs // step} units of {step} rows per packed block "
+                           f"({nb} blocks) over moe_tp={self.L.moe_tp}")
+        return [tuple((j * bs + a * step, j * bs + b * step) for j in range(nb))
+                for a, b in per]
+
     def _s_expert(self, t, p):
         rx = self._id_res.get(p["id_regex"])
         if rx is None:
@@ -479,7 +512,11 @@ class _Planner:
                 return ("moe", owners, False), classes
             if dim >= len(t.shape):
                 raise self._err(f"expert split dim {dim} out of range for shape {list(t.shape)}", t.name)
-            classes = self._split_dim(t, dim, L.moe_tp, f"expert split over moe_tp={L.moe_tp}")
+            if _is_packed(t, p):
+                classes = _packed_dim_classes(t.shape, dim, self._packed_ranges(
+                    t, dim, t.shape[dim], p, f"expert split of dim {dim} (shape {list(t.shape)})"))
+            else:
+                classes = self._split_dim(t, dim, L.moe_tp, f"expert split over moe_tp={L.moe_tp}")
             return ("moe", owners, True), classes
         # fused: the leading dim indexes the experts
         if not t.shape:
@@ -500,26 +537,13 @@ class _Planner:
                                         f"replicated as a whole set", t.name)
                     seen.setdefault(e, q)
         split = dim is not None and L.moe_tp > 1
-        nb = p.get("num_blocks") or 1
         if split:
             if dim + 1 >= len(t.shape):
                 raise self._err(f"expert split dim {dim} out of range for fused shape "
                                 f"{list(t.shape)}", t.name)
-            size = t.shape[dim + 1]
-            if size % nb:
-                raise self._err(f"dim {dim + 1} of size {size} does not hold {nb} equal packed "
-                                f"blocks", t.name)
-            if nb == 1 and any("gate_up" in c for c in t.name.split(".")[-2:]):
-                # a plain split of [gate; up] would give a rank gate rows only
-                raise self._err(f"fused expert tensor packs gate and up halves on dim {dim + 1}; "
-                                f"splitting it over moe_tp={L.moe_tp} needs the rule to declare "
-                                f"them (param num_blocks=2)", t.name)
-            bs = size // nb
-            per = self._chunks(t, bs, L.moe_tp,
-                               f"fused expert split of dim {dim + 1} (shape {list(t.shape)}, "
-                               f"{nb} packed blocks) over moe_tp={L.moe_tp}")
-            # each packed block is split on its own; a rank's parts are concatenated
-            rngs = [tuple((j * bs + a, j * bs + b) for j in range(nb)) for a, b in per]
+            rngs = self._packed_ranges(t, dim + 1, t.shape[dim + 1], p,
+                                       f"fused expert split of dim {dim + 1} (shape "
+                                       f"{list(t.shape)})")
         else:
             rngs = [((0, t.shape[dim + 1]),)] if dim is not None else [None]
         classes = []
@@ -654,16 +678,36 @@ class _Planner:
 def _dim_classes(shape, dim: int, rngs) -> list:
     """Classes of a split of ``dim`` into the [start, stop) ranges ``rngs``: per range the
     local shape and its one piece (none for an empty range)."""
+    return _packed_dim_classes(shape, dim, [((a, b),) for a, b in rngs])
+
+
+def _packed_dim_classes(shape, dim: int, per_class) -> list:
+    """Classes of a split of ``dim`` where each class holds several [start, stop) ranges,
+    concatenated in order along ``dim`` (a packed tensor's parts); empty ranges hold no
+    piece."""
     full = [(0, s) for s in shape]
-    zero = (0,) * len(shape)
     classes = []
-    for a, b in rngs:
-        box = list(full)
-        box[dim] = (a, b)
+    for rngs in per_class:
+        pieces, loc = [], 0
+        for a, b in rngs:
+            if b > a:
+                box = list(full)
+                box[dim] = (a, b)
+                dst = [0] * len(shape)
+                dst[dim] = loc
+                pieces.append(Piece(tuple(box), tuple(dst)))
+            loc += b - a
         ls = list(shape)
-        ls[dim] = b - a
-        classes.append((tuple(ls), (Piece(tuple(box), zero),) if b > a else ()))
+        ls[dim] = loc
+        classes.append((tuple(ls), tuple(pieces)))
     return classes
+
+
+def _is_packed(t: TensorInfo, p) -> bool:
+    """Whether an expert tensor's split goes through the packed ranges (declared packing,
+    or a gate_up name that must be refused without one)."""
+    return bool(p.get("num_blocks") or p.get("interleaved") or p.get("split_unit")
+                or any("gate_up" in c for c in t.name.split(".")[-2:]))
 
 
 def _dedupe(classes, groups, memo=None):

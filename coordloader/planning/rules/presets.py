@@ -12,7 +12,8 @@ from coordloader.planning.rules.ruleset import Rule, make_rule
 from coordloader.text import MAX_NAME_CHARS, clip
 
 PRESETS = ("llama", "qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "bert",
-           "phi3", "gemma3", "glm4_moe")
+           "phi3", "gemma3", "glm4_moe",
+           "gpt_oss", "llama4", "qwen3_next")
 
 # config.json "architectures" entries -> preset
 _ARCHITECTURES = {
@@ -25,6 +26,9 @@ _ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v3",
     "BertModel": "bert", "BertForMaskedLM": "bert", "BertForSequenceClassification": "bert",
     "BertForPreTraining": "bert",
+    "GptOssForCausalLM": "gpt_oss",
+    "Llama4ForCausalLM": "llama4",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 _MODEL_TYPES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen2_moe": "qwen2_moe",
@@ -33,6 +37,9 @@ _MODEL_TYPES = {
     "deepseek_v2": "deepseek_v3",
     "kimi_k2": "deepseek_v3", "bert": "bert", "phi3": "phi3",
     "gemma3_text": "gemma3", "glm4_moe": "glm4_moe",
+    "gpt_oss": "gpt_oss",
+    "llama4_text": "llama4",
+    "qwen3_next": "qwen3_next",
 }
 
 
@@ -167,7 +174,13 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
         # eh_proj follow the DeepSeek-style rules below
         rules += [R(r".*\.mlp\.gate\.(weight|e_score_correction_bias)", "replicate"),
                   R(r".*\.eh_proj\.weight", "replicate")]
-    if name in ("qwen3_moe", "qwen2", "qwen2_moe"):
+    if name == "gpt_oss":
+        rules += _gpt_oss(config, R, need(heads, "num_attention_heads"), exp)
+    if name == "llama4":
+        rules += _llama4(R, exp)
+    if name == "qwen3_next":
+        rules += _qwen3_next(config, R)
+    if name in ("qwen3_moe", "qwen2", "qwen2_moe", "qwen3_next"):
         # vLLM qwen2_moe.py: shared_expert is a Qwen2MoeMLP (merged gate/up colwise, down
         # rowwise); gate is a ReplicatedLinear and shared_expert_gate a plain nn.Linear
         rules += [R(r".*\.mlp\.gate\.weight", "replicate"),
@@ -207,6 +220,82 @@ def _phi3(config, R, heads: int, kv_heads: int) -> list[Rule]:
           kv=[False, True, True]),
         R(r".*\.self_attn\.o_proj\.weight", "rowwise"),
         R(r".*\.mlp\.gate_up_proj\.weight", "packed", num_blocks=2),
+    ]
+
+
+def _gpt_oss(config, R, heads: int, exp: dict) -> list[Rule]:
+    """gpt_oss (gpt-oss-20b/120b), as vLLM's gpt_oss.py (``_load_weights_other`` for bf16,
+    ``_load_weights_mxfp4`` for the published MXFP4 storage). q/k/v (with biases) by heads,
+    o_proj rowwise, the per-head attention ``sinks`` by heads, the router (weight and bias)
+    replicated. Experts are fused with the expert on dim 0; gate and up are *interleaved*
+    pairs on the 2I dim and vLLM takes a contiguous run of pairs (``2*start:2*end``), so a
+    rank keeps both members of each of its pairs. The intermediate dim is split in whole
+    elements for bf16, and in whole 32-element MXFP4 blocks for the MXFP4 storage (vLLM
+    rounds its per-rank size up to a block: an uneven block count needs allow_uneven, whose
+    torch.chunk split is vLLM's cdiv). down_proj_bias is whole per expert (vLLM adds it on
+    TP rank 0 only)."""
+    quant = (config.get("quantization_config") or {}).get("quant_method")
+    unit = {"split_unit": 32} if quant == "mxfp4" else {}
+    e = r".*\.mlp\.experts\."
+    return [
+        R(r".*\.self_attn\.sinks", "heads", num_heads=heads),
+        R(r".*\.mlp\.router\.(weight|bias)", "replicate"),
+        # bf16 [E, H, 2I]: pairs on the last dim
+        R(e + r"gate_up_proj", "expert", dim=1, interleaved=2, **unit, **exp),
+        # bias [E, 2I], MXFP4 blocks [E, 2I, H/32, 16] and scales [E, 2I, H/32]
+        R(e + r"gate_up_proj_(bias|blocks|scales)", "expert", dim=0, interleaved=2, **unit,
+          **exp),
+        R(e + r"down_proj", "expert", dim=0, **exp),                     # bf16 [E, I, H]
+        # MXFP4 blocks [E, H, I/32, 16] and scales [E, H, I/32]: whole blocks of I
+        R(e + r"down_proj_(blocks|scales)", "expert", dim=1, **exp),
+        R(e + r"down_proj_bias", "expert", **exp),                       # [E, H]
+    ]
+
+
+def _llama4(R, exp: dict) -> list[Rule]:
+    """llama4 text (Llama 4 Scout/Maverick language model), as vLLM's llama4.py: attention
+    like Llama (vLLM permutes q/k rows inside each head for its rotary, so whole heads
+    stay whole); every ``interleave_moe_layer_step``-th layer is a Llama4MoE (router a
+    ReplicatedLinear, fused experts, shared_expert a LlamaMLP), the others a LlamaMLP of
+    intermediate_size_mlp; the tensor names say which. Fused experts as
+    ``load_moe_expert_weights``: gate_up_proj [E, H, 2I] is chunked into gate and up
+    *halves* on its last dim, each split over moe_tp; down_proj [E, I, H] split on I."""
+    f = r".*\.feed_forward\."
+    return [
+        R(f + r"router\.weight", "replicate"),
+        R(f + r"experts\.gate_up_proj", "expert", dim=1, num_blocks=2, **exp),
+        R(f + r"experts\.down_proj", "expert", dim=0, **exp),
+        R(f + r"(shared_expert\.)?(gate|up)_proj\.weight", "colwise"),
+        R(f + r"(shared_expert\.)?down_proj\.weight", "rowwise"),
+    ]
+
+
+def _qwen3_next(config, R) -> list[Rule]:
+    """qwen3_next (Qwen3-Next), as vLLM's qwen3_next.py and its gated DeltaNet layer
+    (layers/mamba/gdn/qwen_gdn_linear_attn.py, ``gqa_interleaved_layout``). Full-attention
+    layers: q_proj holds each head's query and output gate (QKVParallelLinear of 2x the
+    heads), so it splits by heads like q/k/v elsewhere. Linear-attention layers:
+    in_proj_qkvz and in_proj_ba are one output shard each whose rows are grouped per key
+    head, so a rank takes whole key-head groups; conv1d packs q, k and v channels, each
+    split on its own (mamba_v2_sharded_weight_loader); dt_bias and A_log one value per
+    value head; out_proj rowwise; the gated norm replicated. The MoE block is qwen2_moe's
+    with the shared expert kept as a Qwen3NextMLP. The MTP draft layers (``mtp.*``) are
+    loaded by vLLM's draft model, not this one: no rule here plans them."""
+    nk = _cfg_int(config, "linear_num_key_heads", preset="qwen3_next")
+    nv = _cfg_int(config, "linear_num_value_heads", preset="qwen3_next")
+    hk = _cfg_int(config, "linear_key_head_dim", preset="qwen3_next")
+    hv = _cfg_int(config, "linear_value_head_dim", preset="qwen3_next")
+    if None in (nk, nv, hk, hv):
+        raise PlanError("preset qwen3_next: config.json lacks linear_num_key_heads, "
+                        "linear_num_value_heads, linear_key_head_dim or "
+                        "linear_value_head_dim, needed to split the linear attention")
+    la = r".*\.linear_attn\."
+    return [
+        R(la + r"in_proj_(qkvz|ba)\.weight", "heads", num_heads=nk),
+        R(la + r"conv1d\.weight", "packed", blocks=[nk * hk, nk * hk, nv * hv],
+          heads=[nk, nk, nv]),
+        R(la + r"(dt_bias|A_log)", "heads", num_heads=nv),
+        R(la + r"out_proj\.weight", "rowwise"),
     ]
 
 

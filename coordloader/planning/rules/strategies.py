@@ -15,7 +15,8 @@ STRATEGIES: dict[str, frozenset[str]] = {
     "vocab": frozenset({"pad_to", "stage"}),
     "heads": frozenset({"num_heads", "kv", "dim", "stage"}),
     "packed": frozenset({"dim", "blocks", "num_blocks", "heads", "kv", "stage"}),
-    "expert": frozenset({"num_experts", "dim", "id_regex", "num_blocks", "stage"}),
+    "expert": frozenset({"num_experts", "dim", "id_regex", "num_blocks", "interleaved",
+                         "split_unit", "stage"}),
     "scale": frozenset({"block", "weight", "stage"}),
 }
 
@@ -89,8 +90,15 @@ def check_params(strategy: str, params: dict, where: str) -> dict:
     if strategy == "expert":
         if "num_experts" in p:
             pos_int("num_experts")
-        if "num_blocks" in p:
-            pos_int("num_blocks")
+        for k in ("num_blocks", "interleaved", "split_unit"):
+            if k in p:
+                pos_int(k)
+        if p.get("num_blocks", 1) > 1 and p.get("interleaved", 1) > 1:
+            # one packing per split dim: halves of pairs is not a layout any loader uses
+            raise PlanError(f"{where}: params 'num_blocks' and 'interleaved' are exclusive "
+                            f"(block halves or interleaved pairs, not both)")
+        if any(k in p for k in ("num_blocks", "interleaved", "split_unit")) and p.get("dim") is None:
+            raise PlanError(f"{where}: packing params need the split 'dim' inside the expert")
         p.setdefault("dim", None)
         p.setdefault("id_regex", r"(?:^|\.)experts\.(\d+)\.")
         if not isinstance(p["id_regex"], str):
