@@ -136,3 +136,11 @@ def test_named_expert_packing_declared_or_refused():
         rows({"dim": 0, "interleaved": 2, "split_unit": 3})
     with pytest.raises(PlanError, match="not divisible by 2"):    # one unit of 8 rows
         rows({"dim": 0, "interleaved": 2, "split_unit": 4})
+
+
+def test_every_strategy_has_one_placement():
+    # a strategy the rule checker accepts but the planner cannot place would fail only
+    # when a tensor first matched it
+    from coordloader.planning.planner import PLACEMENTS
+    from coordloader.planning.rules.strategies import STRATEGIES
+    assert set(PLACEMENTS) | {"scale"} == set(STRATEGIES)

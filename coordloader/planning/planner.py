@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import warnings
 from math import prod
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo
@@ -42,6 +42,44 @@ LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 _REPLICATE = make_rule("*", "replicate", source="replicate_unmatched")
+
+
+# Selectors: which class of a tensor's placement each rank of its stages falls in. They
+# are hashable (rank groups are memoised per (stages, selector)) and compare by value.
+class Everyone(NamedTuple):
+    """Every rank holds class 0 (replicated)."""
+
+
+class ByTp(NamedTuple):
+    """A rank holds class ``classes[tp_rank]``."""
+    classes: tuple[int, ...]
+
+
+class ByExpertOwner(NamedTuple):
+    """Only the ep ranks in ``owners`` hold it: class ``moe_tp_rank`` when ``split`` over
+    moe_tp, else class 0."""
+    owners: tuple[int, ...]
+    split: bool
+
+
+class ByExpertSet(NamedTuple):
+    """A fused expert tensor: class ``ep_rank * moe_tp + moe_tp_rank`` when ``split``,
+    else ``ep_rank`` (each ep rank holds its set of experts)."""
+    split: bool
+
+
+Selector = Everyone | ByTp | ByExpertOwner | ByExpertSet
+
+# strategy name -> the _Planner method placing a tensor by it: (tensor, params) ->
+# (selector, classes). "scale" is placed after its weight (_Planner._scale), not here.
+PLACEMENTS: dict[str, Callable[..., tuple[Selector, list]]] = {}
+
+
+def placement(strategy: str):
+    def register(method):
+        PLACEMENTS[strategy] = method
+        return method
+    return register
 
 
 def build_plan(meta: CheckpointMeta, layout: Layout, rules: Any = None, *,
@@ -280,14 +318,13 @@ class _Planner:
             if stages is None:
                 res = None
             else:
-                selector, classes = getattr(self, "_s_" + strategy)(t, params)
+                selector, classes = PLACEMENTS[strategy](self, t, params)
                 res = (stages, selector, classes, strategy)
         # only weights that have a scale are looked up again; keep memory modest
         if n + "_scale_inv" in self.meta.tensors:
             self._placed[n] = res
         return res
 
-    # selectors: ("all",) | ("tp", g) | ("moe", owners, split) | ("moe_fused", split)
     def _whole(self, t: TensorInfo):
         # classes depend only on the shape: share them (and their Piece objects) across the
         # thousands of same-shaped tensors (experts)
@@ -295,8 +332,9 @@ class _Planner:
         if c is None:
             c = self._wcache[t.shape] = [(t.shape, (Piece(tuple((0, s) for s in t.shape),
                                                           (0,) * len(t.shape)),))]
-        return ("all",), c
+        return Everyone(), c
 
+    @placement("replicate")
     def _s_replicate(self, t, p):
         return self._whole(t)
 
@@ -321,19 +359,22 @@ class _Planner:
         return _dim_classes(t.shape, dim, self._chunks(t, t.shape[dim], parts,
                                                        f"{what} of dim {dim} (shape {list(t.shape)})"))
 
+    @placement("colwise")
     def _s_colwise(self, t, p, dim=None):
         dim = p.get("dim", 0) if dim is None else dim
         if not t.shape or self.L.tp == 1:
             return self._whole(t)
         classes = self._split_dim(t, dim, self.L.tp, f"split over tp={self.L.tp}")
-        return ("tp", tuple(range(self.L.tp))), classes
+        return ByTp(tuple(range(self.L.tp))), classes
 
+    @placement("rowwise")
     def _s_rowwise(self, t, p):
         dim = p.get("dim", 1)
         if len(t.shape) <= dim:       # the bias of a row-parallel layer is replicated
             return self._whole(t)
         return self._s_colwise(t, p, dim)
 
+    @placement("vocab")
     def _s_vocab(self, t, p):
         if not t.shape:
             raise self._err("vocab strategy needs a tensor with a row dim", t.name)
@@ -348,8 +389,8 @@ class _Planner:
             pieces = (Piece(((a, min(b, V)),) + rest, zero),) if a < V else ()
             classes.append(((b - a,) + t.shape[1:], pieces))
         if tp == 1 and Vp == V:
-            return ("all",), classes
-        return ("tp", tuple(range(tp))), classes
+            return Everyone(), classes
+        return ByTp(tuple(range(tp))), classes
 
     def _head_split(self, n_size: int, heads: int, kv: bool, name: str, what: str):
         """-> (g: tp rank -> class, ranges per class) for whole-head splitting of a dim of
@@ -371,6 +412,7 @@ class _Planner:
         rep = tp // heads
         return tuple(t // rep for t in range(tp)), [(h * hd, (h + 1) * hd) for h in range(heads)]
 
+    @placement("heads")
     def _s_heads(self, t, p):
         dim = p.get("dim", 0)
         if dim >= len(t.shape):
@@ -379,8 +421,9 @@ class _Planner:
                                    f"heads split of dim {dim} (shape {list(t.shape)})")
         if len(rngs) == 1:
             return self._whole(t)
-        return ("tp", g), _dim_classes(t.shape, dim, rngs)
+        return ByTp(g), _dim_classes(t.shape, dim, rngs)
 
+    @placement("packed")
     def _s_packed(self, t, p):
         dim = p.get("dim", 0)
         if dim >= len(t.shape):
@@ -429,8 +472,8 @@ class _Planner:
                 classes.append((tuple(ls), tuple(pieces)))
             g.append(keys[key])
         if len(classes) == 1:
-            return ("all",), classes
-        return ("tp", tuple(g)), classes
+            return Everyone(), classes
+        return ByTp(tuple(g)), classes
 
     def _experts_count(self, t: TensorInfo, p) -> int:
         E = p.get("num_experts")
@@ -492,6 +535,7 @@ class _Planner:
         return [tuple((j * bs + a * step, j * bs + b * step) for j in range(nb))
                 for a, b in per]
 
+    @placement("expert")
     def _s_expert(self, t, p):
         rx = self._id_res.get(p["id_regex"])
         if rx is None:
@@ -509,7 +553,7 @@ class _Planner:
                 raise self._err(f"expert {e} has no owner in the expert placement", t.name)
             if dim is None or L.moe_tp == 1 or not t.shape:
                 _, classes = self._whole(t)
-                return ("moe", owners, False), classes
+                return ByExpertOwner(owners, False), classes
             if dim >= len(t.shape):
                 raise self._err(f"expert split dim {dim} out of range for shape {list(t.shape)}", t.name)
             if _is_packed(t, p):
@@ -517,7 +561,7 @@ class _Planner:
                     t, dim, t.shape[dim], p, f"expert split of dim {dim} (shape {list(t.shape)})"))
             else:
                 classes = self._split_dim(t, dim, L.moe_tp, f"expert split over moe_tp={L.moe_tp}")
-            return ("moe", owners, True), classes
+            return ByExpertOwner(owners, True), classes
         # fused: the leading dim indexes the experts
         if not t.shape:
             raise self._err("expert tensor has no expert id in its name and no expert dim", t.name)
@@ -565,7 +609,7 @@ class _Planner:
                 if rg is not None:
                     ls[dim + 1] = sum(b - a for a, b in rg)
                 classes.append((tuple(ls), tuple(pieces)))
-        return ("moe_fused", split), classes
+        return ByExpertSet(split), classes
 
     def _scale(self, t: TensorInfo, p):
         n = t.name
@@ -618,27 +662,27 @@ class _Planner:
 
     # -- rank groups ----------------------------------------------------------
     def _rank_groups(self, stages, selector, ncls):
-        key = (stages, selector, ncls)
+        key = (stages, type(selector), selector, ncls)   # NamedTuples of equal fields compare equal
         g = self._groups.get(key)
         if g is not None:
             return g
         out = [[] for _ in range(ncls)]
-        kind = selector[0]
         S = self.stage_size
         moe_tp = self.L.moe_tp
         for s in stages:
             base = s * S
             for i, (tpr, dpr, epr, mtr) in enumerate(self.local):
-                if kind == "all":
-                    c = 0
-                elif kind == "tp":
-                    c = selector[1][tpr]
-                elif kind == "moe":
-                    if epr not in selector[1]:
-                        continue
-                    c = mtr if selector[2] else 0
-                else:  # moe_fused
-                    c = epr * moe_tp + mtr if selector[1] else epr
+                match selector:
+                    case Everyone():
+                        c = 0
+                    case ByTp(classes):
+                        c = classes[tpr]
+                    case ByExpertOwner(owners, split):
+                        if epr not in owners:
+                            continue
+                        c = mtr if split else 0
+                    case ByExpertSet(split):
+                        c = epr * moe_tp + mtr if split else epr
                 out[c].append(base + i)
         g = tuple(tuple(sorted(x)) for x in out)
         self._groups[key] = g
