@@ -35,7 +35,7 @@ def ckpt(tiny_qwen3_moe):
     return tiny_qwen3_moe
 
 
-def _launch(tmp: Path, ckpt: str, ranks, hooks=None, on_running=None):
+def _launch(tmp: Path, ckpt: str, ranks, hooks=None, on_running=None, timeout=TIMEOUT):
     """Run `ranks` of a 4-rank job; returns {rank: (rc, stderr, end time, start time)}.
     ``hooks``: per rank, extra rank_driver.py options (e.g. a phase to hang in).
     ``on_running(procs)`` is polled while they run (returns True once it did its job)."""
@@ -48,7 +48,7 @@ def _launch(tmp: Path, ckpt: str, ranks, hooks=None, on_running=None):
         cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "rank_driver.py"),
                "--start-file", str(tmp / f"start-{r}"), *(hooks or {}).get(r, ()), "--",
                ckpt, "--tp", "2", "--ep", "2", "--dp", "2", "--engine", "cpu",
-               "--timeout", str(TIMEOUT), "--quiet", "--dump", str(tmp / "dump")]
+               "--timeout", str(timeout), "--quiet", "--dump", str(tmp / "dump")]
         with open(tmp / f"err-{r}", "wb") as ef:
             return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
                                     cwd=str(tmp), start_new_session=True)
@@ -122,6 +122,32 @@ def test_rank_2_sigkilled_mid_load(tmp_path, ckpt):
         assert "rank 2 died" in line or "rank 2 did not arrive" in line, line
         print(f"rank {r} exited {end - killed['at']:.1f} s after the SIGKILL")
         assert end - killed["at"] < TIMEOUT + SLACK, (r, end - killed["at"], line)
+
+
+def test_dead_rank_named_long_before_the_timeout(tmp_path, ckpt):
+    # --timeout 60: the others must not sit out the minute; rank 2's heartbeat stops with
+    # it, and they name it dead within DEAD_AFTER_S + a few seconds of the kill
+    from coordloader.dist.collective import DEAD_AFTER_S
+    mark = tmp_path / "hanging"
+    killed = {}
+
+    def kill_when_hanging(procs):
+        if mark.exists() and mark.read_text():
+            os.kill(procs[2].pid, signal.SIGKILL)
+            killed["at"] = time.time()
+            return True
+        return False
+
+    res = _launch(tmp_path, ckpt, range(4), on_running=kill_when_hanging, timeout=60,
+                  hooks={2: ("--hang-phase", "load", "--hang-file", str(mark))})
+    assert "at" in killed, "rank 2 never reached the load phase"
+    for r in (0, 1, 3):
+        rc, err, end, _ = res[r]
+        assert rc == 1, (r, err)
+        line = rank_line(err, r, only=_CPP_QUIET)
+        assert "phase load: rank 2 died or hung hard" in line, line
+        print(f"rank {r} exited {end - killed['at']:.1f} s after the SIGKILL (--timeout 60)")
+        assert end - killed["at"] < DEAD_AFTER_S + SLACK, (r, end - killed["at"], line)
 
 
 def test_rank_2_never_joins(tmp_path, ckpt):

@@ -425,6 +425,10 @@ def _wait_for_port(addr: str, port: int, timeout_s: float) -> bool:
 
 
 HEARTBEAT_S = 0.5
+# A rank whose heartbeat has not moved for this long is dead (or stopped), not slow: the
+# others stop waiting for it at once instead of at the end of --timeout. Ten beats, so a
+# live rank whose beat thread is briefly starved of the GIL or the CPU is not called dead.
+DEAD_AFTER_S = 10 * HEARTBEAT_S
 
 
 def _start_heartbeat(group: Group, addr: str, port: int, ns: str) -> None:
@@ -602,13 +606,7 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
             st.set(f"{k}/ev", b"a")
     except Exception as exc:  # noqa: BLE001
         raise _lost(group, name, exc, local) from (local or exc)
-    try:
-        st.wait([f"{k}/ev"], timedelta(seconds=group.timeout_s))
-        timed_out = False
-    except Exception as exc:  # noqa: BLE001
-        if _is_lost(exc):
-            raise _lost(group, name, exc, local) from (local or exc)
-        timed_out = True
+    timed_out = _wait_or_death(group, f"{k}/ev", seq, name, local)
     if not timed_out:
         try:
             nfail = st.add(f"{k}/f", 0)
@@ -668,6 +666,40 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
     err = _phase_error(name, failures, notes, local, missing)
     _ack_and_linger(group, str(seq), list(statuses))
     raise err from local
+
+
+def _wait_or_death(group: Group, key: str, seq: int, name: str, local) -> bool:
+    """Wait for ``key`` (every rank arrived, or one failed) for at most the group's
+    timeout; True if it did not come. With heartbeats, wait in slices and give up early
+    once a rank that has not arrived stopped beating for DEAD_AFTER_S (the caller then
+    names it dead)."""
+    st = group.store
+    end = time.monotonic() + group.timeout_s
+    slices = group._hb_stop is not None and group.timeout_s > DEAD_AFTER_S
+    last: dict[int, tuple[int, float]] = {}    # rank -> (beat count, when it last moved)
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            return True
+        try:
+            st.wait([key], timedelta(seconds=min(left, DEAD_AFTER_S / 2) if slices else left))
+            return False
+        except Exception as exc:  # noqa: BLE001
+            if _is_lost(exc):
+                raise _lost(group, name, exc, local) from (local or exc)
+        if not slices:
+            return True
+        present = _present(group, f"{seq}/s/")
+        beats = _heartbeats(group, [r for r in range(group.world)
+                                    if present is not None and r not in present])
+        if not beats:
+            continue
+        now = time.monotonic()
+        for r, c in beats.items():
+            if r not in last or last[r][0] != c:
+                last[r] = (c, now)
+        if any(now - last[r][1] >= DEAD_AFTER_S for r in beats):
+            return True
 
 
 def _dead_ranks(group: Group, missing: list[int]) -> list[int]:
