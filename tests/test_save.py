@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -489,6 +490,16 @@ def _dist_worker(rank, port, base, q):
                 q.put((out, rank, "ok", r.published))
             except Exception as e:  # noqa: BLE001
                 q.put((out, rank, type(e).__name__, str(e)))
+        # rank 1 never calls save: rank 0 must give up after timeout=, naming it
+        if rank == 0:
+            t = time.monotonic()
+            try:
+                save(os.path.join(base, "absent"), dict(locs[0]), plan, config=CFG, timeout=3)
+                q.put(("absent", 0, "ok", time.monotonic() - t))
+            except Exception as e:  # noqa: BLE001
+                q.put(("absent", 0, type(e).__name__, f"{time.monotonic() - t:.1f} s: {e}"))
+        else:
+            time.sleep(10)
     finally:
         dist.destroy_process_group()
 
@@ -498,7 +509,7 @@ def test_distributed_save_and_error_agreement(tmp_path):
     q = mp.get_context("spawn").Queue()
     spawn_and_wait(_dist_worker, (free_port(), str(tmp_path), q), 2, "distributed save")
     res = {}
-    for _ in range(4):
+    for _ in range(5):
         r = q.get(timeout=10)
         res[r[:2]] = r[2:]
     plan, locs, full = make_plan_and_locals()
@@ -511,5 +522,8 @@ def test_distributed_save_and_error_agreement(tmp_path):
     bad0, bad1 = res[("bad", 0)], res[("bad", 1)]
     assert bad1[0] in ("SaveError", "CollectiveError") and "b.weight" in bad1[1]
     assert bad0[0] == "CollectiveError" and "rank 1" in bad0[1] and "b.weight" in bad0[1], bad0
+    absent = res[("absent", 0)]
+    assert absent[0] == "CollectiveError" and "rank 1 did not arrive within 3 s" in absent[1], absent
+    assert float(absent[1].split(" s:")[0]) < 3 + 5, absent   # was a fixed 300 s
     assert not os.path.exists(tmp_path / "bad" / SHARDED_INDEX)
     assert not [n for n in os.listdir(tmp_path / "bad") if n.startswith(".coordloader")]

@@ -269,11 +269,11 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, cfg: ModelConf
 # public entry: one function per mode
 # ---------------------------------------------------------------------------------------
 
-def _resolve_group(group):
+def _resolve_group(group, timeout: float | None = None):
     """``group`` as a coordloader.collective.Group (error agreement with rank naming and
-    timeouts)."""
+    timeouts: ``timeout`` seconds at each phase boundary, the collective default if None)."""
     from coordloader.dist import collective as coll
-    return group if isinstance(group, coll.Group) else coll.wrap_group(group)
+    return group if isinstance(group, coll.Group) else coll.wrap_group(group, timeout_s=timeout)
 
 
 def _ckpt_order(plan, tensors) -> list[str]:
@@ -289,7 +289,7 @@ def _ckpt_order(plan, tensors) -> list[str]:
 def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan=None, *,
          rank: int | None = None, group=None, max_shard_bytes: int = 5 * 2**30,
          overwrite: bool = False, config: Mapping | str | os.PathLike | None = None,
-         digests: bool = True) -> SaveResult:
+         digests: bool = True, timeout: float | None = None) -> SaveResult:
     """Save this rank's share of a sharded state as a coordloader sharded checkpoint.
 
     ``tensors``: this rank's state dict. Its values are plain tensors as
@@ -303,12 +303,13 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan=N
     rank, in rank order 0..world-1 (``rank=r``, ``save_local``); without a plan, one call.
     ``config`` (required: a dict, a path to config.json, or the source checkpoint
     directory, whose generation config, tokenizer files and chat template are copied too)
-    is written next to the index. Returns a :class:`SaveResult` for this rank."""
+    is written next to the index. ``timeout``: seconds a rank waits for the others at each
+    phase boundary of a distributed save. Returns a :class:`SaveResult` for this rank."""
     import torch.distributed as dist
     if group is not None or (rank is None and dist.is_available() and dist.is_initialized()):
         return save_distributed(out_dir, tensors, plan, group=group, rank=rank,
                                 max_shard_bytes=max_shard_bytes, overwrite=overwrite,
-                                config=config, digests=digests)
+                                config=config, digests=digests, timeout=timeout)
     return save_local(out_dir, tensors, plan, rank=0 if rank is None else int(rank),
                       max_shard_bytes=max_shard_bytes, overwrite=overwrite, config=config,
                       digests=digests)
@@ -321,13 +322,13 @@ def _check_args(max_shard_bytes: int) -> None:
 
 def save_distributed(out_dir, tensors, plan=None, *, group=None, rank: int | None = None,
                      max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, config=None,
-                     digests: bool = True) -> SaveResult:
+                     digests: bool = True, timeout: float | None = None) -> SaveResult:
     """Every rank of ``group`` (default: the default group) calls this; errors are agreed
     at each phase (prepare, write, publish) so every rank raises, naming the failing one."""
     from coordloader.dist.collective import gather_object, run_phase
     out_dir = os.fspath(out_dir)
     _check_args(max_shard_bytes)
-    g = _resolve_group(group)
+    g = _resolve_group(group, timeout)
     rank_, world = g.rank, g.world
     if rank is not None and rank != rank_:
         raise SaveError(f"rank={rank} given, but this process is rank {rank_} of the group", rank=rank_)
