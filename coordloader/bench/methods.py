@@ -475,7 +475,7 @@ METHODS: dict[str, Method] = {m.key: m for m in [
            _cpu_into_run),
     Method("st_whole_into", "(b) whole read + narrow, into existing tensors", _prefaulted_setup,
            _st_whole_into_run),
-    Method("fresh_floor", "(f) fresh-memory floor: allocate + touch every page, no reads",
+    Method("fresh_floor", "(f) fresh-memory floor: allocate + map every page, no reads",
            _no_setup, _fresh_floor_run, holds_slice=False),
     Method("memcpy", "(m) one memcpy of the held bytes, 1 thread, memory already mapped",
            _memcpy_setup, _memcpy_run, holds_slice=False),
