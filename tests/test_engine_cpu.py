@@ -451,3 +451,27 @@ def test_cpu_engine_prefaults_fresh_destinations_only(ckpt, monkeypatch):
         calls.clear()
         select_engine("cpu", "cpu").load_rank(meta, rp2, "cpu", out=got)
         assert calls == []
+
+
+def test_prefault_gives_up_once_the_kernel_lacks_it(monkeypatch):
+    """EINVAL (a kernel older than MADV_POPULATE_WRITE) turns prefault off for the
+    process; another failure (ENOMEM) is left to the reads and tried again next time."""
+    import ctypes
+    import errno
+
+    from coordloader.engines import memory
+    calls = []
+
+    def fake(err):
+        def madvise(addr, n, advice):
+            calls.append(advice)
+            ctypes.set_errno(err)
+            return -1
+        return madvise
+    monkeypatch.setattr(memory, "_unsupported", False)
+    monkeypatch.setattr(memory, "_MADVISE", fake(errno.ENOMEM))
+    assert not memory.prefault(0, 3 * 4096) and not memory.prefault(0, 3 * 4096)
+    assert calls == [memory.MADV_POPULATE_WRITE] * 2 and not memory._unsupported
+    monkeypatch.setattr(memory, "_MADVISE", fake(errno.EINVAL))
+    assert not memory.prefault(0, 3 * 4096) and not memory.prefault(0, 3 * 4096)
+    assert len(calls) == 3 and memory._unsupported
