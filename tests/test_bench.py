@@ -94,6 +94,7 @@ def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
     lim = warm["floor_memcpy"]
     assert lim["walls_s"] == pytest.approx([a + b for a, b in zip(warm["fresh_floor"]["walls_s"],
                                                                  warm["memcpy"]["walls_s"])])
+    assert warm["memcpy"]["gbps_per_rank"] > 0    # the memcpy rate: bytes copied / wall
     assert "(`floor_memcpy`)" in md and "cpu_vs_floor_memcpy" in md and "cpu_vs_best_peer" in md
     for k in ("cpu_vs_best_peer", "cpu_vs_span", "cpu_vs_st_slice", "cpu_vs_st_mmap_narrow",
               "cpu_vs_floor_memcpy"):

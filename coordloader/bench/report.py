@@ -74,7 +74,8 @@ def load_section(sec: dict) -> str:
                        "whatever the method, since storage and the page cache move whole pages.")
         base = min(p["rss_ready"] for r in rows for p in r["ranks"])
         out.append(f"Bytes held per rank: {max(r['bytes_held_per_rank'] for r in rows) / 1e6:,.0f} MB. "
-                   "GB/s = bytes held / wall (the ceiling row: file bytes / wall). Bytes read = "
+                   "GB/s = bytes held / wall (the ceiling row: file bytes / wall; the memcpy "
+                   "row: bytes copied / wall). Bytes read = "
                    "what the method asks for (the cpu engine: the plan's bytes); read ampl. = "
                    "bytes read / held; page-cache bytes copied = what is copied out of the page "
                    "cache, including the sub-page gaps a span read carries (cpu engine: plan "
