@@ -15,9 +15,12 @@ pytestmark = pytest.mark.slow   # runs the benchmarks in worker processes
 
 pytest.importorskip("safetensors")
 
-HEADLINE = re.compile(r"^headline: coordloader cpu engine (\d+\.\d+)x the speed of safetensors "
-                      r"whole-read\+narrow \((\d+\.\d+) s vs (\d+\.\d+) s median wall, 2 ranks, "
-                      r"warm page cache\)$")
+PEER = (r"(\d+\.\d+)x the speed of the best peer, [^`]+ \(`(\w+)`\) \((\d+\.\d+) s vs "
+        r"(\d+\.\d+) s median wall, paired min-max (\d+\.\d+)-(\d+\.\d+) over (\d+) repeats\)")
+WHOLE = (r"(\d+\.\d+)x the speed of safetensors whole-read\+narrow \((\d+\.\d+) s vs "
+         r"(\d+\.\d+) s median wall\)")
+HEADLINE = re.compile(rf"^headline: coordloader cpu engine {PEER}; {WHOLE}, 2 ranks, warm page cache$")
+HEADLINE_WHOLE = re.compile(rf"^headline: coordloader cpu engine {WHOLE}, 2 ranks, warm page cache$")
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +36,16 @@ def _bench(args, timeout=120):
 
 def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
     out = tmp_path / "out"
-    p = _bench(["load", "--ckpt", tiny_ckpt, "--repeats", "1", "--no-cold", "--out", str(out),
-                "--methods", "ceiling,fresh_floor,preadv,span,cpu,st_whole,cpu_into,st_whole_into,"
-                "st_mmap_narrow,st_slice"])
+    p = _bench(["load", "--ckpt", tiny_ckpt, "--repeats", "2", "--no-cold", "--out", str(out),
+                "--methods", "ceiling,fresh_floor,memcpy,preadv,span,cpu,st_whole,cpu_into,"
+                "st_whole_into,st_mmap_narrow,st_slice"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = p.stdout.rstrip("\n").splitlines()
     m = HEADLINE.match(lines[-1])
     assert m, lines[-1]
-    ratio, cpu_s, whole_s = (float(x) for x in m.groups())
+    assert m[2] in ("span", "st_slice", "st_mmap_narrow") and m[7] == "2"
+    assert float(m[5]) <= float(m[1]) <= float(m[6])
+    ratio, cpu_s, whole_s = (float(x) for x in m.groups()[7:])
     # the seconds are printed rounded to 1 ms: the ratio must fit them within that rounding
     h = 0.0005
     assert (whole_s - h) / (cpu_s + h) - 0.005 <= ratio <= (whole_s + h) / max(cpu_s - h, 1e-9) + 0.005
@@ -50,8 +55,9 @@ def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
     assert "| method |" in md and "(`cpu`)" in md and "(`st_whole`)" in md
     res = json.loads((out / "results.json").read_text())
     warm = res["load"]["warm"]
-    assert set(warm) == {"ceiling", "fresh_floor", "preadv", "span", "cpu", "st_whole", "cpu_into",
-                         "st_whole_into", "st_mmap_narrow", "st_slice"}
+    assert set(warm) == {"ceiling", "fresh_floor", "memcpy", "floor_memcpy", "preadv", "span",
+                         "cpu", "st_whole", "cpu_into", "st_whole_into", "st_mmap_narrow",
+                         "st_slice"}
     assert "(`st_mmap_narrow`)" in md and "page-cache bytes copied / held" in md
     # every slice-holding method left each rank exactly the same tensors
     for k in ("preadv", "span", "cpu", "st_whole", "cpu_into", "st_whole_into", "st_mmap_narrow",
@@ -84,6 +90,16 @@ def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
     assert targets["cpu_vs_whole_read_into_existing"]["value"] == pytest.approx(
         warm["st_whole_into"]["wall_s"] / warm["cpu_into"]["wall_s"])
     assert "(`cpu_into`)" in md and "cpu_vs_whole_read_into_existing" in md
+    # the limit row: per repeat, the floor plus one memcpy of the held bytes
+    lim = warm["floor_memcpy"]
+    assert lim["walls_s"] == pytest.approx([a + b for a, b in zip(warm["fresh_floor"]["walls_s"],
+                                                                 warm["memcpy"]["walls_s"])])
+    assert warm["memcpy"]["gbps_per_rank"] > 0    # the memcpy rate: bytes copied / wall
+    assert "(`floor_memcpy`)" in md and "cpu_vs_floor_memcpy" in md and "cpu_vs_best_peer" in md
+    for k in ("cpu_vs_best_peer", "cpu_vs_span", "cpu_vs_st_slice", "cpu_vs_st_mmap_narrow",
+              "cpu_vs_floor_memcpy"):
+        t = targets[k]
+        assert t["pairs"] == 2 and t["lo"] <= t["value"] <= t["hi"], k
 
 
 def test_verify_bench_pairs_shapes_and_digest(tiny_ckpt, tmp_path):
@@ -155,12 +171,39 @@ def test_compare_flags_different_tensors():
     rows = {"cpu": row(1.0, ["a", "b"]), "st_whole": row(4.0, ["a", "b"]),
             "preadv": row(0.9, ["a", "X"]), "ceiling": row(0.5, [None, None])}
     t = _compare(rows)
+    assert "cpu_vs_best_peer" not in t and "cpu_vs_floor_memcpy" not in t   # none in the run
     assert rows["st_whole"]["same_tensors"] is True
     assert rows["preadv"]["same_tensors"] is False      # a rank got other bytes: flagged
     assert rows["ceiling"]["same_tensors"] is None      # holds no slices: not compared
     assert t["cpu_vs_whole_read"]["value"] == pytest.approx(4.0) and t["cpu_vs_whole_read"]["ok"]
     assert t["cpu_vs_preadv_rate"]["value"] == pytest.approx(0.9)
     assert t["cpu_rss_vs_limit"]["ok"]
+
+
+def test_compare_pairs_repeats_against_the_best_peer_and_the_limit():
+    """Peers and the limit are compared per repeat (ratio of the two walls of the same
+    repeat), median and min-max over the pairs; the best peer is the fastest by median."""
+    from coordloader.bench.load_bench import _compare
+
+    def row(walls, sums=("a", "b"), held=100):
+        walls = list(walls)
+        w = sorted(walls)[len(walls) // 2]
+        return {"wall_s": w, "walls_s": walls, "label": "x", "gbps_per_rank": held / w / 1e9,
+                "ranks": [{"rank": r, "wall_s": w, "checksum": s, "checksums_stable": True,
+                           "bytes_held": held, "rss_peak": 1e6} for r, s in enumerate(sums)]}
+    rows = {"cpu": row([1.0, 2.0, 1.0]), "span": row([1.1, 1.8, 1.2]),
+            "st_slice": row([1.5, 2.5, 1.4]), "fresh_floor": row([0.5, 1.0, 0.5], (None, None)),
+            "memcpy": row([0.4, 0.5, 0.3], (None, None))}
+    t = _compare(rows)
+    b = t["cpu_vs_best_peer"]
+    assert b["peer"] == "span" and (b["lo"], b["value"], b["hi"]) == pytest.approx((0.9, 1.1, 1.2))
+    assert b["ok"] and b["pairs"] == 3
+    assert t["cpu_vs_st_slice"]["value"] == pytest.approx(1.4)
+    lim = rows["floor_memcpy"]
+    assert lim["walls_s"] == pytest.approx([0.9, 1.5, 0.8]) and lim["same_tensors"] is None
+    f = t["cpu_vs_floor_memcpy"]
+    assert (f["lo"], f["value"], f["hi"]) == pytest.approx((1.0 / 0.9, 1.25, 2.0 / 1.5))
+    assert f["ok"] is False                                     # 1.25 > 1.15
 
 
 def test_page_bytes_counts_distinct_pages():
@@ -188,4 +231,9 @@ def test_headline_fallbacks():
     from coordloader.bench.report import headline
     assert headline({}).startswith("headline: n/a (")
     h = headline({"load": {"world": 2, "headline": {"ratio": 3.5, "cpu_s": 0.2, "whole_s": 0.7}}})
-    assert HEADLINE.match(h)
+    assert HEADLINE_WHOLE.match(h)
+    peer = {"key": "span", "label": "(a'') one-thread span", "ratio": 1.1, "lo": 0.9, "hi": 1.3,
+            "pairs": 7, "peer_s": 0.22}
+    h = headline({"load": {"world": 2, "headline": {"ratio": 3.5, "cpu_s": 0.2, "whole_s": 0.7,
+                                                    "peer": peer}}})
+    assert HEADLINE.match(h), h

@@ -405,3 +405,73 @@ def test_non_cpu_device_fills_out_or_copies_and_checks_shapes(ckpt, engine, monk
     monkeypatch.setattr(mod, "allocate", no_reads)
     with pytest.raises(LoadError, match="destination has shape"):
         select_engine(engine).load_rank(meta, rp, "meta", out=bad)
+
+
+def test_prefault_maps_whole_pages_inside_the_range():
+    """memory.prefault maps the pages of a fresh tensor in one call: writing them
+    afterwards takes (almost) no page faults. Pages only partly inside are left alone."""
+    import resource
+
+    from coordloader.engines import memory
+    assert not memory.prefault(4096 + 1, 4096)          # no whole page inside: nothing
+    t = torch.empty(64 << 20, dtype=torch.uint8)        # address space only, not faulted
+    if not memory.prefault_tensor(t):
+        pytest.skip("no MADV_POPULATE_WRITE on this system")
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t[::4096].fill_(1)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    assert faults < (64 << 20) // 4096 // 8, faults     # ~16k pages without prefault
+
+
+def test_cpu_engine_prefaults_fresh_destinations_only(ckpt, monkeypatch):
+    """The reader threads prefault the destination ranges of the tensors the engine
+    allocated (every byte a run writes lies in a prefaulted range), never a destination
+    handed in through ``out``."""
+    from coordloader.engines import cpu
+    meta, full = ckpt
+    calls = []
+    monkeypatch.setattr(cpu, "prefault", lambda a, n: calls.append((a, n)))
+    monkeypatch.setattr(cpu, "_PAGE", 4096)
+    for rp in plans_for(meta):
+        tensors = tuple(ts.__class__(**{**ts.__dict__, "byte_runs": strided(ts.byte_runs)})
+                        for ts in rp.tensors)
+        rp2 = RankPlan(rp.rank, rp.coords, tensors)
+        calls.clear()
+        got, _ = select_engine("cpu", "cpu", threads=2, chunk_bytes=64).load_rank(meta, rp2, "cpu")
+        for ts in rp2.tensors:
+            base = got[ts.name].data_ptr()
+            covered = bytearray(got[ts.name].numel() * got[ts.name].element_size())
+            for lo, n in calls:   # the ranges that fall in this tensor
+                for i in range(max(lo - base, 0), min(lo + n - base, len(covered))):
+                    covered[i] = 1
+            for r in ts.byte_runs:
+                assert all(covered[r.dest:r.dest + r.length]), ts.name
+            want = reference(full[ts.name], [(p.src, p.dst) for p in ts.pieces], ts.local_shape)
+            assert same_bytes(got[ts.name], want)
+        calls.clear()
+        select_engine("cpu", "cpu").load_rank(meta, rp2, "cpu", out=got)
+        assert calls == []
+
+
+def test_prefault_gives_up_once_the_kernel_lacks_it(monkeypatch):
+    """EINVAL (a kernel older than MADV_POPULATE_WRITE) turns prefault off for the
+    process; another failure (ENOMEM) is left to the reads and tried again next time."""
+    import ctypes
+    import errno
+
+    from coordloader.engines import memory
+    calls = []
+
+    def fake(err):
+        def madvise(addr, n, advice):
+            calls.append(advice)
+            ctypes.set_errno(err)
+            return -1
+        return madvise
+    monkeypatch.setattr(memory, "_unsupported", False)
+    monkeypatch.setattr(memory, "_MADVISE", fake(errno.ENOMEM))
+    assert not memory.prefault(0, 3 * 4096) and not memory.prefault(0, 3 * 4096)
+    assert calls == [memory.MADV_POPULATE_WRITE] * 2 and not memory._unsupported
+    monkeypatch.setattr(memory, "_MADVISE", fake(errno.EINVAL))
+    assert not memory.prefault(0, 3 * 4096) and not memory.prefault(0, 3 * 4096)
+    assert len(calls) == 3 and memory._unsupported

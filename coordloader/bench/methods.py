@@ -20,6 +20,7 @@ import torch
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.metadata import box_shape
 from coordloader.engines import allocate, narrow_box, select_engine
+from coordloader.engines.memory import prefault_tensor
 from coordloader.planning.runs import groups_of
 
 
@@ -182,17 +183,39 @@ def _st_whole_into_run(ctx, dsts):
 # -- (f) the fresh-memory floor: what materialising the result alone costs ----------------
 
 def _fresh_floor_run(ctx, _):
-    """Allocate the rank's tensors and write one byte in each 4 KiB page: the page faults
-    (and zeroing) every method that returns fresh tensors pays, with nothing read. Under
+    """Allocate the rank's tensors and map every 4 KiB page, the cheapest way known here
+    (``memory.prefault``, one system call a tensor, as the cpu engine does; then one byte
+    written in each page, which faults whatever prefault could not map): the page faults
+    and zeroing every method that returns fresh tensors pays, with nothing read. Under
     nested virtualisation (this project's CI VM) this is most of a fast load."""
     out, n = {}, 0
     for ts in ctx.rank_plan.tensors:
         t = allocate(ts, "cpu")
+        prefault_tensor(t)
         flat = t.reshape(-1).view(torch.uint8)
         flat[::4096].fill_(1)
         out[ts.name] = t
         n += flat.numel()
     return None, n, {}
+
+
+# -- (m) one memory copy of the held bytes: with (f), the limit of any load --------------
+
+def _memcpy_setup(ctx):
+    """Source and destination of the rank's held bytes, both written (faulted) before the
+    timed section: the timed copy is memory bandwidth alone."""
+    n = ctx.rank_plan.bytes_held
+    return torch.ones(n, dtype=torch.uint8).numpy(), torch.zeros(n, dtype=torch.uint8).numpy()
+
+
+def _memcpy_run(ctx, bufs):
+    """One thread's copy of the held bytes (numpy: one thread, as the engine's copies):
+    (f) + (m) is what a load costs that materialises fresh tensors and moves every byte
+    once, from memory already holding it (the page cache, warm)."""
+    import numpy as np
+    src, dst = bufs
+    np.copyto(dst, src)
+    return None, int(src.nbytes), {}
 
 
 # -- (b') lazy mmap get_tensor, narrow, clone: touches only the slice's bytes -----------
@@ -266,16 +289,21 @@ def _ceiling_run(ctx, buf):
 
 # -- (a') one thread, os.preadv of exactly the plan's byte ranges ----------------------
 
+def _fresh_tensors(ctx) -> dict[str, torch.Tensor]:
+    """The rank's destinations, allocated inside the timed section: every method that
+    returns fresh tensors (the engine, get_slice, mmap+narrow) pays for allocating them,
+    so the one-thread baselines do too."""
+    return {ts.name: allocate(ts, "cpu") for ts in ctx.rank_plan.tensors}
+
+
 def _preadv_setup(ctx):
-    # preallocated destinations (torch.empty: pages are faulted in by the reads, as in
-    # the engine), plus the run list: the timed part is nothing but the reads
-    tensors = {ts.name: allocate(ts, "cpu") for ts in ctx.rank_plan.tensors}
+    # the run list: the timed part is allocation and the reads
+    return _plan_runs(ctx)
+
+
+def _preadv_run(ctx, runs):
+    tensors = _fresh_tensors(ctx)
     views = {n: _byte_view(t) for n, t in tensors.items()}
-    return tensors, views, _plan_runs(ctx)
-
-
-def _preadv_run(ctx, state):
-    tensors, views, runs = state
     fds: dict[str, int] = {}
     read = 0
     try:
@@ -293,18 +321,13 @@ def _preadv_run(ctx, state):
 
 # -- (a'') one thread, each slice's covering span read once, runs copied out -------------
 
-def _span_setup(ctx):
-    tensors = {ts.name: allocate(ts, "cpu") for ts in ctx.rank_plan.tensors}
-    flat = {n: t.reshape(-1).view(torch.uint8) for n, t in tensors.items()}
-    return tensors, flat
-
-
-def _span_run(ctx, state):
+def _span_run(ctx, _):
     """What an engine can do when a slice is many short runs (one per row of a dim-1
     split): one read of the span from the first run to the last into a bounce buffer,
     then one strided tensor copy per group of runs. Few syscalls for more bytes: read
     amplification up to the split factor on those tensors."""
-    tensors, flat = state
+    tensors = _fresh_tensors(ctx)
+    flat = {n: t.reshape(-1).view(torch.uint8) for n, t in tensors.items()}
     fds: dict[str, int] = {}
     buf = torch.empty(0, dtype=torch.uint8)
     read = plan_bytes = 0
@@ -440,7 +463,7 @@ def _save_run(ctx, tensors):
 METHODS: dict[str, Method] = {m.key: m for m in [
     Method("cpu", "coordloader cpu engine", _cpu_setup, _cpu_run),
     Method("preadv", "(a') preadv of the same byte ranges, 1 thread", _preadv_setup, _preadv_run),
-    Method("span", "(a'') preadv of each slice's span + copy-out, 1 thread", _span_setup,
+    Method("span", "(a'') preadv of each slice's span + copy-out, 1 thread", _no_setup,
            _span_run),
     Method("ceiling", "(a) page-cache ceiling: whole files, sequential", _ceiling_setup,
            _ceiling_run, holds_slice=False),
@@ -450,8 +473,10 @@ METHODS: dict[str, Method] = {m.key: m for m in [
            _cpu_into_run),
     Method("st_whole_into", "(b) whole read + narrow, into existing tensors", _prefaulted_setup,
            _st_whole_into_run),
-    Method("fresh_floor", "(f) fresh-memory floor: allocate + touch every page, no reads",
+    Method("fresh_floor", "(f) fresh-memory floor: allocate + map every page, no reads",
            _no_setup, _fresh_floor_run, holds_slice=False),
+    Method("memcpy", "(m) one memcpy of the held bytes, 1 thread, memory already mapped",
+           _memcpy_setup, _memcpy_run, holds_slice=False),
     Method("st_mmap_narrow", "(b') safetensors mmap get_tensor + narrow + clone (slice bytes only)",
            _no_setup, _st_mmap_narrow_run),
     Method("st_slice", "(c) safetensors get_slice per rank", _no_setup, _st_slice_run),

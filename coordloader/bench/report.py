@@ -48,6 +48,12 @@ def load_table(rows: dict, title: str, storage: bool = False) -> str:
     return "\n".join(out) + "\n"
 
 
+def _spread(t: dict) -> str:
+    if t.get("lo") is None:
+        return "–"
+    return f"{t['lo']:.2f}–{t['hi']:.2f} ({t['pairs']} pairs)"
+
+
 def load_section(sec: dict) -> str:
     out = [f"### Load: {os.path.basename(sec['ckpt'].rstrip('/'))}, "
            f"{sec['checkpoint_bytes'] / 1e9:.2f} GB in {sec['files']} files, "
@@ -68,7 +74,8 @@ def load_section(sec: dict) -> str:
                        "whatever the method, since storage and the page cache move whole pages.")
         base = min(p["rss_ready"] for r in rows for p in r["ranks"])
         out.append(f"Bytes held per rank: {max(r['bytes_held_per_rank'] for r in rows) / 1e6:,.0f} MB. "
-                   "GB/s = bytes held / wall (the ceiling row: file bytes / wall). Bytes read = "
+                   "GB/s = bytes held / wall (the ceiling row: file bytes / wall; the memcpy "
+                   "row: bytes copied / wall). Bytes read = "
                    "what the method asks for (the cpu engine: the plan's bytes); read ampl. = "
                    "bytes read / held; page-cache bytes copied = what is copied out of the page "
                    "cache, including the sub-page gaps a span read carries (cpu engine: plan "
@@ -83,11 +90,15 @@ def load_section(sec: dict) -> str:
                               "included)", storage=True))
     if sec.get("targets"):
         cold_t = sec.get("cold_targets") or {}
-        out += ["| target | warm | met (warm) | cold | met (cold) | goal |",
-                "|---|---:|:---:|---:|:---:|---|"]
+        out += ["Targets: ratios against peers and the limit are medians of ratios paired "
+                "within a repeat (the methods alternate inside each repeat), with their "
+                "min-max over the pairs.", "",
+                "| target | warm | pairs min-max (warm) | met (warm) | cold | met (cold) | goal |",
+                "|---|---:|---:|:---:|---:|:---:|---|"]
         for k, t in sec["targets"].items():
             c = cold_t.get(k) or {}
-            out.append(f"| {k} | {_f(t['value'], '{:.2f}')} | {_ok(t['ok'])} | "
+            name = f"{k} (`{t['peer']}`)" if k == "cpu_vs_best_peer" else k
+            out.append(f"| {name} | {_f(t['value'], '{:.2f}')} | {_spread(t)} | {_ok(t['ok'])} | "
                        f"{_f(c.get('value'), '{:.2f}')} | {_ok(c.get('ok'))} | {t['target']} |")
         out.append("")
     for n in sec.get("notes", []):
@@ -186,15 +197,26 @@ def save_section(sec: dict) -> str:
 
 def headline(results: dict) -> str:
     """One line, always the last one printed. Format (stable, parsed by tests):
-    ``headline: coordloader cpu engine X.XXx the speed of safetensors whole-read+narrow ...``
-    (X = baseline wall / cpu engine wall: above 1 the engine is faster, below 1 slower)
-    or, without a load section, the planner's or ``headline: n/a (...)``."""
+    ``headline: coordloader cpu engine P.PPx the speed of the best peer, LABEL (`KEY`)
+    (C s vs B s median wall, paired min-max L-H over N repeats); X.XXx the speed of
+    safetensors whole-read+narrow (C s vs W s median wall), R ranks, warm page cache``
+    (a ratio = other wall / cpu engine wall: above 1 the engine is faster; either part
+    alone when the run had only the peers or only the whole read), or, without a load
+    section, the planner's or ``headline: n/a (...)``."""
     load = results.get("load") or {}
     h = load.get("headline")
     if h:
-        return (f"{HEADLINE_PREFIX} coordloader cpu engine {h['ratio']:.2f}x the speed of "
-                f"safetensors whole-read+narrow ({h['cpu_s']:.3f} s vs {h['whole_s']:.3f} s "
-                f"median wall, {load['world']} ranks, warm page cache)")
+        parts = []
+        p = h.get("peer")
+        if p:
+            parts.append(f"{p['ratio']:.2f}x the speed of the best peer, {p['label']} "
+                         f"(`{p['key']}`) ({h['cpu_s']:.3f} s vs {p['peer_s']:.3f} s median wall, "
+                         f"paired min-max {p['lo']:.2f}-{p['hi']:.2f} over {p['pairs']} repeats)")
+        if "ratio" in h:
+            parts.append(f"{h['ratio']:.2f}x the speed of safetensors whole-read+narrow "
+                         f"({h['cpu_s']:.3f} s vs {h['whole_s']:.3f} s median wall)")
+        return (f"{HEADLINE_PREFIX} coordloader cpu engine {'; '.join(parts)}, "
+                f"{load['world']} ranks, warm page cache")
     plan = results.get("plan")
     if plan and plan.get("rows"):
         big = plan["rows"][-1]
@@ -208,8 +230,8 @@ def headline(results: dict) -> str:
     if sv and "save" in sv:
         return (f"{HEADLINE_PREFIX} save {sv['save']['gbps_per_rank']:.2f} GB/s per rank, "
                 f"resharded load {sv['resharded_vs_direct']:.2f}x the direct load time")
-    return (f"{HEADLINE_PREFIX} n/a (the load section did not run both the cpu engine and "
-            f"the whole-read baseline)")
+    return (f"{HEADLINE_PREFIX} n/a (the load section did not run the cpu engine with a "
+            f"peer or the whole-read baseline)")
 
 
 def render(results: dict) -> str:

@@ -21,6 +21,12 @@ never on one Python object per run:
 
 Work is sorted by file offset (forward reads) and cut into tasks of about
 ``chunk_bytes`` handed to a thread pool; ``preadv`` and torch's copy release the GIL.
+
+Tensors the engine allocates itself are fresh address space: before a read lands in one,
+the reader thread maps the destination range with ``memory.prefault`` (one
+``madvise(MADV_POPULATE_WRITE)``), not one page-fault trap per 4 KiB page. Each thread
+does so for its own ranges, so the faults spread over the threads as the reads do.
+Destinations handed in (``out``) are left as they are.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import torch
 
 from coordloader.checkpoint.metadata import CheckpointMeta
 from coordloader.engines import LoadStats, Progress, allocate, host_out, slice_nbytes, to_device
+from coordloader.engines.memory import prefault
 from coordloader.errors import LoadError
 from coordloader.planning.model import RankPlan
 from coordloader.planning.runs import groups_of
@@ -49,10 +56,11 @@ try:
 except (ValueError, OSError, AttributeError):
     _IOV_MAX = 16
 
-# work items (tuples, first field = kind):
-#   (_VEC, off, nbytes, [memoryview, ...], [tensor name, ...])  contiguous in the file
-#   (_SPAN, off, count, length, src_stride, u8 array, dest, dst_stride, name)  bounce + copy
-#   (_ROWS, off, count, length, src_stride, memoryview, dest, dst_stride, name)  one read a row
+# work items (tuples, first field = kind; ``pf``: (address, bytes) ranges of fresh
+# destination memory to prefault first, none for destinations handed in):
+#   (_VEC, off, nbytes, [memoryview, ...], [tensor name, ...], pf)  contiguous in the file
+#   (_SPAN, off, count, length, src_stride, u8 array, dest, dst_stride, name, pf)  bounce + copy
+#   (_ROWS, off, count, length, src_stride, memoryview, dest, dst_stride, name, pf)  one read a row
 _VEC, _SPAN, _ROWS = 0, 1, 2
 
 
@@ -93,6 +101,8 @@ class CpuEngine:
         host = host_out(out, rank_plan, device, rank=rank)
         for ts in rank_plan.tensors:
             t = allocate(ts, "cpu", host, rank=rank)
+            # address of fresh memory to prefault; 0 for a destination handed in
+            base = 0 if host is not None and ts.name in host else t.data_ptr()
             tensors[ts.name] = t
             nbytes = slice_nbytes(ts)
             held += nbytes
@@ -102,7 +112,8 @@ class CpuEngine:
             groups = groups_of(runs)
             u8, mv = _byte_view(t)
             for g in groups:
-                planned += self._add_group(items, files, g, u8, mv, nbytes, ts.name, rank)
+                planned += self._add_group(items, files, g, u8, mv, nbytes, ts.name, rank,
+                                           base)
 
         fds: dict[str, int] = {}
         try:
@@ -144,7 +155,7 @@ class CpuEngine:
         return tensors, stats
 
     # -- planning the reads -----------------------------------------------------------
-    def _add_group(self, items, files, g, u8, mv, nbytes, tname, rank) -> int:
+    def _add_group(self, items, files, g, u8, mv, nbytes, tname, rank, base) -> int:
         """Validate one strided group (arithmetically: its runs' offsets are linear in the
         run index, so the first and last run bound them all) and queue its reads."""
         f, o, ln, d, c, ss, ds = g
@@ -173,20 +184,22 @@ class CpuEngine:
             pos = 0
             while pos < ln:  # big runs in chunks, so threads share one big tensor
                 n = min(ln - pos, cb)
-                lst.append((_VEC, o + pos, n, [mv[d + pos:d + pos + n]], [tname]))
+                lst.append((_VEC, o + pos, n, [mv[d + pos:d + pos + n]], [tname],
+                            [(base + d + pos, n)] if base else []))
                 pos += n
             return ln
-        if ss >= ln and ds >= ln and ss - ln < _PAGE:
-            # rows in chunks of about chunk_bytes of file span
-            per = max(1, cb // ss)
-            for i in range(0, c, per):
-                k = min(per, c - i)
-                lst.append((_SPAN, o + i * ss, k, ln, ss, u8, d + i * ds, ds, tname))
-        else:
-            per = max(1, cb // ln)
-            for i in range(0, c, per):
-                k = min(per, c - i)
-                lst.append((_ROWS, o + i * ss, k, ln, ss, mv, d + i * ds, ds, tname))
+        kind = _SPAN if ss >= ln and ds >= ln and ss - ln < _PAGE else _ROWS
+        # SPAN: rows in chunks of about chunk_bytes of file span; ROWS: of bytes read
+        per = max(1, cb // (ss if kind == _SPAN else ln))
+        buf = u8 if kind == _SPAN else mv
+        for i in range(0, c, per):
+            k = min(per, c - i)
+            d0 = d + i * ds
+            pf = ()
+            if base:
+                dl = d0 + (k - 1) * ds
+                pf = ((base + min(d0, dl), abs(dl - d0) + ln),)
+            lst.append((kind, o + i * ss, k, ln, ss, buf, d0, ds, tname, pf))
         return ln * c
 
     def _tasks(self, items: dict[str, list], fds: dict[str, int]) -> tuple[list[list], int]:
@@ -207,10 +220,12 @@ class CpuEngine:
                             and len(prev[3]) < _IOV_MAX and prev[2] + it[2] <= cb):
                         prev[3].extend(it[3])
                         prev[4].extend(it[4])
+                        prev[5].extend(it[5])
                         prev[2] += it[2]
                         cur_bytes += it[2]
                     else:
-                        prev = [_VEC, it[1], it[2], list(it[3]), list(it[4]), fd, fname]
+                        prev = [_VEC, it[1], it[2], list(it[3]), list(it[4]), list(it[5]), fd,
+                                fname]
                         cur.append(prev)
                         cur_bytes += it[2]
                 else:
@@ -248,11 +263,16 @@ class CpuEngine:
                     return done
                 kind = it[0]
                 if kind == _VEC:
-                    _, off, n, bufs, names, fd, fname = it
+                    _, off, n, bufs, names, pf, fd, fname = it
+                    for a, m in pf:
+                        prefault(a, m)
                     _read_vec(fd, bufs, off, n, fname, names, rank)
                     done += n
-                elif kind == _SPAN:
-                    _, off, k, ln, ss, u8, d, ds, tname, fd, fname = it
+                    continue
+                for a, m in it[9]:
+                    prefault(a, m)
+                if kind == _SPAN:
+                    _, off, k, ln, ss, u8, d, ds, tname, _pf, fd, fname = it
                     span = (k - 1) * ss + ln
                     bt, bmv = bounce(span)
                     _read_vec(fd, [bmv[:span]], off, span, fname, [tname], rank)
@@ -263,7 +283,7 @@ class CpuEngine:
                               np.ndarray((k, ln), np.uint8, bt, 0, (ss, 1)))
                     done += k * ln
                 else:
-                    _, off, k, ln, ss, mv, d, ds, tname, fd, fname = it
+                    _, off, k, ln, ss, mv, d, ds, tname, _pf, fd, fname = it
                     preadv = os.preadv
                     for i in range(k):
                         o, p = off + i * ss, d + i * ds

@@ -1,0 +1,63 @@
+"""Fresh destination memory, faulted in ahead of the bytes that land in it.
+
+A tensor from ``torch.empty`` is address space only: the first write to each 4 KiB page
+traps into the kernel, which zeroes a page and maps it. For a slice-exact load that trap
+is most of the cost on machines where faults are dear (virtual machines), and it cannot
+be avoided: every method that returns fresh tensors pays it. What can be avoided is the
+trap itself: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) maps a whole range in one
+system call, the kernel's fault path without a user-mode exception per page.
+
+``prefault`` is best effort: where the call is missing (other systems, older kernels) it
+does nothing and the reads fault the pages in as before. The bytes a tensor ends up
+holding do not depend on it.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import sys
+
+PAGE = 4096
+# <linux/mman.h>: populate (prefault) page tables writable, faulting in as needed
+MADV_POPULATE_WRITE = 23
+
+
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        f = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+_MADVISE = _madvise()
+_unsupported = False
+
+
+def prefault(address: int, nbytes: int) -> bool:
+    """Map the whole pages inside ``[address, address + nbytes)`` writable, now, in one
+    call. Pages only partly inside are left alone (they may belong to other memory); a
+    page already mapped is left as it is. Returns False where nothing was done (no
+    whole page inside, or the system lacks the call; then it is not tried again)."""
+    global _unsupported
+    lo = (address + PAGE - 1) & ~(PAGE - 1)
+    hi = (address + nbytes) & ~(PAGE - 1)
+    if hi <= lo or _MADVISE is None or _unsupported:
+        return False
+    # ctypes releases the GIL for the call: other reader threads go on meanwhile
+    if _MADVISE(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
+        # EINVAL: a kernel without it. Anything else (ENOMEM when memory is short) is left
+        # to the reads, which fault the same pages and report a real failure as theirs.
+        if ctypes.get_errno() == errno.EINVAL:
+            _unsupported = True
+        return False
+    return True
+
+
+def prefault_tensor(t) -> bool:
+    """``prefault`` over a contiguous CPU tensor's bytes."""
+    return prefault(t.data_ptr(), t.numel() * t.element_size())
