@@ -391,12 +391,12 @@ def _qwen3_next_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
 
 FAMILIES = {
     "qwen2_moe": Family("qwen2_moe", _qwen2_moe_model, _qwen2_moe_reference,
-                        (dict(tp=2), dict(tp=2, ep=2), dict(tp=4, ep=4))),
+                        (dict(tp=2), dict(tp=4), dict(tp=2, ep=2), dict(tp=4, ep=4))),
     "bert": Family("bert", _bert_model, _bert_reference, (dict(tp=2),)),
     "phi3": Family("phi3", _phi3_model, _phi3_reference, (dict(tp=2), dict(tp=4))),
     "gemma3": Family("gemma3", _gemma3_model, _gemma3_reference, (dict(tp=2), dict(tp=4))),
     "glm4_moe": Family("glm4_moe", _glm4_moe_model, _glm4_moe_reference,
-                       (dict(tp=2), dict(tp=2, ep=2), dict(tp=4, ep=4))),
+                       (dict(tp=2), dict(tp=4), dict(tp=2, ep=2), dict(tp=4, ep=4))),
     "gpt_oss": Family("gpt_oss", _gpt_oss_model, _gpt_oss_reference,
                       (dict(tp=2), dict(tp=4), dict(tp=2, ep=2), dict(tp=4, ep=4))),
     "llama4": Family("llama4", _llama4_model, _llama4_reference,
@@ -828,8 +828,9 @@ def test_reference_catches_mxfp4_split_off_its_blocks(gpt_oss_mxfp4):
 
 # --- the new presets over real torch.distributed: 2 gloo ranks on loopback ------------------
 
-MP_CASES = [(fam, layout) for fam in ("gpt_oss", "llama4", "qwen3_next")
-            for layout in (dict(tp=2), dict(tp=2, ep=2))] + [("gpt_oss_mxfp4", dict(tp=2))]
+MP_CASES = ([(fam, layout) for fam in ("gpt_oss", "llama4", "qwen3_next", "qwen2_moe", "glm4_moe")
+             for layout in (dict(tp=2), dict(tp=2, ep=2))]
+            + [(fam, dict(tp=2)) for fam in ("phi3", "gemma3", "gpt_oss_mxfp4")])
 
 
 def _mp_worker(rank: int, world: int, port: int, paths: dict, out_dir: str):
@@ -861,13 +862,13 @@ def _mp_worker(rank: int, world: int, port: int, paths: dict, out_dir: str):
 
 @pytest.mark.slow
 def test_new_presets_load_over_gloo_match_vllm(hf_checkpoint, gpt_oss_mxfp4, tmp_path):
-    """gpt_oss (bf16 and MXFP4), llama4 and qwen3_next loaded by two real ranks over gloo
-    (plan digest agreement, per-rank reads, verify), each rank byte-exact against the
-    reference slicer."""
+    """The issue-16 presets (gpt_oss bf16 and MXFP4, llama4, qwen3_next, qwen2_moe, glm4_moe,
+    phi3, gemma3) loaded by two real ranks over gloo (plan digest agreement, per-rank reads,
+    verify), each rank byte-exact against the reference slicer."""
     from coordloader.dist.collective import free_port
 
     from ranks import spawn_and_wait
-    paths = {f: str(hf_checkpoint(f)) for f in ("gpt_oss", "llama4", "qwen3_next")}
+    paths = {f: str(hf_checkpoint(f)) for f, _ in MP_CASES if f != "gpt_oss_mxfp4"}
     paths["gpt_oss_mxfp4"] = str(gpt_oss_mxfp4(128))
     spawn_and_wait(_mp_worker, (2, free_port(), paths, str(tmp_path)), 2,
                    "2-rank preset loads", hard_s=240)
