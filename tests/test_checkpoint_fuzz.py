@@ -145,6 +145,7 @@ def test_bases_are_valid(traced):
        flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=1,
                       max_size=8),
        in_header=st.booleans())
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_fuzz_byte_flips(traced, base, flips, in_header):
     raw = bytearray(BASES[base])
     hlen = struct.unpack("<Q", raw[:8])[0]
@@ -183,6 +184,7 @@ JSON = st.recursive(SCALARS, lambda ch: st.lists(ch, max_size=4) |
        where=st.sampled_from(["whole", "entry", "dtype", "shape", "data_offsets", "meta",
                               "extra"]),
        pick=st.integers(0, 100), extra_data=st.integers(-8, 8))
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_fuzz_json_values(traced, base, value, where, pick, extra_data):
     raw = BASES[base]
     hlen = struct.unpack("<Q", raw[:8])[0]
@@ -213,6 +215,7 @@ def test_fuzz_json_values(traced, base, value, where, pick, extra_data):
            st.text(max_size=12)), min_size=1, max_size=4),
        tensors=st.lists(st.sampled_from(["a", "b", "c", "ghost"]), min_size=1, max_size=4),
        junk=st.one_of(st.none(), JSON))
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_fuzz_index(traced, names, tensors, junk):
     root = tempfile.mkdtemp(prefix="ckfuzz-idx-")
     try:

@@ -84,6 +84,7 @@ def config_mutations(draw, base: dict):
 
 @settings(FUZZ, max_examples=600)
 @given(data=st.data(), arch=st.sampled_from(ARCHS), layout=LAYOUTS)
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_fuzz_config_values(metas, data, arch, layout):
     meta = metas[arch]
     cfg = data.draw(config_mutations(dict(meta.config or {})))
@@ -111,6 +112,7 @@ def ckpt_copies(tiny_checkpoint, tmp_path_factory):
 @given(arch=st.sampled_from(ARCHS), layout=LAYOUTS,
        how=st.sampled_from(["flip", "cut", "json", "deep", "dup", "nan"]),
        pos=st.integers(0, 10**6), byte=st.integers(0, 255), value=JSON)
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_fuzz_config_json_bytes(ckpt_copies, arch, layout, how, pos, byte, value):
     d, raw = ckpt_copies[arch]
     if how == "flip":
@@ -163,6 +165,7 @@ def rule_files(draw):
 @settings(FUZZ, max_examples=600)
 @given(arch=st.sampled_from(ARCHS), layout=LAYOUTS, rules=rule_files(),
        unmatched=st.booleans())
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_fuzz_rule_values(metas, arch, layout, rules, unmatched):
     plan_or_typed_error(lambda: make_plan(metas[arch], Layout(**layout), rules,
                                           replicate_unmatched=unmatched))
@@ -172,6 +175,7 @@ def test_fuzz_rule_values(metas, arch, layout, rules, unmatched):
 @given(arch=st.sampled_from(ARCHS), layout=LAYOUTS, rules=rule_files(),
        how=st.sampled_from(["as_is", "cut", "deep", "nan", "dup", "binary"]),
        pos=st.integers(0, 10**6))
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_fuzz_rule_file_on_disk(metas, arch, layout, rules, how, pos):
     raw = json.dumps(rules).encode()
     if how == "cut":

@@ -42,6 +42,7 @@ def _save_resharded(src, out, layout, **kw):
 
 @pytest.mark.parametrize("arch,layout", [("qwen3_moe", Layout(tp=2, ep=2)),
                                          ("deepseek_v3", Layout(tp=2, pp=2, include_mtp=True))])
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_cli_consolidate_is_byte_equal(tmp_path, arch, layout):
     src = synthesize(str(tmp_path / "src"), arch, "tiny", shards=2, seed=3)
     sharded = str(tmp_path / "sharded")

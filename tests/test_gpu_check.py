@@ -13,6 +13,7 @@ SCRIPT = REPO / "launch" / "gpu_check.sh"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_refuses_without_cuda(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable)
@@ -23,6 +24,7 @@ def test_refuses_without_cuda(tmp_path):
     assert not out.exists()   # refused before writing results or installing anything
 
 
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_hidden_gpus_are_refused_too(tmp_path):
     # CUDA_VISIBLE_DEVICES="" hides every GPU: the same refusal on a GPU machine
     env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")

@@ -159,6 +159,7 @@ except Blocked:
     "dev", "dir",
     "fifo",
 ])
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_engine_refuses_shard_swapped_after_planning(tmp_path, base, how):
     ck = tmp_path / "ck"
     shutil.copytree(base["one"], ck)

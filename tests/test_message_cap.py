@@ -59,6 +59,7 @@ def _run(*args, cwd=None):
     ("coordloader.plan", "{ckpt}", "--tp", "2"),
     ("coordloader.load", "{ckpt}", "--tp", "2", "--rank", "0", "--engine", "cpu"),
 ], ids=["plan", "load"])
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_every_command_caps_the_10mb_name_and_keeps_the_point(long_named, cmd):
     r = _run(*[a.format(ckpt=long_named) for a in cmd])
     assert r.returncode != 0
@@ -87,6 +88,7 @@ def test_unknown_tool_is_bounded(capsys):
     assert len(capsys.readouterr().err) < BOUND + 3000
 
 
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_unmatched_rule_warning_is_bounded(tiny_checkpoint, tmp_path):
     rules = tmp_path / "rules.json"
     rules.write_text(json.dumps([{"pattern": "z" * 1_000_000, "strategy": "replicate"}]))

@@ -26,6 +26,7 @@ def dsv3_plan(dsv3):
     return plan
 
 
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_deepseek_v3_tp8_ep8(dsv3_plan, dsv3):
     r3 = dsv3_plan.rank(3).by_name()
     L = "model.layers.5."

@@ -125,6 +125,7 @@ GOLDEN = [
 
 
 @pytest.mark.parametrize("kw,digest", GOLDEN)
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_deepseek_v3_full_digest_golden(dsv3_full, kw, digest):
     plan = make_plan(dsv3_full, Layout(**kw))
     assert plan.digest() == digest

@@ -429,6 +429,7 @@ _CRASH = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("step", ["staged", f"moved {shard_name(1, 0)}"])
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_save_sigkilled_mid_publish(tmp_path, step):
     """The same with a real SIGKILL: nothing runs after the kill, not even ``finally``."""
     import coordloader as cl
@@ -504,6 +505,7 @@ def _dist_worker(rank, port, base, q):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_distributed_save_and_error_agreement(tmp_path):
     import torch.multiprocessing as mp
     q = mp.get_context("spawn").Queue()
