@@ -1,3 +1,4 @@
 """Stage 2, the plan: metadata + layout + rules -> `Plan` (`model`). Pure: no file I/O, no
-torch.distributed, no engine. `planner` places every tensor, `rules/` holds the strategy
-vocabulary and presets, `runs` turns boxes into byte runs, `cover` proves exact cover."""
+torch.distributed, no engine. `planner` places every tensor, `strategies` declares each
+strategy (params, check, placement), `rules/` holds the presets and rule files, `runs`
+turns boxes into byte runs, `cover` proves exact cover."""

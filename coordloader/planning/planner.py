@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import warnings
 from math import prod
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo
@@ -36,6 +36,14 @@ from coordloader.planning.model import (
 from coordloader.planning.rules import RuleSet, make_rule, num_experts_of, resolve_rules
 from coordloader.planning.rules.presets import missing_config_error
 from coordloader.planning.runs import RunGroup, RunList, box_runs, merge_groups
+from coordloader.planning.strategies import (
+    STRATEGIES,
+    ByExpertOwner,
+    ByExpertSet,
+    ByTp,
+    Everyone,
+    dim_classes,
+)
 from coordloader.text import MAX_NAME_CHARS, clip
 
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
@@ -44,42 +52,7 @@ EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 _REPLICATE = make_rule("*", "replicate", source="replicate_unmatched")
 
 
-# Selectors: which class of a tensor's placement each rank of its stages falls in. They
-# are hashable (rank groups are memoised per (stages, selector)) and compare by value.
-class Everyone(NamedTuple):
-    """Every rank holds class 0 (replicated)."""
 
-
-class ByTp(NamedTuple):
-    """A rank holds class ``classes[tp_rank]``."""
-    classes: tuple[int, ...]
-
-
-class ByExpertOwner(NamedTuple):
-    """Only the ep ranks in ``owners`` hold it: class ``moe_tp_rank`` when ``split`` over
-    moe_tp, else class 0."""
-    owners: tuple[int, ...]
-    split: bool
-
-
-class ByExpertSet(NamedTuple):
-    """A fused expert tensor: class ``ep_rank * moe_tp + moe_tp_rank`` when ``split``,
-    else ``ep_rank`` (each ep rank holds its set of experts)."""
-    split: bool
-
-
-Selector = Everyone | ByTp | ByExpertOwner | ByExpertSet
-
-# strategy name -> the _Planner method placing a tensor by it: (tensor, params) ->
-# (selector, classes). "scale" is placed after its weight (_Planner._scale), not here.
-PLACEMENTS: dict[str, Callable[..., tuple[Selector, list]]] = {}
-
-
-def placement(strategy: str):
-    def register(method):
-        PLACEMENTS[strategy] = method
-        return method
-    return register
 
 
 def build_plan(meta: CheckpointMeta, layout: Layout, rules: Any = None, *,
@@ -147,8 +120,17 @@ class _Planner:
         self._wcache: dict = {}
         self._scache: dict = {}
 
-    def _err(self, msg: str, name: str) -> PlanError:
+    def err(self, msg: str, name: str) -> PlanError:
         return PlanError(f"{msg} (layout {self.L})", tensor=name)
+
+    def compiled(self, pattern: str) -> re.Pattern:
+        rx = self._id_res.get(pattern)
+        if rx is None:
+            rx = self._id_res[pattern] = re.compile(pattern)
+        return rx
+
+    def config_num_experts(self) -> int | None:
+        return num_experts_of(self.config)
 
     # -- driver --------------------------------------------------------------
     def run(self) -> Plan:
@@ -282,7 +264,8 @@ class _Planner:
                            for r in range(self.world))
         return Plan(L, meta.fingerprint(), rank_plans, tuple(excluded), load_groups(L, rank_plans, meta))
 
-    # -- placement -----------------------------------------------------------
+    # -- placement: stages, the Strategy's placement, and the helpers it reads (the
+    # PlacementContext of planning/strategies.py) -----------------------------
     def _stages(self, n: str, params: Mapping) -> tuple[int, ...] | None:
         """Stages holding tensor ``n``; None = excluded (MTP layers)."""
         pp = self.L.pp
@@ -311,21 +294,21 @@ class _Planner:
         rule, params = self.match[n]
         t = self.meta.tensors[n]
         strategy = rule.strategy
-        if strategy == "scale":
-            res = self._scale(t, params)
+        if STRATEGIES[strategy].place is None:   # a block scale: follows its weight
+            res = self.scale(t, params)
         else:
             stages = self._stages(n, params)
             if stages is None:
                 res = None
             else:
-                selector, classes = PLACEMENTS[strategy](self, t, params)
+                selector, classes = STRATEGIES[strategy].place(self, t, params)
                 res = (stages, selector, classes, strategy)
         # only weights that have a scale are looked up again; keep memory modest
         if n + "_scale_inv" in self.meta.tensors:
             self._placed[n] = res
         return res
 
-    def _whole(self, t: TensorInfo):
+    def whole(self, t: TensorInfo):
         # classes depend only on the shape: share them (and their Piece objects) across the
         # thousands of same-shaped tensors (experts)
         c = self._wcache.get(t.shape)
@@ -334,11 +317,7 @@ class _Planner:
                                                           (0,) * len(t.shape)),))]
         return Everyone(), c
 
-    @placement("replicate")
-    def _s_replicate(self, t, p):
-        return self._whole(t)
-
-    def _split_dim(self, t: TensorInfo, dim: int, parts: int, what: str):
+    def split_dim(self, t: TensorInfo, dim: int, parts: int, what: str):
         """Classes of an even (or chunked) split of ``dim`` into ``parts`` (shared per shape)."""
         key = (t.shape, dim, parts)
         c = self._scache.get(key)
@@ -346,136 +325,40 @@ class _Planner:
             c = self._scache[key] = self._split_dim_new(t, dim, parts, what)
         return c
 
-    def _chunks(self, t: TensorInfo, n: int, parts: int, what: str) -> list[tuple[int, int]]:
+    def chunks(self, t: TensorInfo, n: int, parts: int, what: str) -> list[tuple[int, int]]:
         """``chunk_ranges`` of ``n`` into ``parts``, its error naming the tensor and layout."""
         try:
             return chunk_ranges(n, parts, self.L.allow_uneven, what)
         except PlanError as e:
-            raise self._err(e.message, t.name) from None
+            raise self.err(e.message, t.name) from None
 
     def _split_dim_new(self, t: TensorInfo, dim: int, parts: int, what: str):
         if dim >= len(t.shape):
-            raise self._err(f"split dim {dim} out of range for shape {list(t.shape)}", t.name)
-        return _dim_classes(t.shape, dim, self._chunks(t, t.shape[dim], parts,
+            raise self.err(f"split dim {dim} out of range for shape {list(t.shape)}", t.name)
+        return dim_classes(t.shape, dim, self.chunks(t, t.shape[dim], parts,
                                                        f"{what} of dim {dim} (shape {list(t.shape)})"))
 
-    @placement("colwise")
-    def _s_colwise(self, t, p, dim=None):
-        dim = p.get("dim", 0) if dim is None else dim
-        if not t.shape or self.L.tp == 1:
-            return self._whole(t)
-        classes = self._split_dim(t, dim, self.L.tp, f"split over tp={self.L.tp}")
-        return ByTp(tuple(range(self.L.tp))), classes
-
-    @placement("rowwise")
-    def _s_rowwise(self, t, p):
-        dim = p.get("dim", 1)
-        if len(t.shape) <= dim:       # the bias of a row-parallel layer is replicated
-            return self._whole(t)
-        return self._s_colwise(t, p, dim)
-
-    @placement("vocab")
-    def _s_vocab(self, t, p):
-        if not t.shape:
-            raise self._err("vocab strategy needs a tensor with a row dim", t.name)
-        V, pad, tp = t.shape[0], p["pad_to"], self.L.tp
-        Vp = -(-V // pad) * pad
-        rngs = self._chunks(t, Vp, tp, f"vocab {V} padded to {Vp} (multiple of {pad}) split "
-                                       f"over tp={tp}")
-        zero = (0,) * len(t.shape)
-        rest = tuple((0, s) for s in t.shape[1:])
-        classes = []
-        for a, b in rngs:
-            pieces = (Piece(((a, min(b, V)),) + rest, zero),) if a < V else ()
-            classes.append(((b - a,) + t.shape[1:], pieces))
-        if tp == 1 and Vp == V:
-            return Everyone(), classes
-        return ByTp(tuple(range(tp))), classes
-
-    def _head_split(self, n_size: int, heads: int, kv: bool, name: str, what: str):
+    def head_split(self, n_size: int, heads: int, kv: bool, name: str, what: str):
         """-> (g: tp rank -> class, ranges per class) for whole-head splitting of a dim of
         ``n_size`` holding ``heads`` heads."""
         tp = self.L.tp
         if n_size % heads:
-            raise self._err(f"{what}: size {n_size} is not a multiple of num_heads={heads}", name)
+            raise self.err(f"{what}: size {n_size} is not a multiple of num_heads={heads}", name)
         hd = n_size // heads
         if tp <= heads:
             if heads % tp:
-                raise self._err(f"{what}: {heads} heads are not divisible by tp={tp}", name)
+                raise self.err(f"{what}: {heads} heads are not divisible by tp={tp}", name)
             per = heads // tp
             return tuple(range(tp)), [(j * per * hd, (j + 1) * per * hd) for j in range(tp)]
         if not kv:
-            raise self._err(f"{what}: tp={tp} exceeds the {heads} heads", name)
+            raise self.err(f"{what}: tp={tp} exceeds the {heads} heads", name)
         if tp % heads:
-            raise self._err(f"{what}: tp={tp} is not a multiple of the {heads} K/V heads, so they "
+            raise self.err(f"{what}: tp={tp} is not a multiple of the {heads} K/V heads, so they "
                             f"cannot be replicated evenly", name)
         rep = tp // heads
         return tuple(t // rep for t in range(tp)), [(h * hd, (h + 1) * hd) for h in range(heads)]
 
-    @placement("heads")
-    def _s_heads(self, t, p):
-        dim = p.get("dim", 0)
-        if dim >= len(t.shape):
-            raise self._err(f"heads split dim {dim} out of range for shape {list(t.shape)}", t.name)
-        g, rngs = self._head_split(t.shape[dim], p["num_heads"], p["kv"], t.name,
-                                   f"heads split of dim {dim} (shape {list(t.shape)})")
-        if len(rngs) == 1:
-            return self._whole(t)
-        return ByTp(g), _dim_classes(t.shape, dim, rngs)
-
-    @placement("packed")
-    def _s_packed(self, t, p):
-        dim = p.get("dim", 0)
-        if dim >= len(t.shape):
-            raise self._err(f"packed split dim {dim} out of range for shape {list(t.shape)}", t.name)
-        size = t.shape[dim]
-        tp = self.L.tp
-        if "blocks" in p:
-            blocks = list(p["blocks"])
-            if sum(blocks) != size:
-                raise self._err(f"packed blocks {blocks} sum to {sum(blocks)}, but dim {dim} has "
-                                f"size {size}", t.name)
-        else:
-            nb = p["num_blocks"]
-            if size % nb:
-                raise self._err(f"dim {dim} of size {size} does not hold {nb} equal packed blocks", t.name)
-            blocks = [size // nb] * nb
-        heads = p.get("heads")
-        kvs = p.get("kv") or (False,) * len(blocks)
-        per_block = []   # (g, ranges) per block
-        for bi, bs in enumerate(blocks):
-            what = f"packed block {bi} (size {bs}) of dim {dim}"
-            if heads:
-                per_block.append(self._head_split(bs, heads[bi], kvs[bi], t.name, what))
-            else:
-                per_block.append((tuple(range(tp)), self._chunks(t, bs, tp, what + f" over tp={tp}")))
-        offs = [0]
-        for bs in blocks:
-            offs.append(offs[-1] + bs)
-        keys, classes, g = {}, [], []
-        for r in range(tp):
-            key = tuple(pb[0][r] for pb in per_block)
-            if key not in keys:
-                keys[key] = len(classes)
-                pieces, loc = [], 0
-                for bi, (gb, rngs) in enumerate(per_block):
-                    a, b = rngs[key[bi]]
-                    if b > a:
-                        box = [(0, s) for s in t.shape]
-                        box[dim] = (offs[bi] + a, offs[bi] + b)
-                        dst = [0] * len(t.shape)
-                        dst[dim] = loc
-                        pieces.append(Piece(tuple(box), tuple(dst)))
-                    loc += b - a
-                ls = list(t.shape)
-                ls[dim] = loc
-                classes.append((tuple(ls), tuple(pieces)))
-            g.append(keys[key])
-        if len(classes) == 1:
-            return Everyone(), classes
-        return ByTp(tuple(g)), classes
-
-    def _experts_count(self, t: TensorInfo, p) -> int:
+    def experts_count(self, t: TensorInfo, p) -> int:
         E = p.get("num_experts")
         if E is None:
             E = num_experts_of(self.config)
@@ -492,17 +375,17 @@ class _Planner:
         elif E not in self._checked_E and self._num_experts and E > self._num_experts:
             # config.json (or a rule) claiming more experts than the names hold would leave
             # ranks without experts; checked before the placement tables, sized by E
-            raise self._err(f"config.json / rule says {E} experts but the checkpoint's tensor "
+            raise self.err(f"config.json / rule says {E} experts but the checkpoint's tensor "
                             f"names hold expert ids 0..{self._num_experts - 1} only", t.name)
         if E not in self._checked_E:
             try:
                 self.L.check_experts(E)
             except PlanError as e:
-                raise self._err(e.message, t.name) from None
+                raise self.err(e.message, t.name) from None
             self._checked_E.add(E)
         return E
 
-    def _packed_ranges(self, t: TensorInfo, tdim: int, size: int, p, what: str):
+    def packed_ranges(self, t: TensorInfo, tdim: int, size: int, p, what: str):
         """Per moe_tp rank, the [start, stop) ranges of dim ``tdim`` (of ``size``) it holds,
         in local order, as the rule declares the packing inside each expert:
         ``num_blocks`` equal blocks (gate and up halves: each block split on its own, the
@@ -517,109 +400,33 @@ class _Planner:
         k = p.get("interleaved") or 1
         unit = p.get("split_unit") or 1
         if nb == 1 and k == 1 and any("gate_up" in c for c in t.name.split(".")[-2:]):
-            raise self._err(f"fused expert tensor packs gate and up on dim {tdim}; splitting "
+            raise self.err(f"fused expert tensor packs gate and up on dim {tdim}; splitting "
                             f"it over moe_tp={self.L.moe_tp} needs the rule to declare how "
                             f"(param num_blocks=2 for halves, interleaved=2 for pairs)", t.name)
         if size % nb:
-            raise self._err(f"dim {tdim} of size {size} does not hold {nb} equal packed "
+            raise self.err(f"dim {tdim} of size {size} does not hold {nb} equal packed "
                             f"blocks", t.name)
         bs = size // nb
         step = k * unit
         if bs % step:
-            raise self._err(f"dim {tdim} of size {size} does not hold whole split units of "
+            raise self.err(f"dim {tdim} of size {size} does not hold whole split units of "
                             f"{step} rows (interleaved={k} x split_unit={unit}, per block of "
                             f"{bs})", t.name)
-        per = self._chunks(t, bs // step, self.L.moe_tp,
+        per = self.chunks(t, bs // step, self.L.moe_tp,
                            f"{what}: {bs // step} units of {step} rows per packed block "
                            f"({nb} blocks) over moe_tp={self.L.moe_tp}")
         return [tuple((j * bs + a * step, j * bs + b * step) for j in range(nb))
                 for a, b in per]
 
-    @placement("expert")
-    def _s_expert(self, t, p):
-        rx = self._id_res.get(p["id_regex"])
-        if rx is None:
-            rx = self._id_res[p["id_regex"]] = re.compile(p["id_regex"])
-        m = rx.search(t.name)
-        dim = p.get("dim")
-        L = self.L
-        if m:
-            e = int(m.group(1))
-            E = self._experts_count(t, p)
-            if e >= E:
-                raise self._err(f"expert id {e} is outside the {E} experts", t.name)
-            owners = L.owners_of(e, E)
-            if not owners:
-                raise self._err(f"expert {e} has no owner in the expert placement", t.name)
-            if dim is None or L.moe_tp == 1 or not t.shape:
-                _, classes = self._whole(t)
-                return ByExpertOwner(owners, False), classes
-            if dim >= len(t.shape):
-                raise self._err(f"expert split dim {dim} out of range for shape {list(t.shape)}", t.name)
-            if _is_packed(t, p):
-                classes = _packed_dim_classes(t.shape, dim, self._packed_ranges(
-                    t, dim, t.shape[dim], p, f"expert split of dim {dim} (shape {list(t.shape)})"))
-            else:
-                classes = self._split_dim(t, dim, L.moe_tp, f"expert split over moe_tp={L.moe_tp}")
-            return ByExpertOwner(owners, True), classes
-        # fused: the leading dim indexes the experts
-        if not t.shape:
-            raise self._err("expert tensor has no expert id in its name and no expert dim", t.name)
-        E = p.get("num_experts") or num_experts_of(self.config) or t.shape[0]
-        if t.shape[0] != E:
-            raise self._err(f"fused expert tensor has leading dim {t.shape[0]}, expected the "
-                            f"{E} experts", t.name)
-        E = self._experts_count(t, {"num_experts": E})
-        sets = [L.experts_of(q, E) for q in range(L.ep)]
-        if not isinstance(L.expert_placement, str):
-            seen = {}
-            for q, ids in enumerate(sets):
-                for e in ids:
-                    if e in seen and sets[seen[e]] != ids:
-                        raise self._err(f"expert {e} is placed on ep ranks {seen[e]} and {q} with "
-                                        f"different expert sets; a fused expert tensor can only be "
-                                        f"replicated as a whole set", t.name)
-                    seen.setdefault(e, q)
-        split = dim is not None and L.moe_tp > 1
-        if split:
-            if dim + 1 >= len(t.shape):
-                raise self._err(f"expert split dim {dim} out of range for fused shape "
-                                f"{list(t.shape)}", t.name)
-            rngs = self._packed_ranges(t, dim + 1, t.shape[dim + 1], p,
-                                       f"fused expert split of dim {dim + 1} (shape "
-                                       f"{list(t.shape)})")
-        else:
-            rngs = [((0, t.shape[dim + 1]),)] if dim is not None else [None]
-        classes = []
-        for q in range(L.ep):
-            for rg in (rngs if split else rngs[:1]):
-                pieces = []
-                for i, e in enumerate(sets[q]):
-                    loc = 0
-                    for a, b in (rg if rg is not None else ((None, None),)):
-                        box = [(e, e + 1)] + [(0, s) for s in t.shape[1:]]
-                        dst = [i] + [0] * (len(t.shape) - 1)
-                        if rg is not None:
-                            box[dim + 1] = (a, b)
-                            dst[dim + 1] = loc
-                            loc += b - a
-                        if rg is None or b > a:
-                            pieces.append(Piece(tuple(box), tuple(dst)))
-                ls = [len(sets[q])] + list(t.shape[1:])
-                if rg is not None:
-                    ls[dim + 1] = sum(b - a for a, b in rg)
-                classes.append((tuple(ls), tuple(pieces)))
-        return ByExpertSet(split), classes
-
-    def _scale(self, t: TensorInfo, p):
+    def scale(self, t: TensorInfo, p):
         n = t.name
         wname = p.get("weight") or (n[:-len("_scale_inv")] if n.endswith("_scale_inv") else None)
         if wname is None or wname not in self.meta.tensors:
-            raise self._err(f"block scale without its weight {wname!r}", n)
+            raise self.err(f"block scale without its weight {wname!r}", n)
         if wname not in self.match:
-            raise self._err(f"weight {wname!r} of this scale has no rule", n)
+            raise self.err(f"weight {wname!r} of this scale has no rule", n)
         if self.match[wname][0].strategy == "scale":
-            raise self._err(f"weight {wname!r} of this scale is itself a scale", n)
+            raise self.err(f"weight {wname!r} of this scale is itself a scale", n)
         wp = self._place(wname)
         if wp is None:
             return None
@@ -627,7 +434,7 @@ class _Planner:
         w = self.meta.tensors[wname]
         nd = len(w.shape)
         if len(t.shape) != nd:
-            raise self._err(f"scale shape {list(t.shape)} does not match weight {wname!r} shape "
+            raise self.err(f"scale shape {list(t.shape)} does not match weight {wname!r} shape "
                             f"{list(w.shape)}", n)
         blk = list(p["block"])
         if len(blk) > nd:
@@ -635,10 +442,10 @@ class _Planner:
         B = [1] * (nd - len(blk)) + blk
         want = tuple(-(-w.shape[i] // B[i]) for i in range(nd))
         if tuple(t.shape) != want:
-            raise self._err(f"scale shape {list(t.shape)} is not weight {wname!r} shape "
+            raise self.err(f"scale shape {list(t.shape)} is not weight {wname!r} shape "
                             f"{list(w.shape)} in {B} blocks (expected {list(want)})", n)
         if wclasses is self._wcache.get(w.shape):
-            return stages, selector, self._whole(t)[1], "scale"
+            return stages, selector, self.whole(t)[1], "scale"
         classes = []
         for ls, pieces in wclasses:
             sp = []
@@ -646,7 +453,7 @@ class _Planner:
                 box = []
                 for i, (a, b) in enumerate(pc.src):
                     if a % B[i] or (b % B[i] and b != w.shape[i]) or pc.dst[i] % B[i]:
-                        raise self._err(
+                        raise self.err(
                             f"weight {wname!r} (shape {list(w.shape)}) is split into per-rank "
                             f"size {b - a} at offset {a} along dim {i}, not a multiple of the "
                             f"{B[i]}-element quantisation block, so its scale {list(t.shape)} "
@@ -655,7 +462,7 @@ class _Planner:
                 sp.append(Piece(tuple(box), tuple(pc.dst[i] // B[i] for i in range(nd))))
             for i in range(nd):
                 if ls[i] % B[i] and any(pc.dst[i] + pc.src[i][1] - pc.src[i][0] != ls[i] for pc in pieces):
-                    raise self._err(f"weight {wname!r} local size {ls[i]} along dim {i} is not a "
+                    raise self.err(f"weight {wname!r} local size {ls[i]} along dim {i} is not a "
                                     f"multiple of the {B[i]}-element block", n)
             classes.append((tuple(-(-ls[i] // B[i]) for i in range(nd)), tuple(sp)))
         return stages, selector, classes, "scale"
@@ -717,41 +524,6 @@ class _Planner:
         if len(groups) > 1:
             groups = merge_groups(groups)
         return RunList(groups)
-
-
-def _dim_classes(shape, dim: int, rngs) -> list:
-    """Classes of a split of ``dim`` into the [start, stop) ranges ``rngs``: per range the
-    local shape and its one piece (none for an empty range)."""
-    return _packed_dim_classes(shape, dim, [((a, b),) for a, b in rngs])
-
-
-def _packed_dim_classes(shape, dim: int, per_class) -> list:
-    """Classes of a split of ``dim`` where each class holds several [start, stop) ranges,
-    concatenated in order along ``dim`` (a packed tensor's parts); empty ranges hold no
-    piece."""
-    full = [(0, s) for s in shape]
-    classes = []
-    for rngs in per_class:
-        pieces, loc = [], 0
-        for a, b in rngs:
-            if b > a:
-                box = list(full)
-                box[dim] = (a, b)
-                dst = [0] * len(shape)
-                dst[dim] = loc
-                pieces.append(Piece(tuple(box), tuple(dst)))
-            loc += b - a
-        ls = list(shape)
-        ls[dim] = loc
-        classes.append((tuple(ls), tuple(pieces)))
-    return classes
-
-
-def _is_packed(t: TensorInfo, p) -> bool:
-    """Whether an expert tensor's split goes through the packed ranges (declared packing,
-    or a gate_up name that must be refused without one)."""
-    return bool(p.get("num_blocks") or p.get("interleaved") or p.get("split_unit")
-                or any("gate_up" in c for c in t.name.split(".")[-2:]))
 
 
 def _dedupe(classes, groups, memo=None):
