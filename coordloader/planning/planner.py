@@ -233,8 +233,6 @@ class _Planner:
         # pass 2: one slice per (tensor, class), appended to each rank class holding it
         slots: list[list[TensorSlice]] = [[] for _ in rc_ranks]
         slot_tables: list[list[int]] = [[] for _ in rc_ranks]
-        new = object.__new__
-        setattr_ = object.__setattr__
         for n, classes, k, strategy in todo:
             t = meta.tensors[n]
             isz = itemsize(t.dtype)
@@ -245,16 +243,10 @@ class _Planner:
                     continue
                 runs = self._runs(t, pieces, lshape, isz)
                 f = runs.groups[0][0] if runs.groups else t.file
-                base = new(TensorSlice)
-                bd = {"name": n, "file": f, "dtype": t.dtype, "global_shape": t.shape,
-                      "local_shape": lshape, "pieces": pieces, "replica": 0, "byte_runs": runs,
-                      "strategy": strategy}
-                if len(ranks) > 1:
-                    # a rank's replica is a copy of the base's fields with another replica
-                    # id; "_base" (not a dataclass field: ignored by ==, repr and to_json)
-                    # lets Plan.digest() encode the shared fields once.
-                    bd["_base"] = base
-                setattr_(base, "__dict__", bd)
+                # the primary copy; every rank class holding class c shares this object,
+                # and a rank holding it as replica i > 0 gets base.replica_of(i)
+                base = TensorSlice.build(n, f, t.dtype, t.shape, lshape, pieces, 0, runs,
+                                         strategy)
                 for rc in holders[k][c]:
                     slots[rc].append(base)
                     slot_tables[rc].append(k)
