@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import warnings
 from math import prod
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo
@@ -33,14 +33,12 @@ from coordloader.planning.model import (
     TensorSlice,
     share_of,
 )
+from coordloader.planning.rankgroups import RankGroups, dedupe, rank_classes
 from coordloader.planning.rules import RuleSet, make_rule, num_experts_of, resolve_rules
 from coordloader.planning.rules.presets import missing_config_error
-from coordloader.planning.runs import RunGroup, RunList, box_runs, merge_groups
+from coordloader.planning.runs import slice_runs
 from coordloader.planning.strategies import (
     STRATEGIES,
-    ByExpertOwner,
-    ByExpertSet,
-    ByTp,
     Everyone,
     dim_classes,
 )
@@ -99,19 +97,13 @@ class _Planner:
         self.replicate_unmatched = replicate_unmatched
         self.config = dict(meta.config or {})
         self.world = layout.world_size
-        self.stage_size = layout.tp * layout.dp
         if layout.tp > 1:
-            # checked before the per-rank tables below, which are proportional to tp
+            # checked before RankGroups' per-rank table, which is proportional to tp
             big = max((max(t.shape) for t in meta.tensors.values() if t.shape), default=0)
             if layout.tp > big:
                 raise PlanError(f"layout: tp={layout.tp} exceeds the largest dim of any tensor "
                                 f"of the checkpoint ({big}): no tensor can be split that many ways")
-        # stage-local index i -> (tp, dp, ep, moe_tp); identical for every stage
-        self.local = []
-        for i in range(self.stage_size):
-            c = layout.coords(i)
-            self.local.append((c.tp, c.dp, c.ep, c.moe_tp))
-        self._groups: dict = {}
+        self.rank_groups = RankGroups(layout)
         self._placed: dict[str, tuple] = {}
         self._rule_params = [r.param_dict for r in rules.rules]
         self._id_res: dict[str, re.Pattern] = {}
@@ -221,14 +213,14 @@ class _Planner:
                 excluded.append(n)
                 continue
             stages, selector, classes, strategy = pl
-            classes, groups = _dedupe(classes, self._rank_groups(stages, selector, len(classes)),
+            classes, groups = dedupe(classes, self.rank_groups(stages, selector, len(classes)),
                                       dedupe_memo)
             k = table_of.get(id(groups))
             if k is None:
                 k = table_of[id(groups)] = len(tables)
                 tables.append(groups)
             todo.append((n, classes, k, strategy))
-        rc_of, rc_ranks, holders, replicas = _rank_classes(self.world, tables)
+        rc_of, rc_ranks, holders, replicas = rank_classes(self.world, tables)
 
         # pass 2: one slice per (tensor, class), appended to each rank class holding it
         slots: list[list[TensorSlice]] = [[] for _ in rc_ranks]
@@ -241,7 +233,7 @@ class _Planner:
                 ranks = groups[c]
                 if not ranks:
                     continue
-                runs = self._runs(t, pieces, lshape, isz)
+                runs = slice_runs(t, pieces, lshape, isz)
                 f = runs.groups[0][0] if runs.groups else t.file
                 # the primary copy; every rank class holding class c shares this object,
                 # and a rank holding it as replica i > 0 gets base.replica_of(i)
@@ -459,120 +451,8 @@ class _Planner:
             classes.append((tuple(-(-ls[i] // B[i]) for i in range(nd)), tuple(sp)))
         return stages, selector, classes, "scale"
 
-    # -- rank groups ----------------------------------------------------------
-    def _rank_groups(self, stages, selector, ncls):
-        key = (stages, type(selector), selector, ncls)   # NamedTuples of equal fields compare equal
-        g = self._groups.get(key)
-        if g is not None:
-            return g
-        out = [[] for _ in range(ncls)]
-        S = self.stage_size
-        moe_tp = self.L.moe_tp
-        for s in stages:
-            base = s * S
-            for i, (tpr, dpr, epr, mtr) in enumerate(self.local):
-                match selector:
-                    case Everyone():
-                        c = 0
-                    case ByTp(classes):
-                        c = classes[tpr]
-                    case ByExpertOwner(owners, split):
-                        if epr not in owners:
-                            continue
-                        c = mtr if split else 0
-                    case ByExpertSet(split):
-                        c = epr * moe_tp + mtr if split else epr
-                out[c].append(base + i)
-        g = tuple(tuple(sorted(x)) for x in out)
-        self._groups[key] = g
-        return g
-
-    # -- byte runs ------------------------------------------------------------
-    def _runs(self, t: TensorInfo, pieces, lshape, isz) -> RunList:
-        groups = []
-        src = t.pieces
-        if len(src) == 1 and src[0].box == tuple((0, s) for s in t.shape):
-            sp = src[0]
-            if len(pieces) == 1 and lshape == t.shape and pieces[0].src == sp.box:
-                return RunList((RunGroup(sp.file, sp.start, sp.end - sp.start, 0, 1, 0, 0),))
-            for pc in pieces:
-                groups += box_runs(sp.file, sp.start, sp.box, t.shape, pc.src, lshape, pc.dst, isz)
-        else:
-            for pc in pieces:
-                for sp in src:
-                    o = []
-                    for (a, b), (c, d) in zip(pc.src, sp.box):
-                        lo, hi = max(a, c), min(b, d)
-                        if hi <= lo:
-                            break
-                        o.append((lo, hi))
-                    else:
-                        if len(o) != len(pc.src):
-                            continue
-                        corner = tuple(pc.dst[j] + o[j][0] - pc.src[j][0] for j in range(len(o)))
-                        sshape = tuple(d - c for c, d in sp.box)
-                        groups += box_runs(sp.file, sp.start, sp.box, sshape, tuple(o), lshape,
-                                           corner, isz)
-        if len(groups) > 1:
-            groups = merge_groups(groups)
-        return RunList(groups)
 
 
-def _dedupe(classes, groups, memo=None):
-    """Merge classes with identical pieces and local shape (e.g. empty chunks, or an
-    explicit expert map listing the same set twice): they are replicas of one another.
-    ``memo`` keeps one merged groups object per (groups, merge pattern), so the tensors
-    that merge alike share one replica table."""
-    if len(classes) == 1:
-        return classes, groups
-    seen: dict = {}
-    for i, c in enumerate(classes):
-        seen.setdefault(c, []).append(i)
-    if len(seen) == len(classes):
-        return classes, groups
-    key = (id(groups), tuple(tuple(idx) for idx in seen.values()))
-    ng = None if memo is None else memo.get(key)
-    if ng is None:
-        ng = tuple(tuple(sorted(r for i in idx for r in groups[i])) for idx in seen.values())
-        if memo is not None:
-            memo[key] = ng
-    return list(seen), ng
-
-
-class RankClasses(NamedTuple):
-    rank_class: list[int]                  # rank -> its rank class
-    ranks: list[tuple[int, ...]]           # rank class -> its ranks, ascending
-    holders: list[list[tuple[int, ...]]]   # [table][class] -> rank classes holding it
-    replicas: tuple[tuple[int, ...], ...]  # [table][rank] -> replica id, -1 when not held
-
-
-def _rank_classes(world: int, tables) -> RankClasses:
-    """Ranks that fall in the same class of every replica table hold the same slices: they
-    form one rank class. ``tables``: per table, the rank groups of its classes."""
-    assign, replicas = [], []
-    for groups in tables:
-        a = [-1] * world
-        rep = [-1] * world
-        for c, g in enumerate(groups):
-            for i, r in enumerate(g):
-                a[r] = c
-                rep[r] = i
-        assign.append(a)
-        replicas.append(tuple(rep))
-    ids: dict = {}
-    rank_class = []
-    ranks: list[list[int]] = []
-    for r, sig in enumerate(zip(*assign) if assign else [()] * world):
-        i = ids.get(sig)
-        if i is None:
-            i = ids[sig] = len(ranks)
-            ranks.append([])
-        rank_class.append(i)
-        ranks[i].append(r)
-    holders = []
-    for groups in tables:
-        holders.append([tuple(sorted({rank_class[r] for r in g})) for g in groups])
-    return RankClasses(rank_class, [tuple(x) for x in ranks], holders, tuple(replicas))
 
 
 # -- load groups (instanttensor engine cost model) -------------------------------------------
