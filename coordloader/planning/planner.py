@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import warnings
 from math import prod
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo
@@ -34,7 +34,7 @@ from coordloader.planning.model import (
     share_of,
 )
 from coordloader.planning.rankgroups import RankGroups, dedupe, rank_classes
-from coordloader.planning.rules import RuleSet, make_rule, num_experts_of, resolve_rules
+from coordloader.planning.rules import Rule, RuleSet, make_rule, num_experts_of, resolve_rules
 from coordloader.planning.rules.presets import missing_config_error
 from coordloader.planning.runs import slice_runs
 from coordloader.planning.strategies import (
@@ -89,6 +89,15 @@ def chunk_ranges(n: int, parts: int, uneven: bool, what: str) -> list[tuple[int,
     return [(min(i * c, n), min(i * c + c, n)) for i in range(parts)]
 
 
+class Placed(NamedTuple):
+    """What pass 1 of the planner found."""
+    excluded: list[str]      # tensors left out on purpose (MTP layers), in name order
+    # per placed tensor, in name order: (name, classes, replica table index, strategy); a
+    # plain tuple, unpacked in pass 2's loop over ~100 k tensors
+    todo: list[tuple[str, list, int, str]]
+    tables: list             # replica table index -> rank groups of its classes
+
+
 class _Planner:
     def __init__(self, meta: CheckpointMeta, layout: Layout, rules: RuleSet, replicate_unmatched: bool):
         self.meta = meta
@@ -126,8 +135,17 @@ class _Planner:
 
     # -- driver --------------------------------------------------------------
     def run(self) -> Plan:
-        meta, L = self.meta, self.L
-        names = sorted(meta.tensors)
+        names = sorted(self.meta.tensors)
+        self._find_layers(names)
+        self.tied = self._tied()
+        # match rules first: unmatched names fail before any work
+        self.match = self._match_rules(names)
+        return self._assemble(self._place_all(names))
+
+    def _find_layers(self, names: list[str]) -> None:
+        """Sets ``layer_of`` (tensor name -> layer index), ``num_layers`` and ``stage_of``
+        (layer -> pipeline stage), checking config.json's num_hidden_layers against the
+        names and the layout."""
         layer_of = {}
         max_layer = -1
         for n in names:
@@ -153,21 +171,25 @@ class _Planner:
         # no layer tensors: nothing reads stage_of, but the layout checks (pp vs layers) hold
         stage_of = [0] * nl if layer_of else []
         if nl:
-            for s, rg in enumerate(L.stage_layers(nl)):
+            for s, rg in enumerate(self.L.stage_layers(nl)):
                 for li in rg if layer_of else ():
                     stage_of[li] = s
-        elif L.pp > 1 and layer_of:
-            raise PlanError(f"layout: pp={L.pp} but config.json says num_hidden_layers=0")
+        elif self.L.pp > 1 and layer_of:
+            raise PlanError(f"layout: pp={self.L.pp} but config.json says num_hidden_layers=0")
         self.stage_of = stage_of
         self.layer_of = layer_of
+
+    def _tied(self) -> bool:
+        """Whether the input embedding is also the lm_head (the last stage reads it too)."""
         tie = self.config.get("tie_word_embeddings", True)
         if tie is not None and not isinstance(tie, bool):   # null: not tied, as before
             raise PlanError(f"config.json: tie_word_embeddings must be true or false, got "
                             f"{clip(repr(tie), MAX_NAME_CHARS)}")
-        tied = self.rules.preset != "bert" and tie and "lm_head.weight" not in meta.tensors
-        self.tied = tied
+        return bool(self.rules.preset != "bert" and tie and "lm_head.weight" not in self.meta.tensors)
 
-        # match rules first: unmatched names fail before any work
+    def _match_rules(self, names: list[str]) -> dict[str, tuple[Rule, dict]]:
+        """Tensor name -> (its rule, the rule's params); raises naming the unmatched tensors,
+        warns of user rules that match nothing."""
         match = {}
         hits = set()
         unmatched = []
@@ -181,7 +203,7 @@ class _Planner:
             else:
                 hits.add(i)
                 match[n] = (self.rules.rules[i], self._rule_params[i])
-        if unmatched and not meta.config and self.rules.preset is None:
+        if unmatched and not self.meta.config and self.rules.preset is None:
             raise missing_config_error(None, tensor=unmatched[0])
         if unmatched:
             more = (f" (and {len(unmatched) - 1} more: {', '.join(unmatched[1:4])}...)"
@@ -190,18 +212,19 @@ class _Planner:
                             f"{self.rules.preset or 'none detected'}; add a rule (rules=...), or pass "
                             f"replicate_unmatched=True / --replicate-unmatched only if every "
                             f"unmatched tensor should be held whole on every rank (not split; "
-                            f"layout {L})",
+                            f"layout {self.L})",
                             tensor=unmatched[0])
         for i in range(self.rules.user_count):
             if i not in hits:
                 r = self.rules.rules[i]
                 warnings.warn(f"sharding rule {clip(repr(r.pattern), MAX_NAME_CHARS)} "
                               f"({r.strategy}, from {clip(str(r.source), MAX_NAME_CHARS)}) "
-                              f"matches no tensor of the checkpoint", stacklevel=3)
-        self.match = match
+                              f"matches no tensor of the checkpoint", stacklevel=4)
+        return match
 
-        # pass 1: each tensor's classes and rank groups; a "replica table" per distinct
-        # rank-groups object (selectors repeat, so there are few)
+    def _place_all(self, names: list[str]) -> Placed:
+        """Pass 1: each tensor's classes and rank groups; a replica table per distinct
+        rank-groups object (selectors repeat, so there are few)."""
         excluded = []
         todo = []
         table_of: dict[int, int] = {}
@@ -220,11 +243,16 @@ class _Planner:
                 k = table_of[id(groups)] = len(tables)
                 tables.append(groups)
             todo.append((n, classes, k, strategy))
-        rc_of, rc_ranks, holders, replicas = rank_classes(self.world, tables)
+        return Placed(excluded, todo, tables)
 
-        # pass 2: one slice per (tensor, class), appended to each rank class holding it
+    def _assemble(self, placed: Placed) -> Plan:
+        """Pass 2: one slice per (tensor, class), appended to each rank class holding it;
+        the ranks of a rank class share one SharedSlices."""
+        excluded, todo, tables = placed
+        rc_of, rc_ranks, holders, replicas = rank_classes(self.world, tables)
         slots: list[list[TensorSlice]] = [[] for _ in rc_ranks]
         slot_tables: list[list[int]] = [[] for _ in rc_ranks]
+        meta, L = self.meta, self.L
         for n, classes, k, strategy in todo:
             t = meta.tensors[n]
             isz = itemsize(t.dtype)
