@@ -4,14 +4,14 @@ check, and its placement.
 A rule maps tensor names to one strategy plus parameters. The rule checker
 (``rules.ruleset``, through ``check_params``) validates a rule's params against its
 Strategy when a rule file is read, so a bad rule fails at load time with the offending
-rule named; the planner (``planner._Planner``) calls the Strategy's ``place`` for each
+rule named; the planner (``placement.Placer``) calls the Strategy's ``place`` for each
 tensor. Adding a strategy is one ``Strategy(...)`` entry in ``STRATEGIES`` here (and its
 section in docs/rules.md).
 
 A placement turns (tensor, params) into a *selector* (which class each rank of the
 tensor's stages holds) and the *classes* (per class: local shape and pieces). It reads
-the layout and the planner's shared helpers through ``PlacementContext``, so this module
-imports nothing of the planner."""
+the layout and shared helpers through ``PlacementContext`` (``placement.Placer``), so
+this module imports nothing of the planner."""
 from __future__ import annotations
 
 import re
@@ -80,7 +80,7 @@ class Strategy:
     params: frozenset[str]                    # accepted params (all optional unless checked)
     check: Callable[[dict, str], None] | None  # validates/normalises params in place
     # None: the tensor follows another's placement (a block scale follows its weight:
-    # _Planner.scale), so it needs the other placed first
+    # Placer.scale), so it needs the other placed first
     place: Placement | None
 
 
