@@ -21,7 +21,7 @@ from coordloader.api import make_plan
 from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.errors import CoordloaderError
 from coordloader.layout import Layout
-from coordloader.planning.rules.strategies import STRATEGIES
+from coordloader.planning.strategies import STRATEGIES
 
 from stfiles import hard_timeout
 
@@ -141,7 +141,7 @@ def rule_files(draw):
     rules = []
     for _ in range(draw(st.integers(0, 5))):
         strategy = draw(st.one_of(st.sampled_from(sorted(STRATEGIES)), st.text(max_size=6)))
-        allowed = sorted(STRATEGIES.get(strategy, ())) + ["bogus"]
+        allowed = sorted(STRATEGIES[strategy].params if strategy in STRATEGIES else ()) + ["bogus"]
         params = {k: draw(st.one_of(JSON, st.integers(0, 8), st.sampled_from(
                      ["first", "last", "all", "layer", r"experts\.(\d+)\."])))
                   for k in draw(st.lists(st.sampled_from(allowed), max_size=3, unique=True))}

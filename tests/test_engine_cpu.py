@@ -4,6 +4,7 @@ The helpers here (header parsing, byte runs of a box) are written independently 
 checkpoint reader and the planner, so the engines are tested on their own."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -261,12 +262,11 @@ def test_cpu_engine_refuses_runs_outside_tensor_or_file(ckpt):
     meta, _ = ckpt
     ts = slice_of(meta, "q.weight", [(split_box((8, 12), 0, 0, 2), (0, 0))])
     r = ts.byte_runs[0]
-    over = ts.__class__(**{**ts.__dict__, "byte_runs": (ByteRun(r.file, r.offset, r.length + 4,
-                                                                r.dest),)})
+    over = dataclasses.replace(ts, byte_runs=(ByteRun(r.file, r.offset, r.length + 4, r.dest),))
     with pytest.raises(LoadError, match="outside the local tensor"):
         select_engine("cpu").load_rank(meta, RankPlan(0, {}, (over,)), "cpu")
     fi = meta.file(r.file)
-    past = ts.__class__(**{**ts.__dict__, "byte_runs": (ByteRun(r.file, fi.size - 4, 8, 0),)})
+    past = dataclasses.replace(ts, byte_runs=(ByteRun(r.file, fi.size - 4, 8, 0),))
     with pytest.raises(LoadError, match="outside the data section"):
         select_engine("cpu").load_rank(meta, RankPlan(0, {}, (past,)), "cpu")
 
@@ -345,7 +345,7 @@ def test_cpu_engine_strided_groups(ckpt, monkeypatch, page, short):
             for ts in rp.tensors:
                 runs = strided(ts.byte_runs)
                 assert list(runs) == list(ts.byte_runs)
-                tensors.append(ts.__class__(**{**ts.__dict__, "byte_runs": runs}))
+                tensors.append(dataclasses.replace(ts, byte_runs=runs))
             assert any(g[4] > 1 for t in tensors for g in t.byte_runs.groups)
             rp2 = RankPlan(rp.rank, rp.coords, tuple(tensors))
             seen = []
@@ -433,7 +433,7 @@ def test_cpu_engine_prefaults_fresh_destinations_only(ckpt, monkeypatch):
     monkeypatch.setattr(cpu, "prefault", lambda a, n: calls.append((a, n)))
     monkeypatch.setattr(cpu, "_PAGE", 4096)
     for rp in plans_for(meta):
-        tensors = tuple(ts.__class__(**{**ts.__dict__, "byte_runs": strided(ts.byte_runs)})
+        tensors = tuple(dataclasses.replace(ts, byte_runs=strided(ts.byte_runs))
                         for ts in rp.tensors)
         rp2 = RankPlan(rp.rank, rp.coords, tensors)
         calls.clear()

@@ -138,9 +138,28 @@ def test_named_expert_packing_declared_or_refused():
         rows({"dim": 0, "interleaved": 2, "split_unit": 4})
 
 
-def test_every_strategy_has_one_placement():
+def test_every_strategy_declares_its_placement():
     # a strategy the rule checker accepts but the planner cannot place would fail only
-    # when a tensor first matched it
-    from coordloader.planning.planner import PLACEMENTS
-    from coordloader.planning.rules.strategies import STRATEGIES
-    assert set(PLACEMENTS) | {"scale"} == set(STRATEGIES)
+    # when a tensor first matched it; only a block scale is placed by following its weight
+    from coordloader.planning.strategies import STRATEGIES
+    assert {n for n, s in STRATEGIES.items() if s.place is None} == {"scale"}
+    assert all(s.name == n for n, s in STRATEGIES.items())
+
+
+def test_a_strategy_is_added_in_one_place(monkeypatch):
+    # one Strategy entry is all the rule checker and the planner need
+    from coordloader.planning.strategies import STRATEGIES, Strategy
+
+    def check(p, where):
+        p.setdefault("dim", 0)
+
+    monkeypatch.setitem(STRATEGIES, "halves", Strategy(
+        "halves", frozenset({"dim"}), check,
+        lambda ctx, t, p: STRATEGIES["colwise"].place(ctx, t, p)))
+    meta = meta_from_specs(None, [("w", "F32", (4, 2))])
+    plan = make_plan(meta, Layout(tp=2), rules=[{"pattern": "w", "strategy": "halves"}])
+    assert [rp.tensors[0].local_shape for rp in plan.ranks] == [(2, 2), (2, 2)]
+    assert plan.ranks[0].tensors[0].strategy == "halves"
+    with pytest.raises(PlanError, match="does not take params"):
+        make_plan(meta, Layout(tp=2),
+                  rules=[{"pattern": "w", "strategy": "halves", "params": {"kv": 1}}])

@@ -14,7 +14,7 @@ from coordloader.cli.common import run_command
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning.cover import validate_cover
-from coordloader.planning.planner import EXPERT_RE
+from coordloader.planning.placement import EXPERT_RE
 from coordloader.planning.runs import groups_of
 from coordloader.text import ArgumentParser, format_ranges
 

@@ -44,6 +44,12 @@ class TensorSlice:
     replica: int                    # 0 = primary copy of these pieces
     byte_runs: tuple[ByteRun, ...]
     strategy: str = "replicate"     # rule strategy that produced it (diagnostics)
+    # A replica's primary copy (replica 0 of the same class), whose fields it repeats but
+    # for ``replica``; None on a primary. Not data: ignored by ==, hash, repr and to_json.
+    # Plan.digest() encodes a class's shared fields once, keyed by it. init=False, so
+    # dataclasses.replace() (which may change any field) never carries a stale one over;
+    # only ``replica_of`` sets it.
+    base: TensorSlice | None = field(default=None, init=False, compare=False, repr=False)
 
     # cached: engines and verify ask for these per slice, thousands of times a load
     # (cached_property writes the instance __dict__ directly, so frozen is no obstacle)
@@ -64,6 +70,29 @@ class TensorSlice:
     def bytes_to_read(self) -> int:
         total = getattr(self.byte_runs, "total_bytes", None)  # coordloader.runs.RunList
         return total if total is not None else sum(r.length for r in self.byte_runs)
+
+    @classmethod
+    def build(cls, name: str, file: str, dtype: str, global_shape: tuple[int, ...],
+              local_shape: tuple[int, ...], pieces: tuple[Piece, ...], replica: int,
+              byte_runs: tuple[ByteRun, ...], strategy: str,
+              base: TensorSlice | None = None) -> TensorSlice:
+        """The same slice as ``TensorSlice(...)`` (every field positional, ``base`` too), built
+        with one instance-dict assignment instead of the frozen __init__'s one
+        object.__setattr__ per field. The planner builds ~100 k slices per DeepSeek-V3 plan
+        and the __init__ cost ~8 % of make_plan (docs/architecture.md, "The plan objects").
+        No validation either way; the instance dict holds exactly the declared fields."""
+        s = object.__new__(cls)
+        object.__setattr__(s, "__dict__", {
+            "name": name, "file": file, "dtype": dtype, "global_shape": global_shape,
+            "local_shape": local_shape, "pieces": pieces, "replica": replica,
+            "byte_runs": byte_runs, "strategy": strategy, "base": base})
+        return s
+
+    def replica_of(self, replica: int) -> TensorSlice:
+        """This primary slice's copy on a rank that holds it as replica ``replica``."""
+        return TensorSlice.build(self.name, self.file, self.dtype, self.global_shape,
+                                 self.local_shape, self.pieces, replica, self.byte_runs,
+                                 self.strategy, self if self.base is None else self.base)
 
     def to_json(self) -> dict:
         files = {r.file for r in self.byte_runs}
@@ -146,38 +175,31 @@ class SharedSlices:
 
     def slices_of(self, rank: int) -> tuple[TensorSlice, ...]:
         """``rank``'s own slices: the shared ones, copied where its replica id is not 0."""
-        new, setattr_ = object.__new__, object.__setattr__
-        out = []
-        for b, rep in zip(self.slices, self.replica_ids(rank)):
-            if rep == 0:
-                out.append(b)
-            else:
-                s = new(TensorSlice)
-                d = b.__dict__.copy()
-                d["replica"] = rep
-                setattr_(s, "__dict__", d)
-                out.append(s)
-        return tuple(out)
+        return tuple(b if rep == 0 else b.replica_of(rep)
+                     for b, rep in zip(self.slices, self.replica_ids(rank)))
 
 
 class SharedRankPlan(RankPlan):
     """A RankPlan whose slices come from its rank class's SharedSlices (``share``), built on
     first use of ``tensors``: a 1024-rank plan is assembled without 12 M slice objects, and
     a process that loads one rank materialises that rank only. Equal to the RankPlan with
-    the same fields."""
+    the same fields. Built by ``make``; RankPlan's own __init__ (as dataclasses.replace()
+    calls it) gives one with its ``tensors`` set and no ``share``."""
+
+    share: SharedSlices | None = None   # set per instance by make(); not a dataclass field
 
     @cached_property
     def tensors(self) -> tuple[TensorSlice, ...]:   # type: ignore[override]
-        return self.__dict__["share"].slices_of(self.rank)
-
-    @property
-    def share(self) -> SharedSlices:
-        return self.__dict__["share"]
+        return self.share.slices_of(self.rank)
 
     @staticmethod
-    def make(rank: int, coords: Mapping[str, int], share: SharedSlices) -> "SharedRankPlan":
+    def make(rank: int, coords: Mapping[str, int], share: SharedSlices) -> SharedRankPlan:
         rp = object.__new__(SharedRankPlan)
-        object.__setattr__(rp, "__dict__", {"rank": rank, "coords": coords, "share": share})
+        # frozen: set the way a dataclass __init__ sets its own fields; ``tensors`` is left
+        # unset so that the cached_property builds it on first use
+        object.__setattr__(rp, "rank", rank)
+        object.__setattr__(rp, "coords", coords)
+        object.__setattr__(rp, "share", share)
         return rp
 
     def __eq__(self, other):
@@ -188,13 +210,13 @@ class SharedRankPlan(RankPlan):
     __hash__ = RankPlan.__hash__
 
     def __repr__(self) -> str:
-        return (f"SharedRankPlan(rank={self.rank}, coords={dict(self.coords)}, "
-                f"slices={len(self.share.slices)})")
+        n = len(self.tensors) if self.share is None else len(self.share.slices)
+        return f"SharedRankPlan(rank={self.rank}, coords={dict(self.coords)}, slices={n})"
 
 
 def share_of(rp: RankPlan) -> SharedSlices | None:
     """The rank class ``rp`` shares its slices with, or None for a plain RankPlan."""
-    return rp.__dict__.get("share")
+    return getattr(rp, "share", None)
 
 
 def slice_count(rp: RankPlan) -> int:
@@ -344,8 +366,8 @@ def _plan_digest(plan: "Plan") -> str:
 class _Rows:
     """Table numbers of slices for Plan.digest(), the table hashed as it grows. The
     encodings of pieces and runs objects are computed once per object (the planner shares
-    them across replicas and same-shaped tensors), and a replica reuses its base's row
-    ("_base", set by the planner: the slice whose other fields it copies). The objects live
+    them across replicas and same-shaped tensors), and a replica reuses its primary's row
+    (``TensorSlice.base``: the slice whose other fields it copies). The objects live
     in the plan meanwhile, so ids are stable."""
 
     def __init__(self):
@@ -361,10 +383,12 @@ class _Rows:
         number, row_of, pieces_of, runs_of = self.number, self.row_of, self.pieces_of, self.runs_of
         rows = array.array("q")
         for t in slices:
-            d = t.__dict__
-            b = d.get("_base", t)
+            b = t.base
+            if b is None:
+                b = t
             k = row_of.get(id(b))
             if k is None:
+                d = t.__dict__   # plain attribute reads, without the descriptor lookups
                 pcs = d["pieces"]
                 pk = pieces_of.get(id(pcs))
                 if pk is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import warnings
 from math import prod
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo
@@ -25,7 +25,6 @@ from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout
 from coordloader.planning.model import (
     LoadGroup,
-    Piece,
     Plan,
     RankPlan,
     SharedRankPlan,
@@ -33,53 +32,19 @@ from coordloader.planning.model import (
     TensorSlice,
     share_of,
 )
-from coordloader.planning.rules import RuleSet, make_rule, num_experts_of, resolve_rules
+from coordloader.planning.placement import Layers, Placer
+from coordloader.planning.rankgroups import RankGroups, dedupe, rank_classes
+from coordloader.planning.rules import Rule, RuleSet, make_rule, resolve_rules
 from coordloader.planning.rules.presets import missing_config_error
-from coordloader.planning.runs import RunGroup, RunList, box_runs, merge_groups
+from coordloader.planning.runs import slice_runs
 from coordloader.text import MAX_NAME_CHARS, clip
 
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
-EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 _REPLICATE = make_rule("*", "replicate", source="replicate_unmatched")
 
 
-# Selectors: which class of a tensor's placement each rank of its stages falls in. They
-# are hashable (rank groups are memoised per (stages, selector)) and compare by value.
-class Everyone(NamedTuple):
-    """Every rank holds class 0 (replicated)."""
 
-
-class ByTp(NamedTuple):
-    """A rank holds class ``classes[tp_rank]``."""
-    classes: tuple[int, ...]
-
-
-class ByExpertOwner(NamedTuple):
-    """Only the ep ranks in ``owners`` hold it: class ``moe_tp_rank`` when ``split`` over
-    moe_tp, else class 0."""
-    owners: tuple[int, ...]
-    split: bool
-
-
-class ByExpertSet(NamedTuple):
-    """A fused expert tensor: class ``ep_rank * moe_tp + moe_tp_rank`` when ``split``,
-    else ``ep_rank`` (each ep rank holds its set of experts)."""
-    split: bool
-
-
-Selector = Everyone | ByTp | ByExpertOwner | ByExpertSet
-
-# strategy name -> the _Planner method placing a tensor by it: (tensor, params) ->
-# (selector, classes). "scale" is placed after its weight (_Planner._scale), not here.
-PLACEMENTS: dict[str, Callable[..., tuple[Selector, list]]] = {}
-
-
-def placement(strategy: str):
-    def register(method):
-        PLACEMENTS[strategy] = method
-        return method
-    return register
 
 
 def build_plan(meta: CheckpointMeta, layout: Layout, rules: Any = None, *,
@@ -104,18 +69,13 @@ def build_plan(meta: CheckpointMeta, layout: Layout, rules: Any = None, *,
         return _Planner(meta, layout, ruleset, replicate_unmatched).run()
 
 
-def chunk_ranges(n: int, parts: int, uneven: bool, what: str) -> list[tuple[int, int]]:
-    """[start, stop) per part: an even split, or torch.chunk semantics when ``uneven``
-    (chunk size ceil(n/parts); trailing parts may be short or empty)."""
-    if parts == 1:
-        return [(0, n)]
-    if n % parts == 0:
-        c = n // parts
-        return [(i * c, i * c + c) for i in range(parts)]
-    if not uneven:
-        raise PlanError(f"{what}: size {n} is not divisible by {parts}")
-    c = -(-n // parts)
-    return [(min(i * c, n), min(i * c + c, n)) for i in range(parts)]
+class Placed(NamedTuple):
+    """What pass 1 of the planner found."""
+    excluded: list[str]      # tensors left out on purpose (MTP layers), in name order
+    # per placed tensor, in name order: (name, classes, replica table index, strategy); a
+    # plain tuple, unpacked in pass 2's loop over ~100 k tensors
+    todo: list[tuple[str, list, int, str]]
+    tables: list             # replica table index -> rank groups of its classes
 
 
 class _Planner:
@@ -126,34 +86,28 @@ class _Planner:
         self.replicate_unmatched = replicate_unmatched
         self.config = dict(meta.config or {})
         self.world = layout.world_size
-        self.stage_size = layout.tp * layout.dp
         if layout.tp > 1:
-            # checked before the per-rank tables below, which are proportional to tp
+            # checked before RankGroups' per-rank table, which is proportional to tp
             big = max((max(t.shape) for t in meta.tensors.values() if t.shape), default=0)
             if layout.tp > big:
                 raise PlanError(f"layout: tp={layout.tp} exceeds the largest dim of any tensor "
                                 f"of the checkpoint ({big}): no tensor can be split that many ways")
-        # stage-local index i -> (tp, dp, ep, moe_tp); identical for every stage
-        self.local = []
-        for i in range(self.stage_size):
-            c = layout.coords(i)
-            self.local.append((c.tp, c.dp, c.ep, c.moe_tp))
-        self._groups: dict = {}
-        self._placed: dict[str, tuple] = {}
+        self.rank_groups = RankGroups(layout)
         self._rule_params = [r.param_dict for r in rules.rules]
-        self._id_res: dict[str, re.Pattern] = {}
-        self._num_experts: int | None = None
-        self._checked_E: set[int] = set()
-        self._wcache: dict = {}
-        self._scache: dict = {}
-
-    def _err(self, msg: str, name: str) -> PlanError:
-        return PlanError(f"{msg} (layout {self.L})", tensor=name)
 
     # -- driver --------------------------------------------------------------
     def run(self) -> Plan:
-        meta, L = self.meta, self.L
-        names = sorted(meta.tensors)
+        names = sorted(self.meta.tensors)
+        layers = self._find_layers(names)
+        tied = self._tied()
+        # match rules first: unmatched names fail before any work
+        match = self._match_rules(names)
+        placer = Placer(self.meta, self.L, self.config, match, layers, tied)
+        return self._assemble(self._place_all(names, placer))
+
+    def _find_layers(self, names: list[str]) -> Layers:
+        """The layer of each layer tensor, the number of layers and each layer's stage,
+        checking config.json's num_hidden_layers against the names and the layout."""
         layer_of = {}
         max_layer = -1
         for n in names:
@@ -175,25 +129,27 @@ class _Planner:
             raise PlanError(f"config.json: num_hidden_layers={nl} but the checkpoint's tensor "
                             f"names hold layers 0..{max_layer} only; expected at most "
                             f"{max_layer + 1}")
-        self.num_layers = nl
         # no layer tensors: nothing reads stage_of, but the layout checks (pp vs layers) hold
         stage_of = [0] * nl if layer_of else []
         if nl:
-            for s, rg in enumerate(L.stage_layers(nl)):
+            for s, rg in enumerate(self.L.stage_layers(nl)):
                 for li in rg if layer_of else ():
                     stage_of[li] = s
-        elif L.pp > 1 and layer_of:
-            raise PlanError(f"layout: pp={L.pp} but config.json says num_hidden_layers=0")
-        self.stage_of = stage_of
-        self.layer_of = layer_of
+        elif self.L.pp > 1 and layer_of:
+            raise PlanError(f"layout: pp={self.L.pp} but config.json says num_hidden_layers=0")
+        return Layers(layer_of, nl, stage_of)
+
+    def _tied(self) -> bool:
+        """Whether the input embedding is also the lm_head (the last stage reads it too)."""
         tie = self.config.get("tie_word_embeddings", True)
         if tie is not None and not isinstance(tie, bool):   # null: not tied, as before
             raise PlanError(f"config.json: tie_word_embeddings must be true or false, got "
                             f"{clip(repr(tie), MAX_NAME_CHARS)}")
-        tied = self.rules.preset != "bert" and tie and "lm_head.weight" not in meta.tensors
-        self.tied = tied
+        return bool(self.rules.preset != "bert" and tie and "lm_head.weight" not in self.meta.tensors)
 
-        # match rules first: unmatched names fail before any work
+    def _match_rules(self, names: list[str]) -> dict[str, tuple[Rule, dict]]:
+        """Tensor name -> (its rule, the rule's params); raises naming the unmatched tensors,
+        warns of user rules that match nothing."""
         match = {}
         hits = set()
         unmatched = []
@@ -207,7 +163,7 @@ class _Planner:
             else:
                 hits.add(i)
                 match[n] = (self.rules.rules[i], self._rule_params[i])
-        if unmatched and not meta.config and self.rules.preset is None:
+        if unmatched and not self.meta.config and self.rules.preset is None:
             raise missing_config_error(None, tensor=unmatched[0])
         if unmatched:
             more = (f" (and {len(unmatched) - 1} more: {', '.join(unmatched[1:4])}...)"
@@ -216,43 +172,47 @@ class _Planner:
                             f"{self.rules.preset or 'none detected'}; add a rule (rules=...), or pass "
                             f"replicate_unmatched=True / --replicate-unmatched only if every "
                             f"unmatched tensor should be held whole on every rank (not split; "
-                            f"layout {L})",
+                            f"layout {self.L})",
                             tensor=unmatched[0])
         for i in range(self.rules.user_count):
             if i not in hits:
                 r = self.rules.rules[i]
                 warnings.warn(f"sharding rule {clip(repr(r.pattern), MAX_NAME_CHARS)} "
                               f"({r.strategy}, from {clip(str(r.source), MAX_NAME_CHARS)}) "
-                              f"matches no tensor of the checkpoint", stacklevel=3)
-        self.match = match
+                              f"matches no tensor of the checkpoint", stacklevel=4)
+        return match
 
-        # pass 1: each tensor's classes and rank groups; a "replica table" per distinct
-        # rank-groups object (selectors repeat, so there are few)
+    def _place_all(self, names: list[str], placer: Placer) -> Placed:
+        """Pass 1: each tensor's classes and rank groups; a replica table per distinct
+        rank-groups object (selectors repeat, so there are few)."""
         excluded = []
         todo = []
         table_of: dict[int, int] = {}
         tables: list = []          # rank groups per table
         dedupe_memo: dict = {}
         for n in names:
-            pl = self._place(n)
+            pl = placer.place(n)
             if pl is None:
                 excluded.append(n)
                 continue
             stages, selector, classes, strategy = pl
-            classes, groups = _dedupe(classes, self._rank_groups(stages, selector, len(classes)),
+            classes, groups = dedupe(classes, self.rank_groups(stages, selector, len(classes)),
                                       dedupe_memo)
             k = table_of.get(id(groups))
             if k is None:
                 k = table_of[id(groups)] = len(tables)
                 tables.append(groups)
             todo.append((n, classes, k, strategy))
-        rc_of, rc_ranks, holders, replicas = _rank_classes(self.world, tables)
+        return Placed(excluded, todo, tables)
 
-        # pass 2: one slice per (tensor, class), appended to each rank class holding it
+    def _assemble(self, placed: Placed) -> Plan:
+        """Pass 2: one slice per (tensor, class), appended to each rank class holding it;
+        the ranks of a rank class share one SharedSlices."""
+        excluded, todo, tables = placed
+        rc_of, rc_ranks, holders, replicas = rank_classes(self.world, tables)
         slots: list[list[TensorSlice]] = [[] for _ in rc_ranks]
         slot_tables: list[list[int]] = [[] for _ in rc_ranks]
-        new = object.__new__
-        setattr_ = object.__setattr__
+        meta, L = self.meta, self.L
         for n, classes, k, strategy in todo:
             t = meta.tensors[n]
             isz = itemsize(t.dtype)
@@ -261,18 +221,12 @@ class _Planner:
                 ranks = groups[c]
                 if not ranks:
                     continue
-                runs = self._runs(t, pieces, lshape, isz)
+                runs = slice_runs(t, pieces, lshape, isz)
                 f = runs.groups[0][0] if runs.groups else t.file
-                base = new(TensorSlice)
-                bd = {"name": n, "file": f, "dtype": t.dtype, "global_shape": t.shape,
-                      "local_shape": lshape, "pieces": pieces, "replica": 0, "byte_runs": runs,
-                      "strategy": strategy}
-                if len(ranks) > 1:
-                    # a rank's replica is a copy of the base's fields with another replica
-                    # id; "_base" (not a dataclass field: ignored by ==, repr and to_json)
-                    # lets Plan.digest() encode the shared fields once.
-                    bd["_base"] = base
-                setattr_(base, "__dict__", bd)
+                # the primary copy; every rank class holding class c shares this object,
+                # and a rank holding it as replica i > 0 gets base.replica_of(i)
+                base = TensorSlice.build(n, f, t.dtype, t.shape, lshape, pieces, 0, runs,
+                                         strategy)
                 for rc in holders[k][c]:
                     slots[rc].append(base)
                     slot_tables[rc].append(k)
@@ -281,534 +235,6 @@ class _Planner:
         rank_plans = tuple(SharedRankPlan.make(r, L.coords(r).as_dict(), shares[rc_of[r]])
                            for r in range(self.world))
         return Plan(L, meta.fingerprint(), rank_plans, tuple(excluded), load_groups(L, rank_plans, meta))
-
-    # -- placement -----------------------------------------------------------
-    def _stages(self, n: str, params: Mapping) -> tuple[int, ...] | None:
-        """Stages holding tensor ``n``; None = excluded (MTP layers)."""
-        pp = self.L.pp
-        st = params.get("stage")
-        li = self.layer_of.get(n)
-        if li is not None and st in (None, "layer"):
-            if li >= self.num_layers:
-                return (pp - 1,) if self.L.include_mtp else None
-            return (self.stage_of[li],)
-        if st == "all":
-            return tuple(range(pp))
-        if st is None:
-            st = "first" if "embed" in n else "last"
-        if st == "first":
-            if self.tied and li is None and n.endswith("embed_tokens.weight") and pp > 1:
-                return (0, pp - 1)   # tied embeddings: the last stage's lm_head reads it too
-            return (0,)
-        return (pp - 1,)
-
-    def _place(self, n: str):
-        """-> (stages, selector, classes, strategy) or None when excluded. Memoised: scale
-        tensors reuse their weight's placement."""
-        got = self._placed.get(n)
-        if got is not None or n in self._placed:
-            return got
-        rule, params = self.match[n]
-        t = self.meta.tensors[n]
-        strategy = rule.strategy
-        if strategy == "scale":
-            res = self._scale(t, params)
-        else:
-            stages = self._stages(n, params)
-            if stages is None:
-                res = None
-            else:
-                selector, classes = PLACEMENTS[strategy](self, t, params)
-                res = (stages, selector, classes, strategy)
-        # only weights that have a scale are looked up again; keep memory modest
-        if n + "_scale_inv" in self.meta.tensors:
-            self._placed[n] = res
-        return res
-
-    def _whole(self, t: TensorInfo):
-        # classes depend only on the shape: share them (and their Piece objects) across the
-        # thousands of same-shaped tensors (experts)
-        c = self._wcache.get(t.shape)
-        if c is None:
-            c = self._wcache[t.shape] = [(t.shape, (Piece(tuple((0, s) for s in t.shape),
-                                                          (0,) * len(t.shape)),))]
-        return Everyone(), c
-
-    @placement("replicate")
-    def _s_replicate(self, t, p):
-        return self._whole(t)
-
-    def _split_dim(self, t: TensorInfo, dim: int, parts: int, what: str):
-        """Classes of an even (or chunked) split of ``dim`` into ``parts`` (shared per shape)."""
-        key = (t.shape, dim, parts)
-        c = self._scache.get(key)
-        if c is None:
-            c = self._scache[key] = self._split_dim_new(t, dim, parts, what)
-        return c
-
-    def _chunks(self, t: TensorInfo, n: int, parts: int, what: str) -> list[tuple[int, int]]:
-        """``chunk_ranges`` of ``n`` into ``parts``, its error naming the tensor and layout."""
-        try:
-            return chunk_ranges(n, parts, self.L.allow_uneven, what)
-        except PlanError as e:
-            raise self._err(e.message, t.name) from None
-
-    def _split_dim_new(self, t: TensorInfo, dim: int, parts: int, what: str):
-        if dim >= len(t.shape):
-            raise self._err(f"split dim {dim} out of range for shape {list(t.shape)}", t.name)
-        return _dim_classes(t.shape, dim, self._chunks(t, t.shape[dim], parts,
-                                                       f"{what} of dim {dim} (shape {list(t.shape)})"))
-
-    @placement("colwise")
-    def _s_colwise(self, t, p, dim=None):
-        dim = p.get("dim", 0) if dim is None else dim
-        if not t.shape or self.L.tp == 1:
-            return self._whole(t)
-        classes = self._split_dim(t, dim, self.L.tp, f"split over tp={self.L.tp}")
-        return ByTp(tuple(range(self.L.tp))), classes
-
-    @placement("rowwise")
-    def _s_rowwise(self, t, p):
-        dim = p.get("dim", 1)
-        if len(t.shape) <= dim:       # the bias of a row-parallel layer is replicated
-            return self._whole(t)
-        return self._s_colwise(t, p, dim)
-
-    @placement("vocab")
-    def _s_vocab(self, t, p):
-        if not t.shape:
-            raise self._err("vocab strategy needs a tensor with a row dim", t.name)
-        V, pad, tp = t.shape[0], p["pad_to"], self.L.tp
-        Vp = -(-V // pad) * pad
-        rngs = self._chunks(t, Vp, tp, f"vocab {V} padded to {Vp} (multiple of {pad}) split "
-                                       f"over tp={tp}")
-        zero = (0,) * len(t.shape)
-        rest = tuple((0, s) for s in t.shape[1:])
-        classes = []
-        for a, b in rngs:
-            pieces = (Piece(((a, min(b, V)),) + rest, zero),) if a < V else ()
-            classes.append(((b - a,) + t.shape[1:], pieces))
-        if tp == 1 and Vp == V:
-            return Everyone(), classes
-        return ByTp(tuple(range(tp))), classes
-
-    def _head_split(self, n_size: int, heads: int, kv: bool, name: str, what: str):
-        """-> (g: tp rank -> class, ranges per class) for whole-head splitting of a dim of
-        ``n_size`` holding ``heads`` heads."""
-        tp = self.L.tp
-        if n_size % heads:
-            raise self._err(f"{what}: size {n_size} is not a multiple of num_heads={heads}", name)
-        hd = n_size // heads
-        if tp <= heads:
-            if heads % tp:
-                raise self._err(f"{what}: {heads} heads are not divisible by tp={tp}", name)
-            per = heads // tp
-            return tuple(range(tp)), [(j * per * hd, (j + 1) * per * hd) for j in range(tp)]
-        if not kv:
-            raise self._err(f"{what}: tp={tp} exceeds the {heads} heads", name)
-        if tp % heads:
-            raise self._err(f"{what}: tp={tp} is not a multiple of the {heads} K/V heads, so they "
-                            f"cannot be replicated evenly", name)
-        rep = tp // heads
-        return tuple(t // rep for t in range(tp)), [(h * hd, (h + 1) * hd) for h in range(heads)]
-
-    @placement("heads")
-    def _s_heads(self, t, p):
-        dim = p.get("dim", 0)
-        if dim >= len(t.shape):
-            raise self._err(f"heads split dim {dim} out of range for shape {list(t.shape)}", t.name)
-        g, rngs = self._head_split(t.shape[dim], p["num_heads"], p["kv"], t.name,
-                                   f"heads split of dim {dim} (shape {list(t.shape)})")
-        if len(rngs) == 1:
-            return self._whole(t)
-        return ByTp(g), _dim_classes(t.shape, dim, rngs)
-
-    @placement("packed")
-    def _s_packed(self, t, p):
-        dim = p.get("dim", 0)
-        if dim >= len(t.shape):
-            raise self._err(f"packed split dim {dim} out of range for shape {list(t.shape)}", t.name)
-        size = t.shape[dim]
-        tp = self.L.tp
-        if "blocks" in p:
-            blocks = list(p["blocks"])
-            if sum(blocks) != size:
-                raise self._err(f"packed blocks {blocks} sum to {sum(blocks)}, but dim {dim} has "
-                                f"size {size}", t.name)
-        else:
-            nb = p["num_blocks"]
-            if size % nb:
-                raise self._err(f"dim {dim} of size {size} does not hold {nb} equal packed blocks", t.name)
-            blocks = [size // nb] * nb
-        heads = p.get("heads")
-        kvs = p.get("kv") or (False,) * len(blocks)
-        per_block = []   # (g, ranges) per block
-        for bi, bs in enumerate(blocks):
-            what = f"packed block {bi} (size {bs}) of dim {dim}"
-            if heads:
-                per_block.append(self._head_split(bs, heads[bi], kvs[bi], t.name, what))
-            else:
-                per_block.append((tuple(range(tp)), self._chunks(t, bs, tp, what + f" over tp={tp}")))
-        offs = [0]
-        for bs in blocks:
-            offs.append(offs[-1] + bs)
-        keys, classes, g = {}, [], []
-        for r in range(tp):
-            key = tuple(pb[0][r] for pb in per_block)
-            if key not in keys:
-                keys[key] = len(classes)
-                pieces, loc = [], 0
-                for bi, (gb, rngs) in enumerate(per_block):
-                    a, b = rngs[key[bi]]
-                    if b > a:
-                        box = [(0, s) for s in t.shape]
-                        box[dim] = (offs[bi] + a, offs[bi] + b)
-                        dst = [0] * len(t.shape)
-                        dst[dim] = loc
-                        pieces.append(Piece(tuple(box), tuple(dst)))
-                    loc += b - a
-                ls = list(t.shape)
-                ls[dim] = loc
-                classes.append((tuple(ls), tuple(pieces)))
-            g.append(keys[key])
-        if len(classes) == 1:
-            return Everyone(), classes
-        return ByTp(tuple(g)), classes
-
-    def _experts_count(self, t: TensorInfo, p) -> int:
-        E = p.get("num_experts")
-        if E is None:
-            E = num_experts_of(self.config)
-        if self._num_experts is None:
-            # the largest expert id in the names + 1
-            mx = -1
-            for n in self.meta.tensors:
-                m = EXPERT_RE.search(n)
-                if m:
-                    mx = max(mx, int(m.group(1)))
-            self._num_experts = mx + 1
-        if E is None:
-            E = self._num_experts
-        elif E not in self._checked_E and self._num_experts and E > self._num_experts:
-            # config.json (or a rule) claiming more experts than the names hold would leave
-            # ranks without experts; checked before the placement tables, sized by E
-            raise self._err(f"config.json / rule says {E} experts but the checkpoint's tensor "
-                            f"names hold expert ids 0..{self._num_experts - 1} only", t.name)
-        if E not in self._checked_E:
-            try:
-                self.L.check_experts(E)
-            except PlanError as e:
-                raise self._err(e.message, t.name) from None
-            self._checked_E.add(E)
-        return E
-
-    def _packed_ranges(self, t: TensorInfo, tdim: int, size: int, p, what: str):
-        """Per moe_tp rank, the [start, stop) ranges of dim ``tdim`` (of ``size``) it holds,
-        in local order, as the rule declares the packing inside each expert:
-        ``num_blocks`` equal blocks (gate and up halves: each block split on its own, the
-        parts concatenated), or runs of ``interleaved`` consecutive rows (gate/up pairs: the
-        split moves by whole runs, so every rank keeps both members of its pairs).
-        ``split_unit`` makes the split move by that many runs (rows, without interleaving)
-        at a time: MXFP4 storage splits the intermediate dim only on its 32-element blocks,
-        i.e. 32 gate/up pairs.
-        A gate_up tensor declared neither way is refused: a plain split would hand a rank
-        gate rows only, or pairs cut in half."""
-        nb = p.get("num_blocks") or 1
-        k = p.get("interleaved") or 1
-        unit = p.get("split_unit") or 1
-        if nb == 1 and k == 1 and any("gate_up" in c for c in t.name.split(".")[-2:]):
-            raise self._err(f"fused expert tensor packs gate and up on dim {tdim}; splitting "
-                            f"it over moe_tp={self.L.moe_tp} needs the rule to declare how "
-                            f"(param num_blocks=2 for halves, interleaved=2 for pairs)", t.name)
-        if size % nb:
-            raise self._err(f"dim {tdim} of size {size} does not hold {nb} equal packed "
-                            f"blocks", t.name)
-        bs = size // nb
-        step = k * unit
-        if bs % step:
-            raise self._err(f"dim {tdim} of size {size} does not hold whole split units of "
-                            f"{step} rows (interleaved={k} x split_unit={unit}, per block of "
-                            f"{bs})", t.name)
-        per = self._chunks(t, bs // step, self.L.moe_tp,
-                           f"{what}: {bs // step} units of {step} rows per packed block "
-                           f"({nb} blocks) over moe_tp={self.L.moe_tp}")
-        return [tuple((j * bs + a * step, j * bs + b * step) for j in range(nb))
-                for a, b in per]
-
-    @placement("expert")
-    def _s_expert(self, t, p):
-        rx = self._id_res.get(p["id_regex"])
-        if rx is None:
-            rx = self._id_res[p["id_regex"]] = re.compile(p["id_regex"])
-        m = rx.search(t.name)
-        dim = p.get("dim")
-        L = self.L
-        if m:
-            e = int(m.group(1))
-            E = self._experts_count(t, p)
-            if e >= E:
-                raise self._err(f"expert id {e} is outside the {E} experts", t.name)
-            owners = L.owners_of(e, E)
-            if not owners:
-                raise self._err(f"expert {e} has no owner in the expert placement", t.name)
-            if dim is None or L.moe_tp == 1 or not t.shape:
-                _, classes = self._whole(t)
-                return ByExpertOwner(owners, False), classes
-            if dim >= len(t.shape):
-                raise self._err(f"expert split dim {dim} out of range for shape {list(t.shape)}", t.name)
-            if _is_packed(t, p):
-                classes = _packed_dim_classes(t.shape, dim, self._packed_ranges(
-                    t, dim, t.shape[dim], p, f"expert split of dim {dim} (shape {list(t.shape)})"))
-            else:
-                classes = self._split_dim(t, dim, L.moe_tp, f"expert split over moe_tp={L.moe_tp}")
-            return ByExpertOwner(owners, True), classes
-        # fused: the leading dim indexes the experts
-        if not t.shape:
-            raise self._err("expert tensor has no expert id in its name and no expert dim", t.name)
-        E = p.get("num_experts") or num_experts_of(self.config) or t.shape[0]
-        if t.shape[0] != E:
-            raise self._err(f"fused expert tensor has leading dim {t.shape[0]}, expected the "
-                            f"{E} experts", t.name)
-        E = self._experts_count(t, {"num_experts": E})
-        sets = [L.experts_of(q, E) for q in range(L.ep)]
-        if not isinstance(L.expert_placement, str):
-            seen = {}
-            for q, ids in enumerate(sets):
-                for e in ids:
-                    if e in seen and sets[seen[e]] != ids:
-                        raise self._err(f"expert {e} is placed on ep ranks {seen[e]} and {q} with "
-                                        f"different expert sets; a fused expert tensor can only be "
-                                        f"replicated as a whole set", t.name)
-                    seen.setdefault(e, q)
-        split = dim is not None and L.moe_tp > 1
-        if split:
-            if dim + 1 >= len(t.shape):
-                raise self._err(f"expert split dim {dim} out of range for fused shape "
-                                f"{list(t.shape)}", t.name)
-            rngs = self._packed_ranges(t, dim + 1, t.shape[dim + 1], p,
-                                       f"fused expert split of dim {dim + 1} (shape "
-                                       f"{list(t.shape)})")
-        else:
-            rngs = [((0, t.shape[dim + 1]),)] if dim is not None else [None]
-        classes = []
-        for q in range(L.ep):
-            for rg in (rngs if split else rngs[:1]):
-                pieces = []
-                for i, e in enumerate(sets[q]):
-                    loc = 0
-                    for a, b in (rg if rg is not None else ((None, None),)):
-                        box = [(e, e + 1)] + [(0, s) for s in t.shape[1:]]
-                        dst = [i] + [0] * (len(t.shape) - 1)
-                        if rg is not None:
-                            box[dim + 1] = (a, b)
-                            dst[dim + 1] = loc
-                            loc += b - a
-                        if rg is None or b > a:
-                            pieces.append(Piece(tuple(box), tuple(dst)))
-                ls = [len(sets[q])] + list(t.shape[1:])
-                if rg is not None:
-                    ls[dim + 1] = sum(b - a for a, b in rg)
-                classes.append((tuple(ls), tuple(pieces)))
-        return ByExpertSet(split), classes
-
-    def _scale(self, t: TensorInfo, p):
-        n = t.name
-        wname = p.get("weight") or (n[:-len("_scale_inv")] if n.endswith("_scale_inv") else None)
-        if wname is None or wname not in self.meta.tensors:
-            raise self._err(f"block scale without its weight {wname!r}", n)
-        if wname not in self.match:
-            raise self._err(f"weight {wname!r} of this scale has no rule", n)
-        if self.match[wname][0].strategy == "scale":
-            raise self._err(f"weight {wname!r} of this scale is itself a scale", n)
-        wp = self._place(wname)
-        if wp is None:
-            return None
-        stages, selector, wclasses, wstrat = wp
-        w = self.meta.tensors[wname]
-        nd = len(w.shape)
-        if len(t.shape) != nd:
-            raise self._err(f"scale shape {list(t.shape)} does not match weight {wname!r} shape "
-                            f"{list(w.shape)}", n)
-        blk = list(p["block"])
-        if len(blk) > nd:
-            blk = blk[-nd:] if nd else []
-        B = [1] * (nd - len(blk)) + blk
-        want = tuple(-(-w.shape[i] // B[i]) for i in range(nd))
-        if tuple(t.shape) != want:
-            raise self._err(f"scale shape {list(t.shape)} is not weight {wname!r} shape "
-                            f"{list(w.shape)} in {B} blocks (expected {list(want)})", n)
-        if wclasses is self._wcache.get(w.shape):
-            return stages, selector, self._whole(t)[1], "scale"
-        classes = []
-        for ls, pieces in wclasses:
-            sp = []
-            for pc in pieces:
-                box = []
-                for i, (a, b) in enumerate(pc.src):
-                    if a % B[i] or (b % B[i] and b != w.shape[i]) or pc.dst[i] % B[i]:
-                        raise self._err(
-                            f"weight {wname!r} (shape {list(w.shape)}) is split into per-rank "
-                            f"size {b - a} at offset {a} along dim {i}, not a multiple of the "
-                            f"{B[i]}-element quantisation block, so its scale {list(t.shape)} "
-                            f"cannot follow", n)
-                    box.append((a // B[i], -(-b // B[i])))
-                sp.append(Piece(tuple(box), tuple(pc.dst[i] // B[i] for i in range(nd))))
-            for i in range(nd):
-                if ls[i] % B[i] and any(pc.dst[i] + pc.src[i][1] - pc.src[i][0] != ls[i] for pc in pieces):
-                    raise self._err(f"weight {wname!r} local size {ls[i]} along dim {i} is not a "
-                                    f"multiple of the {B[i]}-element block", n)
-            classes.append((tuple(-(-ls[i] // B[i]) for i in range(nd)), tuple(sp)))
-        return stages, selector, classes, "scale"
-
-    # -- rank groups ----------------------------------------------------------
-    def _rank_groups(self, stages, selector, ncls):
-        key = (stages, type(selector), selector, ncls)   # NamedTuples of equal fields compare equal
-        g = self._groups.get(key)
-        if g is not None:
-            return g
-        out = [[] for _ in range(ncls)]
-        S = self.stage_size
-        moe_tp = self.L.moe_tp
-        for s in stages:
-            base = s * S
-            for i, (tpr, dpr, epr, mtr) in enumerate(self.local):
-                match selector:
-                    case Everyone():
-                        c = 0
-                    case ByTp(classes):
-                        c = classes[tpr]
-                    case ByExpertOwner(owners, split):
-                        if epr not in owners:
-                            continue
-                        c = mtr if split else 0
-                    case ByExpertSet(split):
-                        c = epr * moe_tp + mtr if split else epr
-                out[c].append(base + i)
-        g = tuple(tuple(sorted(x)) for x in out)
-        self._groups[key] = g
-        return g
-
-    # -- byte runs ------------------------------------------------------------
-    def _runs(self, t: TensorInfo, pieces, lshape, isz) -> RunList:
-        groups = []
-        src = t.pieces
-        if len(src) == 1 and src[0].box == tuple((0, s) for s in t.shape):
-            sp = src[0]
-            if len(pieces) == 1 and lshape == t.shape and pieces[0].src == sp.box:
-                return RunList((RunGroup(sp.file, sp.start, sp.end - sp.start, 0, 1, 0, 0),))
-            for pc in pieces:
-                groups += box_runs(sp.file, sp.start, sp.box, t.shape, pc.src, lshape, pc.dst, isz)
-        else:
-            for pc in pieces:
-                for sp in src:
-                    o = []
-                    for (a, b), (c, d) in zip(pc.src, sp.box):
-                        lo, hi = max(a, c), min(b, d)
-                        if hi <= lo:
-                            break
-                        o.append((lo, hi))
-                    else:
-                        if len(o) != len(pc.src):
-                            continue
-                        corner = tuple(pc.dst[j] + o[j][0] - pc.src[j][0] for j in range(len(o)))
-                        sshape = tuple(d - c for c, d in sp.box)
-                        groups += box_runs(sp.file, sp.start, sp.box, sshape, tuple(o), lshape,
-                                           corner, isz)
-        if len(groups) > 1:
-            groups = merge_groups(groups)
-        return RunList(groups)
-
-
-def _dim_classes(shape, dim: int, rngs) -> list:
-    """Classes of a split of ``dim`` into the [start, stop) ranges ``rngs``: per range the
-    local shape and its one piece (none for an empty range)."""
-    return _packed_dim_classes(shape, dim, [((a, b),) for a, b in rngs])
-
-
-def _packed_dim_classes(shape, dim: int, per_class) -> list:
-    """Classes of a split of ``dim`` where each class holds several [start, stop) ranges,
-    concatenated in order along ``dim`` (a packed tensor's parts); empty ranges hold no
-    piece."""
-    full = [(0, s) for s in shape]
-    classes = []
-    for rngs in per_class:
-        pieces, loc = [], 0
-        for a, b in rngs:
-            if b > a:
-                box = list(full)
-                box[dim] = (a, b)
-                dst = [0] * len(shape)
-                dst[dim] = loc
-                pieces.append(Piece(tuple(box), tuple(dst)))
-            loc += b - a
-        ls = list(shape)
-        ls[dim] = loc
-        classes.append((tuple(ls), tuple(pieces)))
-    return classes
-
-
-def _is_packed(t: TensorInfo, p) -> bool:
-    """Whether an expert tensor's split goes through the packed ranges (declared packing,
-    or a gate_up name that must be refused without one)."""
-    return bool(p.get("num_blocks") or p.get("interleaved") or p.get("split_unit")
-                or any("gate_up" in c for c in t.name.split(".")[-2:]))
-
-
-def _dedupe(classes, groups, memo=None):
-    """Merge classes with identical pieces and local shape (e.g. empty chunks, or an
-    explicit expert map listing the same set twice): they are replicas of one another.
-    ``memo`` keeps one merged groups object per (groups, merge pattern), so the tensors
-    that merge alike share one replica table."""
-    if len(classes) == 1:
-        return classes, groups
-    seen: dict = {}
-    for i, c in enumerate(classes):
-        seen.setdefault(c, []).append(i)
-    if len(seen) == len(classes):
-        return classes, groups
-    key = (id(groups), tuple(tuple(idx) for idx in seen.values()))
-    ng = None if memo is None else memo.get(key)
-    if ng is None:
-        ng = tuple(tuple(sorted(r for i in idx for r in groups[i])) for idx in seen.values())
-        if memo is not None:
-            memo[key] = ng
-    return list(seen), ng
-
-
-class RankClasses(NamedTuple):
-    rank_class: list[int]                  # rank -> its rank class
-    ranks: list[tuple[int, ...]]           # rank class -> its ranks, ascending
-    holders: list[list[tuple[int, ...]]]   # [table][class] -> rank classes holding it
-    replicas: tuple[tuple[int, ...], ...]  # [table][rank] -> replica id, -1 when not held
-
-
-def _rank_classes(world: int, tables) -> RankClasses:
-    """Ranks that fall in the same class of every replica table hold the same slices: they
-    form one rank class. ``tables``: per table, the rank groups of its classes."""
-    assign, replicas = [], []
-    for groups in tables:
-        a = [-1] * world
-        rep = [-1] * world
-        for c, g in enumerate(groups):
-            for i, r in enumerate(g):
-                a[r] = c
-                rep[r] = i
-        assign.append(a)
-        replicas.append(tuple(rep))
-    ids: dict = {}
-    rank_class = []
-    ranks: list[list[int]] = []
-    for r, sig in enumerate(zip(*assign) if assign else [()] * world):
-        i = ids.get(sig)
-        if i is None:
-            i = ids[sig] = len(ranks)
-            ranks.append([])
-        rank_class.append(i)
-        ranks[i].append(r)
-    holders = []
-    for groups in tables:
-        holders.append([tuple(sorted({rank_class[r] for r in g})) for g in groups])
-    return RankClasses(rank_class, [tuple(x) for x in ranks], holders, tuple(replicas))
 
 
 # -- load groups (instanttensor engine cost model) -------------------------------------------

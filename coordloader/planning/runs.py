@@ -16,7 +16,8 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from coordloader.planning.model import ByteRun
+from coordloader.checkpoint.metadata import TensorInfo
+from coordloader.planning.model import ByteRun, Piece
 
 
 class RunGroup(NamedTuple):
@@ -233,3 +234,37 @@ def merge_groups(groups: list[RunGroup]) -> list[RunGroup]:
                 continue
         out.append(g)
     return out
+
+
+def slice_runs(t: TensorInfo, pieces: tuple[Piece, ...], lshape: tuple[int, ...],
+               isz: int) -> RunList:
+    """The byte runs of a slice of ``t`` (``isz`` bytes per element) holding ``pieces`` in a
+    local tensor of shape ``lshape``: per piece and per stored piece of ``t`` it overlaps,
+    the runs of the overlap, merged into strided groups."""
+    groups = []
+    src = t.pieces
+    if len(src) == 1 and src[0].box == tuple((0, s) for s in t.shape):
+        sp = src[0]
+        if len(pieces) == 1 and lshape == t.shape and pieces[0].src == sp.box:
+            return RunList((RunGroup(sp.file, sp.start, sp.end - sp.start, 0, 1, 0, 0),))
+        for pc in pieces:
+            groups += box_runs(sp.file, sp.start, sp.box, t.shape, pc.src, lshape, pc.dst, isz)
+    else:
+        for pc in pieces:
+            for sp in src:
+                o = []
+                for (a, b), (c, d) in zip(pc.src, sp.box):
+                    lo, hi = max(a, c), min(b, d)
+                    if hi <= lo:
+                        break
+                    o.append((lo, hi))
+                else:
+                    if len(o) != len(pc.src):
+                        continue
+                    corner = tuple(pc.dst[j] + o[j][0] - pc.src[j][0] for j in range(len(o)))
+                    sshape = tuple(d - c for c, d in sp.box)
+                    groups += box_runs(sp.file, sp.start, sp.box, sshape, tuple(o), lshape,
+                                       corner, isz)
+    if len(groups) > 1:
+        groups = merge_groups(groups)
+    return RunList(groups)

@@ -1,4 +1,5 @@
-"""Sharding rules: strategy vocabulary, architecture presets, user rule files."""
+"""Sharding rules: architecture presets and user rule files (the strategy vocabulary they
+name is `coordloader.planning.strategies`)."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -13,7 +14,7 @@ from coordloader.planning.rules.ruleset import (
     parse_rule_file,
     rule_from_dict,
 )
-from coordloader.planning.rules.strategies import STRATEGIES, check_params
+from coordloader.planning.strategies import STRATEGIES, check_params
 
 __all__ = ["Rule", "RuleFile", "RuleSet", "STRATEGIES", "PRESETS", "detect_preset", "preset_rules",
            "resolve_rules", "make_rule", "num_experts_of", "check_params"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 from coordloader.errors import PlanError
-from coordloader.planning.rules.strategies import check_params
+from coordloader.planning.strategies import check_params
 
 
 @dataclass(frozen=True)

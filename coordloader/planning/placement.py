@@ -1,0 +1,274 @@
+"""Placement: which stages hold a tensor, and how its Strategy splits it into classes.
+
+``Placer`` is the ``PlacementContext`` that ``strategies``' placement functions read: the
+layout, and helpers that share classes across same-shaped tensors and name the tensor
+and layout in their errors. The planner makes one per plan, after the layers and the
+rule of every tensor are known."""
+from __future__ import annotations
+
+import re
+from typing import Mapping, NamedTuple
+
+from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo
+from coordloader.errors import PlanError
+from coordloader.layout import Layout
+from coordloader.planning.model import Piece
+from coordloader.planning.rules import Rule, num_experts_of
+from coordloader.planning.strategies import STRATEGIES, Everyone, dim_classes
+
+EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+def chunk_ranges(n: int, parts: int, uneven: bool, what: str) -> list[tuple[int, int]]:
+    """[start, stop) per part: an even split, or torch.chunk semantics when ``uneven``
+    (chunk size ceil(n/parts); trailing parts may be short or empty)."""
+    if parts == 1:
+        return [(0, n)]
+    if n % parts == 0:
+        c = n // parts
+        return [(i * c, i * c + c) for i in range(parts)]
+    if not uneven:
+        raise PlanError(f"{what}: size {n} is not divisible by {parts}")
+    c = -(-n // parts)
+    return [(min(i * c, n), min(i * c + c, n)) for i in range(parts)]
+
+
+class Layers(NamedTuple):
+    """The checkpoint's layers as the planner found them."""
+    layer_of: dict[str, int]   # tensor name -> layer index (tensors of a layer only)
+    num_layers: int            # config.json's num_hidden_layers (MTP layers are past it)
+    stage_of: list[int]        # layer index -> pipeline stage
+
+
+class Placer:
+    """Places the tensors of one plan: ``place(name)`` -> (stages, selector, classes,
+    strategy), or None for a tensor left out. Classes are shared across same-shaped
+    tensors, and a weight with a block scale is placed once for both."""
+
+    def __init__(self, meta: CheckpointMeta, layout: Layout, config: Mapping,
+                 match: Mapping[str, tuple[Rule, dict]], layers: Layers, tied: bool):
+        self.meta = meta
+        self.L = layout
+        self.config = config
+        self.match = match              # tensor name -> (its rule, the rule's params)
+        self.layer_of, self.num_layers, self.stage_of = layers
+        self.tied = tied                # the lm_head reads the input embedding
+        self._placed: dict[str, tuple] = {}
+        self._id_res: dict[str, re.Pattern] = {}
+        self._num_experts: int | None = None
+        self._checked_E: set[int] = set()
+        self._wcache: dict = {}
+        self._scache: dict = {}
+
+    def err(self, msg: str, name: str) -> PlanError:
+        return PlanError(f"{msg} (layout {self.L})", tensor=name)
+
+    def compiled(self, pattern: str) -> re.Pattern:
+        rx = self._id_res.get(pattern)
+        if rx is None:
+            rx = self._id_res[pattern] = re.compile(pattern)
+        return rx
+
+    def config_num_experts(self) -> int | None:
+        return num_experts_of(self.config)
+
+    def _stages(self, n: str, params: Mapping) -> tuple[int, ...] | None:
+        """Stages holding tensor ``n``; None = excluded (MTP layers)."""
+        pp = self.L.pp
+        st = params.get("stage")
+        li = self.layer_of.get(n)
+        if li is not None and st in (None, "layer"):
+            if li >= self.num_layers:
+                return (pp - 1,) if self.L.include_mtp else None
+            return (self.stage_of[li],)
+        if st == "all":
+            return tuple(range(pp))
+        if st is None:
+            st = "first" if "embed" in n else "last"
+        if st == "first":
+            if self.tied and li is None and n.endswith("embed_tokens.weight") and pp > 1:
+                return (0, pp - 1)   # tied embeddings: the last stage's lm_head reads it too
+            return (0,)
+        return (pp - 1,)
+
+    def place(self, n: str):
+        """-> (stages, selector, classes, strategy) or None when excluded. Memoised: scale
+        tensors reuse their weight's placement."""
+        got = self._placed.get(n)
+        if got is not None or n in self._placed:
+            return got
+        rule, params = self.match[n]
+        t = self.meta.tensors[n]
+        strategy = rule.strategy
+        if STRATEGIES[strategy].place is None:   # a block scale: follows its weight
+            res = self.scale(t, params)
+        else:
+            stages = self._stages(n, params)
+            if stages is None:
+                res = None
+            else:
+                selector, classes = STRATEGIES[strategy].place(self, t, params)
+                res = (stages, selector, classes, strategy)
+        # only weights that have a scale are looked up again; keep memory modest
+        if n + "_scale_inv" in self.meta.tensors:
+            self._placed[n] = res
+        return res
+
+    def whole(self, t: TensorInfo):
+        # classes depend only on the shape: share them (and their Piece objects) across the
+        # thousands of same-shaped tensors (experts)
+        c = self._wcache.get(t.shape)
+        if c is None:
+            c = self._wcache[t.shape] = [(t.shape, (Piece(tuple((0, s) for s in t.shape),
+                                                          (0,) * len(t.shape)),))]
+        return Everyone(), c
+
+    def split_dim(self, t: TensorInfo, dim: int, parts: int, what: str):
+        """Classes of an even (or chunked) split of ``dim`` into ``parts`` (shared per shape)."""
+        key = (t.shape, dim, parts)
+        c = self._scache.get(key)
+        if c is None:
+            c = self._scache[key] = self._split_dim_new(t, dim, parts, what)
+        return c
+
+    def chunks(self, t: TensorInfo, n: int, parts: int, what: str) -> list[tuple[int, int]]:
+        """``chunk_ranges`` of ``n`` into ``parts``, its error naming the tensor and layout."""
+        try:
+            return chunk_ranges(n, parts, self.L.allow_uneven, what)
+        except PlanError as e:
+            raise self.err(e.message, t.name) from None
+
+    def _split_dim_new(self, t: TensorInfo, dim: int, parts: int, what: str):
+        if dim >= len(t.shape):
+            raise self.err(f"split dim {dim} out of range for shape {list(t.shape)}", t.name)
+        return dim_classes(t.shape, dim, self.chunks(t, t.shape[dim], parts,
+                                                       f"{what} of dim {dim} (shape {list(t.shape)})"))
+
+    def head_split(self, n_size: int, heads: int, kv: bool, name: str, what: str):
+        """-> (g: tp rank -> class, ranges per class) for whole-head splitting of a dim of
+        ``n_size`` holding ``heads`` heads."""
+        tp = self.L.tp
+        if n_size % heads:
+            raise self.err(f"{what}: size {n_size} is not a multiple of num_heads={heads}", name)
+        hd = n_size // heads
+        if tp <= heads:
+            if heads % tp:
+                raise self.err(f"{what}: {heads} heads are not divisible by tp={tp}", name)
+            per = heads // tp
+            return tuple(range(tp)), [(j * per * hd, (j + 1) * per * hd) for j in range(tp)]
+        if not kv:
+            raise self.err(f"{what}: tp={tp} exceeds the {heads} heads", name)
+        if tp % heads:
+            raise self.err(f"{what}: tp={tp} is not a multiple of the {heads} K/V heads, so they "
+                            f"cannot be replicated evenly", name)
+        rep = tp // heads
+        return tuple(t // rep for t in range(tp)), [(h * hd, (h + 1) * hd) for h in range(heads)]
+
+    def experts_count(self, t: TensorInfo, p) -> int:
+        E = p.get("num_experts")
+        if E is None:
+            E = num_experts_of(self.config)
+        if self._num_experts is None:
+            # the largest expert id in the names + 1
+            mx = -1
+            for n in self.meta.tensors:
+                m = EXPERT_RE.search(n)
+                if m:
+                    mx = max(mx, int(m.group(1)))
+            self._num_experts = mx + 1
+        if E is None:
+            E = self._num_experts
+        elif E not in self._checked_E and self._num_experts and E > self._num_experts:
+            # config.json (or a rule) claiming more experts than the names hold would leave
+            # ranks without experts; checked before the placement tables, sized by E
+            raise self.err(f"config.json / rule says {E} experts but the checkpoint's tensor "
+                            f"names hold expert ids 0..{self._num_experts - 1} only", t.name)
+        if E not in self._checked_E:
+            try:
+                self.L.check_experts(E)
+            except PlanError as e:
+                raise self.err(e.message, t.name) from None
+            self._checked_E.add(E)
+        return E
+
+    def packed_ranges(self, t: TensorInfo, tdim: int, size: int, p, what: str):
+        """Per moe_tp rank, the [start, stop) ranges of dim ``tdim`` (of ``size``) it holds,
+        in local order, as the rule declares the packing inside each expert:
+        ``num_blocks`` equal blocks (gate and up halves: each block split on its own, the
+        parts concatenated), or runs of ``interleaved`` consecutive rows (gate/up pairs: the
+        split moves by whole runs, so every rank keeps both members of its pairs).
+        ``split_unit`` makes the split move by that many runs (rows, without interleaving)
+        at a time: MXFP4 storage splits the intermediate dim only on its 32-element blocks,
+        i.e. 32 gate/up pairs.
+        A gate_up tensor declared neither way is refused: a plain split would hand a rank
+        gate rows only, or pairs cut in half."""
+        nb = p.get("num_blocks") or 1
+        k = p.get("interleaved") or 1
+        unit = p.get("split_unit") or 1
+        if nb == 1 and k == 1 and any("gate_up" in c for c in t.name.split(".")[-2:]):
+            raise self.err(f"fused expert tensor packs gate and up on dim {tdim}; splitting "
+                            f"it over moe_tp={self.L.moe_tp} needs the rule to declare how "
+                            f"(param num_blocks=2 for halves, interleaved=2 for pairs)", t.name)
+        if size % nb:
+            raise self.err(f"dim {tdim} of size {size} does not hold {nb} equal packed "
+                            f"blocks", t.name)
+        bs = size // nb
+        step = k * unit
+        if bs % step:
+            raise self.err(f"dim {tdim} of size {size} does not hold whole split units of "
+                            f"{step} rows (interleaved={k} x split_unit={unit}, per block of "
+                            f"{bs})", t.name)
+        per = self.chunks(t, bs // step, self.L.moe_tp,
+                           f"{what}: {bs // step} units of {step} rows per packed block "
+                           f"({nb} blocks) over moe_tp={self.L.moe_tp}")
+        return [tuple((j * bs + a * step, j * bs + b * step) for j in range(nb))
+                for a, b in per]
+
+    def scale(self, t: TensorInfo, p):
+        n = t.name
+        wname = p.get("weight") or (n[:-len("_scale_inv")] if n.endswith("_scale_inv") else None)
+        if wname is None or wname not in self.meta.tensors:
+            raise self.err(f"block scale without its weight {wname!r}", n)
+        if wname not in self.match:
+            raise self.err(f"weight {wname!r} of this scale has no rule", n)
+        if self.match[wname][0].strategy == "scale":
+            raise self.err(f"weight {wname!r} of this scale is itself a scale", n)
+        wp = self.place(wname)
+        if wp is None:
+            return None
+        stages, selector, wclasses, wstrat = wp
+        w = self.meta.tensors[wname]
+        nd = len(w.shape)
+        if len(t.shape) != nd:
+            raise self.err(f"scale shape {list(t.shape)} does not match weight {wname!r} shape "
+                            f"{list(w.shape)}", n)
+        blk = list(p["block"])
+        if len(blk) > nd:
+            blk = blk[-nd:] if nd else []
+        B = [1] * (nd - len(blk)) + blk
+        want = tuple(-(-w.shape[i] // B[i]) for i in range(nd))
+        if tuple(t.shape) != want:
+            raise self.err(f"scale shape {list(t.shape)} is not weight {wname!r} shape "
+                            f"{list(w.shape)} in {B} blocks (expected {list(want)})", n)
+        if wclasses is self._wcache.get(w.shape):
+            return stages, selector, self.whole(t)[1], "scale"
+        classes = []
+        for ls, pieces in wclasses:
+            sp = []
+            for pc in pieces:
+                box = []
+                for i, (a, b) in enumerate(pc.src):
+                    if a % B[i] or (b % B[i] and b != w.shape[i]) or pc.dst[i] % B[i]:
+                        raise self.err(
+                            f"weight {wname!r} (shape {list(w.shape)}) is split into per-rank "
+                            f"size {b - a} at offset {a} along dim {i}, not a multiple of the "
+                            f"{B[i]}-element quantisation block, so its scale {list(t.shape)} "
+                            f"cannot follow", n)
+                    box.append((a // B[i], -(-b // B[i])))
+                sp.append(Piece(tuple(box), tuple(pc.dst[i] // B[i] for i in range(nd))))
+            for i in range(nd):
+                if ls[i] % B[i] and any(pc.dst[i] + pc.src[i][1] - pc.src[i][0] != ls[i] for pc in pieces):
+                    raise self.err(f"weight {wname!r} local size {ls[i]} along dim {i} is not a "
+                                    f"multiple of the {B[i]}-element block", n)
+            classes.append((tuple(-(-ls[i] // B[i]) for i in range(nd)), tuple(sp)))
+        return stages, selector, classes, "scale"
