@@ -35,7 +35,9 @@ import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -56,12 +58,45 @@ try:
 except (ValueError, OSError, AttributeError):
     _IOV_MAX = 16
 
-# work items (tuples, first field = kind; ``pf``: (address, bytes) ranges of fresh
-# destination memory to prefault first, none for destinations handed in):
-#   (_VEC, off, nbytes, [memoryview, ...], [tensor name, ...], pf)  contiguous in the file
-#   (_SPAN, off, count, length, src_stride, u8 array, dest, dst_stride, name, pf)  bounce + copy
-#   (_ROWS, off, count, length, src_stride, memoryview, dest, dst_stride, name, pf)  one read a row
-_VEC, _SPAN, _ROWS = 0, 1, 2
+# Work items. ``prefault``: (address, bytes) ranges of fresh destination memory to fault
+# in first (none for destinations handed in); ``fd``/``fname`` are set when the item is
+# queued for a file.
+
+
+@dataclass
+class VecRead:
+    """Byte runs contiguous in the file, read with one multi-iovec preadv (runs that follow
+    each other are fused into one item, so it is mutable)."""
+    off: int
+    nbytes: int
+    bufs: list            # memoryviews of the destinations, in file order
+    names: list           # their tensors, for messages
+    prefault: list
+    fd: int = -1
+    fname: str = ""
+
+
+class Strided(Enum):
+    SPAN = 1    # read the rows' whole file span into a bounce buffer, then copy the rows
+    ROWS = 2    # one read per row, straight into the destination
+
+
+class StridedRead(NamedTuple):
+    """``count`` rows of ``length`` bytes, ``src_stride`` apart in the file and
+    ``dst_stride`` apart from ``dest`` in ``buf`` (a uint8 array for SPAN, a memoryview for
+    ROWS)."""
+    kind: Strided
+    off: int
+    count: int
+    length: int
+    src_stride: int
+    buf: Any
+    dest: int
+    dst_stride: int
+    name: str
+    prefault: tuple
+    fd: int = -1
+    fname: str = ""
 
 
 def _byte_view(t: torch.Tensor) -> tuple[np.ndarray, memoryview]:
@@ -184,14 +219,14 @@ class CpuEngine:
             pos = 0
             while pos < ln:  # big runs in chunks, so threads share one big tensor
                 n = min(ln - pos, cb)
-                lst.append((_VEC, o + pos, n, [mv[d + pos:d + pos + n]], [tname],
-                            [(base + d + pos, n)] if base else []))
+                lst.append(VecRead(o + pos, n, [mv[d + pos:d + pos + n]], [tname],
+                                   [(base + d + pos, n)] if base else []))
                 pos += n
             return ln
-        kind = _SPAN if ss >= ln and ds >= ln and ss - ln < _PAGE else _ROWS
+        kind = Strided.SPAN if ss >= ln and ds >= ln and ss - ln < _PAGE else Strided.ROWS
         # SPAN: rows in chunks of about chunk_bytes of file span; ROWS: of bytes read
-        per = max(1, cb // (ss if kind == _SPAN else ln))
-        buf = u8 if kind == _SPAN else mv
+        per = max(1, cb // (ss if kind is Strided.SPAN else ln))
+        buf = u8 if kind is Strided.SPAN else mv
         for i in range(0, c, per):
             k = min(per, c - i)
             d0 = d + i * ds
@@ -199,7 +234,7 @@ class CpuEngine:
             if base:
                 dl = d0 + (k - 1) * ds
                 pf = ((base + min(d0, dl), abs(dl - d0) + ln),)
-            lst.append((kind, o + i * ss, k, ln, ss, buf, d0, ds, tname, pf))
+            lst.append(StridedRead(kind, o + i * ss, k, ln, ss, buf, d0, ds, tname, pf))
         return ln * c
 
     def _tasks(self, items: dict[str, list], fds: dict[str, int]) -> tuple[list[list], int]:
@@ -211,30 +246,27 @@ class CpuEngine:
         gap = 0
         for fname, lst in items.items():
             fd = fds[fname]
-            lst.sort(key=lambda x: x[1])
-            prev = None   # the VEC item being extended
+            lst.sort(key=lambda x: x.off)
+            prev = None   # the VecRead being extended
             for it in lst:
-                kind = it[0]
-                if kind == _VEC:
-                    if (prev is not None and prev[1] + prev[2] == it[1]
-                            and len(prev[3]) < _IOV_MAX and prev[2] + it[2] <= cb):
-                        prev[3].extend(it[3])
-                        prev[4].extend(it[4])
-                        prev[5].extend(it[5])
-                        prev[2] += it[2]
-                        cur_bytes += it[2]
+                if isinstance(it, VecRead):
+                    if (prev is not None and prev.off + prev.nbytes == it.off
+                            and len(prev.bufs) < _IOV_MAX and prev.nbytes + it.nbytes <= cb):
+                        prev.bufs.extend(it.bufs)
+                        prev.names.extend(it.names)
+                        prev.prefault.extend(it.prefault)
+                        prev.nbytes += it.nbytes
                     else:
-                        prev = [_VEC, it[1], it[2], list(it[3]), list(it[4]), list(it[5]), fd,
-                                fname]
+                        prev = VecRead(it.off, it.nbytes, list(it.bufs), list(it.names),
+                                       list(it.prefault), fd, fname)
                         cur.append(prev)
-                        cur_bytes += it[2]
+                    cur_bytes += it.nbytes
                 else:
                     prev = None
-                    _, off, k, ln, ss, *_rest = it
-                    cur.append(it + (fd, fname))
-                    cur_bytes += k * ln
-                    if kind == _SPAN:
-                        gap += (k - 1) * (ss - ln)
+                    cur.append(it._replace(fd=fd, fname=fname))
+                    cur_bytes += it.count * it.length
+                    if it.kind is Strided.SPAN:
+                        gap += (it.count - 1) * (it.src_stride - it.length)
                 if cur_bytes >= cb:
                     tasks.append(cur)
                     cur, cur_bytes, prev = [], 0, None
@@ -261,18 +293,17 @@ class CpuEngine:
             for it in task:
                 if stop.is_set():
                     return done
-                kind = it[0]
-                if kind == _VEC:
-                    _, off, n, bufs, names, pf, fd, fname = it
-                    for a, m in pf:
+                if isinstance(it, VecRead):
+                    for a, m in it.prefault:
                         prefault(a, m)
-                    _read_vec(fd, bufs, off, n, fname, names, rank)
-                    done += n
+                    _read_vec(it.fd, it.bufs, it.off, it.nbytes, it.fname, it.names, rank)
+                    done += it.nbytes
                     continue
-                for a, m in it[9]:
+                for a, m in it.prefault:
                     prefault(a, m)
-                if kind == _SPAN:
-                    _, off, k, ln, ss, u8, d, ds, tname, _pf, fd, fname = it
+                _, off, k, ln, ss, buf, d, ds, tname, _pf, fd, fname = it
+                if it.kind is Strided.SPAN:
+                    u8 = buf
                     span = (k - 1) * ss + ln
                     bt, bmv = bounce(span)
                     _read_vec(fd, [bmv[:span]], off, span, fname, [tname], rank)
@@ -283,7 +314,7 @@ class CpuEngine:
                               np.ndarray((k, ln), np.uint8, bt, 0, (ss, 1)))
                     done += k * ln
                 else:
-                    _, off, k, ln, ss, mv, d, ds, tname, _pf, fd, fname = it
+                    mv = buf
                     preadv = os.preadv
                     for i in range(k):
                         o, p = off + i * ss, d + i * ds
