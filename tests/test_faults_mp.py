@@ -96,8 +96,10 @@ def test_dump_unwritable_on_rank_2_only(tmp_path, ckpt):
     assert not list((tmp_path / "dump").glob("*.tmp*"))
 
 
-def test_rank_2_sigkilled_mid_load(tmp_path, ckpt):
-    mark = tmp_path / "hanging"
+def _kill_rank_2_in_load(tmp: Path, ckpt: str, timeout=TIMEOUT):
+    """Run the 4-rank job with rank 2 SIGKILLed while it hangs in the load phase;
+    -> (results as _launch gives them, the kill's time)."""
+    mark = tmp / "hanging"
     killed = {}
 
     def kill_when_hanging(procs):
@@ -107,9 +109,14 @@ def test_rank_2_sigkilled_mid_load(tmp_path, ckpt):
             return True
         return False
 
-    res = _launch(tmp_path, ckpt, range(4), on_running=kill_when_hanging,
+    res = _launch(tmp, ckpt, range(4), on_running=kill_when_hanging, timeout=timeout,
                   hooks={2: ("--hang-phase", "load", "--hang-file", str(mark))})
     assert "at" in killed, "rank 2 never reached the load phase"
+    return res, killed
+
+
+def test_rank_2_sigkilled_mid_load(tmp_path, ckpt):
+    res, killed = _kill_rank_2_in_load(tmp_path, ckpt)
     assert res[2][0] == -signal.SIGKILL
     for r in (0, 1, 3):
         rc, err, end, _ = res[r]
@@ -128,19 +135,7 @@ def test_dead_rank_named_long_before_the_timeout(tmp_path, ckpt):
     # --timeout 60: the others must not sit out the minute; rank 2's heartbeat stops with
     # it, and they name it dead within DEAD_AFTER_S + a few seconds of the kill
     from coordloader.dist.collective import DEAD_AFTER_S
-    mark = tmp_path / "hanging"
-    killed = {}
-
-    def kill_when_hanging(procs):
-        if mark.exists() and mark.read_text():
-            os.kill(procs[2].pid, signal.SIGKILL)
-            killed["at"] = time.time()
-            return True
-        return False
-
-    res = _launch(tmp_path, ckpt, range(4), on_running=kill_when_hanging, timeout=60,
-                  hooks={2: ("--hang-phase", "load", "--hang-file", str(mark))})
-    assert "at" in killed, "rank 2 never reached the load phase"
+    res, killed = _kill_rank_2_in_load(tmp_path, ckpt, timeout=60)
     for r in (0, 1, 3):
         rc, err, end, _ = res[r]
         assert rc == 1, (r, err)
