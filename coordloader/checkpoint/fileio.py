@@ -118,7 +118,8 @@ def _write_all(fd: int, buf: memoryview) -> None:
         buf = buf[n:]
 
 
-def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    """Write all of ``buf`` at ``offset`` (pwrite may write less than asked)."""
     buf = buf.cast("B") if buf.format != "B" else buf
     while len(buf):
         n = os.pwrite(fd, buf[:_MAX_WRITE], offset)
@@ -269,7 +270,7 @@ def write_safetensors(path: str, entries: Sequence[tuple], metadata: dict[str, s
             # The file gets its final size first; only the header and given data are written,
             # the rest is a hole.
             os.ftruncate(fd, total)
-            _pwrite_all(fd, memoryview(header), 0)
+            pwrite_all(fd, memoryview(header), 0)
         else:
             _write_all(fd, memoryview(header))
         # each entry's bytes are taken as it is written (a GPU tensor reaches host memory
@@ -287,7 +288,7 @@ def write_safetensors(path: str, entries: Sequence[tuple], metadata: dict[str, s
                                 f"{dtype} shape {shape}", file=path, tensor=key)
             if sparse:
                 if len(buf):
-                    _pwrite_all(fd, buf, len(header) + begin)
+                    pwrite_all(fd, buf, len(header) + begin)
             else:
                 _write_all(fd, buf)
     return total
@@ -309,7 +310,7 @@ def write_safetensors_stream(path: str, specs: Sequence[tuple[str, str, Sequence
     with _atomic_fd(path, fsync=fsync) as fd:
         if chunks is None:
             os.ftruncate(fd, len(header) + data_len)
-            _pwrite_all(fd, memoryview(header), 0)
+            pwrite_all(fd, memoryview(header), 0)
         else:
             _write_all(fd, memoryview(header))
             written = 0

@@ -22,7 +22,7 @@ from math import prod
 import numpy as np
 
 from coordloader.checkpoint.dtypes import itemsize
-from coordloader.checkpoint.fileio import OpenFiles, _pwrite_all, fsync_dir, pread_into
+from coordloader.checkpoint.fileio import OpenFiles, fsync_dir, pread_into, pwrite_all
 from coordloader.checkpoint.formats import HF_INDEX, PUBLISH_MARKER
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape
 from coordloader.errors import SaveError
@@ -188,7 +188,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
                     for r0, block in iter_row_blocks(t, srcs, block_bytes):
                         if block.size:
                             flat = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
-                            _pwrite_all(fd, memoryview(flat),
+                            pwrite_all(fd, memoryview(flat),
                                         begin + r0 * row_bytes)
                     weight_map[t.name] = fname
                     total += t.numel * itemsize(t.dtype)
