@@ -643,6 +643,23 @@ def test_pieces_pickle_and_split_reading(tmp_path):
     assert (e.file, e.tensor, str(e)) == ("f", "t", "file f, tensor 't': x")
 
 
+def test_assembled_records_equal_init_built(tmp_path):
+    # assemble builds TensorInfo / SourcePiece without their __init__ (speed): the records
+    # must be the same as the dataclass constructors give, in every observable way
+    sharded_ok(tmp_path)
+    meta = read_checkpoint(str(tmp_path))
+    assert meta.tensors
+    for name, t in meta.tensors.items():
+        p = t.pieces[0]
+        p2 = SourcePiece(p.file, p.box, p.start, p.end)
+        t2 = TensorInfo(t.name, t.dtype, t.shape, (p2,))
+        assert t == t2 and hash(t) == hash(t2) and repr(t) == repr(t2)
+        assert vars(t) == vars(t2) and vars(p) == vars(p2) and t.is_whole
+        assert pickle.loads(pickle.dumps(t)) == t
+        with pytest.raises(AttributeError):
+            t.name = "x"
+
+
 def test_fingerprint_changes_with_header(tmp_path):
     write_st(tmp_path / M, GOOD)
     fp1 = read_checkpoint(str(tmp_path)).fingerprint()
