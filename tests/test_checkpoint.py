@@ -660,6 +660,21 @@ def test_assembled_records_equal_init_built(tmp_path):
             t.name = "x"
 
 
+def test_header_entries_share_equal_shapes_and_dtypes(tmp_path):
+    # equal shapes / dtypes of one file are one object each (a smaller gather pickle);
+    # the values, and what the pickled headers assemble to, are unchanged
+    write_st(tmp_path / M, [("a", "BF16", [4, 2]), ("b", "BF16", [4, 2]), ("c", "F32", [3]),
+                            ("d", "F32", [4, 2])])
+    ents = read_file_header(str(tmp_path), M).entries
+    assert [(k, d, s) for k, d, s, _, _ in ents] == [
+        ("a", "BF16", (4, 2)), ("b", "BF16", (4, 2)), ("c", "F32", (3,)), ("d", "F32", (4, 2))]
+    assert ents[0][2] is ents[1][2] is ents[3][2] and ents[0][1] is ents[1][1]
+    h = pickle.loads(pickle.dumps([read_file_header(str(tmp_path), M)]))
+    meta = assemble(str(tmp_path), discover(str(tmp_path)), h)
+    assert meta == read_checkpoint(str(tmp_path))
+    assert meta.fingerprint() == read_checkpoint(str(tmp_path)).fingerprint()
+
+
 def test_fingerprint_changes_with_header(tmp_path):
     write_st(tmp_path / M, GOOD)
     fp1 = read_checkpoint(str(tmp_path)).fingerprint()

@@ -71,6 +71,7 @@ INDEX_SUFFIX = HF_INDEX_SUFFIX
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 _ITEMSIZE = {name: itemsize(name) for name in SUPPORTED}
+_DTYPE_NAME = {name: name for name in SUPPORTED}   # one str object per dtype name
 _DTYPE_LIST = ", ".join(SUPPORTED)
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 
@@ -394,6 +395,11 @@ def _validate_entries(hdr: dict, file: str, data_start: int, size: int) -> tuple
     pos = 0
     prev = None
     entries = []
+    # Equal shapes and dtypes become one object each: a file's experts and layers repeat a
+    # few dozen shapes, so the pickled headers of the gather hold references instead of
+    # ~92k tuples for DeepSeek-V3 (smaller, faster to unpickle), and assemble's box
+    # lookups compare by identity. The cache is per file, bounded by its entries.
+    shapes: dict[tuple, tuple] = {}
     for b, e, key, dtype, shape in rows:
         if b != pos:
             if b < pos:
@@ -404,7 +410,9 @@ def _validate_entries(hdr: dict, file: str, data_start: int, size: int) -> tuple
                                   tensor=key)
         pos = e
         prev = key
-        entries.append((key, dtype, tuple(shape), data_start + b, data_start + e))
+        shape = tuple(shape)
+        entries.append((key, _DTYPE_NAME[dtype], shapes.setdefault(shape, shape),
+                        data_start + b, data_start + e))
     if data_start + pos != size:
         raise CheckpointError(f"tensor data ends at byte {data_start + pos} but the file is "
                               f"{size} bytes (expected the data to end exactly at end of file)",
