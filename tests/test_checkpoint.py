@@ -356,6 +356,22 @@ def test_weight_map_not_str_to_str(tmp_path):
     bad(tmp_path, "model.safetensors.index.json", "tensor 'a'", "expected a file name string")
 
 
+@pytest.mark.parametrize("value,frag", [
+    (7, "value is int"), (["x.safetensors"], "value is list"),
+    ("x.bin", "pickle checkpoint"), ("x.txt", "expected .safetensors files only")])
+def test_weight_map_first_bad_entry_named_in_index_order(tmp_path, value, frag):
+    # the distinct file names are checked once each; a problem is still reported at the
+    # first entry in index order, with its tensor
+    wm = sharded_ok(tmp_path)
+    wm = {"z": "model-00001-of-00002.safetensors", "m": value, "b2": value, **wm}
+    write_index(tmp_path, wm)
+    with pytest.raises(CheckpointError) as ei:
+        read_checkpoint(str(tmp_path))
+    assert frag in str(ei.value)
+    if "pickle" not in frag:
+        assert ei.value.tensor == "m"
+
+
 @pytest.mark.parametrize("fname,frag", [
     ("sub/x.safetensors", "path separator"), ("..\\x.safetensors", "path separator"),
     ("../x.safetensors", "path separator"), ("..", "'..'"), ("x..safetensors", "'..'"),
