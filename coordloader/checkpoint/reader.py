@@ -86,7 +86,9 @@ class Discovery:
     files: tuple[str, ...]                      # safetensors files to read, sorted
     kind: str                                   # "single" | "index" | "directory" | "sharded"
     index_file: str | None = None               # name of the index, if one was used
-    weight_map: tuple[tuple[str, str], ...] | None = None   # index tensor -> file
+    # index tensor -> file, the index's own dict (read only: copying ~92k entries on every
+    # rank cost more than the check that uses it)
+    weight_map: dict[str, str] | None = None
     coordloader: dict | None = None             # validated "coordloader" index section
     config: dict | None = None                  # parsed config.json
 
@@ -594,7 +596,7 @@ def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
             raise CheckpointError(f"the index lists file {fname!r} which does not exist in the "
                                   f"checkpoint directory", file=index_name)
     return Discovery(root=d, files=tuple(sorted(files)), kind="index", index_file=index_name,
-                     weight_map=tuple(wm.items()), coordloader=section, config=config)
+                     weight_map=wm, coordloader=section, config=config)
 
 
 def _is_box(box, ndim: int) -> bool:
@@ -757,7 +759,7 @@ def _refuse_coordloader_pieces(fname: str, header: FileHeader) -> None:
 
 def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
-    wm = dict(discovery.weight_map) if discovery.weight_map is not None else None
+    wm = discovery.weight_map
     wm_get = wm.get if wm is not None else None
     idx = discovery.index_file
     boxes: dict[tuple, tuple] = {}  # shapes repeat (experts, layers): share the box tuples
@@ -820,7 +822,7 @@ def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorI
     used: set[tuple[str, str]] = set()
     order = []
     spec_tensors = discovery.coordloader["tensors"]
-    wm = dict(discovery.weight_map) if discovery.weight_map is not None else None
+    wm = discovery.weight_map
     for name, spec in spec_tensors.items():
         dtype, shape = spec["dtype"], tuple(spec["shape"])
         pieces = []
