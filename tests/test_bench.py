@@ -149,6 +149,7 @@ def test_plan_bench_on_small_metadata(tmp_path):
     split = plan["metadata_split"]   # the per-rank metadata phase of an 8-rank load
     assert split["world"] == 8 and len(split["rank_s"]) == 8 and split["target_s"] == 0.3
     assert split["slowest_s"] == max(split["rank_s"]) >= split["median_s"] > 0
+    assert split["slowest_best_s"] > 0 and split["slowest_cpu_s"] > 0
     assert set(split["steps_slowest"]) >= {"discover", "headers", "identity", "gather",
                                            "assemble"}
     assert "Metadata phase of a 8-rank load" in (out / "results.md").read_text()
