@@ -144,7 +144,15 @@ def test_plan_bench_on_small_metadata(tmp_path):
     last = p.stdout.rstrip("\n").splitlines()[-1]
     assert re.match(r"^headline: planner\+cover \d+\.\d+ s for 16 ranks \([\d,]+ slices, "
                     r"[\d,]+ slices/s\)$", last), last
-    rows = json.loads((out / "results.json").read_text())["plan"]["rows"]
+    plan = json.loads((out / "results.json").read_text())["plan"]
+    rows = plan["rows"]
+    split = plan["metadata_split"]   # the per-rank metadata phase of an 8-rank load
+    assert split["world"] == 8 and len(split["rank_s"]) == 8 and split["target_s"] == 0.3
+    assert split["slowest_s"] == max(split["rank_s"]) >= split["median_s"] > 0
+    assert split["slowest_best_s"] > 0 and split["slowest_cpu_s"] > 0
+    assert set(split["steps_slowest"]) >= {"discover", "headers", "identity", "gather",
+                                           "assemble"}
+    assert "Metadata phase of a 8-rank load" in (out / "results.md").read_text()
     assert [(r["kind"], r["world"]) for r in rows] == [
         (k, w) for k in ("pp+dp", "dp", "ep_spans_dp") for w in (8, 16)]
     by = {(r["kind"], r["world"]): r for r in rows}

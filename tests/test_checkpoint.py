@@ -356,6 +356,22 @@ def test_weight_map_not_str_to_str(tmp_path):
     bad(tmp_path, "model.safetensors.index.json", "tensor 'a'", "expected a file name string")
 
 
+@pytest.mark.parametrize("value,frag", [
+    (7, "value is int"), (["x.safetensors"], "value is list"),
+    ("x.bin", "pickle checkpoint"), ("x.txt", "expected .safetensors files only")])
+def test_weight_map_first_bad_entry_named_in_index_order(tmp_path, value, frag):
+    # the distinct file names are checked once each; a problem is still reported at the
+    # first entry in index order, with its tensor
+    wm = sharded_ok(tmp_path)
+    wm = {"z": "model-00001-of-00002.safetensors", "m": value, "b2": value, **wm}
+    write_index(tmp_path, wm)
+    with pytest.raises(CheckpointError) as ei:
+        read_checkpoint(str(tmp_path))
+    assert frag in str(ei.value)
+    if "pickle" not in frag:
+        assert ei.value.tensor == "m"
+
+
 @pytest.mark.parametrize("fname,frag", [
     ("sub/x.safetensors", "path separator"), ("..\\x.safetensors", "path separator"),
     ("../x.safetensors", "path separator"), ("..", "'..'"), ("x..safetensors", "'..'"),
@@ -641,6 +657,38 @@ def test_pieces_pickle_and_split_reading(tmp_path):
         assemble(str(tmp_path), disc, headers[:1])
     e = pickle.loads(pickle.dumps(CheckpointError("x", file="f", tensor="t")))
     assert (e.file, e.tensor, str(e)) == ("f", "t", "file f, tensor 't': x")
+
+
+def test_assembled_records_equal_init_built(tmp_path):
+    # assemble builds TensorInfo / SourcePiece without their __init__ (speed): the records
+    # must be the same as the dataclass constructors give, in every observable way
+    sharded_ok(tmp_path)
+    meta = read_checkpoint(str(tmp_path))
+    assert meta.tensors
+    for name, t in meta.tensors.items():
+        p = t.pieces[0]
+        p2 = SourcePiece(p.file, p.box, p.start, p.end)
+        t2 = TensorInfo(t.name, t.dtype, t.shape, (p2,))
+        assert t == t2 and hash(t) == hash(t2) and repr(t) == repr(t2)
+        assert vars(t) == vars(t2) and vars(p) == vars(p2) and t.is_whole
+        assert pickle.loads(pickle.dumps(t)) == t
+        with pytest.raises(AttributeError):
+            t.name = "x"
+
+
+def test_header_entries_share_equal_shapes_and_dtypes(tmp_path):
+    # equal shapes / dtypes of one file are one object each (a smaller gather pickle);
+    # the values, and what the pickled headers assemble to, are unchanged
+    write_st(tmp_path / M, [("a", "BF16", [4, 2]), ("b", "BF16", [4, 2]), ("c", "F32", [3]),
+                            ("d", "F32", [4, 2])])
+    ents = read_file_header(str(tmp_path), M).entries
+    assert [(k, d, s) for k, d, s, _, _ in ents] == [
+        ("a", "BF16", (4, 2)), ("b", "BF16", (4, 2)), ("c", "F32", (3,)), ("d", "F32", (4, 2))]
+    assert ents[0][2] is ents[1][2] is ents[3][2] and ents[0][1] is ents[1][1]
+    h = pickle.loads(pickle.dumps([read_file_header(str(tmp_path), M)]))
+    meta = assemble(str(tmp_path), discover(str(tmp_path)), h)
+    assert meta == read_checkpoint(str(tmp_path))
+    assert meta.fingerprint() == read_checkpoint(str(tmp_path)).fingerprint()
 
 
 def test_fingerprint_changes_with_header(tmp_path):

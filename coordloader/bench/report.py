@@ -122,6 +122,20 @@ def plan_section(sec: dict) -> str:
                    f"{r.get('rank_classes', '')} | {r['slices']:,} | {r['pieces']:,} | "
                    f"{r['byte_runs']:,} | {r['plan_s']:.2f} | {r['cover_s']:.2f} | "
                    f"{r['total_s']:.2f} | {r['slices_per_s']:,.0f} | {tgt} |")
+    m = sec.get("metadata_split")
+    if m:
+        steps = ", ".join(f"{k} {v:.3f}" for k, v in m["steps_slowest"].items())
+        out += ["", f"Metadata phase of a {m['world']}-rank load, per rank (discover, read "
+                f"files[r::{m['world']}] headers, identity fingerprint of all {m['files']} "
+                f"files, gather, assemble all headers); simulated: {m['simulated']}.", "",
+                "| ranks | slowest rank s | median rank s | all samples min-max s | "
+                "slowest rank, best repeat s | slowest rank CPU s | slowest rank's steps s | "
+                "repeats | target |",
+                "|---:|---:|---:|---:|---:|---:|---|---:|---|",
+                f"| {m['world']} | {m['slowest_s']:.3f} | {m['median_s']:.3f} | "
+                f"{m['min_s']:.3f}-{m['max_s']:.3f} | {m['slowest_best_s']:.3f} | "
+                f"{m['slowest_cpu_s']:.3f} | {steps} | {m['repeats']} | "
+                f"<= {m['target_s']:g} s: {_ok(m['ok'])} |"]
     return "\n".join(out) + "\n"
 
 

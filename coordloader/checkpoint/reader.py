@@ -71,6 +71,7 @@ INDEX_SUFFIX = HF_INDEX_SUFFIX
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 _ITEMSIZE = {name: itemsize(name) for name in SUPPORTED}
+_DTYPE_NAME = {name: name for name in SUPPORTED}   # one str object per dtype name
 _DTYPE_LIST = ", ".join(SUPPORTED)
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 
@@ -85,7 +86,9 @@ class Discovery:
     files: tuple[str, ...]                      # safetensors files to read, sorted
     kind: str                                   # "single" | "index" | "directory" | "sharded"
     index_file: str | None = None               # name of the index, if one was used
-    weight_map: tuple[tuple[str, str], ...] | None = None   # index tensor -> file
+    # index tensor -> file, the index's own dict (read only: copying ~92k entries on every
+    # rank cost more than the check that uses it)
+    weight_map: dict[str, str] | None = None
     coordloader: dict | None = None             # validated "coordloader" index section
     config: dict | None = None                  # parsed config.json
 
@@ -394,6 +397,11 @@ def _validate_entries(hdr: dict, file: str, data_start: int, size: int) -> tuple
     pos = 0
     prev = None
     entries = []
+    # Equal shapes and dtypes become one object each: a file's experts and layers repeat a
+    # few dozen shapes, so the pickled headers of the gather hold references instead of
+    # ~92k tuples for DeepSeek-V3 (smaller, faster to unpickle), and assemble's box
+    # lookups compare by identity. The cache is per file, bounded by its entries.
+    shapes: dict[tuple, tuple] = {}
     for b, e, key, dtype, shape in rows:
         if b != pos:
             if b < pos:
@@ -404,7 +412,9 @@ def _validate_entries(hdr: dict, file: str, data_start: int, size: int) -> tuple
                                   tensor=key)
         pos = e
         prev = key
-        entries.append((key, dtype, tuple(shape), data_start + b, data_start + e))
+        shape = tuple(shape)
+        entries.append((key, _DTYPE_NAME[dtype], shapes.setdefault(shape, shape),
+                        data_start + b, data_start + e))
     if data_start + pos != size:
         raise CheckpointError(f"tensor data ends at byte {data_start + pos} but the file is "
                               f"{size} bytes (expected the data to end exactly at end of file)",
@@ -531,14 +541,22 @@ def _read_config(d: str) -> dict | None:
     return config
 
 
-def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
-    with gc_paused():
-        idx = _read_json_file(os.path.join(d, index_name), index_name, _INDEX_DECODER, "index")
-    wm = idx.get("weight_map")
-    if type(wm) is not dict:
-        raise CheckpointError("index has no weight_map object; expected \"weight_map\": "
-                              "{tensor name: file name}", file=index_name)
-    files: set[str] = set()
+def _weight_map_files(wm: dict, index_name: str) -> set[str]:
+    """The distinct files of a weight_map, each a plain ``.safetensors`` name. The ~92k
+    values of DeepSeek-V3 name 163 files: they are checked once per distinct name; on
+    any problem the loop over every entry runs, to report the first one in index order
+    (and its tensor) as it always did."""
+    try:
+        files = set(wm.values())
+        ok = all(type(f) is str and f.endswith(".safetensors") for f in files)
+        if ok:
+            for f in files:
+                _check_name(f, "weight_map", index_name)
+    except (TypeError, CheckpointError):   # an unhashable value; a bad name
+        ok = False
+    if ok:
+        return files
+    files = set()
     for tname, fname in wm.items():
         if type(fname) is not str:
             raise CheckpointError(f"weight_map value is {type(fname).__name__}; expected a "
@@ -551,6 +569,17 @@ def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
                 raise CheckpointError(f"weight_map names file {fname!r}; expected .safetensors "
                                       f"files only", file=index_name, tensor=tname)
             files.add(fname)
+    return files
+
+
+def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
+    with gc_paused():
+        idx = _read_json_file(os.path.join(d, index_name), index_name, _INDEX_DECODER, "index")
+    wm = idx.get("weight_map")
+    if type(wm) is not dict:
+        raise CheckpointError("index has no weight_map object; expected \"weight_map\": "
+                              "{tensor name: file name}", file=index_name)
+    files = _weight_map_files(wm, index_name)
     section = idx.get("coordloader")
     if section is not None:
         # format version 1 (coordloader <= 0.2): still read, so that saves made before
@@ -567,7 +596,7 @@ def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
             raise CheckpointError(f"the index lists file {fname!r} which does not exist in the "
                                   f"checkpoint directory", file=index_name)
     return Discovery(root=d, files=tuple(sorted(files)), kind="index", index_file=index_name,
-                     weight_map=tuple(wm.items()), coordloader=section, config=config)
+                     weight_map=wm, coordloader=section, config=config)
 
 
 def _is_box(box, ndim: int) -> bool:
@@ -730,9 +759,16 @@ def _refuse_coordloader_pieces(fname: str, header: FileHeader) -> None:
 
 def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
-    wm = dict(discovery.weight_map) if discovery.weight_map is not None else None
+    wm = discovery.weight_map
+    wm_get = wm.get if wm is not None else None
     idx = discovery.index_file
     boxes: dict[tuple, tuple] = {}  # shapes repeat (experts, layers): share the box tuples
+    unlisted = False                # some tensor's file is not what the index maps it to
+    # Every rank builds all ~92k records of DeepSeek-V3 here: the frozen __init__ (a Python
+    # frame and one object.__setattr__ lookup per field) is replaced by the same
+    # object.__setattr__ calls inline, which set the same fields in the same instance
+    # layout (equal, same hash; tests/test_checkpoint.py compares with __init__-built ones).
+    new, put = object.__new__, object.__setattr__
     for fname in names:
         _refuse_coordloader_pieces(fname, by_file[fname])
         for key, dtype, shape, start, end in by_file[fname].entries:
@@ -743,19 +779,32 @@ def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInf
             box = boxes.get(shape)
             if box is None:
                 box = boxes[shape] = full_box(shape)
-            tensors[key] = TensorInfo(key, dtype, shape, (SourcePiece(fname, box, start, end),))
+            p = new(SourcePiece)
+            put(p, "file", fname)
+            put(p, "box", box)
+            put(p, "start", start)
+            put(p, "end", end)
+            t = new(TensorInfo)
+            put(t, "name", key)
+            put(t, "dtype", dtype)
+            put(t, "shape", shape)
+            put(t, "pieces", (p,))
+            tensors[key] = t
+            if wm_get is not None and wm_get(key) != fname:
+                unlisted = True
     if wm is None:
         return tensors
     # After the duplicate check, so a tensor stored twice is reported as such.
-    for key, t in tensors.items():
-        fname = t.pieces[0].file
-        listed = wm.get(key)
-        if listed != fname:
-            if listed is None:
-                raise CheckpointError(f"tensor is in the file but not in the index {idx!r}",
-                                      file=fname, tensor=key)
-            raise CheckpointError(f"tensor is in the file but the index {idx!r} maps it "
-                                  f"to {listed!r}", file=fname, tensor=key)
+    if unlisted:
+        for key, t in tensors.items():
+            fname = t.pieces[0].file
+            listed = wm.get(key)
+            if listed != fname:
+                if listed is None:
+                    raise CheckpointError(f"tensor is in the file but not in the index {idx!r}",
+                                          file=fname, tensor=key)
+                raise CheckpointError(f"tensor is in the file but the index {idx!r} maps it "
+                                      f"to {listed!r}", file=fname, tensor=key)
     if len(tensors) != len(wm):
         for key, fname in wm.items():
             if key not in tensors:
@@ -773,7 +822,7 @@ def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorI
     used: set[tuple[str, str]] = set()
     order = []
     spec_tensors = discovery.coordloader["tensors"]
-    wm = dict(discovery.weight_map) if discovery.weight_map is not None else None
+    wm = discovery.weight_map
     for name, spec in spec_tensors.items():
         dtype, shape = spec["dtype"], tuple(spec["shape"])
         pieces = []
