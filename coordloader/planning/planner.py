@@ -213,9 +213,13 @@ class _Planner:
         slots: list[list[TensorSlice]] = [[] for _ in rc_ranks]
         slot_tables: list[list[int]] = [[] for _ in rc_ranks]
         meta, L = self.meta, self.L
+        tensors = meta.tensors
+        isz_of: dict[str, int] = {}
         for n, classes, k, strategy in todo:
-            t = meta.tensors[n]
-            isz = itemsize(t.dtype)
+            t = tensors[n]
+            isz = isz_of.get(t.dtype)
+            if isz is None:
+                isz = isz_of[t.dtype] = itemsize(t.dtype)
             groups = tables[k]
             for c, (lshape, pieces) in enumerate(classes):
                 ranks = groups[c]
@@ -251,6 +255,12 @@ def load_groups(L: Layout, rank_plans: tuple[RankPlan, ...], meta: CheckpointMet
     file_bytes: dict[str, int] = {}
     tensor_bytes: dict[str, tuple] = {}
     for t in meta.tensors.values():
+        if len(t.pieces) == 1:   # a plain checkpoint: the tensor's one file
+            sp = t.pieces[0]
+            b = sp.end - sp.start
+            tensor_bytes[t.name] = ((sp.file, b),)
+            file_bytes[sp.file] = file_bytes.get(sp.file, 0) + b
+            continue
         tb: dict[str, int] = {}
         for sp in t.pieces:
             tb[sp.file] = tb.get(sp.file, 0) + sp.end - sp.start

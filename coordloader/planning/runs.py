@@ -59,6 +59,18 @@ class RunList(Sequence):
         self._cum = None
 
     @staticmethod
+    def single(file: str, offset: int, length: int) -> "RunList":
+        """One run of ``length`` bytes at ``offset`` of ``file`` into byte 0: a whole
+        tensor, the planner's most common slice (built without the generic __init__)."""
+        rl = RunList.__new__(RunList)
+        rl.groups = (RunGroup(file, offset, length, 0, 1, 0, 0),)
+        rl._n = 1
+        rl._total = length
+        rl._hash = None
+        rl._cum = None
+        return rl
+
+    @staticmethod
     def from_runs(runs) -> "RunList":
         if isinstance(runs, RunList):
             return runs
@@ -236,6 +248,16 @@ def merge_groups(groups: list[RunGroup]) -> list[RunGroup]:
     return out
 
 
+def _is_full(box, shape) -> bool:
+    """Whether ``box`` is the whole of ``shape``."""
+    if len(box) != len(shape):
+        return False
+    for (a, b), n in zip(box, shape):
+        if a or b != n:
+            return False
+    return True
+
+
 def slice_runs(t: TensorInfo, pieces: tuple[Piece, ...], lshape: tuple[int, ...],
                isz: int) -> RunList:
     """The byte runs of a slice of ``t`` (``isz`` bytes per element) holding ``pieces`` in a
@@ -243,10 +265,10 @@ def slice_runs(t: TensorInfo, pieces: tuple[Piece, ...], lshape: tuple[int, ...]
     the runs of the overlap, merged into strided groups."""
     groups = []
     src = t.pieces
-    if len(src) == 1 and src[0].box == tuple((0, s) for s in t.shape):
+    if len(src) == 1 and _is_full(src[0].box, t.shape):
         sp = src[0]
         if len(pieces) == 1 and lshape == t.shape and pieces[0].src == sp.box:
-            return RunList((RunGroup(sp.file, sp.start, sp.end - sp.start, 0, 1, 0, 0),))
+            return RunList.single(sp.file, sp.start, sp.end - sp.start)
         for pc in pieces:
             groups += box_runs(sp.file, sp.start, sp.box, t.shape, pc.src, lshape, pc.dst, isz)
     else:
