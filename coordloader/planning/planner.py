@@ -109,13 +109,12 @@ class _Planner:
         """The layer of each layer tensor, the number of layers and each layer's stage,
         checking config.json's num_hidden_layers against the names and the layout."""
         layer_of = {}
-        max_layer = -1
+        search = LAYER_RE.search
         for n in names:
-            m = LAYER_RE.search(n)
+            m = search(n)
             if m:
-                li = int(m.group(1))
-                layer_of[n] = li
-                max_layer = max(max_layer, li)
+                layer_of[n] = int(m.group(1))
+        max_layer = max(layer_of.values(), default=-1)
         nl = self.config.get("num_hidden_layers")
         if nl is None and not layer_of:
             nl = 0
@@ -215,6 +214,7 @@ class _Planner:
         meta, L = self.meta, self.L
         tensors = meta.tensors
         isz_of: dict[str, int] = {}
+        full_boxes: dict = {}
         for n, classes, k, strategy in todo:
             t = tensors[n]
             isz = isz_of.get(t.dtype)
@@ -225,7 +225,7 @@ class _Planner:
                 ranks = groups[c]
                 if not ranks:
                     continue
-                runs = slice_runs(t, pieces, lshape, isz)
+                runs = slice_runs(t, pieces, lshape, isz, full_boxes)
                 f = runs.groups[0][0] if runs.groups else t.file
                 # the primary copy; every rank class holding class c shares this object,
                 # and a rank holding it as replica i > 0 gets base.replica_of(i)

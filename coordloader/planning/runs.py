@@ -248,24 +248,20 @@ def merge_groups(groups: list[RunGroup]) -> list[RunGroup]:
     return out
 
 
-def _is_full(box, shape) -> bool:
-    """Whether ``box`` is the whole of ``shape``."""
-    if len(box) != len(shape):
-        return False
-    for (a, b), n in zip(box, shape):
-        if a or b != n:
-            return False
-    return True
-
-
 def slice_runs(t: TensorInfo, pieces: tuple[Piece, ...], lshape: tuple[int, ...],
-               isz: int) -> RunList:
+               isz: int, full_boxes: dict | None = None) -> RunList:
     """The byte runs of a slice of ``t`` (``isz`` bytes per element) holding ``pieces`` in a
     local tensor of shape ``lshape``: per piece and per stored piece of ``t`` it overlaps,
-    the runs of the overlap, merged into strided groups."""
+    the runs of the overlap, merged into strided groups. ``full_boxes`` (shape -> its whole
+    box) memoises the whole boxes across the calls of one plan."""
     groups = []
     src = t.pieces
-    if len(src) == 1 and _is_full(src[0].box, t.shape):
+    full = None if full_boxes is None else full_boxes.get(t.shape)
+    if full is None:
+        full = tuple([(0, s) for s in t.shape])
+        if full_boxes is not None:
+            full_boxes[t.shape] = full
+    if len(src) == 1 and src[0].box == full:
         sp = src[0]
         if len(pieces) == 1 and lshape == t.shape and pieces[0].src == sp.box:
             return RunList.single(sp.file, sp.start, sp.end - sp.start)
