@@ -157,7 +157,8 @@ def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done) -> N
     """Add the primaries and replicas of a rank class (ranks sharing ``sh``) as the per-rank
     loop would, at the cost of one rank: each slice is checked once; per replica table,
     the members whose replica id is 0 hold the primaries, and one member with another id
-    stands for the replicas (they share the primary's pieces, so one match proves all)."""
+    stands for the replicas (they share the primary's pieces, so one match proves all;
+    none is needed when the class holds the primary itself)."""
     zero: dict = {}
     boxes_of: dict = {}   # id(pieces) -> their source boxes (pieces objects are shared)
     for s, k in zip(sh.slices, sh.tables):
@@ -187,7 +188,9 @@ def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done) -> N
             continue
         done.add(id(s))
         _check_slice(s, tensors, ranges, ranks[0], pieces_ok)
-        if others:
+        # replicas in a class that also holds the primary copy hold its very pieces: only
+        # a class of replicas alone must be matched against the primaries of other classes
+        if others and not prims:
             reps.setdefault(s.name, []).append((others[0], s, id(pcs)))
 
 
