@@ -159,39 +159,45 @@ def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done) -> N
     the members whose replica id is 0 hold the primaries, and one member with another id
     stands for the replicas (they share the primary's pieces, so one match proves all;
     none is needed when the class holds the primary itself)."""
-    zero: dict = {}
-    boxes_of: dict = {}   # id(pieces) -> their source boxes (pieces objects are shared)
+    zero: dict = {}   # replica table -> (members holding replica 0, the other members)
+    for k in set(sh.tables):
+        rep = sh.replicas[k]
+        held = [(r, rep[r]) for r in ranks]
+        missing = [r for r, i in held if i < 0]
+        if missing:
+            s = sh.slices[sh.tables.index(k)]
+            raise PlanError("rank class lists a slice its member does not hold",
+                            tensor=s.name, rank=missing[0])
+        zero[k] = ([r for r, i in held if i == 0], [r for r, i in held if i != 0])
+    if any(z[0] for z in zero.values()):
+        boxes_of: dict = {}   # id(pieces) -> their source boxes (pieces objects are shared)
+        for s, k in zip(sh.slices, sh.tables):
+            prims = zero[k][0]
+            if prims:
+                pcs = s.pieces
+                boxes = boxes_of.get(id(pcs))
+                if boxes is None:
+                    boxes = boxes_of[id(pcs)] = tuple([p.src for p in pcs])
+                lst = prim.get(s.name)
+                if lst is None:
+                    lst = prim[s.name] = []
+                for r in prims:
+                    lst.append((r, boxes, id(pcs)))
+    # a slice object shared by several rank classes (a tensor replicated on every rank) is
+    # checked, and stands for its replicas, once: visit only the slices not seen yet
+    fresh = set(map(id, sh.slices)) - done
+    if not fresh:
+        return
+    done |= fresh
     for s, k in zip(sh.slices, sh.tables):
-        z = zero.get(k)
-        if z is None:
-            rep = sh.replicas[k]
-            held = [(r, rep[r]) for r in ranks]
-            missing = [r for r, i in held if i < 0]
-            if missing:
-                raise PlanError("rank class lists a slice its member does not hold",
-                                tensor=s.name, rank=missing[0])
-            z = zero[k] = ([r for r, i in held if i == 0], [r for r, i in held if i != 0])
-        prims, others = z
-        pcs = s.pieces
-        if prims:
-            boxes = boxes_of.get(id(pcs))
-            if boxes is None:
-                boxes = boxes_of[id(pcs)] = tuple([p.src for p in pcs])
-            lst = prim.get(s.name)
-            if lst is None:
-                lst = prim[s.name] = []
-            for r in prims:
-                lst.append((r, boxes, id(pcs)))
-        # a slice object shared by several rank classes (a tensor replicated on every
-        # rank) is checked, and stands for its replicas, once
-        if id(s) in done:
+        if id(s) not in fresh:
             continue
-        done.add(id(s))
         _check_slice(s, tensors, ranges, ranks[0], pieces_ok)
+        prims, others = zero[k]
         # replicas in a class that also holds the primary copy hold its very pieces: only
         # a class of replicas alone must be matched against the primaries of other classes
         if others and not prims:
-            reps.setdefault(s.name, []).append((others[0], s, id(pcs)))
+            reps.setdefault(s.name, []).append((others[0], s, id(s.pieces)))
 
 
 def _check_slice(s, tensors, ranges, rank, pieces_ok=None) -> None:

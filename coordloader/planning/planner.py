@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections import Counter
 from math import prod
 from typing import Any, Mapping, NamedTuple
 
@@ -272,16 +273,26 @@ def load_groups(L: Layout, rank_plans: tuple[RankPlan, ...], meta: CheckpointMet
         # representative ranks: one DP replica unless experts span DP
         reps = ranks if L.ep_spans_dp else ranks[:L.tp]
         need: dict[str, int] = {}
-        # the ranks of a rank class hold the same tensors: count its bytes once per member
+        # the ranks of a rank class hold the same tensors, and rank classes share the slice
+        # objects of replicated tensors: count how many representative ranks hold each
+        # distinct slice (C-level counting), then add its bytes once
         held: dict = {}   # id(slices) -> [slices, members]
         for r in reps:
             sh = share_of(rank_plans[r])
             src = rank_plans[r].tensors if sh is None else sh.slices
             held.setdefault(id(src), [src, 0])[1] += 1
+        holders = Counter()   # id(slice) -> representative ranks holding it
+        by_members: dict[int, Counter] = {}
+        obj: dict = {}
         for src, m in held.values():
-            for ts in src:
-                for f, b in tensor_bytes[ts.name]:
-                    need[f] = need.get(f, 0) + b * m
+            by_members.setdefault(m, Counter()).update(map(id, src))
+            obj.update(zip(map(id, src), src))
+        for m, cnt in by_members.items():
+            for i, c in cnt.items():
+                holders[i] += c * m
+        for i, c in holders.items():
+            for f, b in tensor_bytes[obj[i].name]:
+                need[f] = need.get(f, 0) + b * c
         grp, filt = [], []
         for f in sorted(need):
             size = file_bytes[f]
