@@ -13,6 +13,7 @@ runs objects (the planner shares them across replicas) are checked once.
 """
 from __future__ import annotations
 
+from itertools import compress
 from math import prod
 from typing import Iterable, Mapping, Sequence
 
@@ -169,29 +170,27 @@ def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done) -> N
             raise PlanError("rank class lists a slice its member does not hold",
                             tensor=s.name, rank=missing[0])
         zero[k] = ([r for r, i in held if i == 0], [r for r, i in held if i != 0])
-    if any(z[0] for z in zero.values()):
+    with_prims = {k for k, z in zero.items() if z[0]}
+    if with_prims:
         boxes_of: dict = {}   # id(pieces) -> their source boxes (pieces objects are shared)
-        for s, k in zip(sh.slices, sh.tables):
-            prims = zero[k][0]
-            if prims:
-                pcs = s.pieces
-                boxes = boxes_of.get(id(pcs))
-                if boxes is None:
-                    boxes = boxes_of[id(pcs)] = tuple([p.src for p in pcs])
-                lst = prim.get(s.name)
-                if lst is None:
-                    lst = prim[s.name] = []
-                for r in prims:
-                    lst.append((r, boxes, id(pcs)))
+        # (compress: the slices of tables without primaries here are skipped in C)
+        for s, k in compress(zip(sh.slices, sh.tables), map(with_prims.__contains__, sh.tables)):
+            pcs = s.pieces
+            boxes = boxes_of.get(id(pcs))
+            if boxes is None:
+                boxes = boxes_of[id(pcs)] = tuple([p.src for p in pcs])
+            lst = prim.get(s.name)
+            if lst is None:
+                lst = prim[s.name] = []
+            for r in zero[k][0]:
+                lst.append((r, boxes, id(pcs)))
     # a slice object shared by several rank classes (a tensor replicated on every rank) is
     # checked, and stands for its replicas, once: visit only the slices not seen yet
     fresh = set(map(id, sh.slices)) - done
     if not fresh:
         return
     done |= fresh
-    for s, k in zip(sh.slices, sh.tables):
-        if id(s) not in fresh:
-            continue
+    for s, k in compress(zip(sh.slices, sh.tables), map(fresh.__contains__, map(id, sh.slices))):
         _check_slice(s, tensors, ranges, ranks[0], pieces_ok)
         prims, others = zero[k]
         # replicas in a class that also holds the primary copy hold its very pieces: only
