@@ -108,6 +108,24 @@ def test_cover_catches_a_member_that_does_not_hold_its_class_slice(plan, meta):
     assert ei.value.rank == 5
 
 
+def test_cover_proves_each_tensor_despite_shared_pieces(plan, meta):
+    """Same-shaped tensors share pieces objects and cover proves a tiling once per
+    (shape, boxes objects): a later tensor whose rank-1 class holds rank 0's pieces (a
+    duplicated primary and a missing half) must still fail, after its twins passed."""
+    r0, r1 = plan.rank(0).by_name(), plan.rank(1).by_name()   # tp ranks 0 and 1 of stage 0
+    a, b = "model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    assert r0[a].pieces is r0[b].pieces and r0[b].pieces is not r1[b].pieces
+    sh1 = share_of(plan.rank(1))
+    wrong = dataclasses.replace(r1[b], pieces=r0[b].pieces, byte_runs=r0[b].byte_runs)
+    bad_sh = dataclasses.replace(sh1, slices=tuple(wrong if s.name == b else s for s in sh1.slices))
+    ranks = tuple(SharedRankPlan.make(rp.rank, rp.coords, bad_sh) if share_of(rp) is sh1 else rp
+                  for rp in plan.ranks)
+    bad = Plan(plan.layout, plan.fingerprint, ranks, plan.excluded, plan.load_groups)
+    with pytest.raises(PlanError, match="duplicated primary") as ei:
+        validate_cover(bad, meta)
+    assert ei.value.tensor == b
+
+
 @pytest.fixture(scope="module")
 def dsv3_full():
     cfg, specs = arch_tensors("deepseek_v3", "full")

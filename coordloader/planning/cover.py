@@ -9,10 +9,16 @@ bytes in its files and adding up to the pieces' volume.
 Sort/sweep based: per tensor the boxes are sorted along the dim where their starts vary
 most and swept with an active list, so a valid tiling costs O(n log n) per tensor
 (O(n*k) with k boxes overlapping along the sweep dim). Slices that share their pieces and
-runs objects (the planner shares them across replicas) are checked once.
+runs objects (the planner shares them across replicas) are checked once, and a tiling is
+proved once per distinct (shape, boxes objects): the planner shares the pieces of
+same-shaped tensors, so 90 k expert tensors need a handful of proofs. Cost follows the
+distinct slices, not the ranks: a rank class is visited once, a slice object shared by
+several classes is checked once, and replicas in a class that holds the primary need no
+box match.
 """
 from __future__ import annotations
 
+from itertools import compress
 from math import prod
 from typing import Iterable, Mapping, Sequence
 
@@ -21,7 +27,7 @@ from coordloader.checkpoint.tiling import tiling_problem
 from coordloader.errors import PlanError
 from coordloader.gcpause import gc_paused
 from coordloader.planning.model import share_of
-from coordloader.planning.runs import groups_of
+from coordloader.planning.runs import RunList, groups_of
 
 Box = tuple
 
@@ -36,6 +42,7 @@ def _core(prim: Mapping[str, list], reps: Mapping[str, list], shapes: Mapping[st
     """prim/reps: name -> [(rank, boxes tuple, key)], ``key`` an identity shortcut: a
     replica whose key equals a primary's key holds the same boxes."""
     excluded = set(excluded)
+    tiled: set = set()
     for name in prim.keys() | reps.keys():
         if name not in shapes:
             r = (prim.get(name) or reps.get(name))[0][0]
@@ -54,26 +61,32 @@ def _core(prim: Mapping[str, list], reps: Mapping[str, list], shapes: Mapping[st
                           f"{list(shape)})", tensor=name, rank=rs[0][0])
             raise err(f"no rank holds this tensor (shape {list(shape)}) and it is not excluded",
                       tensor=name)
-        if len(ps) == 1:
-            flat = ps[0][1]
-            owner = None
-        else:
-            flat, owner = [], []
-            for r, bx, _ in ps:
-                flat.extend(bx)
-                owner.extend([r] * len(bx))
-        prob = tiling_problem(flat, shape)
-        if prob is not None:
-            kind, i, j, detail = prob
-            ri = None if i is None else (ps[0][0] if owner is None else owner[i])
-            if kind == "overlap":
-                rj = ps[0][0] if owner is None else owner[j]
-                raise err(f"duplicated primary: {detail} (ranks {ri} and {rj}; tensor shape "
-                          f"{list(shape)})", tensor=name, rank=rj)
-            if kind == "outside":
-                raise err(f"piece outside the tensor: {detail}", tensor=name, rank=ri)
-            raise err(f"missing piece: {detail} (tensor shape {list(shape)}; held by ranks "
-                      f"{sorted({p[0] for p in ps})[:16]})", tensor=name)
+        # a tiling depends on the shape and the boxes only, and the planner shares boxes
+        # objects across same-shaped tensors: each distinct tiling is proved once (the
+        # boxes stay alive in ``prim`` meanwhile, so their ids are stable)
+        mk = (shape, id(ps[0][1])) if len(ps) == 1 else (shape,) + tuple([id(p[1]) for p in ps])
+        if mk not in tiled:
+            if len(ps) == 1:
+                flat = ps[0][1]
+                owner = None
+            else:
+                flat, owner = [], []
+                for r, bx, _ in ps:
+                    flat.extend(bx)
+                    owner.extend([r] * len(bx))
+            prob = tiling_problem(flat, shape)
+            if prob is not None:
+                kind, i, j, detail = prob
+                ri = None if i is None else (ps[0][0] if owner is None else owner[i])
+                if kind == "overlap":
+                    rj = ps[0][0] if owner is None else owner[j]
+                    raise err(f"duplicated primary: {detail} (ranks {ri} and {rj}; tensor shape "
+                              f"{list(shape)})", tensor=name, rank=rj)
+                if kind == "outside":
+                    raise err(f"piece outside the tensor: {detail}", tensor=name, rank=ri)
+                raise err(f"missing piece: {detail} (tensor shape {list(shape)}; held by ranks "
+                          f"{sorted({p[0] for p in ps})[:16]})", tensor=name)
+            tiled.add(mk)
         rs = reps.get(name)
         if rs:
             keys = {p[2] for p in ps}
@@ -135,7 +148,7 @@ def _validate_cover(plan, meta) -> None:
             else:
                 reps.setdefault(s.name, []).append((r, s, id(s.pieces)))
     for sh, ranks in members.values():
-        _share_entries(sh, ranks, tensors, ranges, pieces_ok, checked, prim, reps, done)
+        _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done)
     # replicas whose pieces object is not shared with a primary need their boxes (the
     # others are matched by key and their slot is never read)
     for name, rs in reps.items():
@@ -146,38 +159,48 @@ def _validate_cover(plan, meta) -> None:
     _core(prim, reps, {n: t.shape for n, t in tensors.items()}, plan.excluded, PlanError)
 
 
-def _share_entries(sh, ranks, tensors, ranges, pieces_ok, checked, prim, reps, done) -> None:
+def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done) -> None:
     """Add the primaries and replicas of a rank class (ranks sharing ``sh``) as the per-rank
     loop would, at the cost of one rank: each slice is checked once; per replica table,
     the members whose replica id is 0 hold the primaries, and one member with another id
-    stands for the replicas (they share the primary's pieces, so one match proves all)."""
-    zero: dict = {}
-    for s, k in zip(sh.slices, sh.tables):
-        z = zero.get(k)
-        if z is None:
-            rep = sh.replicas[k]
-            held = [(r, rep[r]) for r in ranks]
-            missing = [r for r, i in held if i < 0]
-            if missing:
-                raise PlanError("rank class lists a slice its member does not hold",
-                                tensor=s.name, rank=missing[0])
-            z = zero[k] = ([r for r, i in held if i == 0], [r for r, i in held if i != 0])
-        prims, others = z
-        if prims:
-            boxes = tuple(p.src for p in s.pieces)
-            lst = prim.setdefault(s.name, [])
-            for r in prims:
-                lst.append((r, boxes, id(s.pieces)))
-        # a slice object shared by several rank classes (a tensor replicated on every
-        # rank) is checked, and stands for its replicas, once
-        if id(s) in done:
-            continue
-        done.add(id(s))
-        key = (id(s.pieces), id(s.byte_runs), s.local_shape, s.name)
-        if key not in checked:
-            _check_slice(s, tensors, ranges, ranks[0], pieces_ok)
-            checked.add(key)
-        if others:
+    stands for the replicas (they share the primary's pieces, so one match proves all;
+    none is needed when the class holds the primary itself)."""
+    zero: dict = {}   # replica table -> (members holding replica 0, the other members)
+    for k in set(sh.tables):
+        rep = sh.replicas[k]
+        held = [(r, rep[r]) for r in ranks]
+        missing = [r for r, i in held if i < 0]
+        if missing:
+            s = sh.slices[sh.tables.index(k)]
+            raise PlanError("rank class lists a slice its member does not hold",
+                            tensor=s.name, rank=missing[0])
+        zero[k] = ([r for r, i in held if i == 0], [r for r, i in held if i != 0])
+    with_prims = {k for k, z in zero.items() if z[0]}
+    if with_prims:
+        boxes_of: dict = {}   # id(pieces) -> their source boxes (pieces objects are shared)
+        # (compress: the slices of tables without primaries here are skipped in C)
+        for s, k in compress(zip(sh.slices, sh.tables), map(with_prims.__contains__, sh.tables)):
+            pcs = s.pieces
+            boxes = boxes_of.get(id(pcs))
+            if boxes is None:
+                boxes = boxes_of[id(pcs)] = tuple([p.src for p in pcs])
+            lst = prim.get(s.name)
+            if lst is None:
+                lst = prim[s.name] = []
+            for r in zero[k][0]:
+                lst.append((r, boxes, id(pcs)))
+    # a slice object shared by several rank classes (a tensor replicated on every rank) is
+    # checked, and stands for its replicas, once: visit only the slices not seen yet
+    fresh = set(map(id, sh.slices)) - done
+    if not fresh:
+        return
+    done |= fresh
+    for s, k in compress(zip(sh.slices, sh.tables), map(fresh.__contains__, map(id, sh.slices))):
+        _check_slice(s, tensors, ranges, ranks[0], pieces_ok)
+        prims, others = zero[k]
+        # replicas in a class that also holds the primary copy hold its very pieces: only
+        # a class of replicas alone must be matched against the primaries of other classes
+        if others and not prims:
             reps.setdefault(s.name, []).append((others[0], s, id(s.pieces)))
 
 
@@ -185,42 +208,62 @@ def _check_slice(s, tensors, ranges, rank, pieces_ok=None) -> None:
     t = tensors.get(s.name)
     if t is None:
         raise PlanError("tensor is not in the checkpoint", tensor=s.name, rank=rank)
-    if tuple(s.global_shape) != t.shape or s.dtype != t.dtype:
-        raise PlanError(f"slice says {s.dtype}{list(s.global_shape)}, checkpoint has "
+    gs, ls = s.global_shape, s.local_shape
+    if type(gs) is not tuple:
+        gs = tuple(gs)
+    if type(ls) is not tuple:
+        ls = tuple(ls)
+    if gs != t.shape or s.dtype != t.dtype:
+        raise PlanError(f"slice says {s.dtype}{list(gs)}, checkpoint has "
                         f"{t.dtype}{list(t.shape)}", tensor=s.name, rank=rank)
-    ls = s.local_shape
-    # the pieces checks depend on (pieces, local shape, global shape) only: the planner
-    # shares one pieces tuple across same-shaped tensors (experts), so check it once
-    pkey = (id(s.pieces), tuple(ls), t.shape)
-    covered = None if pieces_ok is None else pieces_ok.get(pkey)
-    if covered is None:
-        covered = _check_pieces(s, t, ls, rank)
+    # the pieces checks depend on (pieces, local shape, global shape, dtype) only: the
+    # planner shares one pieces tuple across same-shaped tensors (experts), so check it once
+    pkey = (id(s.pieces), ls, t.shape, t.dtype)
+    got = None if pieces_ok is None else pieces_ok.get(pkey)
+    if got is None:
+        isz = itemsize(t.dtype)
+        got = (_check_pieces(s, t, ls, rank) * isz, prod(ls) * isz)
         if pieces_ok is not None:
-            pieces_ok[pkey] = covered
-    isz = itemsize(t.dtype)
-    total = s.bytes_to_read
-    if total != covered * isz:
-        raise PlanError(f"byte runs add up to {total} bytes, the pieces hold {covered * isz}",
+            pieces_ok[pkey] = got
+    covered_bytes, lbytes = got
+    runs = s.byte_runs
+    if type(runs) is RunList:
+        total, groups = runs.total_bytes, runs.groups
+    else:
+        groups = groups_of(runs)
+        total = sum(g[2] * g[4] for g in groups)
+    if total != covered_bytes:
+        raise PlanError(f"byte runs add up to {total} bytes, the pieces hold {covered_bytes}",
                         tensor=s.name, rank=rank)
-    rg = ranges.get(s.name)
-    if rg is None:
-        rg = ranges[s.name] = {}
-        for sp in t.pieces:
-            rg.setdefault(sp.file, []).append((sp.start, sp.end))
-    lbytes = prod(ls) * isz
-    for g in groups_of(s.byte_runs):
+    src = t.pieces
+    if len(src) == 1:   # a plain checkpoint: one stored piece, no per-tensor span table
+        sp = src[0]
+        f0, a0, b0 = sp.file, sp.start, sp.end
+        rg = None
+    else:
+        rg = ranges.get(s.name)
+        if rg is None:
+            rg = ranges[s.name] = {}
+            for sp in src:
+                rg.setdefault(sp.file, []).append((sp.start, sp.end))
+    for g in groups:
         f, o, ln, d, c, _, _ = g
         if c == 1:   # the common case, kept free of method calls: this runs per group
             lo, hi, dlo, dhi = o, o + ln, d, d + ln
         else:
             (lo, hi), (dlo, dhi) = g.src_span(), g.dst_span()
-        spans = rg.get(f, ())
-        for a, b in spans:
-            if a <= lo and hi <= b:
-                break
+        if rg is None:
+            if f != f0 or lo < a0 or hi > b0:
+                raise PlanError(f"byte run {o}+{ln} in {f} lies outside the tensor's bytes "
+                                f"[({a0}, {b0})] in {f0}", tensor=s.name, rank=rank)
         else:
-            raise PlanError(f"byte run {o}+{ln} in {f} lies outside the tensor's bytes {spans}",
-                            tensor=s.name, rank=rank)
+            spans = rg.get(f, ())
+            for a, b in spans:
+                if a <= lo and hi <= b:
+                    break
+            else:
+                raise PlanError(f"byte run {o}+{ln} in {f} lies outside the tensor's bytes "
+                                f"{spans}", tensor=s.name, rank=rank)
         if dlo < 0 or dhi > lbytes:
             raise PlanError(f"byte run to dest {d}+{ln} lies outside the local tensor ({lbytes} "
                             f"bytes)", tensor=s.name, rank=rank)

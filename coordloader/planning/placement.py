@@ -17,6 +17,9 @@ from coordloader.planning.rules import Rule, num_experts_of
 from coordloader.planning.strategies import STRATEGIES, Everyone, dim_classes
 
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+# EXPERT_RE over names joined by newlines (when no name holds one)
+EXPERT_LINE_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.", re.MULTILINE)
+_EVERYONE = Everyone()
 
 
 def chunk_ranges(n: int, parts: int, uneven: bool, what: str) -> list[tuple[int, int]]:
@@ -54,9 +57,13 @@ class Placer:
         self.layer_of, self.num_layers, self.stage_of = layers
         self.tied = tied                # the lm_head reads the input embedding
         self._placed: dict[str, tuple] = {}
+        self._scaled = {n[:-10] for n in meta.tensors if n.endswith("_scale_inv")}
+        self._scale_memo: dict = {}
+        self._owners: dict = {}
         self._id_res: dict[str, re.Pattern] = {}
         self._num_experts: int | None = None
         self._checked_E: set[int] = set()
+        self._config_E = num_experts_of(config)
         self._wcache: dict = {}
         self._scache: dict = {}
 
@@ -110,7 +117,7 @@ class Placer:
                 selector, classes = STRATEGIES[strategy].place(self, t, params)
                 res = (stages, selector, classes, strategy)
         # only weights that have a scale are looked up again; keep memory modest
-        if n + "_scale_inv" in self.meta.tensors:
+        if n in self._scaled:
             self._placed[n] = res
         return res
 
@@ -121,7 +128,7 @@ class Placer:
         if c is None:
             c = self._wcache[t.shape] = [(t.shape, (Piece(tuple((0, s) for s in t.shape),
                                                           (0,) * len(t.shape)),))]
-        return Everyone(), c
+        return _EVERYONE, c
 
     def split_dim(self, t: TensorInfo, dim: int, parts: int, what: str):
         """Classes of an even (or chunked) split of ``dim`` into ``parts`` (shared per shape)."""
@@ -167,15 +174,19 @@ class Placer:
     def experts_count(self, t: TensorInfo, p) -> int:
         E = p.get("num_experts")
         if E is None:
-            E = num_experts_of(self.config)
+            E = self._config_E
+        if E in self._checked_E:   # every tensor of an expert rule asks: checked once per E
+            return E
         if self._num_experts is None:
-            # the largest expert id in the names + 1
-            mx = -1
-            for n in self.meta.tensors:
-                m = EXPERT_RE.search(n)
-                if m:
-                    mx = max(mx, int(m.group(1)))
-            self._num_experts = mx + 1
+            # the largest expert id in the names + 1; one scan of all names joined (a
+            # search per name cost more than the rest of the expert placements together)
+            names = self.meta.tensors
+            joined = "\n".join(names)
+            if joined.count("\n") == max(len(names) - 1, 0):   # no name holds a newline
+                ids = set(EXPERT_LINE_RE.findall(joined))
+            else:
+                ids = {m.group(1) for m in map(EXPERT_RE.search, names) if m}
+            self._num_experts = max(map(int, ids), default=-1) + 1
         if E is None:
             E = self._num_experts
         elif E not in self._checked_E and self._num_experts and E > self._num_experts:
@@ -190,6 +201,14 @@ class Placer:
                 raise self.err(e.message, t.name) from None
             self._checked_E.add(E)
         return E
+
+    def expert_owners(self, e: int, E: int) -> tuple[int, ...]:
+        """``L.owners_of(e, E)``, memoised: asked once per expert tensor."""
+        k = (e, E)
+        o = self._owners.get(k)
+        if o is None:
+            o = self._owners[k] = self.L.owners_of(e, E)
+        return o
 
     def packed_ranges(self, t: TensorInfo, tdim: int, size: int, p, what: str):
         """Per moe_tp rank, the [start, stop) ranges of dim ``tdim`` (of ``size``) it holds,
@@ -236,8 +255,18 @@ class Placer:
         wp = self.place(wname)
         if wp is None:
             return None
-        stages, selector, wclasses, wstrat = wp
+        stages, selector, wclasses, _ = wp
         w = self.meta.tensors[wname]
+        # the scale's classes follow from the weight's classes and the two shapes: shared,
+        # like the weight's, across the same-shaped tensors of a rule
+        key = (id(wclasses), w.shape, t.shape, id(p))
+        classes = self._scale_memo.get(key)
+        if classes is None:
+            classes = self._scale_memo[key] = self._scale_classes(t, p, w, wclasses)
+        return stages, selector, classes, "scale"
+
+    def _scale_classes(self, t: TensorInfo, p, w: TensorInfo, wclasses):
+        n, wname = t.name, w.name
         nd = len(w.shape)
         if len(t.shape) != nd:
             raise self.err(f"scale shape {list(t.shape)} does not match weight {wname!r} shape "
@@ -251,7 +280,7 @@ class Placer:
             raise self.err(f"scale shape {list(t.shape)} is not weight {wname!r} shape "
                             f"{list(w.shape)} in {B} blocks (expected {list(want)})", n)
         if wclasses is self._wcache.get(w.shape):
-            return stages, selector, self.whole(t)[1], "scale"
+            return self.whole(t)[1]
         classes = []
         for ls, pieces in wclasses:
             sp = []
@@ -271,4 +300,4 @@ class Placer:
                     raise self.err(f"weight {wname!r} local size {ls[i]} along dim {i} is not a "
                                     f"multiple of the {B[i]}-element block", n)
             classes.append((tuple(-(-ls[i] // B[i]) for i in range(nd)), tuple(sp)))
-        return stages, selector, classes, "scale"
+        return classes

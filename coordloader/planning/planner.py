@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections import Counter
 from math import prod
 from typing import Any, Mapping, NamedTuple
 
@@ -109,13 +110,12 @@ class _Planner:
         """The layer of each layer tensor, the number of layers and each layer's stage,
         checking config.json's num_hidden_layers against the names and the layout."""
         layer_of = {}
-        max_layer = -1
+        search = LAYER_RE.search
         for n in names:
-            m = LAYER_RE.search(n)
+            m = search(n)
             if m:
-                li = int(m.group(1))
-                layer_of[n] = li
-                max_layer = max(max_layer, li)
+                layer_of[n] = int(m.group(1))
+        max_layer = max(layer_of.values(), default=-1)
         nl = self.config.get("num_hidden_layers")
         if nl is None and not layer_of:
             nl = 0
@@ -213,15 +213,20 @@ class _Planner:
         slots: list[list[TensorSlice]] = [[] for _ in rc_ranks]
         slot_tables: list[list[int]] = [[] for _ in rc_ranks]
         meta, L = self.meta, self.L
+        tensors = meta.tensors
+        isz_of: dict[str, int] = {}
+        full_boxes: dict = {}
         for n, classes, k, strategy in todo:
-            t = meta.tensors[n]
-            isz = itemsize(t.dtype)
+            t = tensors[n]
+            isz = isz_of.get(t.dtype)
+            if isz is None:
+                isz = isz_of[t.dtype] = itemsize(t.dtype)
             groups = tables[k]
             for c, (lshape, pieces) in enumerate(classes):
                 ranks = groups[c]
                 if not ranks:
                     continue
-                runs = slice_runs(t, pieces, lshape, isz)
+                runs = slice_runs(t, pieces, lshape, isz, full_boxes)
                 f = runs.groups[0][0] if runs.groups else t.file
                 # the primary copy; every rank class holding class c shares this object,
                 # and a rank holding it as replica i > 0 gets base.replica_of(i)
@@ -251,6 +256,12 @@ def load_groups(L: Layout, rank_plans: tuple[RankPlan, ...], meta: CheckpointMet
     file_bytes: dict[str, int] = {}
     tensor_bytes: dict[str, tuple] = {}
     for t in meta.tensors.values():
+        if len(t.pieces) == 1:   # a plain checkpoint: the tensor's one file
+            sp = t.pieces[0]
+            b = sp.end - sp.start
+            tensor_bytes[t.name] = ((sp.file, b),)
+            file_bytes[sp.file] = file_bytes.get(sp.file, 0) + b
+            continue
         tb: dict[str, int] = {}
         for sp in t.pieces:
             tb[sp.file] = tb.get(sp.file, 0) + sp.end - sp.start
@@ -262,16 +273,26 @@ def load_groups(L: Layout, rank_plans: tuple[RankPlan, ...], meta: CheckpointMet
         # representative ranks: one DP replica unless experts span DP
         reps = ranks if L.ep_spans_dp else ranks[:L.tp]
         need: dict[str, int] = {}
-        # the ranks of a rank class hold the same tensors: count its bytes once per member
+        # the ranks of a rank class hold the same tensors, and rank classes share the slice
+        # objects of replicated tensors: count how many representative ranks hold each
+        # distinct slice (C-level counting), then add its bytes once
         held: dict = {}   # id(slices) -> [slices, members]
         for r in reps:
             sh = share_of(rank_plans[r])
             src = rank_plans[r].tensors if sh is None else sh.slices
             held.setdefault(id(src), [src, 0])[1] += 1
+        holders = Counter()   # id(slice) -> representative ranks holding it
+        by_members: dict[int, Counter] = {}
+        obj: dict = {}
         for src, m in held.values():
-            for ts in src:
-                for f, b in tensor_bytes[ts.name]:
-                    need[f] = need.get(f, 0) + b * m
+            by_members.setdefault(m, Counter()).update(map(id, src))
+            obj.update(zip(map(id, src), src))
+        for m, cnt in by_members.items():
+            for i, c in cnt.items():
+                holders[i] += c * m
+        for i, c in holders.items():
+            for f, b in tensor_bytes[obj[i].name]:
+                need[f] = need.get(f, 0) + b * c
         grp, filt = [], []
         for f in sorted(need):
             size = file_bytes[f]

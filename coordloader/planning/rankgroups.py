@@ -24,9 +24,13 @@ class RankGroups:
         self.L = layout
         # stage-local index i -> (tp, dp, ep, moe_tp); identical for every stage
         self.local = []
+        # ep rank -> its stage-local indices and moe_tp ranks: an expert's owners are a few
+        # ep ranks, so their groups are built from those members, not from every rank
+        self.of_ep: dict[int, list[tuple[int, int]]] = {}
         for i in range(layout.tp * layout.dp):
             c = layout.coords(i)
             self.local.append((c.tp, c.dp, c.ep, c.moe_tp))
+            self.of_ep.setdefault(c.ep, []).append((i, c.moe_tp))
         self._groups: dict = {}
 
     def __call__(self, stages: tuple[int, ...], selector: Selector, ncls: int) -> RankGroupsOf:
@@ -42,16 +46,18 @@ class RankGroups:
         moe_tp = self.L.moe_tp
         for s in stages:
             base = s * S
+            if type(selector) is ByExpertOwner:   # owners' members only (owners distinct)
+                split = selector.split
+                for q in selector.owners:
+                    for i, mtr in self.of_ep.get(q, ()):
+                        out[mtr if split else 0].append(base + i)
+                continue
             for i, (tpr, dpr, epr, mtr) in enumerate(self.local):
                 match selector:
                     case Everyone():
                         c = 0
                     case ByTp(classes):
                         c = classes[tpr]
-                    case ByExpertOwner(owners, split):
-                        if epr not in owners:
-                            continue
-                        c = mtr if split else 0
                     case ByExpertSet(split):
                         c = epr * moe_tp + mtr if split else epr
                 out[c].append(base + i)

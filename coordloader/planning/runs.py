@@ -59,6 +59,18 @@ class RunList(Sequence):
         self._cum = None
 
     @staticmethod
+    def single(file: str, offset: int, length: int) -> "RunList":
+        """One run of ``length`` bytes at ``offset`` of ``file`` into byte 0: a whole
+        tensor, the planner's most common slice (built without the generic __init__)."""
+        rl = RunList.__new__(RunList)
+        rl.groups = (RunGroup(file, offset, length, 0, 1, 0, 0),)
+        rl._n = 1
+        rl._total = length
+        rl._hash = None
+        rl._cum = None
+        return rl
+
+    @staticmethod
     def from_runs(runs) -> "RunList":
         if isinstance(runs, RunList):
             return runs
@@ -237,16 +249,22 @@ def merge_groups(groups: list[RunGroup]) -> list[RunGroup]:
 
 
 def slice_runs(t: TensorInfo, pieces: tuple[Piece, ...], lshape: tuple[int, ...],
-               isz: int) -> RunList:
+               isz: int, full_boxes: dict | None = None) -> RunList:
     """The byte runs of a slice of ``t`` (``isz`` bytes per element) holding ``pieces`` in a
     local tensor of shape ``lshape``: per piece and per stored piece of ``t`` it overlaps,
-    the runs of the overlap, merged into strided groups."""
+    the runs of the overlap, merged into strided groups. ``full_boxes`` (shape -> its whole
+    box) memoises the whole boxes across the calls of one plan."""
     groups = []
     src = t.pieces
-    if len(src) == 1 and src[0].box == tuple((0, s) for s in t.shape):
+    full = None if full_boxes is None else full_boxes.get(t.shape)
+    if full is None:
+        full = tuple([(0, s) for s in t.shape])
+        if full_boxes is not None:
+            full_boxes[t.shape] = full
+    if len(src) == 1 and src[0].box == full:
         sp = src[0]
         if len(pieces) == 1 and lshape == t.shape and pieces[0].src == sp.box:
-            return RunList((RunGroup(sp.file, sp.start, sp.end - sp.start, 0, 1, 0, 0),))
+            return RunList.single(sp.file, sp.start, sp.end - sp.start)
         for pc in pieces:
             groups += box_runs(sp.file, sp.start, sp.box, t.shape, pc.src, lshape, pc.dst, isz)
     else:
