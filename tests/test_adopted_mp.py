@@ -196,3 +196,14 @@ def test_a_rank_that_never_beat_is_late_not_dead():
     g._hb_stop = threading.Event()
     store.add("hb/1", 7)   # beat, then stopped: dead
     assert coll._dead_ranks(g, [1, 2]) == [1]
+
+
+def test_boundary_wait_does_not_cut_short_for_a_rank_that_never_beat():
+    # rank 1 never adopted the group (counter 0): rank 0 waits its whole timeout, it does
+    # not give up after DEAD_AFTER_S as it would for a rank whose beat stopped
+    store = _tcp_master()   # (HashStore.wait can hang past a fractional timeout)
+    g = Group(rank=0, world=2, store=store, timeout_s=2 * coll.DEAD_AFTER_S + 1)
+    g._hb_stop = threading.Event()
+    t = time.monotonic()
+    assert coll._wait_or_death(g, "0/ev", 0, "load", None) is True
+    assert time.monotonic() - t >= g.timeout_s - 0.1
