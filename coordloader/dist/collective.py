@@ -26,7 +26,9 @@ API (all a phase needs)::
   how long a rank waits for the others at a phase boundary. Without RANK/WORLD_SIZE in the
   environment it returns a single-process group (``pg=None``, world 1).
 - ``wrap_group(pg=None, timeout_s=None) -> Group`` adopts a process group the caller has
-  already initialised (library use: ``coordloader.load(..., group=pg)``).
+  already initialised (library use: ``coordloader.load(..., group=pg)``). Its ranks beat
+  like those of ``init_group`` when the default store rests on a TCPStore (else a dead
+  rank is named at the timeout).
 - ``run_phase(name, fn, group, *args, **kw)`` runs ``fn(*args, **kw)`` on this rank and
   returns its value once all ranks succeeded. Any exception is caught and turned into
   ``"<ErrorType>: <text>"`` (CoordloaderError context such as file/tensor is kept) and
