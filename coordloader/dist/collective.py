@@ -262,6 +262,9 @@ class Group:
     grace_s: float = DEFAULT_GRACE_S
     backend: str | None = None
     store_host: bool = False        # this process runs the store server (rank 0, no agent)
+    # an adopted group cannot tell which process hosts the store: on failure every rank
+    # lingers for the others' acks, so the host (whichever it is) outlives their reads
+    store_host_unknown: bool = False
     store_desc: str = ""            # for messages: "127.0.0.1:29500 (hosted by rank 0)"
     owns_pg: bool = False
     _hb_stop: Any = field(default=None, repr=False)
@@ -571,7 +574,7 @@ def wrap_group(pg=None, timeout_s: float | None = None, *, grace_s: float | None
     group = Group(rank=rank, world=world, pg=pg if pg is not None else dist.group.WORLD,
                   store=store, timeout_s=timeout_s, grace_s=grace,
                   backend=str(dist.get_backend(pg)), store_host=False,
-                  store_desc="the default group's store")
+                  store_host_unknown=True, store_desc="the default group's store")
     if store is not None and world > 1:
         # keys in the namespace of this wrap, by the rank within ``pg``
         _start_heartbeat(group, lambda: _wrapped_beat_store(base, ns, timeout_s))
@@ -796,12 +799,15 @@ def _present(group: Group, prefix: str) -> list[int] | None:
 
 def _ack_and_linger(group: Group, tag: str, present: list[int]) -> None:
     """On failure: say we are done reading; the store host waits (bounded) for every
-    rank that reported to say the same, so its exit does not cut them off."""
+    rank that reported to say the same, so its exit does not cut them off. In an adopted
+    group the host is not known (rank 0 of an env:// rendezvous, the torchrun agent, ...),
+    so every rank waits: the others ack right after their own last read."""
     st = group.store
     with contextlib.suppress(Exception):
         if not group.store_host:
             st.set(f"ack/{tag}/{group.rank}", b"1")
-            return
+            if not group.store_host_unknown:
+                return
         others = [r for r in present if r != group.rank]
         if others:
             st.wait([f"ack/{tag}/{r}" for r in others],
