@@ -18,6 +18,7 @@ with the failing rank's message, never a hang):
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -235,8 +236,11 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
     # pause narrowed to metadata + plan (torchrun, tp=2, qwen3_moe-small, medians of 5):
     # load 0.45 -> 0.56-0.59 s, digest-mode verify 0.11 -> 0.18 s, and a 0.14 s collection
     # right after load() returned
-    with gc_paused():
+    with gc_paused(), contextlib.ExitStack() as adopted:
+        given = group
         group, rank, world = _resolve_group(group, rank, layout, timeout)
+        if group is not None and group is not given:
+            adopted.callback(group.close)   # adopted here: stop its heartbeat when done
         device = _load_device(engine, device)
         eng_name = resolve_engine_name(engine, device)
         phases: dict[str, float] = {}

@@ -26,7 +26,9 @@ API (all a phase needs)::
   how long a rank waits for the others at a phase boundary. Without RANK/WORLD_SIZE in the
   environment it returns a single-process group (``pg=None``, world 1).
 - ``wrap_group(pg=None, timeout_s=None) -> Group`` adopts a process group the caller has
-  already initialised (library use: ``coordloader.load(..., group=pg)``).
+  already initialised (library use: ``coordloader.load(..., group=pg)``). Its ranks beat
+  like those of ``init_group`` when the default store rests on a TCPStore (else a dead
+  rank is named at the timeout).
 - ``run_phase(name, fn, group, *args, **kw)`` runs ``fn(*args, **kw)`` on this rank and
   returns its value once all ranks succeeded. Any exception is caught and turned into
   ``"<ErrorType>: <text>"`` (CoordloaderError context such as file/tensor is kept) and
@@ -260,6 +262,9 @@ class Group:
     grace_s: float = DEFAULT_GRACE_S
     backend: str | None = None
     store_host: bool = False        # this process runs the store server (rank 0, no agent)
+    # an adopted group cannot tell which process hosts the store: on failure every rank
+    # lingers for the others' acks, so the host (whichever it is) outlives their reads
+    store_host_unknown: bool = False
     store_desc: str = ""            # for messages: "127.0.0.1:29500 (hosted by rank 0)"
     owns_pg: bool = False
     _hb_stop: Any = field(default=None, repr=False)
@@ -379,7 +384,8 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
                   backend=backend, store_host=host, store_desc=desc)
     group._base_store = base  # keep the server (rank 0) alive as long as the group
     _join(group)
-    _start_heartbeat(group, addr, port, ns)
+    _start_heartbeat(group, lambda: dist.PrefixStore(ns, dist.TCPStore(
+        addr, port, world, is_master=False, timeout=td, wait_for_workers=False)))
     device = None
     if backend == "nccl":
         local = _env_int("LOCAL_RANK")
@@ -431,20 +437,24 @@ HEARTBEAT_S = 0.5
 DEAD_AFTER_S = 10 * HEARTBEAT_S
 
 
-def _start_heartbeat(group: Group, addr: str, port: int, ns: str) -> None:
+def _start_heartbeat(group: Group, connect: Callable[[], Any]) -> None:
     """Bump ``hb/<rank>`` every HEARTBEAT_S from a daemon thread on its own store
-    connection (the main one may sit in a long wait). A rank missing at a boundary whose
-    counter stopped moving is reported as dead, not merely late. Counters, not clocks:
-    hosts' clocks need not agree."""
+    connection (the main one may sit in a long wait, and a client's requests serialise).
+    ``connect()`` opens that connection and returns it as a store in the status board's
+    key space (the same prefixes); it runs under the connect deadline. A rank missing at a
+    boundary whose counter has moved and then stopped is reported as dead, not merely
+    late. Counters, not clocks: hosts' clocks need not agree. The one implementation
+    behind ``init_group`` and ``wrap_group``; ``Group.close()`` (or the group being
+    collected) stops the thread."""
     import threading
-    import torch.distributed as dist
+    import weakref
     try:
-        conn = call_with_deadline("connect", lambda: dist.TCPStore(
-            addr, port, group.world, is_master=False, timeout=timedelta(seconds=group.timeout_s),
-            wait_for_workers=False), group.timeout_s + _store_op_s(group.timeout_s))
+        st = call_with_deadline("connect", connect,
+                                group.timeout_s + _store_op_s(group.timeout_s))
     except Exception:  # noqa: BLE001 - liveness is a diagnostic aid, never fatal
         return
-    st = dist.PrefixStore(ns, conn)
+    if st is None:
+        return
     stop = threading.Event()
     key = f"hb/{group.rank}"
 
@@ -458,9 +468,35 @@ def _start_heartbeat(group: Group, addr: str, port: int, ns: str) -> None:
                 return
 
     threading.Thread(target=beat, name="coordloader-heartbeat", daemon=True).start()
+    weakref.finalize(group, stop.set)   # a group dropped without close() stops beating too
     group._hb_stop = stop
-    group._hb_conn = conn
     group._hb_store = DeadlineStore(st, _store_op_s(group.timeout_s))
+
+
+def _second_connection(store, timeout_s: float, *, clone: bool = True):
+    """A new client connection to the TCPStore under ``store`` (PrefixStores walked via
+    ``underlying_store``), wrapped in the same prefixes so it sees the same keys; None when
+    ``store`` does not rest on a TCPStore (FileStore, HashStore) or the prefixes cannot be
+    recovered. ``Store.clone()`` does exactly this (same prefixes, new socket); without
+    it a TCPStore client is opened on the store's host/port and the prefixes read back
+    (``prefix``: not exposed by every torch)."""
+    import torch.distributed as dist
+    prefixes = []
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        prefixes.append(getattr(inner, "prefix", None))
+        inner = inner.underlying_store
+    if not isinstance(inner, dist.TCPStore):
+        return None
+    if clone and hasattr(store, "clone"):
+        return store.clone()
+    if any(p is None for p in prefixes):
+        return None
+    conn = dist.TCPStore(inner.host, inner.port, is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    for p in reversed(prefixes):
+        conn = dist.PrefixStore(p, conn)
+    return conn
 
 
 def _heartbeats(group: Group, ranks) -> dict[int, int] | None:
@@ -507,7 +543,16 @@ def wrap_group(pg=None, timeout_s: float | None = None, *, grace_s: float | None
     The status board uses the default group's store when torch exposes it (it always has
     so far, via a private accessor); otherwise the exchange falls back to
     ``all_gather_object`` over ``pg``, which is bounded by the group's own timeout but
-    cannot name ranks that did not arrive."""
+    cannot name ranks that did not arrive.
+
+    Each rank of an adopted group beats like one of ``init_group`` (``hb/<rank in pg>`` in
+    this wrap's namespace, on a second connection to the TCPStore under the default store),
+    so a rank that dies after adopting it is named dead within about DEAD_AFTER_S, not at
+    the timeout. A rank that has not adopted it yet (still on its way to ``load``) has
+    never beaten and is only late: it is named at the timeout. When the default store does
+    not rest on a TCPStore (FileStore, HashStore) or that store cannot be reached a second
+    time, there is no heartbeat: a dead rank is named at the timeout. Call ``close()`` to
+    stop the heartbeat thread."""
     import torch.distributed as dist
 
     timeout_s = float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
@@ -521,14 +566,25 @@ def wrap_group(pg=None, timeout_s: float | None = None, *, grace_s: float | None
     try:
         base = dist.distributed_c10d._get_default_store()
         name = getattr(pg, "group_name", None) if pg is not None else "world"
-        store = DeadlineStore(dist.PrefixStore(_namespace(f"wrap/{name}", "0"), base),
-                              _store_op_s(timeout_s))
+        # the counter advances on every rank alike: nothing rank-specific before this
+        ns = _namespace(f"wrap/{name}", "0")
+        store = DeadlineStore(dist.PrefixStore(ns, base), _store_op_s(timeout_s))
     except Exception:  # noqa: BLE001 - private API gone: use the fallback exchange
         store = None
-    return Group(rank=rank, world=world, pg=pg if pg is not None else dist.group.WORLD,
-                 store=store, timeout_s=timeout_s, grace_s=grace,
-                 backend=str(dist.get_backend(pg)), store_host=False,
-                 store_desc="the default group's store")
+    group = Group(rank=rank, world=world, pg=pg if pg is not None else dist.group.WORLD,
+                  store=store, timeout_s=timeout_s, grace_s=grace,
+                  backend=str(dist.get_backend(pg)), store_host=False,
+                  store_host_unknown=True, store_desc="the default group's store")
+    if store is not None and world > 1:
+        # keys in the namespace of this wrap, by the rank within ``pg``
+        _start_heartbeat(group, lambda: _wrapped_beat_store(base, ns, timeout_s))
+    return group
+
+
+def _wrapped_beat_store(base, ns: str, timeout_s: float):
+    import torch.distributed as dist
+    conn = _second_connection(base, timeout_s)
+    return None if conn is None else dist.PrefixStore(ns, conn)
 
 
 # --------------------------------------------------------------------------- phases
@@ -629,7 +685,7 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
             with contextlib.suppress(Exception):
                 st.wait(keys, timedelta(seconds=step))
             after = _heartbeats(group, waiting)
-            if before is not None and after is not None and before == after:
+            if before is not None and before == after and all(before.values()):
                 break   # every rank still missing has stopped beating: dead
     statuses = _read_statuses(group, seq)
     if statuses is None:
@@ -698,12 +754,14 @@ def _wait_or_death(group: Group, key: str, seq: int, name: str, local) -> bool:
         for r, c in beats.items():
             if r not in last or last[r][0] != c:
                 last[r] = (c, now)
-        if any(now - last[r][1] >= DEAD_AFTER_S for r in beats):
+        # 0: never beat (not yet in the group it adopts, or no heartbeat): late, not dead
+        if any(c > 0 and now - last[r][1] >= DEAD_AFTER_S for r, c in beats.items()):
             return True
 
 
 def _dead_ranks(group: Group, missing: list[int]) -> list[int]:
-    """Of the missing ranks, those whose heartbeat does not move over 3 beats."""
+    """Of the missing ranks, those whose heartbeat has beaten and does not move over 3
+    beats."""
     before = _heartbeats(group, missing)
     if before is None:
         return []
@@ -711,7 +769,8 @@ def _dead_ranks(group: Group, missing: list[int]) -> list[int]:
     after = _heartbeats(group, missing)
     if after is None:
         return []
-    return [r for r in missing if after[r] == before[r]]
+    # a counter still at 0 never moved because it never started: late, not dead
+    return [r for r in missing if after[r] == before[r] > 0]
 
 
 def _read_statuses(group: Group, seq: int) -> dict[int, tuple] | None:
@@ -740,12 +799,15 @@ def _present(group: Group, prefix: str) -> list[int] | None:
 
 def _ack_and_linger(group: Group, tag: str, present: list[int]) -> None:
     """On failure: say we are done reading; the store host waits (bounded) for every
-    rank that reported to say the same, so its exit does not cut them off."""
+    rank that reported to say the same, so its exit does not cut them off. In an adopted
+    group the host is not known (rank 0 of an env:// rendezvous, the torchrun agent, ...),
+    so every rank waits: the others ack right after their own last read."""
     st = group.store
     with contextlib.suppress(Exception):
         if not group.store_host:
             st.set(f"ack/{tag}/{group.rank}", b"1")
-            return
+            if not group.store_host_unknown:
+                return
         others = [r for r in present if r != group.rank]
         if others:
             st.wait([f"ack/{tag}/{r}" for r in others],

@@ -325,10 +325,20 @@ def save_distributed(out_dir, tensors, plan=None, *, group=None, rank: int | Non
                      digests: bool = True, timeout: float | None = None) -> SaveResult:
     """Every rank of ``group`` (default: the default group) calls this; errors are agreed
     at each phase (prepare, write, publish) so every rank raises, naming the failing one."""
-    from coordloader.dist.collective import gather_object, run_phase
     out_dir = os.fspath(out_dir)
     _check_args(max_shard_bytes)
     g = _resolve_group(group, timeout)
+    try:
+        return _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrite,
+                                 config, digests)
+    finally:
+        if g is not group:
+            g.close()   # a group adopted here: stop its heartbeat
+
+
+def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrite, config,
+                      digests) -> SaveResult:
+    from coordloader.dist.collective import gather_object, run_phase
     rank_, world = g.rank, g.world
     if rank is not None and rank != rank_:
         raise SaveError(f"rank={rank} given, but this process is rank {rank_} of the group", rank=rank_)

@@ -192,36 +192,40 @@ def load_into_vllm(model, ckpt: str, vr: VllmRank, opts: LoaderOptions, *,
 
     group = collective.wrap_group(vr.cpu_group, timeout_s=opts.timeout) \
         if vr.layout.world_size > 1 else None
-    t0 = time.perf_counter()
-    res = load_detailed(ckpt, vr.layout, group=group, rank=vr.rank, engine=opts.engine,
-                        verify=opts.verify, rules=opts.rules, loader_config=opts.loader_config,
-                        timeout=opts.timeout)
-    t_load = time.perf_counter() - t0
-    by = res.rank_plan.by_name()
+    try:
+        t0 = time.perf_counter()
+        res = load_detailed(ckpt, vr.layout, group=group, rank=vr.rank, engine=opts.engine,
+                            verify=opts.verify, rules=opts.rules, loader_config=opts.loader_config,
+                            timeout=opts.timeout)
+        t_load = time.perf_counter() - t0
+        by = res.rank_plan.by_name()
 
-    def fit():
-        wrapped = {n: global_tensor(n, t, by[n], rank=vr.rank) for n, t in res.tensors.items()}
-        loaded = model.load_weights(iter(sorted(wrapped.items())))
-        left = unconsumed(wrapped)
-        if left:
-            u = left[0]
-            raise FitError(f"{len(left)} held tensor(s) not fully used by vLLM's weight loaders, "
-                           f"first: {u.numel} elements in {list(map(list, u.boxes[:4]))} (the "
-                           f"plan's split differs from vLLM's, or the rule holds more than the "
-                           f"layer needs)", tensor=u.name, rank=vr.rank)
-        experts = planned_experts(by)
-        check_expert_slots(experts, vllm_experts(model), vr.rank)
-        if track is not None:
-            track(model, loaded)
-        return experts
+        def fit():
+            wrapped = {n: global_tensor(n, t, by[n], rank=vr.rank) for n, t in res.tensors.items()}
+            loaded = model.load_weights(iter(sorted(wrapped.items())))
+            left = unconsumed(wrapped)
+            if left:
+                u = left[0]
+                raise FitError(f"{len(left)} held tensor(s) not fully used by vLLM's weight loaders, "
+                               f"first: {u.numel} elements in {list(map(list, u.boxes[:4]))} (the "
+                               f"plan's split differs from vLLM's, or the rule holds more than the "
+                               f"layer needs)", tensor=u.name, rank=vr.rank)
+            experts = planned_experts(by)
+            check_expert_slots(experts, vllm_experts(model), vr.rank)
+            if track is not None:
+                track(model, loaded)
+            return experts
 
-    experts = collective.run_phase("vllm-fit", fit, group)
-    report = LoadReport(rank=vr.rank, layout=str(vr.layout), tensors=len(res.tensors),
-                        bytes_read=res.stats.bytes_read, bytes_held=res.stats.bytes_held,
-                        seconds_load=t_load, seconds_total=time.perf_counter() - t0,
-                        engine=res.stats.engine,
-                        experts={str(k): sorted(v) for k, v in sorted(experts.items())})
-    return report
+        experts = collective.run_phase("vllm-fit", fit, group)
+        report = LoadReport(rank=vr.rank, layout=str(vr.layout), tensors=len(res.tensors),
+                            bytes_read=res.stats.bytes_read, bytes_held=res.stats.bytes_held,
+                            seconds_load=t_load, seconds_total=time.perf_counter() - t0,
+                            engine=res.stats.engine,
+                            experts={str(k): sorted(v) for k, v in sorted(experts.items())})
+        return report
+    finally:
+        if group is not None:
+            group.close()   # adopted here: stop its heartbeat
 
 
 def _local_checkpoint(model_config) -> str:

@@ -1,0 +1,209 @@
+"""Heartbeat of groups adopted from the caller (``wrap_group``).
+
+The multi-process tests start four plain processes that call
+``torch.distributed.init_process_group("gloo")`` themselves (library use, no
+``init_group``), then ``coordloader.load`` / ``coordloader.save`` with ``timeout=60``.
+Rank 2 is SIGKILLed inside a phase; ranks 0, 1, 3 must raise the same CollectiveError
+naming rank 2 dead long before the minute (before the adopted groups had a heartbeat
+they waited out the whole timeout). Each test has a hard bound and kills its process
+groups on the way out. The fast tests cover the heartbeat's parts in one process."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from coordloader.dist import collective as coll
+from coordloader.dist.collective import Group, free_port
+
+from ranks import rank_env, run_ranks
+
+TIMEOUT = 60.0     # the ranks' timeout= : the adopted group must not wait it out
+BOUND = 30.0       # survivors name the dead rank within this of the kill (DEAD_AFTER_S 5 s)
+HARD = 150.0       # the harness's own bound (4 torch imports on a loaded 2-core box)
+
+DRIVER = r'''
+import os, signal, sys, time
+from datetime import timedelta
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+import torch.distributed as dist
+import coordloader
+from coordloader import loader
+from coordloader.handoff import save as save_mod
+
+mode, ckpt, mark, out, timeout = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+rank = int(os.environ["RANK"])
+# the caller's own process group: coordloader adopts it (wrap_group), no init_group
+dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                        timeout=timedelta(seconds=timeout))
+
+
+def die(*_):
+    with open(mark, "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)   # no chance to report
+
+
+if rank == 2 and mode == "load":
+    loader.PHASE_HOOKS.append(lambda name: die() if name == "load" else None)
+if rank == 2 and mode == "save":
+    save_mod._write_rank = die             # dies inside the save-write phase
+layout = coordloader.Layout(tp=2, ep=2, dp=2)
+try:
+    res = coordloader.load_detailed(ckpt, layout, engine="cpu", timeout=timeout)
+    if mode == "save":
+        coordloader.save(out, res.tensors, res.plan, group=dist.group.WORLD, config=ckpt,
+                         timeout=timeout)
+    print("OK", flush=True)
+except Exception as e:
+    print("ERR", repr(time.time()), type(e).__name__, " ".join(str(e).split()), flush=True)
+os._exit(0)   # a broken gloo group's destructors may abort or block
+'''
+
+
+def _run(tmp: Path, ckpt: str, mode: str):
+    """-> ({rank: (rc, stdout, stderr)}, time rank 2 killed itself)."""
+    script = tmp / "driver.py"
+    script.write_text(DRIVER)
+    mark = tmp / "killed_at"
+    port = free_port()
+    procs, _, _ = run_ranks(range(4), lambda r: subprocess.Popen(
+        [sys.executable, str(script), mode, ckpt, str(mark), str(tmp / "out"), str(TIMEOUT)],
+        env=rank_env(port, r, 4, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, cwd=str(tmp), start_new_session=True), HARD)
+    res = {}
+    for r, p in procs.items():
+        out, err = p.communicate()
+        res[r] = (p.returncode, out.decode(), err.decode())
+    assert mark.exists(), f"rank 2 never reached the fault: {res}"
+    return res, float(mark.read_text())
+
+
+def _check_named_dead(res, killed_at: float, phase: str):
+    assert res[2][0] == -signal.SIGKILL, res[2]
+    lines = {}
+    for r in (0, 1, 3):
+        rc, out, err = res[r]
+        line = next((ln for ln in out.splitlines() if ln.startswith("ERR ")), None)
+        assert line is not None, f"rank {r}: rc {rc}\n{out}\n{err}"
+        _, at, typ, msg = line.split(" ", 3)
+        elapsed = float(at) - killed_at
+        print(f"rank {r}: {elapsed:.1f} s after the kill: {typ}: {msg}")
+        assert typ == "CollectiveError", line
+        assert f"phase {phase}: rank 2 died or hung hard" in msg, msg
+        assert elapsed < BOUND, f"rank {r} named it {elapsed:.1f} s after the kill: {msg}"
+        lines[r] = msg
+    assert len(set(lines.values())) == 1, lines   # the same message on every survivor
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_qwen3_moe):
+    return tiny_qwen3_moe
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_load_adopted_group_names_a_sigkilled_rank_long_before_the_timeout(tmp_path, ckpt):
+    res, killed_at = _run(tmp_path, ckpt, "load")
+    _check_named_dead(res, killed_at, "load")
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_save_adopted_group_names_a_sigkilled_rank_long_before_the_timeout(tmp_path, ckpt):
+    res, killed_at = _run(tmp_path, ckpt, "save")
+    _check_named_dead(res, killed_at, "save-write")
+
+
+# ---- one process: the parts ------------------------------------------------------------
+
+def _tcp_master():
+    return dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True,
+                         timeout=timedelta(seconds=10), wait_for_workers=False)
+
+
+def test_second_connection_sees_the_same_keys_on_its_own_socket():
+    master = _tcp_master()
+    main = dist.PrefixStore("b", dist.PrefixStore("a", master))
+    conn = coll._second_connection(main, 10)
+    assert conn is not None
+    conn.set("k", b"v")
+    assert main.get("k") == b"v" and master.get("a/b/k") == b"v"   # same key space
+    # its own connection: answers while the main client sits in a server-side wait
+    waiter = threading.Thread(target=lambda: _swallow(
+        lambda: main.wait(["never"], timedelta(seconds=3))), daemon=True)
+    waiter.start()
+    time.sleep(0.3)
+    t = time.monotonic()
+    conn.add("hb/0", 1)
+    assert time.monotonic() - t < 1.0
+    waiter.join()
+    # without clone(): a TCPStore client on the store's host/port
+    bare = coll._second_connection(master, 10, clone=False)
+    assert bare is not None and bare.get("a/b/k") == b"v"
+
+
+def _swallow(fn):
+    try:
+        fn()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def test_no_second_connection_without_a_tcpstore(tmp_path):
+    assert coll._second_connection(dist.HashStore(), 10) is None
+    fs = dist.FileStore(str(tmp_path / "fs"), 1)
+    assert coll._second_connection(dist.PrefixStore("p", fs), 10) is None
+
+
+def test_heartbeat_beats_and_close_stops_it():
+    store = dist.HashStore()
+    before = {t for t in threading.enumerate() if t.name == "coordloader-heartbeat"}
+    g = Group(rank=1, world=2, store=store, timeout_s=10)
+    coll._start_heartbeat(g, lambda: dist.PrefixStore("ns", store))
+    assert g._hb_stop is not None
+    time.sleep(4 * coll.HEARTBEAT_S)
+    assert store.add("ns/hb/1", 0) >= 2
+    g.close()
+    time.sleep(coll.HEARTBEAT_S)
+    n = store.add("ns/hb/1", 0)
+    time.sleep(3 * coll.HEARTBEAT_S)
+    assert store.add("ns/hb/1", 0) == n
+    assert {t for t in threading.enumerate() if t.name == "coordloader-heartbeat"} <= before
+
+
+def test_no_heartbeat_when_the_connection_cannot_be_made():
+    g = Group(rank=0, world=2, store=dist.HashStore(), timeout_s=10)
+    coll._start_heartbeat(g, lambda: None)
+    assert g._hb_stop is None
+
+    def refuse():
+        raise RuntimeError("connection refused")
+    coll._start_heartbeat(g, refuse)
+    assert g._hb_stop is None
+
+
+def test_a_rank_that_never_beat_is_late_not_dead():
+    # adopted groups have no join: a rank not yet in load() has counter 0 and must be
+    # waited for (named at the timeout), not called dead
+    store = dist.HashStore()
+    g = Group(rank=0, world=3, store=store, timeout_s=10)
+    g._hb_stop = threading.Event()
+    store.add("hb/1", 7)   # beat, then stopped: dead
+    assert coll._dead_ranks(g, [1, 2]) == [1]
+
+
+def test_boundary_wait_does_not_cut_short_for_a_rank_that_never_beat():
+    # rank 1 never adopted the group (counter 0): rank 0 waits its whole timeout, it does
+    # not give up after DEAD_AFTER_S as it would for a rank whose beat stopped
+    store = _tcp_master()   # (HashStore.wait can hang past a fractional timeout)
+    g = Group(rank=0, world=2, store=store, timeout_s=2 * coll.DEAD_AFTER_S + 1)
+    g._hb_stop = threading.Event()
+    t = time.monotonic()
+    assert coll._wait_or_death(g, "0/ev", 0, "load", None) is True
+    assert time.monotonic() - t >= g.timeout_s - 0.1
