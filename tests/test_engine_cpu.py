@@ -339,7 +339,9 @@ def test_cpu_engine_strided_groups(ckpt, monkeypatch, page, short):
             return real(fd, [memoryview(bufs[0])[:5]], off)
 
         monkeypatch.setattr(os, "preadv", short_read)
-    for chunk in (1 << 20, 16):
+    # (chunk, span): big reads with big spans, everything tiny, and big reads with spans
+    # cut into single rows (the bounce buffer is bounded by span_bytes, not chunk_bytes)
+    for chunk, span in ((1 << 20, 1 << 20), (16, 16), (1 << 20, 16)):
         for rp in plans_for(meta):
             tensors = []
             for ts in rp.tensors:
@@ -349,13 +351,14 @@ def test_cpu_engine_strided_groups(ckpt, monkeypatch, page, short):
             assert any(g[4] > 1 for t in tensors for g in t.byte_runs.groups)
             rp2 = RankPlan(rp.rank, rp.coords, tuple(tensors))
             seen = []
-            got, stats = select_engine("cpu", "cpu", threads=3, chunk_bytes=chunk).load_rank(
-                meta, rp2, "cpu", progress=seen.append)
+            eng = select_engine("cpu", "cpu", threads=3, chunk_bytes=chunk, span_bytes=span)
+            assert (eng.chunk_bytes, eng.span_bytes) == (chunk, span)
+            got, stats = eng.load_rank(meta, rp2, "cpu", progress=seen.append)
             for ts in rp2.tensors:
                 want = reference(full[ts.name], [(p.src, p.dst) for p in ts.pieces], ts.local_shape)
-                assert same_bytes(got[ts.name], want), (page, chunk, rp.rank, ts.name)
+                assert same_bytes(got[ts.name], want), (page, chunk, span, rp.rank, ts.name)
             assert sum(seen) == stats.bytes_read == rp.bytes_to_read
-            if page and chunk > 16:   # (16-byte chunks cut spans into single rows)
+            if page and span > 16:   # (16-byte spans are single rows)
                 assert stats.extra["gap_bytes"] > 0
 
 

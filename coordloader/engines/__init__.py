@@ -78,7 +78,8 @@ def select_engine(name: str = "auto", device: Any = None, **options):
     name = resolve_engine_name(name, device)
     if name == "cpu":
         from coordloader.engines.cpu import CpuEngine
-        return CpuEngine(**{k: v for k, v in options.items() if k in ("threads", "chunk_bytes")})
+        return CpuEngine(**{k: v for k, v in options.items() if k in ("threads", "chunk_bytes",
+                                                                       "span_bytes")})
     if name == "safetensors":
         from coordloader.engines.safetensors_engine import SafetensorsEngine
         return SafetensorsEngine()

@@ -11,16 +11,17 @@ never on one Python object per run:
   that follow each other in the file (whole tensors stored back to back, e.g. the experts
   a rank owns) become one ``preadv`` with one iovec per run;
 - the rows of a dim-1 slice whose gaps in the file are shorter than a page
-  (``src_stride - length < 4096``) are read as one span per chunk into a per-thread bounce
-  buffer and copied into the tensor with one strided ``torch`` copy: the gaps share their
-  pages with the wanted rows, so storage reads the same pages either way, and one syscall
+  (``src_stride - length < 4096``) are read as one span of at most ``span_bytes`` at a
+  time into a per-thread bounce buffer and copied into the tensor with one strided copy:
+  the gaps share their pages with the wanted rows, so storage reads the same pages either way, and one syscall
   replaces thousands (a 256-byte row per ``preadv`` costs ~1 us of syscall and
   interpreter time for 256 bytes). ``LoadStats.bytes_read`` counts the plan's bytes (what
   lands in tensors); ``extra["gap_bytes"]`` the gap bytes copied from the page cache;
 - rows with page-sized or larger gaps are read one ``preadv`` per row, in a tight loop.
 
 Work is sorted by file offset (forward reads) and cut into tasks of about
-``chunk_bytes`` handed to a thread pool; ``preadv`` and torch's copy release the GIL.
+``chunk_bytes`` (64 MiB: cold reads gain from large requests, about 10 % over 8 MiB here,
+docs/benchmarks.md) handed to a thread pool; ``preadv`` and torch's copy release the GIL.
 
 Tensors the engine allocates itself are fresh address space: before a read lands in one,
 the reader thread maps the destination range with ``memory.prefault`` (one
@@ -117,9 +118,15 @@ def default_threads() -> int:
 class CpuEngine:
     name = "cpu"
 
-    def __init__(self, threads: int | None = None, chunk_bytes: int = 8 << 20):
+    def __init__(self, threads: int | None = None, chunk_bytes: int = 64 << 20,
+                 span_bytes: int = 8 << 20):
         self.threads = max(1, int(threads)) if threads is not None else default_threads()
+        # the most one read (and one task) covers: large, since a cold read's speed grows
+        # with the request size (the kernel's readahead follows it)
         self.chunk_bytes = max(1, int(chunk_bytes))
+        # the most file span one bounce-buffered read of strided rows covers: it bounds the
+        # per-thread bounce buffer, which the chunk size would otherwise set
+        self.span_bytes = max(1, int(span_bytes))
 
     def load_rank(self, meta: CheckpointMeta, rank_plan: RankPlan, device: Any = "cpu", *,
                   progress: Progress | None = None,
@@ -224,8 +231,8 @@ class CpuEngine:
                 pos += n
             return ln
         kind = Strided.SPAN if ss >= ln and ds >= ln and ss - ln < _PAGE else Strided.ROWS
-        # SPAN: rows in chunks of about chunk_bytes of file span; ROWS: of bytes read
-        per = max(1, cb // (ss if kind is Strided.SPAN else ln))
+        # SPAN: rows in chunks of about span_bytes of file span; ROWS: chunk_bytes read
+        per = max(1, self.span_bytes // ss if kind is Strided.SPAN else cb // ln)
         buf = u8 if kind is Strided.SPAN else mv
         for i in range(0, c, per):
             k = min(per, c - i)
@@ -279,12 +286,12 @@ class CpuEngine:
         stop = threading.Event()
         lock = threading.Lock()
         local = threading.local()
-        cb = self.chunk_bytes
+        sb = self.span_bytes
 
         def bounce(n: int):
             b = getattr(local, "buf", None)
             if b is None or b[0].size < n:
-                t = np.empty(max(n, min(cb, 64 << 20)), dtype=np.uint8)
+                t = np.empty(max(n, sb), dtype=np.uint8)
                 b = local.buf = (t, memoryview(t).cast("B"))
             return b
 
