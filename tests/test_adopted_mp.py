@@ -55,10 +55,15 @@ if rank == 2 and mode == "load":
     loader.PHASE_HOOKS.append(lambda name: die() if name == "load" else None)
 if rank == 2 and mode == "save":
     save_mod._write_rank = die             # dies inside the save-write phase
+if rank == 2 and mode == "save-gather":
+    # dies in the exchange of the written files' records, after save-write agreed
+    from coordloader.dist import collective as _coll
+    _gather = _coll.gather_object
+    _coll.gather_object = lambda g, v: die() if isinstance(v, dict) and "files" in v else _gather(g, v)
 layout = coordloader.Layout(tp=2, ep=2, dp=2)
 try:
     res = coordloader.load_detailed(ckpt, layout, engine="cpu", timeout=timeout)
-    if mode == "save":
+    if mode.startswith("save"):
         coordloader.save(out, res.tensors, res.plan, group=dist.group.WORLD, config=ckpt,
                          timeout=timeout)
     print("OK", flush=True)
@@ -118,6 +123,14 @@ def test_load_adopted_group_names_a_sigkilled_rank_long_before_the_timeout(tmp_p
 def test_save_adopted_group_names_a_sigkilled_rank_long_before_the_timeout(tmp_path, ckpt):
     res, killed_at = _run(tmp_path, ckpt, "save")
     _check_named_dead(res, killed_at, "save-write")
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_save_adopted_group_names_a_rank_dead_in_the_records_exchange(tmp_path, ckpt):
+    """The exchanges between save's phases run inside phases too: a rank dying in one is
+    named like one dying in a phase (it used to surface as raw gloo text, or a hang)."""
+    res, killed_at = _run(tmp_path, ckpt, "save-gather")
+    _check_named_dead(res, killed_at, "save-collect")
 
 
 # ---- one process: the parts ------------------------------------------------------------

@@ -359,29 +359,36 @@ def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrit
         if rank == 0:  # another rank refused its tensors: the stage made here can go
             shutil.rmtree(os.path.join(out_dir, STAGING_PREFIX + token), ignore_errors=True)
         raise
-    # rank 0's staging directory, and who holds which undecided box (written once, by
-    # the lowest rank holding it)
-    held = gather_object(g, (stage, undecided(pieces)))
-    stage = held[0][0]
-    pieces = keep_primaries(pieces, [h[1] for h in held], rank)
-    names = gather_object(g, _ckpt_order(plan, tensors) if rank == 0 or plan is None else [])
-    names_order = list(dict.fromkeys(n for part in names for n in part))
-    t0 = time.perf_counter()
+    # Every exchange runs inside a phase: a rank that dies in one is named by the others
+    # (the agreement and the heartbeat), not reported as raw gloo text or a hang.
+
+    def assign():
+        # rank 0's staging directory, and who holds which undecided box (written once, by
+        # the lowest rank holding it); the order of names in the checkpoint
+        held = gather_object(g, (stage, undecided(pieces)))
+        names = gather_object(g, _ckpt_order(plan, tensors) if rank == 0 or plan is None
+                              else [])
+        return (held[0][0], keep_primaries(pieces, [h[1] for h in held], rank),
+                list(dict.fromkeys(n for part in names for n in part)))
+    stage_here = stage
     try:
+        stage, pieces, names_order = run_phase("save-assign", assign, g)
+        t0 = time.perf_counter()
         mine = run_phase("save-write", _write_rank, g, os.path.join(out_dir, stage), pieces,
                          rank, max_shard_bytes, digests)
+        secs = time.perf_counter() - t0
+        recs = run_phase("save-collect", gather_object, g, g, mine)
     except CoordloaderError:
         if rank == 0:  # every rank has stopped writing: the stage can go
-            shutil.rmtree(os.path.join(out_dir, stage), ignore_errors=True)
+            shutil.rmtree(os.path.join(out_dir, stage_here), ignore_errors=True)
         raise
-    secs = time.perf_counter() - t0
-    recs = gather_object(g, mine)
 
     def publish_():
         if rank != 0:
             return None
-        return _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order)
-    wrote = gather_object(g, run_phase("save-publish", publish_, g))[0]
+        return _publish_or_clean(out_dir, stage_here, recs, plan, cfg, rank, names_order)
+    published = run_phase("save-publish", publish_, g)
+    wrote = run_phase("save-done", gather_object, g, g, published)[0]
     return SaveResult(out_dir, rank, tuple(mine["files"]), mine["bytes"], secs, rank == 0, bool(wrote))
 
 
