@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Mapping, NamedTuple
 
-from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo
+from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, full_box
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning.model import Piece
@@ -126,7 +126,7 @@ class Placer:
         # thousands of same-shaped tensors (experts)
         c = self._wcache.get(t.shape)
         if c is None:
-            c = self._wcache[t.shape] = [(t.shape, (Piece(tuple((0, s) for s in t.shape),
+            c = self._wcache[t.shape] = [(t.shape, (Piece(full_box(t.shape),
                                                           (0,) * len(t.shape)),))]
         return _EVERYONE, c
 
@@ -189,7 +189,7 @@ class Placer:
             self._num_experts = max(map(int, ids), default=-1) + 1
         if E is None:
             E = self._num_experts
-        elif E not in self._checked_E and self._num_experts and E > self._num_experts:
+        elif self._num_experts and E > self._num_experts:
             # config.json (or a rule) claiming more experts than the names hold would leave
             # ranks without experts; checked before the placement tables, sized by E
             raise self.err(f"config.json / rule says {E} experts but the checkpoint's tensor "

@@ -311,7 +311,7 @@ def meta_from_specs(config: Mapping | None, specs, *, files: int = 1,
     HF checkpoint over ``files`` shards (no I/O): for tests and planner benchmarks."""
     import hashlib
 
-    from coordloader.checkpoint.metadata import FileInfo, SourcePiece
+    from coordloader.checkpoint.metadata import FileInfo, SourcePiece, full_box
     specs = list(specs)
     nf = max(1, min(files, len(specs) or 1))
     per = -(-len(specs) // nf) if specs else 0
@@ -326,7 +326,7 @@ def meta_from_specs(config: Mapping | None, specs, *, files: int = 1,
             shape = tuple(int(x) for x in shape)
             nbytes = prod(shape) * itemsize(dt)
             tensors[name] = TensorInfo(name, dt, shape,
-                                       (SourcePiece(fname, tuple((0, s) for s in shape), off, off + nbytes),))
+                                       (SourcePiece(fname, full_box(shape), off, off + nbytes),))
             h.update(f"{name}|{dt}|{shape}|{off}".encode())
             off += nbytes
         finfos.append(FileInfo(fname, off, hlen, h.hexdigest()))

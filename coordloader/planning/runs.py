@@ -16,7 +16,7 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from coordloader.checkpoint.metadata import TensorInfo
+from coordloader.checkpoint.metadata import TensorInfo, full_box
 from coordloader.planning.model import ByteRun, Piece
 
 
@@ -258,7 +258,7 @@ def slice_runs(t: TensorInfo, pieces: tuple[Piece, ...], lshape: tuple[int, ...]
     src = t.pieces
     full = None if full_boxes is None else full_boxes.get(t.shape)
     if full is None:
-        full = tuple([(0, s) for s in t.shape])
+        full = full_box(t.shape)
         if full_boxes is not None:
             full_boxes[t.shape] = full
     if len(src) == 1 and src[0].box == full:
