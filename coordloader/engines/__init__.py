@@ -74,7 +74,8 @@ def select_engine(name: str = "auto", device: Any = None, **options):
     """Build the engine called ``name`` (``auto`` resolved for ``device``).
 
     ``options`` go to the engine's constructor (the instanttensor engine takes ``plan``,
-    ``group`` and ``loader_config``; the cpu engine ``threads``)."""
+    ``group`` and ``loader_config``; the cpu engine ``threads``, ``chunk_bytes`` and
+    ``span_bytes``)."""
     name = resolve_engine_name(name, device)
     if name == "cpu":
         from coordloader.engines.cpu import CpuEngine
