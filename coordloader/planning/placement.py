@@ -258,12 +258,15 @@ class Placer:
         stages, selector, wclasses, _ = wp
         w = self.meta.tensors[wname]
         # the scale's classes follow from the weight's classes and the two shapes: shared,
-        # like the weight's, across the same-shaped tensors of a rule
+        # like the weight's, across the same-shaped tensors of a rule. The memo holds the
+        # weight's classes and the params it is keyed by: a weight named by a rule's
+        # "weight" param is not kept in _placed, and an id is unique only while its
+        # object lives
         key = (id(wclasses), w.shape, t.shape, id(p))
-        classes = self._scale_memo.get(key)
-        if classes is None:
-            classes = self._scale_memo[key] = self._scale_classes(t, p, w, wclasses)
-        return stages, selector, classes, "scale"
+        got = self._scale_memo.get(key)
+        if got is None:
+            got = self._scale_memo[key] = (wclasses, p, self._scale_classes(t, p, w, wclasses))
+        return stages, selector, got[2], "scale"
 
     def _scale_classes(self, t: TensorInfo, p, w: TensorInfo, wclasses):
         n, wname = t.name, w.name
