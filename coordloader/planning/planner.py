@@ -16,7 +16,9 @@ from __future__ import annotations
 import re
 import warnings
 from collections import Counter
+from itertools import groupby, repeat
 from math import prod
+from operator import add, attrgetter, itemgetter, mul, sub
 from typing import Any, Mapping, NamedTuple
 
 from coordloader.checkpoint.dtypes import itemsize
@@ -42,6 +44,7 @@ from coordloader.text import MAX_NAME_CHARS, clip
 
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 
+_NAME = attrgetter("name")
 _REPLICATE = make_rule("*", "replicate", source="replicate_unmatched")
 
 
@@ -251,52 +254,70 @@ class _Planner:
 STORAGE_TO_NET = 0.1
 
 
-def load_groups(L: Layout, rank_plans: tuple[RankPlan, ...], meta: CheckpointMeta) -> tuple[LoadGroup, ...]:
-    S = L.tp * L.dp
-    file_bytes: dict[str, int] = {}
-    tensor_bytes: dict[str, tuple] = {}
+class _StoredParts(NamedTuple):
+    """Each tensor's stored bytes per file, as parallel columns ordered by file: a file's
+    parts are ``names[lo:hi]`` for its ``(lo, hi)`` in ``spans``."""
+    names: list[str]
+    nbytes: list[int]
+    spans: dict[str, tuple[int, int]]
+
+
+def _stored_parts(meta: CheckpointMeta) -> _StoredParts:
+    rows = []
+    multi = []
     for t in meta.tensors.values():
-        if len(t.pieces) == 1:   # a plain checkpoint: the tensor's one file
-            sp = t.pieces[0]
-            b = sp.end - sp.start
-            tensor_bytes[t.name] = ((sp.file, b),)
-            file_bytes[sp.file] = file_bytes.get(sp.file, 0) + b
-            continue
+        (multi if len(t.pieces) > 1 else rows).append(t)
+    # a plain checkpoint's tensors have one piece each: their columns are built in C
+    p0 = list(map(itemgetter(0), map(attrgetter("pieces"), rows)))
+    parts = list(zip(map(attrgetter("file"), p0), map(attrgetter("name"), rows),
+                     map(sub, map(attrgetter("end"), p0), map(attrgetter("start"), p0))))
+    for t in multi:
         tb: dict[str, int] = {}
         for sp in t.pieces:
             tb[sp.file] = tb.get(sp.file, 0) + sp.end - sp.start
-            file_bytes[sp.file] = file_bytes.get(sp.file, 0) + sp.end - sp.start
-        tensor_bytes[t.name] = tuple(tb.items())
+        parts.extend((f, t.name, b) for f, b in tb.items())
+    parts.sort(key=itemgetter(0))   # stable; already in file order for a plain checkpoint
+    spans: dict[str, tuple[int, int]] = {}
+    lo = 0
+    for f, grp in groupby(map(itemgetter(0), parts)):
+        n = sum(1 for _ in grp)
+        spans[f] = (lo, lo + n)
+        lo += n
+    return _StoredParts(list(map(itemgetter(1), parts)), list(map(itemgetter(2), parts)), spans)
+
+
+def load_groups(L: Layout, rank_plans: tuple[RankPlan, ...], meta: CheckpointMeta) -> tuple[LoadGroup, ...]:
+    S = L.tp * L.dp
+    parts = _stored_parts(meta)
     out = []
     for s in range(L.pp):
         ranks = tuple(range(s * S, (s + 1) * S))
         # representative ranks: one DP replica unless experts span DP
         reps = ranks if L.ep_spans_dp else ranks[:L.tp]
-        need: dict[str, int] = {}
-        # the ranks of a rank class hold the same tensors, and rank classes share the slice
-        # objects of replicated tensors: count how many representative ranks hold each
-        # distinct slice (C-level counting), then add its bytes once
-        held: dict = {}   # id(slices) -> [slices, members]
+        # the ranks of a rank class hold the same tensors: count each distinct slice list
+        # once, weighted by the representative ranks holding it, by name (a file's bytes
+        # needed are its tensors' bytes times the slices held of each)
+        held: dict = {}   # id(slices) -> [slices, representative ranks holding them]
         for r in reps:
             sh = share_of(rank_plans[r])
             src = rank_plans[r].tensors if sh is None else sh.slices
             held.setdefault(id(src), [src, 0])[1] += 1
-        holders = Counter()   # id(slice) -> representative ranks holding it
-        by_members: dict[int, Counter] = {}
-        obj: dict = {}
+        by_weight: dict[int, Counter] = {}
         for src, m in held.values():
-            by_members.setdefault(m, Counter()).update(map(id, src))
-            obj.update(zip(map(id, src), src))
-        for m, cnt in by_members.items():
-            for i, c in cnt.items():
-                holders[i] += c * m
-        for i, c in holders.items():
-            for f, b in tensor_bytes[obj[i].name]:
-                need[f] = need.get(f, 0) + b * c
+            by_weight.setdefault(m, Counter()).update(map(_NAME, src))
+        count = None   # per part: slices held of its tensor, over the representative ranks
+        for m, cnt in by_weight.items():
+            c = map(cnt.get, parts.names, repeat(0))
+            c = list(c if m == 1 else map(mul, c, repeat(m)))
+            count = c if count is None else list(map(add, count, c))
+        need = list(map(mul, count, parts.nbytes))
         grp, filt = [], []
-        for f in sorted(need):
-            size = file_bytes[f]
-            frac = (need[f] / len(reps)) / size if size else 1.0
+        for f in sorted(parts.spans):
+            lo, hi = parts.spans[f]
+            if not any(count[lo:hi]):
+                continue
+            size = sum(parts.nbytes[lo:hi])
+            frac = (sum(need[lo:hi]) / len(reps)) / size if size else 1.0
             (filt if frac < 1 / len(ranks) + STORAGE_TO_NET else grp).append(f)
         if grp:
             out.append(LoadGroup(tuple(grp), ranks, "group"))
