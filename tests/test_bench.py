@@ -245,3 +245,31 @@ def test_headline_fallbacks():
     h = headline({"load": {"world": 2, "headline": {"ratio": 3.5, "cpu_s": 0.2, "whole_s": 0.7,
                                                     "peer": peer}}})
     assert HEADLINE.match(h), h
+
+
+def test_each_repeat_starts_one_method_later(monkeypatch):
+    """A method's place in a repeat's order (first after the warm-up, or after the same
+    neighbour) must not bias its paired ratios: over n repeats each of n methods runs once
+    in every place, and the walls stay paired by repeat."""
+    from types import SimpleNamespace
+
+    from coordloader.bench import load_bench
+
+    order = []
+
+    def run_ranks(m, **common):
+        order.append(m)
+        return SimpleNamespace(wall=float(len(order)))
+
+    monkeypatch.setattr(load_bench, "run_ranks", run_ranks)
+    monkeypatch.setattr(load_bench, "warm_files", lambda files: None)
+    monkeypatch.setattr(load_bench, "ckpt_files", lambda ckpt: [])
+    monkeypatch.setattr(load_bench, "summarize",
+                        lambda m, label, runs, **kw: [r.wall for r in runs])
+    out, failed = load_bench._run_set(["cpu", "span", "st_slice"], 3, cold=True,
+                                      common={"ckpt": "x"}, log=lambda s: None)
+    assert order == ["cpu", "span", "st_slice", "span", "st_slice", "cpu",
+                     "st_slice", "cpu", "span"]
+    # walls listed by repeat, whatever the method's place in it
+    assert out == {"cpu": [1.0, 6.0, 8.0], "span": [2.0, 4.0, 9.0], "st_slice": [3.0, 5.0, 7.0]}
+    assert failed == {}

@@ -134,7 +134,11 @@ def _run_set(methods, repeats, *, cold, common, log) -> tuple[dict, dict]:
     failed: dict[str, str] = {}
     first = True
     for i in range(repeats):
-        for m in methods:
+        # each repeat starts one method later, so that no method always runs first after
+        # the warm-up or after the same neighbour: its place in the order must not bias
+        # the paired ratios
+        k = i % len(methods) if methods else 0
+        for m in methods[k:] + methods[:k]:
             if m in failed:
                 continue
             t0 = time.perf_counter()
