@@ -247,29 +247,43 @@ def test_headline_fallbacks():
     assert HEADLINE.match(h), h
 
 
-def test_each_repeat_starts_one_method_later(monkeypatch):
-    """A method's place in a repeat's order (first after the warm-up, or after the same
-    neighbour) must not bias its paired ratios: over n repeats each of n methods runs once
-    in every place, and the walls stay paired by repeat."""
+def test_repeats_vary_the_order_and_the_neighbours(monkeypatch):
+    """A method's place in a repeat's order and the method run before it must not bias its
+    paired ratios: the repeats after the first shuffle the order (seeded, so reruns match),
+    every method meets more than one predecessor and place, and the walls stay paired by
+    repeat."""
     from types import SimpleNamespace
 
     from coordloader.bench import load_bench
 
-    order = []
+    methods = ["cpu", "span", "st_slice", "st_mmap_narrow"]
+    repeats = 8
 
-    def run_ranks(m, **common):
-        order.append(m)
-        return SimpleNamespace(wall=float(len(order)))
+    def run(order):
+        def run_ranks(m, **common):
+            order.append(m)
+            return SimpleNamespace(wall=float(len(order)))
+        monkeypatch.setattr(load_bench, "run_ranks", run_ranks)
+        monkeypatch.setattr(load_bench, "warm_files", lambda files: None)
+        monkeypatch.setattr(load_bench, "ckpt_files", lambda ckpt: [])
+        monkeypatch.setattr(load_bench, "summarize",
+                            lambda m, label, runs, **kw: [r.wall for r in runs])
+        return load_bench._run_set(methods, repeats, cold=True, common={"ckpt": "x"},
+                                   log=lambda s: None)
 
-    monkeypatch.setattr(load_bench, "run_ranks", run_ranks)
-    monkeypatch.setattr(load_bench, "warm_files", lambda files: None)
-    monkeypatch.setattr(load_bench, "ckpt_files", lambda ckpt: [])
-    monkeypatch.setattr(load_bench, "summarize",
-                        lambda m, label, runs, **kw: [r.wall for r in runs])
-    out, failed = load_bench._run_set(["cpu", "span", "st_slice"], 3, cold=True,
-                                      common={"ckpt": "x"}, log=lambda s: None)
-    assert order == ["cpu", "span", "st_slice", "span", "st_slice", "cpu",
-                     "st_slice", "cpu", "span"]
-    # walls listed by repeat, whatever the method's place in it
-    assert out == {"cpu": [1.0, 6.0, 8.0], "span": [2.0, 4.0, 9.0], "st_slice": [3.0, 5.0, 7.0]}
+    order: list[str] = []
+    out, failed = run(order)
     assert failed == {}
+    n = len(methods)
+    reps = [order[i * n:(i + 1) * n] for i in range(repeats)]
+    assert reps[0] == methods and all(sorted(r) == sorted(methods) for r in reps)
+    for m in methods:
+        assert len({r.index(m) for r in reps}) > 1
+        # within a repeat (not only where one repeat meets the next)
+        before = {r[r.index(m) - 1] for r in reps if r.index(m)}
+        assert len(before) > 1, (m, before)
+        # walls listed by repeat, whatever the method's place in it
+        assert out[m] == [float(i * n + r.index(m) + 1) for i, r in enumerate(reps)]
+    again: list[str] = []
+    run(again)
+    assert again == order

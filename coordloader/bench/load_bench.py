@@ -6,6 +6,7 @@ within a repeat so a noisy neighbour on a shared machine hits them all alike.
 """
 from __future__ import annotations
 
+import random
 import time
 from typing import Any, NamedTuple
 
@@ -134,11 +135,14 @@ def _run_set(methods, repeats, *, cold, common, log) -> tuple[dict, dict]:
     failed: dict[str, str] = {}
     first = True
     for i in range(repeats):
-        # each repeat starts one method later, so that no method always runs first after
-        # the warm-up or after the same neighbour: its place in the order must not bias
-        # the paired ratios
-        k = i % len(methods) if methods else 0
-        for m in methods[k:] + methods[:k]:
+        # a method's place in the order and the method before it must not bias the paired
+        # ratios (what the one before leaves behind, a page cache to drop or freed memory
+        # to fault back in, moves a cold run's wall): after the first repeat, each runs
+        # the methods in its own seeded shuffle, the same in every bench run
+        order = list(methods)
+        if i:
+            random.Random(i).shuffle(order)
+        for m in order:
             if m in failed:
                 continue
             t0 = time.perf_counter()
