@@ -37,6 +37,9 @@ from coordloader.errors import SaveError
 
 mode = sys.argv[1]
 mark = sys.argv[2]
+# Ctrl-C as a terminal delivers it: a suite started in the background of a non-interactive
+# shell hands its children SIGINT ignored, and Python then installs no handler of its own
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def main():
