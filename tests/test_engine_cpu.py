@@ -426,6 +426,25 @@ def test_prefault_maps_whole_pages_inside_the_range():
     assert faults < (64 << 20) // 4096 // 8, faults     # ~16k pages without prefault
 
 
+def test_prefault_leaves_memory_already_mapped_alone(monkeypatch):
+    """Memory written before (an allocator's reused pages) is not populated again: that
+    walk cost a long-lived process on every load. A fresh range still is."""
+    from coordloader.engines import memory
+    if memory._MADVISE is None:
+        pytest.skip("no madvise on this system")
+    calls = []
+    real = memory._MADVISE
+    monkeypatch.setattr(memory, "_MADVISE",
+                        lambda a, n, adv: calls.append((a, n)) or real(a, n, adv))
+    used = torch.empty(16 << 20, dtype=torch.uint8)
+    used.fill_(1)                                       # every page mapped
+    fresh = torch.empty(16 << 20, dtype=torch.uint8)    # address space only
+    assert not memory.prefault_tensor(used) and calls == []
+    if not memory.prefault_tensor(fresh):
+        pytest.skip("no MADV_POPULATE_WRITE on this system")
+    assert len(calls) == 1
+
+
 def test_cpu_engine_prefaults_fresh_destinations_only(ckpt, monkeypatch):
     """The reader threads prefault the destination ranges of the tensors the engine
     allocated (every byte a run writes lies in a prefaulted range), never a destination
