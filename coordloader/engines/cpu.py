@@ -27,6 +27,7 @@ Tensors the engine allocates itself are fresh address space: before a read lands
 the reader thread maps the destination range with ``memory.prefault`` (one
 ``madvise(MADV_POPULATE_WRITE)``), not one page-fault trap per 4 KiB page. Each thread
 does so for its own ranges, so the faults spread over the threads as the reads do.
+Ranges the allocator handed back mapped already (a process loading again) are left alone.
 Destinations handed in (``out``) are left as they are.
 """
 from __future__ import annotations
