@@ -29,32 +29,22 @@ PAGE = 4096
 MADV_POPULATE_WRITE = 23
 
 
-def _madvise():
+def _libc(name: str, third):
+    """libc's ``name(void *, size_t, third)`` returning int, or None off Linux or where
+    libc lacks it."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        f = ctypes.CDLL(None, use_errno=True).madvise
+        f = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, third]
     f.restype = ctypes.c_int
     return f
 
 
-def _mincore():
-    if _MADVISE is None:
-        return None
-    try:
-        f = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    f.restype = ctypes.c_int
-    return f
-
-
-_MADVISE = _madvise()
-_MINCORE = _mincore()
+_MADVISE = _libc("madvise", ctypes.c_int)
+_MINCORE = _libc("mincore", ctypes.c_char_p)
 _unsupported = False
 
 
