@@ -16,6 +16,8 @@ from coordloader.planning.model import Piece
 from coordloader.planning.rules import Rule, num_experts_of
 from coordloader.planning.strategies import STRATEGIES, Everyone, dim_classes
 
+# a block scale's default weight: its own name without this suffix
+SCALE_SUFFIX = "_scale_inv"
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 # EXPERT_RE over names joined by newlines (when no name holds one)
 EXPERT_LINE_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.", re.MULTILINE)
@@ -57,7 +59,7 @@ class Placer:
         self.layer_of, self.num_layers, self.stage_of = layers
         self.tied = tied                # the lm_head reads the input embedding
         self._placed: dict[str, tuple] = {}
-        self._scaled = {n[:-10] for n in meta.tensors if n.endswith("_scale_inv")}
+        self._scaled = {n[:-len(SCALE_SUFFIX)] for n in meta.tensors if n.endswith(SCALE_SUFFIX)}
         self._scale_memo: dict = {}
         self._owners: dict = {}
         self._id_res: dict[str, re.Pattern] = {}
@@ -245,7 +247,7 @@ class Placer:
 
     def scale(self, t: TensorInfo, p):
         n = t.name
-        wname = p.get("weight") or (n[:-len("_scale_inv")] if n.endswith("_scale_inv") else None)
+        wname = p.get("weight") or (n[:-len(SCALE_SUFFIX)] if n.endswith(SCALE_SUFFIX) else None)
         if wname is None or wname not in self.meta.tensors:
             raise self.err(f"block scale without its weight {wname!r}", n)
         if wname not in self.match:
