@@ -79,7 +79,7 @@ class Placer:
         return rx
 
     def config_num_experts(self) -> int | None:
-        return num_experts_of(self.config)
+        return self._config_E
 
     def _stages(self, n: str, params: Mapping) -> tuple[int, ...] | None:
         """Stages holding tensor ``n``; None = excluded (MTP layers)."""
