@@ -8,6 +8,7 @@ import pickle
 import socket
 import struct
 import tracemalloc
+from dataclasses import fields
 from hashlib import sha256
 
 import pytest
@@ -455,6 +456,16 @@ def test_same_tensor_in_two_files(tmp_path, index):
     bad(tmp_path, "tensor 'b'", "stored in both 's1.safetensors' and 's2.safetensors'")
 
 
+@pytest.mark.parametrize("index", [True, False], ids=["with_index", "no_index"])
+def test_tensor_stored_again_files_later(tmp_path, index):
+    # the first file that stores it and the first that stores it again, files in between
+    write_sharded(tmp_path, {"s1.safetensors": GOOD[:2], "s2.safetensors": [("d", "F32", [1])],
+                             "s3.safetensors": [("e", "F32", [2]), GOOD[1]],
+                             "s4.safetensors": [GOOD[1]]}, index=index)
+    bad(tmp_path, "file s3.safetensors, tensor 'b'",
+        "stored in both 's1.safetensors' and 's3.safetensors'")
+
+
 def test_index_not_json_and_duplicate_keys(tmp_path):
     sharded_ok(tmp_path)
     write_index(tmp_path, None, raw='{"weight_map": {"a": "x.safetensors", '
@@ -670,7 +681,10 @@ def test_assembled_records_equal_init_built(tmp_path):
         p2 = SourcePiece(p.file, p.box, p.start, p.end)
         t2 = TensorInfo(t.name, t.dtype, t.shape, (p2,))
         assert t == t2 and hash(t) == hash(t2) and repr(t) == repr(t2)
-        assert vars(t) == vars(t2) and vars(p) == vars(p2) and t.is_whole
+        for a, b in ((t, t2), (p, p2)):   # slotted: every field set, nothing else held
+            assert not hasattr(a, "__dict__")
+            assert [getattr(a, f.name) for f in fields(a)] == [getattr(b, f.name) for f in fields(b)]
+        assert t.is_whole
         assert pickle.loads(pickle.dumps(t)) == t
         with pytest.raises(AttributeError):
             t.name = "x"

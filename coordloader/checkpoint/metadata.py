@@ -50,7 +50,7 @@ class FileInfo:
         return 8 + self.header_len
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SourcePiece:
     file: str    # FileInfo.name
     box: Box     # region of the global tensor this piece holds
@@ -58,7 +58,7 @@ class SourcePiece:
     end: int     # absolute byte offset one past the last byte
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorInfo:
     name: str
     dtype: str                 # safetensors dtype name, e.g. "BF16"

@@ -22,13 +22,16 @@ and every rank calls ``assemble``. ``read_checkpoint`` does all three in one pro
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
 import sys
 from dataclasses import dataclass
 from hashlib import sha256
+from itertools import repeat
 from math import prod
+from operator import itemgetter
 from typing import Any, Iterable
 
 from coordloader.checkpoint.dtypes import SUPPORTED, itemsize
@@ -760,57 +763,72 @@ def _refuse_coordloader_pieces(fname: str, header: FileHeader) -> None:
 def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     wm = discovery.weight_map
-    wm_get = wm.get if wm is not None else None
     idx = discovery.index_file
     boxes: dict[tuple, tuple] = {}  # shapes repeat (experts, layers): share the box tuples
-    unlisted = False                # some tensor's file is not what the index maps it to
-    # Every rank builds all ~92k records of DeepSeek-V3 here: the frozen __init__ (a Python
-    # frame and one object.__setattr__ lookup per field) is replaced by the same
-    # object.__setattr__ calls inline, which set the same fields in the same instance
-    # layout (equal, same hash; tests/test_checkpoint.py compares with __init__-built ones).
-    new, put = object.__new__, object.__setattr__
-    for fname in names:
+    stored: dict[str, str] = {}     # tensor -> its file, compared with the index in one go
+    # Every rank builds all ~92k records of DeepSeek-V3 here, so the loop holds nothing but
+    # their construction: the slot setters of the frozen records (no __init__ frame, no
+    # object.__setattr__ per field; tests/test_checkpoint.py compares the records with
+    # __init__-built ones). The duplicate and index checks run in C after each file.
+    new = object.__new__
+    p_file, p_box, p_start, p_end = _field_setters(SourcePiece)
+    t_name, t_dtype, t_shape, t_pieces = _field_setters(TensorInfo)
+    count = 0
+    for i, fname in enumerate(names):
         _refuse_coordloader_pieces(fname, by_file[fname])
-        for key, dtype, shape, start, end in by_file[fname].entries:
-            if key in tensors:
-                raise CheckpointError(f"tensor is stored in both {tensors[key].file!r} and "
-                                      f"{fname!r}; expected each tensor in exactly one file",
-                                      file=fname, tensor=key)
+        entries = by_file[fname].entries
+        for key, dtype, shape, start, end in entries:
             box = boxes.get(shape)
             if box is None:
                 box = boxes[shape] = full_box(shape)
             p = new(SourcePiece)
-            put(p, "file", fname)
-            put(p, "box", box)
-            put(p, "start", start)
-            put(p, "end", end)
+            p_file(p, fname)
+            p_box(p, box)
+            p_start(p, start)
+            p_end(p, end)
             t = new(TensorInfo)
-            put(t, "name", key)
-            put(t, "dtype", dtype)
-            put(t, "shape", shape)
-            put(t, "pieces", (p,))
+            t_name(t, key)
+            t_dtype(t, dtype)
+            t_shape(t, shape)
+            t_pieces(t, (p,))
             tensors[key] = t
-            if wm_get is not None and wm_get(key) != fname:
-                unlisted = True
-    if wm is None:
+        count += len(entries)
+        if len(tensors) != count:
+            _refuse_stored_twice(by_file, names[:i + 1])
+        if wm is not None:
+            stored.update(zip(map(itemgetter(0), entries), repeat(fname)))
+    if wm is None or stored == wm:
         return tensors
     # After the duplicate check, so a tensor stored twice is reported as such.
-    if unlisted:
-        for key, t in tensors.items():
-            fname = t.pieces[0].file
-            listed = wm.get(key)
-            if listed != fname:
-                if listed is None:
-                    raise CheckpointError(f"tensor is in the file but not in the index {idx!r}",
-                                          file=fname, tensor=key)
-                raise CheckpointError(f"tensor is in the file but the index {idx!r} maps it "
-                                      f"to {listed!r}", file=fname, tensor=key)
+    for key, t in tensors.items():
+        fname = t.pieces[0].file
+        listed = wm.get(key)
+        if listed != fname:
+            if listed is None:
+                raise CheckpointError(f"tensor is in the file but not in the index {idx!r}",
+                                      file=fname, tensor=key)
+            raise CheckpointError(f"tensor is in the file but the index {idx!r} maps it "
+                                  f"to {listed!r}", file=fname, tensor=key)
     if len(tensors) != len(wm):
         for key, fname in wm.items():
             if key not in tensors:
                 raise CheckpointError(f"the index {idx!r} lists the tensor in this file but "
                                       f"the file does not contain it", file=fname, tensor=key)
     return tensors
+
+
+def _refuse_stored_twice(by_file, names) -> None:
+    """Raise for the first tensor of the last of ``names`` that an earlier file stores."""
+    first: dict[str, str] = {}
+    for fname in names[:-1]:
+        for ent in by_file[fname].entries:
+            first.setdefault(ent[0], fname)
+    for ent in by_file[names[-1]].entries:
+        if ent[0] in first:
+            raise CheckpointError(f"tensor is stored in both {first[ent[0]]!r} and "
+                                  f"{names[-1]!r}; expected each tensor in exactly one file",
+                                  file=names[-1], tensor=ent[0])
+    raise AssertionError("no tensor stored twice")   # the caller counted one
 
 
 def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorInfo]:
@@ -902,3 +920,8 @@ def read_checkpoint(root: str) -> CheckpointMeta:
     with gc_paused():  # one pause for the whole read, not one per file
         disc = discover(root)
         return assemble(root, disc, [read_file_header(disc.root, f) for f in disc.files])
+
+
+def _field_setters(cls) -> tuple:
+    """The slot setters of a frozen slotted dataclass, in field order."""
+    return tuple(cls.__dict__[f.name].__set__ for f in dataclasses.fields(cls))
