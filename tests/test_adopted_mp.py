@@ -133,6 +133,48 @@ def test_save_adopted_group_names_a_rank_dead_in_the_records_exchange(tmp_path, 
     _check_named_dead(res, killed_at, "save-collect")
 
 
+REFUSED = r'''
+import os, sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+import coordloader
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                        timeout=timedelta(seconds=60))
+try:
+    coordloader.load(sys.argv[1], coordloader.Layout(tp=8), engine="cpu", timeout=60)
+    print("LOADED", flush=True)
+except coordloader.LoadError as e:   # the error is still held while the threads are counted
+    end = time.monotonic() + 3
+    beating = lambda: sum(t.name == "coordloader-heartbeat" for t in threading.enumerate())
+    while beating() and time.monotonic() < end:
+        time.sleep(0.05)
+    print("REFUSED", beating(), " ".join(str(e).split()), flush=True)
+os._exit(0)
+'''
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_a_group_refused_after_adoption_stops_beating(tmp_path, ckpt):
+    """load() adopts the default group, then refuses it (2 ranks, a layout of 8): the group
+    it adopted is closed on the way out, so its heartbeat does not beat on while the
+    caller holds the error (it used to stop only when the group was collected)."""
+    script = tmp_path / "refused.py"
+    script.write_text(REFUSED)
+    port = free_port()
+    procs, _, _ = run_ranks(range(2), lambda r: subprocess.Popen(
+        [sys.executable, str(script), ckpt], env=rank_env(port, r, 2, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(tmp_path),
+        start_new_session=True), HARD)
+    for r, p in procs.items():
+        out, err = (b.decode() for b in p.communicate())
+        line = next((ln for ln in out.splitlines() if ln.startswith("REFUSED ")), None)
+        assert line is not None, f"rank {r}: rc {p.returncode}\n{out}\n{err}"
+        _, beating, msg = line.split(" ", 2)
+        assert "the process group has 2 ranks, the layout (tp=8" in msg and "needs 8" in msg, msg
+        assert beating == "0", f"rank {r}: {beating} heartbeat thread(s) still running"
+
+
 # ---- one process: the parts ------------------------------------------------------------
 
 def _tcp_master():

@@ -28,7 +28,8 @@ API (all a phase needs)::
 - ``wrap_group(pg=None, timeout_s=None) -> Group`` adopts a process group the caller has
   already initialised (library use: ``coordloader.load(..., group=pg)``). Its ranks beat
   like those of ``init_group`` when the default store rests on a TCPStore (else a dead
-  rank is named at the timeout).
+  rank is named at the timeout). ``with adopted(group, timeout_s) as g:`` adopts for one
+  call and closes on the way out (a Group passed in is left to its owner).
 - ``run_phase(name, fn, group, *args, **kw)`` runs ``fn(*args, **kw)`` on this rank and
   returns its value once all ranks succeeded. Any exception is caught and turned into
   ``"<ErrorType>: <text>"`` (CoordloaderError context such as file/tensor is kept) and
@@ -581,6 +582,22 @@ def wrap_group(pg=None, timeout_s: float | None = None, *, grace_s: float | None
     return group
 
 
+@contextlib.contextmanager
+def adopted(group, timeout_s: float | None = None):
+    """``group`` as a Group for the ``with`` block: a Group is used as it is (whoever made
+    it closes it); a process group (None: the default one) is adopted with ``wrap_group``
+    and closed when the block ends, however it ends, so the heartbeat of a group adopted
+    for one call never outlives the call. The one way the library's entry points adopt."""
+    if isinstance(group, Group):
+        yield group
+        return
+    g = wrap_group(group, timeout_s=timeout_s)
+    try:
+        yield g
+    finally:
+        g.close()
+
+
 def _wrapped_beat_store(base, ns: str, timeout_s: float):
     import torch.distributed as dist
     conn = _second_connection(base, timeout_s)
@@ -987,5 +1004,5 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-__all__ = ["Group", "init_group", "wrap_group", "run_phase", "exit_on_error",
+__all__ = ["Group", "init_group", "wrap_group", "adopted", "run_phase", "exit_on_error",
            "describe_exception", "free_port", "gather_object", "DEFAULT_TIMEOUT_S", "DEFAULT_GRACE_S"]

@@ -269,13 +269,6 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, cfg: ModelConf
 # public entry: one function per mode
 # ---------------------------------------------------------------------------------------
 
-def _resolve_group(group, timeout: float | None = None):
-    """``group`` as a coordloader.collective.Group (error agreement with rank naming and
-    timeouts: ``timeout`` seconds at each phase boundary, the collective default if None)."""
-    from coordloader.dist import collective as coll
-    return group if isinstance(group, coll.Group) else coll.wrap_group(group, timeout_s=timeout)
-
-
 def _ckpt_order(plan, tensors) -> list[str]:
     seen, order = set(), []
     for rp in plan.ranks if plan is not None else ():
@@ -327,13 +320,12 @@ def save_distributed(out_dir, tensors, plan=None, *, group=None, rank: int | Non
     at each phase (prepare, write, publish) so every rank raises, naming the failing one."""
     out_dir = os.fspath(out_dir)
     _check_args(max_shard_bytes)
-    g = _resolve_group(group, timeout)
-    try:
+    from coordloader.dist import collective as coll
+    # a coordloader Group, for error agreement with rank naming and ``timeout`` seconds at
+    # each phase boundary (the collective default if None)
+    with coll.adopted(group, timeout) as g:
         return _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrite,
                                  config, digests)
-    finally:
-        if g is not group:
-            g.close()   # a group adopted here: stop its heartbeat
 
 
 def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrite, config,

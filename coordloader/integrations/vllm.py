@@ -17,6 +17,7 @@ vLLM's worker processes see it too. Options come through
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -190,9 +191,9 @@ def load_into_vllm(model, ckpt: str, vr: VllmRank, opts: LoaderOptions, *,
     from coordloader.integrations.globaltensor import global_tensor, unconsumed
     from coordloader.loader import load_detailed
 
-    group = collective.wrap_group(vr.cpu_group, timeout_s=opts.timeout) \
-        if vr.layout.world_size > 1 else None
-    try:
+    adopt = collective.adopted(vr.cpu_group, opts.timeout) if vr.layout.world_size > 1 \
+        else contextlib.nullcontext()
+    with adopt as group:
         t0 = time.perf_counter()
         res = load_detailed(ckpt, vr.layout, group=group, rank=vr.rank, engine=opts.engine,
                             verify=opts.verify, rules=opts.rules, loader_config=opts.loader_config,
@@ -223,9 +224,6 @@ def load_into_vllm(model, ckpt: str, vr: VllmRank, opts: LoaderOptions, *,
                             engine=res.stats.engine,
                             experts={str(k): sorted(v) for k, v in sorted(experts.items())})
         return report
-    finally:
-        if group is not None:
-            group.close()   # adopted here: stop its heartbeat
 
 
 def _local_checkpoint(model_config) -> str:
