@@ -466,6 +466,18 @@ def test_tensor_stored_again_files_later(tmp_path, index):
         "stored in both 's1.safetensors' and 's3.safetensors'")
 
 
+def test_header_built_with_a_name_twice_is_refused_by_name(tmp_path):
+    # headers gathered from other ranks reach assemble() without the JSON parser's
+    # duplicate-key check: a header repeating a name is the same CheckpointError
+    write_st(tmp_path / M, GOOD)
+    h = ck.read_file_header(str(tmp_path), M)
+    doubled = ck.FileHeader(h.info, h.entries + h.entries[1:2])
+    with pytest.raises(CheckpointError) as ei:
+        ck.assemble(str(tmp_path), ck.discover(str(tmp_path)), [doubled])
+    assert ei.value.file == M and ei.value.tensor == "b"
+    assert f"stored in both {M!r} and {M!r}" in str(ei.value)
+
+
 def test_index_not_json_and_duplicate_keys(tmp_path):
     sharded_ok(tmp_path)
     write_index(tmp_path, None, raw='{"weight_map": {"a": "x.safetensors", '

@@ -818,16 +818,19 @@ def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInf
 
 
 def _refuse_stored_twice(by_file, names) -> None:
-    """Raise for the first tensor of the last of ``names`` that an earlier file stores."""
+    """Raise for the first tensor of the last of ``names`` that an earlier file, or an
+    earlier entry of its own header (a header built by hand), stores."""
     first: dict[str, str] = {}
     for fname in names[:-1]:
         for ent in by_file[fname].entries:
             first.setdefault(ent[0], fname)
-    for ent in by_file[names[-1]].entries:
+    last = names[-1]
+    for ent in by_file[last].entries:
         if ent[0] in first:
             raise CheckpointError(f"tensor is stored in both {first[ent[0]]!r} and "
-                                  f"{names[-1]!r}; expected each tensor in exactly one file",
-                                  file=names[-1], tensor=ent[0])
+                                  f"{last!r}; expected each tensor in exactly one file",
+                                  file=last, tensor=ent[0])
+        first[ent[0]] = last
     raise AssertionError("no tensor stored twice")   # the caller counted one
 
 
