@@ -175,6 +175,55 @@ def test_a_group_refused_after_adoption_stops_beating(tmp_path, ckpt):
         assert beating == "0", f"rank {r}: {beating} heartbeat thread(s) still running"
 
 
+MISMATCH = r'''
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+import coordloader
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+done = os.path.join(os.getcwd(), "rank0-done")
+try:
+    # rank 1 claims to be rank 0: refused before any phase; rank 0 goes on into them
+    coordloader.load(sys.argv[1], coordloader.Layout(tp=2), engine="cpu", timeout=60,
+                     rank=0 if rank == 1 else None)
+    print("LOADED", flush=True)
+except coordloader.CoordloaderError as e:
+    print("ERROR", type(e).__name__, " ".join(str(e).split()), flush=True)
+if rank == 0:
+    open(done, "w").close()
+else:   # alive, holding the error, until rank 0 has said what it saw
+    end = time.monotonic() + 60
+    while not os.path.exists(done) and time.monotonic() < end:
+        time.sleep(0.05)
+os._exit(0)
+'''
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_a_rank_refusing_the_group_is_named_with_its_error_not_as_dead(tmp_path, ckpt):
+    """A rank whose load() refuses the adopted group before any phase (here: a rank= that
+    is not its rank) is alive; the other ranks name its error at their first phase, not
+    "died or hung hard" once the refusal has stopped its heartbeat."""
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH)
+    port = free_port()
+    procs, _, _ = run_ranks(range(2), lambda r: subprocess.Popen(
+        [sys.executable, str(script), ckpt], env=rank_env(port, r, 2, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(tmp_path),
+        start_new_session=True), HARD)
+    lines = {}
+    for r, p in procs.items():
+        out, err = (b.decode() for b in p.communicate())
+        line = next((ln for ln in out.splitlines() if ln.startswith("ERROR ")), None)
+        assert line is not None, f"rank {r}: rc {p.returncode}\n{out}\n{err}"
+        lines[r] = line
+    assert lines[1] == ("ERROR LoadError rank=0 given, but this process is rank 1 of its "
+                        "group"), lines[1]
+    assert lines[0].startswith("ERROR CollectiveError phase metadata-read: rank 1: LoadError: "
+                               "rank=0 given, but this process is rank 1 of its group"), lines[0]
+
+
 # ---- one process: the parts ------------------------------------------------------------
 
 def _tcp_master():

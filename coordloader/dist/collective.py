@@ -587,13 +587,24 @@ def adopted(group, timeout_s: float | None = None):
     """``group`` as a Group for the ``with`` block: a Group is used as it is (whoever made
     it closes it); a process group (None: the default one) is adopted with ``wrap_group``
     and closed when the block ends, however it ends, so the heartbeat of a group adopted
-    for one call never outlives the call. The one way the library's entry points adopt."""
+    for one call never outlives the call; an exception that leaves the block outside a
+    phase is posted for the other ranks first. The one way the library's entry points
+    adopt."""
     if isinstance(group, Group):
         yield group
         return
     g = wrap_group(group, timeout_s=timeout_s)
     try:
         yield g
+    except GeneratorExit:
+        raise
+    except BaseException as exc:
+        if not g._failed:
+            # raised here outside any phase (load refusing the group it was handed, say):
+            # the others learn why at their next boundary, rather than calling this rank
+            # dead once close() below stops its heartbeat
+            _post_leaving(g, exc)
+        raise
     finally:
         g.close()
 
