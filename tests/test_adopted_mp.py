@@ -224,6 +224,49 @@ def test_a_rank_refusing_the_group_is_named_with_its_error_not_as_dead(tmp_path,
                                "rank=0 given, but this process is rank 1 of its group"), lines[0]
 
 
+MANY = r'''
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from coordloader.dist import collective as coll
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                        timeout=timedelta(seconds=60))
+opened = []
+second = coll._second_connection
+coll._second_connection = lambda *a, **k: opened.append(1) or second(*a, **k)
+t0 = time.monotonic()
+for i in range(40):   # a serving process reloading, a test running case after case
+    with coll.adopted(None, 60) as g:
+        for ph in range(3):
+            coll.run_phase(f"p{ph}", lambda: i, g)
+print("DONE", len(opened), f"{time.monotonic() - t0:.1f}", flush=True)
+dist.barrier()   # rank 0 hosts the store: nobody leaves while another still reads it
+dist.destroy_process_group()
+os._exit(0)
+'''
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_groups_adopted_in_turn_share_one_heartbeat_connection(tmp_path):
+    """Every adoption of the default group used to open a heartbeat connection of its
+    own; torch's client sometimes takes 5 s to connect (seen on loopback: one connect in
+    ~25), and a run of 4-rank loads then failed a phase on a store deadline about every
+    other run. One connection per process now serves the groups adopted in turn."""
+    script = tmp_path / "many.py"
+    script.write_text(MANY)
+    port = free_port()
+    procs, _, _ = run_ranks(range(4), lambda r: subprocess.Popen(
+        [sys.executable, str(script)], env=rank_env(port, r, 4, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(tmp_path),
+        start_new_session=True), HARD)
+    for r, p in procs.items():
+        out, err = (b.decode() for b in p.communicate())
+        line = next((ln for ln in out.splitlines() if ln.startswith("DONE ")), None)
+        assert line is not None, f"rank {r}: rc {p.returncode}\n{out}\n{err}"
+        assert line.split()[1] == "1", f"rank {r}: {line.split()[1]} heartbeat connections"
+
+
 # ---- one process: the parts ------------------------------------------------------------
 
 def _tcp_master():
@@ -250,6 +293,29 @@ def test_second_connection_sees_the_same_keys_on_its_own_socket():
     # without clone(): a TCPStore client on the store's host/port
     bare = coll._second_connection(master, 10, clone=False)
     assert bare is not None and bare.get("a/b/k") == b"v"
+
+
+def test_the_heartbeat_connection_is_reused_while_it_answers():
+    master = _tcp_master()
+    base = dist.PrefixStore("default_pg", master)
+    coll._BEAT_CONNECTION.clear()
+    try:
+        first = coll._beat_connection(base, 10)
+        assert first is not None and coll._beat_connection(base, 10) is first
+        # another store (a new rendezvous): its own connection, the old one let go
+        other = dist.PrefixStore("default_pg", _tcp_master())
+        conn = coll._beat_connection(other, 10)
+        assert conn is not first and coll._BEAT_CONNECTION == [(other, conn)]
+
+        class Broken:   # a connection whose store went away
+            def check(self, keys):
+                raise RuntimeError("Connection reset by peer")
+        coll._BEAT_CONNECTION[:] = [(base, Broken())]
+        fresh = coll._beat_connection(base, 10)
+        assert not isinstance(fresh, Broken) and fresh.check(["hb"]) is False
+        assert coll._BEAT_CONNECTION == [(base, fresh)]
+    finally:
+        coll._BEAT_CONNECTION.clear()
 
 
 def _swallow(fn):

@@ -611,8 +611,33 @@ def adopted(group, timeout_s: float | None = None):
 
 def _wrapped_beat_store(base, ns: str, timeout_s: float):
     import torch.distributed as dist
-    conn = _second_connection(base, timeout_s)
+    conn = _beat_connection(base, timeout_s)
     return None if conn is None else dist.PrefixStore(ns, conn)
+
+
+# (default store, this process's heartbeat connection to it): one connection serves the
+# groups adopted over that store in turn. Each load adopting the default group used to
+# open its own; torch's TCPStore client sometimes takes 5 s to connect (one connect in
+# ~25 on loopback on some hosts), and a run of loads then stalled phases past the store
+# deadline (tests/test_adopted_mp.py).
+_BEAT_CONNECTION: list = []
+
+
+def _beat_connection(base, timeout_s: float):
+    """The heartbeat connection to the TCPStore under ``base``: the one opened for an
+    earlier adoption over the same store while it still answers, else a new one."""
+    if _BEAT_CONNECTION and _BEAT_CONNECTION[0][0] is base:
+        conn = _BEAT_CONNECTION[0][1]
+        try:
+            call_with_deadline("check", lambda: conn.check(["hb"]), _store_op_s(timeout_s))
+            return conn
+        except Exception:  # noqa: BLE001 - stalled or broken: open a fresh one
+            pass
+    _BEAT_CONNECTION.clear()
+    conn = _second_connection(base, timeout_s)
+    if conn is not None:
+        _BEAT_CONNECTION.append((base, conn))   # base kept: identity is the key
+    return conn
 
 
 # --------------------------------------------------------------------------- phases
