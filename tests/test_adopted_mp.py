@@ -10,6 +10,7 @@ groups on the way out. The fast tests cover the heartbeat's parts in one process
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -295,25 +296,50 @@ def test_second_connection_sees_the_same_keys_on_its_own_socket():
     assert bare is not None and bare.get("a/b/k") == b"v"
 
 
-def test_the_heartbeat_connection_is_reused_while_it_answers():
+def test_the_heartbeat_connection_is_reused_while_it_reaches_the_store():
     master = _tcp_master()
     base = dist.PrefixStore("default_pg", master)
     coll._BEAT_CONNECTION.clear()
     try:
         first = coll._beat_connection(base, 10)
+        keys = master.num_keys()
         assert first is not None and coll._beat_connection(base, 10) is first
+        assert master.num_keys() == keys   # the probe's key is gone again
         # another store (a new rendezvous): its own connection, the old one let go
         other = dist.PrefixStore("default_pg", _tcp_master())
         conn = coll._beat_connection(other, 10)
-        assert conn is not first and coll._BEAT_CONNECTION == [(other, conn)]
+        assert conn is not first and coll._BEAT_CONNECTION == [(id(other), conn)]
+        # a kept connection that answers but reaches another store (an id reused by a
+        # new default store, a new server on the old port) is not reused
+        coll._BEAT_CONNECTION[:] = [(id(base), conn)]
+        again = coll._beat_connection(base, 10)
+        assert again is not conn and coll._BEAT_CONNECTION == [(id(base), again)]
 
         class Broken:   # a connection whose store went away
             def check(self, keys):
                 raise RuntimeError("Connection reset by peer")
-        coll._BEAT_CONNECTION[:] = [(base, Broken())]
+        coll._BEAT_CONNECTION[:] = [(id(base), Broken())]
         fresh = coll._beat_connection(base, 10)
-        assert not isinstance(fresh, Broken) and fresh.check(["hb"]) is False
-        assert coll._BEAT_CONNECTION == [(base, fresh)]
+        assert not isinstance(fresh, Broken) and coll._BEAT_CONNECTION == [(id(base), fresh)]
+    finally:
+        coll._BEAT_CONNECTION.clear()
+
+
+def test_the_kept_connection_does_not_keep_the_store_server_alive():
+    # rank 0 hosts the rendezvous server in its default store: once the caller drops it
+    # (destroy_process_group), the port must close, so a new rendezvous can use it
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, 1, is_master=True,
+                           timeout=timedelta(seconds=10), wait_for_workers=False)
+    base = dist.PrefixStore("default_pg", master)
+    coll._BEAT_CONNECTION.clear()
+    try:
+        assert coll._beat_connection(base, 10) is not None
+        del master, base
+        import gc
+        gc.collect()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:
         coll._BEAT_CONNECTION.clear()
 

@@ -615,29 +615,42 @@ def _wrapped_beat_store(base, ns: str, timeout_s: float):
     return None if conn is None else dist.PrefixStore(ns, conn)
 
 
-# (default store, this process's heartbeat connection to it): one connection serves the
-# groups adopted over that store in turn. Each load adopting the default group used to
-# open its own; torch's TCPStore client sometimes takes 5 s to connect (one connect in
-# ~25 on loopback on some hosts), and a run of loads then stalled phases past the store
-# deadline (tests/test_adopted_mp.py).
+# (id of the default store, this process's heartbeat connection to it): one connection
+# serves the groups adopted over that store in turn. Each load adopting the default group
+# used to open its own; torch's TCPStore client sometimes takes 5 s to connect (one
+# connect in ~25 on loopback on some hosts), and a run of loads then stalled phases past
+# the store deadline (tests/test_adopted_mp.py). Only the client is kept: holding the
+# store itself would keep rank 0's server listening after destroy_process_group().
 _BEAT_CONNECTION: list = []
+_PROBES = iter(range(1 << 62))
 
 
 def _beat_connection(base, timeout_s: float):
     """The heartbeat connection to the TCPStore under ``base``: the one opened for an
-    earlier adoption over the same store while it still answers, else a new one."""
-    if _BEAT_CONNECTION and _BEAT_CONNECTION[0][0] is base:
+    earlier adoption while it still reaches that very store, else a new one."""
+    if _BEAT_CONNECTION and _BEAT_CONNECTION[0][0] == id(base):
         conn = _BEAT_CONNECTION[0][1]
-        try:
-            call_with_deadline("check", lambda: conn.check(["hb"]), _store_op_s(timeout_s))
+        if _reaches(conn, base, _store_op_s(timeout_s)):
             return conn
-        except Exception:  # noqa: BLE001 - stalled or broken: open a fresh one
-            pass
     _BEAT_CONNECTION.clear()
     conn = _second_connection(base, timeout_s)
     if conn is not None:
-        _BEAT_CONNECTION.append((base, conn))   # base kept: identity is the key
+        _BEAT_CONNECTION[:] = [(id(base), conn)]
     return conn
+
+
+def _reaches(conn, base, op_s: float) -> bool:
+    """Whether ``conn`` answers within ``op_s`` and sees a key just written through
+    ``base``: a connection kept from an earlier rendezvous (a new store on the same port,
+    an id reused) does not."""
+    key = f"coordloader/beat-probe/{os.getpid()}/{next(_PROBES)}"
+    try:
+        call_with_deadline("set", lambda: base.set(key, b"1"), op_s)
+        seen = call_with_deadline("check", lambda: conn.check([key]), op_s)
+        call_with_deadline("delete_key", lambda: base.delete_key(key), op_s)
+    except Exception:  # noqa: BLE001 - stalled or broken: the caller opens a fresh one
+        return False
+    return bool(seen)
 
 
 # --------------------------------------------------------------------------- phases
