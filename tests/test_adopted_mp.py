@@ -134,6 +134,25 @@ def test_save_adopted_group_names_a_rank_dead_in_the_records_exchange(tmp_path, 
     _check_named_dead(res, killed_at, "save-collect")
 
 
+def _script_lines(tmp_path, name: str, text: str, world: int, tag: str, *args) -> dict:
+    """Run ``text`` as ``world`` rank processes over gloo; -> rank -> the first line of
+    its stdout that starts with ``tag``."""
+    script = tmp_path / name
+    script.write_text(text)
+    port = free_port()
+    procs, _, _ = run_ranks(range(world), lambda r: subprocess.Popen(
+        [sys.executable, str(script), *args], env=rank_env(port, r, world, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(tmp_path),
+        start_new_session=True), HARD)
+    lines = {}
+    for r, p in procs.items():
+        out, err = (b.decode() for b in p.communicate())
+        line = next((ln for ln in out.splitlines() if ln.startswith(tag)), None)
+        assert line is not None, f"rank {r}: rc {p.returncode}\n{out}\n{err}"
+        lines[r] = line
+    return lines
+
+
 REFUSED = r'''
 import os, sys, threading, time
 from datetime import timedelta
@@ -160,17 +179,7 @@ def test_a_group_refused_after_adoption_stops_beating(tmp_path, ckpt):
     """load() adopts the default group, then refuses it (2 ranks, a layout of 8): the group
     it adopted is closed on the way out, so its heartbeat does not beat on while the
     caller holds the error (it used to stop only when the group was collected)."""
-    script = tmp_path / "refused.py"
-    script.write_text(REFUSED)
-    port = free_port()
-    procs, _, _ = run_ranks(range(2), lambda r: subprocess.Popen(
-        [sys.executable, str(script), ckpt], env=rank_env(port, r, 2, OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(tmp_path),
-        start_new_session=True), HARD)
-    for r, p in procs.items():
-        out, err = (b.decode() for b in p.communicate())
-        line = next((ln for ln in out.splitlines() if ln.startswith("REFUSED ")), None)
-        assert line is not None, f"rank {r}: rc {p.returncode}\n{out}\n{err}"
+    for r, line in _script_lines(tmp_path, "refused.py", REFUSED, 2, "REFUSED ", ckpt).items():
         _, beating, msg = line.split(" ", 2)
         assert "the process group has 2 ranks, the layout (tp=8" in msg and "needs 8" in msg, msg
         assert beating == "0", f"rank {r}: {beating} heartbeat thread(s) still running"
@@ -206,19 +215,7 @@ def test_a_rank_refusing_the_group_is_named_with_its_error_not_as_dead(tmp_path,
     """A rank whose load() refuses the adopted group before any phase (here: a rank= that
     is not its rank) is alive; the other ranks name its error at their first phase, not
     "died or hung hard" once the refusal has stopped its heartbeat."""
-    script = tmp_path / "mismatch.py"
-    script.write_text(MISMATCH)
-    port = free_port()
-    procs, _, _ = run_ranks(range(2), lambda r: subprocess.Popen(
-        [sys.executable, str(script), ckpt], env=rank_env(port, r, 2, OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(tmp_path),
-        start_new_session=True), HARD)
-    lines = {}
-    for r, p in procs.items():
-        out, err = (b.decode() for b in p.communicate())
-        line = next((ln for ln in out.splitlines() if ln.startswith("ERROR ")), None)
-        assert line is not None, f"rank {r}: rc {p.returncode}\n{out}\n{err}"
-        lines[r] = line
+    lines = _script_lines(tmp_path, "mismatch.py", MISMATCH, 2, "ERROR ", ckpt)
     assert lines[1] == ("ERROR LoadError rank=0 given, but this process is rank 1 of its "
                         "group"), lines[1]
     assert lines[0].startswith("ERROR CollectiveError phase metadata-read: rank 1: LoadError: "
@@ -254,17 +251,7 @@ def test_groups_adopted_in_turn_share_one_heartbeat_connection(tmp_path):
     own; torch's client sometimes takes 5 s to connect (seen on loopback: one connect in
     ~25), and a run of 4-rank loads then failed a phase on a store deadline about every
     other run. One connection per process now serves the groups adopted in turn."""
-    script = tmp_path / "many.py"
-    script.write_text(MANY)
-    port = free_port()
-    procs, _, _ = run_ranks(range(4), lambda r: subprocess.Popen(
-        [sys.executable, str(script)], env=rank_env(port, r, 4, OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(tmp_path),
-        start_new_session=True), HARD)
-    for r, p in procs.items():
-        out, err = (b.decode() for b in p.communicate())
-        line = next((ln for ln in out.splitlines() if ln.startswith("DONE ")), None)
-        assert line is not None, f"rank {r}: rc {p.returncode}\n{out}\n{err}"
+    for r, line in _script_lines(tmp_path, "many.py", MANY, 4, "DONE ").items():
         assert line.split()[1] == "1", f"rank {r}: {line.split()[1]} heartbeat connections"
 
 
