@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import pickle
 import re
@@ -622,7 +623,7 @@ def _wrapped_beat_store(base, ns: str, timeout_s: float):
 # the store deadline (tests/test_adopted_mp.py). Only the client is kept: holding the
 # store itself would keep rank 0's server listening after destroy_process_group().
 _BEAT_CONNECTION: list = []
-_PROBES = iter(range(1 << 62))
+_PROBES = itertools.count()
 
 
 def _beat_connection(base, timeout_s: float):
@@ -632,25 +633,26 @@ def _beat_connection(base, timeout_s: float):
         conn = _BEAT_CONNECTION[0][1]
         if _reaches(conn, base, _store_op_s(timeout_s)):
             return conn
-    _BEAT_CONNECTION.clear()
     conn = _second_connection(base, timeout_s)
-    if conn is not None:
-        _BEAT_CONNECTION[:] = [(id(base), conn)]
+    _BEAT_CONNECTION[:] = [] if conn is None else [(id(base), conn)]
     return conn
 
 
 def _reaches(conn, base, op_s: float) -> bool:
-    """Whether ``conn`` answers within ``op_s`` and sees a key just written through
-    ``base``: a connection kept from an earlier rendezvous (a new store on the same port,
-    an id reused) does not."""
+    """Whether ``conn`` sees a key just written through ``base``, all within ``op_s``: a
+    connection kept from an earlier rendezvous (a new store on the same port, an id
+    reused) does not, nor does one that stalls."""
     key = f"coordloader/beat-probe/{os.getpid()}/{next(_PROBES)}"
+
+    def probe() -> bool:
+        base.set(key, b"1")
+        seen = conn.check([key])
+        base.delete_key(key)
+        return bool(seen)
     try:
-        call_with_deadline("set", lambda: base.set(key, b"1"), op_s)
-        seen = call_with_deadline("check", lambda: conn.check([key]), op_s)
-        call_with_deadline("delete_key", lambda: base.delete_key(key), op_s)
+        return call_with_deadline("check", probe, op_s)
     except Exception:  # noqa: BLE001 - stalled or broken: the caller opens a fresh one
         return False
-    return bool(seen)
 
 
 # --------------------------------------------------------------------------- phases
