@@ -74,20 +74,36 @@ os._exit(0)   # a broken gloo group's destructors may abort or block
 '''
 
 
-def _run(tmp: Path, ckpt: str, mode: str):
-    """-> ({rank: (rc, stdout, stderr)}, time rank 2 killed itself)."""
-    script = tmp / "driver.py"
-    script.write_text(DRIVER)
-    mark = tmp / "killed_at"
+def _run_script(tmp: Path, name: str, text: str, world: int, *args) -> dict:
+    """Run ``text`` as ``world`` rank processes over gloo (bounded by HARD);
+    -> {rank: (rc, stdout, stderr)}."""
+    script = tmp / name
+    script.write_text(text)
     port = free_port()
-    procs, _, _ = run_ranks(range(4), lambda r: subprocess.Popen(
-        [sys.executable, str(script), mode, ckpt, str(mark), str(tmp / "out"), str(TIMEOUT)],
-        env=rank_env(port, r, 4, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, cwd=str(tmp), start_new_session=True), HARD)
+    procs, _, _ = run_ranks(range(world), lambda r: subprocess.Popen(
+        [sys.executable, str(script), *args], env=rank_env(port, r, world, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(tmp),
+        start_new_session=True), HARD)
     res = {}
     for r, p in procs.items():
         out, err = p.communicate()
         res[r] = (p.returncode, out.decode(), err.decode())
+    return res
+
+
+def _tagged(res, r: int, tag: str) -> str:
+    """Rank ``r``'s first stdout line starting with ``tag`` (fails showing its output)."""
+    rc, out, err = res[r]
+    line = next((ln for ln in out.splitlines() if ln.startswith(tag)), None)
+    assert line is not None, f"rank {r}: rc {rc}\n{out}\n{err}"
+    return line
+
+
+def _run(tmp: Path, ckpt: str, mode: str):
+    """-> ({rank: (rc, stdout, stderr)}, time rank 2 killed itself)."""
+    mark = tmp / "killed_at"
+    res = _run_script(tmp, "driver.py", DRIVER, 4, mode, ckpt, str(mark), str(tmp / "out"),
+                      str(TIMEOUT))
     assert mark.exists(), f"rank 2 never reached the fault: {res}"
     return res, float(mark.read_text())
 
@@ -96,10 +112,8 @@ def _check_named_dead(res, killed_at: float, phase: str):
     assert res[2][0] == -signal.SIGKILL, res[2]
     lines = {}
     for r in (0, 1, 3):
-        rc, out, err = res[r]
-        line = next((ln for ln in out.splitlines() if ln.startswith("ERR ")), None)
-        assert line is not None, f"rank {r}: rc {rc}\n{out}\n{err}"
-        _, at, typ, msg = line.split(" ", 3)
+        _, at, typ, msg = _tagged(res, r, "ERR ").split(" ", 3)
+        line = f"{typ} {msg}"
         elapsed = float(at) - killed_at
         print(f"rank {r}: {elapsed:.1f} s after the kill: {typ}: {msg}")
         assert typ == "CollectiveError", line
@@ -135,22 +149,9 @@ def test_save_adopted_group_names_a_rank_dead_in_the_records_exchange(tmp_path, 
 
 
 def _script_lines(tmp_path, name: str, text: str, world: int, tag: str, *args) -> dict:
-    """Run ``text`` as ``world`` rank processes over gloo; -> rank -> the first line of
-    its stdout that starts with ``tag``."""
-    script = tmp_path / name
-    script.write_text(text)
-    port = free_port()
-    procs, _, _ = run_ranks(range(world), lambda r: subprocess.Popen(
-        [sys.executable, str(script), *args], env=rank_env(port, r, world, OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(tmp_path),
-        start_new_session=True), HARD)
-    lines = {}
-    for r, p in procs.items():
-        out, err = (b.decode() for b in p.communicate())
-        line = next((ln for ln in out.splitlines() if ln.startswith(tag)), None)
-        assert line is not None, f"rank {r}: rc {p.returncode}\n{out}\n{err}"
-        lines[r] = line
-    return lines
+    """-> {rank: its first stdout line starting with ``tag``} of ``_run_script``."""
+    res = _run_script(tmp_path, name, text, world, *args)
+    return {r: _tagged(res, r, tag) for r in res}
 
 
 REFUSED = r'''
