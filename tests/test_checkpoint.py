@@ -659,6 +659,22 @@ def test_directory_without_index(tmp_path):
     assert list(meta.tensors) == ["a", "b", "c"]
 
 
+def test_directory_without_index_needs_every_numbered_shard(tmp_path):
+    """A sharded HF checkpoint copied without its index and one shard would load as a
+    smaller model; the names say how many files the set has."""
+    a, b = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    write_sharded(tmp_path, {a: GOOD[:1], b: GOOD[1:]}, index=False)
+    assert list(read_checkpoint(str(tmp_path)).tensors) == ["a", "b", "c"]
+    os.remove(tmp_path / b)
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(str(tmp_path))
+    assert str(e.value) == (f"file {tmp_path}: has no index and 1 of the 2 numbered shards: "
+                            f"{b} missing; the copy or download is incomplete")
+    write_st(tmp_path / "model-00002-of-00003.safetensors", GOOD[1:2])
+    with pytest.raises(CheckpointError, match="sets of different sizes"):
+        read_checkpoint(str(tmp_path))
+
+
 def test_model_safetensors_preferred_without_index(tmp_path):
     write_st(tmp_path / M, GOOD)
     write_st(tmp_path / "consolidated.safetensors", GOOD)

@@ -33,6 +33,9 @@ V1_SHARD_RE = re.compile(r"model-rank-\d{5}-part-\d{5}\.safetensors\Z")
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
 DCP_SAVED_OFFSETS = "saved_offsets"
 DCP_SHARD_RE = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors\Z")
+# transformers' numbered shards (model-00001-of-00004.safetensors): the name says how many
+# files the set has, which is all there is to go on when the index is missing
+NUMBERED_SHARD_RE = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.safetensors\Z")
 
 # Present from the first visible change of a publish to its last: while it exists the
 # directory mixes two checkpoints, and every coordloader reader refuses it.

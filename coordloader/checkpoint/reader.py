@@ -38,6 +38,7 @@ from coordloader.checkpoint.dtypes import SUPPORTED, itemsize
 from coordloader.checkpoint.formats import (
     DCP_SAVED_OFFSETS,
     DCP_SHARD_RE,
+    NUMBERED_SHARD_RE,
     DCP_SHARDING_INFO,
     HF_INDEX_SUFFIX,
     HF_SINGLE,
@@ -499,12 +500,38 @@ def discover(root: str) -> Discovery:
                               f"or its index was removed. Run the save again (overwrite=True); "
                               f"these shards cannot be read on their own", file=path)
     if shards:
+        _check_numbered_sets(path, shards)
         return Discovery(root=path, files=shards, kind="directory", config=config)
     pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES) or n.endswith(".bin.index.json")]
     if pickles:
         _refuse_pickle(pickles[0])
     raise CheckpointError("no .safetensors files and no model.safetensors.index.json found "
                           "(expected a safetensors checkpoint directory)", file=path)
+
+
+def _check_numbered_sets(path: str, shards: tuple[str, ...]) -> None:
+    """Without an index, numbered shards (``model-00001-of-00004.safetensors``) must form
+    whole sets: a copy or download that lost a file would otherwise load as a smaller
+    model. DCP's per-rank files are exempt (a rank may hold nothing of a numbered file)."""
+    sets: dict[str, dict[int, set[int]]] = {}
+    for n in shards:
+        m = None if DCP_SHARD_RE.match(n) else NUMBERED_SHARD_RE.match(n)
+        if m:
+            sets.setdefault(m.group(1), {}).setdefault(int(m.group(3)), set()).add(int(m.group(2)))
+    for prefix, by_total in sorted(sets.items()):
+        if len(by_total) > 1:
+            totals = sorted(by_total)
+            raise CheckpointError(f"holds shards of sets of different sizes ({prefix}-*-of-"
+                                  f"{totals[0]:05d} and {prefix}-*-of-{totals[1]:05d}) and no "
+                                  f"index; expected one checkpoint per directory", file=path)
+        (total, present), = by_total.items()
+        missing = [i for i in range(1, total + 1) if i not in present]
+        if missing:
+            names = [f"{prefix}-{i:05d}-of-{total:05d}.safetensors" for i in missing]
+            more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+            raise CheckpointError(f"has no index and {len(present)} of the {total} numbered "
+                                  f"shards: {', '.join(names[:3])}{more} missing; the copy or "
+                                  f"download is incomplete", file=path)
 
 
 def _refuse_interrupted(d: str) -> None:
