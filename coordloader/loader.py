@@ -430,6 +430,14 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
                           _load_device(load_kw.get("engine", "auto"), load_kw.get("device")).type)
     res = load_detailed(ckpt, layout, out=direct, **load_kw)
     loaded, skipped = [], []
+    source_of: dict[str, str] = {}   # target -> the checkpoint tensor that filled it
+
+    def claim(tgt: str, name: str) -> None:
+        if tgt in source_of:
+            raise LoadError(f"checkpoint tensors {source_of[tgt]!r} and {name!r} both map to the "
+                            f"target {tgt!r}; expected one checkpoint tensor per target (check "
+                            f"name_map)", tensor=name, rank=res.rank)
+        source_of[tgt] = name
     fusions = _transformers_fusions(target)
     fused: dict[tuple[int, str], dict[int, dict[int, torch.Tensor]]] = {}
     with torch.no_grad():
@@ -453,6 +461,7 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
             if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
                 raise LoadError(f"target {tgt!r} is {dst.dtype} {list(dst.shape)}, this rank's "
                                 f"slice is {t.dtype} {list(t.shape)}", tensor=name, rank=res.rank)
+            claim(tgt, name)
             if t.data_ptr() != dst.data_ptr() or t.device != dst.device:
                 dst.copy_(t)   # else the engine filled dst in place (out=direct)
             loaded.append(tgt)
@@ -465,6 +474,7 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
                 raise LoadError(f"transformers fuses these checkpoint tensors into {tgt!r} "
                                 f"({have}); this rank's experts {sorted(next(iter(parts.values())))} "
                                 f"fuse to {t.dtype} {list(t.shape)}", rank=res.rank)
+            claim(tgt, f"{prefix}{fusions[k].target} (fused)")
             dst.copy_(t)
             loaded.append(tgt)
     filled = set(loaded)

@@ -174,3 +174,20 @@ def test_engine_refuses_shard_swapped_after_planning(tmp_path, base, how):
     print(out)
     assert p.returncode == 0, p.stderr
     assert out.startswith("LoadError: ") and "model.safetensors" in out, out + p.stderr
+
+
+def test_load_into_refuses_two_tensors_for_one_target(base):
+    """A name_map sending two checkpoint tensors to one target filled it twice, the
+    second silently overwriting the first."""
+    import torch
+    from coordloader.errors import LoadError
+    meta = cl.read_checkpoint(base["one"])
+    a, b = sorted(n for n, t in meta.tensors.items() if len(t.shape) == 1)[:2]
+    assert meta.tensors[a].shape == meta.tensors[b].shape
+    x = {"x": torch.zeros_like(cl.load(meta, Layout(), rank=0)[a])}
+    with pytest.raises(LoadError) as e:
+        cl.load_into(x, meta, Layout(), name_map=lambda n: "x" if n in (a, b) else None,
+                     rank=0)
+    assert str(e.value) == (f"rank 0, tensor {b!r}: checkpoint tensors {a!r} and {b!r} both "
+                            f"map to the target 'x'; expected one checkpoint tensor per target "
+                            f"(check name_map)")
