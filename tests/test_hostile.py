@@ -180,6 +180,7 @@ def test_load_into_refuses_two_tensors_for_one_target(base):
     """A name_map sending two checkpoint tensors to one target filled it twice, the
     second silently overwriting the first."""
     import torch
+
     from coordloader.errors import LoadError
     meta = cl.read_checkpoint(base["one"])
     a, b = sorted(n for n, t in meta.tensors.items() if len(t.shape) == 1)[:2]

@@ -38,10 +38,10 @@ from coordloader.checkpoint.dtypes import SUPPORTED, itemsize
 from coordloader.checkpoint.formats import (
     DCP_SAVED_OFFSETS,
     DCP_SHARD_RE,
-    NUMBERED_SHARD_RE,
     DCP_SHARDING_INFO,
     HF_INDEX_SUFFIX,
     HF_SINGLE,
+    NUMBERED_SHARD_RE,
     PUBLISH_MARKER,
     SHARD_SUFFIX,
     SHARDED_FORMAT,
