@@ -141,6 +141,26 @@ def test_dcp_pieces_that_do_not_tile_are_refused(dcp_out, tmp_path):
         cl.read_checkpoint(os.path.join(outs["fsdp2"], files[0]))
 
 
+def test_dcp_shards_beside_an_index_are_refused(dcp_out, tmp_path):
+    """An index beside DCP's per-rank files (which come without one) named one rank's file
+    only: the load read that rank's pieces as whole tensors of half the size."""
+    import json
+    import shutil
+    _, outs, _ = dcp_out
+    d = tmp_path / "indexed"
+    shutil.copytree(outs["fsdp2"], d)
+    first = sorted(os.listdir(d))[0]
+    names = cl.read_checkpoint(outs["fsdp2"]).tensors
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": dict.fromkeys(names, first)}))
+    with pytest.raises(CheckpointError) as e:
+        cl.read_checkpoint(str(d))
+    assert str(e.value) == (f"file model.safetensors.index.json: names torch DCP per-rank shards "
+                            f"({first}, ...), which hold pieces of tensors and come without an "
+                            f"index; expected an index of whole tensors, or DCP's shards alone "
+                            f"in their directory")
+
+
 @pytest.mark.parametrize("kind", ["cl-fsdp2", "cl-tp"])
 def test_cl_save_of_dtensor_state_loads_anywhere(dcp_out, kind):
     """FSDP2 / TP DTensor state -> coordloader.save (no plan: boxes from the placements)

@@ -700,6 +700,13 @@ def assemble(root: str, discovery: Discovery, headers: Iterable[FileHeader]) -> 
             tensors = _assemble_sharded(discovery, by_file, names)
             layout = discovery.coordloader.get("layout")
         elif _dcp_files(by_file, names):
+            if discovery.index_file is not None:
+                # torch DCP's per-rank output has no index: one beside it is not of this
+                # save, and reading only the files it names would drop pieces
+                raise CheckpointError(f"names torch DCP per-rank shards ({names[0]}, ...), which "
+                                      f"hold pieces of tensors and come without an index; "
+                                      f"expected an index of whole tensors, or DCP's shards "
+                                      f"alone in their directory", file=discovery.index_file)
             tensors = _assemble_dcp(by_file, names)
             layout = None
         else:
