@@ -192,3 +192,52 @@ def test_load_into_refuses_two_tensors_for_one_target(base):
     assert str(e.value) == (f"rank 0, tensor {b!r}: checkpoint tensors {a!r} and {b!r} both "
                             f"map to the target 'x'; expected one checkpoint tensor per target "
                             f"(check name_map)")
+
+
+def _two_tensor_file(path, first: float):
+    import torch
+    from safetensors.torch import save_file
+    save_file({"a": torch.arange(4.0) + first, "b": torch.arange(4.0) + first + 100}, str(path))
+
+
+@pytest.mark.parametrize("how", ["header", "replaced", "in-place"])
+def test_engine_refuses_file_rewritten_at_same_size_after_header_read(tmp_path, how):
+    """A file rewritten at the same size after its header was read loaded its new bytes
+    under the old plan: with the tensors' regions swapped, 'a' came back as 'b'."""
+    import struct
+
+    import torch
+
+    from coordloader.errors import LoadError
+    f = tmp_path / "model.safetensors"
+    _two_tensor_file(f, 0.0)
+    meta = cl.read_checkpoint(str(tmp_path))
+    if how == "header":     # same size and data, the two tensors' offsets swapped
+        hdr = json.loads(f.read_bytes()[8:8 + meta.files[0].header_len])
+        hdr["a"]["data_offsets"], hdr["b"]["data_offsets"] = (hdr["b"]["data_offsets"],
+                                                              hdr["a"]["data_offsets"])
+        raw = json.dumps(hdr, separators=(",", ":")).encode()
+        raw += b" " * (meta.files[0].header_len - len(raw))
+        data = f.read_bytes()[8 + meta.files[0].header_len:]
+        f.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+        want = "file's header differs from the one the plan was made from"
+    elif how == "replaced":  # same header, other values, a new file renamed over it
+        _two_tensor_file(tmp_path / "new.safetensors", 7.0)
+        os.replace(tmp_path / "new.safetensors", f)
+        want = "file was modified or replaced after its header was read"
+    else:                    # same header, other values written into the same inode
+        st = os.stat(f)
+        with open(f, "r+b") as fh:
+            fh.seek(8 + meta.files[0].header_len)
+            fh.write((torch.arange(4.0) + 7).numpy().tobytes())
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # coarse clocks
+        want = "file was modified or replaced after its header was read"
+    assert os.path.getsize(f) == meta.files[0].size
+    with pytest.raises(LoadError) as e:
+        cl.load_detailed(meta, Layout(), rank=0, engine="cpu", replicate_unmatched=True)
+    assert str(e.value).startswith(f"rank 0, file model.safetensors: {want}"), str(e.value)
+    # read again, the file loads as it now is
+    assert torch.equal(cl.load_detailed(str(tmp_path), Layout(), rank=0, engine="cpu",
+                                        replicate_unmatched=True).tensors["a"],
+                       {"header": torch.arange(4.0) + 100, "replaced": torch.arange(4.0) + 7,
+                        "in-place": torch.arange(4.0) + 7}[how])

@@ -32,7 +32,7 @@ from hashlib import sha256
 from itertools import repeat
 from math import prod
 from operator import itemgetter
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from coordloader.checkpoint.dtypes import SUPPORTED, itemsize
 from coordloader.checkpoint.formats import (
@@ -282,6 +282,42 @@ def _root_dir(root: str) -> str:
     return os.path.dirname(root)
 
 
+class _HeaderSeen(NamedTuple):
+    stat: tuple[int, int, int, int]   # device, inode, size, mtime (ns)
+    header_sha256: str
+
+
+# Each file whose header this process read, by absolute path: what it was then. A file
+# rewritten in place at the same size after its header was read would otherwise be loaded
+# as new bytes under the old plan; the engines compare the file they open with this. Only
+# this process's own reads count: another host's copy of the file has another inode and
+# mtime (identity.py), and a record for another header is of another version of the file.
+_HEADERS_SEEN: dict[str, _HeaderSeen] = {}
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def changed_since_header(path: str, st: os.stat_result, header_sha256: str) -> bool:
+    """Whether the file at ``path`` (``st`` from the open file) has changed since this
+    process read its header ``header_sha256``; False when this process never read it."""
+    seen = _HEADERS_SEEN.get(os.path.abspath(path))
+    return (seen is not None and seen.header_sha256 == header_sha256
+            and seen.stat != _stat_key(st))
+
+
+def header_unchanged(fd: int, info: FileInfo) -> bool:
+    """Whether the open file ``fd`` still starts with the header ``info`` was read from."""
+    try:
+        head = os.pread(fd, 8 + info.header_len, 0)
+    except OSError:
+        return False
+    return (len(head) == 8 + info.header_len
+            and int.from_bytes(head[:8], "little") == info.header_len
+            and sha256(head[8:]).hexdigest() == info.header_sha256)
+
+
 def read_file_header(root: str, name: str) -> FileHeader:
     """Read and validate one safetensors file's header (never its data)."""
     _check_name(name, "file", name)
@@ -304,7 +340,9 @@ def read_file_header(root: str, name: str) -> FileHeader:
     finally:
         os.close(fd)
     with gc_paused():
-        return _header_from_raw(raw, name, n, size)
+        h = _header_from_raw(raw, name, n, size)
+    _HEADERS_SEEN[path] = _HeaderSeen(_stat_key(st), h.info.header_sha256)
+    return h
 
 
 def _header_from_raw(raw: bytes, name: str, n: int, size: int) -> FileHeader:

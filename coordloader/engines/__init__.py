@@ -16,6 +16,7 @@ parameters in, so nothing is loaded twice). Engines:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -146,6 +147,31 @@ def to_device(tensors: dict[str, torch.Tensor], device: torch.device,
         _check_dest(dst, t.shape, t.dtype, name, rank)
         dst.copy_(t)
         tensors[name] = dst
+
+
+def refuse_changed(path: str, fd: int, info, rank: int | None) -> None:
+    """LoadError unless the open file ``fd`` is still the one whose header ``info`` (a
+    FileInfo) the plan was made from: a regular file of the same size and header and, when
+    this process read that header, the same inode and mtime. Every engine calls it on each
+    file before reading it: a rewritten file would otherwise be read under the old plan."""
+    import stat
+
+    from coordloader.checkpoint.reader import changed_since_header, header_unchanged
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise LoadError("is no longer a regular file: it changed after its header was read",
+                        file=info.name, rank=rank)
+    if st.st_size != info.size:
+        raise LoadError(f"file is {st.st_size} bytes, its header was read when it had "
+                        f"{info.size}: it changed during the load", file=info.name, rank=rank)
+    if not header_unchanged(fd, info):
+        raise LoadError("file's header differs from the one the plan was made from: the file "
+                        "was rewritten after its header was read; read the checkpoint again",
+                        file=info.name, rank=rank)
+    if changed_since_header(path, st, info.header_sha256):
+        raise LoadError("file was modified or replaced after its header was read (same size "
+                        "and header, another inode or mtime): read the checkpoint again",
+                        file=info.name, rank=rank)
 
 
 def slice_nbytes(ts: TensorSlice) -> int:

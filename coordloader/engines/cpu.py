@@ -33,7 +33,6 @@ Destinations handed in (``out``) are left as they are.
 from __future__ import annotations
 
 import os
-import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +44,15 @@ import numpy as np
 import torch
 
 from coordloader.checkpoint.metadata import CheckpointMeta
-from coordloader.engines import LoadStats, Progress, allocate, host_out, slice_nbytes, to_device
+from coordloader.engines import (
+    LoadStats,
+    Progress,
+    allocate,
+    host_out,
+    refuse_changed,
+    slice_nbytes,
+    to_device,
+)
 from coordloader.engines.memory import prefault
 from coordloader.errors import LoadError
 from coordloader.planning.model import RankPlan
@@ -169,15 +176,7 @@ class CpuEngine:
                 except OSError as e:
                     raise LoadError(f"cannot open: {e.strerror}", file=fname, rank=rank) from None
                 fds[fname] = fd
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise LoadError("is no longer a regular file: it changed after its header was "
-                                    "read", file=fname, rank=rank)
-                size = st.st_size
-                if size != files[fname].size:
-                    raise LoadError(f"file is {size} bytes, its header was read when it had "
-                                    f"{files[fname].size}: it changed during the load",
-                                    file=fname, rank=rank)
+                refuse_changed(path, fd, files[fname], rank)
                 if hasattr(os, "posix_fadvise"):
                     try:
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
