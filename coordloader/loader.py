@@ -19,7 +19,6 @@ with the failing rank's message, never a hang):
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import sys
 import time
@@ -125,8 +124,8 @@ def read_metadata(ckpt, group, rank: int, world: int) -> tuple[CheckpointMeta,
         return ckpt, _phase("metadata-read", lambda: checkpoint_identity(
             ckpt.root, [f.name for f in ckpt.files], [MANIFEST_NAME]), group)
     if group is None:
-        return checkpoint.read_checkpoint(os.fspath(ckpt)), None
-    root = os.fspath(ckpt)
+        return checkpoint.read_checkpoint(checkpoint.checkpoint_path(ckpt)), None
+    root = checkpoint.checkpoint_path(ckpt)
 
     def mine():
         disc = checkpoint.discover(root)

@@ -375,7 +375,7 @@ def test_weight_map_first_bad_entry_named_in_index_order(tmp_path, value, frag):
 
 @pytest.mark.parametrize("fname,frag", [
     ("sub/x.safetensors", "path separator"), ("..\\x.safetensors", "path separator"),
-    ("../x.safetensors", "path separator"), ("..", "'..'"), ("x..safetensors", "'..'"),
+    ("../x.safetensors", "path separator"), ("..", "'..'"),
     ("/etc/passwd", "path separator"), ("x\x00.safetensors", "NUL"), ("", "non-empty")])
 def test_weight_map_unsafe_names(tmp_path, fname, frag):
     wm = sharded_ok(tmp_path)
@@ -386,6 +386,8 @@ def test_weight_map_unsafe_names(tmp_path, fname, frag):
 
 def test_weight_map_absolute_name_without_slash(tmp_path):
     assert ck._check_name("x.safetensors", "t", None) == "x.safetensors"
+    # '..' inside a plain name is no traversal (only a separator or the name '..' is)
+    assert ck._check_name("model-v1..2.safetensors", "t", None) == "model-v1..2.safetensors"
     with pytest.raises(CheckpointError, match="absolute"):
         ck._check_name(".", "t", None)
 
@@ -928,3 +930,15 @@ def test_coordloader_zero_element_stride_overflow_in_index(tmp_path):
     write_coordloader(tmp_path, {"w": ("F32", [0, 2**62, 2**62],
                                        [("rank-0.safetensors", [[0, 0], [0, 1], [0, 1]])])})
     bad(tmp_path, "file model.safetensors.index.json, tensor 'w'", "strides overflow")
+
+
+@pytest.mark.parametrize("root", [b"/tmp", None, 123])
+def test_checkpoint_path_of_another_type_is_refused(root):
+    import coordloader as cl
+    from coordloader.layout import Layout
+    want = (f"checkpoint path {str(root)!r} is {type(root).__name__}; expected a str or "
+            f"os.PathLike path")
+    for call in (lambda: read_checkpoint(root), lambda: cl.load(root, Layout(), rank=0)):
+        with pytest.raises(CheckpointError) as e:
+            call()
+        assert str(e.value) == want

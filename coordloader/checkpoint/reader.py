@@ -207,7 +207,7 @@ def _check_name(name: Any, where: str, file: str | None) -> str:
         bad = "a NUL byte"
     elif "/" in name or "\\" in name:
         bad = "a path separator"
-    elif ".." in name:
+    elif name == "..":
         bad = "'..'"
     elif os.path.isabs(name) or name == ".":
         bad = "an absolute or special path"
@@ -472,10 +472,22 @@ def _refuse_pickle(name: str):
                           file=name)
 
 
+def checkpoint_path(root: Any) -> str:
+    """``root`` as an absolute str path; CheckpointError for anything else (bytes, None)."""
+    try:
+        path = os.fspath(root)
+    except TypeError:
+        path = None
+    if not isinstance(path, str):
+        raise CheckpointError(f"checkpoint path {str(root)[:200]!r} is {type(root).__name__}; "
+                              f"expected a str or os.PathLike path")
+    return os.path.abspath(path)
+
+
 def discover(root: str) -> Discovery:
     """Find the files of a checkpoint: a directory in HF layout (index + shards, a single
     model.safetensors, or loose *.safetensors), or a path to one .safetensors file."""
-    path = os.path.abspath(os.fspath(root))
+    path = checkpoint_path(root)
     try:
         st = os.stat(path)
     except OSError:
