@@ -25,6 +25,7 @@ def test_options_default_and_known_keys():
 
 @pytest.mark.parametrize("extra, msg", [
     ({"engnie": "cpu"}, "unknown key(s) engnie for load format 'coordloader'; known: engine"),
+    ({1: 2}, "unknown key(s) 1 for load format 'coordloader'; known: engine"),
     ({"timeout": "10"}, "timeout (seconds a rank waits"),
     ({"timeout": True}, "timeout (seconds a rank waits"),
     ({"timeout": float("nan")}, "timeout must be a finite number of seconds above 0"),

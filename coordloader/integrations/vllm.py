@@ -56,7 +56,7 @@ class LoaderOptions:
         if not isinstance(extra, Mapping):
             raise ConfigError(f"--model-loader-extra-config for load format {LOAD_FORMAT!r} must "
                               f"be a JSON object, got {type(extra).__name__}")
-        unknown = sorted(set(extra) - set(LOADER_OPTIONS))
+        unknown = sorted(map(str, set(extra) - set(LOADER_OPTIONS)))
         if unknown:
             raise ConfigError(f"--model-loader-extra-config: unknown key(s) {', '.join(unknown)} for "
                               f"load format {LOAD_FORMAT!r}; known: {', '.join(LOADER_OPTIONS)}")
