@@ -190,13 +190,16 @@ def _strided_worker(rank, port, out):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         g = torch.Generator().manual_seed(3)
         full = {"colwise": torch.randn(8, 6, generator=g), "rowwise": torch.randn(6, 8, generator=g),
-                "uneven": torch.randn(7, 3, generator=g), "norm": torch.randn(6, generator=g)}
+                "uneven": torch.randn(7, 3, generator=g), "norm": torch.randn(6, generator=g),
+                "empty_rows": torch.empty(0, 6), "empty_cols": torch.empty(6, 0)}
         # FSDP2 over TP on the same dim (_StridedShard), TP rowwise under FSDP dim 0,
-        # an uneven Shard with Replicate, and a replicated tensor
+        # an uneven Shard with Replicate, a replicated tensor, and tensors without elements
         placements = {"colwise": [_StridedShard(0, split_factor=2), Shard(0)],
                       "rowwise": [Shard(0), Shard(1)],
                       "uneven": [Replicate(), Shard(0)],
-                      "norm": [Replicate(), Replicate()]}
+                      "norm": [Replicate(), Replicate()],
+                      "empty_rows": [Shard(0), Shard(1)],
+                      "empty_cols": [Replicate(), Shard(0)]}
         state = {n: distribute_tensor(t, mesh, placements[n]) for n, t in full.items()}
         cl.save(out, state, config={"model_type": "toy"})
     finally:
@@ -208,13 +211,16 @@ def test_cl_save_of_strided_and_2d_dtensors(tmp_path):
     spawn_and_wait(_strided_worker, (free_port(), out), 4, "4-rank DTensor save", hard_s=90)
     g = torch.Generator().manual_seed(3)
     full = {"colwise": torch.randn(8, 6, generator=g), "rowwise": torch.randn(6, 8, generator=g),
-            "uneven": torch.randn(7, 3, generator=g), "norm": torch.randn(6, generator=g)}
+            "uneven": torch.randn(7, 3, generator=g), "norm": torch.randn(6, generator=g),
+            "empty_rows": torch.empty(0, 6), "empty_cols": torch.empty(6, 0)}
     from coordloader.handoff.consolidate import read_full
     meta = cl.read_checkpoint(out)
+    # a tensor without elements is one empty piece (it used to vanish from the save)
     assert {n: len(t.pieces) for n, t in meta.tensors.items()} == \
-        {"colwise": 4, "rowwise": 4, "uneven": 2, "norm": 1}
+        {"colwise": 4, "rowwise": 4, "uneven": 2, "norm": 1, "empty_rows": 1, "empty_cols": 1}
     for n, t in full.items():
-        assert torch.equal(read_full(meta, n), t), n
+        got = read_full(meta, n)
+        assert got.shape == t.shape and torch.equal(got, t), n
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, ep=2), dict(tp=4, ep=2)], ids=str)

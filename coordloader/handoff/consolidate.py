@@ -101,6 +101,8 @@ def read_full(meta: CheckpointMeta, name: str):
 
     from coordloader.checkpoint.dtypes import torch_dtype
     t = meta.tensors[name]
+    if t.numel == 0:
+        return torch.empty(t.shape, dtype=torch_dtype(t.dtype))
     src = OpenFiles(meta.root)
     try:
         blocks = [b for _, b in iter_row_blocks(t, src, 1 << 62)]

@@ -107,6 +107,8 @@ def dtensor_boxes(name: str, t, rank: int) -> tuple[tuple[int, ...], list[tuple[
                         f"its local tensor has local shape {_fmt(t.to_local().shape)}, but the "
                         f"placements give local shape {_fmt(local)} on this rank",
                         tensor=name, rank=rank)
+    if 0 in gshape:   # no elements, so no runs to box: the empty tensor is one box
+        return gshape, [(tuple((0, n) for n in gshape), (0,) * len(gshape))], primary
     return gshape, _product([_runs(x) for x in idx]), primary
 
 
@@ -147,6 +149,8 @@ def collect_pieces(tensors, rank_plan, rank: int) -> list[PieceOut]:
                                 f"global shape {_fmt(ts.global_shape)}", tensor=name, rank=rank)
             if primary:
                 local = v.to_local().detach()
+                if 0 in gshape:   # the whole empty tensor, whatever this rank's share
+                    local = local.new_empty(gshape)
                 out += [_piece(name, local, gshape, b, d, False) for b, d in boxes]
             continue
         if isinstance(v, Boxed):
