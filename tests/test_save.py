@@ -383,6 +383,9 @@ def test_save_killed_at_every_publish_step(tmp_path, previous):
         want = "old" if k == 0 else "new" if step == "published" else "refused"
         assert state == want, (step, state)
         assert not (out / HF_INDEX).exists() or k == 0, step   # no old HF index over new files
+        if previous == "sharded" and 2 <= k < steps.index(f"moved {SHARDED_INDEX}"):
+            # the old index (named like the new one) is gone while new shards move in
+            assert not (out / SHARDED_INDEX).exists(), step
         if state == "refused":
             assert recover_save(out) and _state(out, old, full) == "new"
             assert not [n for n in os.listdir(out) if n.startswith(".coordloader")]
@@ -412,6 +415,38 @@ def test_consolidate_killed_at_every_publish_step(tmp_path):
         assert state == ("old" if k == 0 else "new" if step == "published" else "refused"), step
         if state == "refused":
             assert recover_save(out) and _state(out, old, full) == "new"
+
+
+def test_consolidate_over_same_named_shards_removes_the_old_index_first(tmp_path):
+    """Consolidating over an HF checkpoint with the same shard names kept its index in
+    place while the new shards moved in: a reader that ignores the marker (transformers,
+    vLLM) read a mix of both checkpoints."""
+    from safetensors.torch import save_file
+
+    from coordloader.handoff.consolidate import consolidate
+    from coordloader.handoff.publish import recover_save
+    srcs = {}
+    for v in (1, 2):
+        srcs[v] = tmp_path / f"src{v}"
+        srcs[v].mkdir()
+        save_file({"a": torch.full((64,), float(v)), "b": torch.full((64,), float(v))},
+                  str(srcs[v] / "model.safetensors"))
+        (srcs[v] / "config.json").write_text('{"model_type": "x"}')
+    steps = _publish_steps(lambda: consolidate(str(srcs[2]), str(tmp_path / "rec"),
+                                               max_shard_bytes=256))
+    moved = [s for s in steps if s.startswith("moved ")]
+    assert moved == ["moved model-00001-of-00002.safetensors",
+                     "moved model-00002-of-00002.safetensors", "moved config.json",
+                     f"moved {HF_INDEX}"]
+    for step in ("old-entries-removed", moved[0], moved[1]):
+        out = tmp_path / step.replace(" ", "-")
+        consolidate(str(srcs[1]), str(out), max_shard_bytes=256)
+        _kill_at(step, lambda: consolidate(str(srcs[2]), str(out), max_shard_bytes=256,
+                                           overwrite=True))
+        assert not (out / HF_INDEX).exists(), step
+        assert recover_save(out)
+        meta = read_checkpoint(str(out))
+        assert all(torch.equal(read_full(meta, n), torch.full((64,), 2.0)) for n in "ab")
 
 
 _CRASH = textwrap.dedent("""

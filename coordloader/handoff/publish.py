@@ -188,8 +188,10 @@ def publish(out_dir: str, stage: str, files: list[str], entry: str) -> None:
     old = existing_checkpoint(out_dir) or Existing(frozenset(), frozenset())
     new = [f for f in files if f != entry] + [entry]
     keep = set(new) | {CONFIG_NAME}
+    # every old entry goes, even one named like a new file (an index over the same shard
+    # names): left in place, it would name a mix of old and new files while they move in
     rec = PublishRecord(stage, tuple(new), tuple(sorted(old.files - keep)),
-                        tuple(sorted(old.entries - keep)))
+                        tuple(sorted(old.entries)))
     _hook("staged")
     write_file_atomic(os.path.join(out_dir, PUBLISH_MARKER),
                       (json.dumps(rec._asdict(), indent=1) + "\n").encode())
@@ -199,11 +201,13 @@ def publish(out_dir: str, stage: str, files: list[str], entry: str) -> None:
 
 def _roll_forward(out_dir: str, rec: PublishRecord) -> None:
     """Steps 2-5 of a publish; every step is idempotent, so recovery re-runs them all."""
+    stage_dir = os.path.join(out_dir, rec.stage)
     for n in rec.old_entries:
+        if n in rec.files and not os.path.lexists(os.path.join(stage_dir, n)):
+            continue   # recovery: the new file of that name has already moved in
         _unlink(os.path.join(out_dir, n))
     fsync_dir(out_dir)
     _hook("old-entries-removed")
-    stage_dir = os.path.join(out_dir, rec.stage)
     for f in rec.files:
         src, dst = os.path.join(stage_dir, f), os.path.join(out_dir, f)
         if os.path.lexists(src):
