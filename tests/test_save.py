@@ -254,8 +254,18 @@ def test_save_copies_config_and_companion_files_and_records_the_preset(tmp_path)
     plan = cl.make_plan(src, layout)
     for r in range(2):
         save(tmp_path / "out", cl.load(src, layout, rank=r), plan, rank=r, config=src)
+    # weights in other formats stay behind: transformers would load a stale
+    # pytorch_model.bin (the pretrained weights) in preference to the saved ones
+    weights = ["pytorch_model.bin", "model.pt", "tf_model.h5", "flax_model.msgpack",
+               "pytorch_model.bin.index.json", "model.gguf"]
+    for n in weights:
+        (tmp_path / "src" / n).write_bytes(b"old weights")
+    for r in range(2):
+        save(tmp_path / "out", cl.load(src, layout, rank=r), plan, rank=r, config=src,
+             overwrite=True)
     for n, text in extras.items():
         assert (tmp_path / "out" / n).read_text() == text, n
+    assert not [n for n in weights if (tmp_path / "out" / n).exists()]
     assert (tmp_path / "out" / "config.json").read_bytes() == (tmp_path / "src" / "config.json").read_bytes()
     idx = json.loads((tmp_path / "out" / SHARDED_INDEX).read_text())
     assert idx["model"]["preset"] == "llama" and idx["model"]["architectures"] == ["LlamaForCausalLM"]

@@ -40,6 +40,7 @@ from coordloader.checkpoint.formats import (
     STAGING_PREFIX,
     V1_SHARD_RE,
 )
+from coordloader.checkpoint.reader import PICKLE_SUFFIXES
 from coordloader.errors import SaveError
 from coordloader.verify.manifest import MANIFEST_NAME
 
@@ -315,6 +316,13 @@ def resolve_config(config: Any, rank: int | None) -> ModelConfig:
 
 # --------------------------------------------------------------------- companion files
 
+# Weights in other formats (pickle, TF, Flax, GGUF) and their indexes: carried along, they
+# would sit beside the new weights, and transformers prefers some of them (a stale
+# pytorch_model.bin loads the pretrained weights, not the saved ones).
+WEIGHT_SUFFIXES = PICKLE_SUFFIXES + (".h5", ".msgpack", ".gguf", ".bin.index.json",
+                                     ".h5.index.json", ".msgpack.index.json", ".onnx")
+
+
 def companion_files(src_dir: str, skip: set[str]) -> list[str]:
     """Small regular files of a checkpoint directory that are not checkpoint data
     (config.json, generation_config.json, tokenizer files, chat template, ...): what a save
@@ -324,7 +332,8 @@ def companion_files(src_dir: str, skip: set[str]) -> list[str]:
         p = os.path.join(src_dir, entry)
         if (entry in skip or entry.startswith(".") or entry in (PUBLISH_MARKER, MANIFEST_NAME,
                                                                 SHARDED_INDEX, HF_INDEX)
-                or entry.endswith((".safetensors", HF_INDEX_SUFFIX, SHARD_SUFFIX))
+                or entry.endswith((".safetensors", HF_INDEX_SUFFIX, SHARD_SUFFIX)
+                                  + WEIGHT_SUFFIXES)
                 or not os.path.isfile(p)):
             continue
         if os.path.getsize(p) > MAX_COMPANION_BYTES:
