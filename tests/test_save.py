@@ -574,3 +574,17 @@ def test_distributed_save_and_error_agreement(tmp_path):
     assert float(absent[1].split(" s:")[0]) < 3 + 5, absent   # was a fixed 300 s
     assert not os.path.exists(tmp_path / "bad" / SHARDED_INDEX)
     assert not [n for n in os.listdir(tmp_path / "bad") if n.startswith(".coordloader")]
+
+
+def test_empty_save_is_refused_and_the_previous_checkpoint_kept(tmp_path):
+    """save(out, {}, overwrite=True) published an index without tensors, which every
+    reader refuses, in place of a good checkpoint."""
+    from coordloader.errors import SaveError
+    out = tmp_path / "ck"
+    save(out, {"w": torch.arange(4.0)}, config=CFG)
+    with pytest.raises(SaveError) as e:
+        save(out, {}, config=CFG, overwrite=True)
+    assert str(e.value) == ("no rank passed any tensor: there is nothing to save (expected a "
+                            "state dict with at least one tensor)")
+    assert torch.equal(read_full(read_checkpoint(str(out)), "w"), torch.arange(4.0))
+    assert not [n for n in os.listdir(out) if n.startswith(".coordloader")]

@@ -168,6 +168,11 @@ def _build_index(records: list[dict], layout_dict: dict, names_order: list[str],
                 digests[p["name"]] = None
             else:
                 digests[p["name"]] = (digests[p["name"]] + p["digest"]) % (1 << 64)
+    if not tensors:
+        # every reader refuses an index without tensors: publishing one would replace a
+        # previous checkpoint with an unreadable directory
+        raise SaveError("no rank passed any tensor: there is nothing to save (expected a "
+                        "state dict with at least one tensor)")
     # Whatever the pieces came from (a plan, DTensor placements, boxes given by hand),
     # they must tile each tensor exactly once: refuse gaps and overlaps, naming the ranks.
     total = 0
