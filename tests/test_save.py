@@ -588,3 +588,31 @@ def test_empty_save_is_refused_and_the_previous_checkpoint_kept(tmp_path):
                             "state dict with at least one tensor)")
     assert torch.equal(read_full(read_checkpoint(str(out)), "w"), torch.arange(4.0))
     assert not [n for n in os.listdir(out) if n.startswith(".coordloader")]
+
+
+@pytest.mark.parametrize("old_name", ["model-00001-of-00001.safetensors", "weights.safetensors"])
+def test_loose_safetensors_in_the_target_are_a_checkpoint(tmp_path, old_name):
+    """A directory of loose .safetensors (an index lost, DCP's per-rank files) is a
+    checkpoint to the reader, but not to the writer: overwrite=False replaced it."""
+    from safetensors.torch import save_file
+
+    from coordloader.errors import SaveError
+    from coordloader.handoff.consolidate import consolidate
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"v": torch.ones(3)}, str(src / "model.safetensors"))
+    out = tmp_path / "out"
+    out.mkdir()
+    save_file({"w": torch.zeros(2)}, str(out / old_name))
+    before = (out / old_name).read_bytes()
+    for write in (lambda **kw: consolidate(str(src), str(out), **kw),
+                  lambda **kw: save(out, {"v": torch.ones(3)}, config=CFG, **kw)):
+        with pytest.raises(SaveError, match="a checkpoint already exists here"):
+            write()
+        assert (out / old_name).read_bytes() == before
+    consolidate(str(src), str(out), overwrite=True)
+    consolidate(str(src), str(tmp_path / "rec"))
+    meta = read_checkpoint(str(out))
+    assert list(meta.tensors) == ["v"] and torch.equal(read_full(meta, "v"), torch.ones(3))
+    # the old file is gone, or replaced by the new checkpoint's file of that name
+    assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "rec"))

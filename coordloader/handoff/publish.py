@@ -127,14 +127,19 @@ def _index_files(path: str) -> set[str]:
 
 
 def existing_checkpoint(out_dir: str) -> Existing | None:
-    """The checkpoint in ``out_dir`` (None when there is none). Loose shards of a crashed
-    version-1 save count as its files, so that a save over them removes them."""
+    """The checkpoint in ``out_dir`` (None when there is none), as the reader would find
+    it. Loose shards of a crashed version-1 save count as its files, so that a save over
+    them removes them."""
     try:
         names = set(os.listdir(out_dir))
     except FileNotFoundError:
         return None
     entries = {n for n in names if n == SHARDED_INDEX or n.endswith(HF_INDEX_SUFFIX)
                or n == HF_SINGLE}
+    if not entries:
+        # loose .safetensors files (numbered shards whose index was lost, torch DCP's
+        # per-rank files): the reader loads them as a checkpoint, each one an entry
+        entries = {n for n in names if n.endswith(".safetensors")}
     if not entries:
         return None
     files = set(entries)
