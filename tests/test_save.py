@@ -616,3 +616,22 @@ def test_loose_safetensors_in_the_target_are_a_checkpoint(tmp_path, old_name):
     assert list(meta.tensors) == ["v"] and torch.equal(read_full(meta, "v"), torch.ones(3))
     # the old file is gone, or replaced by the new checkpoint's file of that name
     assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "rec"))
+
+
+def test_overwrite_without_a_config_drops_the_old_models_config(tmp_path):
+    """consolidate/save over another model's checkpoint, bringing no config.json, kept
+    the old model's config beside the new weights."""
+    from safetensors.torch import save_file
+
+    from coordloader.handoff.consolidate import consolidate
+    out = tmp_path / "out"
+    out.mkdir()
+    save_file({"a": torch.zeros(2)}, str(out / "model.safetensors"))
+    (out / "config.json").write_text('{"model_type": "OLD_MODEL"}')
+    src = tmp_path / "src"       # DCP-like output: weights, no config.json
+    src.mkdir()
+    save_file({"b": torch.ones(3)}, str(src / "model.safetensors"))
+    consolidate(str(src), str(out), overwrite=True)
+    assert not (out / "config.json").exists()
+    consolidate(str(src), str(out), overwrite=True, config={"model_type": "NEW"})
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "NEW"}

@@ -146,8 +146,9 @@ def existing_checkpoint(out_dir: str) -> Existing | None:
     for e in entries - {HF_SINGLE}:
         files |= _index_files(os.path.join(out_dir, e))
     files |= {n for n in names if V1_SHARD_RE.match(n) or n.endswith(SHARD_SUFFIX)}
-    if MANIFEST_NAME in names:
-        files.add(MANIFEST_NAME)
+    # the config describes the model whose weights these are: left beside another
+    # model's weights (a new checkpoint that brings none), it would be read as theirs
+    files |= {MANIFEST_NAME, CONFIG_NAME} & names
     return Existing(_plain(entries), _plain(files) & names)
 
 
@@ -193,7 +194,7 @@ def publish(out_dir: str, stage: str, files: list[str], entry: str) -> None:
     into ``out_dir`` under the publish marker (see the module docstring)."""
     old = existing_checkpoint(out_dir) or Existing(frozenset(), frozenset())
     new = [f for f in files if f != entry] + [entry]
-    keep = set(new) | {CONFIG_NAME}
+    keep = set(new)
     # every old entry goes, even one named like a new file (an index over the same shard
     # names): left in place, it would name a mix of old and new files while they move in
     rec = PublishRecord(stage, tuple(new), tuple(sorted(old.files - keep)),
