@@ -635,3 +635,30 @@ def test_overwrite_without_a_config_drops_the_old_models_config(tmp_path):
     assert not (out / "config.json").exists()
     consolidate(str(src), str(out), overwrite=True, config={"model_type": "NEW"})
     assert json.loads((out / "config.json").read_text()) == {"model_type": "NEW"}
+
+
+@pytest.mark.parametrize("value, msg", [
+    (torch.empty(2, device="meta"),
+     "rank 0, tensor 'x': is on the meta device: it has no data to save (materialise it first)"),
+    (torch.zeros(2, 2).to_sparse(),
+     "rank 0, tensor 'x': has layout torch.sparse_coo; expected a dense tensor (call "
+     ".to_dense() first)"),
+    (torch.zeros(2, dtype=torch.complex64),
+     "rank 0, tensor 'x': has dtype torch.complex64, which safetensors cannot store; convert it "
+     "first"),
+    ("boxed-list", "rank 0, tensor 'x': the Boxed tensor is list; expected a torch.Tensor"),
+    ("boxed-float", "rank 0, tensor 'x': Boxed global shape [4] and offset [1.5] must be "
+                    "integers"),
+], ids=["meta", "sparse", "complex", "boxed-list", "boxed-float"])
+def test_tensors_that_cannot_be_written_are_named(tmp_path, value, msg):
+    """Each of these raised a bare torch error (or one naming no tensor and no rank)."""
+    from coordloader.errors import SaveError
+    from coordloader.handoff.pieces import Boxed
+    if value == "boxed-list":
+        value = Boxed([1, 2], (2,), (0,))
+    elif value == "boxed-float":
+        value = Boxed(torch.zeros(2), (4,), (1.5,))
+    with pytest.raises(SaveError) as e:
+        save(tmp_path / "out", {"x": value}, config=CFG)
+    assert str(e.value) == msg
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")

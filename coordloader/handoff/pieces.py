@@ -23,7 +23,7 @@ import torch
 
 from coordloader.checkpoint.dtypes import from_torch, itemsize
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape, piece_key
-from coordloader.errors import SaveError
+from coordloader.errors import CoordloaderError, SaveError
 
 
 class Boxed(NamedTuple):
@@ -119,6 +119,30 @@ def _product(runs_per_dim: list[list[tuple[int, int, int]]]) -> list[tuple[Box, 
     return out
 
 
+def _local(name, t, rank: int, what: str = "") -> torch.Tensor:
+    """``t`` detached, once it is a tensor whose bytes can be written; SaveError naming
+    the tensor and the rank otherwise (no bare torch error from deep in the writer)."""
+    if not isinstance(t, torch.Tensor):
+        raise SaveError(f"{what}is {type(t).__name__}; expected a torch.Tensor", tensor=name,
+                        rank=rank)
+    if t.is_meta:
+        raise SaveError(f"{what}is on the meta device: it has no data to save (materialise "
+                        f"it first)", tensor=name, rank=rank)
+    if t.layout != torch.strided:
+        raise SaveError(f"{what}has layout {t.layout}; expected a dense tensor (call "
+                        f".to_dense() first)", tensor=name, rank=rank)
+    try:
+        from_torch(t.dtype)
+    except CoordloaderError:
+        raise SaveError(f"{what}has dtype {t.dtype}, which safetensors cannot store; convert "
+                        f"it first", tensor=name, rank=rank) from None
+    return t.detach()
+
+
+def _ints(v) -> bool:
+    return all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
 def _piece(name, data, gshape, box, dst, decided) -> PieceOut:
     dt = from_torch(data.dtype)
     view = data
@@ -148,13 +172,17 @@ def collect_pieces(tensors, rank_plan, rank: int) -> list[PieceOut]:
                 raise SaveError(f"DTensor global shape {_fmt(gshape)} differs from the plan's "
                                 f"global shape {_fmt(ts.global_shape)}", tensor=name, rank=rank)
             if primary:
-                local = v.to_local().detach()
+                local = _local(name, v.to_local(), rank, "the DTensor's local tensor ")
                 if 0 in gshape:   # the whole empty tensor, whatever this rank's share
                     local = local.new_empty(gshape)
                 out += [_piece(name, local, gshape, b, d, False) for b, d in boxes]
             continue
         if isinstance(v, Boxed):
-            t, gshape, off = v.tensor.detach(), tuple(v.global_shape), tuple(v.offset)
+            t = _local(name, v.tensor, rank, "the Boxed tensor ")
+            gshape, off = tuple(v.global_shape), tuple(v.offset)
+            if not (_ints(gshape) and _ints(off)):
+                raise SaveError(f"Boxed global shape {list(gshape)} and offset {list(off)} must be "
+                                f"integers", tensor=name, rank=rank)
             if len(off) != t.dim() or len(gshape) != t.dim() or any(
                     o < 0 or o + s > g for o, s, g in zip(off, t.shape, gshape)):
                 raise SaveError(f"Boxed local shape {_fmt(t.shape)} at offset {_fmt(off)} does "
@@ -165,7 +193,7 @@ def collect_pieces(tensors, rank_plan, rank: int) -> list[PieceOut]:
         if not isinstance(v, torch.Tensor):
             raise SaveError(f"expected a torch.Tensor, DTensor or coordloader Boxed, got "
                             f"{type(v).__name__}", tensor=name, rank=rank)
-        t = v.detach()
+        t = _local(name, v, rank)
         ts = planned.get(name)
         if rank_plan is None:
             out.append(_piece(name, t, t.shape, tuple((0, n) for n in t.shape), (0,) * t.dim(),
