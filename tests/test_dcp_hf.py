@@ -141,6 +141,28 @@ def test_dcp_pieces_that_do_not_tile_are_refused(dcp_out, tmp_path):
         cl.read_checkpoint(os.path.join(outs["fsdp2"], files[0]))
 
 
+def test_dcp_output_missing_its_last_rank_is_refused_against_the_config(dcp_out, tmp_path):
+    """DCP records no global shape: without the last rank's file every tensor split on
+    dim 0 shrank to the pieces present and loaded at half size without an error. The
+    sizes config.json states (vocab, hidden) catch it."""
+    import shutil
+    src, outs, _ = dcp_out
+    files = sorted(os.listdir(outs["fsdp2"]))
+    short = tmp_path / "short"
+    os.makedirs(short)
+    shutil.copy(os.path.join(outs["fsdp2"], files[0]), short / files[0])
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    with pytest.raises(CheckpointError) as e:
+        cl.load(str(short), cl.Layout(), rank=0, config=cfg)
+    assert str(e.value) == (
+        f"file {files[0]}, tensor 'lm_head.weight': torch DCP's per-rank shards reach "
+        f"{cfg['vocab_size'] // 2} along dim 0 of this tensor, but config.json says "
+        f"vocab_size={cfg['vocab_size']}: DCP records no global shape, so a missing rank's "
+        f"file shrinks the tensors; expected every rank's shard-*.safetensors file")
+    # all of it: the config agrees
+    assert cl.make_plan(outs["fsdp2"], cl.Layout(tp=2), config=cfg).world_size == 2
+
+
 def test_dcp_shards_beside_an_index_are_refused(dcp_out, tmp_path):
     """An index beside DCP's per-rank files (which come without one) named one rank's file
     only: the load read that rank's pieces as whole tensors of half the size."""

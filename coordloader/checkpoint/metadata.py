@@ -86,6 +86,9 @@ class CheckpointMeta:
     tensors: Mapping[str, TensorInfo]      # insertion order: file, then offset
     config: Mapping | None = None          # parsed config.json, if present
     source_layout: Mapping | None = None   # coordloader sharded format: saving layout
+    # torch DCP's per-rank output records no global shapes: each is the extent of the
+    # pieces present, so one missing last-rank file shrinks tensors instead of leaving gaps
+    shapes_from_extents: bool = False
     # fingerprint cache; init=False so dataclasses.replace() does not carry it over
     _fp: list = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -108,3 +111,25 @@ class CheckpointMeta:
     @property
     def total_bytes(self) -> int:
         return sum(p.end - p.start for t in self.tensors.values() for p in t.pieces)
+
+
+# Tensors whose size config.json states outright: (name suffix, dim, config key).
+_CONFIG_SIZED = ((".embed_tokens.weight", 0, "vocab_size"), ("lm_head.weight", 0, "vocab_size"),
+                 ("input_layernorm.weight", 0, "hidden_size"),
+                 ("post_attention_layernorm.weight", 0, "hidden_size"),
+                 ("model.norm.weight", 0, "hidden_size"))
+
+
+def extent_mismatch(meta: CheckpointMeta) -> tuple[str, str, int, int] | None:
+    """For metadata whose shapes are the extents of the pieces present (torch DCP), the
+    first (tensor, config key, config value, extent) where config.json states a size the
+    pieces do not reach or exceed; None when all agree (or nothing can be compared)."""
+    if not meta.shapes_from_extents or not isinstance(meta.config, Mapping):
+        return None
+    for name, t in meta.tensors.items():
+        for suffix, dim, key in _CONFIG_SIZED:
+            want = meta.config.get(key)
+            if (name.endswith(suffix) and type(want) is int and len(t.shape) > dim
+                    and t.shape[dim] != want):
+                return name, key, want, t.shape[dim]
+    return None

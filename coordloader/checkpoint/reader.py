@@ -745,6 +745,7 @@ def assemble(root: str, discovery: Discovery, headers: Iterable[FileHeader]) -> 
                               f" unexpected {extra[:5]})", file=discovery.index_file)
     names = sorted(by_file)
     files = tuple(by_file[n].info for n in names)
+    extents = False
     with gc_paused():
         if discovery.coordloader is not None:
             tensors = _assemble_sharded(discovery, by_file, names)
@@ -759,11 +760,13 @@ def assemble(root: str, discovery: Discovery, headers: Iterable[FileHeader]) -> 
                                       f"alone in their directory", file=discovery.index_file)
             tensors = _assemble_dcp(by_file, names)
             layout = None
+            extents = True
         else:
             tensors = _assemble_plain(discovery, by_file, names)
             layout = None
     return CheckpointMeta(root=discovery.root, files=files, tensors=tensors,
-                          config=discovery.config, source_layout=layout)
+                          config=discovery.config, source_layout=layout,
+                          shapes_from_extents=extents)
 
 
 def _dcp_info(header: FileHeader) -> str | None:
