@@ -70,3 +70,37 @@ def test_expert_slot_mismatch_names_layer_rank_and_both_sides():
         check_expert_slots({0: {0, 1}, 1: {0, 1}}, {0: {0, 1}, 1: {1, 2}}, rank=1)
     msg = str(e.value)
     assert "rank 1" in msg and "layer 1" in msg and "[2]" in msg and "[0]" in msg, msg
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_data_parallel_is_refused_naming_it(monkeypatch, expert_parallel):
+    """vLLM's world group spans the DP replicas (world_size_across_dp); without expert
+    parallelism this was refused as a world-group mismatch that did not name DP. The
+    modules below stand in for vLLM's config and parallel_state, as vLLM sets them for
+    tp=2 dp=2 on the worker at dp rank 1, tp rank 0."""
+    import sys
+    import types
+    from types import SimpleNamespace as NS
+
+    from coordloader.integrations.vllm import vllm_rank
+    pc = NS(prefill_context_parallel_size=1, decode_context_parallel_size=1,
+            tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=2,
+            enable_expert_parallel=expert_parallel, expert_placement_strategy="linear")
+    config = types.ModuleType("vllm.config")
+    config.get_current_vllm_config = lambda: NS(parallel_config=pc)
+    ps = types.ModuleType("vllm.distributed.parallel_state")
+    ps.get_tp_group = lambda: NS(rank_in_group=0)
+    ps.get_pp_group = lambda: NS(rank_in_group=0)
+    ps.get_dp_group = lambda: NS(rank_in_group=1)
+    ps.get_world_group = lambda: NS(world_size=4, rank_in_group=2, cpu_group=None)
+    distributed = types.ModuleType("vllm.distributed")
+    distributed.parallel_state = ps
+    for name, mod in {"vllm": types.ModuleType("vllm"), "vllm.config": config,
+                      "vllm.distributed": distributed,
+                      "vllm.distributed.parallel_state": ps}.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    with pytest.raises(ConfigError) as e:
+        vllm_rank()
+    assert str(e.value) == ("load format 'coordloader': data parallelism (data_parallel_size=2"
+                            + (", with expert parallelism" if expert_parallel else "")
+                            + ") is not supported yet")

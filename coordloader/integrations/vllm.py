@@ -112,18 +112,18 @@ def vllm_rank() -> VllmRank:
             getattr(pc, "decode_context_parallel_size", 1) > 1:
         raise ConfigError(f"load format {LOAD_FORMAT!r} does not plan context parallelism "
                           f"(prefill/decode_context_parallel_size > 1)")
+    if pc.data_parallel_size > 1:
+        # vLLM's world group then spans every DP replica (rank = dp_rank * world + rank),
+        # with or without expert parallelism; the format plans one replica's TP x PP ranks
+        raise ConfigError(f"load format {LOAD_FORMAT!r}: data parallelism "
+                          f"(data_parallel_size={pc.data_parallel_size}"
+                          f"{', with expert parallelism' if pc.enable_expert_parallel else ''}) "
+                          f"is not supported yet")
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
-    # vLLM's DP replicas are separate engines unless expert parallelism joins them
-    dp = pc.data_parallel_size if pc.enable_expert_parallel else 1
-    layout = layout_of(tp, pp, dp, pc.enable_expert_parallel, pc.expert_placement_strategy)
+    layout = layout_of(tp, pp, 1, pc.enable_expert_parallel, pc.expert_placement_strategy)
     tp_rank = ps.get_tp_group().rank_in_group
     pp_rank = ps.get_pp_group().rank_in_group
-    dp_rank = ps.get_dp_group().rank_in_group if dp > 1 else 0
-    rank = coordinate_rank(layout, tp_rank, pp_rank, dp_rank)
-    if dp > 1:
-        # each DP engine has a world group of its own; the TP x DP expert group spans them
-        raise ConfigError(f"load format {LOAD_FORMAT!r}: expert parallel over data parallel "
-                          f"(data_parallel_size={pc.data_parallel_size}) is not supported yet")
+    rank = coordinate_rank(layout, tp_rank, pp_rank, 0)
     world = ps.get_world_group()
     if world.world_size != layout.world_size or world.rank_in_group != rank:
         raise ConfigError(f"load format {LOAD_FORMAT!r}: vLLM's world group (rank "
