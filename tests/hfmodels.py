@@ -3,6 +3,9 @@ refilled with seeded random values (a fresh model's init has constant norms and 
 biases, which would hide a misplaced slice)."""
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 # head_dim 32 (vLLM-CPU attention refuses 16); vocab 300 is not a multiple of 64, so
@@ -34,6 +37,27 @@ def write_llama(out: str, *, seed: int = 0, dtype=torch.bfloat16, shard_size: st
     model = LlamaForCausalLM(LlamaConfig(**LLAMA)).to(dtype)
     refill(model, seed)
     model.save_pretrained(out, max_shard_size=shard_size)
+    return out
+
+
+def write_llama_tied_with_extras(out: str) -> str:
+    """write_llama with tie_word_embeddings set although lm_head.weight is shipped, and an
+    old conversion's rotary_emb.inv_freq in a shard: names vLLM's loaders skip."""
+    from safetensors.torch import load_file, save_file
+    write_llama(out)
+    cfg_path = os.path.join(out, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["tie_word_embeddings"] = True
+    json.dump(cfg, open(cfg_path, "w"))
+    index_path = os.path.join(out, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    name = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    shard = index["weight_map"]["model.layers.0.self_attn.q_proj.weight"]
+    tensors = load_file(os.path.join(out, shard))
+    tensors[name] = torch.arange(8, dtype=torch.float32)
+    save_file(tensors, os.path.join(out, shard), metadata={"format": "pt"})
+    index["weight_map"][name] = shard
+    json.dump(index, open(index_path, "w"))
     return out
 
 

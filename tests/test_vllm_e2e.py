@@ -23,7 +23,7 @@ import pytest
 
 import coordloader as cl
 
-from hfmodels import write_llama, write_qwen3_moe
+from hfmodels import write_llama, write_llama_tied_with_extras, write_qwen3_moe
 
 
 def _plugin_installed() -> bool:
@@ -66,6 +66,9 @@ def runs(tmp_path_factory):
     for r in range(2):
         res = cl.load_detailed(ckpt["llama"], cl.Layout(tp=2), rank=r)
         cl.save(sharded, res.tensors, res.plan, rank=r, config=ckpt["llama"])
+    # tie_word_embeddings with an lm_head.weight shipped anyway, and an old conversion's
+    # rotary_emb.inv_freq: vLLM's loaders skip both by name
+    tied = write_llama_tied_with_extras(str(root / "llama-tied"))
     wrong = root / "wrong_rules.json"
     wrong.write_text(json.dumps(WRONG_RULES))
     jobs = []
@@ -78,6 +81,8 @@ def runs(tmp_path_factory):
                          tp=2, ep=True, generate=False))
     for fmt in ("safetensors", "coordloader"):
         jobs.append(dict(name=f"llama-sharded-tp2-{fmt}", checkpoint=sharded, format=fmt, tp=2))
+    for fmt in ("safetensors", "coordloader"):
+        jobs.append(dict(name=f"llama-tied-tp2-{fmt}", checkpoint=tied, format=fmt, tp=2))
     jobs.append(dict(name="llama-tp2-wrong-rules", checkpoint=ckpt["llama"], format="coordloader",
                      tp=2, generate=False, extra={"rules": str(wrong)}))
     jobs.append(dict(name="llama-tp1-unknown-key", checkpoint=ckpt["llama"], format="coordloader",
@@ -92,6 +97,15 @@ def runs(tmp_path_factory):
     assert not missing, (f"driver exit {proc.returncode}, no result for {missing}\n"
                          f"{proc.stderr[-6000:]}")
     return results
+
+
+def test_names_vllm_skips_are_not_unused_tensors(runs):
+    """A tied lm_head shipped anyway and a rotary inv_freq: vLLM's own loader skips them,
+    and the format refused the load for holding tensors vLLM did not use."""
+    ref, got = ok(runs, "llama-tied-tp2-safetensors"), ok(runs, "llama-tied-tp2-coordloader")
+    assert got["tokens"] == ref["tokens"]
+    for w_ref, w_got in zip(ref["workers"], got["workers"]):
+        assert w_ref["params"] == w_got["params"]
 
 
 def ok(runs, name):

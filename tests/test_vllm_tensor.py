@@ -210,3 +210,45 @@ def test_local_tensor_must_match_the_plan():
     ts = TensorSlice("w", "f", "F32", (6, 4), (3, 4), (Piece(((3, 6), (0, 4)), (0, 0)),), 0, ())
     with pytest.raises(FitError, match=r"plan says F32 \[3, 4\]"):
         global_tensor("w", torch.zeros(4, 4), ts)
+
+
+class _VllmLikeLlama(torch.nn.Module):
+    """load_weights as vLLM 0.32's llama does it at tp=1: rotary caches and, when the
+    embedding is tied, lm_head.* skipped by name; every other weight copied whole."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.tied, self.got = tied, {}
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if "rotary_emb.inv_freq" in name or (self.tied and name.startswith("lm_head.")):
+                continue
+            self.got[name] = vllm_like_copy(name, w, 1, 0)
+        return set(self.got)
+
+
+def test_names_vllm_skips_are_not_reported_unused(tmp_path):
+    """A tied lm_head shipped anyway and a rotary inv_freq: vLLM skips them, and the fit
+    check refused the load for holding tensors no loader used."""
+    from coordloader.integrations.vllm import LoaderOptions, VllmRank, load_into_vllm
+
+    from hfmodels import write_llama_tied_with_extras
+    ckpt = write_llama_tied_with_extras(str(tmp_path / "tied"))
+    model = _VllmLikeLlama(tied=True)
+    report = load_into_vllm(model, ckpt, VllmRank(cl.Layout(), 0, None), LoaderOptions())
+    full = whole(ckpt)
+    assert report["tensors"] == len(full)
+    assert set(model.got) == {n for n in full if n != "lm_head.weight" and "inv_freq" not in n}
+    assert all(torch.equal(model.got[n], full[n]) for n in model.got)
+    # untied, the same lm_head left unused is still an error
+    with pytest.raises(FitError, match="1 held tensor.* not fully used"):
+        load_into_vllm(_VllmLikeTied(), ckpt, VllmRank(cl.Layout(), 0, None), LoaderOptions())
+
+
+class _VllmLikeTied(_VllmLikeLlama):
+    """Skips lm_head although the model is not tied (its config says so)."""
+
+    def __init__(self):
+        super().__init__(tied=True)
+        self.config = type("Config", (), {"tie_word_embeddings": False})()

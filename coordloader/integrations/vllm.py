@@ -178,6 +178,26 @@ def check_expert_slots(planned: dict[int, set[int]], kept: dict[int, set[int]], 
                            f"{only_c[:16]} (expert placement differs)", rank=rank)
 
 
+# Names vLLM's model loaders skip on purpose: rotary caches that old conversions saved,
+# and, when the embedding is tied, an lm_head the checkpoint ships anyway (AutoWeightsLoader
+# skip_prefixes). They are fed to load_weights like the rest, but not counted as unused.
+_ROTARY_CACHES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def vllm_skips(names, tied: bool) -> set[str]:
+    return {n for n in names
+            if any(c in n for c in _ROTARY_CACHES) or (tied and n.startswith("lm_head."))}
+
+
+def _tied(model, config) -> bool:
+    """Whether vLLM ties the model's lm_head to its embedding: the model's own (resolved)
+    config, else the checkpoint's config.json."""
+    tie = getattr(getattr(model, "config", None), "tie_word_embeddings", None)
+    if tie is None and isinstance(config, Mapping):
+        tie = config.get("tie_word_embeddings")
+    return tie is True
+
+
 class LoadReport(dict):
     """What one rank's coordloader load cost, attached to the model as
     ``model.coordloader_report`` for benches and tests."""
@@ -204,7 +224,8 @@ def load_into_vllm(model, ckpt: str, vr: VllmRank, opts: LoaderOptions, *,
         def fit():
             wrapped = {n: global_tensor(n, t, by[n], rank=vr.rank) for n, t in res.tensors.items()}
             loaded = model.load_weights(iter(sorted(wrapped.items())))
-            left = unconsumed(wrapped)
+            skipped = vllm_skips(wrapped, _tied(model, res.meta.config))
+            left = [u for u in unconsumed(wrapped) if u.name not in skipped]
             if left:
                 u = left[0]
                 raise FitError(f"{len(left)} held tensor(s) not fully used by vLLM's weight loaders, "
