@@ -80,6 +80,11 @@ def runs(tmp_path_factory):
         jobs.append(dict(name=f"qwen3_moe-ep2-{fmt}", checkpoint=ckpt["qwen3_moe"], format=fmt,
                          tp=2, ep=True, generate=False))
     for fmt in ("safetensors", "coordloader"):
+        # vLLM applies round_robin only with expert groups: qwen3_moe falls back to linear
+        jobs.append(dict(name=f"qwen3_moe-ep2-rr-{fmt}", checkpoint=ckpt["qwen3_moe"],
+                         format=fmt, tp=2, ep=True, generate=False,
+                         engine_args={"expert_placement_strategy": "round_robin"}))
+    for fmt in ("safetensors", "coordloader"):
         jobs.append(dict(name=f"llama-sharded-tp2-{fmt}", checkpoint=sharded, format=fmt, tp=2))
     for fmt in ("safetensors", "coordloader"):
         jobs.append(dict(name=f"llama-tied-tp2-{fmt}", checkpoint=tied, format=fmt, tp=2))
@@ -169,6 +174,15 @@ def test_expert_parallel_parameters_equal_vllms_own_loader(runs):
 
 def _failure_lines(err: dict, needle: str) -> list[str]:
     return [ln for ln in err["log_tail"].splitlines() if needle in ln]
+
+
+def test_round_robin_that_vllm_turns_into_linear_is_followed(runs):
+    """Asked for round_robin on a model without expert groups, vLLM places experts
+    linearly (with a warning) and serves; the format planned round_robin and refused."""
+    ref, got = ok(runs, "qwen3_moe-ep2-rr-safetensors"), ok(runs, "qwen3_moe-ep2-rr-coordloader")
+    for w_ref, w_got in zip(ref["workers"], got["workers"]):
+        assert w_ref["params"] == w_got["params"]
+    assert [w["report"]["experts"]["0"] for w in got["workers"]] == [[0, 1], [2, 3]]
 
 
 def test_wrong_rule_fails_on_every_rank_naming_tensor_and_boxes(runs):

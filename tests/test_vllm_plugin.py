@@ -3,6 +3,7 @@ expert-slot check. The real vLLM runs are in test_vllm_e2e.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import coordloader as cl
 from coordloader.errors import ConfigError, FitError
@@ -104,3 +105,35 @@ def test_data_parallel_is_refused_naming_it(monkeypatch, expert_parallel):
     assert str(e.value) == ("load format 'coordloader': data parallelism (data_parallel_size=2"
                             + (", with expert parallelism" if expert_parallel else "")
                             + ") is not supported yet")
+
+
+class _ExpertsModule(torch.nn.Module):
+    """What vLLM's FusedMoE keeps of its placement: a global -> local expert map."""
+
+    def __init__(self, kept, n):
+        super().__init__()
+        self.global_num_experts = n
+        slots = iter(range(len(kept)))
+        self._expert_map = torch.tensor([next(slots) if e in kept else -1 for e in range(n)])
+
+
+@pytest.mark.parametrize("asked, kept_by_rank, used", [
+    # vLLM fell back from round_robin to linear (no expert groups): the plan follows it
+    ("round_robin", {0: {0, 1, 2, 3}, 1: {4, 5, 6, 7}}, "linear"),
+    ("round_robin", {0: {0, 2, 4, 6}, 1: {1, 3, 5, 7}}, "round_robin"),
+    ("linear", {0: {0, 1, 2, 3}, 1: {4, 5, 6, 7}}, "linear"),
+    # neither: the plan keeps what was asked, and the fit check names both sides
+    ("round_robin", {0: {0, 1, 2, 7}, 1: {3, 4, 5, 6}}, "round_robin"),
+])
+def test_placement_follows_what_vllm_applied(asked, kept_by_rank, used):
+    """vLLM applies round_robin only to models with expert groups (else linear, with a
+    warning); planning round_robin regardless refused a load vLLM's own loader serves."""
+    from coordloader.integrations.vllm import VllmRank, placement_vllm_used
+    for rank, kept in kept_by_rank.items():
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([torch.nn.Module()])
+        model.layers[0].experts = _ExpertsModule(kept, 8)
+        lay = layout_of(tp=2, pp=1, dp=1, expert_parallel=True, placement=asked)
+        vr = placement_vllm_used(VllmRank(lay, rank, None), model)
+        assert vr.layout.expert_placement == used
+        assert vr.layout == cl.Layout(tp=2, ep=2, expert_placement=used) and vr.rank == rank

@@ -47,14 +47,14 @@ def _worker_state(worker):
 
 
 def run_format(ckpt: str, fmt: str, tp: int, pp: int, ep: bool, extra: dict | None,
-               generate: bool, cold: bool = False) -> dict:
+               generate: bool, cold: bool = False, engine_args: dict | None = None) -> dict:
     from vllm import LLM, SamplingParams
     if cold:
         from coordloader.bench.common import evict_files
         evict_files(os.path.join(ckpt, n) for n in os.listdir(ckpt) if n.endswith(".safetensors"))
     kw = dict(model=ckpt, load_format=fmt, tensor_parallel_size=tp, pipeline_parallel_size=pp,
               dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=128,
-              enable_expert_parallel=ep)
+              enable_expert_parallel=ep, **(engine_args or {}))
     # vLLM's "auto" thread binding refuses 2 workers on a 2-core machine
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp * pp == 2 else "auto"
     if extra is not None and fmt == "coordloader":
@@ -85,7 +85,7 @@ def run_format(ckpt: str, fmt: str, tp: int, pp: int, ep: bool, extra: dict | No
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("jobs", help="JSON file: a list of {name, checkpoint, format, tp, pp, ep, "
-                                 "extra, generate, cold}")
+                                 "extra, generate, cold, engine_args}")
     ap.add_argument("out", help="JSON file: name -> result, rewritten after each job")
     a = ap.parse_args(argv)
     with open(a.jobs) as f:
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         with _output_to(log):
             r = run_format(job["checkpoint"], job["format"], job.get("tp", 1), job.get("pp", 1),
                            job.get("ep", False), job.get("extra"), job.get("generate", True),
-                           job.get("cold", False))
+                           job.get("cold", False), job.get("engine_args"))
         if "error" in r:
             # vLLM reports a worker's exception in the worker's own output; the engine's
             # exception only says that initialisation failed

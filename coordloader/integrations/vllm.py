@@ -22,7 +22,7 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, NamedTuple
 
 from coordloader.errors import ConfigError, FitError
@@ -198,6 +198,32 @@ def _tied(model, config) -> bool:
     return tie is True
 
 
+def placement_vllm_used(vr: VllmRank, model) -> VllmRank:
+    """``vr`` with the expert placement vLLM really applied on this rank. vLLM falls back
+    from round_robin to linear for most models (without expert groups, say) with only a
+    warning; planning the strategy it was asked for would then refuse a load vLLM's own
+    loader serves. The placement asked for is kept when it matches (or nothing tells)."""
+    lay = vr.layout
+    if lay.ep <= 1 or lay.expert_placement not in ("linear", "round_robin"):
+        return vr
+    kept, n = None, None
+    for mod in (m for _, m in model.named_modules()
+                if getattr(m, "_expert_map", None) is not None
+                and hasattr(m, "global_num_experts")):
+        kept = {e for e, slot in enumerate(mod._expert_map.tolist()) if slot >= 0}
+        n = int(mod.global_num_experts)
+        break
+    if kept is None:
+        return vr
+    ep_rank = lay.coords(vr.rank).ep
+    other = "linear" if lay.expert_placement == "round_robin" else "round_robin"
+    for placement in (lay.expert_placement, other):
+        cand = replace(lay, expert_placement=placement)
+        if set(cand.experts_of(ep_rank, n)) == kept:
+            return vr._replace(layout=cand)
+    return vr
+
+
 class LoadReport(dict):
     """What one rank's coordloader load cost, attached to the model as
     ``model.coordloader_report`` for benches and tests."""
@@ -280,7 +306,8 @@ def _loader_class():
                     # vLLM's own check, unchanged: every parameter came from the checkpoint
                     DefaultModelLoader.track_weights_loading(self, m, loaded)
 
-            self.report = load_into_vllm(model, ckpt, vllm_rank(), self.options, track=track)
+            vr = placement_vllm_used(vllm_rank(), model)
+            self.report = load_into_vllm(model, ckpt, vr, self.options, track=track)
             model.coordloader_report = self.report
 
     return CoordloaderModelLoader
