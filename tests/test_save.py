@@ -290,6 +290,20 @@ def test_save_without_a_plan_takes_whole_and_boxed_tensors(tmp_path):
     assert_equal_ckpt(tmp_path / "boxed", dict(full, fsdp=w))
 
 
+def test_local_save_writes_a_box_several_ranks_hold_once(tmp_path):
+    """Saving plan ranks in turn, a Boxed box both ranks held was refused as an overlap;
+    a distributed save writes it once, from the lowest rank."""
+    from coordloader.handoff.pieces import Boxed
+    plan, locs, full = make_plan_and_locals()
+    rep = torch.randn(3, 3)
+    for r in range(2):
+        save(tmp_path / "rep", dict(locs[r], rep=Boxed(rep, rep.shape, (0, 0))), plan, rank=r,
+             config=CFG)
+    assert_equal_ckpt(tmp_path / "rep", dict(full, rep=rep))
+    pieces = read_checkpoint(str(tmp_path / "rep")).tensors["rep"].pieces
+    assert [p.file for p in pieces] == ["rank-00000-part-00000.coordloader-shard"]
+
+
 def test_save_refuses_gaps_and_overlaps_naming_ranks(tmp_path):
     from coordloader.handoff.pieces import Boxed
     w = _full_tensors()["a.weight"]

@@ -401,6 +401,12 @@ def _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order) -> boo
         raise
 
 
+def _record(stage_dir: str, rank: int) -> dict:
+    """What rank ``rank`` of a local-mode save wrote (its ``rank-*.json``)."""
+    with open(os.path.join(stage_dir, f"rank-{rank:05d}.json")) as f:
+        return json.load(f)
+
+
 def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: int = 5 * 2**30,
                overwrite: bool = False, config=None, digests: bool = True) -> SaveResult:
     """One process saves every plan rank in turn (rank 0, 1, ..., world-1): the call for
@@ -433,6 +439,11 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
             raise SaveError(f"local-mode save: call save() for ranks in order 0..{world - 1}; ranks "
                             f"{missing} have not been saved into this staging directory", file=stage_dir,
                             rank=rank)
+        # a box an earlier rank already wrote (a Boxed replica) is written once, as in a
+        # distributed save
+        held = [[(p["name"], p["box"]) for p in _record(stage_dir, r)["pieces"]]
+                for r in range(rank)]
+        pieces = keep_primaries(pieces, held + [undecided(pieces)], rank)
     t0 = time.perf_counter()
     try:
         rec = _write_rank(stage_dir, pieces, rank, max_shard_bytes, digests)
@@ -446,9 +457,6 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
     secs = time.perf_counter() - t0
     wrote = False
     if rank == world - 1:
-        recs = []
-        for r in range(world):
-            with open(os.path.join(stage_dir, f"rank-{r:05d}.json")) as f:
-                recs.append(json.load(f))
+        recs = [_record(stage_dir, r) for r in range(world)]
         wrote = _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order)
     return SaveResult(out_dir, rank, tuple(rec["files"]), rec["bytes"], secs, rank == world - 1, wrote)
