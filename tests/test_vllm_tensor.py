@@ -200,6 +200,25 @@ def test_a_slice_spanning_two_held_pieces_is_assembled():
     assert torch.equal(t[3:5, 1].materialize(), full[3:5, 1])
 
 
+def test_an_empty_narrow_is_an_empty_tensor_as_in_torch():
+    """vLLM's VocabParallelEmbedding on a rank that holds only padding (vocab 90 at tp=4:
+    rows 96..128 of the padded 128) narrows the checkpoint tensor to [90:90] and zero-fills
+    its parameter; the empty narrow was refused."""
+    ts = TensorSlice("e", "f", "F32", (6, 4), (0, 4), (), 0, ())
+    t = global_tensor("e", torch.zeros(0, 4), ts, rank=3)
+    param = torch.full((2, 4), 7.0)
+    part = t.narrow(0, 6, 0)
+    assert part.shape == (0, 4)
+    param[:part.shape[0]].copy_(part)
+    param[part.shape[0]:].fill_(0)
+    assert torch.equal(param, torch.zeros(2, 4)) and unconsumed({"e": t}) == []
+    # an empty narrow of a rank that holds rows does not count them used
+    ts = TensorSlice("w", "f", "F32", (6, 4), (3, 4), (Piece(((3, 6), (0, 4)), (0, 0)),), 0, ())
+    held = global_tensor("w", torch.ones(3, 4), ts)
+    assert held.narrow(0, 3, 0).materialize().shape == (0, 4)
+    assert [u.boxes for u in unconsumed({"w": held})] == [(((3, 6), (0, 4)),)]
+
+
 def test_writing_into_a_checkpoint_tensor_is_refused():
     _, t = _experts(range(0, 4))
     with pytest.raises(FitError, match="writing into"):

@@ -62,6 +62,8 @@ class HeldTensor:
     def gather(self, box: Box) -> torch.Tensor:
         """The elements of global ``box`` as a tensor of ``box_shape(box)``; FitError unless
         every one is held. Recorded as consumed."""
+        if any(a == b for a, b in box):   # an empty narrow (torch allows it) asks for nothing
+            return torch.empty(box_shape(box), dtype=self.local.dtype, device=self.local.device)
         if uncovered(box, self.held_boxes):
             raise self.refuse("asked for elements this rank does not hold (the serving "
                               "engine's split differs from the plan's)", box)
@@ -139,9 +141,10 @@ class GlobalShapeTensor(torch.Tensor):
         stop = n if stop is None or stop >= sys.maxsize else stop
         start = min(max(start + n if start < 0 else start, 0), n)
         stop = min(max(stop + n if stop < 0 else stop, start), n)
-        if start == stop:
-            raise self._held.refuse(f"an empty slice [{start}:{stop}] of dim {d}", self._box)
         g = self._dims[d]
+        if start == stop and g is None:
+            raise self._held.refuse(f"an empty slice [{start}:{stop}] of an added dim {d}",
+                                    self._box)
         if g is None:
             return self._view(self._box, self._dims)
         lo = self._box[g][0]
