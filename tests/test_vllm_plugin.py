@@ -137,3 +137,18 @@ def test_placement_follows_what_vllm_applied(asked, kept_by_rank, used):
         vr = placement_vllm_used(VllmRank(lay, rank, None), model)
         assert vr.layout.expert_placement == used
         assert vr.layout == cl.Layout(tp=2, ep=2, expert_placement=used) and vr.rank == rank
+
+
+def test_vllm_pp_layer_partition_sets_the_stages():
+    """vLLM's get_pp_indices follows VLLM_PP_LAYER_PARTITION; the layout ignored it, so
+    every stage held other layers than vLLM's (a FitError on a load vLLM serves)."""
+    from coordloader.integrations.vllm import pp_partition
+    lay = layout_of(tp=1, pp=2, dp=1, expert_parallel=False, placement="linear",
+                    pp_layers=pp_partition("3,1", 2))
+    assert lay.stage_layers(4) == [range(0, 3), range(3, 4)]
+    assert pp_partition(None, 2) is None and pp_partition("3,1", 1) is None
+    for bad in ("3", "3,1,0", "a,b", "3,-1"):
+        with pytest.raises(ConfigError) as e:
+            pp_partition(bad, 2)
+        assert str(e.value) == (f"VLLM_PP_LAYER_PARTITION={bad!r}: expected 2 comma-separated "
+                                f"non-negative layer counts, one per pipeline stage")

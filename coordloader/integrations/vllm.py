@@ -86,7 +86,23 @@ class VllmRank(NamedTuple):
     cpu_group: Any      # vLLM's world group over gloo: metadata, plan and phase agreement
 
 
-def layout_of(tp: int, pp: int, dp: int, expert_parallel: bool, placement: str) -> Layout:
+def pp_partition(value: str | None, pp: int) -> tuple[int, ...] | None:
+    """``VLLM_PP_LAYER_PARTITION`` ("8,7,...": layers per stage, which vLLM's
+    get_pp_indices follows) as ``Layout.pp_layers``; None when unset or pp is 1."""
+    if value is None or pp <= 1:
+        return None
+    try:
+        counts = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        counts = ()
+    if len(counts) != pp or any(c < 0 for c in counts):
+        raise ConfigError(f"VLLM_PP_LAYER_PARTITION={value!r}: expected {pp} comma-separated "
+                          f"non-negative layer counts, one per pipeline stage")
+    return counts
+
+
+def layout_of(tp: int, pp: int, dp: int, expert_parallel: bool, placement: str,
+              pp_layers: tuple[int, ...] | None = None) -> Layout:
     """The coordloader layout that places slices where vLLM's layers expect them.
 
     Without expert parallelism vLLM splits every expert over the TP group (``ep=1``,
@@ -94,8 +110,8 @@ def layout_of(tp: int, pp: int, dp: int, expert_parallel: bool, placement: str) 
     (vLLM's ``ep_size = dp * tp``, ``ep_rank = dp_rank * tp + tp_rank``), whole."""
     if expert_parallel:
         return Layout(tp=tp, pp=pp, dp=dp, ep=tp * dp, ep_spans_dp=dp > 1,
-                      expert_placement=placement)
-    return Layout(tp=tp, pp=pp, dp=dp)
+                      expert_placement=placement, pp_layers=pp_layers)
+    return Layout(tp=tp, pp=pp, dp=dp, pp_layers=pp_layers)
 
 
 def coordinate_rank(layout: Layout, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
@@ -120,7 +136,8 @@ def vllm_rank() -> VllmRank:
                           f"{', with expert parallelism' if pc.enable_expert_parallel else ''}) "
                           f"is not supported yet")
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
-    layout = layout_of(tp, pp, 1, pc.enable_expert_parallel, pc.expert_placement_strategy)
+    layout = layout_of(tp, pp, 1, pc.enable_expert_parallel, pc.expert_placement_strategy,
+                       pp_partition(os.environ.get("VLLM_PP_LAYER_PARTITION"), pp))
     tp_rank = ps.get_tp_group().rank_in_group
     pp_rank = ps.get_pp_group().rank_in_group
     rank = coordinate_rank(layout, tp_rank, pp_rank, 0)
