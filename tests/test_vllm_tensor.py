@@ -219,6 +219,16 @@ def test_an_empty_narrow_is_an_empty_tensor_as_in_torch():
     assert [u.boxes for u in unconsumed({"w": held})] == [(((3, 6), (0, 4)),)]
 
 
+def test_split_sizes_must_add_up_as_in_torch():
+    ts = TensorSlice("w", "f", "F32", (8, 4), (8, 4), (Piece(((0, 8), (0, 4)), (0, 0)),), 0, ())
+    t = global_tensor("w", torch.arange(32.0).reshape(8, 4), ts)
+    assert [p.box for p in t.split([3, 5])] == [((0, 3), (0, 4)), ((3, 8), (0, 4))]
+    for sizes in ([3, 3], [3, 6]):
+        with pytest.raises(FitError, match=rf"split sizes \[{sizes[0]}, {sizes[1]}\] of dim 0 "
+                                           r"do not add up to its size 8"):
+            t.split(sizes)
+
+
 def test_writing_into_a_checkpoint_tensor_is_refused():
     _, t = _experts(range(0, 4))
     with pytest.raises(FitError, match="writing into"):

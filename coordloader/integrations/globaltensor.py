@@ -220,6 +220,10 @@ class GlobalShapeTensor(torch.Tensor):
             sz = arg(0, "split_size", None) if pkt is aten.split else arg(0, "split_sizes", None)
             if isinstance(sz, int):
                 sz = [min(sz, n - s) for s in range(0, n, sz)]
+            elif sum(sz) != n or any(s < 0 for s in sz):
+                # torch refuses these too: a view of other offsets must not pass for one
+                raise self._held.refuse(f"split sizes {list(sz)} of dim {d} do not add up to "
+                                        f"its size {n}", self._box)
             return self._split(list(sz), d)
         if pkt in (aten.detach, aten.alias):
             return self._view(self._box, self._dims)
