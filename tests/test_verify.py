@@ -130,6 +130,24 @@ def test_flipped_byte_after_manifest_names_the_tensor(setup):
     assert f["piece"] == 0 and "first at global index [7, 0]" in f["detail"]
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_rank_without_a_group_compares_what_it_holds_whole(setup, rank):
+    """One rank checked alone (no process group): the manifest comparison was skipped for
+    every tensor, so a flipped byte in a tensor the rank holds whole (norm: primary on
+    rank 0, replica on rank 1) passed verify=digest."""
+    root, full, meta, man, plan, loaded = setup
+    rep = vf.verify_rank(loaded[rank], plan, "digest", meta=meta, manifest=man, rank=rank)
+    assert rep["checks"] == ["local", "digest-manifest"]
+    assert rep["manifest"] == (f"compared with {man.path} for the 1 tensor(s) this rank holds "
+                               f"whole; 3 split over ranks not compared (no process group)")
+    bad = {k: v.clone() for k, v in loaded[rank].items()}
+    bad["norm"].view(torch.int16)[3] ^= 0x40
+    with pytest.raises(VerifyError) as e:
+        vf.verify_rank(bad, plan, "digest", meta=meta, manifest=man, rank=rank)
+    assert checks(e.value.report) == [(rank, "norm", "digest")]
+    assert "content differs from the manifest" in e.value.report["failures"][0]["detail"]
+
+
 def test_every_rank_loading_tp_rank0_slice(setup):
     root, full, meta, man, plan, loaded = setup
     wrong = [loaded[0], {k: v.clone() for k, v in loaded[0].items()}]

@@ -434,28 +434,56 @@ def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None
     if mode.level >= VerifyMode.DIGEST.level:
         if manifest_error:
             failures.append(_finding(None, "manifest", manifest_error))
-        if manifest is not None:
-            checks.append("digest-manifest")
-            manifest_info = f"compared with {manifest.path}"
-        else:
-            checks.append("digest-replicas")
-            manifest_info = ("no manifest: checked replicas against primaries only (create one "
-                             "with `python -m coordloader.manifest CKPT`)")
-            notes.append(manifest_info)
         digests = {p.rank: p.digests for p in payloads}
+        compared = split = 0
         for name in sorted(holders):
             if complete and name not in cover_ok:
                 continue
             if name in bad_tensor:
                 notes.append(f"{name}: digests not compared (local check failed)")
                 continue
-            _digest_findings(name, holders[name], digests, manifest if complete else None,
-                             failures, notes)
+            h = holders[name]
+            if not complete and manifest is not None:
+                # only this rank's share: a tensor it holds whole is still compared with
+                # the manifest; one split over ranks cannot be (its digest is their sum)
+                h = _whole_here(name, h)
+                if h is None:
+                    split += 1
+                    _digest_findings(name, holders[name], digests, None, failures, notes)
+                    continue
+            compared += manifest is not None
+            _digest_findings(name, h, digests, manifest, failures, notes)
+        if manifest is not None and compared:
+            checks.append("digest-manifest")
+            manifest_info = f"compared with {manifest.path}"
+            if split:
+                manifest_info += (f" for the {compared} tensor(s) this rank holds whole; "
+                                  f"{split} split over ranks not compared (no process group)")
+                notes.append(manifest_info)
+        else:
+            checks.append("digest-replicas")
+            manifest_info = ("no manifest: checked replicas against primaries only (create one "
+                             "with `python -m coordloader.manifest CKPT`)" if manifest is None
+                             else f"not compared with {manifest.path}: every tensor this rank "
+                                  f"holds is split over ranks (no process group)")
+            notes.append(manifest_info)
     if mode.level >= VerifyMode.FULL.level:
         checks.append("full")
     return {"ok": not failures, "mode": mode.value, "ranks": sorted(p.rank for p in payloads),
             "checks": checks, "manifest": manifest_info, "notes": notes,
             "failures": [f.to_dict() for f in failures], "stats": _sum_stats(payloads)}
+
+
+def _whole_here(name: str, h: Holders) -> Holders | None:
+    """``h`` with the pieces that tile the whole tensor as its primaries (this rank's
+    primary pieces, else its replica pieces), or None when neither does."""
+    if len(h.decl) != 1:
+        return None
+    (_, gshape), = h.decl.keys()
+    for pieces in (h.prim, h.repl):
+        if pieces and not cover_problems(name, gshape, [(p.rank, p.box) for p in pieces], []):
+            return h if pieces is h.prim else Holders(h.decl, list(pieces), [])
+    return None
 
 
 def _holders(payloads: Sequence[Payload]) -> dict[str, Holders]:
