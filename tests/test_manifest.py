@@ -158,6 +158,34 @@ def test_missing_and_malformed_manifest(tmp_path):
         f.write("{not json")
     with pytest.raises(VerifyError, match="malformed manifest"):
         mf.load_manifest(root, meta)
+    # a shape too large for an int was an untyped OverflowError
+    mf.write_manifest(meta)
+    doc = json.loads(open(mf.manifest_path(root)).read())
+    doc["tensors"][next(iter(doc["tensors"]))]["shape"] = [1e400]
+    open(mf.manifest_path(root), "w").write(json.dumps(doc).replace("Infinity", "1e400"))
+    with pytest.raises(VerifyError, match="malformed manifest: cannot convert float infinity"):
+        mf.load_manifest(root, meta)
+
+
+def test_manifest_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    """A FIFO in the manifest's place blocked the load (and --check) forever."""
+    import signal
+    root = write_hf(tmp_path / "ck", tensors_a())
+    meta = read_checkpoint(root)
+    os.mkfifo(mf.manifest_path(root))
+
+    def blocked(*_):
+        raise AssertionError("load_manifest blocked on a FIFO")
+    old = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(10)
+    try:
+        with pytest.raises(VerifyError) as e:
+            mf.load_manifest(root, meta)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert str(e.value) == (f"file {mf.manifest_path(root)}: cannot read the manifest: is a "
+                            f"FIFO; expected a regular file")
 
 
 def test_cli_writes_then_check_names_corrupted_tensor(tmp_path, capsys):

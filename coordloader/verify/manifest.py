@@ -25,7 +25,8 @@ import torch
 from coordloader.checkpoint.dtypes import bits_dtype, itemsize
 from coordloader.checkpoint.fileio import OpenFiles, pread_into, write_file_atomic
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
-from coordloader.errors import VerifyError
+from coordloader.checkpoint.reader import MAX_JSON_FILE, _open_regular, _pread_exact
+from coordloader.errors import CheckpointError, VerifyError
 
 # explicit names: the package re-exports the function `digest`, shadowing the module
 from coordloader.verify.digest import ALGORITHM, MASK64, digest, flat_offset, fmt, iter_subboxes
@@ -164,16 +165,25 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
     """The checkpoint's manifest, or None when there is none (unless ``required``).
     Raises VerifyError for a malformed or stale manifest, naming what changed."""
     path = manifest_path(root)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         if required:
             raise VerifyError(f"no manifest; create it with `python -m coordloader.manifest {root}`",
-                              file=path) from None
+                              file=path)
         return None
-    except OSError as e:   # a directory in its place, no permission, an I/O error
-        raise VerifyError(f"cannot read the manifest: {e.strerror or e}", file=path) from None
+    try:
+        # never blocks: a FIFO, a device or a directory in its place is refused
+        fd, st = _open_regular(path, path)
+    except CheckpointError as e:
+        raise VerifyError(f"cannot read the manifest: {e.message}", file=path) from None
+    try:
+        if st.st_size > MAX_JSON_FILE:
+            raise VerifyError(f"manifest is {st.st_size} bytes; expected at most {MAX_JSON_FILE}",
+                              file=path)
+        raw = _pread_exact(fd, st.st_size, 0, path)
+    except CheckpointError as e:
+        raise VerifyError(f"cannot read the manifest: {e.message}", file=path) from None
+    finally:
+        os.close(fd)
     try:
         doc = json.loads(raw)
         if doc.get("format") != "coordloader.manifest" or doc.get("version") != VERSION:
@@ -181,7 +191,7 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         tensors = {n: TensorDigest(str(t["dtype"]), tuple(int(s) for s in t["shape"]), int(t["digest"], 16))
                    for n, t in doc["tensors"].items()}
         fp = str(doc["fingerprint"])
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
         raise VerifyError(f"malformed manifest: {e}", file=path) from None
     except RecursionError:
         raise VerifyError("malformed manifest: JSON nested too deeply", file=path) from None
