@@ -148,6 +148,16 @@ def test_one_rank_without_a_group_compares_what_it_holds_whole(setup, rank):
     assert "content differs from the manifest" in e.value.report["failures"][0]["detail"]
 
 
+def test_rank_plan_form_alone_checks_one_share_not_the_whole(setup):
+    """verify_rank(tensors, rank_plan, mode) on one rank of tp=2 ran the global cover over
+    that rank's share alone and failed a correct load ("held by no rank")."""
+    root, full, meta, man, plan, loaded = setup
+    rep = vf.verify_rank(loaded[0], plan.rank(0), "digest", meta=meta, manifest=man)
+    assert rep["ok"] and rep["checks"] == ["local", "digest-manifest"]
+    assert rep["notes"][0] == ("global cover skipped: only this rank's share was checked (no "
+                               "process group)")
+
+
 def test_every_rank_loading_tp_rank0_slice(setup):
     root, full, meta, man, plan, loaded = setup
     wrong = [loaded[0], {k: v.clone() for k, v in loaded[0].items()}]

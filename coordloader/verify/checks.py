@@ -428,7 +428,7 @@ def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None
         checks.append("cover")
         cover_ok = _cover_findings(holders, meta, set(excluded), failures)
     else:
-        notes.append("global cover and manifest sums skipped: only this rank's share was "
+        notes.append("global cover skipped: only this rank's share was "
                      "checked (no process group)")
     manifest_info = None
     if mode.level >= VerifyMode.DIGEST.level:
@@ -658,7 +658,9 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
     payload = local_payload(tensors, rank_plan, mode, meta=meta)
     if pg is None:
         payloads = [payload]
-        complete = plan is None or plan.world_size == 1
+        # one rank's share is the whole only in a world of one; a rank plan given alone
+        # does not say its world, so its share is taken as partial
+        complete = plan is not None and plan.world_size == 1
     else:
         import torch.distributed as dist
         world = dist.get_world_size(pg)
