@@ -40,6 +40,24 @@ def test_num_hidden_layers_beyond_the_names_is_refused_fast(tiny_qwen3_moe, tmp_
     assert time.perf_counter() - t0 < 10
 
 
+def test_num_hidden_layers_below_the_names_is_refused_unless_mtp(tiny_qwen3_moe, tmp_path):
+    """A config with fewer layers than the names had the extra layers left out as MTP
+    layers: the load passed (verify full too) without layer 1."""
+    ck = _with_config(tiny_qwen3_moe, tmp_path / "c", num_hidden_layers=1)
+    with pytest.raises(PlanError) as e:
+        cl.load(ck, Layout(), rank=0)
+    assert str(e.value) == (
+        "config.json: num_hidden_layers=1 (num_nextn_predict_layers=0) but the checkpoint's "
+        "tensor names hold layers 0..1; expected the config of this checkpoint (layers past "
+        "num_hidden_layers are only left out as MTP layers when num_nextn_predict_layers "
+        "covers them)")
+    # declared as an MTP layer, it is left out on purpose
+    ck = _with_config(tiny_qwen3_moe, tmp_path / "m", num_hidden_layers=1,
+                      num_nextn_predict_layers=1)
+    plan = cl.make_plan(ck, Layout())
+    assert plan.excluded and all(".layers.1." in n for n in plan.excluded)
+
+
 def test_more_experts_in_config_than_in_the_names_is_refused(tiny_qwen3_moe, tmp_path):
     n = json.load(open(os.path.join(tiny_qwen3_moe, "config.json")))["num_experts"]
     ck = _with_config(tiny_qwen3_moe, tmp_path / "c", num_experts=2 * n)

@@ -31,7 +31,10 @@ def arch(draw):
     specs = [("model.embed_tokens.weight", "BF16", (V, H)), ("model.norm.weight", "F32", (H,))]
     if not tie:
         specs.append(("lm_head.weight", "BF16", (V, H)))
-    for l in range(nl + draw(st.integers(0, 1))):   # maybe an MTP-like extra layer
+    mtp = draw(st.integers(0, 1))
+    if mtp:    # an MTP extra layer, which the config declares
+        cfg["num_nextn_predict_layers"] = mtp
+    for l in range(nl + mtp):
         p = f"model.layers.{l}."
         specs += [(p + "input_layernorm.weight", "F32", (H,)),
                   (p + "self_attn.q_proj.weight", "BF16", (heads * hd, H)),

@@ -140,6 +140,15 @@ class _Planner:
             raise PlanError(f"config.json: num_hidden_layers={nl} but the checkpoint's tensor "
                             f"names hold layers 0..{max_layer} only; expected at most "
                             f"{max_layer + 1}")
+        mtp = self.config.get("num_nextn_predict_layers") or 0
+        if layer_of and max_layer + 1 > nl + (mtp if type(mtp) is int and mtp > 0 else 0):
+            # layers past num_hidden_layers are left out as multi-token-prediction layers;
+            # without num_nextn_predict_layers saying so, that would drop real layers
+            raise PlanError(f"config.json: num_hidden_layers={nl} (num_nextn_predict_layers="
+                            f"{mtp}) but the checkpoint's tensor names hold layers "
+                            f"0..{max_layer}; expected the config of this checkpoint (layers "
+                            f"past num_hidden_layers are only left out as MTP layers when "
+                            f"num_nextn_predict_layers covers them)")
         # no layer tensors: nothing reads stage_of, but the layout checks (pp vs layers) hold
         stage_of = [0] * nl if layer_of else []
         if nl:
