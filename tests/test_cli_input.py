@@ -46,3 +46,29 @@ def test_master_port_out_of_range_or_not_an_integer_is_named(monkeypatch, port, 
     monkeypatch.setenv("MASTER_PORT", port)
     with pytest.raises(CollectiveError, match=wanted.replace("(", r"\(")):
         init_group(timeout_s=1)
+
+
+@pytest.mark.parametrize("tool, flag, name", [("load", "--report", "model.safetensors"),
+                                              ("plan", "--json", "config.json")])
+def test_an_output_never_replaces_a_file_of_the_checkpoint(tmp_path, monkeypatch, capsys, tool,
+                                                           flag, name):
+    """load --report and plan --json replaced whatever file they were given, the
+    checkpoint's own shard or config.json included, and exited 0."""
+    import importlib
+
+    from coordloader.synth import synthesize
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    before = (tmp_path / "ck" / name).read_bytes()
+    def main(argv):   # load exits through the distributed error policy, plan returns
+        try:
+            return importlib.import_module(f"coordloader.cli.{tool}").main(argv)
+        except SystemExit as e:
+            return e.code
+    assert main([ck, flag, str(tmp_path / "ck" / name)]) == 1
+    assert (tmp_path / "ck" / name).read_bytes() == before
+    assert (f"ConfigError: file {tmp_path / 'ck' / name}: {flag} {tmp_path / 'ck' / name} would "
+            f"replace {name} in the checkpoint directory {ck}; write it elsewhere"
+            in capsys.readouterr().err)
+    assert main([ck, flag, str(tmp_path / "out.json")]) == 0 and (tmp_path / "out.json").exists()

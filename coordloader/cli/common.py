@@ -1,9 +1,11 @@
-"""What every command shares: the error/exit policy."""
+"""What every command shares: the error/exit policy, and where outputs may go."""
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from coordloader.dist.collective import exit_on_error
+from coordloader.errors import ConfigError
 
 
 def run_command(tool: str, body: Callable[[], int | None]) -> int:
@@ -17,3 +19,17 @@ def run_command(tool: str, body: Callable[[], int | None]) -> int:
             return int(body() or 0)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 1
+
+
+def refuse_checkpoint_file(out: str | None, checkpoint: str, flag: str) -> None:
+    """ConfigError when the output file ``out`` of ``flag`` would replace a file in the
+    checkpoint's own directory (a shard, its config, its index): checked before any work."""
+    if not out or out == "-":
+        return
+    root = os.path.abspath(checkpoint)
+    if not os.path.isdir(root):
+        root = os.path.dirname(root)
+    target = os.path.realpath(os.path.abspath(out))
+    if os.path.lexists(out) and os.path.dirname(target) == os.path.realpath(root):
+        raise ConfigError(f"{flag} {out} would replace {os.path.basename(target)} in the "
+                          f"checkpoint directory {root}; write it elsewhere", file=out)

@@ -11,6 +11,7 @@ from typing import Mapping
 import torch
 
 from coordloader.checkpoint.fileio import write_file_atomic
+from coordloader.cli.common import refuse_checkpoint_file
 from coordloader.cli.plan import add_layout_args, experts_held, human, layout_from_args, ranges_str
 from coordloader.dist import collective
 from coordloader.engines import ENGINE_NAMES
@@ -139,6 +140,7 @@ def _init_from_env(args):
 
 def _run(args) -> int:
     layout = layout_from_args(args)
+    refuse_checkpoint_file(args.report, args.checkpoint, "--report")
     group, device = _init_from_env(args)
     try:
         if group is not None:

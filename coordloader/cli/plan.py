@@ -10,7 +10,7 @@ import sys
 from coordloader.api import make_plan, read_json_file
 from coordloader.checkpoint.fileio import write_file_atomic
 from coordloader.checkpoint.reader import read_checkpoint
-from coordloader.cli.common import run_command
+from coordloader.cli.common import refuse_checkpoint_file, run_command
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning.cover import validate_cover
@@ -181,6 +181,7 @@ def _run(args) -> int:
     layout = layout_from_args(args)
     if args.rank is not None and not 0 <= args.rank < layout.world_size:
         raise PlanError(f"--rank {args.rank} outside world of size {layout.world_size} ({layout})")
+    refuse_checkpoint_file(args.json, args.checkpoint, "--json")
     meta = read_checkpoint(args.checkpoint)
     plan = make_plan(meta, layout, args.rules, replicate_unmatched=args.replicate_unmatched,
                      config=args.config)
