@@ -72,3 +72,15 @@ def test_an_output_never_replaces_a_file_of_the_checkpoint(tmp_path, monkeypatch
             f"replace {name} in the checkpoint directory {ck}; write it elsewhere"
             in capsys.readouterr().err)
     assert main([ck, flag, str(tmp_path / "out.json")]) == 0 and (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("flag", ["--max-shard-size", "--block-mib"])
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf", "big"])
+def test_consolidate_sizes_must_be_positive_and_finite(flag, bad, capsys):
+    """--max-shard-size -1 was clamped to one byte (a file per tensor) and nan raised an
+    untyped ValueError."""
+    from coordloader.cli.consolidate import main
+    with pytest.raises(SystemExit) as ei:
+        main(["src", "out", flag, bad])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and f"argument {flag}: '{bad}'" in err and "Traceback" not in err

@@ -1,11 +1,13 @@
 """What every command shares: the error/exit policy, and where outputs may go."""
 from __future__ import annotations
 
+import argparse
 import os
 from typing import Callable
 
 from coordloader.dist.collective import exit_on_error
 from coordloader.errors import ConfigError
+from coordloader.text import MAX_NAME_CHARS, clip
 
 
 def run_command(tool: str, body: Callable[[], int | None]) -> int:
@@ -33,3 +35,19 @@ def refuse_checkpoint_file(out: str | None, checkpoint: str, flag: str) -> None:
     if os.path.lexists(out) and os.path.dirname(target) == os.path.realpath(root):
         raise ConfigError(f"{flag} {out} would replace {os.path.basename(target)} in the "
                           f"checkpoint directory {root}; write it elsewhere", file=out)
+
+
+def positive_number(unit: str) -> Callable[[str], float]:
+    """An argparse type: a finite number of ``unit`` above 0. Zero, negative, nan and inf
+    would otherwise reach the code as a bare error or be clamped into something else."""
+    def parse(text: str) -> float:
+        shown = clip(repr(text), MAX_NAME_CHARS)
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{shown} is not a number of {unit}") from None
+        if not 0 < v < float("inf"):
+            raise argparse.ArgumentTypeError(f"{shown}: expected a finite number of {unit} "
+                                             f"greater than 0")
+        return v
+    return parse

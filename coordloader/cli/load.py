@@ -11,28 +11,17 @@ from typing import Mapping
 import torch
 
 from coordloader.checkpoint.fileio import write_file_atomic
-from coordloader.cli.common import refuse_checkpoint_file
+from coordloader.cli.common import positive_number, refuse_checkpoint_file
 from coordloader.cli.plan import add_layout_args, experts_held, human, layout_from_args, ranges_str
 from coordloader.dist import collective
 from coordloader.engines import ENGINE_NAMES
 from coordloader.errors import LoadError, SaveError
 from coordloader.handoff.dump import dump_rank
 from coordloader.loader import VERIFY_MODES, load_detailed
-from coordloader.text import MAX_NAME_CHARS, ArgumentParser, clip
+from coordloader.text import ArgumentParser
 
-
-def seconds(text: str) -> float:
-    """argparse type of a timeout: 0, negative, nan and inf would reach the store as a
-    C++ error with a backtrace, so they are a usage error here."""
-    shown = clip(repr(text), MAX_NAME_CHARS)
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{shown} is not a number of seconds") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{shown}: expected a finite number of seconds "
-                                         f"greater than 0")
-    return v
+# a timeout of 0, negative, nan or inf would reach the store as a C++ error with a backtrace
+seconds = positive_number("seconds")
 
 
 def json_object(text: str) -> dict:
