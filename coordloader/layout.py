@@ -2,10 +2,12 @@
 pipeline stages. Pure arithmetic, no torch.distributed (see docs/layout.md)."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from functools import cached_property
 
 from coordloader.errors import PlanError
+from coordloader.text import clip
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,10 @@ class Coords:
 # above any real deployment; it exists so a typo such as tp=1000000000 fails at once
 # instead of building per-rank tables of that size (docs/layout.md).
 MAX_WORLD_SIZE = 1 << 16
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,11 @@ class Layout:
             raise PlanError(f"layout: world size tp*pp*dp = {self.world_size} exceeds the maximum "
                             f"of {MAX_WORLD_SIZE} ranks")
         if isinstance(self.expert_placement, (list, tuple)):
+            if not all(isinstance(ids, (list, tuple)) and all(_is_int(e) for e in ids)
+                       for ids in self.expert_placement):
+                # int() would turn 0.9 into expert 0 and True into expert 1
+                raise PlanError(f"layout: an explicit expert map is a list of integer expert "
+                                f"ids per ep rank, got {clip(repr(self.expert_placement), 200)}")
             m = tuple(tuple(int(e) for e in ids) for ids in self.expert_placement)
             object.__setattr__(self, "expert_placement", m)
             if len(m) != self.ep:
@@ -63,6 +74,11 @@ class Layout:
             raise PlanError(f"layout: expert_placement must be 'linear', 'round_robin' or an explicit "
                             f"map, got {self.expert_placement!r}")
         if self.pp_layers is not None:
+            if not isinstance(self.pp_layers, (list, tuple)) or not all(
+                    _is_int(x) for x in self.pp_layers):
+                # a string "11" would be read as (1, 1)
+                raise PlanError(f"layout: pp_layers must be a list of integer layer counts, "
+                                f"got {clip(repr(self.pp_layers), 200)}")
             pl = tuple(int(x) for x in self.pp_layers)
             object.__setattr__(self, "pp_layers", pl)
             if len(pl) != self.pp or any(x < 0 for x in pl):

@@ -46,3 +46,20 @@ def test_expert_checks():
         Layout(pp=3).stage_layers(2)
     assert Layout.from_dict(Layout(tp=2, ep=2, expert_placement=((1, 0), (0,))).to_dict()).expert_placement \
         == ((1, 0), (0,))
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(tp=2, ep=2, expert_placement=[[0.9, 1], [2, 3]]),
+     "layout: an explicit expert map is a list of integer expert ids per ep rank, got "
+     "[[0.9, 1], [2, 3]]"),
+    (dict(tp=2, ep=2, expert_placement=[[True, False], [2, 3]]),
+     "layout: an explicit expert map is a list of integer expert ids per ep rank, got "
+     "[[True, False], [2, 3]]"),
+    (dict(pp=2, pp_layers="11"),
+     "layout: pp_layers must be a list of integer layer counts, got '11'"),
+])
+def test_expert_ids_and_layer_counts_are_not_coerced(kw, msg):
+    """int() turned expert id 0.9 into 0, True into 1, and pp_layers "11" into (1, 1)."""
+    with pytest.raises(PlanError) as e:
+        Layout(**kw)
+    assert str(e.value) == msg
