@@ -8,7 +8,7 @@ import os
 from typing import Any, Mapping
 
 from coordloader.checkpoint.metadata import CheckpointMeta
-from coordloader.checkpoint.reader import read_checkpoint
+from coordloader.checkpoint.reader import checkpoint_path, read_checkpoint
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning.model import Plan
@@ -73,6 +73,7 @@ def make_plan(checkpoint: str | CheckpointMeta, layout: Layout, rules: Any = Non
     unless ``replicate_unmatched``. ``config``: the model's config (a dict, or a path to
     config.json) when the checkpoint directory has none, or to use instead of its own.
     Raises PlanError naming tensor, size and layout."""
-    meta = read_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
+    meta = checkpoint if isinstance(checkpoint, CheckpointMeta) else read_checkpoint(
+        checkpoint_path(checkpoint))   # a str or os.PathLike, as load() takes
     meta = with_config(meta, config)
     return build_plan(meta, layout, read_rules(rules), replicate_unmatched=replicate_unmatched)

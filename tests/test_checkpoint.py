@@ -942,3 +942,11 @@ def test_checkpoint_path_of_another_type_is_refused(root):
         with pytest.raises(CheckpointError) as e:
             call()
         assert str(e.value) == want
+
+
+def test_make_plan_takes_a_pathlib_path_as_load_does(tmp_path):
+    """make_plan(pathlib.Path) was refused with "checkpoint must be a path"."""
+    import coordloader as cl
+    from coordloader.layout import Layout
+    write_sharded(tmp_path, {"model-00001-of-00001.safetensors": GOOD}, index=False)
+    assert cl.make_plan(tmp_path, Layout(), replicate_unmatched=True).world_size == 1
