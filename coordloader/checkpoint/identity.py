@@ -23,7 +23,12 @@ import json
 import os
 from typing import NamedTuple, Sequence
 
-from coordloader.checkpoint.reader import MAX_HEADER_LEN, MAX_JSON_FILE, _open_regular, _pread_exact
+from coordloader.checkpoint.reader import (
+    MAX_HEADER_LEN,
+    _open_regular,
+    _pread_exact,
+    read_small_file,
+)
 from coordloader.errors import CheckpointError
 from coordloader.text import format_ranges
 
@@ -88,15 +93,8 @@ def _side_identity(root: str, name: str) -> FileIdentity:
     path = os.path.join(root, name)
     if not os.path.lexists(path):
         return FileIdentity(name, ABSENT, "", "")
-    fd, st = _open_regular(path, name)
-    try:
-        if st.st_size > MAX_JSON_FILE:
-            raise CheckpointError(f"is {st.st_size} bytes; expected at most {MAX_JSON_FILE}",
-                                  file=name)
-        return FileIdentity(name, st.st_size,
-                            hashlib.sha256(_pread_exact(fd, st.st_size, 0, name)).hexdigest(), "")
-    finally:
-        os.close(fd)
+    data = read_small_file(path, name, "side file")
+    return FileIdentity(name, len(data), hashlib.sha256(data).hexdigest(), "")
 
 
 def checkpoint_identity(root: str, shards: Sequence[str],

@@ -261,16 +261,21 @@ def _pread_exact(fd: int, n: int, offset: int, name: str) -> bytes:
     return b"".join(parts)
 
 
-def _read_json_file(path: str, name: str, decoder: json.JSONDecoder, what: str) -> dict:
+def read_small_file(path: str, name: str, what: str) -> bytes:
+    """All bytes of a small side file (index, config, manifest): a regular file opened
+    without ever blocking, at most MAX_JSON_FILE bytes; CheckpointError naming ``name``."""
     fd, st = _open_regular(path, name)
     try:
         if st.st_size > MAX_JSON_FILE:
             raise CheckpointError(f"{what} is {st.st_size} bytes; expected at most "
                                   f"{MAX_JSON_FILE}", file=name)
-        raw = _pread_exact(fd, st.st_size, 0, name)
+        return _pread_exact(fd, st.st_size, 0, name)
     finally:
         os.close(fd)
-    return _parse_json(raw, decoder, name, what)
+
+
+def _read_json_file(path: str, name: str, decoder: json.JSONDecoder, what: str) -> dict:
+    return _parse_json(read_small_file(path, name, what), decoder, name, what)
 
 
 # --------------------------------------------------------------------------- one file

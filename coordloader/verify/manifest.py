@@ -25,7 +25,7 @@ import torch
 from coordloader.checkpoint.dtypes import bits_dtype, itemsize
 from coordloader.checkpoint.fileio import OpenFiles, pread_into, write_file_atomic
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
-from coordloader.checkpoint.reader import MAX_JSON_FILE, _open_regular, _pread_exact
+from coordloader.checkpoint.reader import read_small_file
 from coordloader.errors import CheckpointError, VerifyError
 
 # explicit names: the package re-exports the function `digest`, shadowing the module
@@ -172,18 +172,9 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         return None
     try:
         # never blocks: a FIFO, a device or a directory in its place is refused
-        fd, st = _open_regular(path, path)
+        raw = read_small_file(path, path, "manifest")
     except CheckpointError as e:
         raise VerifyError(f"cannot read the manifest: {e.message}", file=path) from None
-    try:
-        if st.st_size > MAX_JSON_FILE:
-            raise VerifyError(f"manifest is {st.st_size} bytes; expected at most {MAX_JSON_FILE}",
-                              file=path)
-        raw = _pread_exact(fd, st.st_size, 0, path)
-    except CheckpointError as e:
-        raise VerifyError(f"cannot read the manifest: {e.message}", file=path) from None
-    finally:
-        os.close(fd)
     try:
         doc = json.loads(raw)
         if doc.get("format") != "coordloader.manifest" or doc.get("version") != VERSION:
