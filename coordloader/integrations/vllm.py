@@ -166,22 +166,31 @@ def planned_experts(names) -> dict[int, set[int]]:
 _MODULE_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def vllm_experts(model) -> dict[int, set[int]]:
-    """layer -> expert ids vLLM keeps on this rank, from each routed-experts module's
-    global -> local expert map (None: every expert is local, split over TP)."""
-    out: dict[int, set[int]] = {}
+class _KeptExperts(NamedTuple):
+    layer: int
+    ids: set[int]         # the expert ids vLLM keeps on this rank
+    total: int            # the layer's global expert count
+    mapped: bool          # from an expert map (experts placed over ranks), not all local
+
+
+def _kept_experts(model):
+    """Each routed-experts module's kept experts, from its global -> local expert map
+    (None: every expert is local, split over TP)."""
     for name, mod in model.named_modules():
         if not hasattr(mod, "_expert_map") or not hasattr(mod, "global_num_experts"):
             continue
         m = _MODULE_LAYER.search(name)
         if m is None:
             continue
-        emap = mod._expert_map
-        n = int(mod.global_num_experts)
+        emap, n = mod._expert_map, int(mod.global_num_experts)
         ids = set(range(n)) if emap is None else \
             {e for e, slot in enumerate(emap.tolist()) if slot >= 0}
-        out[int(m.group(1))] = ids
-    return out
+        yield _KeptExperts(int(m.group(1)), ids, n, emap is not None)
+
+
+def vllm_experts(model) -> dict[int, set[int]]:
+    """layer -> expert ids vLLM keeps on this rank."""
+    return {k.layer: k.ids for k in _kept_experts(model)}
 
 
 def check_expert_slots(planned: dict[int, set[int]], kept: dict[int, set[int]], rank: int) -> None:
@@ -223,20 +232,14 @@ def placement_vllm_used(vr: VllmRank, model) -> VllmRank:
     lay = vr.layout
     if lay.ep <= 1 or lay.expert_placement not in ("linear", "round_robin"):
         return vr
-    kept, n = None, None
-    for mod in (m for _, m in model.named_modules()
-                if getattr(m, "_expert_map", None) is not None
-                and hasattr(m, "global_num_experts")):
-        kept = {e for e, slot in enumerate(mod._expert_map.tolist()) if slot >= 0}
-        n = int(mod.global_num_experts)
-        break
+    kept = next((k for k in _kept_experts(model) if k.mapped), None)
     if kept is None:
         return vr
     ep_rank = lay.coords(vr.rank).ep
     other = "linear" if lay.expert_placement == "round_robin" else "round_robin"
     for placement in (lay.expert_placement, other):
         cand = replace(lay, expert_placement=placement)
-        if set(cand.experts_of(ep_rank, n)) == kept:
+        if set(cand.experts_of(ep_rank, kept.total)) == kept.ids:
             return vr._replace(layout=cand)
     return vr
 
