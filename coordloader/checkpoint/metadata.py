@@ -113,23 +113,22 @@ class CheckpointMeta:
         return sum(p.end - p.start for t in self.tensors.values() for p in t.pieces)
 
 
-# Tensors whose size config.json states outright: (name suffix, dim, config key).
-_CONFIG_SIZED = ((".embed_tokens.weight", 0, "vocab_size"), ("lm_head.weight", 0, "vocab_size"),
-                 ("input_layernorm.weight", 0, "hidden_size"),
-                 ("post_attention_layernorm.weight", 0, "hidden_size"),
-                 ("model.norm.weight", 0, "hidden_size"))
+# Tensors whose dim 0 config.json states outright: (name suffix, config key).
+_CONFIG_SIZED = ((".embed_tokens.weight", "vocab_size"), ("lm_head.weight", "vocab_size"),
+                 ("input_layernorm.weight", "hidden_size"),
+                 ("post_attention_layernorm.weight", "hidden_size"),
+                 ("model.norm.weight", "hidden_size"))
 
 
 def extent_mismatch(meta: CheckpointMeta) -> tuple[str, str, int, int] | None:
     """For metadata whose shapes are the extents of the pieces present (torch DCP), the
-    first (tensor, config key, config value, extent) where config.json states a size the
-    pieces do not reach or exceed; None when all agree (or nothing can be compared)."""
+    first (tensor, config key, config value, dim-0 extent) where config.json states a
+    size the pieces do not reach or exceed; None when all agree (or nothing compares)."""
     if not meta.shapes_from_extents or not isinstance(meta.config, Mapping):
         return None
     for name, t in meta.tensors.items():
-        for suffix, dim, key in _CONFIG_SIZED:
+        for suffix, key in _CONFIG_SIZED:
             want = meta.config.get(key)
-            if (name.endswith(suffix) and type(want) is int and len(t.shape) > dim
-                    and t.shape[dim] != want):
-                return name, key, want, t.shape[dim]
+            if name.endswith(suffix) and type(want) is int and t.shape and t.shape[0] != want:
+                return name, key, want, t.shape[0]
     return None
