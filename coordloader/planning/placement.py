@@ -14,13 +14,13 @@ from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning.model import Piece
 from coordloader.planning.rules import Rule, num_experts_of
-from coordloader.planning.strategies import STRATEGIES, Everyone, dim_classes
+from coordloader.planning.strategies import EXPERT_ID_REGEX, STRATEGIES, Everyone, dim_classes
 
 # a block scale's default weight: its own name without this suffix
 SCALE_SUFFIX = "_scale_inv"
-EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+EXPERT_RE = re.compile(EXPERT_ID_REGEX)
 # EXPERT_RE over names joined by newlines (when no name holds one)
-EXPERT_LINE_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.", re.MULTILINE)
+EXPERT_LINE_RE = re.compile(EXPERT_ID_REGEX, re.MULTILINE)
 _EVERYONE = Everyone()
 
 
@@ -43,6 +43,9 @@ class Layers(NamedTuple):
     layer_of: dict[str, int]   # tensor name -> layer index (tensors of a layer only)
     num_layers: int            # config.json's num_hidden_layers (MTP layers are past it)
     stage_of: list[int]        # layer index -> pipeline stage
+    # layer tensor name -> the name around its layer index, (before, after): the tensors
+    # of one family are the same tensor of different layers
+    family: dict[str, tuple[str, str]]
 
 
 class Placer:
@@ -56,7 +59,8 @@ class Placer:
         self.L = layout
         self.config = config
         self.match = match              # tensor name -> (its rule, the rule's params)
-        self.layer_of, self.num_layers, self.stage_of = layers
+        self.layer_of, self.num_layers, self.stage_of = (layers.layer_of, layers.num_layers,
+                                                         layers.stage_of)
         self.tied = tied                # the lm_head reads the input embedding
         self._placed: dict[str, tuple] = {}
         self._scaled = {n[:-len(SCALE_SUFFIX)] for n in meta.tensors if n.endswith(SCALE_SUFFIX)}
@@ -245,9 +249,14 @@ class Placer:
         return [tuple((j * bs + a * step, j * bs + b * step) for j in range(nb))
                 for a, b in per]
 
+    @staticmethod
+    def scale_weight(n: str, p) -> str | None:
+        """The weight whose placement the block scale ``n`` (rule params ``p``) follows."""
+        return p.get("weight") or (n[:-len(SCALE_SUFFIX)] if n.endswith(SCALE_SUFFIX) else None)
+
     def scale(self, t: TensorInfo, p):
         n = t.name
-        wname = p.get("weight") or (n[:-len(SCALE_SUFFIX)] if n.endswith(SCALE_SUFFIX) else None)
+        wname = self.scale_weight(n, p)
         if wname is None or wname not in self.meta.tensors:
             raise self.err(f"block scale without its weight {wname!r}", n)
         if wname not in self.match:

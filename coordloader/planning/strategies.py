@@ -24,6 +24,10 @@ from coordloader.layout import Layout
 from coordloader.planning.model import Piece
 
 STAGES = ("first", "last", "all", "layer")
+# the expert rule's default id pattern: it reads the digits after an "experts" name
+# component, never a layer's (the planner relies on that to place a layer's tensors once
+# for every layer)
+EXPERT_ID_REGEX = r"(?:^|\.)experts\.(\d+)\."
 
 # Selectors: which class of a tensor's placement each rank of its stages falls in. They
 # are hashable (rank groups are memoised per (stages, selector)) and compare by value.
@@ -363,7 +367,7 @@ def _check_expert(p: dict, where: str) -> None:
     if any(k in p for k in ("num_blocks", "interleaved", "split_unit")) and p.get("dim") is None:
         raise PlanError(f"{where}: packing params need the split 'dim' inside the expert")
     p.setdefault("dim", None)
-    p.setdefault("id_regex", r"(?:^|\.)experts\.(\d+)\.")
+    p.setdefault("id_regex", EXPERT_ID_REGEX)
     if not isinstance(p["id_regex"], str):
         raise PlanError(f"{where}: param 'id_regex' must be a string")
 

@@ -1,0 +1,81 @@
+"""Layer families: the planner places the same tensor of different layers once, and the plan
+is what placing every tensor on its own gives, slice for slice, where a rule singles out
+one layer, a block scale follows such a weight, or an expert id pattern reads the layer."""
+import warnings
+
+import pytest
+
+from coordloader.api import make_plan
+from coordloader.layout import Layout
+from coordloader.planning import planner as planner_mod
+from coordloader.planning.cover import validate_cover
+from coordloader.planning.planner import meta_from_specs
+from coordloader.synth.archs import arch_tensors
+
+
+@pytest.fixture(scope="module")
+def dsv3():
+    cfg, specs = arch_tensors("deepseek_v3", "small")   # 6 layers + 1 MTP layer, fp8 scales
+    return meta_from_specs(cfg, specs, files=5)
+
+
+def plan_alone(monkeypatch, meta, layout, rules=None):
+    """The plan with every tensor placed on its own (no family shares a placement)."""
+    with monkeypatch.context() as m:
+        m.setattr(planner_mod._Planner, "_family_key",
+                  lambda self, placer, layers: lambda n: None)
+        return make_plan(meta, layout, rules)
+
+
+def slices(plan):
+    return [[(t.name, t.local_shape, t.pieces, tuple(t.byte_runs), t.replica) for t in rp.tensors]
+            for rp in plan.ranks]
+
+
+def same_as_alone(monkeypatch, meta, layout, rules=None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = make_plan(meta, layout, rules)
+        alone = plan_alone(monkeypatch, meta, layout, rules)
+    validate_cover(plan, meta)
+    assert plan.digest() == alone.digest()
+    assert slices(plan) == slices(alone)
+    return plan
+
+
+@pytest.mark.parametrize("kw", [dict(tp=2, ep=2, pp=2), dict(tp=2, ep=2, pp=3, include_mtp=True),
+                                dict(tp=4, ep=2, dp=2), dict(tp=1, dp=4, ep=4, ep_spans_dp=True)],
+                         ids=["pp2", "pp3-mtp", "moe_tp", "ep_spans_dp"])
+def test_families_give_the_plan_of_tensors_placed_alone(monkeypatch, dsv3, kw):
+    same_as_alone(monkeypatch, dsv3, Layout(**kw))
+
+
+def test_a_rule_for_one_layers_weight_moves_that_layers_scale_only(monkeypatch, dsv3):
+    # o_proj is row-parallel; layer 3's alone is held whole, and so must be its block
+    # scale, which matches the same (preset) scale rule as every other layer's
+    w = "model.layers.3.self_attn.o_proj.weight"
+    rules = {"rules": [{"pattern": w, "strategy": "replicate"}]}
+    plan = same_as_alone(monkeypatch, dsv3, Layout(tp=2), rules)
+    held = plan.ranks[1].by_name()
+    for layer, whole in ((2, False), (3, True), (4, False)):
+        for n in (f"model.layers.{layer}.self_attn.o_proj.weight",
+                  f"model.layers.{layer}.self_attn.o_proj.weight_scale_inv"):
+            s = held[n]
+            assert (s.local_shape == s.global_shape) is whole, n
+
+
+def test_an_expert_id_pattern_reading_the_layer_places_each_layer_apart(monkeypatch, dsv3):
+    # a (contrived) user pattern taking the expert id from the layer index: every expert
+    # of layer L goes to the owner of expert L, so the layers differ
+    rules = {"rules": [{"pattern": "model.layers.*.mlp.experts.*", "strategy": "expert",
+                        "params": {"id_regex": r"layers\.(\d+)\."}}]}
+    plan = same_as_alone(monkeypatch, dsv3, Layout(tp=4, ep=4, expert_placement="round_robin"),
+                         rules)
+    owners = {}
+    for rp in plan.ranks:
+        for t in rp.tensors:
+            if ".mlp.experts." in t.name and t.name.endswith("gate_proj.weight"):
+                layer = int(t.name.split(".")[2])
+                owners.setdefault(layer, set()).add(rp.rank)
+    # round-robin placement over 4 ranks: expert L is on rank L % 4
+    assert owners == {layer: {layer % 4} for layer in range(1, 6)}   # layer 6 is MTP, left out
