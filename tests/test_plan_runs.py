@@ -136,3 +136,34 @@ def test_plan_digest_not_carried_by_replace():
     d = plan.digest()
     swapped = replace(plan, ranks=plan.ranks[::-1])
     assert swapped.digest() != d and plan.digest() == d
+
+
+def test_plan_digest_rows_are_the_repr_of_each_slices_fields():
+    """The digest's table entry of a slice is the repr of the tuple of its fields (the
+    canonical form docs/plan-schema.md promises), however it is built: the shared middle
+    fields and the one-run shortcut write it out piece by piece."""
+    from dataclasses import replace
+
+    from coordloader.planning.model import Piece, TensorSlice, _Rows, _runs_key
+    whole = (Piece(((0, 4), (0, 8)), (0, 0)),)
+    half = (Piece(((0, 4), (0, 4)), (0, 0)),)
+    slices = [
+        TensorSlice("a.weight", "f1", "BF16", (4, 8), (4, 8), whole, 0,
+                    RunList.single("f1", 128, 64), "replicate"),
+        # same pieces object, other tensor and shapes: the middle is not reused wrongly
+        TensorSlice("b.weight", "f1", "F32", (4, 8), (4, 8), whole, 0,
+                    RunList.single("f1", 512, 128), "colwise"),
+        TensorSlice("c.weight", "f2", "BF16", [4, 8], [4, 4], half, 0,
+                    RunList(box_runs("f2", 0, ((0, 4), (0, 8)), (4, 8), ((0, 4), (0, 4)),
+                                     (4, 4), (0, 0), 2)), "rowwise"),
+        # runs as plain ByteRuns, an offset given as a numpy int
+        TensorSlice("d.weight", "f2'x", "BF16", (4, 8), (4, 8), whole, 0,
+                    (ByteRun("f2'x", np.int64(64), 64, 0),), "replicate"),
+    ]
+    slices.append(replace(slices[0], local_shape=(4, 4)))
+    rows = _Rows()
+    rows(slices)
+    want = [repr((t.name, t.file, t.dtype, tuple(t.global_shape), tuple(t.local_shape),
+                  t.strategy, tuple((tuple(map(tuple, p.src)), tuple(p.dst)) for p in t.pieces),
+                  _runs_key(t.byte_runs))).encode() for t in slices]
+    assert list(rows.number) == want

@@ -365,8 +365,9 @@ def _plan_digest(plan: "Plan") -> str:
 
 class _Rows:
     """Table numbers of slices for Plan.digest(), the table hashed as it grows. The
-    encodings of pieces and runs objects are computed once per object (the planner shares
-    them across replicas and same-shaped tensors), and a replica reuses its primary's row
+    encoding of the fields a layer family's slices share (pieces, shapes, dtype, strategy)
+    is computed once per distinct set (the planner shares pieces objects across replicas
+    and same-shaped tensors), and a replica reuses its primary's row
     (``TensorSlice.base``: the slice whose other fields it copies). The objects live
     in the plan meanwhile, so ids are stable."""
 
@@ -375,12 +376,15 @@ class _Rows:
         self.number: dict[bytes, int] = {}
         self.row_of: dict = {}
         self.pieces_of: dict = {}
-        self.runs_of: dict = {}
+        # the encoding of the fields between file and runs, which the slices of one class
+        # of a layer family share: (id(pieces), dtype, shapes, strategy) -> their repr
+        self.middle_of: dict = {}
 
     def __call__(self, slices) -> bytes:
         """Little-endian int64 table numbers of ``slices``."""
         import array
-        number, row_of, pieces_of, runs_of = self.number, self.row_of, self.pieces_of, self.runs_of
+        number, row_of, pieces_of, middle_of = (self.number, self.row_of, self.pieces_of,
+                                                self.middle_of)
         rows = array.array("q")
         for t in slices:
             b = t.base
@@ -389,17 +393,32 @@ class _Rows:
             k = row_of.get(id(b))
             if k is None:
                 d = t.__dict__   # plain attribute reads, without the descriptor lookups
+                # the repr of the tuple (name, file, dtype, global shape, local shape,
+                # strategy, pieces key, runs key), written out: a tuple's repr is its items'
+                # reprs joined by ", " in parentheses, and the items in the middle repeat
+                # across a layer family, so their part is made once
                 pcs = d["pieces"]
-                pk = pieces_of.get(id(pcs))
-                if pk is None:
-                    pk = pieces_of[id(pcs)] = tuple(
-                        (tuple(map(tuple, p.src)), tuple(p.dst)) for p in pcs)
+                gs, ls = d["global_shape"], d["local_shape"]
+                if type(gs) is not tuple or type(ls) is not tuple:   # a slice built by hand
+                    gs, ls = tuple(gs), tuple(ls)
+                mk = (id(pcs), d["dtype"], gs, ls, d["strategy"])
+                mid = middle_of.get(mk)
+                if mid is None:
+                    pk = pieces_of.get(id(pcs))
+                    if pk is None:
+                        pk = pieces_of[id(pcs)] = tuple(
+                            (tuple(map(tuple, p.src)), tuple(p.dst)) for p in pcs)
+                    mid = middle_of[mk] = ", ".join(map(repr, (
+                        d["dtype"], gs, ls, d["strategy"], pk)))
                 runs = d["byte_runs"]
-                rk = runs_of.get(id(runs))
-                if rk is None:
-                    rk = runs_of[id(runs)] = _runs_key(runs)
-                enc = repr((d["name"], d["file"], d["dtype"], tuple(d["global_shape"]),
-                            tuple(d["local_shape"]), d["strategy"], pk, rk)).encode()
+                groups = getattr(runs, "groups", None)
+                if groups is not None and len(groups) == 1 and groups[0][4] == 1:
+                    # one run (a whole tensor): _runs_key's one group, written out
+                    f, o, ln, dst = groups[0][:4]
+                    rk = f"(({f!r}, {o!r}, {ln!r}, {dst!r}, 1, 0, 0),)"
+                else:
+                    rk = repr(_runs_key(runs))
+                enc = f"({d['name']!r}, {d['file']!r}, {mid}, {rk})".encode()
                 k = number.get(enc)
                 if k is None:
                     k = number[enc] = len(number)
