@@ -161,6 +161,9 @@ def test_plan_bench_on_small_metadata(tmp_path):
     # dp=2 doubles the slices but not the rank classes: each tp rank's replicas share one
     assert by["dp", 16]["slices"] == 2 * by["dp", 8]["slices"]
     assert by["dp", 16]["rank_classes"] == by["dp", 8]["rank_classes"] == 8
+    # what a load pays besides the plan: its digest, timed beside it
+    assert all(r["digest_s"] > 0 for r in rows)
+    assert "| digest s |" in (out / "results.md").read_text()
 
 
 def test_unknown_method_is_refused(tmp_path, capsys):
