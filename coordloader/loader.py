@@ -404,6 +404,15 @@ def _fuse(fusion: _Fusion, parts: dict[int, dict[int, torch.Tensor]]) -> torch.T
     return t
 
 
+def _refuse_meta(dst: torch.Tensor, tgt: str, name: str | None, rank: int) -> None:
+    """A meta tensor has no memory: copying into it does nothing, so the target would be
+    reported loaded while it holds nothing."""
+    if dst.device.type == "meta":
+        raise LoadError(f"target {tgt!r} is on the meta device and has no memory to load "
+                        f"into; materialize it first (e.g. module.to_empty(device=...))",
+                        tensor=name, rank=rank)
+
+
 def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = True,
               **load_kw) -> LoadIntoResult:
     """Load this rank's tensors straight into existing parameters/buffers.
@@ -460,6 +469,7 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
             if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
                 raise LoadError(f"target {tgt!r} is {dst.dtype} {list(dst.shape)}, this rank's "
                                 f"slice is {t.dtype} {list(t.shape)}", tensor=name, rank=res.rank)
+            _refuse_meta(dst, tgt, name, res.rank)
             claim(tgt, name)
             if t.data_ptr() != dst.data_ptr() or t.device != dst.device:
                 dst.copy_(t)   # else the engine filled dst in place (out=direct)
@@ -473,6 +483,7 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
                 raise LoadError(f"transformers fuses these checkpoint tensors into {tgt!r} "
                                 f"({have}); this rank's experts {sorted(next(iter(parts.values())))} "
                                 f"fuse to {t.dtype} {list(t.shape)}", rank=res.rank)
+            _refuse_meta(dst, tgt, None, res.rank)
             claim(tgt, f"{prefix}{fusions[k].target} (fused)")
             dst.copy_(t)
             loaded.append(tgt)
