@@ -174,6 +174,19 @@ def refuse_changed(path: str, fd: int, info, rank: int | None) -> None:
                         file=info.name, rank=rank)
 
 
+def refuse_changed_path(path: str, info, rank: int | None) -> None:
+    """``refuse_changed`` on a file an engine is about to open by path (a library that
+    opens it itself: safetensors, instanttensor)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise LoadError(f"cannot open: {e.strerror}", file=info.name, rank=rank) from None
+    try:
+        refuse_changed(path, fd, info, rank)
+    finally:
+        os.close(fd)
+
+
 def slice_nbytes(ts: TensorSlice) -> int:
     return ts.local_numel * dtypes.itemsize(ts.dtype)
 

@@ -32,7 +32,7 @@ from coordloader.engines import (
     copy_overlap,
     intersect,
     piece_key,
-    refuse_changed,
+    refuse_changed_path,
     slice_nbytes,
 )
 from coordloader.errors import LoadError
@@ -49,18 +49,6 @@ def _instanttensor():
     except Exception as e:  # ImportError, or a broken native extension
         raise LoadError(f"the instanttensor engine needs the 'instanttensor' package: {e}") from None
     return instanttensor
-
-
-def _check_unchanged(path: str, info, rank: int) -> None:
-    """``refuse_changed`` on a file instanttensor is about to open by path."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as e:
-        raise LoadError(f"cannot open: {e.strerror}", file=info.name, rank=rank) from None
-    try:
-        refuse_changed(path, fd, info, rank)
-    finally:
-        os.close(fd)
 
 
 def _safe_open():
@@ -290,7 +278,7 @@ class InstantTensorEngine:
         for files, pg, keys, gsize in calls:   # OpenCall
             paths = [os.path.join(meta.root, f) for f in files]
             for f, path in zip(files, paths):
-                _check_unchanged(path, infos[f], rank)
+                refuse_changed_path(path, infos[f], rank)
             kwargs = dict(self.tuning)
             if keys is not None:
                 kwargs.update(tensor_filter=keys, tensor_name_match_mode="exact")

@@ -25,6 +25,7 @@ from coordloader.engines import (
     host_out,
     intersect,
     piece_key,
+    refuse_changed_path,
     slice_nbytes,
     to_device,
 )
@@ -47,6 +48,7 @@ class SafetensorsEngine:
         device = torch.device(device if device is not None else "cpu")
         rank = rank_plan.rank
         tensors: dict[str, torch.Tensor] = {}
+        files = {f.name: f for f in meta.files}
         held = read = 0
         with ExitStack() as stack:
             handles: dict[str, Any] = {}
@@ -54,9 +56,16 @@ class SafetensorsEngine:
             def handle(fname: str):
                 h = handles.get(fname)
                 if h is None:
+                    path = os.path.join(meta.root, fname)
+                    fi = files.get(fname)
+                    if fi is None:
+                        raise LoadError("plan reads a file which is not in the checkpoint",
+                                        file=fname, rank=rank)
+                    # safe_open reads the file's header anew: a file rewritten since the
+                    # plan was made would be read under its new layout, unnoticed
+                    refuse_changed_path(path, fi, rank)
                     try:
-                        h = stack.enter_context(
-                            safe_open(os.path.join(meta.root, fname), framework="pt", device="cpu"))
+                        h = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
                     except Exception as e:
                         raise LoadError(f"safetensors cannot open it: {e}", file=fname,
                                         rank=rank) from None
