@@ -32,7 +32,7 @@ from coordloader.checkpoint import reader as checkpoint
 from coordloader.checkpoint.identity import CheckpointIdentity, checkpoint_identity, identity_mismatch
 from coordloader.checkpoint.metadata import CheckpointMeta
 from coordloader.dist import collective
-from coordloader.engines import LoadStats, resolve_engine_name, select_engine
+from coordloader.engines import LoadStats, check_disjoint, resolve_engine_name, select_engine
 from coordloader.errors import CheckpointError, CollectiveError, LoadError, PlanError, VerifyError
 from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout
@@ -448,6 +448,7 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
         source_of[tgt] = name
     fusions = _transformers_fusions(target)
     fused: dict[tuple[int, str], dict[int, dict[int, torch.Tensor]]] = {}
+    copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []   # (target, into, from)
     with torch.no_grad():
         for name, t in res.tensors.items():
             tgt = mapf(name)
@@ -471,12 +472,20 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
                                 f"slice is {t.dtype} {list(t.shape)}", tensor=name, rank=res.rank)
             _refuse_meta(dst, tgt, name, res.rank)
             claim(tgt, name)
+            copies.append((tgt, dst, t))
+        fused_dst = {key: dests.get(key[1] + fusions[key[0]].target) for key in fused}
+        # before any copy: two targets sharing memory would hold one's bytes in both
+        check_disjoint([(tgt, dst) for tgt, dst, _ in copies]
+                       + [(key[1] + fusions[key[0]].target, dst)
+                          for key, dst in fused_dst.items() if dst is not None],
+                       res.rank, what="target")
+        for tgt, dst, t in copies:
             if t.data_ptr() != dst.data_ptr() or t.device != dst.device:
                 dst.copy_(t)   # else the engine filled dst in place (out=direct)
             loaded.append(tgt)
         for (k, prefix), parts in fused.items():
             tgt = prefix + fusions[k].target
-            dst = dests.get(tgt)
+            dst = fused_dst[(k, prefix)]
             t = _fuse(fusions[k], parts)
             if dst is None or tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
                 have = "no such entry" if dst is None else f"{dst.dtype} {list(dst.shape)}"

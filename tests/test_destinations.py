@@ -32,3 +32,43 @@ def test_load_into_refuses_targets_on_the_meta_device(ab, engine):
     assert str(e.value) == ("rank 0, tensor 'b': target 'b' is on the meta device and has no "
                             "memory to load into; materialize it first (e.g. "
                             "module.to_empty(device=...))")
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+@pytest.mark.parametrize("how", ["overlapping", "same"])
+def test_out_destinations_sharing_memory_are_refused(ab, engine, how):
+    """out= with two destinations over the same bytes: 'a' came back holding 'b''s first
+    values (0, 1, 100, 101), and verify passed."""
+    buf = torch.full((6,), -1.0)
+    out = ({"a": buf[0:4], "b": buf[2:6]} if how == "overlapping" else
+           {"a": buf[0:4], "b": buf[0:4]})
+    with pytest.raises(LoadError) as e:
+        cl.load_detailed(ab, Layout(), engine=engine, out=out, **ONE)
+    assert str(e.value) == ("rank 0, tensor 'b': destinations of 'a' and 'b' share memory; "
+                            "each needs memory of its own (aliased or overlapping views)")
+    assert buf.tolist() == [-1.0] * 6     # refused before any read
+
+
+def test_load_into_targets_sharing_memory_are_refused(ab):
+    """Non-contiguous targets go through a copy after the load: two of them interleaved
+    over the same bytes were filled one after the other, the second winning."""
+    buf = torch.full((4, 3), -1.0)
+    with pytest.raises(LoadError) as e:
+        cl.load_into({"a": buf[:, 1], "b": buf.t()[1]}, ab, Layout(), **ONE)
+    assert str(e.value) == ("rank 0, tensor 'b': targets of 'a' and 'b' share memory; "
+                            "each needs memory of its own (aliased or overlapping views)")
+    assert buf.tolist() == [[-1.0] * 3] * 4
+    # an expanded target: every element is one float
+    with pytest.raises(LoadError) as e:
+        cl.load_into({"a": torch.zeros(1).expand(4)}, ab, Layout(), strict=False, **ONE)
+    assert str(e.value) == ("rank 0, tensor 'a': target has elements that share memory (an "
+                            "expanded or overlapping view); it needs memory of its own")
+
+
+def test_interleaved_targets_that_do_not_share_memory_load(ab):
+    """Column views of one buffer span the same addresses without sharing a byte: they
+    load, each with its own tensor's bytes."""
+    buf = torch.full((4, 3), -1.0)
+    res = cl.load_into({"a": buf[:, 0], "b": buf[:, 2]}, ab, Layout(), **ONE)
+    assert sorted(res.loaded) == ["a", "b"]
+    assert buf.tolist() == [[i, -1.0, 100.0 + i] for i in range(4)]

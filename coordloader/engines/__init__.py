@@ -98,12 +98,73 @@ def _check_dest(t: torch.Tensor, shape, dtype: torch.dtype, name: str, rank: int
                         f"needs shape {list(shape)} dtype {dtype}", tensor=name, rank=rank)
 
 
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte address ``t``'s elements span."""
+    isz = t.element_size()
+    lo = hi = t.data_ptr()
+    for n, st in zip(t.shape, t.stride()):
+        if st >= 0:
+            hi += (n - 1) * st * isz
+        else:
+            lo += (n - 1) * st * isz
+    return lo, hi + isz
+
+
+def _starts(t: torch.Tensor):
+    """Sorted byte addresses of ``t``'s elements (numpy int64)."""
+    import numpy as np
+    a = np.full((1,) * t.dim(), t.data_ptr(), dtype=np.int64)
+    for d, (n, st) in enumerate(zip(t.shape, t.stride())):
+        a = a + (np.arange(n, dtype=np.int64) * (st * t.element_size())).reshape(
+            (1,) * d + (n,) + (1,) * (t.dim() - d - 1))
+    return np.sort(a.reshape(-1))
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (their spans intersecting) share a byte."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    import numpy as np
+    sa, sb = _starts(a), _starts(b)
+    # for each element of b, the last element of a starting before b's element ends
+    i = np.searchsorted(sa, sb + b.element_size(), side="left") - 1
+    ok = i >= 0
+    return bool(np.any(sa[i[ok]] + a.element_size() > sb[ok]))
+
+
+def check_disjoint(dests, rank: int | None, what: str = "destination") -> None:
+    """LoadError unless the tensors of ``dests`` (name, tensor) pairs own their memory:
+    none shares a byte with another or has elements sharing memory (an expanded view).
+    Filling overlapping destinations leaves one with the other's bytes, unnoticed."""
+    spans = []
+    for name, t in dests:
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        if torch._debug_has_internal_overlap(t) == 1:
+            raise LoadError(f"{what} has elements that share memory (an expanded or "
+                            f"overlapping view); it needs memory of its own", tensor=name,
+                            rank=rank)
+        lo, hi = _extent(t)
+        spans.append((str(t.device), lo, hi, name, t))
+    spans.sort(key=lambda x: x[:3])
+    active: list = []
+    for dev, lo, hi, name, t in spans:
+        active = [x for x in active if x[0] == dev and x[2] > lo]
+        for _, _, _, other, u in active:
+            if _overlap(u, t):
+                raise LoadError(f"{what}s of {other!r} and {name!r} share memory; each needs "
+                                f"memory of its own (aliased or overlapping views)",
+                                tensor=name, rank=rank)
+        active.append((dev, lo, hi, name, t))
+
+
 def host_out(out: Mapping[str, torch.Tensor] | None, rank_plan, device,
              *, rank: int | None = None) -> Mapping[str, torch.Tensor] | None:
     """The destinations a host-memory reader fills itself: ``out`` when it loads to the
     CPU; else None, once every given destination's shape and dtype is checked, before any
     I/O (``to_device`` copies into them after the reads, and would otherwise find a wrong
     one only after reading the whole rank)."""
+    check_out(out, rank_plan, rank)
     if torch.device(device).type == "cpu":
         return out
     if out:
@@ -111,6 +172,13 @@ def host_out(out: Mapping[str, torch.Tensor] | None, rank_plan, device,
             if ts.name in out:
                 _check_dest(out[ts.name], ts.local_shape, dtypes.torch_dtype(ts.dtype), ts.name, rank)
     return None
+
+
+def check_out(out: Mapping[str, torch.Tensor] | None, rank_plan, rank: int | None) -> None:
+    """``check_disjoint`` over the destinations ``out`` gives for this rank's slices."""
+    if out:
+        check_disjoint([(ts.name, out[ts.name]) for ts in rank_plan.tensors if ts.name in out],
+                       rank)
 
 
 def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | None = None,
@@ -225,4 +293,4 @@ def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
 
 
 __all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "allocate",
-           "host_out", "copy_overlap", "intersect", "piece_key", "to_device"]
+           "host_out", "check_out", "check_disjoint", "copy_overlap", "intersect", "piece_key", "to_device"]

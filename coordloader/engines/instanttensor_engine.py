@@ -29,6 +29,7 @@ from coordloader.engines import (
     LoadStats,
     Progress,
     allocate,
+    check_out,
     copy_overlap,
     intersect,
     piece_key,
@@ -258,6 +259,7 @@ class InstantTensorEngine:
         alloc_dev = _allocation_device(dev)
         tensors: dict[str, torch.Tensor] = {}
         held = 0
+        check_out(out, rank_plan, rank)
         for ts in rank_plan.tensors:
             if ts.name not in meta.tensors:
                 raise LoadError("planned tensor is not in the checkpoint", tensor=ts.name, rank=rank)
