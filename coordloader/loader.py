@@ -217,7 +217,21 @@ def _load_device(engine: str, device) -> torch.device:
         name = resolve_engine_name(engine)
         device = (torch.device("cuda", torch.cuda.current_device())
                   if name == "instanttensor" and torch.cuda.is_available() else torch.device("cpu"))
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+        # an unavailable device failed only after the whole rank had been read, with
+        # torch's bare AssertionError / RuntimeError
+        if dev.type == "cuda":
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if not torch.cuda.is_available():
+                raise RuntimeError("CUDA is not available")
+            if dev.index is not None and 0 < n <= dev.index:
+                raise RuntimeError(f"this machine has {n} CUDA device(s)")
+        elif dev.type not in ("cpu", "meta"):
+            torch.empty(0, device=dev)
+    except (RuntimeError, TypeError, AssertionError, ValueError) as e:
+        raise LoadError(f"device {device!r} is not usable here: {e}") from None
+    return dev
 
 
 def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, device=None,

@@ -72,3 +72,17 @@ def test_interleaved_targets_that_do_not_share_memory_load(ab):
     res = cl.load_into({"a": buf[:, 0], "b": buf[:, 2]}, ab, Layout(), **ONE)
     assert sorted(res.loaded) == ["a", "b"]
     assert buf.tolist() == [[i, -1.0, 100.0 + i] for i in range(4)]
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+@pytest.mark.parametrize("device", ["banana", "xpu:3"]
+                         + ([] if torch.cuda.is_available() else ["cuda", "cuda:0"]))
+def test_unusable_device_is_a_load_error(ab, engine, device):
+    """A device this machine lacks failed after the whole rank was read, with torch's
+    bare AssertionError ("Torch not compiled with CUDA enabled") or RuntimeError."""
+    for call in (lambda: cl.load_detailed(ab, Layout(), engine=engine, device=device, **ONE),
+                 lambda: cl.load_into({"a": torch.zeros(4), "b": torch.zeros(4)}, ab, Layout(),
+                                      engine=engine, device=device, **ONE)):
+        with pytest.raises(LoadError) as e:
+            call()
+        assert str(e.value).startswith(f"device {device!r} is not usable here: "), str(e.value)
