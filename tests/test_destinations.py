@@ -8,8 +8,10 @@ import torch
 from safetensors.torch import save_file
 
 import coordloader as cl
+from coordloader.engines import select_engine
 from coordloader.errors import LoadError
 from coordloader.layout import Layout
+from coordloader.planning.model import ByteRun
 
 ONE = dict(rank=0, replicate_unmatched=True)
 
@@ -86,3 +88,21 @@ def test_unusable_device_is_a_load_error(ab, engine, device):
         with pytest.raises(LoadError) as e:
             call()
         assert str(e.value).startswith(f"device {device!r} is not usable here: "), str(e.value)
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_out_parameters_requiring_grad_are_filled(tmp_path, engine):
+    """out= holding nn.Parameters (requires_grad): the safetensors engine, and the cpu
+    engine on a slice with padding rows to zero, failed with autograd's bare RuntimeError
+    about an in-place operation on a leaf."""
+    from coordloader.planning.model import Piece, RankPlan, TensorSlice
+    save_file({"w": torch.arange(6.0).reshape(3, 2)}, str(tmp_path / "model.safetensors"))
+    meta = cl.read_checkpoint(str(tmp_path))
+    sp = meta.tensors["w"].pieces[0]
+    # rows 0..2 of w, padded to 4 rows (the last one zero)
+    ts = TensorSlice("w", sp.file, "F32", (3, 2), (4, 2), (Piece(((0, 3), (0, 2)), (0, 0)),), 0,
+                     (ByteRun(sp.file, sp.start, 24, 0),))
+    p = torch.nn.Parameter(torch.full((4, 2), 9.0))
+    got, _ = select_engine(engine).load_rank(meta, RankPlan(0, {}, (ts,)), "cpu", out={"w": p})
+    assert got["w"].data_ptr() == p.data_ptr() and p.requires_grad
+    assert p.tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [0.0, 0.0]]

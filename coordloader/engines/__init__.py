@@ -188,7 +188,9 @@ def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | Non
     never carry stale memory."""
     dt = dtypes.torch_dtype(ts.dtype)
     if out is not None and ts.name in out:
-        t = out[ts.name]
+        # detached: filling a parameter that requires grad in place is what is asked for,
+        # and autograd refuses in-place writes to a leaf (a bare RuntimeError)
+        t = out[ts.name].detach()
         _check_dest(t, ts.local_shape, dt, ts.name, rank)
         if not t.is_contiguous():
             raise LoadError("destination tensor is not contiguous", tensor=ts.name, rank=rank)
