@@ -79,3 +79,17 @@ def test_an_expert_id_pattern_reading_the_layer_places_each_layer_apart(monkeypa
                 owners.setdefault(layer, set()).add(rp.rank)
     # round-robin placement over 4 ranks: expert L is on rank L % 4
     assert owners == {layer: {layer % 4} for layer in range(1, 6)}   # layer 6 is MTP, left out
+
+
+def test_a_block_scale_follows_a_weight_whose_expert_id_pattern_reads_the_layer(monkeypatch,
+                                                                                 dsv3):
+    # the user rule takes the weights only: their block scales keep the preset's scale rule
+    # and must follow each layer's weight to the owner of expert L, not layer 1's owner
+    rules = {"rules": [{"pattern": "model.layers.*.mlp.experts.*.weight", "strategy": "expert",
+                        "params": {"id_regex": r"layers\.(\d+)\."}}]}
+    plan = same_as_alone(monkeypatch, dsv3, Layout(tp=4, ep=4, expert_placement="round_robin"),
+                         rules)
+    for layer in range(1, 6):
+        w = f"model.layers.{layer}.mlp.experts.0.gate_proj.weight"
+        for n in (w, w + "_scale_inv"):
+            assert [rp.rank for rp in plan.ranks if n in rp.by_name()] == [layer % 4], n

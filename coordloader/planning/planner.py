@@ -255,8 +255,8 @@ class _Planner:
         default expert id pattern, none of which spans a layer's digits). So the same
         tensor of different layers in one stage, matched by the same rule, is placed
         alike. Not so for a user's expert ``id_regex`` (it may read the layer's digits), and
-        a block scale follows its weight, whose rule and shape join the key (a rule may
-        single out one layer's weight)."""
+        a block scale follows its weight, whose key joins its own (a rule may single out
+        one layer's weight; a weight placed on its own places its scale on its own)."""
         family, layer_of, nl, stage_of = (layers.family, layers.layer_of, layers.num_layers,
                                           layers.stage_of)
         match = placer.match
@@ -279,7 +279,15 @@ class _Planner:
                 wt = tensors.get(w)
                 if wm is None or wt is None:
                     return None    # placed on its own, which words the error
-                k += (family.get(w, w), id(wm[0]), wt.shape)
+                if w in family:
+                    # the weight's own key: a weight placed on its own (an expert id_regex
+                    # that may read the layer) places its scale on its own too
+                    wk = key(w) if wm[0].strategy != "scale" else None
+                    if wk is None:
+                        return None
+                    k += (wk,)
+                else:
+                    k += (w, id(wm[0]), wt.shape)
             return k
         return key
 
