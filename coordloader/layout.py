@@ -54,6 +54,11 @@ class Layout:
                 raise PlanError(f"layout: {k} must be a positive integer, got {v!r}")
             if v > MAX_WORLD_SIZE:
                 raise PlanError(f"layout: {k}={v} exceeds the maximum of {MAX_WORLD_SIZE} ranks")
+        for k in ("ep_spans_dp", "allow_uneven", "include_mtp"):
+            v = getattr(self, k)
+            if not isinstance(v, bool):
+                # a string "false" would be truthy: a layout silently other than the one asked
+                raise PlanError(f"layout: {k} must be true or false, got {clip(repr(v), 200)}")
         if self.world_size > MAX_WORLD_SIZE:
             raise PlanError(f"layout: world size tp*pp*dp = {self.world_size} exceeds the maximum "
                             f"of {MAX_WORLD_SIZE} ranks")

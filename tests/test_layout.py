@@ -63,3 +63,13 @@ def test_expert_ids_and_layer_counts_are_not_coerced(kw, msg):
     with pytest.raises(PlanError) as e:
         Layout(**kw)
     assert str(e.value) == msg
+
+
+@pytest.mark.parametrize("k", ["ep_spans_dp", "allow_uneven", "include_mtp"])
+@pytest.mark.parametrize("v", ["false", 0, None])
+def test_flags_must_be_booleans(k, v):
+    """A string "false" (a JSON plan or config written by hand) was truthy: ep_spans_dp="false"
+    silently placed the experts over TP x DP."""
+    with pytest.raises(PlanError) as e:
+        Layout(tp=2, dp=2, ep=4, **{k: v}) if k == "ep_spans_dp" else Layout(tp=2, **{k: v})
+    assert str(e.value) == f"layout: {k} must be true or false, got {v!r}"
