@@ -114,7 +114,7 @@ class Layout:
 
     # -- coordinates ---------------------------------------------------------
     def coords(self, rank: int) -> Coords:
-        if not 0 <= rank < self.world_size:
+        if not _is_int(rank) or not 0 <= rank < self.world_size:
             raise PlanError(f"layout: rank {rank} outside world of size {self.world_size} ({self})")
         tp_rank = rank % self.tp
         dp_rank = (rank // self.tp) % self.dp
@@ -125,6 +125,8 @@ class Layout:
     # -- experts -------------------------------------------------------------
     def experts_of(self, ep_rank: int, num_experts: int) -> tuple[int, ...]:
         """Logical expert ids owned by ``ep_rank`` (in local order)."""
+        if not _is_int(ep_rank) or not 0 <= ep_rank < self.ep:
+            raise PlanError(f"layout: ep rank {ep_rank!r} outside 0..{self.ep - 1} ({self})")
         self.check_experts(num_experts)
         if self.expert_placement == "linear":
             base, rem = divmod(num_experts, self.ep)
@@ -136,6 +138,10 @@ class Layout:
 
     def owners_of(self, expert: int, num_experts: int) -> tuple[int, ...]:
         """ep ranks holding ``expert`` (several only with a redundant explicit map)."""
+        if not _is_int(num_experts) or not _is_int(expert) or not 0 <= expert < num_experts:
+            raise PlanError(f"layout: expert {expert!r} outside the {num_experts!r} experts")
+        if isinstance(self.expert_placement, str) and self.ep > num_experts:
+            raise PlanError(f"layout: ep={self.ep} exceeds the expert count {num_experts}")
         if self.expert_placement == "linear":
             base, rem = divmod(num_experts, self.ep)
             # first `rem` ranks own base+1 experts

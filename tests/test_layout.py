@@ -73,3 +73,24 @@ def test_flags_must_be_booleans(k, v):
     with pytest.raises(PlanError) as e:
         Layout(tp=2, dp=2, ep=4, **{k: v}) if k == "ep_spans_dp" else Layout(tp=2, **{k: v})
     assert str(e.value) == f"layout: {k} must be true or false, got {v!r}"
+
+
+@pytest.mark.parametrize("call, msg", [
+    # fewer experts than ep ranks: ep ranks 2, 3 own nothing (experts_of refuses it)
+    (lambda: Layout(tp=4, ep=4).owners_of(1, 2), "layout: ep=4 exceeds the expert count 2"),
+    # an id past the experts: a ZeroDivisionError (linear, 3 of 2 over 4), or an owner
+    # of an expert that does not exist
+    (lambda: Layout(tp=4, ep=4).owners_of(3, 2), "layout: expert 3 outside the 2 experts"),
+    (lambda: Layout(tp=4, ep=4).owners_of(8, 8), "layout: expert 8 outside the 8 experts"),
+    (lambda: Layout(tp=4, ep=4, expert_placement="round_robin").owners_of(-1, 8),
+     "layout: expert -1 outside the 8 experts"),
+    # an ep rank past ep: experts 10 and 11 of 8
+    (lambda: Layout(tp=4, ep=4).experts_of(5, 8),
+     "layout: ep rank 5 outside 0..3 (tp=4 pp=1 dp=1 ep=4)"),
+    (lambda: Layout(tp=4).coords(1.5),
+     "layout: rank 1.5 outside world of size 4 (tp=4 pp=1 dp=1 ep=1)"),
+])
+def test_expert_and_rank_queries_refuse_out_of_range_arguments(call, msg):
+    with pytest.raises(PlanError) as e:
+        call()
+    assert str(e.value) == msg
