@@ -6,7 +6,7 @@ from coordloader.api import make_plan, read_rules
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning.planner import meta_from_specs
-from coordloader.planning.rules import detect_preset, resolve_rules
+from coordloader.planning.rules import RuleSet, detect_preset, make_rule, resolve_rules
 
 CFG = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
        "num_hidden_layers": 1, "tie_word_embeddings": True}
@@ -163,3 +163,11 @@ def test_a_strategy_is_added_in_one_place(monkeypatch):
     with pytest.raises(PlanError, match="does not take params"):
         make_plan(meta, Layout(tp=2),
                   rules=[{"pattern": "w", "strategy": "halves", "params": {"kv": 1}}])
+
+
+def test_a_conditional_regex_matches_as_it_does_alone():
+    # (?(1)...) tests group 1 by number; inside the combined alternation group 1 was the
+    # first rule's wrapper, so the name fell through to the catch-all rule
+    cond = make_rule(r"re:(model\.)?(?(1)layers|x)\.w", "colwise", source="user")
+    rs = RuleSet([cond, make_rule("*", "replicate", source="user")], user_count=2)
+    assert [rs.match(n) for n in ("model.layers.w", "x.w", "model.x.w")] == [0, 0, 1]

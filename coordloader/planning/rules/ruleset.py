@@ -98,10 +98,12 @@ class RuleSet:
         self.user_count = user_count          # the first `user_count` rules came from the user
         self.preset = preset
         # One alternation of named wrappers: fullmatch tries the alternatives in order, so
-        # the first rule that matches the whole name wins. Back-references and named groups
-        # inside user regexes would shift, so those rule sets fall back to a loop.
+        # the first rule that matches the whole name wins. Back-references, conditionals
+        # ((?(1)a|b) tests a group by number) and named groups inside user regexes would
+        # shift, so those rule sets fall back to a loop.
         self._combined = None
-        if self.rules and not any(re.search(r"\\\d|\(\?P[<=]", r.regex_text) for r in self.rules):
+        if self.rules and not any(re.search(r"\\\d|\(\?P[<=]|\(\?\(", r.regex_text)
+                                  for r in self.rules):
             alt = "|".join(f"(?P<r{i}>{r.regex_text})" for i, r in enumerate(self.rules))
             try:
                 self._combined = re.compile(alt)
