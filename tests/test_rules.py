@@ -171,3 +171,28 @@ def test_a_conditional_regex_matches_as_it_does_alone():
     cond = make_rule(r"re:(model\.)?(?(1)layers|x)\.w", "colwise", source="user")
     rs = RuleSet([cond, make_rule("*", "replicate", source="user")], user_count=2)
     assert [rs.match(n) for n in ("model.layers.w", "x.w", "model.x.w")] == [0, 0, 1]
+
+
+@pytest.mark.parametrize("rx, msg", [
+    ("(", "rules: rule #0 ('*.experts.*'): param 'id_regex' is a bad regular expression: "
+          "missing ), unterminated subpattern at position 0"),
+    (r"experts\.\d+\.", "rules: rule #0 ('*.experts.*'): param 'id_regex' must capture the "
+                        r"expert id in group 1, got 'experts\\.\\d+\\.' without a group"),
+])
+def test_a_bad_expert_id_regex_is_refused_with_its_rule(rx, msg):
+    """Was re.error / IndexError from the planner, naming no rule."""
+    with pytest.raises(PlanError) as e:
+        resolve_rules(None, {"preset": None, "rules": [
+            {"pattern": "*.experts.*", "strategy": "expert", "params": {"id_regex": rx}}]})
+    assert str(e.value) == msg
+
+
+def test_an_expert_id_regex_capturing_no_digits_names_the_tensor():
+    """int() of the captured 'a' was a bare ValueError."""
+    meta = meta_from_specs({"num_hidden_layers": 1}, [("layers.0.experts.a.w", "BF16", (4, 4))])
+    rules = {"preset": None, "rules": [{"pattern": "*.experts.*", "strategy": "expert",
+                                        "params": {"id_regex": r"experts\.(\w+)\."}}]}
+    with pytest.raises(PlanError) as e:
+        make_plan(meta, Layout(tp=2, ep=2), rules)
+    assert e.value.tensor == "layers.0.experts.a.w"
+    assert "its group 1 is 'a', not an expert id (decimal digits)" in str(e.value)

@@ -191,7 +191,11 @@ def _place_expert(ctx: PlacementContext, t: TensorInfo, p: Mapping):
     dim = p.get("dim")
     L = ctx.L
     if m:
-        e = int(m.group(1))
+        g = m.group(1)
+        if g is None or not g.isdigit() or not g.isascii():
+            raise ctx.err(f"expert id_regex {p['id_regex']!r} matches, but its group 1 is "
+                            f"{g!r}, not an expert id (decimal digits)", t.name)
+        e = int(g)
         E = ctx.experts_count(t, p)
         if e >= E:
             raise ctx.err(f"expert id {e} is outside the {E} experts", t.name)
@@ -370,6 +374,13 @@ def _check_expert(p: dict, where: str) -> None:
     p.setdefault("id_regex", EXPERT_ID_REGEX)
     if not isinstance(p["id_regex"], str):
         raise PlanError(f"{where}: param 'id_regex' must be a string")
+    try:
+        groups = re.compile(p["id_regex"]).groups
+    except re.error as e:
+        raise PlanError(f"{where}: param 'id_regex' is a bad regular expression: {e}") from None
+    if groups < 1:
+        raise PlanError(f"{where}: param 'id_regex' must capture the expert id in group 1, "
+                        f"got {p['id_regex']!r} without a group")
 
 
 def _check_scale(p: dict, where: str) -> None:
