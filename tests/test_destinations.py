@@ -47,7 +47,8 @@ def test_out_destinations_sharing_memory_are_refused(ab, engine, how):
     with pytest.raises(LoadError) as e:
         cl.load_detailed(ab, Layout(), engine=engine, out=out, **ONE)
     assert str(e.value) == ("rank 0, tensor 'b': destinations of 'a' and 'b' share memory; "
-                            "each needs memory of its own (aliased or overlapping views)")
+                            "each needs memory of its own (aliased or overlapping views; tied "
+                            "weights: map one of the two names to None)")
     assert buf.tolist() == [-1.0] * 6     # refused before any read
 
 
@@ -58,13 +59,24 @@ def test_load_into_targets_sharing_memory_are_refused(ab):
     with pytest.raises(LoadError) as e:
         cl.load_into({"a": buf[:, 1], "b": buf.t()[1]}, ab, Layout(), **ONE)
     assert str(e.value) == ("rank 0, tensor 'b': targets of 'a' and 'b' share memory; "
-                            "each needs memory of its own (aliased or overlapping views)")
+                            "each needs memory of its own (aliased or overlapping views; tied "
+                            "weights: map one of the two names to None)")
     assert buf.tolist() == [[-1.0] * 3] * 4
     # an expanded target: every element is one float
     with pytest.raises(LoadError) as e:
         cl.load_into({"a": torch.zeros(1).expand(4)}, ab, Layout(), strict=False, **ONE)
     assert str(e.value) == ("rank 0, tensor 'a': target has elements that share memory (an "
                             "expanded or overlapping view); it needs memory of its own")
+
+
+def test_tied_targets_are_refused_and_load_with_one_name_dropped(ab):
+    """A state_dict of tied weights names one tensor twice: the error says how to load it,
+    and dropping one name loads both, as one tensor."""
+    tied = torch.full((4,), -1.0)
+    with pytest.raises(LoadError, match="tied weights: map one of the two names to None"):
+        cl.load_into({"a": tied, "b": tied}, ab, Layout(), **ONE)
+    got = cl.load_into({"a": tied, "b": tied}, ab, Layout(), name_map={"b": None}, **ONE)
+    assert got.loaded == ["a"] and got.skipped == ["b"]
 
 
 def test_interleaved_targets_that_do_not_share_memory_load(ab):

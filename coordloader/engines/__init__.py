@@ -153,7 +153,8 @@ def check_disjoint(dests, rank: int | None, what: str = "destination") -> None:
         for _, _, _, other, u in active:
             if _overlap(u, t):
                 raise LoadError(f"{what}s of {other!r} and {name!r} share memory; each needs "
-                                f"memory of its own (aliased or overlapping views)",
+                                f"memory of its own (aliased or overlapping views; tied "
+                                f"weights: map one of the two names to None)",
                                 tensor=name, rank=rank)
         active.append((dev, lo, hi, name, t))
 
