@@ -33,9 +33,17 @@ from coordloader.checkpoint.identity import CheckpointIdentity, checkpoint_ident
 from coordloader.checkpoint.metadata import CheckpointMeta
 from coordloader.dist import collective
 from coordloader.engines import LoadStats, check_disjoint, resolve_engine_name, select_engine
-from coordloader.errors import CheckpointError, CollectiveError, LoadError, PlanError, VerifyError
+from coordloader.errors import (
+    CheckpointError,
+    CollectiveError,
+    ConfigError,
+    LoadError,
+    PlanError,
+    VerifyError,
+)
 from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout
+from coordloader.text import format_ranges
 from coordloader.verify.checks import MODES, verify_rank
 from coordloader.verify.manifest import MANIFEST_NAME
 
@@ -143,24 +151,46 @@ def read_metadata(ckpt, group, rank: int, world: int) -> tuple[CheckpointMeta,
     return _phase("metadata-assemble", gather_and_assemble, group), identity
 
 
-def agree_on_plan(plan, group, rank: int, identity: CheckpointIdentity | None = None) -> None:
+def agree_on_plan(plan, group, rank: int, identity: CheckpointIdentity | None = None,
+                  options: Mapping[str, Any] | None = None) -> None:
     """Every rank must have computed the same plan from the same checkpoint (its own
-    fingerprint ``identity`` of the files) before any tensor I/O."""
+    fingerprint ``identity`` of the files), with the same ``options`` (settings outside
+    the plan that decide which phases and collectives a rank makes: verify mode, engine),
+    before any tensor I/O."""
     if group is None:
         return
-    _phase("plan-agree", lambda: _compare_plan_digests(plan, group, rank, identity), group)
+    _phase("plan-agree", lambda: _compare_plan_digests(plan, group, rank, identity, options),
+           group)
 
 
-def _compare_plan_digests(plan, group, rank: int, identity: CheckpointIdentity | None) -> None:
-    pairs = collective.gather_object(group, (plan.digest(),
-                                             identity.digest() if identity else None))
-    if len({i for _, i in pairs}) > 1:
+def _compare_plan_digests(plan, group, rank: int, identity: CheckpointIdentity | None,
+                          options: Mapping[str, Any] | None = None) -> None:
+    opts = tuple(sorted((options or {}).items()))
+    triples = collective.gather_object(group, (plan.digest(),
+                                               identity.digest() if identity else None, opts))
+    if len({i for _, i, _ in triples}) > 1:
         # the root cause of a plan difference too, so named first; the full fingerprints
         # travel only now, when they are needed to name the file
         mismatch = identity_mismatch(collective.gather_object(group, identity))
         if mismatch:
             raise CheckpointError(mismatch, rank=rank)
-    digests = [p for p, _ in pairs]
+    if len({o for _, _, o in triples}) > 1:
+        # a rank verifying in another mode (or not at all), or reading with an engine that
+        # makes other collectives, would pass its phases with the others' data crossed
+        # (or claim a check it never made on some ranks): stop before any tensor I/O
+        seen = [dict(o) for _, _, o in triples]
+        diffs = []
+        for key in sorted({k for d in seen for k in d}):
+            by: dict[str, list[int]] = {}
+            for r, d in enumerate(seen):
+                by.setdefault(repr(d.get(key)), []).append(r)
+            if len(by) > 1:
+                diffs.append(f"{key}: " + ", ".join(
+                    f"{'rank' if len(rs) == 1 else 'ranks'} {format_ranges(rs)} {v}"
+                    for v, rs in by.items()))
+        raise ConfigError(f"ranks disagree on their options ({'; '.join(diffs)}); give every "
+                          f"rank the same options", rank=rank)
+    digests = [p for p, _, _ in triples]
     if len(set(digests)) > 1:
         by: dict[str, list[int]] = {}
         for r, x in enumerate(digests):
@@ -238,8 +268,10 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
                   engine: str = "auto", verify: str = "shapes", rules=None,
                   progress: Any = False, loader_config=None, out=None,
                   replicate_unmatched: bool = False, timeout: float | None = None,
-                  config=None) -> LoadResult:
-    """``load`` returning the plan and the load statistics too."""
+                  config=None, agree: Mapping[str, Any] | None = None) -> LoadResult:
+    """``load`` returning the plan and the load statistics too. ``agree``: more settings
+    every rank must share (a command's own options), compared with the verify mode and
+    engine before any tensor I/O."""
     if not isinstance(layout, Layout):
         raise PlanError(f"layout must be a coordloader.Layout, got {type(layout).__name__}")
     if verify not in VERIFY_MODES:
@@ -266,7 +298,8 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
             return make_plan(meta, layout, rules, config=config, **kw)
 
         plan = _phase("plan", build_plan, group)
-        agree_on_plan(plan, group, rank, identity)
+        agree_on_plan(plan, group, rank, identity,
+                      dict(agree or {}, verify=verify, engine=eng_name))
         phases["plan"] = time.perf_counter() - t
 
         rank_plan = plan.rank(rank)

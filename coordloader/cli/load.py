@@ -145,7 +145,10 @@ def _run(args) -> int:
                             engine=args.engine, verify=args.verify, rules=args.rules,
                             progress=(not args.quiet) and rank0, loader_config=args.loader_config,
                             replicate_unmatched=args.replicate_unmatched, timeout=args.timeout,
-                            config=args.config)
+                            config=args.config,
+                            # the phases after load: a rank that dumps and one that does
+                            # not would pair the dump with the summary's gather
+                            agree={"--dump": bool(args.dump)})
         mine = dict(res.stats.to_dict(), rank=res.rank, phases=res.phases,
                     coords=dict(res.rank_plan.coords), experts=experts_held(res.rank_plan))
         if res.verify_report is not None:

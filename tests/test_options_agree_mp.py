@@ -1,0 +1,62 @@
+"""Ranks of one `python -m coordloader.load` job given different options.
+
+Options outside the plan decide which phases and collectives a rank makes after the load
+(--verify, --dump) or inside it (--engine). Two plain processes, one option differing;
+both must stop in plan-agree, before any tensor I/O, with the same one line naming the
+option and each rank's value: not load with one rank verifying less than the report
+claims, nor pair one rank's dump with the other's summary gather (gloo text after
+--timeout, a different line per rank)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from coordloader.dist.collective import free_port
+
+from helpers import rank_line
+from ranks import rank_env, run_ranks
+
+pytestmark = pytest.mark.slow   # rank processes
+
+HARD = 60.0
+
+
+def _run2(tmp, ckpt, extra: dict[int, list[str]]):
+    port = free_port()
+
+    def start(r):
+        env = rank_env(port, r, 2, LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        cmd = [sys.executable, "-m", "coordloader.load", ckpt, "--tp", "2", "--engine", "cpu",
+               "--timeout", "30", "--quiet", *extra.get(r, [])]
+        with open(tmp / f"err-{r}", "wb") as ef:
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
+                                    cwd=str(tmp), start_new_session=True)
+
+    procs, ends, t0 = run_ranks([0, 1], start, HARD)
+    return {r: (p.returncode, (tmp / f"err-{r}").read_text(), ends[r] - t0)
+            for r, p in procs.items()}
+
+
+@pytest.mark.parametrize("extra, want", [
+    ({0: ["--verify", "full"], 1: ["--verify", "shapes"]},
+     "verify: rank 0 'full', rank 1 'shapes'"),
+    ({0: ["--verify", "none"]}, "verify: rank 0 'none', rank 1 'shapes'"),
+    ({1: ["--dump", "DUMP"]}, "--dump: rank 0 False, rank 1 True"),
+    ({1: ["--engine", "safetensors"]}, "engine: rank 0 'cpu', rank 1 'safetensors'"),
+], ids=["verify-full-vs-shapes", "verify-none-on-one", "dump-on-one", "engine"])
+def test_ranks_with_different_options_stop_before_loading(tiny_qwen3_moe, tmp_path, extra, want):
+    extra = {r: [str(tmp_path / "dump") if a == "DUMP" else a for a in args]
+             for r, args in extra.items()}
+    out = _run2(tmp_path, tiny_qwen3_moe, extra)
+    lines = set()
+    for r, (rc, err, _) in out.items():
+        assert rc == 1, (r, err)
+        line = rank_line(err, r, only=True)
+        assert "phase plan-agree" in line and "ConfigError: ranks disagree on their options" \
+            in line and want in line, line
+        lines.add(line.split(": ", 2)[2])
+    assert len(lines) == 1, lines   # every rank prints the same message
+    assert not (tmp_path / "dump").exists()   # stopped before any tensor I/O or dump
