@@ -79,11 +79,15 @@ def _resolve_group(group, rank, layout: Layout, stack: contextlib.ExitStack, tim
     single-process use (``rank`` given, or a world-1 layout). A process group is adopted
     on ``stack``: closed when it unwinds, also when a check here refuses the group."""
     dist = _dist()
-    world_needed = layout.world_size
     if group is None and dist is not None and dist.is_initialized():
         group = dist.group.WORLD
-    if group is not None:
-        handle = stack.enter_context(collective.adopted(group, timeout))
+    handle = None if group is None else stack.enter_context(collective.adopted(group, timeout))
+    # checked once adopted: a rank refusing its arguments alone then reaches the others
+    # at their first boundary, and every rank's adoption stays in step for the next call
+    if not isinstance(layout, Layout):
+        raise PlanError(f"layout must be a coordloader.Layout, got {type(layout).__name__}")
+    world_needed = layout.world_size
+    if handle is not None:
         g_rank, g_world = handle.rank, handle.world
         if rank is not None and rank != g_rank:
             raise LoadError(f"rank={rank} given, but this process is rank {g_rank} of its group")
@@ -272,10 +276,6 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
     """``load`` returning the plan and the load statistics too. ``agree``: more settings
     every rank must share (a command's own options), compared with the verify mode and
     engine before any tensor I/O."""
-    if not isinstance(layout, Layout):
-        raise PlanError(f"layout must be a coordloader.Layout, got {type(layout).__name__}")
-    if verify not in VERIFY_MODES:
-        raise LoadError(f"unknown verify mode {verify!r}; expected one of {', '.join(VERIFY_MODES)}")
     # no cyclic GC while loading (see coordloader.gcpause): a full collection over the
     # metadata, plan and tensors landed in whichever phase was running. Measured with the
     # pause narrowed to metadata + plan (torchrun, tp=2, qwen3_moe-small, medians of 5):
@@ -283,6 +283,9 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
     # right after load() returned
     with gc_paused(), contextlib.ExitStack() as stack:
         group, rank, world = _resolve_group(group, rank, layout, stack, timeout)
+        if verify not in VERIFY_MODES:
+            raise LoadError(f"unknown verify mode {verify!r}; expected one of "
+                            f"{', '.join(VERIFY_MODES)}", rank=rank)
         device = _load_device(engine, device)
         eng_name = resolve_engine_name(engine, device)
         phases: dict[str, float] = {}

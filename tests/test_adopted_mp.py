@@ -223,6 +223,51 @@ def test_a_rank_refusing_the_group_is_named_with_its_error_not_as_dead(tmp_path,
                                "rank=0 given, but this process is rank 1 of its group"), lines[0]
 
 
+BAD_ARG = r'''
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+import coordloader
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+for attempt, (verify, layout) in enumerate([("bogus", coordloader.Layout(tp=2)),
+                                            ("shapes", {"tp": 2}), ("shapes", coordloader.Layout(tp=2))]):
+    t0 = time.monotonic()
+    try:
+        # rank 1 alone passes a verify mode, then a layout, that load() refuses
+        coordloader.load(sys.argv[1], layout if rank == 1 else coordloader.Layout(tp=2),
+                         engine="cpu", timeout=20, verify=verify if rank == 1 else "shapes")
+        print("RESULT", attempt, f"{time.monotonic() - t0:.1f}", "LOADED", flush=True)
+    except coordloader.CoordloaderError as e:
+        print("RESULT", attempt, f"{time.monotonic() - t0:.1f}", type(e).__name__,
+              " ".join(str(e).split()), flush=True)
+time.sleep(2)   # rank 0 hosts the store: let the other read its last answers
+os._exit(0)
+'''
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_an_argument_refused_on_one_rank_reaches_the_others_and_keeps_them_in_step(tmp_path, ckpt):
+    """load() on rank 1 alone refuses its verify mode, then its layout: rank 0 names the
+    error at its first phase (it used to wait out the timeout, the refusal made before
+    rank 1 adopted the group), and the next load() pairs with the next load() (the
+    adoptions used to fall out of step: rank 0's first load ran with rank 1's second)."""
+    res = _run_script(tmp_path, "badarg.py", BAD_ARG, 2, ckpt)
+    lines = {r: [ln.split(" ", 3) for ln in res[r][1].splitlines() if ln.startswith("RESULT ")]
+             for r in res}
+    for r in (0, 1):
+        assert len(lines[r]) == 3, res[r]
+        for _, attempt, took, _ in lines[r]:
+            assert float(took) < 15, (r, attempt, took, res[r])
+    assert lines[1][0][3].startswith("LoadError rank 1: unknown verify mode 'bogus'"), lines[1]
+    assert lines[0][0][3].startswith("CollectiveError phase metadata-read: rank 1: LoadError: "
+                                     "unknown verify mode 'bogus'"), lines[0]
+    assert lines[1][1][3] == "PlanError layout must be a coordloader.Layout, got dict", lines[1]
+    assert lines[0][1][3].startswith("CollectiveError phase metadata-read: rank 1: PlanError: "
+                                     "layout must be a coordloader.Layout"), lines[0]
+    assert lines[0][2][3] == lines[1][2][3] == "LOADED", lines
+
+
 MANY = r'''
 import os, sys, time
 from datetime import timedelta
