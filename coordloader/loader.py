@@ -178,7 +178,7 @@ def _compare_plan_digests(plan, group, rank: int, identity: CheckpointIdentity |
         mismatch = identity_mismatch(collective.gather_object(group, identity))
         if mismatch:
             raise CheckpointError(mismatch, rank=rank)
-    if len({o for _, _, o in triples}) > 1:
+    if any(o != triples[0][2] for _, _, o in triples):   # values need not be hashable
         # a rank verifying in another mode (or not at all), or reading with an engine that
         # makes other collectives, would pass its phases with the others' data crossed
         # (or claim a check it never made on some ranks): stop before any tensor I/O

@@ -18,8 +18,6 @@ from coordloader.dist.collective import free_port
 from helpers import rank_line
 from ranks import rank_env, run_ranks
 
-pytestmark = pytest.mark.slow   # rank processes
-
 HARD = 60.0
 
 
@@ -40,6 +38,7 @@ def _run2(tmp, ckpt, extra: dict[int, list[str]]):
             for r, p in procs.items()}
 
 
+@pytest.mark.slow   # rank processes
 @pytest.mark.parametrize("extra, want", [
     ({0: ["--verify", "full"], 1: ["--verify", "shapes"]},
      "verify: rank 0 'full', rank 1 'shapes'"),
@@ -60,3 +59,23 @@ def test_ranks_with_different_options_stop_before_loading(tiny_qwen3_moe, tmp_pa
         lines.add(line.split(": ", 2)[2])
     assert len(lines) == 1, lines   # every rank prints the same message
     assert not (tmp_path / "dump").exists()   # stopped before any tensor I/O or dump
+
+
+def test_options_that_are_not_hashable_are_compared(monkeypatch):
+    """``agree=`` values a caller passes (a list, a dict) are compared by equality: a
+    difference is the ConfigError naming them, not a TypeError from hashing them."""
+    from coordloader import loader
+    from coordloader.errors import ConfigError
+
+    class Plan:
+        def digest(self):
+            return "p"
+    seen = []
+
+    def gather(group, value):   # rank 0's value, and rank 1's with another list
+        seen.append(value)
+        return [value, (value[0], value[1], (("files", ["b"]),))]
+    monkeypatch.setattr(loader.collective, "gather_object", gather)
+    with pytest.raises(ConfigError, match=r"files: rank 0 \['a'\], rank 1 \['b'\]"):
+        loader._compare_plan_digests(Plan(), object(), 0, None, {"files": ["a"]})
+    assert len(seen) == 1
