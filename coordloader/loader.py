@@ -276,6 +276,21 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
     """``load`` returning the plan and the load statistics too. ``agree``: more settings
     every rank must share (a command's own options), compared with the verify mode and
     engine before any tensor I/O."""
+    return _load_detailed(ckpt, layout, group=group, rank=rank, device=device, engine=engine,
+                          verify=verify, rules=rules, progress=progress,
+                          loader_config=loader_config, out=out,
+                          replicate_unmatched=replicate_unmatched, timeout=timeout,
+                          config=config, agree=agree)
+
+
+def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, device=None,
+                   engine: str = "auto", verify: str = "shapes", rules=None,
+                   progress: Any = False, loader_config=None, out=None,
+                   replicate_unmatched: bool = False, timeout: float | None = None,
+                   config=None, agree: Mapping[str, Any] | None = None,
+                   prepare: Callable[[int, torch.device], Any] | None = None) -> LoadResult:
+    """load_detailed; ``prepare(rank, device) -> out`` (load_into's checks of its own
+    arguments) runs once the group is adopted, like the checks here."""
     # no cyclic GC while loading (see coordloader.gcpause): a full collection over the
     # metadata, plan and tensors landed in whichever phase was running. Measured with the
     # pause narrowed to metadata + plan (torchrun, tp=2, qwen3_moe-small, medians of 5):
@@ -287,6 +302,8 @@ def load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None, 
             raise LoadError(f"unknown verify mode {verify!r}; expected one of "
                             f"{', '.join(VERIFY_MODES)}", rank=rank)
         device = _load_device(engine, device)
+        if prepare is not None:
+            out = prepare(rank, device)
         eng_name = resolve_engine_name(engine, device)
         phases: dict[str, float] = {}
 
@@ -350,7 +367,7 @@ class LoadIntoResult:
     stats: LoadStats | None = None
 
 
-def _target_dict(target) -> dict[str, torch.Tensor]:
+def _target_dict(target, rank: int | None = None) -> dict[str, torch.Tensor]:
     if isinstance(target, torch.nn.Module):
         d = dict(target.named_parameters())
         d.update(dict(target.named_buffers()))
@@ -358,7 +375,7 @@ def _target_dict(target) -> dict[str, torch.Tensor]:
     if isinstance(target, Mapping):
         return dict(target)
     raise LoadError(f"load_into needs a torch.nn.Module or a mapping of tensors, got "
-                    f"{type(target).__name__}")
+                    f"{type(target).__name__}", rank=rank)
 
 
 class _DirectDests:
@@ -475,18 +492,24 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
     transformers' own conversion mapping (its MergeModulelist / Concatenate steps).
     A destination that is contiguous and on the load device is filled by the engine
     directly; any other through a temporary and ``copy_``."""
-    dests = _target_dict(target)
-    if name_map is None:
-        mapf = lambda n: n  # noqa: E731
-    elif callable(name_map):
-        mapf = name_map
-    elif isinstance(name_map, Mapping):
-        mapf = lambda n: name_map.get(n, n)  # noqa: E731
-    else:
-        raise LoadError("name_map must be a mapping or a callable")
-    direct = _DirectDests(dests, mapf,
-                          _load_device(load_kw.get("engine", "auto"), load_kw.get("device")).type)
-    res = load_detailed(ckpt, layout, out=direct, **load_kw)
+    dests: dict[str, torch.Tensor] = {}
+    mapf: Callable[[str], str | None] = lambda n: n  # noqa: E731
+
+    def prepare(rank: int, device: torch.device) -> _DirectDests:
+        # once the group is adopted: a target or name_map refused on one rank alone
+        # reaches the others at their first phase, and every rank's calls stay in step
+        nonlocal mapf
+        dests.update(_target_dict(target, rank))
+        if callable(name_map):
+            mapf = name_map
+        elif isinstance(name_map, Mapping):
+            mapf = lambda n: name_map.get(n, n)  # noqa: E731
+        elif name_map is not None:
+            raise LoadError(f"name_map must be a mapping or a callable, got "
+                            f"{type(name_map).__name__}", rank=rank)
+        return _DirectDests(dests, lambda n: mapf(n), device.type)
+
+    res = _load_detailed(ckpt, layout, prepare=prepare, **load_kw)
     loaded, skipped = [], []
     source_of: dict[str, str] = {}   # target -> the checkpoint tensor that filled it
 

@@ -268,6 +268,56 @@ def test_an_argument_refused_on_one_rank_reaches_the_others_and_keeps_them_in_st
     assert lines[0][2][3] == lines[1][2][3] == "LOADED", lines
 
 
+BAD_INTO = r'''
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+import coordloader
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+good = dict(target={}, name_map=None, device="cpu")
+bad = [dict(good, target=[1, 2]), dict(good, name_map=5), dict(good, device="bogus"), good]
+for attempt, kw in enumerate(bad):
+    kw = kw if rank == 1 else good
+    t0 = time.monotonic()
+    try:
+        # rank 1 alone passes a target, a name_map, a device that load_into refuses
+        res = coordloader.load_into(kw["target"], sys.argv[1], coordloader.Layout(tp=2),
+                                    name_map=kw["name_map"], device=kw["device"], strict=False,
+                                    engine="cpu", timeout=20)
+        print("RESULT", attempt, f"{time.monotonic() - t0:.1f}", "LOADED", len(res.skipped) > 0,
+              flush=True)
+    except coordloader.CoordloaderError as e:
+        print("RESULT", attempt, f"{time.monotonic() - t0:.1f}", type(e).__name__,
+              " ".join(str(e).split()), flush=True)
+time.sleep(2)   # rank 0 hosts the store: let the other read its last answers
+os._exit(0)
+'''
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_a_load_into_argument_refused_on_one_rank_reaches_the_others(tmp_path, ckpt):
+    """load_into on rank 1 alone refuses its target, its name_map, its device: each
+    refusal used to come before load_detailed adopted the group, so rank 0 waited out the
+    whole timeout and its next call paired with rank 1's following one. Now rank 0 names
+    rank 1's error at its first phase, and the last call loads on both."""
+    res = _run_script(tmp_path, "badinto.py", BAD_INTO, 2, ckpt)
+    lines = {r: [ln.split(" ", 3) for ln in res[r][1].splitlines() if ln.startswith("RESULT ")]
+             for r in res}
+    for r in (0, 1):
+        assert len(lines[r]) == 4, res[r]
+        for _, attempt, took, _ in lines[r]:
+            assert float(took) < 15, (r, attempt, took, res[r])
+    want = [("rank 1: ", "load_into needs a torch.nn.Module or a mapping of tensors, got list"),
+            ("rank 1: ", "name_map must be a mapping or a callable, got int"),
+            ("", "device 'bogus' is not usable here: ")]
+    for attempt, (where, msg) in enumerate(want):
+        assert lines[1][attempt][3].startswith(f"LoadError {where}{msg}"), lines[1]
+        assert lines[0][attempt][3].startswith(f"CollectiveError phase metadata-read: rank 1: "
+                                               f"LoadError: {msg}"), lines[0]
+    assert lines[0][3][3] == lines[1][3][3] == "LOADED True", lines
+
+
 MANY = r'''
 import os, sys, time
 from datetime import timedelta
