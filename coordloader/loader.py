@@ -455,7 +455,10 @@ def _fusion_source(fusions: list[_Fusion], name: str):
     for k, f in enumerate(fusions):
         for i, pat in enumerate(f.sources):
             m = pat.search(name)
-            if m is not None and (m.start() == 0 or name[m.start() - 1] == "."):
+            # at a name boundary; a pattern may start with its own "." (mixtral's
+            # ".experts.*.w1.weight" -> target ".experts.gate_up_proj")
+            if m is not None and (m.start() == 0 or name[m.start() - 1] == "."
+                                  or name[m.start()] == "."):
                 return k, name[:m.start()], i, int(m.group(1)) if m.groups() else 0
     return None
 

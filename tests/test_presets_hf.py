@@ -634,6 +634,34 @@ def test_load_into_fills_fused_expert_parameters(hf_checkpoint):
         assert torch.equal(got[k], ref[k]), k
 
 
+def test_load_into_fuses_mixtral_experts_through_leading_dot_patterns(tmp_path):
+    """Mixtral's conversion patterns start with a "." (".experts.*.w1.weight" ->
+    ".experts.gate_up_proj"); load_into matched a source only right after a ".", so these
+    never matched and the per-expert w1/w3/w2 were refused (or, strict=False, skipped with
+    the fused experts left stale). transformers renames ".block_sparse_moe." -> ".mlp."
+    itself; here name_map does."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg)
+    _refill(model, seed=77)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert any(".block_sparse_moe.experts.0.w3.weight" in k for k in _full_tensors(tmp_path))
+    want = AutoModelForCausalLM.from_pretrained(str(tmp_path)).state_dict()
+    torch.manual_seed(5)
+    model = MixtralForCausalLM(cfg)
+    whole = [{"pattern": n, "strategy": "replicate"} for n in ("*embed_tokens.weight", "lm_head.weight")]
+    res = cl.load_into(model, str(tmp_path), cl.Layout(), rank=0, rules=whole,
+                       name_map=lambda n: n.replace(".block_sparse_moe.", ".mlp."))
+    assert set(dict(model.named_parameters())) <= set(res.loaded)
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
 # --- gpt_oss: interleaved gate/up pairs; llama4: fused block halves -------------------------
 
 def test_gpt_oss_llama4_qwen3_next_detected(hf_checkpoint):
