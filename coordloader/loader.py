@@ -414,6 +414,7 @@ class _Fusion(NamedTuple):
     sources: tuple[re.Pattern, ...]
     target: str
     ops: tuple[tuple[str, int], ...]
+    source_names: tuple[str, ...] = ()   # transformers' own patterns, for messages
 
 
 def _transformers_fusions(target) -> list[_Fusion]:
@@ -445,7 +446,7 @@ def _transformers_fusions(target) -> list[_Fusion]:
             tgts = getattr(conv, "_original_target_patterns", conv.target_patterns)
             if len(tgts) == 1 and all(isinstance(s, str) for s in srcs):
                 out.append(_Fusion(tuple(re.compile(re.escape(s).replace(r"\*", r"(\d+)") + r"\Z")
-                                         for s in srcs), tgts[0], tuple(ops)))
+                                         for s in srcs), tgts[0], tuple(ops), tuple(srcs)))
     return out
 
 
@@ -461,6 +462,22 @@ def _fusion_source(fusions: list[_Fusion], name: str):
                                   or name[m.start()] == "."):
                 return k, name[:m.start()], i, int(m.group(1)) if m.groups() else 0
     return None
+
+
+def _check_fusion_parts(fusion: _Fusion, prefix: str, parts: dict[int, dict[int, torch.Tensor]],
+                        rank: int) -> None:
+    """Every source of ``fusion`` must bring the same experts: one missing (dropped by
+    name_map, absent from the checkpoint) failed in torch.stack/cat with a bare
+    RuntimeError, or with another expert in its place put each half's experts in
+    different slots."""
+    have = [sorted(parts.get(i, {})) for i in range(len(fusion.sources))]
+    if all(h == have[0] for h in have):
+        return
+    got = "; ".join(f"{prefix}{n} for experts {format_ranges(h, empty='none')}"
+                    for n, h in zip(fusion.source_names or map(str, range(len(have))), have))
+    raise LoadError(f"transformers fuses this rank's {got} into "
+                    f"{prefix + fusion.target!r}; expected the same experts of every source "
+                    f"(check the checkpoint and name_map)", rank=rank)
 
 
 def _fuse(fusion: _Fusion, parts: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor:
@@ -549,6 +566,8 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
             _refuse_meta(dst, tgt, name, res.rank)
             claim(tgt, name)
             copies.append((tgt, dst, t))
+        for (k, prefix), parts in fused.items():
+            _check_fusion_parts(fusions[k], prefix, parts, res.rank)
         fused_dst = {key: dests.get(key[1] + fusions[key[0]].target) for key in fused}
         # before any copy: two targets sharing memory would hold one's bytes in both
         check_disjoint([(tgt, dst) for tgt, dst, _ in copies]

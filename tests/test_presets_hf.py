@@ -634,6 +634,24 @@ def test_load_into_fills_fused_expert_parameters(hf_checkpoint):
         assert torch.equal(got[k], ref[k]), k
 
 
+@pytest.mark.parametrize("drop, up", [("experts.3.up_proj", "0-2"), ("up_proj", "none")])
+def test_load_into_refuses_fused_sources_with_different_experts(hf_checkpoint, drop, up):
+    """One source of a fusion lacking experts the other has (here name_map drops them)
+    failed in torch.cat / torch.stack with a bare RuntimeError; now a LoadError names the
+    fused parameter and each source's experts."""
+    path = hf_checkpoint("qwen2_moe")
+    model = _qwen2_moe_model()
+    whole = [{"pattern": n, "strategy": "replicate"} for n in ("*embed_tokens.weight", "lm_head.weight")]
+    with pytest.raises(cl.LoadError) as ei:
+        cl.load_into(model, str(path), cl.Layout(), rank=0, rules=whole,
+                     name_map=lambda n: None if drop in n and "shared" not in n else n)
+    assert str(ei.value) == (
+        "rank 0: transformers fuses this rank's model.layers.0.mlp.experts.*.gate_proj.weight "
+        f"for experts 0-3; model.layers.0.mlp.experts.*.up_proj.weight for experts {up} into "
+        "'model.layers.0.mlp.experts.gate_up_proj'; expected the same experts of every source "
+        "(check the checkpoint and name_map)")
+
+
 def test_load_into_fuses_mixtral_experts_through_leading_dot_patterns(tmp_path):
     """Mixtral's conversion patterns start with a "." (".experts.*.w1.weight" ->
     ".experts.gate_up_proj"); load_into matched a source only right after a ".", so these
