@@ -266,3 +266,65 @@ def test_cl_save_of_fsdp2_moe_state_loads_at_any_ep(dcp_out, layout, tmp_path):
         assert got.keys() == want.keys() and any("experts.gate_up_proj" in n for n in got)
         for n in want:
             assert torch.equal(got[n], want[n]), (layout, r, n)
+
+
+_ROWWISE = ("o_proj", "down_proj")
+_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def _tp4_dcp_files(src: str, out, ranks) -> None:
+    """DCP-style per-rank files of a TP=4 save of ``src`` (q/k/v/gate/up split on dim 0,
+    o/down on dim 1, the replicated tensors spread over ranks 0..2 as DCP's dedup
+    balances them), written for ``ranks`` only."""
+    from safetensors.torch import load_file, save_file
+    sd = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            sd.update(load_file(os.path.join(src, f)))
+    files = [({}, {}) for _ in range(4)]
+    for i, (n, t) in enumerate(sorted(sd.items())):
+        if any(k in n for k in _ROWWISE + _COLWISE):
+            d = 1 if any(k in n for k in _ROWWISE) else 0
+            off = 0
+            for r, c in enumerate(torch.tensor_split(t, 4, dim=d)):
+                files[r][0][n] = c.contiguous()
+                files[r][1][n] = {"saved_offsets": [off if k == d else 0 for k in range(t.dim())]}
+                off += c.shape[d]
+        else:
+            files[i % 3][0][n] = t
+            files[i % 3][1][n] = {"saved_offsets": [0] * t.dim()}
+    os.makedirs(out)
+    for r in ranks:
+        save_file(files[r][0], os.path.join(out, f"shard-{r + 1:05d}-model-00001-of-00001.safetensors"),
+                  metadata={"DCP_SHARDING_INFO": json.dumps(files[r][1])})
+
+
+def test_dcp_tp_output_missing_its_last_rank_is_refused_on_the_sharded_dims(dcp_out, tmp_path):
+    """TP=4 DCP output whose last rank held no replicated tensor: without its file, q/k/v
+    and gate/up shrank to 3/4 along dim 0 and o/down along dim 1, and loaded at that
+    size (verify="shapes" too), since only dim 0 of embed/lm_head/norms was compared."""
+    src = dcp_out[0]
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    full, short = tmp_path / "full", tmp_path / "short"
+    _tp4_dcp_files(src, full, range(4))
+    _tp4_dcp_files(src, short, range(3))
+    for r in range(2):   # all four files: every check agrees, byte-exact
+        got = cl.load(str(full), Layout(tp=2), rank=r, config=cfg)
+        want = cl.load(src, Layout(tp=2), rank=r)
+        assert got.keys() == want.keys()
+        for n in want:
+            assert torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)), (r, n)
+    name = next(n for n in cl.read_checkpoint(str(short)).tensors if "_proj" in n)
+    t = cl.read_checkpoint(str(full)).tensors[name]
+    dim = 1 if any(k in name for k in _ROWWISE) else 0
+    key = {"o_proj": "num_attention_heads*head_dim", "down_proj": "intermediate_size",
+           "gate_proj": "intermediate_size", "up_proj": "intermediate_size",
+           "q_proj": "num_attention_heads*head_dim"}.get(name.split(".")[-2],
+                                                         "num_key_value_heads*head_dim")
+    with pytest.raises(CheckpointError) as e:
+        cl.load(str(short), Layout(), rank=0, config=cfg, verify="shapes")
+    assert str(e.value) == (
+        f"file shard-00003-model-00001-of-00001.safetensors, tensor {name!r}: torch DCP's "
+        f"per-rank shards reach {t.shape[dim] * 3 // 4} along dim {dim} of this tensor, but "
+        f"config.json says {key}={t.shape[dim]}: DCP records no global shape, so a missing "
+        f"rank's file shrinks the tensors; expected every rank's shard-*.safetensors file")

@@ -120,12 +120,67 @@ _CONFIG_SIZED = ((".embed_tokens.weight", "vocab_size"), ("lm_head.weight", "voc
                  ("model.norm.weight", "hidden_size"))
 
 
-def extent_mismatch(meta: CheckpointMeta) -> tuple[str, str, int, int] | None:
+def _cfg_int(cfg: Mapping, key: str) -> int | None:
+    v = cfg.get(key)
+    return v if type(v) is int and v > 0 else None
+
+
+def _heads(cfg: Mapping, key: str) -> tuple[str, int] | None:
+    """(label, size) of ``key`` heads times head_dim (llama-style attention only: MLA
+    configs size their projections otherwise)."""
+    if any(k in cfg for k in ("kv_lora_rank", "qk_nope_head_dim")):
+        return None
+    n, H = _cfg_int(cfg, key), _cfg_int(cfg, "num_attention_heads")
+    if key == "num_key_value_heads" and n is None:
+        n, key = H, "num_attention_heads"
+    hd = _cfg_int(cfg, "head_dim")
+    if hd is None and H and _cfg_int(cfg, "hidden_size"):
+        hd = cfg["hidden_size"] // H
+    return (f"{key}*head_dim", n * hd) if n and hd else None
+
+
+def _key(key: str):
+    return lambda cfg: (key, _cfg_int(cfg, key)) if _cfg_int(cfg, key) else None
+
+
+# The other dims config.json fixes, in particular the dims tensor parallelism shards (q/k/v
+# and gate/up on dim 0, o/down on dim 1): a missing rank's file shrinks those, not dim 0
+# of the tensors above. (name suffix, dim, cfg -> (label, size) or None)
+_CONFIG_DIMS = (
+    (".embed_tokens.weight", 1, _key("hidden_size")), ("lm_head.weight", 1, _key("hidden_size")),
+    ("self_attn.q_proj.weight", 0, lambda c: _heads(c, "num_attention_heads")),
+    ("self_attn.q_proj.bias", 0, lambda c: _heads(c, "num_attention_heads")),
+    ("self_attn.k_proj.weight", 0, lambda c: _heads(c, "num_key_value_heads")),
+    ("self_attn.k_proj.bias", 0, lambda c: _heads(c, "num_key_value_heads")),
+    ("self_attn.v_proj.weight", 0, lambda c: _heads(c, "num_key_value_heads")),
+    ("self_attn.v_proj.bias", 0, lambda c: _heads(c, "num_key_value_heads")),
+    ("self_attn.o_proj.weight", 1, lambda c: _heads(c, "num_attention_heads")),
+    ("self_attn.o_proj.weight", 0, _key("hidden_size")),
+    (".mlp.gate_proj.weight", 0, _key("intermediate_size")),
+    (".mlp.up_proj.weight", 0, _key("intermediate_size")),
+    (".mlp.down_proj.weight", 1, _key("intermediate_size")),
+    (".mlp.down_proj.weight", 0, _key("hidden_size")),
+)
+
+
+def extent_mismatch(meta: CheckpointMeta) -> tuple[str, str, int, int, int] | None:
     """For metadata whose shapes are the extents of the pieces present (torch DCP), the
-    first (tensor, config key, config value, dim-0 extent) where config.json states a
-    size the pieces do not reach or exceed; None when all agree (or nothing compares)."""
+    first (tensor, config key, config value, extent, dim) where config.json states a size
+    the pieces do not reach or exceed; None when all agree (or nothing compares)."""
     if not meta.shapes_from_extents or not isinstance(meta.config, Mapping):
         return None
+    for name, t in meta.tensors.items():
+        for suffix, key in _CONFIG_SIZED:
+            want = meta.config.get(key)
+            if name.endswith(suffix) and type(want) is int and t.shape and t.shape[0] != want:
+                return name, key, want, t.shape[0], 0
+    for name, t in meta.tensors.items():
+        for suffix, dim, size in _CONFIG_DIMS:
+            if name.endswith(suffix) and len(t.shape) > dim:
+                got = size(meta.config)
+                if got is not None and t.shape[dim] != got[1]:
+                    return name, got[0], got[1], t.shape[dim], dim
+    return None
     for name, t in meta.tensors.items():
         for suffix, key in _CONFIG_SIZED:
             want = meta.config.get(key)

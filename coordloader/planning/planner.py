@@ -69,8 +69,8 @@ def build_plan(meta: CheckpointMeta, layout: Layout, rules: Any = None, *,
         raise PlanError(f"config.json must hold a JSON object, got {type(meta.config).__name__}")
     bad = extent_mismatch(meta)
     if bad is not None:
-        name, key, want, got = bad
-        raise CheckpointError(f"torch DCP's per-rank shards reach {got} along dim 0 of this "
+        name, key, want, got, dim = bad
+        raise CheckpointError(f"torch DCP's per-rank shards reach {got} along dim {dim} of this "
                               f"tensor, but config.json says {key}={want}: DCP records no "
                               f"global shape, so a missing rank's file shrinks the tensors; "
                               f"expected every rank's shard-*.safetensors file",
