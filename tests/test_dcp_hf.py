@@ -328,3 +328,35 @@ def test_dcp_tp_output_missing_its_last_rank_is_refused_on_the_sharded_dims(dcp_
         f"per-rank shards reach {t.shape[dim] * 3 // 4} along dim {dim} of this tensor, but "
         f"config.json says {key}={t.shape[dim]}: DCP records no global shape, so a missing "
         f"rank's file shrinks the tensors; expected every rank's shard-*.safetensors file")
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "tp4"])
+def test_dcp_output_missing_its_last_rank_is_not_consolidated(dcp_out, kind, tmp_path):
+    """consolidate(config=...) of DCP output without its last rank's file wrote the
+    shrunken tensors as a plain HF checkpoint, beside a config.json stating the full
+    sizes, which coordloader then loaded without a word. It is refused, and the target
+    is left as it was."""
+    import shutil
+    src, outs, _ = dcp_out
+    short = tmp_path / "short"
+    if kind == "fsdp2":
+        files = sorted(os.listdir(outs["fsdp2"]))
+        os.makedirs(short)
+        shutil.copy(os.path.join(outs["fsdp2"], files[0]), short / files[0])
+        want = "reach 150 along dim 0 of this tensor, but config.json says vocab_size=300"
+    else:
+        _tp4_dcp_files(src, short, range(3))
+        want = "along dim 1 of this tensor, but config.json says intermediate_size=256"
+    hf = tmp_path / "hf"
+    with pytest.raises(CheckpointError, match=want):
+        cl.consolidate(str(short), str(hf), config=src)
+    assert not hf.exists() or os.listdir(hf) == []
+    # the whole output still consolidates
+    full = tmp_path / "full"
+    _tp4_dcp_files(src, full, range(4))
+    cl.consolidate(str(full), str(tmp_path / "ok"), config=src)
+    got = cl.load(str(tmp_path / "ok"), Layout(), rank=0)
+    ref = cl.load(src, Layout(), rank=0)
+    assert got.keys() == ref.keys()
+    for n in ref:
+        assert torch.equal(got[n].view(torch.uint8), ref[n].view(torch.uint8)), n

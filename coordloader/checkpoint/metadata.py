@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Mapping
 
+from coordloader.errors import CheckpointError
+
 Box = tuple[tuple[int, int], ...]  # one [start, stop) pair per dim
 
 
@@ -163,27 +165,36 @@ _CONFIG_DIMS = (
 )
 
 
-def extent_mismatch(meta: CheckpointMeta) -> tuple[str, str, int, int, int] | None:
+def extent_mismatch(meta: CheckpointMeta, config: Mapping | None = None
+                    ) -> tuple[str, str, int, int, int] | None:
     """For metadata whose shapes are the extents of the pieces present (torch DCP), the
-    first (tensor, config key, config value, extent, dim) where config.json states a size
-    the pieces do not reach or exceed; None when all agree (or nothing compares)."""
-    if not meta.shapes_from_extents or not isinstance(meta.config, Mapping):
+    first (tensor, config key, config value, extent, dim) where config.json (``config``,
+    else the checkpoint's own) states a size the pieces do not reach or exceed; None when
+    all agree (or nothing compares)."""
+    config = meta.config if config is None else config
+    if not meta.shapes_from_extents or not isinstance(config, Mapping):
         return None
     for name, t in meta.tensors.items():
         for suffix, key in _CONFIG_SIZED:
-            want = meta.config.get(key)
+            want = config.get(key)
             if name.endswith(suffix) and type(want) is int and t.shape and t.shape[0] != want:
                 return name, key, want, t.shape[0], 0
     for name, t in meta.tensors.items():
         for suffix, dim, size in _CONFIG_DIMS:
             if name.endswith(suffix) and len(t.shape) > dim:
-                got = size(meta.config)
+                got = size(config)
                 if got is not None and t.shape[dim] != got[1]:
                     return name, got[0], got[1], t.shape[dim], dim
     return None
-    for name, t in meta.tensors.items():
-        for suffix, key in _CONFIG_SIZED:
-            want = meta.config.get(key)
-            if name.endswith(suffix) and type(want) is int and t.shape and t.shape[0] != want:
-                return name, key, want, t.shape[0]
-    return None
+
+
+def check_extents(meta: CheckpointMeta, config: Mapping | None = None) -> None:
+    """CheckpointError naming the file and tensor where ``extent_mismatch`` finds one."""
+    bad = extent_mismatch(meta, config)
+    if bad is not None:
+        name, key, want, got, dim = bad
+        raise CheckpointError(f"torch DCP's per-rank shards reach {got} along dim {dim} of this "
+                              f"tensor, but config.json says {key}={want}: DCP records no "
+                              f"global shape, so a missing rank's file shrinks the tensors; "
+                              f"expected every rank's shard-*.safetensors file",
+                              file=meta.tensors[name].pieces[-1].file, tensor=name)

@@ -24,7 +24,7 @@ import numpy as np
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.fileio import OpenFiles, fsync_dir, pread_into, pwrite_all
 from coordloader.checkpoint.formats import HF_INDEX, PUBLISH_MARKER
-from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape
+from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape, check_extents
 from coordloader.errors import SaveError
 from coordloader.handoff.publish import (
     companion_files,
@@ -162,6 +162,9 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     if meta is None:
         from coordloader.checkpoint.reader import read_checkpoint
         meta = read_checkpoint(src)
+    # torch DCP's shapes are the extents of the pieces present: a missing rank's file
+    # would be written out as smaller tensors under a config.json that states the sizes
+    check_extents(meta, cfg.doc if cfg is not None else None)
     out_dir = os.fspath(out_dir)
     if os.path.abspath(out_dir) == os.path.abspath(meta.root):
         raise SaveError("output directory is the source checkpoint; choose another directory",

@@ -22,8 +22,8 @@ from operator import add, attrgetter, itemgetter, mul, sub
 from typing import Any, Mapping, NamedTuple
 
 from coordloader.checkpoint.dtypes import itemsize
-from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, extent_mismatch
-from coordloader.errors import CheckpointError, PlanError
+from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, check_extents
+from coordloader.errors import PlanError
 from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout
 from coordloader.planning.model import (
@@ -67,14 +67,7 @@ def build_plan(meta: CheckpointMeta, layout: Layout, rules: Any = None, *,
         raise PlanError(f"layout must be a coordloader.Layout, got {type(layout).__name__}")
     if meta.config is not None and not isinstance(meta.config, Mapping):
         raise PlanError(f"config.json must hold a JSON object, got {type(meta.config).__name__}")
-    bad = extent_mismatch(meta)
-    if bad is not None:
-        name, key, want, got, dim = bad
-        raise CheckpointError(f"torch DCP's per-rank shards reach {got} along dim {dim} of this "
-                              f"tensor, but config.json says {key}={want}: DCP records no "
-                              f"global shape, so a missing rank's file shrinks the tensors; "
-                              f"expected every rank's shard-*.safetensors file",
-                              file=meta.tensors[name].pieces[-1].file, tensor=name)
+    check_extents(meta)
     ruleset = resolve_rules(meta.config, rules)
     # The planner allocates hundreds of thousands of small objects that all stay alive;
     # the cyclic GC would rescan them over and over (it was a third of planning time).
