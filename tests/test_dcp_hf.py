@@ -360,3 +360,64 @@ def test_dcp_output_missing_its_last_rank_is_not_consolidated(dcp_out, kind, tmp
     assert got.keys() == ref.keys()
     for n in ref:
         assert torch.equal(got[n].view(torch.uint8), ref[n].view(torch.uint8)), n
+
+
+def _tiny_models():
+    """Tiny transformers 5 models of every preset family whose names the extent check
+    reads: their own shapes, as DCP would record them whole."""
+    import test_presets_hf as ph
+    from transformers import (
+        DeepseekV3Config,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
+    small = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    yield "llama", LlamaConfig(**small)
+    yield "mistral", MistralConfig(**small, head_dim=None)
+    yield "qwen2", Qwen2Config(**small)
+    yield "qwen3", Qwen3Config(**small, head_dim=16)
+    yield "qwen3_moe", Qwen3MoeConfig(**small, head_dim=16, moe_intermediate_size=16,
+                                      num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
+    yield "deepseek_v3", DeepseekV3Config(
+        **{**small, "num_key_value_heads": 4}, moe_intermediate_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1)
+    for f in ("qwen2_moe", "bert", "phi3", "gemma3", "glm4_moe", "gpt_oss", "llama4",
+              "qwen3_next"):
+        yield f, getattr(ph, f"_{f}_model")().config
+
+
+@pytest.mark.parametrize("family, cfg", list(_tiny_models()), ids=lambda x: x if
+                         isinstance(x, str) else "")
+def test_dcp_extent_check_agrees_with_every_presets_own_shapes(family, cfg):
+    """The extent check may only refuse what is short: a whole DCP save of each family
+    (shapes from the transformers model itself) passes it, and one row or column less on
+    any dim it compares is named. Qwen3-Next's gated q_proj is twice heads*head_dim; MLA
+    attention (DeepSeek) is not compared."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from coordloader.checkpoint import metadata as md
+    auto = AutoModel if family == "bert" else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(cfg)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    doc = cfg.to_dict()
+
+    def meta(sh):
+        return md.CheckpointMeta(root="/x", files=(), config=doc, shapes_from_extents=True,
+                                 tensors={n: md.TensorInfo(n, "F32", s, ()) for n, s in sh.items()})
+    assert md.extent_mismatch(meta(shapes)) is None, family
+    checked = 0
+    for n, s in shapes.items():
+        for suffix, dim, size in md._CONFIG_DIMS:
+            if n.endswith(suffix) and len(s) > dim and size(doc) is not None:
+                short = dict(shapes)
+                short[n] = tuple(x - 1 if d == dim else x for d, x in enumerate(s))
+                bad = md.extent_mismatch(meta(short))
+                assert bad is not None and (bad[0], bad[3], bad[4]) == (n, s[dim] - 1, dim), (n, bad)
+                checked += 1
+    assert checked or family in ("bert", "phi3"), family

@@ -127,11 +127,15 @@ def _cfg_int(cfg: Mapping, key: str) -> int | None:
     return v if type(v) is int and v > 0 else None
 
 
-def _heads(cfg: Mapping, key: str) -> tuple[str, int] | None:
+def _heads(cfg: Mapping, key: str, gated: bool = False) -> tuple[str, int] | None:
     """(label, size) of ``key`` heads times head_dim (llama-style attention only: MLA
-    configs size their projections otherwise)."""
+    configs size their projections otherwise). ``gated``: q_proj, which Qwen3-Next's
+    gated attention makes twice as wide (queries and the output gate)."""
     if any(k in cfg for k in ("kv_lora_rank", "qk_nope_head_dim")):
         return None
+    if gated and cfg.get("model_type") == "qwen3_next":
+        got = _heads(cfg, key)
+        return (got[0] + "*2", got[1] * 2) if got else None
     n, H = _cfg_int(cfg, key), _cfg_int(cfg, "num_attention_heads")
     if key == "num_key_value_heads" and n is None:
         n, key = H, "num_attention_heads"
@@ -150,8 +154,8 @@ def _key(key: str):
 # of the tensors above. (name suffix, dim, cfg -> (label, size) or None)
 _CONFIG_DIMS = (
     (".embed_tokens.weight", 1, _key("hidden_size")), ("lm_head.weight", 1, _key("hidden_size")),
-    ("self_attn.q_proj.weight", 0, lambda c: _heads(c, "num_attention_heads")),
-    ("self_attn.q_proj.bias", 0, lambda c: _heads(c, "num_attention_heads")),
+    ("self_attn.q_proj.weight", 0, lambda c: _heads(c, "num_attention_heads", True)),
+    ("self_attn.q_proj.bias", 0, lambda c: _heads(c, "num_attention_heads", True)),
     ("self_attn.k_proj.weight", 0, lambda c: _heads(c, "num_key_value_heads")),
     ("self_attn.k_proj.bias", 0, lambda c: _heads(c, "num_key_value_heads")),
     ("self_attn.v_proj.weight", 0, lambda c: _heads(c, "num_key_value_heads")),
