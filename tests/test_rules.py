@@ -196,3 +196,21 @@ def test_an_expert_id_regex_capturing_no_digits_names_the_tensor():
         make_plan(meta, Layout(tp=2, ep=2), rules)
     assert e.value.tensor == "layers.0.experts.a.w"
     assert "its group 1 is 'a', not an expert id (decimal digits)" in str(e.value)
+
+
+def test_a_rowwise_dim_past_a_matrixs_rank_is_refused_not_replicated():
+    """dim=2 on a 2-D weight held it whole on every rank, as if it were a bias: a typo
+    in the rule became another layout. The 1-D bias of the same rule stays replicated."""
+    specs = [s for s in SPECS if "proj" in s[0] and "gate_up" not in s[0]] + [
+        ("model.layers.0.self_attn.o_proj.bias", "BF16", (8,))]
+    meta = meta_from_specs(CFG, specs)
+    rules = {"rules": [{"pattern": "*.o_proj.*", "strategy": "rowwise", "params": {"dim": 2}}]}
+    with pytest.raises(PlanError) as e:
+        make_plan(meta, Layout(tp=2), rules)
+    assert e.value.tensor == "model.layers.0.self_attn.o_proj.weight"
+    assert "rowwise split dim 2 out of range for shape [8, 8] (only a 1-D bias is held whole)" \
+        in str(e.value)
+    rules["rules"][0]["params"]["dim"] = 1
+    held = make_plan(meta, Layout(tp=2), rules).ranks[1].by_name()
+    assert held["model.layers.0.self_attn.o_proj.weight"].local_shape == (8, 4)
+    assert held["model.layers.0.self_attn.o_proj.bias"].local_shape == (8,)

@@ -103,8 +103,13 @@ def _place_colwise(ctx: PlacementContext, t: TensorInfo, p: Mapping, dim=None):
 
 def _place_rowwise(ctx: PlacementContext, t: TensorInfo, p: Mapping):
     dim = p.get("dim", 1)
-    if len(t.shape) <= dim:       # the bias of a row-parallel layer is replicated
-        return ctx.whole(t)
+    if len(t.shape) <= dim:
+        if len(t.shape) <= 1:     # the bias of a row-parallel layer is replicated
+            return ctx.whole(t)
+        # a matrix held whole on every rank because of a dim past its rank: a typo in
+        # the rule, which would load a layout other than the one it names
+        raise ctx.err(f"rowwise split dim {dim} out of range for shape {list(t.shape)} (only "
+                      f"a 1-D bias is held whole)", t.name)
     return _place_colwise(ctx, t, p, dim)
 
 def _place_vocab(ctx: PlacementContext, t: TensorInfo, p: Mapping):
