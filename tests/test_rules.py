@@ -214,3 +214,18 @@ def test_a_rowwise_dim_past_a_matrixs_rank_is_refused_not_replicated():
     held = make_plan(meta, Layout(tp=2), rules).ranks[1].by_name()
     assert held["model.layers.0.self_attn.o_proj.weight"].local_shape == (8, 4)
     assert held["model.layers.0.self_attn.o_proj.bias"].local_shape == (8,)
+
+
+def test_stage_layer_on_a_name_without_a_layer_is_refused():
+    """stage 'layer' on a tensor outside the layers sent it to the last stage unasked."""
+    specs = [s for s in SPECS if "proj" in s[0] and "gate_up" not in s[0]] + [
+        ("model.final.weight", "F32", (8,))]
+    meta = meta_from_specs(CFG, specs)
+    rules = {"rules": [{"pattern": "model.final.weight", "strategy": "replicate",
+                        "params": {"stage": "layer"}}]}
+    with pytest.raises(PlanError) as e:
+        make_plan(meta, Layout(pp=1), rules)
+    assert e.value.tensor == "model.final.weight"
+    assert "rule says stage 'layer' but the tensor's name holds no layer index" in str(e.value)
+    rules["rules"][0]["params"]["stage"] = "last"
+    assert "model.final.weight" in make_plan(meta, Layout(pp=1), rules).ranks[0].by_name()

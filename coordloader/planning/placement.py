@@ -96,6 +96,11 @@ class Placer:
             return (self.stage_of[li],)
         if st == "all":
             return tuple(range(pp))
+        if st == "layer":
+            # a non-layer tensor has no layer to follow: it went to the last stage unasked
+            raise self.err("rule says stage 'layer' but the tensor's name holds no layer index "
+                           "(layers.N., layer.N., h.N. or blocks.N.); give it 'first', 'last' "
+                           "or 'all'", n)
         if st is None:
             st = "first" if "embed" in n else "last"
         if st == "first":
