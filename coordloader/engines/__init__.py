@@ -110,14 +110,21 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return lo, hi + isz
 
 
-def _starts(t: torch.Tensor):
-    """Sorted byte addresses of ``t``'s elements (numpy int64)."""
+def _runs(t: torch.Tensor):
+    """(sorted start addresses, bytes per run) of ``t``'s contiguous runs: its innermost
+    dims that are packed form one run, so a column slice of a matrix is one run per row,
+    not one address per element (an element map of a large view took gigabytes)."""
     import numpy as np
-    a = np.full((1,) * t.dim(), t.data_ptr(), dtype=np.int64)
-    for d, (n, st) in enumerate(zip(t.shape, t.stride())):
-        a = a + (np.arange(n, dtype=np.int64) * (st * t.element_size())).reshape(
-            (1,) * d + (n,) + (1,) * (t.dim() - d - 1))
-    return np.sort(a.reshape(-1))
+    isz = t.element_size()
+    k, run = t.dim(), 1
+    while k > 0 and t.stride(k - 1) == run:
+        run *= t.shape[k - 1]
+        k -= 1
+    a = np.full((1,) * k, t.data_ptr(), dtype=np.int64)
+    for d in range(k):
+        a = a + (np.arange(t.shape[d], dtype=np.int64) * (t.stride(d) * isz)).reshape(
+            (1,) * d + (t.shape[d],) + (1,) * (k - d - 1))
+    return np.sort(a.reshape(-1)), run * isz
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -125,11 +132,12 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_contiguous() and b.is_contiguous():
         return True
     import numpy as np
-    sa, sb = _starts(a), _starts(b)
-    # for each element of b, the last element of a starting before b's element ends
-    i = np.searchsorted(sa, sb + b.element_size(), side="left") - 1
+    (sa, la), (sb, lb) = _runs(a), _runs(b)
+    # a's runs are disjoint (no internal overlap) and of one length: for each run of b,
+    # the last run of a starting before it ends is the only one that can reach into it
+    i = np.searchsorted(sa, sb + lb, side="left") - 1
     ok = i >= 0
-    return bool(np.any(sa[i[ok]] + a.element_size() > sb[ok]))
+    return bool(np.any(sa[i[ok]] + la > sb[ok]))
 
 
 def check_disjoint(dests, rank: int | None, what: str = "destination") -> None:
