@@ -223,27 +223,50 @@ def test_a_rank_refusing_the_group_is_named_with_its_error_not_as_dead(tmp_path,
                                "rank=0 given, but this process is rank 1 of its group"), lines[0]
 
 
-BAD_ARG = r'''
+def _one_rank_refuses(attempts: str, call: str, loaded: str = '""') -> str:
+    """A 2-rank script: rank 1 makes ``call`` with each of ``attempts`` as ``arg``, rank 0
+    with the last one (which both accept); every attempt prints ``RESULT <attempt>
+    <seconds> <outcome>``, the outcome LOADED (+ ``loaded``) or the error's type and text."""
+    return f'''
 import os, sys, time
 from datetime import timedelta
 import torch.distributed as dist
 import coordloader
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-for attempt, (verify, layout) in enumerate([("bogus", coordloader.Layout(tp=2)),
-                                            ("shapes", {"tp": 2}), ("shapes", coordloader.Layout(tp=2))]):
+attempts = {attempts}
+for attempt, arg in enumerate(attempts):
+    arg = arg if rank == 1 else attempts[-1]
     t0 = time.monotonic()
     try:
-        # rank 1 alone passes a verify mode, then a layout, that load() refuses
-        coordloader.load(sys.argv[1], layout if rank == 1 else coordloader.Layout(tp=2),
-                         engine="cpu", timeout=20, verify=verify if rank == 1 else "shapes")
-        print("RESULT", attempt, f"{time.monotonic() - t0:.1f}", "LOADED", flush=True)
+        res = {call}
+        outcome = "LOADED" + {loaded}
     except coordloader.CoordloaderError as e:
-        print("RESULT", attempt, f"{time.monotonic() - t0:.1f}", type(e).__name__,
-              " ".join(str(e).split()), flush=True)
+        outcome = type(e).__name__ + " " + " ".join(str(e).split())
+    print("RESULT", attempt, f"{{time.monotonic() - t0:.1f}}", outcome, flush=True)
 time.sleep(2)   # rank 0 hosts the store: let the other read its last answers
 os._exit(0)
 '''
+
+
+def _outcomes(res, n: int) -> dict:
+    """Each rank's ``n`` attempt outcomes; every attempt ended well inside the timeout
+    (20 s), that is, no rank waited it out for the other."""
+    out = {}
+    for r in (0, 1):
+        lines = [ln.split(" ", 3) for ln in res[r][1].splitlines() if ln.startswith("RESULT ")]
+        assert len(lines) == n, res[r]
+        for _, attempt, took, _ in lines:
+            assert float(took) < 15, (r, attempt, took, res[r])
+        out[r] = [ln[3] for ln in lines]
+    return out
+
+
+# rank 1 alone passes a verify mode, then a layout, that load() refuses
+BAD_ARG = _one_rank_refuses(
+    '[("bogus", coordloader.Layout(tp=2)), ("shapes", {"tp": 2}), '
+    '("shapes", coordloader.Layout(tp=2))]',
+    'coordloader.load(sys.argv[1], arg[1], engine="cpu", timeout=20, verify=arg[0])')
 
 
 @pytest.mark.slow   # rank processes over gloo
@@ -252,47 +275,22 @@ def test_an_argument_refused_on_one_rank_reaches_the_others_and_keeps_them_in_st
     error at its first phase (it used to wait out the timeout, the refusal made before
     rank 1 adopted the group), and the next load() pairs with the next load() (the
     adoptions used to fall out of step: rank 0's first load ran with rank 1's second)."""
-    res = _run_script(tmp_path, "badarg.py", BAD_ARG, 2, ckpt)
-    lines = {r: [ln.split(" ", 3) for ln in res[r][1].splitlines() if ln.startswith("RESULT ")]
-             for r in res}
-    for r in (0, 1):
-        assert len(lines[r]) == 3, res[r]
-        for _, attempt, took, _ in lines[r]:
-            assert float(took) < 15, (r, attempt, took, res[r])
-    assert lines[1][0][3].startswith("LoadError rank 1: unknown verify mode 'bogus'"), lines[1]
-    assert lines[0][0][3].startswith("CollectiveError phase metadata-read: rank 1: LoadError: "
-                                     "unknown verify mode 'bogus'"), lines[0]
-    assert lines[1][1][3] == "PlanError layout must be a coordloader.Layout, got dict", lines[1]
-    assert lines[0][1][3].startswith("CollectiveError phase metadata-read: rank 1: PlanError: "
-                                     "layout must be a coordloader.Layout"), lines[0]
-    assert lines[0][2][3] == lines[1][2][3] == "LOADED", lines
+    got = _outcomes(_run_script(tmp_path, "badarg.py", BAD_ARG, 2, ckpt), 3)
+    assert got[1][0].startswith("LoadError rank 1: unknown verify mode 'bogus'"), got
+    assert got[0][0].startswith("CollectiveError phase metadata-read: rank 1: LoadError: "
+                                "unknown verify mode 'bogus'"), got
+    assert got[1][1] == "PlanError layout must be a coordloader.Layout, got dict", got
+    assert got[0][1].startswith("CollectiveError phase metadata-read: rank 1: PlanError: "
+                                "layout must be a coordloader.Layout"), got
+    assert got[0][2] == got[1][2] == "LOADED", got
 
 
-BAD_INTO = r'''
-import os, sys, time
-from datetime import timedelta
-import torch.distributed as dist
-import coordloader
-rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-good = dict(target={}, name_map=None, device="cpu")
-bad = [dict(good, target=[1, 2]), dict(good, name_map=5), dict(good, device="bogus"), good]
-for attempt, kw in enumerate(bad):
-    kw = kw if rank == 1 else good
-    t0 = time.monotonic()
-    try:
-        # rank 1 alone passes a target, a name_map, a device that load_into refuses
-        res = coordloader.load_into(kw["target"], sys.argv[1], coordloader.Layout(tp=2),
-                                    name_map=kw["name_map"], device=kw["device"], strict=False,
-                                    engine="cpu", timeout=20)
-        print("RESULT", attempt, f"{time.monotonic() - t0:.1f}", "LOADED", len(res.skipped) > 0,
-              flush=True)
-    except coordloader.CoordloaderError as e:
-        print("RESULT", attempt, f"{time.monotonic() - t0:.1f}", type(e).__name__,
-              " ".join(str(e).split()), flush=True)
-time.sleep(2)   # rank 0 hosts the store: let the other read its last answers
-os._exit(0)
-'''
+# rank 1 alone passes a target, a name_map, a device that load_into refuses
+BAD_INTO = _one_rank_refuses(
+    '[([1, 2], None, "cpu"), ({}, 5, "cpu"), ({}, None, "bogus"), ({}, None, "cpu")]',
+    'coordloader.load_into(arg[0], sys.argv[1], coordloader.Layout(tp=2), name_map=arg[1], '
+    'device=arg[2], strict=False, engine="cpu", timeout=20)',
+    '" " + str(len(res.skipped) > 0)')
 
 
 @pytest.mark.slow   # rank processes over gloo
@@ -301,21 +299,15 @@ def test_a_load_into_argument_refused_on_one_rank_reaches_the_others(tmp_path, c
     refusal used to come before load_detailed adopted the group, so rank 0 waited out the
     whole timeout and its next call paired with rank 1's following one. Now rank 0 names
     rank 1's error at its first phase, and the last call loads on both."""
-    res = _run_script(tmp_path, "badinto.py", BAD_INTO, 2, ckpt)
-    lines = {r: [ln.split(" ", 3) for ln in res[r][1].splitlines() if ln.startswith("RESULT ")]
-             for r in res}
-    for r in (0, 1):
-        assert len(lines[r]) == 4, res[r]
-        for _, attempt, took, _ in lines[r]:
-            assert float(took) < 15, (r, attempt, took, res[r])
+    got = _outcomes(_run_script(tmp_path, "badinto.py", BAD_INTO, 2, ckpt), 4)
     want = [("rank 1: ", "load_into needs a torch.nn.Module or a mapping of tensors, got list"),
             ("rank 1: ", "name_map must be a mapping or a callable, got int"),
             ("", "device 'bogus' is not usable here: ")]
     for attempt, (where, msg) in enumerate(want):
-        assert lines[1][attempt][3].startswith(f"LoadError {where}{msg}"), lines[1]
-        assert lines[0][attempt][3].startswith(f"CollectiveError phase metadata-read: rank 1: "
-                                               f"LoadError: {msg}"), lines[0]
-    assert lines[0][3][3] == lines[1][3][3] == "LOADED True", lines
+        assert got[1][attempt].startswith(f"LoadError {where}{msg}"), got
+        assert got[0][attempt].startswith(f"CollectiveError phase metadata-read: rank 1: "
+                                          f"LoadError: {msg}"), got
+    assert got[0][3] == got[1][3] == "LOADED True", got
 
 
 MANY = r'''
