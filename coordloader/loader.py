@@ -244,7 +244,7 @@ def _progress_callback(progress, total: int, rank: int):
     return bar.update, bar
 
 
-def _load_device(engine: str, device) -> torch.device:
+def _load_device(engine: str, device, rank: int | None = None) -> torch.device:
     """``device``, or for None: the current CUDA device when ``engine`` resolves to
     instanttensor and CUDA is available, else the CPU."""
     if device is None:
@@ -264,7 +264,7 @@ def _load_device(engine: str, device) -> torch.device:
         elif dev.type not in ("cpu", "meta"):
             torch.empty(0, device=dev)
     except (RuntimeError, TypeError, AssertionError, ValueError) as e:
-        raise LoadError(f"device {device!r} is not usable here: {e}") from None
+        raise LoadError(f"device {device!r} is not usable here: {e}", rank=rank) from None
     return dev
 
 
@@ -301,7 +301,7 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
         if verify not in VERIFY_MODES:
             raise LoadError(f"unknown verify mode {verify!r}; expected one of "
                             f"{', '.join(VERIFY_MODES)}", rank=rank)
-        device = _load_device(engine, device)
+        device = _load_device(engine, device, rank)
         if prepare is not None:
             out = prepare(rank, device)
         eng_name = resolve_engine_name(engine, device)

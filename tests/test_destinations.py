@@ -99,7 +99,9 @@ def test_unusable_device_is_a_load_error(ab, engine, device):
                                       engine=engine, device=device, **ONE)):
         with pytest.raises(LoadError) as e:
             call()
-        assert str(e.value).startswith(f"device {device!r} is not usable here: "), str(e.value)
+        assert str(e.value).startswith(f"rank 0: device {device!r} is not usable here: "), \
+            str(e.value)
+        assert e.value.rank == 0
 
 
 @pytest.mark.parametrize("engine", ["cpu", "safetensors"])
