@@ -513,21 +513,21 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
     A destination that is contiguous and on the load device is filled by the engine
     directly; any other through a temporary and ``copy_``."""
     dests: dict[str, torch.Tensor] = {}
-    mapf: Callable[[str], str | None] = lambda n: n  # noqa: E731
+    if callable(name_map):
+        mapf = name_map
+    elif isinstance(name_map, Mapping):
+        mapf = lambda n: name_map.get(n, n)  # noqa: E731
+    else:   # None, or a bad one that prepare refuses
+        mapf = lambda n: n  # noqa: E731
 
     def prepare(rank: int, device: torch.device) -> _DirectDests:
         # once the group is adopted: a target or name_map refused on one rank alone
         # reaches the others at their first phase, and every rank's calls stay in step
-        nonlocal mapf
-        dests.update(_target_dict(target, rank))
-        if callable(name_map):
-            mapf = name_map
-        elif isinstance(name_map, Mapping):
-            mapf = lambda n: name_map.get(n, n)  # noqa: E731
-        elif name_map is not None:
+        if not (name_map is None or callable(name_map) or isinstance(name_map, Mapping)):
             raise LoadError(f"name_map must be a mapping or a callable, got "
                             f"{type(name_map).__name__}", rank=rank)
-        return _DirectDests(dests, lambda n: mapf(n), device.type)
+        dests.update(_target_dict(target, rank))
+        return _DirectDests(dests, mapf, device.type)
 
     res = _load_detailed(ckpt, layout, prepare=prepare, **load_kw)
     loaded, skipped = [], []
