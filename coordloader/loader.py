@@ -29,6 +29,7 @@ import torch
 
 from coordloader.api import make_plan
 from coordloader.checkpoint import reader as checkpoint
+from coordloader.checkpoint.dtypes import torch_dtype
 from coordloader.checkpoint.identity import CheckpointIdentity, checkpoint_identity, identity_mismatch
 from coordloader.checkpoint.metadata import CheckpointMeta
 from coordloader.dist import collective
@@ -43,6 +44,7 @@ from coordloader.errors import (
 )
 from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout
+from coordloader.planning.model import RankPlan
 from coordloader.text import format_ranges
 from coordloader.verify.checks import MODES, verify_rank
 from coordloader.verify.manifest import MANIFEST_NAME
@@ -288,9 +290,11 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
                    progress: Any = False, loader_config=None, out=None,
                    replicate_unmatched: bool = False, timeout: float | None = None,
                    config=None, agree: Mapping[str, Any] | None = None,
-                   prepare: Callable[[int, torch.device], Any] | None = None) -> LoadResult:
+                   prepare: Callable[[int, torch.device], Any] | None = None,
+                   check: Callable[[RankPlan], None] | None = None) -> LoadResult:
     """load_detailed; ``prepare(rank, device) -> out`` (load_into's checks of its own
-    arguments) runs once the group is adopted, like the checks here."""
+    arguments) runs once the group is adopted, like the checks here; ``check(rank_plan)``
+    (load_into's targets against the plan) in a phase of its own before the load."""
     # no cyclic GC while loading (see coordloader.gcpause): a full collection over the
     # metadata, plan and tensors landed in whichever phase was running. Measured with the
     # pause narrowed to metadata + plan (torchrun, tp=2, qwen3_moe-small, medians of 5):
@@ -320,9 +324,11 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
         plan = _phase("plan", build_plan, group)
         agree_on_plan(plan, group, rank, identity,
                       dict(agree or {}, verify=verify, engine=eng_name))
+        rank_plan = plan.rank(rank)
+        if check is not None:
+            _phase("targets", lambda: check(rank_plan), group)
         phases["plan"] = time.perf_counter() - t
 
-        rank_plan = plan.rank(rank)
         cb, bar = _progress_callback(progress, rank_plan.bytes_to_read, rank)
 
         def do_load():
@@ -500,6 +506,89 @@ def _refuse_meta(dst: torch.Tensor, tgt: str, name: str | None, rank: int) -> No
                         tensor=name, rank=rank)
 
 
+class _Placement(NamedTuple):
+    """Where load_into puts this rank's tensors, decided from the rank's plan before any
+    read: checkpoint tensor -> target, and the fused parameters' parts."""
+    fusions: list[_Fusion]                        # transformers' fusions of the target
+    copies: list[tuple[str, str, torch.Tensor]]   # (target, checkpoint tensor, target tensor)
+    # (fusion index, name prefix) -> source index -> expert id -> checkpoint tensor
+    fused: dict[tuple[int, str], dict[int, dict[int, str]]]
+    fused_dst: dict[tuple[int, str], torch.Tensor]
+    skipped: list[str]
+
+
+def _place_targets(rank_plan, dests: dict, mapf, strict: bool, fusions: list[_Fusion],
+                   rank: int) -> _Placement:
+    """Match every slice of ``rank_plan`` to its target: refused here (before any read, in
+    a phase of its own, so every rank stops together) are a missing target under
+    ``strict``, a shape or dtype that differs, a target on the meta device, two tensors for
+    one target, parts of a fused parameter that do not fuse to it, and targets sharing
+    memory. A refusal after the load left targets filled in place with checkpoint bytes
+    while the call raised, and reached only the rank that raised."""
+    copies, skipped = [], []
+    fused: dict[tuple[int, str], dict[int, dict[int, str]]] = {}
+    spec: dict[str, torch.Tensor] = {}   # checkpoint tensor -> its slice, as a meta tensor
+    source_of: dict[str, str] = {}       # target -> the checkpoint tensor that fills it
+
+    def claim(tgt: str, name: str) -> None:
+        if tgt in source_of:
+            raise LoadError(f"checkpoint tensors {source_of[tgt]!r} and {name!r} both map to the "
+                            f"target {tgt!r}; expected one checkpoint tensor per target (check "
+                            f"name_map)", tensor=name, rank=rank)
+        source_of[tgt] = name
+    for s in rank_plan.tensors:
+        name = s.name
+        tgt = mapf(name)
+        if tgt is None:
+            skipped.append(name)
+            continue
+        dst = dests.get(tgt)
+        hit = None if dst is not None else _fusion_source(fusions, tgt)
+        if hit is not None:   # one of many checkpoint tensors of a fused parameter
+            k, prefix, src, expert = hit
+            fused.setdefault((k, prefix), {}).setdefault(src, {})[expert] = name
+            spec[name] = torch.empty(s.local_shape, dtype=torch_dtype(s.dtype), device="meta")
+            continue
+        if dst is None:
+            if strict:
+                raise LoadError(f"no target entry {tgt!r} for this checkpoint tensor (pass "
+                                f"name_map= or strict=False)", tensor=name, rank=rank)
+            skipped.append(name)
+            continue
+        dt = torch_dtype(s.dtype)
+        if tuple(dst.shape) != tuple(s.local_shape) or dst.dtype != dt:
+            raise LoadError(f"target {tgt!r} is {dst.dtype} {list(dst.shape)}, this rank's "
+                            f"slice is {dt} {list(s.local_shape)}", tensor=name, rank=rank)
+        _refuse_meta(dst, tgt, name, rank)
+        claim(tgt, name)
+        copies.append((tgt, name, dst))
+    fused_dst = {}
+    for (k, prefix), parts in fused.items():
+        _check_fusion_parts(fusions[k], prefix, parts, rank)
+        tgt = prefix + fusions[k].target
+        dst = dests.get(tgt)
+        experts = sorted(next(iter(parts.values())))
+        try:   # the fusion itself, on meta tensors: the shape and dtype it gives
+            t = _fuse(fusions[k], {i: {e: spec[n] for e, n in p.items()} for i, p in parts.items()})
+        except RuntimeError as e:   # parts that do not stack or join (shapes differ)
+            raise LoadError(f"transformers fuses this rank's experts {experts} into {tgt!r}, "
+                            f"but their slices do not fuse: {' '.join(str(e).split())}",
+                            rank=rank) from None
+        if dst is None or tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
+            have = "no such entry" if dst is None else f"{dst.dtype} {list(dst.shape)}"
+            raise LoadError(f"transformers fuses these checkpoint tensors into {tgt!r} "
+                            f"({have}); this rank's experts {experts} "
+                            f"fuse to {t.dtype} {list(t.shape)}", rank=rank)
+        _refuse_meta(dst, tgt, None, rank)
+        claim(tgt, f"{prefix}{fusions[k].target} (fused)")
+        fused_dst[(k, prefix)] = dst
+    # two targets sharing memory would hold one's bytes in both
+    check_disjoint([(tgt, dst) for tgt, _, dst in copies]
+                   + [(key[1] + fusions[key[0]].target, dst) for key, dst in fused_dst.items()],
+                   rank, what="target")
+    return _Placement(fusions, copies, fused, fused_dst, skipped)
+
+
 def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = True,
               **load_kw) -> LoadIntoResult:
     """Load this rank's tensors straight into existing parameters/buffers.
@@ -511,7 +600,9 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
     MoE experts: per-expert gate/up -> ``mlp.experts.gate_up_proj``) is filled through
     transformers' own conversion mapping (its MergeModulelist / Concatenate steps).
     A destination that is contiguous and on the load device is filled by the engine
-    directly; any other through a temporary and ``copy_``."""
+    directly; any other through a temporary and ``copy_``. Every target is checked
+    against the plan before any read: a refusal on any rank stops every rank, with no
+    target written."""
     dests: dict[str, torch.Tensor] = {}
     if callable(name_map):
         mapf = name_map
@@ -519,6 +610,7 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
         mapf = lambda n: name_map.get(n, n)  # noqa: E731
     else:   # None, or a bad one that prepare refuses
         mapf = lambda n: n  # noqa: E731
+    placed: list[_Placement] = []
 
     def prepare(rank: int, device: torch.device) -> _DirectDests:
         # once the group is adopted: a target or name_map refused on one rank alone
@@ -529,70 +621,28 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
         dests.update(_target_dict(target, rank))
         return _DirectDests(dests, mapf, device.type)
 
-    res = _load_detailed(ckpt, layout, prepare=prepare, **load_kw)
-    loaded, skipped = [], []
-    source_of: dict[str, str] = {}   # target -> the checkpoint tensor that filled it
+    def check(rank_plan) -> None:
+        placed.append(_place_targets(rank_plan, dests, mapf, strict,
+                                     _transformers_fusions(target), rank_plan.rank))
 
-    def claim(tgt: str, name: str) -> None:
-        if tgt in source_of:
-            raise LoadError(f"checkpoint tensors {source_of[tgt]!r} and {name!r} both map to the "
-                            f"target {tgt!r}; expected one checkpoint tensor per target (check "
-                            f"name_map)", tensor=name, rank=res.rank)
-        source_of[tgt] = name
-    fusions = _transformers_fusions(target)
-    fused: dict[tuple[int, str], dict[int, dict[int, torch.Tensor]]] = {}
-    copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []   # (target, into, from)
+    res = _load_detailed(ckpt, layout, prepare=prepare, check=check, **load_kw)
+    (pl,) = placed
+    fusions = pl.fusions
+    loaded = []
     with torch.no_grad():
-        for name, t in res.tensors.items():
-            tgt = mapf(name)
-            if tgt is None:
-                skipped.append(name)
-                continue
-            dst = dests.get(tgt)
-            hit = None if dst is not None else _fusion_source(fusions, tgt)
-            if hit is not None:   # one of many checkpoint tensors of a fused parameter
-                k, prefix, src, expert = hit
-                fused.setdefault((k, prefix), {}).setdefault(src, {})[expert] = t
-                continue
-            if dst is None:
-                if strict:
-                    raise LoadError(f"no target entry {tgt!r} for this checkpoint tensor (pass "
-                                    f"name_map= or strict=False)", tensor=name, rank=res.rank)
-                skipped.append(name)
-                continue
-            if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
-                raise LoadError(f"target {tgt!r} is {dst.dtype} {list(dst.shape)}, this rank's "
-                                f"slice is {t.dtype} {list(t.shape)}", tensor=name, rank=res.rank)
-            _refuse_meta(dst, tgt, name, res.rank)
-            claim(tgt, name)
-            copies.append((tgt, dst, t))
-        for (k, prefix), parts in fused.items():
-            _check_fusion_parts(fusions[k], prefix, parts, res.rank)
-        fused_dst = {key: dests.get(key[1] + fusions[key[0]].target) for key in fused}
-        # before any copy: two targets sharing memory would hold one's bytes in both
-        check_disjoint([(tgt, dst) for tgt, dst, _ in copies]
-                       + [(key[1] + fusions[key[0]].target, dst)
-                          for key, dst in fused_dst.items() if dst is not None],
-                       res.rank, what="target")
-        for tgt, dst, t in copies:
+        for tgt, name, dst in pl.copies:
+            t = res.tensors[name]
             if t.data_ptr() != dst.data_ptr() or t.device != dst.device:
                 dst.copy_(t)   # else the engine filled dst in place (out=direct)
             loaded.append(tgt)
-        for (k, prefix), parts in fused.items():
-            tgt = prefix + fusions[k].target
-            dst = fused_dst[(k, prefix)]
-            t = _fuse(fusions[k], parts)
-            if dst is None or tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
-                have = "no such entry" if dst is None else f"{dst.dtype} {list(dst.shape)}"
-                raise LoadError(f"transformers fuses these checkpoint tensors into {tgt!r} "
-                                f"({have}); this rank's experts {sorted(next(iter(parts.values())))} "
-                                f"fuse to {t.dtype} {list(t.shape)}", rank=res.rank)
-            _refuse_meta(dst, tgt, None, res.rank)
-            claim(tgt, f"{prefix}{fusions[k].target} (fused)")
-            dst.copy_(t)
-            loaded.append(tgt)
+        for (k, prefix), parts in pl.fused.items():
+            t = _fuse(fusions[k], {i: {e: res.tensors[n] for e, n in p.items()}
+                                   for i, p in parts.items()})
+            pl.fused_dst[(k, prefix)].copy_(t)
+            loaded.append(prefix + fusions[k].target)
     filled = set(loaded)
-    return LoadIntoResult(loaded, skipped, sorted(k for k in dests if k not in filled), res.stats)
+    return LoadIntoResult(loaded, pl.skipped, sorted(k for k in dests if k not in filled),
+                          res.stats)
 
 
 # -- command line -----------------------------------------------------------------------------

@@ -478,3 +478,27 @@ def test_boundary_wait_does_not_cut_short_for_a_rank_that_never_beat():
     t = time.monotonic()
     assert coll._wait_or_death(g, "0/ev", 0, "load", None) is True
     assert time.monotonic() - t >= g.timeout_s - 0.1
+
+
+# rank 1 alone passes a target of the wrong shape for the embedding it loads (a transposed
+# view: not filled by the engine in place, whose own check would have caught it)
+BAD_TARGET = _one_rank_refuses(
+    '[("model.embed_tokens.weight", 3), ("unused", 3)]',
+    'coordloader.load_into({arg[0]: __import__("torch").zeros(2, arg[1]).t()}, sys.argv[1], '
+    'coordloader.Layout(tp=2), strict=False, engine="cpu", timeout=20)',
+    '" " + " ".join(res.loaded)')
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_a_target_refused_on_one_rank_stops_every_rank_before_the_load(tmp_path, ckpt):
+    """A target that does not fit this rank's slice was found after the load, on that
+    rank alone: rank 0 returned as if all had loaded, and met rank 1's failure (or its
+    absence) at whatever collective came next. Now the targets are matched to the plan in
+    a phase before the load: both ranks stop there with one message naming rank 1's
+    error, and the next call pairs."""
+    got = _outcomes(_run_script(tmp_path, "badtarget.py", BAD_TARGET, 2, ckpt), 2)
+    assert got[0][0] == got[1][0] == (
+        "CollectiveError phase targets: rank 1: LoadError: tensor 'model.embed_tokens.weight': "
+        "target 'model.embed_tokens.weight' is torch.float32 [3, 2], this rank's slice is "
+        "torch.bfloat16 [224, 128]"), got
+    assert got[0][1] == got[1][1] == "LOADED ", got

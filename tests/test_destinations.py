@@ -120,3 +120,28 @@ def test_out_parameters_requiring_grad_are_filled(tmp_path, engine):
     got, _ = select_engine(engine).load_rank(meta, RankPlan(0, {}, (ts,)), "cpu", out={"w": p})
     assert got["w"].data_ptr() == p.data_ptr() and p.requires_grad
     assert p.tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+@pytest.mark.parametrize("bad", ["shape", "dtype", "missing", "meta", "two-for-one"])
+def test_a_refused_target_leaves_every_target_unwritten(ab, engine, bad):
+    """Targets were matched to the loaded tensors after the load: 'a' (contiguous, filled
+    by the engine in place) already held the checkpoint's bytes when 'b' was refused, so
+    the call raised with the model half overwritten. Now every target is checked against
+    the plan before any read."""
+    a = torch.full((4,), -1.0)
+    b = {"shape": torch.zeros(5), "dtype": torch.zeros(4, dtype=torch.float64),
+         "missing": None, "meta": torch.empty(4, device="meta"), "two-for-one": None}[bad]
+    target = {"a": a} if b is None else {"a": a, "b": b}
+    name_map = {"b": "a"} if bad == "two-for-one" else None
+    want = {
+        "shape": "target 'b' is torch.float32 [5], this rank's slice is torch.float32 [4]",
+        "dtype": "target 'b' is torch.float64 [4], this rank's slice is torch.float32 [4]",
+        "missing": "no target entry 'b' for this checkpoint tensor",
+        "meta": "target 'b' is on the meta device",
+        "two-for-one": "checkpoint tensors 'a' and 'b' both map to the target 'a'",
+    }[bad]
+    with pytest.raises(LoadError) as e:
+        cl.load_into(target, ab, Layout(), engine=engine, name_map=name_map, **ONE)
+    assert str(e.value).startswith(f"rank 0, tensor 'b': {want}"), str(e.value)
+    assert a.tolist() == [-1.0] * 4   # refused before any read: nothing written
