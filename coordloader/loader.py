@@ -423,20 +423,37 @@ class _Fusion(NamedTuple):
     source_names: tuple[str, ...] = ()   # transformers' own patterns, for messages
 
 
-def _transformers_fusions(target) -> list[_Fusion]:
-    """transformers' conversion mapping for ``target`` (a transformers model), as far as
-    it consists of MergeModulelist / Concatenate: the model holds experts fused that
-    checkpoints store one by one. Read from transformers, never a table of our own."""
+class _Conversion(NamedTuple):
+    """transformers' conversion mapping of a target model, as far as load_into applies it:
+    its fusions, and its renamings of checkpoint names (``rename``: transformers' own
+    ``apply_renamings``; None when it has none)."""
+    fusions: list[_Fusion]
+    rename: Callable[[str], str] | None
+
+
+def _transformers_conversion(target) -> _Conversion:
+    """transformers' conversion mapping for ``target`` (a transformers model): the
+    MergeModulelist / Concatenate converters (the model holds experts fused that
+    checkpoints store one by one) and the renamings (mixtral's ".block_sparse_moe." ->
+    ".mlp."). Read from transformers, never a table of our own."""
     if not isinstance(target, torch.nn.Module) or not hasattr(getattr(target, "config", None),
                                                                "model_type"):
-        return []
+        return _Conversion([], None)
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+        from transformers.core_model_loading import (
+            Concatenate,
+            MergeModulelist,
+            WeightConverter,
+            WeightRenaming,
+            apply_renamings,
+        )
     except ImportError:
-        return []
-    out = []
+        return _Conversion([], None)
+    out, renamings = [], []
     for conv in get_model_conversion_mapping(target):
+        if isinstance(conv, WeightRenaming):
+            renamings.append(conv)
         if not isinstance(conv, WeightConverter):
             continue
         ops = []
@@ -453,7 +470,7 @@ def _transformers_fusions(target) -> list[_Fusion]:
             if len(tgts) == 1 and all(isinstance(s, str) for s in srcs):
                 out.append(_Fusion(tuple(re.compile(re.escape(s).replace(r"\*", r"(\d+)") + r"\Z")
                                          for s in srcs), tgts[0], tuple(ops), tuple(srcs)))
-    return out
+    return _Conversion(out, (lambda n: apply_renamings(n, renamings)) if renamings else None)
 
 
 def _fusion_source(fusions: list[_Fusion], name: str):
@@ -598,19 +615,39 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
     With ``strict``, a checkpoint tensor of this rank with no target entry is an error.
     A transformers model whose parameters fuse several checkpoint tensors (transformers 5
     MoE experts: per-expert gate/up -> ``mlp.experts.gate_up_proj``) is filled through
-    transformers' own conversion mapping (its MergeModulelist / Concatenate steps).
+    transformers' own conversion mapping (its MergeModulelist / Concatenate steps), and a
+    checkpoint name with no target of its own goes by transformers' renaming of it
+    (mixtral: ``.block_sparse_moe.`` -> ``.mlp.``).
     A destination that is contiguous and on the load device is filled by the engine
     directly; any other through a temporary and ``copy_``. Every target is checked
     against the plan before any read: a refusal on any rank stops every rank, with no
     target written."""
     dests: dict[str, torch.Tensor] = {}
     if callable(name_map):
-        mapf = name_map
+        given = name_map
     elif isinstance(name_map, Mapping):
-        mapf = lambda n: name_map.get(n, n)  # noqa: E731
+        given = lambda n: name_map.get(n, n)  # noqa: E731
     else:   # None, or a bad one that prepare refuses
-        mapf = lambda n: n  # noqa: E731
+        given = lambda n: n  # noqa: E731
+    conv: list[_Conversion] = []   # set by prepare, once the group is adopted
     placed: list[_Placement] = []
+
+    def fits(tgt: str) -> bool:
+        """``tgt`` is a target entry, or a source of a fusion whose parameter is one."""
+        if tgt in dests:
+            return True
+        hit = _fusion_source(conv[0].fusions, tgt)
+        return hit is not None and hit[1] + conv[0].fusions[hit[0]].target in dests
+
+    def mapf(name: str) -> str | None:
+        # the name given (or mapped), else transformers' renaming of it, as from_pretrained
+        # renames a checkpoint's names before matching them to the model (a checkpoint
+        # save_pretrained wrote holds the names from before the renaming)
+        tgt = given(name)
+        if tgt is None or conv[0].rename is None or fits(tgt):
+            return tgt
+        renamed = conv[0].rename(tgt)
+        return renamed if fits(renamed) else tgt
 
     def prepare(rank: int, device: torch.device) -> _DirectDests:
         # once the group is adopted: a target or name_map refused on one rank alone
@@ -619,11 +656,12 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
             raise LoadError(f"name_map must be a mapping or a callable, got "
                             f"{type(name_map).__name__}", rank=rank)
         dests.update(_target_dict(target, rank))
+        conv.append(_transformers_conversion(target))
         return _DirectDests(dests, mapf, device.type)
 
     def check(rank_plan) -> None:
-        placed.append(_place_targets(rank_plan, dests, mapf, strict,
-                                     _transformers_fusions(target), rank_plan.rank))
+        placed.append(_place_targets(rank_plan, dests, mapf, strict, conv[0].fusions,
+                                     rank_plan.rank))
 
     res = _load_detailed(ckpt, layout, prepare=prepare, check=check, **load_kw)
     (pl,) = placed

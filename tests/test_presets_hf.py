@@ -652,12 +652,14 @@ def test_load_into_refuses_fused_sources_with_different_experts(hf_checkpoint, d
         "(check the checkpoint and name_map)")
 
 
-def test_load_into_fuses_mixtral_experts_through_leading_dot_patterns(tmp_path):
+@pytest.mark.parametrize("by", ["transformers", "name_map"])
+def test_load_into_fuses_mixtral_experts_through_leading_dot_patterns(tmp_path, by):
     """Mixtral's conversion patterns start with a "." (".experts.*.w1.weight" ->
     ".experts.gate_up_proj"); load_into matched a source only right after a ".", so these
     never matched and the per-expert w1/w3/w2 were refused (or, strict=False, skipped with
-    the fused experts left stale). transformers renames ".block_sparse_moe." -> ".mlp."
-    itself; here name_map does."""
+    the fused experts left stale). The checkpoint save_pretrained writes holds
+    ".block_sparse_moe.", the model ".mlp.": load_into applies transformers' own renaming
+    (it needed a name_map doing it), and a name_map doing it still works."""
     from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
     cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -671,8 +673,9 @@ def test_load_into_fuses_mixtral_experts_through_leading_dot_patterns(tmp_path):
     torch.manual_seed(5)
     model = MixtralForCausalLM(cfg)
     whole = [{"pattern": n, "strategy": "replicate"} for n in ("*embed_tokens.weight", "lm_head.weight")]
-    res = cl.load_into(model, str(tmp_path), cl.Layout(), rank=0, rules=whole,
-                       name_map=lambda n: n.replace(".block_sparse_moe.", ".mlp."))
+    rename = (None if by == "transformers" else
+              (lambda n: n.replace(".block_sparse_moe.", ".mlp.")))
+    res = cl.load_into(model, str(tmp_path), cl.Layout(), rank=0, rules=whole, name_map=rename)
     assert set(dict(model.named_parameters())) <= set(res.loaded)
     got = model.state_dict()
     assert got.keys() == want.keys()
