@@ -37,7 +37,7 @@ def _bench(args, timeout=120):
 def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
     out = tmp_path / "out"
     p = _bench(["load", "--ckpt", tiny_ckpt, "--repeats", "2", "--no-cold", "--out", str(out),
-                "--methods", "ceiling,fresh_floor,memcpy,preadv,span,cpu,st_whole,cpu_into,"
+                "--methods", "ceiling,fresh_floor,memcpy,pcopy,preadv,span,cpu,st_whole,cpu_into,"
                 "st_whole_into,st_mmap_narrow,st_slice"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = p.stdout.rstrip("\n").splitlines()
@@ -55,7 +55,8 @@ def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
     assert "| method |" in md and "(`cpu`)" in md and "(`st_whole`)" in md
     res = json.loads((out / "results.json").read_text())
     warm = res["load"]["warm"]
-    assert set(warm) == {"ceiling", "fresh_floor", "memcpy", "floor_memcpy", "preadv", "span",
+    assert set(warm) == {"ceiling", "fresh_floor", "memcpy", "floor_memcpy", "pcopy",
+                         "floor_pcopy", "preadv", "span",
                          "cpu", "st_whole", "cpu_into", "st_whole_into", "st_mmap_narrow",
                          "st_slice"}
     assert "(`st_mmap_narrow`)" in md and "page-cache bytes copied / held" in md
@@ -95,6 +96,11 @@ def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
     assert lim["walls_s"] == pytest.approx([a + b for a, b in zip(warm["fresh_floor"]["walls_s"],
                                                                  warm["memcpy"]["walls_s"])])
     assert warm["memcpy"]["gbps_per_rank"] > 0    # the memcpy rate: bytes copied / wall
+    # the same with the copy out of the page cache: (p) read as many bytes as each rank holds
+    assert [r["bytes_read"] for r in warm["pcopy"]["ranks"]] == res["load"]["bytes_held_plan"]
+    assert warm["floor_pcopy"]["walls_s"] == pytest.approx(
+        [a + b for a, b in zip(warm["fresh_floor"]["walls_s"], warm["pcopy"]["walls_s"])])
+    assert targets["cpu_vs_floor_pcopy"]["ok"] is None and "(`floor_pcopy`)" in md
     assert "(`floor_memcpy`)" in md and "cpu_vs_floor_memcpy" in md and "cpu_vs_best_peer" in md
     for k in ("cpu_vs_best_peer", "cpu_vs_span", "cpu_vs_st_slice", "cpu_vs_st_mmap_narrow",
               "cpu_vs_floor_memcpy"):
@@ -204,7 +210,8 @@ def test_compare_pairs_repeats_against_the_best_peer_and_the_limit():
                            "bytes_held": held, "rss_peak": 1e6} for r, s in enumerate(sums)]}
     rows = {"cpu": row([1.0, 2.0, 1.0]), "span": row([1.1, 1.8, 1.2]),
             "st_slice": row([1.5, 2.5, 1.4]), "fresh_floor": row([0.5, 1.0, 0.5], (None, None)),
-            "memcpy": row([0.4, 0.5, 0.3], (None, None))}
+            "memcpy": row([0.4, 0.5, 0.3], (None, None)),
+            "pcopy": row([0.5, 1.0, 0.5], (None, None))}
     t = _compare(rows)
     b = t["cpu_vs_best_peer"]
     assert b["peer"] == "span" and (b["lo"], b["value"], b["hi"]) == pytest.approx((0.9, 1.1, 1.2))
@@ -215,6 +222,10 @@ def test_compare_pairs_repeats_against_the_best_peer_and_the_limit():
     f = t["cpu_vs_floor_memcpy"]
     assert (f["lo"], f["value"], f["hi"]) == pytest.approx((1.0 / 0.9, 1.25, 2.0 / 1.5))
     assert f["ok"] is False                                     # 1.25 > 1.15
+    # through the page cache: the floor plus its copy rate, for information only
+    assert rows["floor_pcopy"]["walls_s"] == pytest.approx([1.0, 2.0, 1.0])
+    g = t["cpu_vs_floor_pcopy"]
+    assert (g["lo"], g["value"], g["hi"], g["ok"]) == (1.0, 1.0, 1.0, None)
 
 
 def test_page_bytes_counts_distinct_pages():

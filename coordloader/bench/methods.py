@@ -218,6 +218,40 @@ def _memcpy_run(ctx, bufs):
     return None, int(src.nbytes), {}
 
 
+# -- (p) one read of the held bytes out of the page cache: the kernel's copy rate --------
+
+def _pcopy_setup(ctx):
+    """A destination for the rank's held bytes, written (faulted) before the timed
+    section, and the checkpoint files to read them from."""
+    n = ctx.rank_plan.bytes_held
+    return torch.zeros(n, dtype=torch.uint8).numpy(), ctx.files
+
+
+def _pcopy_run(ctx, state):
+    """One thread reading as many bytes as the rank holds, in 8 MiB ``preadv`` calls (the
+    engine's span size), from the files in order into mapped memory: what copying the
+    held bytes out of the page cache costs, the one copy a read through it cannot avoid
+    (warm; cold it includes storage). (m) is the same copy between two user buffers."""
+    dst, files = state
+    mv = memoryview(dst)
+    pos, chunk = 0, 8 << 20
+    for path in files:
+        if pos >= len(mv):
+            break
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            for off in range(0, size, chunk):
+                n = min(chunk, size - off, len(mv) - pos)
+                if n <= 0:
+                    break
+                _pread_full(fd, mv[pos:pos + n], off, path)
+                pos += n
+        finally:
+            os.close(fd)
+    return None, pos, {}
+
+
 # -- (b') lazy mmap get_tensor, narrow, clone: touches only the slice's bytes -----------
 
 def _st_mmap_narrow_run(ctx, _):
@@ -477,6 +511,8 @@ METHODS: dict[str, Method] = {m.key: m for m in [
            _no_setup, _fresh_floor_run, holds_slice=False),
     Method("memcpy", "(m) one memcpy of the held bytes, 1 thread, memory already mapped",
            _memcpy_setup, _memcpy_run, holds_slice=False),
+    Method("pcopy", "(p) one read of the held bytes from the page cache, 1 thread, memory "
+           "already mapped", _pcopy_setup, _pcopy_run, holds_slice=False),
     Method("st_mmap_narrow", "(b') safetensors mmap get_tensor + narrow + clone (slice bytes only)",
            _no_setup, _st_mmap_narrow_run),
     Method("st_slice", "(c) safetensors get_slice per rank", _no_setup, _st_slice_run),
