@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -201,7 +202,7 @@ def _two_tensor_file(path, first: float):
 
 
 @pytest.mark.parametrize("engine", ["cpu", "safetensors"])
-@pytest.mark.parametrize("how", ["header", "replaced", "in-place"])
+@pytest.mark.parametrize("how", ["header", "replaced", "in-place", "in-place-mtime-kept"])
 def test_engine_refuses_file_rewritten_at_same_size_after_header_read(tmp_path, how, engine):
     """A file rewritten at the same size after its header was read loaded its new bytes
     under the old plan: with the tensors' regions swapped, 'a' came back as 'b' (the
@@ -229,10 +230,13 @@ def test_engine_refuses_file_rewritten_at_same_size_after_header_read(tmp_path, 
         want = "file was modified or replaced after its header was read"
     else:                    # same header, other values written into the same inode
         st = os.stat(f)
+        time.sleep(0.05)     # past the coarse clock's tick: the rewrite comes later in life
         with open(f, "r+b") as fh:
             fh.seek(8 + meta.files[0].header_len)
             fh.write((torch.arange(4.0) + 7).numpy().tobytes())
-        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # coarse clocks
+        # "in-place": a later mtime (coarse clocks); "-mtime-kept": the old one set back, as
+        # rsync --inplace -t does (only the ctime tells)
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + (0 if how.endswith("kept") else 10**9)))
         want = "file was modified or replaced after its header was read"
     assert os.path.getsize(f) == meta.files[0].size
     with pytest.raises(LoadError) as e:
@@ -242,4 +246,5 @@ def test_engine_refuses_file_rewritten_at_same_size_after_header_read(tmp_path, 
     assert torch.equal(cl.load_detailed(str(tmp_path), Layout(), rank=0, engine="cpu",
                                         replicate_unmatched=True).tensors["a"],
                        {"header": torch.arange(4.0) + 100, "replaced": torch.arange(4.0) + 7,
-                        "in-place": torch.arange(4.0) + 7}[how])
+                        "in-place": torch.arange(4.0) + 7,
+                        "in-place-mtime-kept": torch.arange(4.0) + 7}[how])

@@ -288,7 +288,7 @@ def _root_dir(root: str) -> str:
 
 
 class _HeaderSeen(NamedTuple):
-    stat: tuple[int, int, int, int]   # device, inode, size, mtime (ns)
+    stat: tuple[int, int, int, int, int]   # device, inode, size, mtime, ctime (ns)
     header_sha256: str
 
 
@@ -300,8 +300,10 @@ class _HeaderSeen(NamedTuple):
 _HEADERS_SEEN: dict[str, _HeaderSeen] = {}
 
 
-def _stat_key(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+def _stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    # the ctime too: a rewrite in place that sets the mtime back (rsync --inplace -t, cp
+    # --preserve=timestamps onto the file) still moves it, and nothing can set it back
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def changed_since_header(path: str, st: os.stat_result, header_sha256: str) -> bool:

@@ -231,7 +231,7 @@ def to_device(tensors: dict[str, torch.Tensor], device: torch.device,
 def refuse_changed(path: str, fd: int, info, rank: int | None) -> None:
     """LoadError unless the open file ``fd`` is still the one whose header ``info`` (a
     FileInfo) the plan was made from: a regular file of the same size and header and, when
-    this process read that header, the same inode and mtime. Every engine calls it on each
+    this process read that header, the same inode, mtime and ctime. Every engine calls it on each
     file before reading it: a rewritten file would otherwise be read under the old plan."""
     import stat
 
@@ -249,7 +249,7 @@ def refuse_changed(path: str, fd: int, info, rank: int | None) -> None:
                         file=info.name, rank=rank)
     if changed_since_header(path, st, info.header_sha256):
         raise LoadError("file was modified or replaced after its header was read (same size "
-                        "and header, another inode or mtime): read the checkpoint again",
+                        "and header, another inode, mtime or ctime): read the checkpoint again",
                         file=info.name, rank=rank)
 
 
