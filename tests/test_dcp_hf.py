@@ -421,3 +421,30 @@ def test_dcp_extent_check_agrees_with_every_presets_own_shapes(family, cfg):
                 assert bad is not None and (bad[0], bad[3], bad[4]) == (n, s[dim] - 1, dim), (n, bad)
                 checked += 1
     assert checked or family in ("bert", "phi3"), family
+
+
+@pytest.mark.parametrize("family, cfg", [(f, c) for f, c in _tiny_models()
+                                         if f in ("qwen3_moe", "deepseek_v3", "qwen2_moe",
+                                                  "gpt_oss", "llama4", "qwen3_next")],
+                         ids=lambda x: x if isinstance(x, str) else "")
+def test_dcp_fused_experts_short_of_the_configs_count_are_named(family, cfg):
+    """An EP save (experts a DTensor Shard(0), the rest deduplicated to rank 0) without its
+    last rank's file holds half of every fused expert tensor and nothing else short:
+    consolidate wrote [2, ...] experts beside a config of 4 (load refused it only later,
+    in the planner). The experts count of config.json is compared with dim 0."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from coordloader.checkpoint import metadata as md
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg) if family != "bert" else AutoModel(cfg)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    fused = sorted(n for n in shapes if n.endswith((".experts.gate_up_proj", ".experts.down_proj")))
+    assert fused, family
+    for n in fused:
+        shapes[n] = (shapes[n][0] // 2,) + shapes[n][1:]
+    doc = cfg.to_dict()
+    meta = md.CheckpointMeta(root="/x", files=(), config=doc, shapes_from_extents=True,
+                             tensors={k: md.TensorInfo(k, "F32", s, ()) for k, s in shapes.items()})
+    name, key, want, got, dim = md.extent_mismatch(meta)
+    assert name in fused and (dim, got * 2) == (0, want) and key in md.EXPERT_COUNT_KEYS
+    assert doc[key] == want

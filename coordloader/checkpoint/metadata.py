@@ -149,6 +149,14 @@ def _key(key: str):
     return lambda cfg: (key, _cfg_int(cfg, key)) if _cfg_int(cfg, key) else None
 
 
+# config.json's count of routed experts, under the names the model families give it
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+
+
+def _experts(cfg: Mapping) -> tuple[str, int] | None:
+    return next(((k, cfg[k]) for k in EXPERT_COUNT_KEYS if _cfg_int(cfg, k)), None)
+
+
 # The other dims config.json fixes, in particular the dims tensor parallelism shards (q/k/v
 # and gate/up on dim 0, o/down on dim 1): a missing rank's file shrinks those, not dim 0
 # of the tensors above. (name suffix, dim, cfg -> (label, size) or None)
@@ -166,6 +174,8 @@ _CONFIG_DIMS = (
     (".mlp.up_proj.weight", 0, _key("intermediate_size")),
     (".mlp.down_proj.weight", 1, _key("intermediate_size")),
     (".mlp.down_proj.weight", 0, _key("hidden_size")),
+    # transformers 5 holds a layer's experts fused, split by EP on dim 0
+    (".experts.gate_up_proj", 0, _experts), (".experts.down_proj", 0, _experts),
 )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from coordloader.checkpoint.metadata import EXPERT_COUNT_KEYS
 from coordloader.errors import PlanError
 from coordloader.planning.rules.ruleset import Rule, make_rule
 from coordloader.text import MAX_NAME_CHARS, clip
@@ -75,7 +76,7 @@ def _cfg_int(config: Mapping, *keys, default=None, preset: str = "") -> int | No
 def num_experts_of(config: Mapping | None) -> int | None:
     if not config:
         return None
-    return _cfg_int(config, "n_routed_experts", "num_experts", "num_local_experts")
+    return _cfg_int(config, *EXPERT_COUNT_KEYS)
 
 
 def block_of(config: Mapping | None) -> list[int]:
