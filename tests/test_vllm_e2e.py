@@ -69,6 +69,12 @@ def runs(tmp_path_factory):
     # tie_word_embeddings with an lm_head.weight shipped anyway, and an old conversion's
     # rotary_emb.inv_freq: vLLM's loaders skip both by name
     tied = write_llama_tied_with_extras(str(root / "llama-tied"))
+    # ... and that checkpoint saved sharded by coordloader: vLLM finds no *.safetensors
+    # there to see the shipped head in
+    tied_sharded = str(root / "llama-tied-sharded")
+    for r in range(2):
+        res = cl.load_detailed(tied, cl.Layout(tp=2), rank=r)
+        cl.save(tied_sharded, res.tensors, res.plan, rank=r, config=tied)
     wrong = root / "wrong_rules.json"
     wrong.write_text(json.dumps(WRONG_RULES))
     jobs = []
@@ -88,6 +94,8 @@ def runs(tmp_path_factory):
         jobs.append(dict(name=f"llama-sharded-tp2-{fmt}", checkpoint=sharded, format=fmt, tp=2))
     for fmt in ("safetensors", "coordloader"):
         jobs.append(dict(name=f"llama-tied-tp2-{fmt}", checkpoint=tied, format=fmt, tp=2))
+    jobs.append(dict(name="llama-tied-sharded-tp2-coordloader", checkpoint=tied_sharded,
+                     format="coordloader", tp=2))
     jobs.append(dict(name="llama-tp2-wrong-rules", checkpoint=ckpt["llama"], format="coordloader",
                      tp=2, generate=False, extra={"rules": str(wrong)}))
     jobs.append(dict(name="llama-tp1-unknown-key", checkpoint=ckpt["llama"], format="coordloader",
@@ -108,6 +116,18 @@ def test_names_vllm_skips_are_not_unused_tensors(runs):
     """A tied lm_head shipped anyway and a rotary inv_freq: vLLM's own loader skips them,
     and the format refused the load for holding tensors vLLM did not use."""
     ref, got = ok(runs, "llama-tied-tp2-safetensors"), ok(runs, "llama-tied-tp2-coordloader")
+    assert got["tokens"] == ref["tokens"]
+    for w_ref, w_got in zip(ref["workers"], got["workers"]):
+        assert w_ref["params"] == w_got["params"]
+
+
+def test_a_tied_config_with_a_shipped_head_serves_the_head_from_a_sharded_save(runs):
+    """vLLM unties a config that says tied when the checkpoint ships its own lm_head, but it
+    looks for one in *.safetensors files only: coordloader's sharded save of such a
+    checkpoint was served tied, the shipped head skipped as if on purpose and the embedding
+    used in its place (other tokens, no error). The load format unties it the same way."""
+    ref = ok(runs, "llama-tied-tp2-safetensors")
+    got = ok(runs, "llama-tied-sharded-tp2-coordloader")
     assert got["tokens"] == ref["tokens"]
     for w_ref, w_got in zip(ref["workers"], got["workers"]):
         assert w_ref["params"] == w_got["params"]

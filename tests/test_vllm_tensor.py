@@ -257,13 +257,25 @@ class _VllmLikeLlama(torch.nn.Module):
         return set(self.got)
 
 
+def _head_as_embedding(ckpt: str) -> None:
+    """Rewrite ``ckpt``'s shipped lm_head.weight as a copy of the input embedding."""
+    from safetensors.torch import load_file, save_file
+    index = json.load(open(os.path.join(ckpt, "model.safetensors.index.json")))["weight_map"]
+    emb = whole(ckpt)["model.embed_tokens.weight"]
+    path = os.path.join(ckpt, index["lm_head.weight"])
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = emb.clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def test_names_vllm_skips_are_not_reported_unused(tmp_path):
-    """A tied lm_head shipped anyway and a rotary inv_freq: vLLM skips them, and the fit
-    check refused the load for holding tensors no loader used."""
+    """A rotary inv_freq and a tied lm_head that repeats the embedding: vLLM skips them,
+    and the fit check refused the load for holding tensors no loader used."""
     from coordloader.integrations.vllm import LoaderOptions, VllmRank, load_into_vllm
 
     from hfmodels import write_llama_tied_with_extras
     ckpt = write_llama_tied_with_extras(str(tmp_path / "tied"))
+    _head_as_embedding(ckpt)
     model = _VllmLikeLlama(tied=True)
     report = load_into_vllm(model, ckpt, VllmRank(cl.Layout(), 0, None), LoaderOptions())
     full = whole(ckpt)
@@ -273,6 +285,59 @@ def test_names_vllm_skips_are_not_reported_unused(tmp_path):
     # untied, the same lm_head left unused is still an error
     with pytest.raises(FitError, match="1 held tensor.* not fully used"):
         load_into_vllm(_VllmLikeTied(), ckpt, VllmRank(cl.Layout(), 0, None), LoaderOptions())
+
+
+def test_a_tied_model_skipping_a_different_shipped_head_is_refused(tmp_path):
+    """vLLM ties the head to the embedding when it finds no lm_head in *.safetensors files
+    (coordloader's sharded save has none of those): the checkpoint's own, different head
+    was counted as skipped on purpose and the embedding served as the head, unnoticed."""
+    from coordloader.integrations.vllm import LoaderOptions, VllmRank, load_into_vllm
+
+    from hfmodels import write_llama_tied_with_extras
+    ckpt = write_llama_tied_with_extras(str(tmp_path / "tied"))
+    with pytest.raises(FitError) as e:
+        load_into_vllm(_VllmLikeLlama(tied=True), ckpt, VllmRank(cl.Layout(), 0, None),
+                       LoaderOptions())
+    assert str(e.value) == (
+        "rank 0, tensor 'lm_head.weight': vLLM tied the lm_head to the input embedding "
+        "(config.json: tie_word_embeddings), but the checkpoint ships an lm_head.weight that "
+        "differs from the embedding on this rank; set tie_word_embeddings to false in "
+        "config.json, or pass --hf-overrides '{\"tie_word_embeddings\": false}'")
+
+
+def test_a_head_shipped_in_any_format_unties_the_config(tmp_path):
+    """What vLLM's maybe_untie_word_embeddings does for *.safetensors, the load format does
+    for every checkpoint coordloader reads, before the model is built: a config saying tied
+    with an lm_head shipped is untied (and marked for vLLM's re-tie check); without a
+    shipped head, or untied already, nothing changes."""
+    from types import SimpleNamespace as NS
+
+    from coordloader.integrations.vllm import untie_if_head_shipped
+
+    from hfmodels import write_llama_tied_with_extras
+    tied = write_llama_tied_with_extras(str(tmp_path / "tied"))
+    plain = write_llama(str(tmp_path / "plain"))   # lm_head shipped, config says untied
+
+    def cfg(tie):
+        text = NS(tie_word_embeddings=tie)
+        return NS(hf_config=NS(tie_word_embeddings=tie, get_text_config=lambda: text),
+                  word_embeddings_untied_by_checkpoint=False), text
+    mc, text = cfg(True)
+    assert untie_if_head_shipped(mc, tied) is True
+    assert (mc.hf_config.tie_word_embeddings, text.tie_word_embeddings,
+            mc.word_embeddings_untied_by_checkpoint) == (False, False, True)
+    mc, text = cfg(False)
+    assert untie_if_head_shipped(mc, plain) is False and mc.hf_config.tie_word_embeddings is False
+    # a tied checkpoint without an lm_head of its own stays tied
+    os.makedirs(tmp_path / "nohead")
+    from safetensors.torch import save_file
+    save_file({k: v for k, v in whole(tied).items() if k != "lm_head.weight"},
+              str(tmp_path / "nohead" / "model.safetensors"))
+    with open(tmp_path / "nohead" / "config.json", "w") as f:
+        f.write(open(os.path.join(tied, "config.json")).read())
+    mc, text = cfg(True)
+    assert untie_if_head_shipped(mc, str(tmp_path / "nohead")) is False
+    assert mc.hf_config.tie_word_embeddings is True and not mc.word_embeddings_untied_by_checkpoint
 
 
 class _VllmLikeTied(_VllmLikeLlama):

@@ -208,11 +208,52 @@ def check_expert_slots(planned: dict[int, set[int]], kept: dict[int, set[int]], 
 # and, when the embedding is tied, an lm_head the checkpoint ships anyway (AutoWeightsLoader
 # skip_prefixes). They are fed to load_weights like the rest, but not counted as unused.
 _ROTARY_CACHES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_HEAD = "lm_head.weight"
 
 
-def vllm_skips(names, tied: bool) -> set[str]:
-    return {n for n in names
-            if any(c in n for c in _ROTARY_CACHES) or (tied and n.startswith("lm_head."))}
+def vllm_skips(tensors: Mapping[str, Any], tied: bool) -> set[str]:
+    """The names of this rank's ``tensors`` vLLM's loaders skip on purpose. A tied model's
+    lm_head counts only where it equals this rank's slice of the embedding the head is
+    tied to: a different one skipped would serve the embedding as the head, unnoticed."""
+    skip = {n for n in tensors if any(c in n for c in _ROTARY_CACHES)}
+    if tied and _head_is_embedding(tensors):
+        skip |= {n for n in tensors if n.startswith("lm_head.")}
+    return skip
+
+
+def _head_is_embedding(tensors: Mapping[str, Any]) -> bool:
+    """Whether this rank's lm_head slice equals its slice of the one input embedding (the
+    two are split alike, by vocab rows)."""
+    import torch
+    head = tensors.get(_HEAD)
+    embeds = [n for n in tensors if n.endswith("embed_tokens.weight")]
+    if head is None or len(embeds) != 1:
+        return False
+    emb = tensors[embeds[0]]
+    return head.shape == emb.shape and head.dtype == emb.dtype and torch.equal(head, emb)
+
+
+def checkpoint_ships_head(ckpt: str) -> bool:
+    """Whether the checkpoint holds an lm_head of its own, in any format coordloader reads
+    (vLLM looks in *.safetensors files only, so not into coordloader's sharded save)."""
+    from coordloader.checkpoint.reader import read_checkpoint
+    return any(n.endswith(_HEAD) for n in read_checkpoint(ckpt).tensors)
+
+
+def untie_if_head_shipped(model_config, ckpt: str) -> bool:
+    """vLLM's ``ModelConfig.maybe_untie_word_embeddings`` for a checkpoint vLLM cannot look
+    into: a config that says the embeddings are tied, with an lm_head shipped anyway, gets
+    the head built untied so that it loads (vLLM re-ties the two after the load when they
+    are equal). -> whether it untied."""
+    hf = getattr(model_config, "hf_config", None)
+    if not getattr(hf, "tie_word_embeddings", False) or not checkpoint_ships_head(ckpt):
+        return False
+    hf.tie_word_embeddings = False
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    text.tie_word_embeddings = False
+    if hasattr(model_config, "word_embeddings_untied_by_checkpoint"):
+        model_config.word_embeddings_untied_by_checkpoint = True
+    return True
 
 
 def _tied(model, config) -> bool:
@@ -270,8 +311,16 @@ def load_into_vllm(model, ckpt: str, vr: VllmRank, opts: LoaderOptions, *,
         def fit():
             wrapped = {n: global_tensor(n, t, by[n], rank=vr.rank) for n, t in res.tensors.items()}
             loaded = model.load_weights(iter(sorted(wrapped.items())))
-            skipped = vllm_skips(wrapped, _tied(model, res.meta.config))
+            tied = _tied(model, res.meta.config)
+            skipped = vllm_skips(res.tensors, tied)
             left = [u for u in unconsumed(wrapped) if u.name not in skipped]
+            if tied and any(u.name == _HEAD for u in left):
+                raise FitError("vLLM tied the lm_head to the input embedding (config.json: "
+                               "tie_word_embeddings), but the checkpoint ships an lm_head.weight "
+                               "that differs from the embedding on this rank; set "
+                               "tie_word_embeddings to false in config.json, or pass "
+                               "--hf-overrides '{\"tie_word_embeddings\": false}'",
+                               tensor=_HEAD, rank=vr.rank)
             if left:
                 u = left[0]
                 raise FitError(f"{len(left)} held tensor(s) not fully used by vLLM's weight loaders, "
@@ -316,6 +365,11 @@ def _loader_class():
 
         def download_model(self, model_config) -> None:
             _local_checkpoint(model_config)
+
+        def load_model(self, vllm_config, model_config, *args, **kw):
+            # before the model is built: vLLM decided on tying from *.safetensors files
+            untie_if_head_shipped(model_config, _local_checkpoint(model_config))
+            return super().load_model(vllm_config, model_config, *args, **kw)
 
         def load_weights(self, model, model_config) -> None:
             ckpt = _local_checkpoint(model_config)
