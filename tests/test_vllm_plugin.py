@@ -45,6 +45,17 @@ def test_layout_without_expert_parallel_splits_experts_over_tp():
     assert (lay.tp, lay.pp, lay.ep, lay.moe_tp) == (4, 2, 1, 4)
 
 
+def test_layout_without_expert_parallel_splits_experts_over_tp_and_dp():
+    """vLLM with DP and no EP flattens the experts' TP over the TP x DP ranks: each rank
+    holds a distinct quarter of every expert at tp=2 dp=2, where the layout gave ranks 0
+    and 2 the same half (moe_tp = tp)."""
+    lay = layout_of(tp=2, pp=1, dp=2, expert_parallel=False, placement="linear")
+    assert (lay.ep, lay.moe_tp, lay.ep_spans_dp) == (1, 4, True)
+    # vLLM's flatten_tp_rank = dp_rank * tp + tp_rank
+    assert [lay.coords(r).moe_tp for r in range(4)] == [
+        lay.coords(r).dp * 2 + lay.coords(r).tp for r in range(4)] == [0, 1, 2, 3]
+
+
 def test_layout_with_expert_parallel_keeps_experts_whole():
     lay = layout_of(tp=2, pp=1, dp=1, expert_parallel=True, placement="round_robin")
     assert (lay.ep, lay.moe_tp, lay.expert_placement) == (2, 1, "round_robin")

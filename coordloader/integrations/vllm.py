@@ -105,13 +105,15 @@ def layout_of(tp: int, pp: int, dp: int, expert_parallel: bool, placement: str,
               pp_layers: tuple[int, ...] | None = None) -> Layout:
     """The coordloader layout that places slices where vLLM's layers expect them.
 
-    Without expert parallelism vLLM splits every expert over the TP group (``ep=1``,
-    ``moe_tp = tp``); with it, experts are spread over the TP x DP ranks of a stage
-    (vLLM's ``ep_size = dp * tp``, ``ep_rank = dp_rank * tp + tp_rank``), whole."""
+    Without expert parallelism vLLM splits every expert over the TP x DP ranks of a stage
+    (``FusedMoEParallelConfig.flatten_tp_across_dp_and_pcp``: ``ep=1``, ``moe_tp = dp *
+    tp``, moe_tp rank ``dp_rank * tp + tp_rank``); with it, experts are spread over the
+    same ranks (vLLM's ``ep_size = dp * tp``, ``ep_rank = dp_rank * tp + tp_rank``), whole.
+    Either way the MoE group spans DP: ``ep_spans_dp``."""
     if expert_parallel:
         return Layout(tp=tp, pp=pp, dp=dp, ep=tp * dp, ep_spans_dp=dp > 1,
                       expert_placement=placement, pp_layers=pp_layers)
-    return Layout(tp=tp, pp=pp, dp=dp, pp_layers=pp_layers)
+    return Layout(tp=tp, pp=pp, dp=dp, ep_spans_dp=dp > 1, pp_layers=pp_layers)
 
 
 def coordinate_rank(layout: Layout, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
