@@ -590,6 +590,22 @@ def test_distributed_save_and_error_agreement(tmp_path):
     assert not [n for n in os.listdir(tmp_path / "bad") if n.startswith(".coordloader")]
 
 
+@pytest.mark.parametrize("what", ["module", "list", "tensor", "none"])
+def test_save_of_something_other_than_a_state_dict_is_refused(tmp_path, what):
+    """A module, a list, a bare tensor or None passed as the state dict failed with a bare
+    AttributeError ('Linear' object has no attribute 'items')."""
+    from coordloader.errors import SaveError
+    arg = {"module": torch.nn.Linear(2, 2), "list": [torch.zeros(2)], "tensor": torch.zeros(2),
+           "none": None}[what]
+    name = {"module": "Linear", "list": "list", "tensor": "Tensor", "none": "NoneType"}[what]
+    hint = " (pass module.state_dict())" if what == "module" else ""
+    with pytest.raises(SaveError) as e:
+        save(tmp_path / "x", arg, config=CFG)
+    assert str(e.value) == (f"rank 0: save() needs a state dict, a mapping of names to "
+                            f"tensors; got {name}{hint}")
+    assert not (tmp_path / "x").exists() or not os.listdir(tmp_path / "x")
+
+
 def test_empty_save_is_refused_and_the_previous_checkpoint_kept(tmp_path):
     """save(out, {}, overwrite=True) published an index without tensors, which every
     reader refuses, in place of a good checkpoint."""

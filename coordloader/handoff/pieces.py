@@ -17,7 +17,7 @@ Any set of boxes over the ranks that tiles each tensor exactly once is a checkpo
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -158,6 +158,10 @@ def collect_pieces(tensors, rank_plan, rank: int) -> list[PieceOut]:
     placements (DTensors) or the boxes given (``Boxed``); a plain tensor without a plan
     is whole. Vocab padding rows of a plan's slice are covered by no piece: never written."""
     from coordloader.checkpoint.dtypes import torch_dtype
+    if not isinstance(tensors, Mapping):
+        hint = " (pass module.state_dict())" if isinstance(tensors, torch.nn.Module) else ""
+        raise SaveError(f"save() needs a state dict, a mapping of names to tensors; got "
+                        f"{type(tensors).__name__}{hint}", rank=rank)
     out: list[PieceOut] = []
     planned = {ts.name: ts for ts in rank_plan.tensors} if rank_plan is not None else {}
     for ts in planned.values():
