@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+import coordloader as cl
 from coordloader.checkpoint.formats import HF_INDEX, SHARDED_INDEX, shard_name
 from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.dist.collective import free_port
@@ -604,6 +605,41 @@ def test_save_of_something_other_than_a_state_dict_is_refused(tmp_path, what):
     assert str(e.value) == (f"rank 0: save() needs a state dict, a mapping of names to "
                             f"tensors; got {name}{hint}")
     assert not (tmp_path / "x").exists() or not os.listdir(tmp_path / "x")
+
+
+@pytest.mark.parametrize("old", ["pytorch_model.bin", "sharded-bin", "with-safetensors"])
+def test_weights_in_other_formats_count_as_the_checkpoint_there(tmp_path, old):
+    """A pytorch_model.bin (as many HF repos ship beside model.safetensors) was neither
+    refused nor removed: after save(overwrite=True) it sat beside the new sharded save,
+    and transformers, finding no safetensors there, loaded the old weights from it."""
+    out = tmp_path / "ck"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(CFG))
+    old_files = {"pytorch_model.bin": ["pytorch_model.bin"],
+                 "sharded-bin": ["pytorch_model-00001-of-00002.bin",
+                                 "pytorch_model-00002-of-00002.bin",
+                                 "pytorch_model.bin.index.json"],
+                 "with-safetensors": ["pytorch_model.bin", "model.safetensors"]}[old]
+    for n in old_files:
+        if n.endswith(".index.json"):
+            (out / n).write_text(json.dumps({"weight_map": {
+                "a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00002-of-00002.bin"}}))
+        elif n.endswith(".safetensors"):
+            from safetensors.torch import save_file
+            save_file({"w": torch.zeros(2)}, str(out / n))
+        else:
+            torch.save({"w": torch.zeros(2)}, str(out / n))
+    (out / "training_args.bin").write_bytes(b"not model weights")   # a Trainer's, kept
+    with pytest.raises(SaveError, match="a checkpoint already exists here"):
+        save(out, {"w": torch.arange(4.0)}, config=CFG)
+    assert sorted(os.listdir(out)) == sorted(old_files + ["config.json", "training_args.bin"])
+    save(out, {"w": torch.arange(4.0)}, config=CFG, overwrite=True)
+    left = set(os.listdir(out))
+    assert not left & set(old_files), left
+    assert "training_args.bin" in left
+    assert torch.equal(cl.load_detailed(str(out), cl.Layout(), rank=0,
+                                        replicate_unmatched=True).tensors["w"],
+                       torch.arange(4.0))
 
 
 def test_empty_save_is_refused_and_the_previous_checkpoint_kept(tmp_path):

@@ -37,6 +37,12 @@ DCP_SHARD_RE = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors\Z")
 # files the set has, which is all there is to go on when the index is missing
 NUMBERED_SHARD_RE = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.safetensors\Z")
 
+# Weights in the formats transformers falls back to when a directory has no safetensors
+# (pickle; TF and Flax in older versions), single, numbered shards, or their index: beside
+# a new checkpoint they would be loaded in its place
+OTHER_HF_WEIGHTS_RE = re.compile(
+    r"(pytorch_model|tf_model|flax_model)(-\d{5}-of-\d{5})?\.(bin|h5|msgpack)(\.index\.json)?\Z")
+
 # Present from the first visible change of a publish to its last: while it exists the
 # directory mixes two checkpoints, and every coordloader reader refuses it.
 PUBLISH_MARKER = "coordloader-publishing.json"

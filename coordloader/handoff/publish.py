@@ -34,6 +34,7 @@ from coordloader.checkpoint.formats import (
     HF_INDEX,
     HF_INDEX_SUFFIX,
     HF_SINGLE,
+    OTHER_HF_WEIGHTS_RE,
     PUBLISH_MARKER,
     SHARD_SUFFIX,
     SHARDED_INDEX,
@@ -140,11 +141,15 @@ def existing_checkpoint(out_dir: str) -> Existing | None:
         # loose .safetensors files (numbered shards whose index was lost, torch DCP's
         # per-rank files): the reader loads them as a checkpoint, each one an entry
         entries = {n for n in names if n.endswith(".safetensors")}
+    # pickle (TF, Flax) weights: transformers loads them when it finds no safetensors, as
+    # beside a sharded save; left there, it loaded the old weights for the new checkpoint
+    entries |= {n for n in names if OTHER_HF_WEIGHTS_RE.match(n)}
     if not entries:
         return None
     files = set(entries)
-    for e in entries - {HF_SINGLE}:
-        files |= _index_files(os.path.join(out_dir, e))
+    for e in entries:
+        if e.endswith(".json"):   # an index (never a weights file read as JSON)
+            files |= _index_files(os.path.join(out_dir, e))
     files |= {n for n in names if V1_SHARD_RE.match(n) or n.endswith(SHARD_SUFFIX)}
     # the config describes the model whose weights these are: left beside another
     # model's weights (a new checkpoint that brings none), it would be read as theirs
