@@ -157,11 +157,10 @@ def _experts(cfg: Mapping) -> tuple[str, int] | None:
     return next(((k, cfg[k]) for k in EXPERT_COUNT_KEYS if _cfg_int(cfg, k)), None)
 
 
-# The other dims config.json fixes, in particular the dims tensor parallelism shards (q/k/v
-# and gate/up on dim 0, o/down on dim 1): a missing rank's file shrinks those, not dim 0
-# of the tensors above. (name suffix, dim, cfg -> (label, size) or None)
-_CONFIG_DIMS = (
-    (".embed_tokens.weight", 1, _key("hidden_size")), ("lm_head.weight", 1, _key("hidden_size")),
+# The dims of the attention projections that hold heads x head_dim: the planner splits
+# them by config.json's head counts, so they must agree in every checkpoint, not only in
+# DCP's. (name suffix, dim, cfg -> (label, size) or None)
+_HEAD_DIMS = (
     ("self_attn.q_proj.weight", 0, lambda c: _heads(c, "num_attention_heads", True)),
     ("self_attn.q_proj.bias", 0, lambda c: _heads(c, "num_attention_heads", True)),
     ("self_attn.k_proj.weight", 0, lambda c: _heads(c, "num_key_value_heads")),
@@ -169,6 +168,15 @@ _CONFIG_DIMS = (
     ("self_attn.v_proj.weight", 0, lambda c: _heads(c, "num_key_value_heads")),
     ("self_attn.v_proj.bias", 0, lambda c: _heads(c, "num_key_value_heads")),
     ("self_attn.o_proj.weight", 1, lambda c: _heads(c, "num_attention_heads")),
+)
+_HEAD_SUFFIXES = tuple(x[0] for x in _HEAD_DIMS)
+
+# The other dims config.json fixes, in particular the dims tensor parallelism shards (q/k/v
+# and gate/up on dim 0, o/down on dim 1): a missing rank's file shrinks those, not dim 0
+# of the tensors above.
+_CONFIG_DIMS = (
+    (".embed_tokens.weight", 1, _key("hidden_size")), ("lm_head.weight", 1, _key("hidden_size")),
+) + _HEAD_DIMS + (
     ("self_attn.o_proj.weight", 0, _key("hidden_size")),
     (".mlp.gate_proj.weight", 0, _key("intermediate_size")),
     (".mlp.up_proj.weight", 0, _key("intermediate_size")),
@@ -202,8 +210,37 @@ def extent_mismatch(meta: CheckpointMeta, config: Mapping | None = None
     return None
 
 
+def head_mismatch(meta: CheckpointMeta, config: Mapping | None = None
+                  ) -> tuple[str, str, int, int, int] | None:
+    """For any checkpoint, the first (tensor, config key, config value, size, dim) where an
+    attention projection's heads x head_dim dim differs from what config.json (``config``,
+    else the checkpoint's own) says; None when all agree (or nothing compares)."""
+    config = meta.config if config is None else config
+    if not isinstance(config, Mapping):
+        return None
+    for name, t in meta.tensors.items():
+        if not name.endswith(_HEAD_SUFFIXES):   # one C-level test for most names
+            continue
+        for suffix, dim, size in _HEAD_DIMS:
+            if name.endswith(suffix) and len(t.shape) > dim:
+                got = size(config)
+                if got is not None and t.shape[dim] != got[1]:
+                    return name, got[0], got[1], t.shape[dim], dim
+    return None
+
+
 def check_extents(meta: CheckpointMeta, config: Mapping | None = None) -> None:
-    """CheckpointError naming the file and tensor where ``extent_mismatch`` finds one."""
+    """CheckpointError naming the file and tensor where ``extent_mismatch`` finds one, or
+    (any checkpoint) ``head_mismatch``."""
+    bad = None if meta.shapes_from_extents else head_mismatch(meta, config)
+    if bad is not None:
+        name, key, want, got, dim = bad
+        raise CheckpointError(f"tensor is {got} along dim {dim}, but config.json says "
+                              f"{key}={want}: the attention heads are split by config.json's "
+                              f"head count, so a checkpoint and config.json that disagree "
+                              f"would be split at the wrong rows; expected the config.json of "
+                              f"these weights", file=meta.tensors[name].pieces[-1].file
+                              if meta.tensors[name].pieces else None, tensor=name)
     bad = extent_mismatch(meta, config)
     if bad is not None:
         name, key, want, got, dim = bad
