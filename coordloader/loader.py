@@ -535,13 +535,14 @@ class _Placement(NamedTuple):
 
 
 def _place_targets(rank_plan, dests: dict, mapf, strict: bool, fusions: list[_Fusion],
-                   rank: int) -> _Placement:
+                   rank: int, required: tuple[str, ...] = ()) -> _Placement:
     """Match every slice of ``rank_plan`` to its target: refused here (before any read, in
-    a phase of its own, so every rank stops together) are a missing target under
-    ``strict``, a shape or dtype that differs, a target on the meta device, two tensors for
-    one target, parts of a fused parameter that do not fuse to it, and targets sharing
-    memory. A refusal after the load left targets filled in place with checkpoint bytes
-    while the call raised, and reached only the rank that raised."""
+    a phase of its own, so every rank stops together) are, under ``strict``, a missing
+    target and a ``required`` target no slice fills, and always a shape or dtype that
+    differs, a target on the meta device, two tensors for one target, parts of a fused
+    parameter that do not fuse to it, and targets sharing memory. A refusal after the load
+    left targets filled in place with checkpoint bytes while the call raised, and reached
+    only the rank that raised."""
     copies, skipped = [], []
     fused: dict[tuple[int, str], dict[int, dict[int, str]]] = {}
     spec: dict[str, torch.Tensor] = {}   # checkpoint tensor -> its slice, as a meta tensor
@@ -603,6 +604,22 @@ def _place_targets(rank_plan, dests: dict, mapf, strict: bool, fusions: list[_Fu
     check_disjoint([(tgt, dst) for tgt, _, dst in copies]
                    + [(key[1] + fusions[key[0]].target, dst) for key, dst in fused_dst.items()],
                    rank, what="target")
+    if strict:
+        # a parameter nothing fills keeps whatever it held (random init), and the model
+        # looks loaded: a checkpoint that lost a file (DCP lists no tensors) did just that
+        # an entry that is the very tensor of a filled one (tied weights in a state dict,
+        # one name mapped to None) is filled with it
+        def view(t):
+            return t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+        same = {view(dests[n]) for n in source_of if n in dests}
+        missing = [n for n in required if n not in source_of
+                   and not (n in dests and view(dests[n]) in same)]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise LoadError(f"no checkpoint tensor of this rank fills the target "
+                            f"{missing[0]!r}{more}: the checkpoint lacks it (a file missing?), "
+                            f"or name_map sends it elsewhere; pass strict=False to load the "
+                            f"rest (LoadIntoResult.not_loaded then lists them)", rank=rank)
     return _Placement(fusions, copies, fused, fused_dst, skipped)
 
 
@@ -612,7 +629,9 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
 
     ``name_map``: a mapping or a callable from checkpoint name to target name (None drops
     the tensor). Shapes and dtypes must match exactly (a clear ``LoadError`` names both).
-    With ``strict``, a checkpoint tensor of this rank with no target entry is an error.
+    With ``strict``, a checkpoint tensor of this rank with no target entry is an error, and
+    so is a target no checkpoint tensor of this rank fills (a module's parameters, every
+    entry of a mapping).
     A transformers model whose parameters fuse several checkpoint tensors (transformers 5
     MoE experts: per-expert gate/up -> ``mlp.experts.gate_up_proj``) is filled through
     transformers' own conversion mapping (its MergeModulelist / Concatenate steps), and a
@@ -631,6 +650,9 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
         given = lambda n: n  # noqa: E731
     conv: list[_Conversion] = []   # set by prepare, once the group is adopted
     placed: list[_Placement] = []
+    # what strict requires filled: a module's parameters (its buffers are often computed,
+    # rotary tables), every entry of a mapping
+    required: list[str] = []
 
     def fits(tgt: str) -> bool:
         """``tgt`` is a target entry, or a source of a fusion whose parameter is one."""
@@ -656,12 +678,16 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
             raise LoadError(f"name_map must be a mapping or a callable, got "
                             f"{type(name_map).__name__}", rank=rank)
         dests.update(_target_dict(target, rank))
+        if isinstance(target, torch.nn.Module):
+            required.extend(n for n, _ in target.named_parameters())
+        else:
+            required.extend(dests)
         conv.append(_transformers_conversion(target))
         return _DirectDests(dests, mapf, device.type)
 
     def check(rank_plan) -> None:
         placed.append(_place_targets(rank_plan, dests, mapf, strict, conv[0].fusions,
-                                     rank_plan.rank))
+                                     rank_plan.rank, tuple(required)))
 
     res = _load_detailed(ckpt, layout, prepare=prepare, check=check, **load_kw)
     (pl,) = placed

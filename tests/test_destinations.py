@@ -145,3 +145,30 @@ def test_a_refused_target_leaves_every_target_unwritten(ab, engine, bad):
         cl.load_into(target, ab, Layout(), engine=engine, name_map=name_map, **ONE)
     assert str(e.value).startswith(f"rank 0, tensor 'b': {want}"), str(e.value)
     assert a.tolist() == [-1.0] * 4   # refused before any read: nothing written
+
+
+@pytest.mark.parametrize("as_module", [False, True])
+def test_strict_refuses_a_target_no_tensor_fills(ab, as_module):
+    """A target the checkpoint has no tensor for (a DCP save that lost a rank's file takes
+    whole tensors with it) kept what it held, listed in not_loaded only: the model looked
+    loaded. Under strict it is refused before any read; strict=False loads the rest. A
+    module's buffers (rotary tables are computed) are not required."""
+    a, c = torch.full((4,), -1.0), torch.full((3,), -1.0)
+    if as_module:
+        target = torch.nn.Module()
+        target.a, target.c = torch.nn.Parameter(a), torch.nn.Parameter(c)
+        target.register_buffer("inv_freq", torch.zeros(2))
+    else:
+        target = {"a": a, "c": c}
+    with pytest.raises(LoadError) as e:
+        cl.load_into(target, ab, Layout(), name_map={"b": None}, **ONE)
+    assert str(e.value) == ("rank 0: no checkpoint tensor of this rank fills the target 'c': the "
+                            "checkpoint lacks it (a file missing?), or name_map sends it "
+                            "elsewhere; pass strict=False to load the rest "
+                            "(LoadIntoResult.not_loaded then lists them)")
+    assert a.tolist() == [-1.0] * 4          # refused before any read
+    got = cl.load_into(target, ab, Layout(), name_map={"b": None}, strict=False, **ONE)
+    assert got.loaded == ["a"] and "c" in got.not_loaded and a.tolist() == [0.0, 1.0, 2.0, 3.0]
+    if as_module:   # the buffer alone unfilled: loaded under strict
+        del target.c
+        assert cl.load_into(target, ab, Layout(), name_map={"b": None}, **ONE).loaded == ["a"]
