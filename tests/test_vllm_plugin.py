@@ -20,6 +20,12 @@ def test_options_default_and_known_keys():
     assert LoaderOptions.parse(None) == LoaderOptions()
     o = LoaderOptions.parse({"engine": "cpu", "verify": "digest", "rules": "llama", "timeout": 30})
     assert (o.engine, o.verify, o.rules, o.timeout) == ("cpu", "digest", "llama", 30)
+    # a rule file's content, as make_plan takes it (it was refused as the wrong type)
+    doc = {"preset": "llama", "mode": "extend",
+           "rules": [{"pattern": "*.o_proj.weight", "strategy": "rowwise"}]}
+    assert LoaderOptions.parse({"rules": doc}).rules == doc
+    cl.planning.rules.resolve_rules({"model_type": "llama", "num_attention_heads": 4,
+                                     "num_key_value_heads": 2}, doc)   # the planner takes it
     with pytest.raises(ConfigError, match="engine .instanttensor. is not available under vLLM"):
         LoaderOptions.parse({"engine": "instanttensor"})
 

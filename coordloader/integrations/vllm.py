@@ -34,7 +34,9 @@ LOAD_FORMAT = "coordloader"
 LOADER_OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "engine": (str, "coordloader engine: auto or cpu (host memory; vLLM copies to the device)"),
     "verify": (str, "verify mode after the load: none, shapes, digest"),
-    "rules": ((str, list), "preset name or rule file(s), instead of detecting from config.json"),
+    "rules": ((str, list, dict), "preset name, rule file path, a rule file's content (an "
+                                 "object) or a list of rules, instead of detecting from "
+                                 "config.json"),
     "timeout": ((int, float), "seconds a rank waits for the others at each phase"),
     "loader_config": (dict, "engine options (as the load CLI's --loader-config)"),
 }
