@@ -169,7 +169,6 @@ _HEAD_DIMS = (
     ("self_attn.v_proj.bias", 0, lambda c: _heads(c, "num_key_value_heads")),
     ("self_attn.o_proj.weight", 1, lambda c: _heads(c, "num_attention_heads")),
 )
-_HEAD_SUFFIXES = tuple(x[0] for x in _HEAD_DIMS)
 
 # The other dims config.json fixes, in particular the dims tensor parallelism shards (q/k/v
 # and gate/up on dim 0, o/down on dim 1): a missing rank's file shrinks those, not dim 0
@@ -201,8 +200,18 @@ def extent_mismatch(meta: CheckpointMeta, config: Mapping | None = None
             want = config.get(key)
             if name.endswith(suffix) and type(want) is int and t.shape and t.shape[0] != want:
                 return name, key, want, t.shape[0], 0
+    return _dim_mismatch(meta, config, _CONFIG_DIMS)
+
+
+def _dim_mismatch(meta: CheckpointMeta, config: Mapping, table
+                  ) -> tuple[str, str, int, int, int] | None:
+    """The first (tensor, config key, config value, size, dim) where a tensor's dim differs
+    from the size ``table`` ((name suffix, dim, cfg -> (label, size) or None) rows) gives."""
+    suffixes = tuple(row[0] for row in table)
     for name, t in meta.tensors.items():
-        for suffix, dim, size in _CONFIG_DIMS:
+        if not name.endswith(suffixes):   # one C-level test for most names
+            continue
+        for suffix, dim, size in table:
             if name.endswith(suffix) and len(t.shape) > dim:
                 got = size(config)
                 if got is not None and t.shape[dim] != got[1]:
@@ -218,15 +227,7 @@ def head_mismatch(meta: CheckpointMeta, config: Mapping | None = None
     config = meta.config if config is None else config
     if not isinstance(config, Mapping):
         return None
-    for name, t in meta.tensors.items():
-        if not name.endswith(_HEAD_SUFFIXES):   # one C-level test for most names
-            continue
-        for suffix, dim, size in _HEAD_DIMS:
-            if name.endswith(suffix) and len(t.shape) > dim:
-                got = size(config)
-                if got is not None and t.shape[dim] != got[1]:
-                    return name, got[0], got[1], t.shape[dim], dim
-    return None
+    return _dim_mismatch(meta, config, _HEAD_DIMS)
 
 
 def check_extents(meta: CheckpointMeta, config: Mapping | None = None) -> None:
