@@ -227,7 +227,7 @@ def test_engine_refuses_file_rewritten_at_same_size_after_header_read(tmp_path, 
     elif how == "replaced":  # same header, other values, a new file renamed over it
         _two_tensor_file(tmp_path / "new.safetensors", 7.0)
         os.replace(tmp_path / "new.safetensors", f)
-        want = "file was modified or replaced after its header was read"
+        want = "file changed after its header was read"
     else:                    # same header, other values written into the same inode
         st = os.stat(f)
         time.sleep(0.05)     # past the coarse clock's tick: the rewrite comes later in life
@@ -237,7 +237,7 @@ def test_engine_refuses_file_rewritten_at_same_size_after_header_read(tmp_path, 
         # "in-place": a later mtime (coarse clocks); "-mtime-kept": the old one set back, as
         # rsync --inplace -t does (only the ctime tells)
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + (0 if how.endswith("kept") else 10**9)))
-        want = "file was modified or replaced after its header was read"
+        want = "file changed after its header was read"
     assert os.path.getsize(f) == meta.files[0].size
     with pytest.raises(LoadError) as e:
         cl.load_detailed(meta, Layout(), rank=0, engine=engine, replicate_unmatched=True)

@@ -248,8 +248,9 @@ def refuse_changed(path: str, fd: int, info, rank: int | None) -> None:
                         "was rewritten after its header was read; read the checkpoint again",
                         file=info.name, rank=rank)
     if changed_since_header(path, st, info.header_sha256):
-        raise LoadError("file was modified or replaced after its header was read (same size "
-                        "and header, another inode, mtime or ctime): read the checkpoint again",
+        raise LoadError("file changed after its header was read (same size and header; "
+                        "another inode, mtime or ctime: replaced, rewritten in place, or its "
+                        "permissions or links changed): read the checkpoint again",
                         file=info.name, rank=rank)
 
 
