@@ -157,9 +157,8 @@ def _experts(cfg: Mapping) -> tuple[str, int] | None:
     return next(((k, cfg[k]) for k in EXPERT_COUNT_KEYS if _cfg_int(cfg, k)), None)
 
 
-# The dims of the attention projections that hold heads x head_dim: the planner splits
-# them by config.json's head counts, so they must agree in every checkpoint, not only in
-# DCP's. (name suffix, dim, cfg -> (label, size) or None)
+# The dims of the attention projections that hold heads x head_dim (llama-style attention).
+# (name suffix, dim, cfg -> (label, size) or None)
 _HEAD_DIMS = (
     ("self_attn.q_proj.weight", 0, lambda c: _heads(c, "num_attention_heads", True)),
     ("self_attn.q_proj.bias", 0, lambda c: _heads(c, "num_attention_heads", True)),
@@ -219,29 +218,8 @@ def _dim_mismatch(meta: CheckpointMeta, config: Mapping, table
     return None
 
 
-def head_mismatch(meta: CheckpointMeta, config: Mapping | None = None
-                  ) -> tuple[str, str, int, int, int] | None:
-    """For any checkpoint, the first (tensor, config key, config value, size, dim) where an
-    attention projection's heads x head_dim dim differs from what config.json (``config``,
-    else the checkpoint's own) says; None when all agree (or nothing compares)."""
-    config = meta.config if config is None else config
-    if not isinstance(config, Mapping):
-        return None
-    return _dim_mismatch(meta, config, _HEAD_DIMS)
-
-
 def check_extents(meta: CheckpointMeta, config: Mapping | None = None) -> None:
-    """CheckpointError naming the file and tensor where ``extent_mismatch`` finds one, or
-    (any checkpoint) ``head_mismatch``."""
-    bad = None if meta.shapes_from_extents else head_mismatch(meta, config)
-    if bad is not None:
-        name, key, want, got, dim = bad
-        raise CheckpointError(f"tensor is {got} along dim {dim}, but config.json says "
-                              f"{key}={want}: the attention heads are split by config.json's "
-                              f"head count, so a checkpoint and config.json that disagree "
-                              f"would be split at the wrong rows; expected the config.json of "
-                              f"these weights", file=meta.tensors[name].pieces[-1].file
-                              if meta.tensors[name].pieces else None, tensor=name)
+    """CheckpointError naming the file and tensor where ``extent_mismatch`` finds one."""
     bad = extent_mismatch(meta, config)
     if bad is not None:
         name, key, want, got, dim = bad
