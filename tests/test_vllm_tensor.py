@@ -346,3 +346,14 @@ class _VllmLikeTied(_VllmLikeLlama):
     def __init__(self):
         super().__init__(tied=True)
         self.config = type("Config", (), {"tie_word_embeddings": False})()
+
+
+def test_a_tied_head_is_compared_by_bytes_in_any_dtype():
+    """torch.equal has no CPU kernel for float8: comparing an FP8 checkpoint's shipped head
+    with its embedding raised a bare NotImplementedError."""
+    from coordloader.integrations.vllm import _head_is_embedding
+    a = torch.randn(4, 8).to(torch.float8_e4m3fn)
+    other = torch.zeros(4, 8).to(torch.float8_e4m3fn)
+    assert _head_is_embedding({"lm_head.weight": a, "model.embed_tokens.weight": a.clone()})
+    assert not _head_is_embedding({"lm_head.weight": a, "model.embed_tokens.weight": other})
+    assert not _head_is_embedding({"lm_head.weight": a})

@@ -234,7 +234,10 @@ def _head_is_embedding(tensors: Mapping[str, Any]) -> bool:
     if head is None or len(embeds) != 1:
         return False
     emb = tensors[embeds[0]]
-    return head.shape == emb.shape and head.dtype == emb.dtype and torch.equal(head, emb)
+    # compared as bytes: torch.equal has no CPU kernel for the float8 dtypes
+    return (head.shape == emb.shape and head.dtype == emb.dtype
+            and torch.equal(head.contiguous().reshape(-1).view(torch.uint8),
+                            emb.contiguous().reshape(-1).view(torch.uint8)))
 
 
 def checkpoint_ships_head(ckpt: str) -> bool:
