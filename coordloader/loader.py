@@ -45,7 +45,7 @@ from coordloader.errors import (
 from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout
 from coordloader.planning.model import RankPlan
-from coordloader.text import format_ranges
+from coordloader.text import MAX_NAME_CHARS, clip, format_ranges
 from coordloader.verify.checks import MODES, verify_rank
 from coordloader.verify.manifest import MANIFEST_NAME
 
@@ -503,11 +503,23 @@ def _check_fusion_parts(fusion: _Fusion, prefix: str, parts: dict[int, dict[int,
                     f"(check the checkpoint and name_map)", rank=rank)
 
 
-def _fuse(fusion: _Fusion, parts: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor:
-    """Apply ``fusion.ops`` to this rank's source tensors (per source: expert id -> tensor,
-    stacked in expert-id order)."""
-    cur = [[parts.get(i, {})[e] for e in sorted(parts.get(i, {}))]
-           for i in range(len(fusion.sources))]
+def _expert_slots(layout: Layout, ep_rank: int | None, ids) -> list[int]:
+    """This rank's experts in the order of a fused parameter's slots: the layout's local
+    order, as the planner fills the slots of a fused checkpoint tensor (an explicit expert
+    map lists them in slot order; linear and round_robin ascend)."""
+    pl = layout.expert_placement
+    if isinstance(pl, tuple) and ep_rank is not None and 0 <= ep_rank < len(pl):
+        pos = {e: i for i, e in enumerate(pl[ep_rank])}
+        if all(e in pos for e in ids):
+            return sorted(ids, key=pos.__getitem__)
+    return sorted(ids)
+
+
+def _fuse(fusion: _Fusion, parts: dict[int, dict[int, torch.Tensor]],
+          order: list[int]) -> torch.Tensor:
+    """Apply ``fusion.ops`` to this rank's source tensors (per source: expert id -> tensor),
+    stacked in ``order`` (``_expert_slots``)."""
+    cur = [[parts.get(i, {})[e] for e in order] for i in range(len(fusion.sources))]
     for op, dim in fusion.ops:
         cur = ([torch.stack(p, dim) for p in cur] if op == "merge" else [torch.cat(cur, dim)])
     (t,) = cur
@@ -531,11 +543,13 @@ class _Placement(NamedTuple):
     # (fusion index, name prefix) -> source index -> expert id -> checkpoint tensor
     fused: dict[tuple[int, str], dict[int, dict[int, str]]]
     fused_dst: dict[tuple[int, str], torch.Tensor]
+    slots: dict[tuple[int, str], list[int]]      # the experts of each, in slot order
     skipped: list[str]
+    aliases: frozenset[str]   # entries filled as the very tensor of a filled one
 
 
-def _place_targets(rank_plan, dests: dict, mapf, strict: bool, fusions: list[_Fusion],
-                   rank: int, required: tuple[str, ...] = ()) -> _Placement:
+def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
+                   fusions: list[_Fusion], required: tuple[str, ...] = ()) -> _Placement:
     """Match every slice of ``rank_plan`` to its target: refused here (before any read, in
     a phase of its own, so every rank stops together) are, under ``strict``, a missing
     target and a ``required`` target no slice fills, and always a shape or dtype that
@@ -543,8 +557,10 @@ def _place_targets(rank_plan, dests: dict, mapf, strict: bool, fusions: list[_Fu
     parameter that do not fuse to it, and targets sharing memory. A refusal after the load
     left targets filled in place with checkpoint bytes while the call raised, and reached
     only the rank that raised."""
+    rank = rank_plan.rank
     copies, skipped = [], []
     fused: dict[tuple[int, str], dict[int, dict[int, str]]] = {}
+    slots: dict[tuple[int, str], list[int]] = {}
     spec: dict[str, torch.Tensor] = {}   # checkpoint tensor -> its slice, as a meta tensor
     source_of: dict[str, str] = {}       # target -> the checkpoint tensor that fills it
 
@@ -586,8 +602,10 @@ def _place_targets(rank_plan, dests: dict, mapf, strict: bool, fusions: list[_Fu
         tgt = prefix + fusions[k].target
         dst = dests.get(tgt)
         experts = sorted(next(iter(parts.values())))
+        slots[(k, prefix)] = _expert_slots(layout, rank_plan.coords.get("ep"), experts)
         try:   # the fusion itself, on meta tensors: the shape and dtype it gives
-            t = _fuse(fusions[k], {i: {e: spec[n] for e, n in p.items()} for i, p in parts.items()})
+            t = _fuse(fusions[k], {i: {e: spec[n] for e, n in p.items()} for i, p in parts.items()},
+                      slots[(k, prefix)])
         except RuntimeError as e:   # parts that do not stack or join (shapes differ)
             raise LoadError(f"transformers fuses this rank's experts {experts} into {tgt!r}, "
                             f"but their slices do not fuse: {' '.join(str(e).split())}",
@@ -604,23 +622,24 @@ def _place_targets(rank_plan, dests: dict, mapf, strict: bool, fusions: list[_Fu
     check_disjoint([(tgt, dst) for tgt, _, dst in copies]
                    + [(key[1] + fusions[key[0]].target, dst) for key, dst in fused_dst.items()],
                    rank, what="target")
+    # an entry that is the very tensor of a filled one (tied weights in a state dict, one
+    # name mapped to None) is filled with it
+    def view(t):
+        return t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+    same = {view(dests[n]) for n in source_of if n in dests}
+    aliases = frozenset(n for n, t in dests.items() if n not in source_of
+                        and isinstance(t, torch.Tensor) and view(t) in same)
     if strict:
         # a parameter nothing fills keeps whatever it held (random init), and the model
         # looks loaded: a checkpoint that lost a file (DCP lists no tensors) did just that
-        # an entry that is the very tensor of a filled one (tied weights in a state dict,
-        # one name mapped to None) is filled with it
-        def view(t):
-            return t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
-        same = {view(dests[n]) for n in source_of if n in dests}
-        missing = [n for n in required if n not in source_of
-                   and not (n in dests and view(dests[n]) in same)]
+        missing = [n for n in required if n not in source_of and n not in aliases]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise LoadError(f"no checkpoint tensor of this rank fills the target "
                             f"{missing[0]!r}{more}: the checkpoint lacks it (a file missing?), "
                             f"or name_map sends it elsewhere; pass strict=False to load the "
                             f"rest (LoadIntoResult.not_loaded then lists them)", rank=rank)
-    return _Placement(fusions, copies, fused, fused_dst, skipped)
+    return _Placement(fusions, copies, fused, fused_dst, slots, skipped, aliases)
 
 
 def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = True,
@@ -649,6 +668,7 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
     else:   # None, or a bad one that prepare refuses
         given = lambda n: n  # noqa: E731
     conv: list[_Conversion] = []   # set by prepare, once the group is adopted
+    ranks: list[int] = []
     placed: list[_Placement] = []
     # what strict requires filled: a module's parameters (its buffers are often computed,
     # rotary tables), every entry of a mapping
@@ -666,6 +686,10 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
         # renames a checkpoint's names before matching them to the model (a checkpoint
         # save_pretrained wrote holds the names from before the renaming)
         tgt = given(name)
+        if tgt is not None and not isinstance(tgt, str):
+            raise LoadError(f"name_map gave {clip(repr(tgt), MAX_NAME_CHARS)} for this "
+                            f"checkpoint tensor; expected a target name (a str) or None",
+                            tensor=name, rank=ranks[0])
         if tgt is None or conv[0].rename is None or fits(tgt):
             return tgt
         renamed = conv[0].rename(tgt)
@@ -677,17 +701,26 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
         if not (name_map is None or callable(name_map) or isinstance(name_map, Mapping)):
             raise LoadError(f"name_map must be a mapping or a callable, got "
                             f"{type(name_map).__name__}", rank=rank)
+        ranks.append(rank)
         dests.update(_target_dict(target, rank))
         if isinstance(target, torch.nn.Module):
-            required.extend(n for n, _ in target.named_parameters())
+            # what transformers itself does not expect from a checkpoint: parameters it
+            # leaves out of its saves (sinusoidal tables) and those it lets be missing
+            skip_saved = set(getattr(target, "_keys_to_ignore_on_save", None) or ())
+            skip_missing = [re.compile(p) for p in
+                            getattr(target, "_keys_to_ignore_on_load_missing", None) or ()]
+            required.extend(n for n, p in target.named_parameters()
+                            if p.numel() and n not in skip_saved
+                            and not any(r.search(n) for r in skip_missing))
         else:
-            required.extend(dests)
+            required.extend(n for n, t in dests.items()
+                            if not isinstance(t, torch.Tensor) or t.numel())
         conv.append(_transformers_conversion(target))
         return _DirectDests(dests, mapf, device.type)
 
     def check(rank_plan) -> None:
-        placed.append(_place_targets(rank_plan, dests, mapf, strict, conv[0].fusions,
-                                     rank_plan.rank, tuple(required)))
+        placed.append(_place_targets(rank_plan, layout, dests, mapf, strict, conv[0].fusions,
+                                     tuple(required)))
 
     res = _load_detailed(ckpt, layout, prepare=prepare, check=check, **load_kw)
     (pl,) = placed
@@ -701,11 +734,12 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
             loaded.append(tgt)
         for (k, prefix), parts in pl.fused.items():
             t = _fuse(fusions[k], {i: {e: res.tensors[n] for e, n in p.items()}
-                                   for i, p in parts.items()})
+                                   for i, p in parts.items()}, pl.slots[(k, prefix)])
             pl.fused_dst[(k, prefix)].copy_(t)
             loaded.append(prefix + fusions[k].target)
     filled = set(loaded)
-    return LoadIntoResult(loaded, pl.skipped, sorted(k for k in dests if k not in filled),
+    return LoadIntoResult(loaded, pl.skipped,
+                          sorted(k for k in dests if k not in filled and k not in pl.aliases),
                           res.stats)
 
 

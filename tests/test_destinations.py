@@ -172,3 +172,39 @@ def test_strict_refuses_a_target_no_tensor_fills(ab, as_module):
     if as_module:   # the buffer alone unfilled: loaded under strict
         del target.c
         assert cl.load_into(target, ab, Layout(), name_map={"b": None}, **ONE).loaded == ["a"]
+
+
+def test_strict_follows_what_transformers_leaves_out_and_empty_targets(ab):
+    """strict required every parameter: a model's parameters transformers leaves out of
+    its saves (Marian's sinusoidal embed_positions, ``_keys_to_ignore_on_save``) or lets
+    be missing (``_keys_to_ignore_on_load_missing``), and zero-size ones (an EP rank a
+    map gives no experts), were refused though there is nothing to load."""
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.full((4,), -1.0))
+    m.pos = torch.nn.Parameter(torch.zeros(3))        # computed at init, never saved
+    m.temperature = torch.nn.Parameter(torch.zeros(1))
+    m.none = torch.nn.Parameter(torch.zeros(0, 4))    # nothing to hold
+    m._keys_to_ignore_on_save = ["pos"]
+    m._keys_to_ignore_on_load_missing = [r"temp\w+"]
+    got = cl.load_into(m, ab, Layout(), name_map={"b": None}, **ONE)
+    assert got.loaded == ["a"] and m.a.tolist() == [0.0, 1.0, 2.0, 3.0]
+    del m._keys_to_ignore_on_load_missing
+    with pytest.raises(LoadError, match="fills the target 'temperature'"):
+        cl.load_into(m, ab, Layout(), name_map={"b": None}, **ONE)
+
+
+def test_a_name_map_giving_no_name_is_a_load_error(ab):
+    """A name_map returning something that is not a name (7) failed inside transformers'
+    renaming regex with a bare TypeError."""
+    with pytest.raises(LoadError) as e:
+        cl.load_into({"a": torch.zeros(4)}, ab, Layout(), name_map=lambda n: 7, **ONE)
+    assert str(e.value) == ("rank 0, tensor 'a': name_map gave 7 for this checkpoint tensor; "
+                            "expected a target name (a str) or None")
+
+
+def test_aliases_counted_as_filled_are_not_reported_unloaded(ab):
+    """A tied state dict's second name (one tensor, two names) is filled with the first:
+    not_loaded listed it all the same."""
+    tied = torch.zeros(4)
+    got = cl.load_into({"a": tied, "b": tied}, ab, Layout(), name_map={"b": None}, **ONE)
+    assert got.loaded == ["a"] and got.not_loaded == []

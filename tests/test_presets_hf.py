@@ -634,6 +634,35 @@ def test_load_into_fills_fused_expert_parameters(hf_checkpoint):
         assert torch.equal(got[k], ref[k]), k
 
 
+def test_load_into_fuses_experts_in_the_expert_maps_order(hf_checkpoint):
+    """An explicit expert map lists a rank's experts in slot order ((3, 1) on ep rank 0):
+    load_into stacked them by id, expert 1 in slot 0, where a fused checkpoint's load
+    puts expert 3 (the planner's local order)."""
+    path = hf_checkpoint("qwen2_moe")
+    ref = _from_pretrained_state(path)
+    layout = cl.Layout(dp=2, ep=2, ep_spans_dp=True, expert_placement=((3, 1), (0, 2)))
+    whole = [{"pattern": n, "strategy": "replicate"} for n in ("*embed_tokens.weight", "lm_head.weight")]
+    for rank, owned in ((0, (3, 1)), (1, (0, 2))):
+        model = _qwen2_moe_model()
+        moe = [(i, la.mlp.experts) for i, la in enumerate(model.model.layers)
+               if hasattr(la.mlp, "experts")]
+        assert moe
+        for _, ex in moe:   # this rank's experts only
+            ex.gate_up_proj = torch.nn.Parameter(torch.zeros(2, *ex.gate_up_proj.shape[1:]))
+            ex.down_proj = torch.nn.Parameter(torch.zeros(2, *ex.down_proj.shape[1:]))
+        cl.load_into(model, str(path), layout, rank=rank, rules=whole)
+        for i, ex in moe:
+            for w in ("gate_up_proj", "down_proj"):
+                full = ref[f"model.layers.{i}.mlp.experts.{w}"]
+                got = getattr(ex, w)
+                assert torch.equal(got, full[list(owned)]), (rank, i, w)
+
+
+def _from_pretrained_state(path) -> dict:
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
+
+
 @pytest.mark.parametrize("drop, up", [("experts.3.up_proj", "0-2"), ("up_proj", "none")])
 def test_load_into_refuses_fused_sources_with_different_experts(hf_checkpoint, drop, up):
     """One source of a fusion lacking experts the other has (here name_map drops them)
