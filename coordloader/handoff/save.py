@@ -296,19 +296,15 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan=N
     ``coordloader.Boxed`` local tensors (a box given by hand), or, without a plan, whole
     tensors. Any set of boxes over the ranks that tiles each tensor exactly once is
     accepted; a box held by several ranks is written once. Distributed mode (``group``
-    given, or the default group initialised with more than one rank; ``rank``, if given,
-    must be this process's): every rank of the group calls save (``save_distributed``).
-    Local mode (no process group): call once per plan rank, in rank order 0..world-1
-    (``rank=r``, ``save_local``); without a plan, one call.
+    given, or the default group initialised and ``rank`` None): every rank of the group
+    calls save (``save_distributed``). Local mode (no process group): call once per plan
+    rank, in rank order 0..world-1 (``rank=r``, ``save_local``); without a plan, one call.
     ``config`` (required: a dict, a path to config.json, or the source checkpoint
     directory, whose generation config, tokenizer files and chat template are copied too)
     is written next to the index. ``timeout``: seconds a rank waits for the others at each
     phase boundary of a distributed save. Returns a :class:`SaveResult` for this rank."""
     import torch.distributed as dist
-    # a group of several ranks: distributed even with rank= given (local mode in every
-    # process at once raced on the shared records and published nothing)
-    if group is not None or (dist.is_available() and dist.is_initialized()
-                             and (rank is None or dist.get_world_size() > 1)):
+    if group is not None or (rank is None and dist.is_available() and dist.is_initialized()):
         return save_distributed(out_dir, tensors, plan, group=group, rank=rank,
                                 max_shard_bytes=max_shard_bytes, overwrite=overwrite,
                                 config=config, digests=digests, timeout=timeout)
@@ -367,7 +363,6 @@ def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrit
         # rank 0's staging directory, and who holds which undecided box (written once, by
         # the lowest rank holding it); the order of names in the checkpoint
         held = gather_object(g, (stage, undecided(pieces)))
-        _check_copies(g, pieces, [h[1] for h in held], rank)
         names = gather_object(g, _ckpt_order(plan, tensors) if rank == 0 or plan is None
                               else [])
         return (held[0][0], keep_primaries(pieces, [h[1] for h in held], rank),
@@ -392,33 +387,6 @@ def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrit
     published = run_phase("save-publish", publish_, g)
     wrote = run_phase("save-done", gather_object, g, g, published)[0]
     return SaveResult(out_dir, rank, tuple(mine["files"]), mine["bytes"], secs, rank == 0, bool(wrote))
-
-
-def _check_copies(g, pieces, held, rank: int) -> None:
-    """SaveError on every rank unless the ranks holding the same undecided box of a tensor
-    hold the same bytes: only the lowest one's copy is written, so a rank-local shard
-    passed as a plain tensor without a plan (each rank's half of a tensor, as a whole
-    tensor) kept rank 0's half under the tensor's name and dropped the others."""
-    from collections import Counter
-
-    from coordloader.dist.collective import gather_object
-    from coordloader.verify.digest import digest_many
-    count = Counter((k[0], tuple(map(tuple, k[1]))) for keys in held for k in keys)
-    shared = [p for p in pieces if not p.decided and count[(p.name, p.box)] > 1]
-    digs = digest_many([(p.view.detach().cpu().contiguous(), p.box, p.shape) for p in shared])
-    seen: dict[tuple, dict] = {}
-    for r, mine in enumerate(gather_object(g, [(p.name, p.box, p.dtype, int(d))
-                                               for p, d in zip(shared, digs)])):
-        for name, box, dtype, d in mine:
-            seen.setdefault((name, tuple(map(tuple, box))), {}).setdefault((dtype, d), []).append(r)
-    for (name, box), kinds in seen.items():
-        if len(kinds) > 1:
-            groups = sorted(kinds.values())
-            raise SaveError(f"ranks {groups[0][:8]} and {groups[1][:8]} hold different bytes for "
-                            f"the same box {[list(b) for b in box]} of this tensor, of which one "
-                            f"copy is written (without a plan a plain tensor is the whole "
-                            f"tensor: pass a rank's shard as a DTensor or coordloader.Boxed)",
-                            tensor=name, rank=rank)
 
 
 def _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order) -> bool:
