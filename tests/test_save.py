@@ -607,6 +607,14 @@ def test_save_of_something_other_than_a_state_dict_is_refused(tmp_path, what):
     assert not (tmp_path / "x").exists() or not os.listdir(tmp_path / "x")
 
 
+def test_save_of_a_parameter_dict_is_a_state_dict(tmp_path):
+    """nn.ParameterDict is a mapping in all but its type: it saved before the state dict
+    check and must still."""
+    d = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.arange(4.0))})
+    save(tmp_path / "x", d, config=CFG)
+    assert torch.equal(read_full(read_checkpoint(str(tmp_path / "x")), "w"), torch.arange(4.0))
+
+
 @pytest.mark.parametrize("old", ["pytorch_model.bin", "sharded-bin", "with-safetensors"])
 def test_weights_in_other_formats_count_as_the_checkpoint_there(tmp_path, old):
     """A pytorch_model.bin (as many HF repos ship beside model.safetensors) was neither

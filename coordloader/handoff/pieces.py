@@ -158,6 +158,8 @@ def collect_pieces(tensors, rank_plan, rank: int) -> list[PieceOut]:
     placements (DTensors) or the boxes given (``Boxed``); a plain tensor without a plan
     is whole. Vocab padding rows of a plan's slice are covered by no piece: never written."""
     from coordloader.checkpoint.dtypes import torch_dtype
+    if isinstance(tensors, torch.nn.ParameterDict):   # a mapping in all but its type
+        tensors = dict(tensors.items())
     if not isinstance(tensors, Mapping):
         hint = " (pass module.state_dict())" if isinstance(tensors, torch.nn.Module) else ""
         raise SaveError(f"save() needs a state dict, a mapping of names to tensors; got "
