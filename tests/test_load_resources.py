@@ -212,7 +212,9 @@ def test_gc_pause_leaves_no_young_scan_behind_and_respects_frozen_objects():
     try:
         with gc_paused():
             more = [[i] for i in range(20_000)]
-        assert gc.get_freeze_count() == frozen       # not unfrozen by the pause
+        # not unfrozen by the pause (an unfreeze empties it); frozen objects that other
+        # threads of a long test process free meanwhile leave it, so allow a few
+        assert frozen - 1000 <= gc.get_freeze_count() <= frozen
         assert not in_gen(more, 2)                   # and nothing promoted
     finally:
         gc.unfreeze()
