@@ -157,9 +157,11 @@ def _experts(cfg: Mapping) -> tuple[str, int] | None:
     return next(((k, cfg[k]) for k in EXPERT_COUNT_KEYS if _cfg_int(cfg, k)), None)
 
 
-# The dims of the attention projections that hold heads x head_dim (llama-style attention).
-# (name suffix, dim, cfg -> (label, size) or None)
-_HEAD_DIMS = (
+# The other dims config.json fixes, in particular the dims tensor parallelism shards (q/k/v
+# and gate/up on dim 0, o/down on dim 1): a missing rank's file shrinks those, not dim 0
+# of the tensors above. (name suffix, dim, cfg -> (label, size) or None)
+_CONFIG_DIMS = (
+    (".embed_tokens.weight", 1, _key("hidden_size")), ("lm_head.weight", 1, _key("hidden_size")),
     ("self_attn.q_proj.weight", 0, lambda c: _heads(c, "num_attention_heads", True)),
     ("self_attn.q_proj.bias", 0, lambda c: _heads(c, "num_attention_heads", True)),
     ("self_attn.k_proj.weight", 0, lambda c: _heads(c, "num_key_value_heads")),
@@ -167,14 +169,6 @@ _HEAD_DIMS = (
     ("self_attn.v_proj.weight", 0, lambda c: _heads(c, "num_key_value_heads")),
     ("self_attn.v_proj.bias", 0, lambda c: _heads(c, "num_key_value_heads")),
     ("self_attn.o_proj.weight", 1, lambda c: _heads(c, "num_attention_heads")),
-)
-
-# The other dims config.json fixes, in particular the dims tensor parallelism shards (q/k/v
-# and gate/up on dim 0, o/down on dim 1): a missing rank's file shrinks those, not dim 0
-# of the tensors above.
-_CONFIG_DIMS = (
-    (".embed_tokens.weight", 1, _key("hidden_size")), ("lm_head.weight", 1, _key("hidden_size")),
-) + _HEAD_DIMS + (
     ("self_attn.o_proj.weight", 0, _key("hidden_size")),
     (".mlp.gate_proj.weight", 0, _key("intermediate_size")),
     (".mlp.up_proj.weight", 0, _key("intermediate_size")),
@@ -183,6 +177,7 @@ _CONFIG_DIMS = (
     # transformers 5 holds a layer's experts fused, split by EP on dim 0
     (".experts.gate_up_proj", 0, _experts), (".experts.down_proj", 0, _experts),
 )
+_CONFIG_SUFFIXES = tuple(row[0] for row in _CONFIG_DIMS)
 
 
 def extent_mismatch(meta: CheckpointMeta, config: Mapping | None = None
@@ -199,18 +194,10 @@ def extent_mismatch(meta: CheckpointMeta, config: Mapping | None = None
             want = config.get(key)
             if name.endswith(suffix) and type(want) is int and t.shape and t.shape[0] != want:
                 return name, key, want, t.shape[0], 0
-    return _dim_mismatch(meta, config, _CONFIG_DIMS)
-
-
-def _dim_mismatch(meta: CheckpointMeta, config: Mapping, table
-                  ) -> tuple[str, str, int, int, int] | None:
-    """The first (tensor, config key, config value, size, dim) where a tensor's dim differs
-    from the size ``table`` ((name suffix, dim, cfg -> (label, size) or None) rows) gives."""
-    suffixes = tuple(row[0] for row in table)
     for name, t in meta.tensors.items():
-        if not name.endswith(suffixes):   # one C-level test for most names
+        if not name.endswith(_CONFIG_SUFFIXES):   # one C-level test for most names
             continue
-        for suffix, dim, size in table:
+        for suffix, dim, size in _CONFIG_DIMS:
             if name.endswith(suffix) and len(t.shape) > dim:
                 got = size(config)
                 if got is not None and t.shape[dim] != got[1]:
