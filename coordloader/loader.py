@@ -642,6 +642,62 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
     return _Placement(fusions, copies, fused, fused_dst, slots, skipped, aliases)
 
 
+class _Targets:
+    """load_into's targets as one rank sees them once the group is adopted: the target
+    entries, transformers' conversion of the target model, the entries strict requires
+    filled, and the name mapping (``map``); ``placement`` once matched to the plan."""
+
+    def __init__(self, target, name_map, rank: int):
+        if not (name_map is None or callable(name_map) or isinstance(name_map, Mapping)):
+            raise LoadError(f"name_map must be a mapping or a callable, got "
+                            f"{type(name_map).__name__}", rank=rank)
+        self.rank = rank
+        self.dests = _target_dict(target, rank)
+        self.conv = _transformers_conversion(target)
+        if callable(name_map):
+            self.given = name_map
+        elif isinstance(name_map, Mapping):
+            self.given = lambda n: name_map.get(n, n)
+        else:
+            self.given = lambda n: n
+        if isinstance(target, torch.nn.Module):
+            # a module's parameters (its buffers are often computed: rotary tables), less
+            # what transformers itself does not expect from a checkpoint: parameters it
+            # leaves out of its saves (sinusoidal tables) and those it lets be missing
+            skip_saved = set(getattr(target, "_keys_to_ignore_on_save", None) or ())
+            skip_missing = [re.compile(p) for p in
+                            getattr(target, "_keys_to_ignore_on_load_missing", None) or ()]
+            self.required = tuple(n for n, p in target.named_parameters()
+                                  if p.numel() and n not in skip_saved
+                                  and not any(r.search(n) for r in skip_missing))
+        else:   # every entry of a mapping
+            self.required = tuple(n for n, t in self.dests.items()
+                                  if not isinstance(t, torch.Tensor) or t.numel())
+        self.placement: _Placement | None = None
+
+    def fits(self, tgt: str) -> bool:
+        """``tgt`` is a target entry, or a source of a fusion whose parameter is one."""
+        if tgt in self.dests:
+            return True
+        hit = _fusion_source(self.conv.fusions, tgt)
+        return hit is not None and hit[1] + self.conv.fusions[hit[0]].target in self.dests
+
+    def map(self, name: str) -> str | None:
+        """The target of checkpoint tensor ``name``: the name given (or mapped), else
+        transformers' renaming of it, as from_pretrained renames a checkpoint's names
+        before matching them to the model (a checkpoint save_pretrained wrote holds the
+        names from before the renaming)."""
+        tgt = self.given(name)
+        if tgt is not None and not isinstance(tgt, str):
+            raise LoadError(f"name_map gave {clip(repr(tgt), MAX_NAME_CHARS)} for this "
+                            f"checkpoint tensor; expected a target name (a str) or None",
+                            tensor=name, rank=self.rank)
+        if tgt is None or self.conv.rename is None or self.fits(tgt):
+            return tgt
+        renamed = self.conv.rename(tgt)
+        return renamed if self.fits(renamed) else tgt
+
+
 def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = True,
               **load_kw) -> LoadIntoResult:
     """Load this rank's tensors straight into existing parameters/buffers.
@@ -660,70 +716,21 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
     directly; any other through a temporary and ``copy_``. Every target is checked
     against the plan before any read: a refusal on any rank stops every rank, with no
     target written."""
-    dests: dict[str, torch.Tensor] = {}
-    if callable(name_map):
-        given = name_map
-    elif isinstance(name_map, Mapping):
-        given = lambda n: name_map.get(n, n)  # noqa: E731
-    else:   # None, or a bad one that prepare refuses
-        given = lambda n: n  # noqa: E731
-    conv: list[_Conversion] = []   # set by prepare, once the group is adopted
-    ranks: list[int] = []
-    placed: list[_Placement] = []
-    # what strict requires filled: a module's parameters (its buffers are often computed,
-    # rotary tables), every entry of a mapping
-    required: list[str] = []
-
-    def fits(tgt: str) -> bool:
-        """``tgt`` is a target entry, or a source of a fusion whose parameter is one."""
-        if tgt in dests:
-            return True
-        hit = _fusion_source(conv[0].fusions, tgt)
-        return hit is not None and hit[1] + conv[0].fusions[hit[0]].target in dests
-
-    def mapf(name: str) -> str | None:
-        # the name given (or mapped), else transformers' renaming of it, as from_pretrained
-        # renames a checkpoint's names before matching them to the model (a checkpoint
-        # save_pretrained wrote holds the names from before the renaming)
-        tgt = given(name)
-        if tgt is not None and not isinstance(tgt, str):
-            raise LoadError(f"name_map gave {clip(repr(tgt), MAX_NAME_CHARS)} for this "
-                            f"checkpoint tensor; expected a target name (a str) or None",
-                            tensor=name, rank=ranks[0])
-        if tgt is None or conv[0].rename is None or fits(tgt):
-            return tgt
-        renamed = conv[0].rename(tgt)
-        return renamed if fits(renamed) else tgt
+    made: list[_Targets] = []   # by prepare, once the group is adopted
 
     def prepare(rank: int, device: torch.device) -> _DirectDests:
         # once the group is adopted: a target or name_map refused on one rank alone
         # reaches the others at their first phase, and every rank's calls stay in step
-        if not (name_map is None or callable(name_map) or isinstance(name_map, Mapping)):
-            raise LoadError(f"name_map must be a mapping or a callable, got "
-                            f"{type(name_map).__name__}", rank=rank)
-        ranks.append(rank)
-        dests.update(_target_dict(target, rank))
-        if isinstance(target, torch.nn.Module):
-            # what transformers itself does not expect from a checkpoint: parameters it
-            # leaves out of its saves (sinusoidal tables) and those it lets be missing
-            skip_saved = set(getattr(target, "_keys_to_ignore_on_save", None) or ())
-            skip_missing = [re.compile(p) for p in
-                            getattr(target, "_keys_to_ignore_on_load_missing", None) or ()]
-            required.extend(n for n, p in target.named_parameters()
-                            if p.numel() and n not in skip_saved
-                            and not any(r.search(n) for r in skip_missing))
-        else:
-            required.extend(n for n, t in dests.items()
-                            if not isinstance(t, torch.Tensor) or t.numel())
-        conv.append(_transformers_conversion(target))
-        return _DirectDests(dests, mapf, device.type)
+        made.append(_Targets(target, name_map, rank))
+        return _DirectDests(made[0].dests, made[0].map, device.type)
 
     def check(rank_plan) -> None:
-        placed.append(_place_targets(rank_plan, layout, dests, mapf, strict, conv[0].fusions,
-                                     tuple(required)))
+        t = made[0]
+        t.placement = _place_targets(rank_plan, layout, t.dests, t.map, strict,
+                                     t.conv.fusions, t.required)
 
     res = _load_detailed(ckpt, layout, prepare=prepare, check=check, **load_kw)
-    (pl,) = placed
+    dests, pl = made[0].dests, made[0].placement
     fusions = pl.fusions
     loaded = []
     with torch.no_grad():
