@@ -136,6 +136,17 @@ class Layout:
             return tuple(range(ep_rank, num_experts, self.ep))
         return self.expert_placement[ep_rank]
 
+    def local_order(self, ep_rank: int | None, ids) -> list[int]:
+        """``ids``, experts ``ep_rank`` owns, in its local order (that of ``experts_of``,
+        the slots of a fused expert tensor), without the expert count: an explicit map
+        lists them in slot order; linear and round_robin ascend."""
+        pl = self.expert_placement
+        if isinstance(pl, tuple) and ep_rank is not None and 0 <= ep_rank < len(pl):
+            pos = {e: i for i, e in enumerate(pl[ep_rank])}
+            if all(e in pos for e in ids):
+                return sorted(ids, key=pos.__getitem__)
+        return sorted(ids)
+
     def owners_of(self, expert: int, num_experts: int) -> tuple[int, ...]:
         """ep ranks holding ``expert`` (several only with a redundant explicit map)."""
         if not _is_int(num_experts) or not _is_int(expert) or not 0 <= expert < num_experts:

@@ -503,22 +503,10 @@ def _check_fusion_parts(fusion: _Fusion, prefix: str, parts: dict[int, dict[int,
                     f"(check the checkpoint and name_map)", rank=rank)
 
 
-def _expert_slots(layout: Layout, ep_rank: int | None, ids) -> list[int]:
-    """This rank's experts in the order of a fused parameter's slots: the layout's local
-    order, as the planner fills the slots of a fused checkpoint tensor (an explicit expert
-    map lists them in slot order; linear and round_robin ascend)."""
-    pl = layout.expert_placement
-    if isinstance(pl, tuple) and ep_rank is not None and 0 <= ep_rank < len(pl):
-        pos = {e: i for i, e in enumerate(pl[ep_rank])}
-        if all(e in pos for e in ids):
-            return sorted(ids, key=pos.__getitem__)
-    return sorted(ids)
-
-
 def _fuse(fusion: _Fusion, parts: dict[int, dict[int, torch.Tensor]],
           order: list[int]) -> torch.Tensor:
     """Apply ``fusion.ops`` to this rank's source tensors (per source: expert id -> tensor),
-    stacked in ``order`` (``_expert_slots``)."""
+    stacked in ``order`` (``Layout.local_order``)."""
     cur = [[parts.get(i, {})[e] for e in order] for i in range(len(fusion.sources))]
     for op, dim in fusion.ops:
         cur = ([torch.stack(p, dim) for p in cur] if op == "merge" else [torch.cat(cur, dim)])
@@ -602,7 +590,7 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
         tgt = prefix + fusions[k].target
         dst = dests.get(tgt)
         experts = sorted(next(iter(parts.values())))
-        slots[(k, prefix)] = _expert_slots(layout, rank_plan.coords.get("ep"), experts)
+        slots[(k, prefix)] = layout.local_order(rank_plan.coords.get("ep"), experts)
         try:   # the fusion itself, on meta tensors: the shape and dtype it gives
             t = _fuse(fusions[k], {i: {e: spec[n] for e, n in p.items()} for i, p in parts.items()},
                       slots[(k, prefix)])

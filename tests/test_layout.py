@@ -94,3 +94,14 @@ def test_expert_and_rank_queries_refuse_out_of_range_arguments(call, msg):
     with pytest.raises(PlanError) as e:
         call()
     assert str(e.value) == msg
+
+
+@pytest.mark.parametrize("placement", ["linear", "round_robin", ((3, 1), (0, 2))])
+def test_local_order_is_experts_of_order_without_the_expert_count(placement):
+    """load_into stacks a rank's fused experts in local_order; it must be experts_of's
+    order (the planner's slots), for every placement, from the ids alone."""
+    lay = Layout(dp=2, ep=2, ep_spans_dp=True, expert_placement=placement)
+    for q in range(2):
+        own = lay.experts_of(q, 4)
+        assert lay.local_order(q, sorted(own)) == list(own)
+        assert lay.local_order(q, sorted(own, reverse=True)) == list(own)
