@@ -261,6 +261,8 @@ def _load_device(engine: str, device, rank: int | None = None) -> torch.device:
             n = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if not torch.cuda.is_available():
                 raise RuntimeError("CUDA is not available")
+            # a count of 0 while CUDA says it is available is no count (a stand-in CUDA,
+            # as tests set up): only a known count refuses an index past it
             if dev.index is not None and 0 < n <= dev.index:
                 raise RuntimeError(f"this machine has {n} CUDA device(s)")
         elif dev.type not in ("cpu", "meta"):
