@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -420,6 +421,45 @@ def test_save_killed_at_every_publish_step(tmp_path, previous):
         twice = {n: (t + 1) + 1 if t.is_floating_point() else t for n, t in full.items()}
         assert _state(out, twice, full) == "old"
     assert seen.count("refused") == len(steps) - 2
+
+
+@pytest.mark.parametrize("at", ["marked", "old-entries-removed", "moved"])
+def test_an_interrupted_publish_whose_new_files_are_lost_is_replaced_by_overwrite(tmp_path, at):
+    """The staging directory of an interrupted publish deleted by hand: recover_save must
+    refuse without touching the directory (it removed the old index first), and the
+    remedy it names, a save with overwrite=True, must work (it met the same refusal)."""
+    from coordloader.errors import SaveError
+    from coordloader.handoff.publish import recover_save
+    plan, locs, full = make_plan_and_locals()
+    out = tmp_path / "out"
+    save_local(out, plan, _bump(locs))
+    steps = _publish_steps(lambda: save_local(tmp_path / "rec", plan, locs))
+    step = next(s for s in steps if s.startswith(at))
+    _kill_at(step, lambda: save_local(out, plan, locs, overwrite=True))
+    stage = [n for n in os.listdir(out) if n.startswith(".coordloader-staging-")]
+    assert len(stage) == 1
+    shutil.rmtree(out / stage[0])
+    before = sorted(os.listdir(out))
+    if at == "marked":
+        # nothing moved yet, and the old files have the new ones' names: they read as
+        # moved in, so recovery publishes the old checkpoint as it was
+        old = {n: t + 1 if t.is_floating_point() else t for n, t in full.items()}
+        assert recover_save(out) and _state(out, old, full) == "old"
+        return
+    with pytest.raises(SaveError) as e:
+        recover_save(out)
+    assert "is neither in the staging directory" in str(e.value), str(e.value)
+    assert "save it again with overwrite=True" in str(e.value), str(e.value)
+    assert sorted(os.listdir(out)) == before
+    with pytest.raises(SaveError, match="neither in the staging directory"):
+        save_local(out, plan, locs)
+    # an overwrite that fails before its own publish leaves the directory refused (it
+    # dropped the marker first: the mix of files then read as a checkpoint)
+    _kill_at("staged", lambda: save_local(out, plan, locs, overwrite=True))
+    assert _state(out, {}, full) == "refused"
+    save_local(out, plan, locs, overwrite=True)
+    assert _state(out, {}, full) == "new"
+    assert not [n for n in os.listdir(out) if n.startswith(".coordloader")]
 
 
 def test_consolidate_killed_at_every_publish_step(tmp_path):

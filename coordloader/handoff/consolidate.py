@@ -23,7 +23,7 @@ import numpy as np
 
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.fileio import OpenFiles, fsync_dir, pread_into, pwrite_all
-from coordloader.checkpoint.formats import HF_INDEX, PUBLISH_MARKER
+from coordloader.checkpoint.formats import HF_INDEX
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape, check_extents
 from coordloader.errors import SaveError
 from coordloader.handoff.publish import (
@@ -31,6 +31,7 @@ from coordloader.handoff.publish import (
     os_error,
     prepare_target,
     publish,
+    publishing,
     resolve_config,
     stage_config,
     write_json_durable,
@@ -225,6 +226,6 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     finally:
         srcs.close()
         # after the publish marker the stage holds the new files recover_save moves in
-        if not os.path.lexists(os.path.join(out_dir, PUBLISH_MARKER)):
+        if not publishing(out_dir, stage):
             shutil.rmtree(stage_dir, ignore_errors=True)
     return ConsolidateResult(out_dir, tuple(names), len(weight_map), total, time.perf_counter() - t0)

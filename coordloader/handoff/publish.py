@@ -160,15 +160,20 @@ def existing_checkpoint(out_dir: str) -> Existing | None:
 def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str) -> str:
     """Check the target and create a fresh staging directory in it; returns its name. An
     interrupted publish found there is finished first, so the directory is one checkpoint
-    again before the overwrite rule applies."""
+    again before the overwrite rule applies; with ``overwrite``, one whose new files are
+    lost is left to the new publish, which replaces its marker."""
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise os_error(e, out_dir, rank, "creating the output directory") from e
     if not os.path.isdir(out_dir):
         raise SaveError("output path exists and is not a directory", file=out_dir, rank=rank)
-    if os.path.lexists(os.path.join(out_dir, PUBLISH_MARKER)):
-        recover_save(out_dir)
+    rec = _read_marker(out_dir)
+    # with overwrite, a publish whose new files are lost cannot be finished and need not
+    # be: its marker stays, so readers refuse the directory until this save's own marker
+    # replaces it
+    if rec is not None and not (overwrite and _lost_files(out_dir, rec)):
+        _roll_forward(out_dir, rec)
     if existing_checkpoint(out_dir) is not None and not overwrite:
         raise SaveError("a checkpoint already exists here; pass overwrite=True to replace it",
                         file=out_dir, rank=rank)
@@ -214,6 +219,14 @@ def publish(out_dir: str, stage: str, files: list[str], entry: str) -> None:
 def _roll_forward(out_dir: str, rec: PublishRecord) -> None:
     """Steps 2-5 of a publish; every step is idempotent, so recovery re-runs them all."""
     stage_dir = os.path.join(out_dir, rec.stage)
+    lost = _lost_files(out_dir, rec)
+    if lost:
+        # checked before anything is removed: the directory stays as the kill left it
+        raise SaveError(f"cannot finish the interrupted save: {', '.join(lost[:4])}"
+                        f"{' ...' if len(lost) > 4 else ''} is neither in the staging "
+                        f"directory {rec.stage} nor in place, so the new checkpoint is lost; "
+                        f"save it again with overwrite=True, which replaces what is left",
+                        file=out_dir)
     for n in rec.old_entries:
         if n in rec.files and not os.path.lexists(os.path.join(stage_dir, n)):
             continue   # recovery: the new file of that name has already moved in
@@ -226,10 +239,6 @@ def _roll_forward(out_dir: str, rec: PublishRecord) -> None:
             if f == rec.files[-1]:
                 fsync_dir(out_dir)  # every other file's rename is durable before the entry's
             os.replace(src, dst)
-        elif not os.path.lexists(dst):
-            raise SaveError(f"cannot finish the interrupted save: {f} is neither in the staging "
-                            f"directory {rec.stage} nor in place; the new checkpoint is lost, "
-                            f"save it again (overwrite=True)", file=out_dir)
         _hook(f"moved {f}")
     fsync_dir(out_dir)
     for n in rec.remove:
@@ -240,6 +249,13 @@ def _roll_forward(out_dir: str, rec: PublishRecord) -> None:
     _unlink(os.path.join(out_dir, PUBLISH_MARKER))
     fsync_dir(out_dir)
     _hook("published")
+
+
+def _lost_files(out_dir: str, rec: PublishRecord) -> list[str]:
+    """The new files of ``rec`` neither staged nor moved in already."""
+    stage_dir = os.path.join(out_dir, rec.stage)
+    return [f for f in rec.files if not os.path.lexists(os.path.join(stage_dir, f))
+            and not os.path.lexists(os.path.join(out_dir, f))]
 
 
 def _unlink(path: str) -> None:
@@ -254,9 +270,19 @@ def recover_save(out_dir: str | os.PathLike) -> bool:
     after its marker was written). Returns False when there was nothing to finish.
     Raises SaveError if the marker is unreadable or a new file is gone."""
     out_dir = os.fspath(out_dir)
+    rec = _read_marker(out_dir)
+    if rec is None:
+        return False
+    _roll_forward(out_dir, rec)
+    return True
+
+
+def _read_marker(out_dir: str) -> PublishRecord | None:
+    """The publish marker of ``out_dir``, checked to name only entries inside it; None
+    when there is none."""
     path = os.path.join(out_dir, PUBLISH_MARKER)
     if not os.path.lexists(path):
-        return False
+        return None
     try:
         with open(path) as f:
             d = json.load(f)
@@ -270,8 +296,18 @@ def recover_save(out_dir: str | os.PathLike) -> bool:
     if not rec.stage.startswith(STAGING_PREFIX) or _plain(names) != frozenset(names):
         raise SaveError(f"the publish marker {PUBLISH_MARKER} names files outside the directory; "
                         f"refusing to act on it", file=out_dir)
-    _roll_forward(out_dir, rec)
-    return True
+    return rec
+
+
+def publishing(out_dir: str, stage: str) -> bool:
+    """Whether the publish of ``stage`` has begun (the marker in ``out_dir`` names it): a
+    save that fails from then on leaves its stage for ``recover_save``. A marker that
+    cannot be read counts as begun: the stage is kept."""
+    try:
+        rec = _read_marker(out_dir)
+    except SaveError:
+        return True
+    return rec is not None and rec.stage == stage
 
 
 # ------------------------------------------------------------------- the model's config

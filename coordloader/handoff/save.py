@@ -54,6 +54,7 @@ from coordloader.handoff.publish import (
     os_error,
     prepare_target,
     publish,
+    publishing,
     resolve_config,
     stage_config,
     write_json_durable,
@@ -392,11 +393,10 @@ def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrit
 def _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order) -> bool:
     """Publish; a failure before the marker was written removes the stage (the previous
     checkpoint is untouched), one after it leaves marker and stage for ``recover_save``."""
-    from coordloader.checkpoint.formats import PUBLISH_MARKER
     try:
         return _publish(out_dir, stage, recs, plan, cfg, rank, names_order)
     except BaseException:
-        if not os.path.lexists(os.path.join(out_dir, PUBLISH_MARKER)):
+        if not publishing(out_dir, stage):
             shutil.rmtree(os.path.join(out_dir, stage), ignore_errors=True)
         raise
 
