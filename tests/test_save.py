@@ -647,6 +647,28 @@ def test_save_of_something_other_than_a_state_dict_is_refused(tmp_path, what):
     assert not (tmp_path / "x").exists() or not os.listdir(tmp_path / "x")
 
 
+@pytest.mark.parametrize("call", ["save", "save_local", "consolidate", "recover_save"])
+def test_an_output_directory_that_is_not_a_path_is_refused(tmp_path, call):
+    """A state dict passed before the directory (save(sd, dir)) failed with a bare
+    TypeError from os.fspath."""
+    import coordloader as cl
+    from coordloader.errors import SaveError
+    sd = {"w": torch.zeros(2)}
+    save(tmp_path / "src", sd, config=CFG)
+    run = {"save": lambda: cl.save(sd, tmp_path / "x", config=CFG),
+           "save_local": lambda: cl.handoff.save.save_local(sd, tmp_path / "x", config=CFG),
+           "consolidate": lambda: cl.consolidate(tmp_path / "src", sd),
+           "recover_save": lambda: cl.recover_save(sd)}[call]
+    with pytest.raises(SaveError) as e:
+        run()
+    hint = (" (the output directory comes first: save(out_dir, state_dict, ...))"
+            if call.startswith("save") else "")
+    rank = "rank 0: " if call.startswith("save") else ""
+    assert str(e.value) == (f"{rank}output directory {str(sd)!r} is dict; expected a str or "
+                            f"os.PathLike path{hint}")
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
 def test_save_of_a_parameter_dict_is_a_state_dict(tmp_path):
     """nn.ParameterDict is a mapping in all but its type: it saved before the state dict
     check and must still."""

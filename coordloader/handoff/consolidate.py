@@ -29,6 +29,7 @@ from coordloader.errors import SaveError
 from coordloader.handoff.publish import (
     companion_files,
     os_error,
+    output_dir,
     prepare_target,
     publish,
     publishing,
@@ -166,7 +167,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     # torch DCP's shapes are the extents of the pieces present: a missing rank's file
     # would be written out as smaller tensors under a config.json that states the sizes
     check_extents(meta, cfg.doc if cfg is not None else None)
-    out_dir = os.fspath(out_dir)
+    out_dir = output_dir(out_dir)
     if os.path.abspath(out_dir) == os.path.abspath(meta.root):
         raise SaveError("output directory is the source checkpoint; choose another directory",
                         file=out_dir)

@@ -157,6 +157,21 @@ def existing_checkpoint(out_dir: str) -> Existing | None:
     return Existing(_plain(entries), _plain(files) & names)
 
 
+def output_dir(out_dir: Any, rank: int | None = None, *, usage: str = "") -> str:
+    """``out_dir`` as a str path; SaveError for anything else. ``usage``, the call's
+    signature, is named when a mapping came instead (a state dict passed first)."""
+    try:
+        path = os.fspath(out_dir)
+    except TypeError:
+        path = None
+    if not isinstance(path, str):
+        hint = (f" (the output directory comes first: {usage})"
+                if usage and isinstance(out_dir, Mapping) else "")
+        raise SaveError(f"output directory {str(out_dir)[:200]!r} is {type(out_dir).__name__}; "
+                        f"expected a str or os.PathLike path{hint}", rank=rank)
+    return path
+
+
 def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str) -> str:
     """Check the target and create a fresh staging directory in it; returns its name. An
     interrupted publish found there is finished first, so the directory is one checkpoint
@@ -269,7 +284,7 @@ def recover_save(out_dir: str | os.PathLike) -> bool:
     """Finish a save or consolidate whose publish was interrupted in ``out_dir`` (killed
     after its marker was written). Returns False when there was nothing to finish.
     Raises SaveError if the marker is unreadable or a new file is gone."""
-    out_dir = os.fspath(out_dir)
+    out_dir = output_dir(out_dir)
     rec = _read_marker(out_dir)
     if rec is None:
         return False

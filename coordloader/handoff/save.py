@@ -52,6 +52,7 @@ from coordloader.handoff.pieces import collect_pieces, keep_primaries, undecided
 from coordloader.handoff.publish import (
     ModelConfig,
     os_error,
+    output_dir,
     prepare_target,
     publish,
     publishing,
@@ -285,6 +286,9 @@ def _ckpt_order(plan, tensors) -> list[str]:
     return order + [n for n in tensors if n not in seen]
 
 
+SAVE_USAGE = "save(out_dir, state_dict, ...)"
+
+
 def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan=None, *,
          rank: int | None = None, group=None, max_shard_bytes: int = 5 * 2**30,
          overwrite: bool = False, config: Mapping | str | os.PathLike | None = None,
@@ -324,7 +328,7 @@ def save_distributed(out_dir, tensors, plan=None, *, group=None, rank: int | Non
                      digests: bool = True, timeout: float | None = None) -> SaveResult:
     """Every rank of ``group`` (default: the default group) calls this; errors are agreed
     at each phase (prepare, write, publish) so every rank raises, naming the failing one."""
-    out_dir = os.fspath(out_dir)
+    out_dir = output_dir(out_dir, usage=SAVE_USAGE)
     _check_args(max_shard_bytes)
     from coordloader.dist import collective as coll
     # a coordloader Group, for error agreement with rank naming and ``timeout`` seconds at
@@ -412,7 +416,7 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
     """One process saves every plan rank in turn (rank 0, 1, ..., world-1): the call for
     rank 0 starts a fresh save, the call for the last rank publishes it. Without a plan
     the world is this one call (whole tensors, or ``Boxed`` ones that tile alone)."""
-    out_dir = os.fspath(out_dir)
+    out_dir = output_dir(out_dir, rank, usage=SAVE_USAGE)
     _check_args(max_shard_bytes)
     world = plan.world_size if plan is not None else 1
     if not 0 <= rank < world:
