@@ -1,6 +1,8 @@
+import collections
 import json
 
 import pytest
+from hypothesis import strategies as st
 
 from coordloader.api import make_plan, read_rules
 from coordloader.errors import PlanError
@@ -229,3 +231,56 @@ def test_stage_layer_on_a_name_without_a_layer_is_refused():
     assert "rule says stage 'layer' but the tensor's name holds no layer index" in str(e.value)
     rules["rules"][0]["params"]["stage"] = "last"
     assert "model.final.weight" in make_plan(meta, Layout(pp=1), rules).ranks[0].by_name()
+
+
+# ---- digit templates: match_all matches each distinct name-with-digits-as-0 once
+
+_ATOMS = [r"a", r"\.", r"1", r"0", r"[0-9]", r"[1-5]", r"\d", r"\D", r"\w", r".", r"[^.]",
+          r"[^5]", r"[a\d]", r"(?:a|1)", r"(?:\.|b)"]
+_SUFFIX = ["", "*", "+", "?", "{2}", "{1,3}"]
+
+
+@st.composite
+def _regex_and_names(draw):
+    parts = draw(st.lists(st.tuples(st.sampled_from(_ATOMS), st.sampled_from(_SUFFIX)),
+                          min_size=1, max_size=6))
+    rx = "".join(a + q for a, q in parts)
+    alts = draw(st.lists(st.just(rx) | st.sampled_from([r".*\.1", r"a\d+", r"b.*"]),
+                         min_size=1, max_size=3))
+    names = draw(st.lists(st.text("a.b0123456789", max_size=8), min_size=1, max_size=12))
+    names += draw(st.lists(st.from_regex(alts[0], fullmatch=True), max_size=4))
+    return alts, names
+
+
+def test_match_all_equals_match_on_every_name():
+    """Sound shortcut: for rule sets ``_digit_blind`` accepts, the template match picks the
+    same rule as matching each name; for the others match_all matches each name."""
+    from hypothesis import HealthCheck, given, settings
+
+    from coordloader.planning.rules.ruleset import _digit_blind
+    reached = collections.Counter()
+
+    @settings(deadline=None, max_examples=400, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(_regex_and_names())
+    def check(case):
+        alts, names = case
+        rs = RuleSet([make_rule("re:" + a, "replicate", source="user") for a in alts],
+                     user_count=len(alts))
+        blind = all(_digit_blind(r.regex_text) for r in rs.rules)
+        want = [rs.match(n) for n in names]
+        assert rs.match_all(names) == want, (alts, names)
+        hits = sum(i is not None for i in want)
+        reached["blind, some matched" if blind and hits else "blind" if blind else "not blind"] += 1
+    check()
+    assert reached["blind, some matched"] >= 80, reached
+    assert reached["not blind"] >= 40, reached
+
+
+def test_digit_blind_accepts_what_ignores_digits_only():
+    from coordloader.planning.rules.ruleset import _digit_blind
+    assert _digit_blind(make_rule("model.layers.*.mlp.experts.*.weight", "replicate").regex_text)
+    for rx in (r"a[^.]+b", r"\d+", r"x[0-9]", r"[a-z\d]", r"\D", r"\w\s"):
+        assert _digit_blind(rx), rx
+    for rx in (r"layers\.3\.", r"[1-5]", r"[^5]", r"(a)\1", r"(?:a|b1)", r"[0-8]"):
+        assert not _digit_blind(rx), rx

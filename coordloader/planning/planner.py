@@ -167,19 +167,17 @@ class _Planner:
     def _match_rules(self, names: list[str]) -> dict[str, tuple[Rule, dict]]:
         """Tensor name -> (its rule, the rule's params); raises naming the unmatched tensors,
         warns of user rules that match nothing."""
-        match = {}
-        hits = set()
+        found = self.rules.match_all(names)
+        hits = set(found)
         unmatched = []
-        for n in names:
-            i = self.rules.match(n)
-            if i is None:
-                if not self.replicate_unmatched:
-                    unmatched.append(n)
-                    continue
-                match[n] = (_REPLICATE, {})
-            else:
-                hits.add(i)
-                match[n] = (self.rules.rules[i], self._rule_params[i])
+        if None in hits:
+            hits.discard(None)
+            unmatched = [n for n, i in zip(names, found) if i is None]
+            if self.replicate_unmatched:
+                unmatched = []
+        pair = dict(enumerate(zip(self.rules.rules, self._rule_params)))
+        pair[None] = (_REPLICATE, {})
+        match = dict(zip(names, map(pair.__getitem__, found)))
         if unmatched and not self.meta.config and self.rules.preset is None:
             raise missing_config_error(None, tensor=unmatched[0])
         if unmatched:

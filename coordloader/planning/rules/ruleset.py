@@ -90,6 +90,80 @@ def rule_from_dict(d: Any, source: str, index: int) -> Rule:
                      source=source, where=f"{where} ({d['pattern']!r})")
 
 
+_DIGITS_AS_ZERO = str.maketrans("123456789", "000000000")
+_DIGIT_CODES = range(ord("0"), ord("9") + 1)
+
+
+def _digit_blind(regex_text: str) -> bool:
+    """Whether the regex matches a name exactly when it matches the name with every ASCII
+    digit read as 0: true when each of its character atoms accepts all ten digits or none
+    (no digit literal, no class such as [1-5]) and it has no back-reference (which could
+    compare two digits). Then matching runs alike, position by position, on either name.
+    False for anything it does not recognise."""
+    try:
+        from re import _parser
+        tree = _parser.parse(regex_text)
+    except Exception:   # a private module: any change in it only costs the shortcut
+        return False
+    return _blind(tree, _parser)
+
+
+def _blind(seq, P) -> bool:
+    for op, av in seq:
+        if op in (P.LITERAL, P.NOT_LITERAL):
+            if av in _DIGIT_CODES:
+                return False
+        elif op is P.IN:
+            hits = {_class_has(av, d, P) for d in _DIGIT_CODES}
+            if len(hits) != 1 or None in hits:
+                return False
+        elif op in (P.ANY, P.AT):
+            continue
+        elif op is P.BRANCH:
+            if not all(_blind(b, P) for b in av[1]):
+                return False
+        elif op is P.SUBPATTERN:
+            if not _blind(av[3], P):
+                return False
+        elif op in (P.MAX_REPEAT, P.MIN_REPEAT, getattr(P, "POSSESSIVE_REPEAT", None)):
+            if not _blind(av[2], P):
+                return False
+        elif op in (P.ASSERT, P.ASSERT_NOT):
+            if not _blind(av[1], P):
+                return False
+        elif op is getattr(P, "ATOMIC_GROUP", None):
+            if not _blind(av, P):
+                return False
+        else:   # back-references, conditionals, anything new
+            return False
+    return True
+
+
+def _class_has(items, code: int, P) -> bool | None:
+    """Whether the character class ``items`` (an IN node's) holds the digit ``code``; None
+    for an item it does not know."""
+    with_digits = {P.CATEGORY_DIGIT, P.CATEGORY_WORD, P.CATEGORY_NOT_SPACE,
+                   P.CATEGORY_NOT_LINEBREAK, P.CATEGORY_LOC_WORD, P.CATEGORY_UNI_DIGIT,
+                   P.CATEGORY_UNI_WORD, P.CATEGORY_UNI_NOT_SPACE, P.CATEGORY_UNI_NOT_LINEBREAK}
+    without = {P.CATEGORY_NOT_DIGIT, P.CATEGORY_NOT_WORD, P.CATEGORY_SPACE,
+               P.CATEGORY_LINEBREAK, P.CATEGORY_LOC_NOT_WORD, P.CATEGORY_UNI_NOT_DIGIT,
+               P.CATEGORY_UNI_NOT_WORD, P.CATEGORY_UNI_SPACE, P.CATEGORY_UNI_LINEBREAK}
+    neg = False
+    hit = False
+    for op, av in items:
+        if op is P.NEGATE:
+            neg = True
+        elif op is P.LITERAL:
+            hit = hit or av == code
+        elif op is P.RANGE:
+            hit = hit or av[0] <= code <= av[1]
+        elif op is P.CATEGORY and av in with_digits:
+            hit = True
+        elif not (op is P.CATEGORY and av in without):
+            return None
+    return hit != neg
+
+
 class RuleSet:
     """Ordered rules with a fast first-match lookup (one combined regex)."""
 
@@ -113,6 +187,24 @@ class RuleSet:
         # the one-by-one fallback (patterns were checked to compile in make_rule)
         self._compiled = [] if self._combined is not None else [re.compile(r.regex_text)
                                                                 for r in self.rules]
+        self._digit_blind: bool | None = None   # computed on first match_all
+
+    def match_all(self, names: Sequence[str]) -> list[int | None]:
+        """``match`` of each name. When no rule can tell one ASCII digit from another
+        (``_digit_blind``), names equal up to their digits match alike, so each distinct
+        *digit template* (every digit read as 0) is matched once: DeepSeek-V3's 92 k names
+        are a few hundred templates."""
+        if self._digit_blind is None:
+            self._digit_blind = all(_digit_blind(r.regex_text) for r in self.rules)
+        if not self._digit_blind:
+            return list(map(self.match, names))
+        joined = "\n".join(names).translate(_DIGITS_AS_ZERO)
+        if joined.count("\n") == max(len(names) - 1, 0):   # no name holds a newline
+            templates = joined.split("\n") if names else []
+        else:
+            templates = [n.translate(_DIGITS_AS_ZERO) for n in names]
+        found = {t: self.match(t) for t in set(templates)}
+        return list(map(found.__getitem__, templates))
 
     def match(self, name: str) -> int | None:
         """Index of the first rule matching ``name``, or None."""
