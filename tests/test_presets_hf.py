@@ -955,3 +955,59 @@ def test_new_presets_load_over_gloo_match_vllm(hf_checkpoint, gpt_oss_mxfp4, tmp
         assert not s["errors"], (rank, s["errors"])
         assert [(f, lay) for f, lay, _ in s["cases"]] == [(f, lay) for f, lay in MP_CASES]
         assert all(n > 0 for _, _, n in s["cases"]), s["cases"]
+
+
+# ---- config.json without num_key_value_heads: transformers' default, as vLLM reads it
+
+@pytest.mark.parametrize("model_type", sorted(set(
+    __import__("coordloader.planning.rules.presets", fromlist=["x"])._MODEL_TYPES)))
+def test_kv_heads_default_is_transformers_own(model_type):
+    """Where config.json leaves num_key_value_heads out, vLLM (through transformers'
+    config class) uses the class default, which is not num_attention_heads for Mistral,
+    Qwen3-MoE and others: the preset must split K/V heads of the same size."""
+    from transformers import AutoConfig
+
+    from coordloader.planning.rules.presets import kv_heads_default
+    try:
+        want = AutoConfig.for_model(model_type, num_attention_heads=24, hidden_size=24 * 16)
+    except ValueError:
+        pytest.skip(f"transformers {transformers.__version__} has no model_type {model_type}")
+    want = getattr(want, "num_key_value_heads", None)
+    if want is None:
+        pytest.skip(f"{model_type}'s config has no num_key_value_heads")
+    assert kv_heads_default({"model_type": model_type}, 24) == want
+    # an explicit null is num_attention_heads where transformers takes it at all (some
+    # classes refuse it, qwen2_moe keeps None: vLLM cannot build those)
+    try:
+        null = AutoConfig.for_model(model_type, num_attention_heads=24, hidden_size=24 * 16,
+                                    num_key_value_heads=None).num_key_value_heads
+    except Exception:   # noqa: BLE001 - huggingface_hub's validation error, whatever its type
+        null = None
+    got = kv_heads_default({"model_type": model_type, "num_key_value_heads": None}, 24)
+    assert got == 24 and null in (None, 24)
+
+
+def test_mistral_without_num_key_value_heads_loads_vllms_kv_heads(tmp_path):
+    """MistralConfig's default is 8 K/V heads; the preset took num_attention_heads (32),
+    so at tp=16 every rank got 2 rows of the wrong head, and the pieces still tiled."""
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=128, hidden_size=128, intermediate_size=128,
+                        num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
+                        head_dim=4)
+    model = MistralForCausalLM(cfg)
+    _refill(model, seed=7)
+    model.save_pretrained(tmp_path)
+    c = json.loads((tmp_path / "config.json").read_text())
+    del c["num_key_value_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    full = _full_tensors(tmp_path)
+    tp = 16
+    for rank in (0, 1, 2, 15):
+        got = cl.load(str(tmp_path), cl.Layout(tp=tp), rank=rank)
+        c_ = coords_of({"tp": tp}, rank)
+        for n in ("k_proj", "v_proj"):
+            name = f"model.layers.0.self_attn.{n}.weight"
+            assert torch.equal(got[name], qkv_heads(full[name], 8, c_, kv=True)), (rank, name)
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert torch.equal(got[name], qkv_heads(full[name], 32, c_, kv=False)), rank

@@ -73,6 +73,27 @@ def _cfg_int(config: Mapping, *keys, default=None, preset: str = "") -> int | No
     return default
 
 
+# transformers' own num_key_value_heads where config.json leaves it out, by model_type:
+# vLLM reads the config through transformers, so a preset that took num_attention_heads
+# instead would split K/V heads of another size than vLLM (silently: the pieces still
+# tile). Model types not listed default to num_attention_heads, as LlamaConfig does.
+# An explicit null is num_attention_heads, as those classes read it. tests/test_presets_hf.py
+# compares both with the installed transformers.
+KV_HEADS_DEFAULT = {"mistral": 8, "mixtral": 8, "qwen2": 32, "qwen2_moe": 16, "qwen3": 32,
+                    "qwen3_moe": 4, "gemma3_text": 4, "glm4_moe": 8, "gpt_oss": 8,
+                    "llama4_text": 8, "qwen3_next": 2, "deepseek_v3": 128}
+
+
+def kv_heads_default(config: Mapping, heads: int | None) -> int | None:
+    """num_key_value_heads of a config.json without it (see ``KV_HEADS_DEFAULT``). An
+    explicit null is another matter: transformers' classes read it as
+    num_attention_heads."""
+    mt = config.get("model_type")
+    if "num_key_value_heads" in config or not isinstance(mt, str):
+        return heads
+    return KV_HEADS_DEFAULT.get(mt, heads)
+
+
 def num_experts_of(config: Mapping | None) -> int | None:
     if not config:
         return None
@@ -124,7 +145,9 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
         return _bert(config, R)
 
     heads = _cfg_int(config, "num_attention_heads", preset=name)
-    kv_heads = _cfg_int(config, "num_key_value_heads", default=heads, preset=name)
+    kv_heads = _cfg_int(config, "num_key_value_heads", preset=name)
+    if kv_heads is None:
+        kv_heads = kv_heads_default(config, heads)
 
     def need(v, key):
         if v is None:
