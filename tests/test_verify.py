@@ -138,14 +138,65 @@ def test_one_rank_without_a_group_compares_what_it_holds_whole(setup, rank):
     root, full, meta, man, plan, loaded = setup
     rep = vf.verify_rank(loaded[rank], plan, "digest", meta=meta, manifest=man, rank=rank)
     assert rep["checks"] == ["local", "digest-manifest"]
-    assert rep["manifest"] == (f"compared with {man.path} for the 1 tensor(s) this rank holds "
-                               f"whole; 3 split over ranks not compared (no process group)")
+    assert rep["manifest"] == (f"compared with {man.path} (3 tensor(s) split over ranks with "
+                               f"the rest of each re-read from the checkpoint: no process "
+                               f"group)")
     bad = {k: v.clone() for k, v in loaded[rank].items()}
     bad["norm"].view(torch.int16)[3] ^= 0x40
     with pytest.raises(VerifyError) as e:
         vf.verify_rank(bad, plan, "digest", meta=meta, manifest=man, rank=rank)
     assert checks(e.value.report) == [(rank, "norm", "digest")]
     assert "content differs from the manifest" in e.value.report["failures"][0]["detail"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("name", ["w_col", "w_row", "embed"])
+def test_one_rank_without_a_group_proves_its_pieces_of_split_tensors(setup, rank, name):
+    """A tensor split over ranks has one manifest digest, the sum over every rank's
+    pieces: a rank checked alone skipped it, so verify=digest passed a flipped byte in
+    its own share (load(..., rank=r) without a process group returned it)."""
+    root, full, meta, man, plan, loaded = setup
+    bad = {k: v.clone() for k, v in loaded[rank].items()}
+    bad[name].view(-1)[:1].view(torch.int8)[0] ^= 0x40   # first element this rank holds
+    with pytest.raises(VerifyError) as e:
+        vf.verify_rank(bad, plan, "digest", meta=meta, manifest=man, rank=rank)
+    assert checks(e.value.report) == [(rank, name, "digest")]
+    detail = e.value.report["failures"][0]["detail"]
+    assert detail.startswith("content differs from the manifest: this rank's pieces ")
+    assert "the rest of the tensor re-read from the checkpoint" in detail
+
+
+def test_load_of_one_rank_without_a_group_refuses_a_flipped_byte_it_holds(tmp_path):
+    """Through the public API, as reported: load(..., rank=0, verify="digest") with no
+    process group returned the flipped value of a split tensor."""
+    import coordloader as cl
+    w = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    save_file({"w": w, "v": torch.arange(8.0)}, str(tmp_path / "model.safetensors"))
+    rules = [{"pattern": "w", "strategy": "colwise"}, {"pattern": "v", "strategy": "replicate"}]
+    cl.write_manifest(cl.read_checkpoint(str(tmp_path)))
+    for r in (0, 1):
+        got = cl.load(str(tmp_path), Layout(tp=2), rank=r, rules=rules, verify="digest")
+        assert torch.equal(got["w"], w[2 * r:2 * r + 2])
+    off = read_checkpoint(str(tmp_path)).tensors["w"].pieces[0].start + 2 * 4 * 4   # w[2, 0]
+    with open(tmp_path / "model.safetensors", "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(VerifyError) as e:
+        cl.load(str(tmp_path), Layout(tp=2), rank=1, rules=rules, verify="digest")
+    assert checks(e.value.report) == [(1, "w", "digest")]
+
+
+def test_a_rank_checked_alone_names_a_checkpoint_it_cannot_re_read(setup):
+    root, full, meta, man, plan, loaded = setup
+    os.rename(os.path.join(root, "model.safetensors"), os.path.join(root, "moved"))
+    with pytest.raises(VerifyError) as e:
+        vf.verify_rank(loaded[0], plan, "digest", meta=meta, manifest=man, rank=0)
+    assert {(f["tensor"], f["check"]) for f in e.value.report["failures"]} == {
+        ("embed", "digest"), ("w_col", "digest"), ("w_row", "digest")}
+    assert all("cannot re-read the rest of the tensor from the checkpoint"
+               in f["detail"] for f in e.value.report["failures"])
 
 
 def test_rank_plan_form_alone_checks_one_share_not_the_whole(setup):

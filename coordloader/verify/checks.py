@@ -35,7 +35,16 @@ from coordloader.checkpoint.metadata import Box, box_numel, box_shape, full_box,
 from coordloader.checkpoint.tiling import fmt_box, tiling_problem
 from coordloader.engines import intersect, narrow_box
 from coordloader.errors import CollectiveError, CoordloaderError, VerifyError
-from coordloader.verify.digest import Route, combine, digest_many, fmt, int_view, iter_subboxes, piece_view
+from coordloader.verify.digest import (
+    Route,
+    combine,
+    digest,
+    digest_many,
+    fmt,
+    int_view,
+    iter_subboxes,
+    piece_view,
+)
 from coordloader.verify.manifest import load_manifest
 
 
@@ -266,6 +275,53 @@ class _FullReader:
         return None
 
 
+    def digest_box(self, name: str, box: Box) -> int:
+        """The digest of the part ``box`` of checkpoint tensor ``name``, re-read in bounded
+        chunks (digests add up over any split of a tensor)."""
+        info = self.meta.tensors[name]
+        shape = tuple(info.shape)
+        budget = max(1, FULL_CHUNK_BYTES // itemsize(info.dtype))
+        total = 0
+        for sp in info.pieces:
+            inter = intersect(box, sp.box)
+            if inter is None:
+                continue
+            sl = self._open(sp.file).get_slice(piece_key(name, sp.box, shape))
+            for sub in iter_subboxes(inter, budget):
+                ref = sl[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(sub, sp.box))]
+                total += digest(ref, sub, shape)
+        return total
+
+
+def rest_digests(tensors: Mapping[str, torch.Tensor], rank_plan, meta) -> tuple[dict, list]:
+    """For each tensor ``rank_plan`` holds only part of: the digests of the rest of it
+    (the regions none of the rank's pieces covers), re-read from the checkpoint. A rank
+    loaded alone (no process group) proves its pieces against the manifest with them:
+    the manifest holds one digest per whole tensor. -> ({name: [digest, ...]}, findings)."""
+    out: dict[str, list[int]] = {}
+    findings: list[Finding] = []
+    reader = _FullReader(meta)
+    for ts in rank_plan.tensors:
+        shape = tuple(ts.global_shape)
+        if ts.name not in tensors or not shape or prod(shape) == 0:
+            continue
+        gaps = uncovered(full_box(shape), [tuple(map(tuple, p.src)) for p in ts.pieces])
+        if not gaps:
+            continue
+        try:
+            if gaps is None:
+                raise VerifyError("the rest of the tensor is too fragmented to re-read")
+            out[ts.name] = [reader.digest_box(ts.name, g) for g in gaps]
+        except CoordloaderError as e:
+            findings.append(_finding(rank_plan.rank, "digest", f"cannot re-read the rest of the "
+                                     f"tensor from the checkpoint: {e.message}", ts.name))
+        except Exception as e:  # noqa: BLE001
+            findings.append(_finding(rank_plan.rank, "digest", f"cannot re-read the rest of the "
+                                     f"tensor from the checkpoint: {type(e).__name__}: {e}",
+                                     ts.name))
+    return out, findings
+
+
 def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, meta=None) -> Payload:
     """This rank's share of the verification: compact view, local findings and (digest
     mode) per-piece digests. Never raises for a data problem: everything is a finding, so
@@ -412,11 +468,13 @@ def from_torch_safe(dt: torch.dtype) -> str:
 
 def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None,
              manifest_error: str | None = None, excluded: Iterable[str] = (),
-             complete: bool = True) -> dict:
+             complete: bool = True, rest: Mapping[str, list[int]] | None = None) -> dict:
     """The verdict over every rank's payload (pure: every rank computes the same one).
 
     ``complete`` says the payloads are the whole world; otherwise (one rank of a larger
-    plan checked in a single process) the global cover and manifest sums are skipped."""
+    plan checked in a single process) the global cover is skipped, and a tensor split
+    over ranks is compared with the manifest through ``rest`` (``rest_digests``: the
+    digests of the parts the rank does not hold, re-read from the checkpoint)."""
     mode = VerifyMode(mode)
     failures = [f for p in sorted(payloads, key=lambda p: p.rank) for f in p.findings]
     checks = ["local"]
@@ -435,7 +493,7 @@ def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None
         if manifest_error:
             failures.append(_finding(None, "manifest", manifest_error))
         digests = {p.rank: p.digests for p in payloads}
-        compared = split = 0
+        compared = split = with_rest = 0
         for name in sorted(holders):
             if complete and name not in cover_ok:
                 continue
@@ -448,6 +506,12 @@ def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None
                 # the manifest; one split over ranks cannot be (its digest is their sum)
                 h = _whole_here(name, h)
                 if h is None:
+                    if rest is not None and name in rest:
+                        compared += 1
+                        with_rest += 1
+                        _rest_findings(name, holders[name], digests, rest[name], manifest,
+                                       failures, notes)
+                        continue
                     split += 1
                     _digest_findings(name, holders[name], digests, None, failures, notes)
                     continue
@@ -456,6 +520,9 @@ def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None
         if manifest is not None and compared:
             checks.append("digest-manifest")
             manifest_info = f"compared with {manifest.path}"
+            if with_rest:
+                manifest_info += (f" ({with_rest} tensor(s) split over ranks with the rest of "
+                                  f"each re-read from the checkpoint: no process group)")
             if split:
                 manifest_info += (f" for the {compared} tensor(s) this rank holds whole; "
                                   f"{split} split over ranks not compared (no process group)")
@@ -537,6 +604,30 @@ def _cover_findings(holders: Mapping[str, Holders], meta, excluded: set[str],
                 failures.append(_finding(None, "cover", "checkpoint tensor held by no rank "
                                          "(and not excluded by the plan)", name))
     return cover_ok
+
+
+def _rest_findings(name: str, h: Holders, digests: Mapping[int, Mapping[str, list[str]]],
+                   rest: list[int], manifest, failures: list[Finding], notes: list[str]) -> None:
+    """One rank's pieces of a split tensor, with the rest of it re-read from the
+    checkpoint, against the manifest."""
+    pieces = h.prim or h.repl
+    d = [digests.get(r, {}).get(name) for r, _, _ in pieces]
+    if any(x is None for x in d):
+        notes.append(f"{name}: not compared with the manifest (digests missing)")
+        return
+    md = manifest.get(name)
+    if md is None:
+        failures.append(_finding(None, "digest", "not in the manifest", name))
+        return
+    got = combine([int(x[i], 16) for x, (_, i, _) in zip(d, pieces)] + list(rest))
+    if got != md.digest:
+        r = pieces[0].rank
+        held = ", ".join(fmt_box(b) for _, _, b in pieces)
+        failures.append(_finding(r, "digest", f"content differs from the manifest: this rank's "
+                                 f"pieces {held} and the rest of the tensor re-read from the "
+                                 f"checkpoint sum to {fmt(got)}, manifest has {fmt(md.digest)} "
+                                 f"(verify='full' compares this rank's pieces with the "
+                                 f"checkpoint)", name))
 
 
 def _digest_findings(name: str, h: Holders, digests: Mapping[int, Mapping[str, list[str]]],
@@ -656,11 +747,16 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
         manifest = None
 
     payload = local_payload(tensors, rank_plan, mode, meta=meta)
+    rest = None
     if pg is None:
         payloads = [payload]
         # one rank's share is the whole only in a world of one; a rank plan given alone
         # does not say its world, so its share is taken as partial
         complete = plan is not None and plan.world_size == 1
+        if (not complete and manifest is not None and meta is not None
+                and VerifyMode(mode).level >= VerifyMode.DIGEST.level):
+            rest, found = rest_digests(tensors, rank_plan, meta)
+            payload.findings.extend(found)
     else:
         import torch.distributed as dist
         world = dist.get_world_size(pg)
@@ -672,7 +768,8 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
                                   f"{type(e).__name__}: {e}", rank=rank_plan.rank) from None
         complete = True
     report = evaluate(payloads, mode, meta=meta, manifest=manifest, manifest_error=manifest_error,
-                      excluded=plan.excluded if plan is not None else (), complete=complete)
+                      excluded=plan.excluded if plan is not None else (), complete=complete,
+                      rest=rest)
     report["rank"] = rank_plan.rank
     report["seconds"] = time.perf_counter() - t_start
     if not report["ok"]:
