@@ -265,7 +265,12 @@ def _load_device(engine: str, device, rank: int | None = None) -> torch.device:
             # as tests set up): only a known count refuses an index past it
             if dev.index is not None and 0 < n <= dev.index:
                 raise RuntimeError(f"this machine has {n} CUDA device(s)")
-        elif dev.type not in ("cpu", "meta"):
+        elif dev.type == "meta":
+            # read in full, then moved to a device that keeps no data: tensors of the right
+            # shapes and dtypes without the checkpoint's bytes, and a passing "shapes" check
+            raise RuntimeError("the meta device holds no data, so nothing loaded onto it "
+                               "would hold the checkpoint's bytes; load onto cpu or cuda")
+        elif dev.type != "cpu":
             torch.empty(0, device=dev)
     except (RuntimeError, TypeError, AssertionError, ValueError) as e:
         raise LoadError(f"device {device!r} is not usable here: {e}", rank=rank) from None
