@@ -16,6 +16,7 @@ from coordloader.planning.model import Piece
 from coordloader.verify.digest import (
     MASK64,
     SEED_ROW,
+    Route,
     col_weight_py,
     combine,
     digest,
@@ -537,3 +538,20 @@ def test_views_with_overlapping_or_broadcast_rows(monkeypatch, route):
         got = digest(v, box, shape, route=r)
         assert got == digest(v.contiguous(), box, shape, route=r) == reference(v.contiguous())
     assert route_calls(route) > 0
+
+
+@pytest.mark.parametrize("route", [r for r in Route if r is not Route.AUTO], ids=lambda r: r.name)
+@pytest.mark.parametrize("dt", [torch.float16, torch.int32, torch.float64, torch.uint8],
+                         ids=str)
+def test_a_size_one_last_dim_of_any_stride_digests_like_its_copy(route, dt):
+    """A [3, 1] view with stride (1, 3) (a transposed row) and a 1-element view with stride
+    2 count as contiguous, so contiguous() kept them as they were and the int8 route's
+    view as bytes raised torch's bare RuntimeError: a correct load_into reported corrupt."""
+    base = torch.arange(1, 4).to(dt)
+    col = torch.zeros(1, 3, dtype=dt)
+    col[0] = base
+    one = torch.zeros(2, dtype=dt)
+    one[0] = base[1]
+    for view, box, shape in ((col.t(), ((0, 3), (0, 1)), (3, 1)), (one[::2], ((1, 2),), (3,))):
+        assert view.is_contiguous() and view.stride(-1) != 1
+        assert digest(view, box, shape, route=route) == digest(view.clone(), box, shape), view

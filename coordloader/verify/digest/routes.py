@@ -387,7 +387,11 @@ def _as_bytes(part: torch.Tensor) -> torch.Tensor:
     """``part`` (integer view) as int8 with the last dim in bytes (a view when it can be)."""
     if part.dtype != torch.int8:
         if part.stride(-1) != 1:
-            part = part.contiguous()
+            # a last dim of size 1 may have any stride, which contiguous() keeps (the tensor
+            # counts as contiguous) and a view as bytes refuses; its one column is at
+            # offset 0 whatever the stride says
+            part = (part.as_strided(part.shape, part.stride()[:-1] + (1,), part.storage_offset())
+                    if part.shape[-1] <= 1 else part.contiguous())
         part = part.view(torch.int8)
     return part
 
