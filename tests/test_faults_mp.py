@@ -88,11 +88,12 @@ def test_dump_unwritable_on_rank_2_only(tmp_path, ckpt):
         assert rc == 1, (r, err)
         line = rank_line(err, r, only=_CPP_QUIET)
         print(line)
-        assert "phase dump: rank 2: SaveError:" in line, line
+        assert "phase dump-check: rank 2: SaveError:" in line, line
         assert "rank-00002.safetensors" in line and "is a directory" in line, line
-    # the other ranks' dumps were written whole (temp + rename), nothing half-written
+    # refused on every rank before any wrote: no dump of part of the ranks (the other ranks
+    # used to write theirs), nothing half-written
     names = sorted(p.name for p in (tmp_path / "dump").iterdir())
-    assert names == [f"rank-0000{r}.safetensors" for r in range(4)], names
+    assert names == ["rank-00002.safetensors"] and (tmp_path / "dump" / names[0]).is_dir()
     assert not list((tmp_path / "dump").glob("*.tmp*"))
 
 

@@ -236,6 +236,31 @@ def test_torchrun_entry_point_dump_and_report(ckpts, tmp_path):
                     want[tuple(slice(o, o + b - a) for o, (a, b) in zip(pc.dst, pc.src))] = \
                         full[tuple(slice(a, b) for a, b in pc.src)]
                 assert tensor_bytes(f.get_tensor(ts.name)) == tensor_bytes(want), (r, ts.name)
+    # a dump refused on one rank is refused on every rank before any writes: rank 1 wrote
+    # its file while rank 0 refused, which left a dump of two loads
+    os.unlink(dump / "rank-00001.safetensors")
+    before = (dump / "rank-00000.safetensors").read_bytes()
+    again = list(cmd)
+    again[again.index("--master-port") + 1] = str(free_port())
+    p = subprocess.run(again, capture_output=True, text=True, timeout=HARD_TIMEOUT_S, env=env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "phase dump-check: rank 0: SaveError" in p.stderr and "a dump file already exists" \
+        in p.stderr, p.stderr
+    assert sorted(os.listdir(dump)) == ["rank-00000.safetensors"]
+    assert (dump / "rank-00000.safetensors").read_bytes() == before
+    # the dump of a larger layout: refused without --overwrite, replaced whole with it
+    (dump / "rank-00003.safetensors").write_bytes(b"old")
+    again[again.index("--master-port") + 1] = str(free_port())
+    p = subprocess.run(again + ["--overwrite"], capture_output=True, text=True,
+                       timeout=HARD_TIMEOUT_S, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(os.listdir(dump)) == ["rank-00000.safetensors", "rank-00001.safetensors"]
+    # the checkpoint's own directory: its files would be read as part of the checkpoint
+    mine = cmd[:cmd.index("--dump") + 1] + [ck, "--quiet"]
+    mine[mine.index("--master-port") + 1] = str(free_port())
+    p = subprocess.run(mine, capture_output=True, text=True, timeout=HARD_TIMEOUT_S, env=env)
+    assert p.returncode == 1 and f"--dump {ck} is the checkpoint directory" in p.stderr, p.stderr
+    assert not [n for n in os.listdir(ck) if n.startswith("rank-")]
     # a wrong world size is one clean line, non-zero exit, no traceback
     bad = cmd[:cmd.index("--tp") + 1] + ["4", "--quiet"]
     bad[bad.index("--master-port") + 1] = str(free_port())

@@ -240,3 +240,26 @@ def test_writer_takes_each_tensors_bytes_as_it_writes_it(tmp_path, monkeypatch):
         sio.write_safetensors(str(tmp_path / "b.safetensors"), bad)
     assert ei.value.tensor == "t2" and ei.value.file.endswith("b.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
+
+
+def test_dump_of_another_layout_is_refused_or_replaced_whole(tmp_path, tiny):
+    """Files of ranks past the layout (a dump at tp=4, then tp=2 into the same directory)
+    stayed beside the new ones, with --overwrite too: a dump of two loads."""
+    from coordloader.handoff.dump import check_dump_target
+    d = str(tmp_path / "d")
+    t0 = {"w": torch.arange(4.0)}
+    for r in range(4):
+        dump_rank(d, r, t0, plan_digest="tp4", world=4)
+    with pytest.raises(SaveError) as e:
+        check_dump_target(d, 0, 2, overwrite=False)
+    assert "a dump file already exists" in str(e.value)
+    os.unlink(dump_path(d, 0))
+    with pytest.raises(SaveError) as e:
+        check_dump_target(d, 0, 2, overwrite=False)
+    assert str(e.value) == (f"rank 0, file {d}: holds the dump of ranks this layout of 2 "
+                            f"rank(s) does not have (rank-00002.safetensors, "
+                            f"rank-00003.safetensors); pass --overwrite (overwrite=True) to "
+                            f"replace the whole dump")
+    check_dump_target(d, 1, 2, overwrite=True)
+    dump_rank(d, 0, t0, plan_digest="tp2", world=2, overwrite=True)
+    assert sorted(os.listdir(d)) == ["rank-00000.safetensors", "rank-00001.safetensors"]

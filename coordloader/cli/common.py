@@ -37,6 +37,19 @@ def refuse_checkpoint_file(out: str | None, checkpoint: str, flag: str) -> None:
                           f"checkpoint directory {root}; write it elsewhere", file=out)
 
 
+def refuse_checkpoint_dir(out_dir: str | None, checkpoint: str, flag: str) -> None:
+    """ConfigError when the output directory of ``flag`` is the checkpoint's own: files
+    written there would be read as part of the checkpoint."""
+    if not out_dir:
+        return
+    root = os.path.abspath(checkpoint)
+    if not os.path.isdir(root):
+        root = os.path.dirname(root)
+    if os.path.realpath(out_dir) == os.path.realpath(root):
+        raise ConfigError(f"{flag} {out_dir} is the checkpoint directory: its files would be "
+                          f"read as part of the checkpoint; write it elsewhere", file=out_dir)
+
+
 def positive_number(unit: str) -> Callable[[str], float]:
     """An argparse type: a finite number of ``unit`` above 0. Zero, negative, nan and inf
     would otherwise reach the code as a bare error or be clamped into something else."""

@@ -11,12 +11,12 @@ from typing import Mapping
 import torch
 
 from coordloader.checkpoint.fileio import write_file_atomic
-from coordloader.cli.common import positive_number, refuse_checkpoint_file
+from coordloader.cli.common import positive_number, refuse_checkpoint_dir, refuse_checkpoint_file
 from coordloader.cli.plan import add_layout_args, experts_held, human, layout_from_args, ranges_str
 from coordloader.dist import collective
 from coordloader.engines import ENGINE_NAMES
 from coordloader.errors import LoadError, SaveError
-from coordloader.handoff.dump import dump_rank
+from coordloader.handoff.dump import check_dump_target, dump_rank
 from coordloader.loader import VERIFY_MODES, load_detailed
 from coordloader.text import ArgumentParser
 
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--dump", default=None, metavar="DIR",
                    help="write each rank's tensors to DIR/rank-00000.safetensors, ...")
     o.add_argument("--overwrite", action="store_true",
-                   help="replace existing --dump files (default: refuse)")
+                   help="replace an existing --dump, with files of ranks past this layout (default: "
+                        "refuse)")
     o.add_argument("--quiet", action="store_true", help="no progress bar, no summary table")
     return p
 
@@ -130,6 +131,7 @@ def _init_from_env(args):
 def _run(args) -> int:
     layout = layout_from_args(args)
     refuse_checkpoint_file(args.report, args.checkpoint, "--report")
+    refuse_checkpoint_dir(args.dump, args.checkpoint, "--dump")
     group, device = _init_from_env(args)
     try:
         if group is not None:
@@ -155,10 +157,14 @@ def _run(args) -> int:
             mine["verify"] = {k: v for k, v in res.verify_report.items()
                               if k in ("ok", "mode", "notes", "stats")}
         if args.dump:
+            # every rank's refusal before any rank writes (after load_detailed has agreed
+            # that every rank dumps): one refused while another wrote left a dump of two loads
+            collective.run_phase("dump-check", lambda: check_dump_target(
+                args.dump, res.rank, layout.world_size, args.overwrite), group)
             mine["dump"] = collective.run_phase("dump", lambda: dump_rank(
                 args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
                 layout=layout.to_dict(), coords=dict(res.rank_plan.coords),
-                overwrite=args.overwrite), group)
+                overwrite=args.overwrite, world=layout.world_size), group)
         # a phase like the others: a rank dying here is named, not a bare gloo timeout
         per_rank = collective.run_phase("summary", lambda: collective.gather_object(group, mine), group)
         def finish():

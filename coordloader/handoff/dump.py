@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Mapping
 
 import torch
@@ -13,32 +14,68 @@ from coordloader.checkpoint import dtypes
 from coordloader.checkpoint.fileio import write_safetensors
 from coordloader.errors import SaveError
 
+DUMP_NAME_RE = re.compile(r"rank-(\d{5,})\.safetensors")
+
 
 def dump_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank-{rank:05d}.safetensors")
 
 
-def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
-              plan_digest: str, layout: dict | None = None, coords: dict | None = None,
-              overwrite: bool = False) -> str:
-    """Write one rank's tensors; returns the file path. Written atomically (temp file,
-    fsync, rename, directory fsync) by ``safetensors_io.write_safetensors``: a reader
-    (or a crash, or a full disk) sees the previous file or the new one, never a torn one.
-    An existing dump file is replaced only with ``overwrite=True`` (``--overwrite``)."""
+def stale_dumps(out_dir: str, world: int) -> list[str]:
+    """Dump files in ``out_dir`` of ranks a world of ``world`` does not have (a dump of
+    another layout), in rank order."""
+    try:
+        names = os.listdir(out_dir)
+    except OSError:
+        return []
+    found = sorted((int(m.group(1)), n) for n in names if (m := DUMP_NAME_RE.fullmatch(n)))
+    return [n for r, n in found if r >= world]
+
+
+def check_dump_target(out_dir: str, rank: int, world: int, overwrite: bool) -> None:
+    """The refusals of ``dump_rank``, checked on every rank before any rank writes (a phase
+    of its own): a rank refused while another wrote left a dump of two loads. Rank 0 also
+    refuses the files of ranks past ``world`` (left by a dump of another layout) unless
+    ``overwrite``; ``dump_rank`` then removes them."""
     path = dump_path(out_dir, rank)
-    # Checked before any work so a refused dump costs nothing; the rename below is what
-    # makes the replacement itself safe.
     if os.path.isdir(path):
         raise SaveError("the dump target is a directory, not a file; remove it or choose "
                         "another --dump DIR", file=path, rank=rank)
     if os.path.lexists(path) and not overwrite:
         raise SaveError("a dump file already exists; pass --overwrite (overwrite=True) to "
                         "replace it", file=path, rank=rank)
+    stale = stale_dumps(out_dir, world) if rank == 0 else []
+    if stale and not overwrite:
+        raise SaveError(f"holds the dump of ranks this layout of {world} rank(s) does not "
+                        f"have ({', '.join(stale[:4])}{' ...' if len(stale) > 4 else ''}); "
+                        f"pass --overwrite (overwrite=True) to replace the whole dump",
+                        file=out_dir, rank=rank)
+
+
+def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
+              plan_digest: str, layout: dict | None = None, coords: dict | None = None,
+              overwrite: bool = False, world: int | None = None) -> str:
+    """Write one rank's tensors; returns the file path. Written atomically (temp file,
+    fsync, rename, directory fsync) by ``safetensors_io.write_safetensors``: a reader
+    (or a crash, or a full disk) sees the previous file or the new one, never a torn one.
+    An existing dump file is replaced only with ``overwrite=True`` (``--overwrite``).
+    ``world``: the ranks of the dump; rank 0 removes the files of ranks past it (with
+    ``overwrite``; ``check_dump_target`` refuses them otherwise)."""
+    path = dump_path(out_dir, rank)
+    # Checked before any work so a refused dump costs nothing; the rename below is what
+    # makes the replacement itself safe.
+    check_dump_target(out_dir, rank, world if world is not None else rank + 1, overwrite)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise SaveError(f"cannot create dump directory: {e.strerror or e}", file=out_dir,
                         rank=rank) from None
+    for n in stale_dumps(out_dir, world) if rank == 0 and world is not None else ():
+        try:
+            os.unlink(os.path.join(out_dir, n))
+        except OSError as e:
+            raise SaveError(f"cannot remove the dump of another layout: {e.strerror or e}",
+                            file=os.path.join(out_dir, n), rank=rank) from None
     entries = []
     for name in sorted(tensors):
         t = tensors[name]
