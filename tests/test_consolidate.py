@@ -113,6 +113,11 @@ def test_refusals(tmp_path):
     assert written == sorted(set(idx["weight_map"].values()))
     with pytest.raises(SaveError, match="is the source checkpoint"):
         consolidate(out, out, overwrite=True)
+    os.symlink(out, tmp_path / "link")
+    before = sorted(os.listdir(out))
+    with pytest.raises(SaveError, match="is the source checkpoint"):
+        consolidate(out, str(tmp_path / "link"), overwrite=True, max_shard_bytes=1 << 30)
+    assert sorted(os.listdir(out)) == before
     p = subprocess.run([sys.executable, "-m", "coordloader.consolidate", str(tmp_path / "nope"), out + "2"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and p.stderr.startswith("coordloader consolidate: CheckpointError: ")

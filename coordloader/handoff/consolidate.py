@@ -168,7 +168,8 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     # would be written out as smaller tensors under a config.json that states the sizes
     check_extents(meta, cfg.doc if cfg is not None else None)
     out_dir = output_dir(out_dir)
-    if os.path.abspath(out_dir) == os.path.abspath(meta.root):
+    # by real path: a symlink to the source is the source (an overwrite replaced its files)
+    if os.path.realpath(out_dir) == os.path.realpath(meta.root):
         raise SaveError("output directory is the source checkpoint; choose another directory",
                         file=out_dir)
     stage = prepare_target(out_dir, overwrite, None, "consolidate-" + uuid.uuid4().hex[:12])
