@@ -8,8 +8,8 @@ import os
 from typing import Any, Mapping
 
 from coordloader.checkpoint.metadata import CheckpointMeta
-from coordloader.checkpoint.reader import checkpoint_path, read_checkpoint
-from coordloader.errors import PlanError
+from coordloader.checkpoint.reader import checkpoint_path, read_checkpoint, read_small_file
+from coordloader.errors import CheckpointError, PlanError
 from coordloader.layout import Layout
 from coordloader.planning.model import Plan
 from coordloader.planning.planner import build_plan
@@ -20,10 +20,12 @@ from coordloader.planning.rules.ruleset import parse_rule_file
 def read_json_file(path: str, what: str) -> Any:
     """The JSON document in ``path``; a PlanError naming ``what`` and the file otherwise."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except OSError as e:
-        raise PlanError(f"cannot read {what} {path}: {e.strerror or e}") from None
+        # a regular file, opened without blocking: a FIFO given as --rules waited forever
+        data = read_small_file(path, path, what)
+    except CheckpointError as e:
+        raise PlanError(f"cannot read {what} {path}: {e.message}") from None
+    try:
+        return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise PlanError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:

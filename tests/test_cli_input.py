@@ -84,3 +84,40 @@ def test_consolidate_sizes_must_be_positive_and_finite(flag, bad, capsys):
         main(["src", "out", flag, bad])
     err = capsys.readouterr().err
     assert ei.value.code == 2 and f"argument {flag}: '{bad}'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("tool, flag", [("plan", "--rules"), ("plan", "--config"),
+                                        ("plan", "--placement"), ("load", "--config"),
+                                        ("consolidate", "--config")])
+def test_a_fifo_given_as_an_input_file_is_refused_without_waiting(tmp_path, monkeypatch,
+                                                                   capsys, tool, flag):
+    """A FIFO given as --rules, --config or --placement blocked in open() forever; the
+    checkpoint's own side files were already refused as such."""
+    import importlib
+    import os
+    import threading
+
+    from coordloader.synth import synthesize
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    ck = synthesize(str(tmp_path / "ck"), "qwen3_moe", "tiny")
+    fifo = str(tmp_path / "f.json")
+    os.mkfifo(fifo)
+    argv = [ck, str(tmp_path / "out")] if tool == "consolidate" else [ck]
+    argv += [flag, fifo] + (["--ep", "2", "--tp", "2"] if flag == "--placement" else [])
+    done: list = []
+
+    def run():
+        try:
+            done.append(importlib.import_module(f"coordloader.cli.{tool}").main(argv))
+        except SystemExit as e:
+            done.append(e.code)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():   # unblock the open() so the thread ends, then fail
+        with open(fifo, "w"):
+            pass
+        pytest.fail(f"{tool} {flag} FIFO: still blocked after 30 s")
+    err = capsys.readouterr().err
+    assert done == [1] and "is a FIFO; expected a regular file" in err, (done, err)

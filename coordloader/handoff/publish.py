@@ -41,8 +41,8 @@ from coordloader.checkpoint.formats import (
     STAGING_PREFIX,
     V1_SHARD_RE,
 )
-from coordloader.checkpoint.reader import PICKLE_SUFFIXES
-from coordloader.errors import SaveError
+from coordloader.checkpoint.reader import PICKLE_SUFFIXES, read_small_file
+from coordloader.errors import CheckpointError, SaveError
 from coordloader.verify.manifest import MANIFEST_NAME
 
 # Test hook: called with the name of each publish step just taken, so a test can kill the
@@ -361,15 +361,15 @@ def resolve_config(config: Any, rank: int | None) -> ModelConfig:
     if os.path.isdir(path):
         src_dir, path = path, os.path.join(path, CONFIG_NAME)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise SaveError(f"cannot read the config given as config=: {e.strerror or e}",
-                        file=path, rank=rank) from e
+        # a regular file, opened without blocking: a FIFO given as --config waited forever
+        data = read_small_file(path, path, "config file")
+    except CheckpointError as e:
+        raise SaveError(f"cannot read the config given as config= (--config): {e.message}",
+                        file=path, rank=rank) from None
     try:
         doc = json.loads(data)
-    except ValueError as e:
-        raise SaveError(f"config is not valid JSON: {e}", file=path, rank=rank) from e
+    except (ValueError, RecursionError) as e:
+        raise SaveError(f"config is not valid JSON: {e}", file=path, rank=rank) from None
     if not isinstance(doc, dict):
         raise SaveError(f"config is a JSON {type(doc).__name__}, expected an object", file=path,
                         rank=rank)
