@@ -121,3 +121,46 @@ def test_a_fifo_given_as_an_input_file_is_refused_without_waiting(tmp_path, monk
         pytest.fail(f"{tool} {flag} FIFO: still blocked after 30 s")
     err = capsys.readouterr().err
     assert done == [1] and "is a FIFO; expected a regular file" in err, (done, err)
+
+
+@pytest.mark.parametrize("bad", ["1e10", "1e300"])
+def test_timeout_past_what_the_store_takes_is_a_usage_error(bad, capsys):
+    """--timeout 1e10 crashed the store with a C++ backtrace (time_t overflow), 1e300 an
+    untyped OverflowError."""
+    with pytest.raises(SystemExit) as ei:
+        build_parser().parse_args(["ckpt", "--timeout", bad])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "--timeout" in err and "at most" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--max-shard-size", "--block-mib"])
+def test_consolidate_sizes_past_any_disk_are_a_usage_error(flag, capsys):
+    from coordloader.cli.consolidate import main
+    with pytest.raises(SystemExit) as ei:
+        main(["src", "out", flag, "1e300"])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and f"argument {flag}: '1e300'" in err and "at most" in err, err
+
+
+def test_deeply_nested_inline_json_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as ei:
+        build_parser().parse_args(["ckpt", "--loader-config", "[" * 5000])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "--loader-config" in err and "Traceback" not in err, err
+
+
+def test_deeply_nested_inline_placement_is_a_plan_error():
+    from coordloader.cli.plan import parse_placement
+    from coordloader.errors import PlanError
+    with pytest.raises(PlanError, match="--placement: .* is nested too deeply"):
+        parse_placement("[" * 5000)
+
+
+def test_a_local_rank_that_is_not_an_integer_is_named(tmp_path, monkeypatch, capsys):
+    from coordloader.cli.load import main
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as ei:
+        main([str(tmp_path / "ck"), "--quiet"])
+    assert ei.value.code == 1
+    assert "environment variable LOCAL_RANK='x' is not an integer" in capsys.readouterr().err

@@ -50,9 +50,10 @@ def refuse_checkpoint_dir(out_dir: str | None, checkpoint: str, flag: str) -> No
                           f"read as part of the checkpoint; write it elsewhere", file=out_dir)
 
 
-def positive_number(unit: str) -> Callable[[str], float]:
-    """An argparse type: a finite number of ``unit`` above 0. Zero, negative, nan and inf
-    would otherwise reach the code as a bare error or be clamped into something else."""
+def positive_number(unit: str, maximum: float | None = None) -> Callable[[str], float]:
+    """An argparse type: a finite number of ``unit`` above 0 (and at most ``maximum``).
+    Zero, negative, nan, inf and huge values would otherwise reach the code as a bare
+    error or be clamped into something else."""
     def parse(text: str) -> float:
         shown = clip(repr(text), MAX_NAME_CHARS)
         try:
@@ -62,5 +63,7 @@ def positive_number(unit: str) -> Callable[[str], float]:
         if not 0 < v < float("inf"):
             raise argparse.ArgumentTypeError(f"{shown}: expected a finite number of {unit} "
                                              f"greater than 0")
+        if maximum is not None and v > maximum:
+            raise argparse.ArgumentTypeError(f"{shown}: expected at most {maximum:g} {unit}")
         return v
     return parse

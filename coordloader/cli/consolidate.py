@@ -13,9 +13,9 @@ def main(argv=None) -> int:
     ap.add_argument("sharded", help="source checkpoint directory (coordloader sharded, torch DCP "
                                     "HF sharded output, or HF)")
     ap.add_argument("out", help="output directory")
-    ap.add_argument("--max-shard-size", type=positive_number("GiB"), default=5.0,
+    ap.add_argument("--max-shard-size", type=positive_number("GiB", 2.0**20), default=5.0,
                     help="GiB per output file (default 5)")
-    ap.add_argument("--block-mib", type=positive_number("MiB"), default=DEFAULT_BLOCK_BYTES / 2**20,
+    ap.add_argument("--block-mib", type=positive_number("MiB", 2.0**20), default=DEFAULT_BLOCK_BYTES / 2**20,
                     help="memory bound: MiB assembled at a time (default 64)")
     ap.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in OUT")
     ap.add_argument("--config", default=None, metavar="PATH",

@@ -20,8 +20,9 @@ from coordloader.handoff.dump import check_dump_target, dump_rank
 from coordloader.loader import VERIFY_MODES, load_detailed
 from coordloader.text import ArgumentParser
 
-# a timeout of 0, negative, nan or inf would reach the store as a C++ error with a backtrace
-seconds = positive_number("seconds")
+# a timeout of 0, negative, nan, inf or past a week would reach the store as a C++ error
+# with a backtrace
+seconds = positive_number("seconds", collective.MAX_TIMEOUT_S)
 
 
 def json_object(text: str) -> dict:
@@ -31,6 +32,8 @@ def json_object(text: str) -> dict:
         v = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError("nested too deeply (expected a JSON object)") from None
     if not isinstance(v, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(v).__name__}")
     return v
@@ -120,7 +123,7 @@ def _init_from_env(args):
     want_cuda = _want_cuda(args)
     if want_cuda and not torch.cuda.is_available():
         raise LoadError("--device cuda asked for, but CUDA is not available here")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    local_rank = collective.env_int("LOCAL_RANK") or 0
     device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
     if "WORLD_SIZE" not in os.environ:
         return None, device

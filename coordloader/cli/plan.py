@@ -16,7 +16,7 @@ from coordloader.layout import Layout
 from coordloader.planning.cover import validate_cover
 from coordloader.planning.placement import EXPERT_RE
 from coordloader.planning.runs import groups_of
-from coordloader.text import ArgumentParser, format_ranges
+from coordloader.text import MAX_NAME_CHARS, ArgumentParser, clip, format_ranges
 
 
 def parse_placement(v: str):
@@ -29,6 +29,9 @@ def parse_placement(v: str):
             m = json.loads(v)
         except json.JSONDecodeError as e:
             raise PlanError(f"--placement: {v!r} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise PlanError(f"--placement: {clip(repr(v), MAX_NAME_CHARS)} is nested too "
+                            f"deeply (expected a list of expert-id lists)") from None
     else:
         m = read_json_file(v, "--placement file")
     if isinstance(m, dict):

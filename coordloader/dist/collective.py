@@ -98,6 +98,9 @@ from coordloader.text import MAX_MESSAGE_CHARS, MAX_NAME_CHARS, clip, format_ran
 from coordloader.errors import CollectiveError, CoordloaderError
 
 DEFAULT_TIMEOUT_S = 300.0
+# the largest timeout taken: the store turns a deadline past what time_t holds into a C++
+# abort (--timeout 1e10), and no collective needs a week
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 DEFAULT_GRACE_S = 5.0
 _NAMESPACES: dict[str, int] = {}   # per-store-identity counter; same order on every rank
 
@@ -298,7 +301,7 @@ class Group:
                 dist.destroy_process_group(self.pg)
 
 
-def _env_int(name: str) -> int | None:
+def env_int(name: str) -> int | None:
     v = os.environ.get(name)
     if v is None or v == "":
         return None
@@ -309,7 +312,7 @@ def _env_int(name: str) -> int | None:
 
 
 def _env_port() -> int | None:
-    port = _env_int("MASTER_PORT")
+    port = env_int("MASTER_PORT")
     if port is not None and not 1 <= port <= 65535:
         # torch's binding would raise a TypeError about uint16 arguments
         raise CollectiveError(f"environment variable MASTER_PORT={port} is not a TCP port; "
@@ -332,7 +335,7 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
     grace = float(grace_s if grace_s is not None else min(DEFAULT_GRACE_S, timeout_s))
     if dist.is_available() and dist.is_initialized():
         return wrap_group(None, timeout_s, grace_s=grace)
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    rank, world = env_int("RANK"), env_int("WORLD_SIZE")
     if rank is None or world is None:
         return Group(rank=0, world=1, timeout_s=timeout_s, grace_s=grace)
     if world < 1 or not 0 <= rank < world:
@@ -390,7 +393,7 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
         addr, port, world, is_master=False, timeout=td, wait_for_workers=False)))
     device = None
     if backend == "nccl":
-        local = _env_int("LOCAL_RANK")
+        local = env_int("LOCAL_RANK")
         device = local if local is not None else rank % torch.cuda.device_count()
         torch.cuda.set_device(device)
 
