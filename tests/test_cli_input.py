@@ -164,3 +164,16 @@ def test_a_local_rank_that_is_not_an_integer_is_named(tmp_path, monkeypatch, cap
         main([str(tmp_path / "ck"), "--quiet"])
     assert ei.value.code == 1
     assert "environment variable LOCAL_RANK='x' is not an integer" in capsys.readouterr().err
+
+
+def test_a_single_process_rank_is_the_rank_an_error_names(tmp_path, monkeypatch, capsys):
+    """load --rank 1 printed 'coordloader: rank 0: ...' for the errors of rank 1."""
+    from coordloader.cli.load import main
+    from coordloader.synth import synthesize
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    with pytest.raises(SystemExit) as ei:
+        main([ck, "--tp", "2", "--rank", "7", "--quiet"])
+    assert ei.value.code == 1
+    assert capsys.readouterr().err.startswith("coordloader: rank 7: LoadError: ")

@@ -209,7 +209,8 @@ def _run(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    with collective.exit_on_error():
+    # single-process --rank N: the rank loaded is N (under torchrun: $RANK, as before)
+    with collective.exit_on_error(rank=args.rank):
         return _run(args)
 
 
