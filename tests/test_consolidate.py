@@ -104,7 +104,9 @@ def test_refusals(tmp_path):
     src = synthesize(str(tmp_path / "src"), "llama", "tiny")
     out = str(tmp_path / "hf")
     consolidate(src, out)
-    with pytest.raises(SaveError, match="already exists"):
+    # the CLI's flag named too (python -m coordloader.consolidate runs the same code)
+    with pytest.raises(SaveError, match=r"already exists here; pass overwrite=True "
+                                        r"\(--overwrite\) to replace it"):
         consolidate(src, out)
     consolidate(src, out, overwrite=True, max_shard_bytes=100_000)
     got, idx = _hf_tensors(out)

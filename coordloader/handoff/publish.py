@@ -190,7 +190,7 @@ def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str) 
     if rec is not None and not (overwrite and _lost_files(out_dir, rec)):
         _roll_forward(out_dir, rec)
     if existing_checkpoint(out_dir) is not None and not overwrite:
-        raise SaveError("a checkpoint already exists here; pass overwrite=True to replace it",
+        raise SaveError("a checkpoint already exists here; pass overwrite=True (--overwrite) to replace it",
                         file=out_dir, rank=rank)
     # Leftovers of a save killed before it published (never part of a checkpoint).
     for n in os.listdir(out_dir):
