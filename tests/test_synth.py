@@ -430,6 +430,31 @@ def test_refuses_non_empty_out_and_overwrites_on_request(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p != "o"]  # no temp dirs left behind
 
 
+def test_an_output_that_cannot_be_made_is_a_save_error(tmp_path, monkeypatch):
+    """A parent that is a file failed with a bare FileExistsError; a failing move into
+    place with an untyped OSError, the previous contents left aside."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SaveError) as e:
+        synth.synthesize(str(tmp_path / "afile" / "sub"), "llama", "tiny")
+    assert str(e.value) == (f"file {tmp_path / 'afile' / 'sub'}: cannot create the output "
+                            f"directory: File exists")
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    real = os.rename
+
+    def rename(a, b):
+        if os.path.basename(str(a)).startswith(".o.synth-") and not str(a).endswith(".old"):
+            raise OSError(13, "Permission denied")
+        return real(a, b)
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(SaveError, match="cannot move the new checkpoint into place: Permission "
+                                        "denied; nothing replaced"):
+        synth.synthesize(str(out), "llama", "tiny", overwrite=True)
+    assert os.listdir(out) == ["keep.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["afile", "o"]
+
+
 def test_empty_out_dir_is_filled(tmp_path):
     out = tmp_path / "empty"
     out.mkdir()

@@ -202,11 +202,15 @@ def synthesize(out_dir: str, arch: str, size: str = "tiny", *, shards: int | Non
     _prepare_out(out_dir, overwrite)
 
     parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
     base = os.path.basename(out_dir)
     work = os.path.join(parent, f".{base}.synth-{os.getpid()}-{threading.get_ident()}")
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+        os.makedirs(work)
+    except OSError as e:
+        raise SaveError(f"cannot create the output directory: {e.strerror or e}",
+                        file=out_dir) from None
     meta = {"format": "pt", "coordloader.synth": f"{arch}/{size}/seed={seed}"
             + ("/metadata-only" if metadata_only else "")}
     try:
@@ -248,7 +252,17 @@ def _swap_in(work: str, out_dir: str, overwrite: bool) -> None:
             raise SaveError("output directory became non-empty while writing; nothing replaced",
                             file=out_dir)
         old = work + ".old"
-        os.rename(out_dir, old)
-    os.rename(work, out_dir)
+        try:
+            os.rename(out_dir, old)
+        except OSError as e:
+            raise SaveError(f"cannot move the previous contents aside: {e.strerror or e}; "
+                            f"nothing replaced", file=out_dir) from None
+    try:
+        os.rename(work, out_dir)
+    except OSError as e:
+        if old:
+            os.rename(old, out_dir)   # the previous contents back where they were
+        raise SaveError(f"cannot move the new checkpoint into place: {e.strerror or e}; "
+                        f"nothing replaced", file=out_dir) from None
     if old:
         shutil.rmtree(old, ignore_errors=True)
