@@ -301,3 +301,21 @@ def test_repeats_vary_the_order_and_the_neighbours(monkeypatch):
     again: list[str] = []
     run(again)
     assert again == order
+
+
+def test_failed_methods_fail_the_run_and_bad_input_is_a_usage_error(tiny_ckpt, tmp_path):
+    """--timeout 0 failed every method and exited 0; --tp 0 and --worlds x printed a
+    traceback; --out naming a file raised a bare FileExistsError."""
+    p = _bench(["load", "--ckpt", tiny_ckpt, "--timeout", "0", "--out", str(tmp_path / "o")])
+    assert p.returncode == 2 and "--timeout" in p.stderr and "Traceback" not in p.stderr
+    p = _bench(["load", "--ckpt", tiny_ckpt, "--repeats", "1", "--no-cold", "--timeout",
+                "0.001", "--methods", "span,cpu", "--out", str(tmp_path / "o")])
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    for bad in (["--tp", "0"], ["--worlds", "x"]):
+        p = _bench(["plan", *bad, "--out", str(tmp_path / "o")])
+        assert p.returncode == 2 and bad[0] in p.stderr and "Traceback" not in p.stderr
+    (tmp_path / "afile").write_text("x")
+    p = _bench(["load", "--ckpt", tiny_ckpt, "--repeats", "1", "--no-cold", "--methods", "span",
+                "--out", str(tmp_path / "afile")])
+    assert p.returncode == 1 and "cannot write the results to" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr

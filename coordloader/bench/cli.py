@@ -12,7 +12,9 @@ import traceback
 from coordloader.bench import report
 from coordloader.bench.common import cached_checkpoint, machine_info
 from coordloader.bench.common import log_err as log
-from coordloader.text import ArgumentParser
+from coordloader.cli.common import positive_number
+from coordloader.errors import CoordloaderError
+from coordloader.text import MAX_NAME_CHARS, ArgumentParser, clip
 
 SECTIONS = ("load", "verify", "save", "plan")
 
@@ -41,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "qwen3_moe)")
     ap.add_argument("--size", default="small", choices=("tiny", "small", "full"),
                     help="size to synthesize (default small, ~1.2 GB for qwen3_moe)")
-    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks of the load "
+    ap.add_argument("--tp", type=_ranks, default=2, help="tensor-parallel ranks of the load "
                                                       "benches (default 2)")
     ap.add_argument("--out", metavar="DIR", default="bench-out",
                     help="output directory for results.md, results.json and plots "
@@ -51,15 +53,31 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cold-repeats", type=int, default=1,
                     help="cold-cache repeats per method (default 1)")
     ap.add_argument("--no-cold", action="store_true", help="skip cold-cache runs")
-    ap.add_argument("--worlds", metavar="N,N,...",
+    ap.add_argument("--worlds", metavar="N,N,...", type=_worlds,
                     help="rank counts for the plan bench (default 8,16,...,1024; with --quick "
                          "8,64,1024)")
     from coordloader.bench.load_bench import load_methods
     ap.add_argument("--methods", metavar="M,M,...",
                     help=f"load methods to run (default: all that apply): {', '.join(load_methods())}")
-    ap.add_argument("--timeout", type=float, default=900.0,
+    ap.add_argument("--timeout", type=positive_number("seconds"), default=900.0,
                     help="seconds before a stuck rank is killed (default 900)")
     return ap
+
+
+def _ranks(text: str) -> int:
+    """argparse type: a rank count >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{clip(repr(text), MAX_NAME_CHARS)}: expected a whole "
+                                         f"number of ranks >= 1")
+    return n
+
+
+def _worlds(text: str) -> list[int]:
+    return [_ranks(x) for x in text.split(",")]
 
 
 def main(argv=None) -> int:
@@ -117,21 +135,30 @@ def main(argv=None) -> int:
                 from coordloader.bench.plan_bench import QUICK_WORLDS, bench_plan
                 pc = (os.path.abspath(a.plan_ckpt) if a.plan_ckpt else
                       cached_checkpoint("deepseek_v3", "full", metadata_only=True, log=log))
-                worlds = ([int(x) for x in a.worlds.split(",")] if a.worlds else
-                          (QUICK_WORLDS if a.quick else None))
+                worlds = a.worlds or (QUICK_WORLDS if a.quick else None)
                 results["plan"] = bench_plan(pc, worlds=worlds, repeats=min(repeats, 3),
                                              log=log)
         except Exception as e:  # one section's failure must not hide the others' figures
             results["errors"][sec] = f"{type(e).__name__}: {e}"
             log(f"[bench] {sec} failed: {type(e).__name__}: {e}")
-            log(traceback.format_exc())
+            if not isinstance(e, CoordloaderError):   # a typed error says it all; others are bugs
+                log(traceback.format_exc())
+        # a method that failed is a failed run too, not only a whole section
+        got = results.get(sec)
+        for m, why in ((got.get("failed") if isinstance(got, dict) else None) or {}).items():
+            results["errors"][f"{sec}: {m}"] = why
     results["seconds"] = time.perf_counter() - t_start
     from coordloader.bench.plots import write_plots
-    plots, note = write_plots(a.out, results)
-    results["plots"] = plots
-    if note:
-        results.setdefault("notes", []).append(note)
-    paths = report.write(a.out, results)
+    try:
+        plots, note = write_plots(a.out, results)
+        results["plots"] = plots
+        if note:
+            results.setdefault("notes", []).append(note)
+        paths = report.write(a.out, results)
+    except OSError as e:
+        print(f"coordloader bench: cannot write the results to {a.out}: {e.strerror or e}",
+              file=sys.stderr)
+        return 1
     print(report.render(results))
     print(f"wrote {paths['markdown']}, {paths['json']}"
           + (", " + ", ".join(plots) if plots else "") + f" in {results['seconds']:.0f} s")
