@@ -31,8 +31,13 @@ if [[ -z "${CKPT:-}" ]]; then
     "$PYTHON" -m coordloader.synth --arch qwen3_moe --size tiny "$CKPT"
   fi
 fi
-if [[ $# -eq 0 ]]; then
-  set -- --tp "$NPROC"
+# no layout flag given: --tp $NPROC (also beside other flags, such as --verify digest)
+has_layout=0
+for a in "$@"; do
+  case "$a" in --tp|--tp=*|--pp|--pp=*|--dp|--dp=*|--ep|--ep=*) has_layout=1 ;; esac
+done
+if [[ $has_layout -eq 0 ]]; then
+  set -- --tp "$NPROC" "$@"
 fi
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
   -m coordloader.load "$CKPT" --device "$DEVICE" "$@"

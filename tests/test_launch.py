@@ -21,7 +21,9 @@ def test_local_sh_runs_two_cpu_ranks(tmp_path):
     ckpt = synthesize(str(tmp_path / "ck"), "llama", "tiny")
     env = dict(os.environ, NPROC="2", CKPT=ckpt, DEVICE="cpu", PYTHON=sys.executable,
                MASTER_PORT=str(free_port()), PET_MASTER_PORT=str(free_port()))
-    p = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "--tp", "2",
+    # no layout flag, other flags given: the default --tp $NPROC still applies (it applied
+    # only when no argument at all was given)
+    p = subprocess.run(["bash", str(REPO / "launch" / "local.sh"),
                         "--report", str(tmp_path / "r.json"), "--quiet"],
                        capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
