@@ -177,3 +177,17 @@ def test_a_single_process_rank_is_the_rank_an_error_names(tmp_path, monkeypatch,
         main([ck, "--tp", "2", "--rank", "7", "--quiet"])
     assert ei.value.code == 1
     assert capsys.readouterr().err.startswith("coordloader: rank 7: LoadError: ")
+
+
+def test_quiet_digest_without_a_manifest_still_says_what_was_not_proved(tmp_path, monkeypatch,
+                                                                        capsys):
+    """--verify digest --quiet on a checkpoint without a manifest exited 0 silently: the
+    note that only replicas were compared was part of the summary --quiet hides."""
+    from coordloader.cli.load import main
+    from coordloader.synth import synthesize
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    assert main([ck, "--verify", "digest", "--quiet"]) == 0
+    assert ("coordloader: verify digest: no manifest: checked replicas against primaries only"
+            in capsys.readouterr().err)

@@ -185,6 +185,12 @@ def _run(args) -> int:
                           f"{', '.join(vr.get('checks', []))}", flush=True)
                     for note in vr.get("notes", []):
                         print(f"  note: {note}", flush=True)
+            vr = res.verify_report or {}
+            if (args.quiet and args.verify in ("digest", "full") and vr
+                    and "digest-manifest" not in vr.get("checks", [])):
+                # the content was not proved against the manifest: said even when quiet
+                print(f"coordloader: verify {args.verify}: {vr.get('manifest')}",
+                      file=sys.stderr, flush=True)
             if args.report:
                 report = {"checkpoint": os.path.abspath(args.checkpoint),
                           "layout": layout.to_dict(), "engine": res.stats.engine,
