@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Iterable
+from typing import Callable, Iterable
 
 
 def format_ranges(ids: Iterable[int], *, empty: str = "", max_chars: int | None = None) -> str:
@@ -53,3 +53,22 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {clip(message)}\n")
+
+
+def positive_number(unit: str, maximum: float | None = None) -> Callable[[str], float]:
+    """An argparse type: a finite number of ``unit`` above 0 (and at most ``maximum``).
+    Zero, negative, nan, inf and huge values would otherwise reach the code as a bare
+    error or be clamped into something else."""
+    def parse(text: str) -> float:
+        shown = clip(repr(text), MAX_NAME_CHARS)
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{shown} is not a number of {unit}") from None
+        if not 0 < v < float("inf"):
+            raise argparse.ArgumentTypeError(f"{shown}: expected a finite number of {unit} "
+                                             f"greater than 0")
+        if maximum is not None and v > maximum:
+            raise argparse.ArgumentTypeError(f"{shown}: expected at most {maximum:g} {unit}")
+        return v
+    return parse

@@ -12,9 +12,8 @@ import traceback
 from coordloader.bench import report
 from coordloader.bench.common import cached_checkpoint, machine_info
 from coordloader.bench.common import log_err as log
-from coordloader.cli.common import positive_number
 from coordloader.errors import CoordloaderError
-from coordloader.text import MAX_NAME_CHARS, ArgumentParser, clip
+from coordloader.text import MAX_NAME_CHARS, ArgumentParser, clip, positive_number
 
 SECTIONS = ("load", "verify", "save", "plan")
 

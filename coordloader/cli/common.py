@@ -1,13 +1,11 @@
 """What every command shares: the error/exit policy, and where outputs may go."""
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Callable
 
 from coordloader.dist.collective import exit_on_error
 from coordloader.errors import ConfigError
-from coordloader.text import MAX_NAME_CHARS, clip
 
 
 def run_command(tool: str, body: Callable[[], int | None]) -> int:
@@ -48,22 +46,3 @@ def refuse_checkpoint_dir(out_dir: str | None, checkpoint: str, flag: str) -> No
     if os.path.realpath(out_dir) == os.path.realpath(root):
         raise ConfigError(f"{flag} {out_dir} is the checkpoint directory: its files would be "
                           f"read as part of the checkpoint; write it elsewhere", file=out_dir)
-
-
-def positive_number(unit: str, maximum: float | None = None) -> Callable[[str], float]:
-    """An argparse type: a finite number of ``unit`` above 0 (and at most ``maximum``).
-    Zero, negative, nan, inf and huge values would otherwise reach the code as a bare
-    error or be clamped into something else."""
-    def parse(text: str) -> float:
-        shown = clip(repr(text), MAX_NAME_CHARS)
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{shown} is not a number of {unit}") from None
-        if not 0 < v < float("inf"):
-            raise argparse.ArgumentTypeError(f"{shown}: expected a finite number of {unit} "
-                                             f"greater than 0")
-        if maximum is not None and v > maximum:
-            raise argparse.ArgumentTypeError(f"{shown}: expected at most {maximum:g} {unit}")
-        return v
-    return parse

@@ -1,9 +1,9 @@
 """`python -m coordloader.consolidate SRC OUT: a coordloader sharded checkpoint to plain HF.`"""
 from __future__ import annotations
 
-from coordloader.cli.common import positive_number, run_command
+from coordloader.cli.common import run_command
 from coordloader.handoff.consolidate import DEFAULT_BLOCK_BYTES, consolidate
-from coordloader.text import ArgumentParser
+from coordloader.text import ArgumentParser, positive_number
 
 
 def main(argv=None) -> int:

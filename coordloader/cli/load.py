@@ -11,14 +11,14 @@ from typing import Mapping
 import torch
 
 from coordloader.checkpoint.fileio import write_file_atomic
-from coordloader.cli.common import positive_number, refuse_checkpoint_dir, refuse_checkpoint_file
+from coordloader.cli.common import refuse_checkpoint_dir, refuse_checkpoint_file
 from coordloader.cli.plan import add_layout_args, experts_held, human, layout_from_args, ranges_str
 from coordloader.dist import collective
 from coordloader.engines import ENGINE_NAMES
 from coordloader.errors import LoadError, SaveError
 from coordloader.handoff.dump import check_dump_target, dump_rank
 from coordloader.loader import VERIFY_MODES, load_detailed
-from coordloader.text import ArgumentParser
+from coordloader.text import ArgumentParser, positive_number
 
 # a timeout of 0, negative, nan, inf or past a week would reach the store as a C++ error
 # with a backtrace
