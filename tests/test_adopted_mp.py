@@ -503,3 +503,40 @@ def test_a_target_refused_on_one_rank_stops_every_rank_before_the_load(into_outc
         "target 'model.embed_tokens.weight' is torch.float32 [3, 2], this rank's slice is "
         "torch.bfloat16 [224, 128]"), got
     assert got[0][4] == got[1][4] == "LOADED True", got
+
+
+# ---- review of the phase agreement: late ranks, bad timeouts, subgroups, the store host
+
+LATE = r'''
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+import coordloader
+from coordloader import loader
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+if rank == 1:   # arrives 4 s late at the end of the load phase, with timeout=2
+    loader.PHASE_HOOKS.append(lambda n: time.sleep(4) if n == "load" else None)
+t0 = time.monotonic()
+try:
+    coordloader.load(sys.argv[1], coordloader.Layout(tp=2), engine="cpu", verify="none",
+                     timeout=2)
+    outcome = "LOADED"
+except coordloader.CoordloaderError as e:
+    outcome = type(e).__name__ + " " + " ".join(str(e).split())
+print("RESULT", f"{time.monotonic() - t0:.1f}", outcome, flush=True)
+time.sleep(8)
+os._exit(0)
+'''
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_a_rank_arriving_after_the_others_gave_up_does_not_pass(tmp_path, ckpt):
+    """Rank 0 gave up waiting at the end of the load phase and raised; rank 1, arriving
+    after, completed the arrival count and returned as loaded."""
+    res = _run_script(tmp_path, "late.py", LATE, 2, ckpt)
+    got = {r: _tagged(res, r, "RESULT").split(" ", 2)[2] for r in (0, 1)}
+    assert got[0] == ("CollectiveError phase load: rank 1 did not arrive within 2 s "
+                      "(arrived: 0)"), got
+    assert got[1] == ("CollectiveError phase load: rank 0: CollectiveError: gave up after 2 s "
+                      "waiting for the ranks that had not arrived"), got

@@ -734,6 +734,8 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
     except Exception as exc:  # noqa: BLE001
         raise _lost(group, name, exc, local) from (local or exc)
     timed_out = _wait_or_death(group, f"{k}/ev", seq, name, local)
+    if timed_out:
+        timed_out = _give_up(group, k, name, status, local)
     if not timed_out:
         try:
             nfail = st.add(f"{k}/f", 0)
@@ -763,7 +765,10 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
         gone = getattr(st, "stalled", None) or RuntimeError("store went away while reading "
                                                             "statuses")
         raise _lost(group, name, gone, local) from local
-    failures = {r: (s[2], s[3]) for r, s in statuses.items() if not s[1]}
+    # a rank that gave up waiting says so to the late ranks; to itself (and the others
+    # that timed out) the late ranks are the news
+    failures = {r: (s[2], s[3]) for r, s in statuses.items()
+                if not s[1] and not (timed_out and len(s) > 5 and s[5])}
     for r, s in statuses.items():   # collective discipline: same phase at the same step
         if s[0] != name and s[1]:
             failures[r] = ("PhaseMismatch", f"is in phase {s[0]!r} at step {seq}, "
@@ -793,6 +798,32 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
     err = _phase_error(name, failures, notes, local, missing)
     _ack_and_linger(group, str(seq), list(statuses))
     raise err from local
+
+
+# Added to a step's arrival count by a rank that gives up waiting: far above any world, so
+# count % GIVE_UP is the arrivals, and an arrival after it never counts to the world
+GIVE_UP = 1 << 40
+
+
+def _give_up(group: Group, k: str, name: str, status: tuple, local) -> bool:
+    """This rank waited out the timeout at step ``k``: claim that in the arrival count
+    itself, so no rank can still complete the count and pass the boundary while this one
+    raises (a late rank did, and returned as loaded). False when every rank arrived
+    before the claim (go on as if the wait had ended); else the claim is posted as a
+    failure, which the late ranks read when they arrive."""
+    st = group.store
+    try:
+        if st.add(f"{k}/{name}/n", GIVE_UP) % GIVE_UP >= group.world:
+            return False
+        if status[1]:
+            st.set(f"{k}/s/{group.rank}", pickle.dumps(
+                (name, False, "CollectiveError", f"gave up after {group.timeout_s:g} s "
+                 f"waiting for the ranks that had not arrived", False, True)))
+        st.add(f"{k}/f", 1)
+        st.set(f"{k}/ev", b"f")
+    except Exception as exc:  # noqa: BLE001
+        raise _lost(group, name, exc, local) from (local or exc)
+    return True
 
 
 def _wait_or_death(group: Group, key: str, seq: int, name: str, local) -> bool:
