@@ -540,3 +540,45 @@ def test_a_rank_arriving_after_the_others_gave_up_does_not_pass(tmp_path, ckpt):
                       "(arrived: 0)"), got
     assert got[1] == ("CollectiveError phase load: rank 0: CollectiveError: gave up after 2 s "
                       "waiting for the ranks that had not arrived"), got
+
+
+SUBGROUPS = r'''
+import os, shutil, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+import coordloader
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=4, timeout=timedelta(seconds=60))
+a, b = dist.new_group([0, 1]), dist.new_group([2, 3])
+ckpt = sys.argv[1]
+if rank == 3:   # a copy without one of its files: rank 3 alone fails
+    ckpt = sys.argv[2]
+try:
+    coordloader.load(ckpt, coordloader.Layout(tp=2), engine="cpu", group=a if rank < 2 else b,
+                     timeout=20)
+    outcome = "LOADED"
+except coordloader.CoordloaderError as e:
+    outcome = type(e).__name__ + " " + " ".join(str(e).split())
+print("RESULT", outcome, flush=True)
+time.sleep(3)
+os._exit(0)
+'''
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_two_groups_adopted_over_one_store_keep_their_own_boards(tmp_path, ckpt):
+    """new_group([0, 1]) and new_group([2, 3]) loading side by side shared one status
+    board: group A failed for group B's rank 1 (rank 3 globally), or named a live rank
+    dead."""
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    victim = sorted(p for p in broken.iterdir() if p.suffix == ".safetensors")[-1]
+    victim.unlink()
+    res = _run_script(tmp_path, "subgroups.py", SUBGROUPS, 4, ckpt, str(broken))
+    got = {r: _tagged(res, r, "RESULT").split(" ", 1)[1] for r in range(4)}
+    assert got[0] == got[1] == "LOADED", got
+    assert got[2].startswith("CollectiveError phase metadata-read: rank 1: CheckpointError"), got
+    assert got[3].startswith("CheckpointError") or got[3].startswith(
+        "CollectiveError phase metadata-read: rank 1: CheckpointError"), got
+    assert victim.name in got[2], got

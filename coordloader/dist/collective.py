@@ -514,9 +514,12 @@ def _heartbeats(group: Group, ranks) -> dict[int, int] | None:
 
 
 def _namespace(identity: str, restart: str) -> str:
+    """Keys of the n-th group this process forms over ``identity`` (a store, or an adopted
+    process group by name): the identity is part of them, so two groups adopted over one
+    default store (new_group([0, 1]) and new_group([2, 3])) keep separate boards."""
     n = _NAMESPACES.get(identity, 0)
     _NAMESPACES[identity] = n + 1
-    return f"coordloader/r{restart}/g{n}"
+    return f"coordloader/r{restart}/{identity}/g{n}"
 
 
 def _join(group: Group) -> None:
