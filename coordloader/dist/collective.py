@@ -95,7 +95,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from coordloader.text import MAX_MESSAGE_CHARS, MAX_NAME_CHARS, clip, format_ranges
-from coordloader.errors import CollectiveError, CoordloaderError
+from coordloader.errors import CollectiveError, ConfigError, CoordloaderError
 
 DEFAULT_TIMEOUT_S = 300.0
 # the largest timeout taken: the store turns a deadline past what time_t holds into a C++
@@ -246,6 +246,20 @@ class DeadlineStore:
     def wait(self, keys: list, timeout: timedelta) -> None:
         self._call("wait", lambda: self.inner.wait(keys, timeout),
                    timeout.total_seconds() + WAIT_MARGIN_S)
+
+
+def timeout_problem(timeout_s) -> str | None:
+    """Why ``timeout_s`` (seconds; None: the default) is no timeout, or None. Zero,
+    negative, NaN and past MAX_TIMEOUT_S reached the store as a wrong rank named, a
+    wait of 0 s or a C++ abort."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        return f"timeout must be a number of seconds, got {type(timeout_s).__name__}"
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        return (f"timeout must be a finite number of seconds above 0 and at most "
+                f"{MAX_TIMEOUT_S:g}, got {timeout_s!r}")
+    return None
 
 
 def _store_op_s(timeout_s: float) -> float:
@@ -598,10 +612,6 @@ def adopted(group, timeout_s: float | None = None):
     phase is posted for the other ranks first. The one way the library's entry points
     adopt."""
     if isinstance(group, Group):
-        yield group
-        return
-    g = wrap_group(group, timeout_s=timeout_s)
-    try:
         yield g
     except GeneratorExit:
         raise

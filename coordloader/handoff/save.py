@@ -328,12 +328,14 @@ def save_distributed(out_dir, tensors, plan=None, *, group=None, rank: int | Non
                      digests: bool = True, timeout: float | None = None) -> SaveResult:
     """Every rank of ``group`` (default: the default group) calls this; errors are agreed
     at each phase (prepare, write, publish) so every rank raises, naming the failing one."""
-    out_dir = output_dir(out_dir, usage=SAVE_USAGE)
-    _check_args(max_shard_bytes)
     from coordloader.dist import collective as coll
     # a coordloader Group, for error agreement with rank naming and ``timeout`` seconds at
     # each phase boundary (the collective default if None)
     with coll.adopted(group, timeout) as g:
+        # checked once adopted: a rank refusing its arguments alone reaches the others at
+        # their first boundary, and every rank's next adoption stays in step
+        out_dir = output_dir(out_dir, g.rank, usage=SAVE_USAGE)
+        _check_args(max_shard_bytes)
         return _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrite,
                                  config, digests)
 
