@@ -507,6 +507,34 @@ def test_a_target_refused_on_one_rank_stops_every_rank_before_the_load(into_outc
 
 # ---- review of the phase agreement: late ranks, bad timeouts, subgroups, the store host
 
+# rank 1 alone passes a timeout load() refuses, then both load; then rank 1 alone a
+# max_shard_bytes save() refuses, then both save
+BAD_TIMEOUT = _one_rank_refuses(
+    '[("8s", 1), (float("nan"), 1), (0, 1), (1e10, 1), (20, 0), (20, 1)]',
+    '(coordloader.load(sys.argv[1], coordloader.Layout(tp=2), engine="cpu", timeout=arg[0]) '
+    'if attempt < 4 else coordloader.save(sys.argv[2] + "/s", coordloader.load('
+    'sys.argv[1], coordloader.Layout(tp=2), engine="cpu", timeout=20), '
+    'coordloader.make_plan(sys.argv[1], coordloader.Layout(tp=2)), group=dist.group.WORLD, '
+    'config=sys.argv[1], max_shard_bytes=arg[1], timeout=20, overwrite=True))')
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_a_timeout_or_save_argument_refused_on_one_rank_keeps_the_ranks_in_step(tmp_path, ckpt):
+    """A timeout of '8s' (a bare ValueError), nan, 0 or 1e10 on rank 1 alone, and a
+    save's max_shard_bytes=0: refused before the group was adopted, so rank 0 waited out
+    its timeout and every later call paired one rank's call with the other's next."""
+    got = _outcomes(_run_script(tmp_path, "badtimeout.py", BAD_TIMEOUT, 2, ckpt,
+                                str(tmp_path)), 6)
+    for i in range(4):
+        assert got[1][i].startswith("ConfigError rank 1: timeout must be a"), got
+        assert got[0][i].startswith("CollectiveError phase metadata-read: rank 1: "
+                                    "ConfigError: timeout must be a"), got
+    assert got[1][4] == "SaveError max_shard_bytes must be positive, got 0", got
+    assert got[0][4].startswith("CollectiveError phase ") and got[0][4].endswith(
+        ": rank 1: SaveError: max_shard_bytes must be positive, got 0"), got
+    assert got[0][5] == got[1][5] == "LOADED", got
+
+
 LATE = r'''
 import os, sys, time
 from datetime import timedelta
@@ -584,29 +612,38 @@ def test_two_groups_adopted_over_one_store_keep_their_own_boards(tmp_path, ckpt)
     assert victim.name in got[2], got
 
 
-# rank 1 alone passes a timeout load() refuses, then both load; then rank 1 alone a
-# max_shard_bytes save() refuses, then both save
-BAD_TIMEOUT = _one_rank_refuses(
-    '[("8s", 1), (float("nan"), 1), (0, 1), (1e10, 1), (20, 0), (20, 1)]',
-    '(coordloader.load(sys.argv[1], coordloader.Layout(tp=2), engine="cpu", timeout=arg[0]) '
-    'if attempt < 4 else coordloader.save(sys.argv[2] + "/s", coordloader.load('
-    'sys.argv[1], coordloader.Layout(tp=2), engine="cpu", timeout=20), '
-    'coordloader.make_plan(sys.argv[1], coordloader.Layout(tp=2)), group=dist.group.WORLD, '
-    'config=sys.argv[1], max_shard_bytes=arg[1], timeout=20, overwrite=True))')
+HOST_EXITS = r'''
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+import coordloader
+from coordloader.dist import collective as coll
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+if rank == 1:   # reads each step's failure count a little late, as a loaded host would
+    add = coll.DeadlineStore.add
+    def slow_add(self, key, n):
+        if key.endswith("/f") and n == 0:
+            time.sleep(0.5)
+        return add(self, key, n)
+    coll.DeadlineStore.add = slow_add
+try:
+    coordloader.load(sys.argv[1], coordloader.Layout(tp=2), engine="cpu", timeout=10)
+    outcome = "LOADED"
+except coordloader.CoordloaderError as e:
+    outcome = type(e).__name__ + " " + " ".join(str(e).split())
+print("RESULT", outcome, flush=True)
+if rank == 1:
+    time.sleep(2)
+os._exit(0)   # rank 0, the store's host, exits as soon as its load returns
+'''
 
 
 @pytest.mark.slow   # rank processes over gloo
-def test_a_timeout_or_save_argument_refused_on_one_rank_keeps_the_ranks_in_step(tmp_path, ckpt):
-    """A timeout of '8s' (a bare ValueError), nan, 0 or 1e10 on rank 1 alone, and a
-    save's max_shard_bytes=0: refused before the group was adopted, so rank 0 waited out
-    its timeout and every later call paired one rank's call with the other's next."""
-    got = _outcomes(_run_script(tmp_path, "badtimeout.py", BAD_TIMEOUT, 2, ckpt,
-                                str(tmp_path)), 6)
-    for i in range(4):
-        assert got[1][i].startswith("ConfigError rank 1: timeout must be a"), got
-        assert got[0][i].startswith("CollectiveError phase metadata-read: rank 1: "
-                                    "ConfigError: timeout must be a"), got
-    assert got[1][4] == "SaveError max_shard_bytes must be positive, got 0", got
-    assert got[0][4].startswith("CollectiveError phase ") and got[0][4].endswith(
-        ": rank 1: SaveError: max_shard_bytes must be positive, got 0"), got
-    assert got[0][5] == got[1][5] == "LOADED", got
+def test_the_store_host_returning_first_does_not_fail_the_others(tmp_path, ckpt):
+    """Rank 0 (hosting the default store) returned and exited while rank 1 still read the
+    last step's failure count: rank 1's load failed with 'lost contact with the
+    coordination store'."""
+    res = _run_script(tmp_path, "hostexits.py", HOST_EXITS, 2, ckpt)
+    got = {r: _tagged(res, r, "RESULT").split(" ", 1)[1] for r in (0, 1)}
+    assert got == {0: "LOADED", 1: "LOADED"}, got

@@ -309,6 +309,12 @@ class Group:
                                     timedelta(seconds=self.timeout_s))
                 else:
                     self.store.set(f"close/{self.rank}", b"1")
+                    if self.store_host_unknown:
+                        # an adopted group's host is any rank: one that returned and exited
+                        # took the store from a rank still reading the last step's count.
+                        # They all passed that step together, so this is short; bounded.
+                        self.store.wait([f"close/{r}" for r in range(self.world)],
+                                        timedelta(seconds=min(self.grace_s, self.timeout_s)))
         if self.owns_pg:
             import torch.distributed as dist
             with contextlib.suppress(Exception):
@@ -612,6 +618,15 @@ def adopted(group, timeout_s: float | None = None):
     phase is posted for the other ranks first. The one way the library's entry points
     adopt."""
     if isinstance(group, Group):
+        yield group
+        return
+    bad = timeout_problem(timeout_s)
+    # a bad timeout on one rank is refused once adopted (with the default), like any other
+    # argument: refused before, this rank's next adoption paired with the others' current one
+    g = wrap_group(group, timeout_s=None if bad else timeout_s)
+    try:
+        if bad:
+            raise ConfigError(bad, rank=g.rank)
         yield g
     except GeneratorExit:
         raise
