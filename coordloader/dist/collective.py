@@ -809,7 +809,8 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
         # failing: those are the late ones) because of it. Name it alone, so every rank
         # prints the same line whatever it saw of the breakage.
         failures = {r: f for r, f in failures.items()
-                    if not (len(statuses[r]) > 4 and statuses[r][4])}
+                    if not (len(statuses[r]) > 4 and statuses[r][4])
+                    and not (len(statuses[r]) > 5 and statuses[r][5])}
         late = []
     notes = []
     if dead:
@@ -845,8 +846,8 @@ def _give_up(group: Group, k: str, name: str, status: tuple, local) -> bool:
             return False
         if status[1]:
             st.set(f"{k}/s/{group.rank}", pickle.dumps(
-                (name, False, "CollectiveError", f"gave up after {group.timeout_s:g} s "
-                 f"waiting for the ranks that had not arrived", False, True)))
+                (name, False, "CollectiveError", f"stopped waiting for the ranks that had "
+                 f"not arrived (timeout {group.timeout_s:g} s)", False, True)))
         st.add(f"{k}/f", 1)
         st.set(f"{k}/ev", b"f")
     except Exception as exc:  # noqa: BLE001
