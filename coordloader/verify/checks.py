@@ -606,6 +606,14 @@ def _cover_findings(holders: Mapping[str, Holders], meta, excluded: set[str],
     return cover_ok
 
 
+def _manifest_entry(name: str, manifest, failures: list[Finding]):
+    """The manifest's entry for ``name``; None, with the finding, when it has none."""
+    md = manifest.get(name)
+    if md is None:
+        failures.append(_finding(None, "digest", "not in the manifest", name))
+    return md
+
+
 def _rest_findings(name: str, h: Holders, digests: Mapping[int, Mapping[str, list[str]]],
                    rest: list[int], manifest, failures: list[Finding], notes: list[str]) -> None:
     """One rank's pieces of a split tensor, with the rest of it re-read from the
@@ -615,9 +623,8 @@ def _rest_findings(name: str, h: Holders, digests: Mapping[int, Mapping[str, lis
     if any(x is None for x in d):
         notes.append(f"{name}: not compared with the manifest (digests missing)")
         return
-    md = manifest.get(name)
+    md = _manifest_entry(name, manifest, failures)
     if md is None:
-        failures.append(_finding(None, "digest", "not in the manifest", name))
         return
     got = combine([int(x[i], 16) for x, (_, i, _) in zip(d, pieces)] + list(rest))
     if got != md.digest:
@@ -654,9 +661,8 @@ def _digest_findings(name: str, h: Holders, digests: Mapping[int, Mapping[str, l
         # would only add a false "content differs"
         notes.append(f"{name}: not compared with the manifest (primary digests missing)")
         return
-    md = manifest.get(name)
+    md = _manifest_entry(name, manifest, failures)
     if md is None:
-        failures.append(_finding(None, "digest", "not in the manifest", name))
         return
     got = combine(d for _, _, d in prim_d.values())
     if got != md.digest:
