@@ -249,6 +249,11 @@ os._exit(0)
 '''
 
 
+def res_lines(res, r: int) -> list[str]:
+    """Rank ``r``'s ``RESULT`` lines."""
+    return [ln for ln in res[r][1].splitlines() if ln.startswith("RESULT ")]
+
+
 def _outcomes(res, n: int) -> dict:
     """Each rank's ``n`` attempt outcomes; every attempt ended well inside the timeout
     (20 s), that is, no rank waited it out for the other."""
@@ -523,10 +528,13 @@ def test_a_timeout_or_save_argument_refused_on_one_rank_keeps_the_ranks_in_step(
     """A timeout of '8s' (a bare ValueError), nan, 0 or 1e10 on rank 1 alone, and a
     save's max_shard_bytes=0: refused before the group was adopted, so rank 0 waited out
     its timeout and every later call paired one rank's call with the other's next."""
-    got = _outcomes(_run_script(tmp_path, "badtimeout.py", BAD_TIMEOUT, 2, ckpt,
-                                str(tmp_path)), 6)
+    res = _run_script(tmp_path, "badtimeout.py", BAD_TIMEOUT, 2, ckpt, str(tmp_path))
+    got = _outcomes(res, 6)
     for i in range(4):
         assert got[1][i].startswith("ConfigError rank 1: timeout must be a"), got
+        # a refusal outside a phase waited 5 s at close() for ranks that never close
+        took = [float(ln.split(" ", 3)[2]) for ln in res_lines(res, 1)][i]
+        assert took < 4, (i, took)
         assert got[0][i].startswith("CollectiveError phase metadata-read: rank 1: "
                                     "ConfigError: timeout must be a"), got
     assert got[1][4] == "SaveError max_shard_bytes must be positive, got 0", got

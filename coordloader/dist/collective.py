@@ -636,6 +636,7 @@ def adopted(group, timeout_s: float | None = None):
             # the others learn why at their next boundary, rather than calling this rank
             # dead once close() below stops its heartbeat
             _post_leaving(g, exc)
+            g._failed = True   # close() waits for no one: the others have failed too
         raise
     finally:
         g.close()
@@ -740,6 +741,7 @@ def _post_leaving(group: Group, exc: BaseException) -> None:
         st.add(f"{seq}/f", 1)
         st.set(f"{seq}/ev", b"f")
         st.set(f"ack/{seq}/{group.rank}", b"1")   # gone: the store host need not wait for it
+        st.set(f"close/{group.rank}", b"1")       # nor an adopted group's ranks, at close()
 
 
 def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
