@@ -574,8 +574,76 @@ def test_a_rank_arriving_after_the_others_gave_up_does_not_pass(tmp_path, ckpt):
     got = {r: _tagged(res, r, "RESULT").split(" ", 2)[2] for r in (0, 1)}
     assert got[0] == ("CollectiveError phase load: rank 1 did not arrive within 2 s "
                       "(arrived: 0)"), got
-    assert got[1] == ("CollectiveError phase load: rank 0: CollectiveError: stopped waiting "
-                      "for the ranks that had not arrived (timeout 2 s)"), got
+    assert got[1] == ("CollectiveError phase load: arrived after rank 0 stopped waiting for "
+                      "it (timeout 2 s): this rank is late, the others have stopped"), got
+
+
+LATE3 = r'''
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from coordloader.dist import collective as coll
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=60))
+g = coll.wrap_group(None, timeout_s=4)
+time.sleep({0: 0.0, 1: 0.5, 2: 12.0}[rank])
+t0 = time.monotonic()
+try:
+    coll.run_phase("load", lambda: None, g)
+    outcome = "PASSED"
+except coll.CollectiveError as e:
+    outcome = " ".join(str(e).split())
+print("RESULT", f"{time.monotonic() - t0:.1f}", outcome, flush=True)
+g.close()
+time.sleep(15 if rank == 0 else 3)   # rank 0 hosts the store: alive for the late rank
+os._exit(0)
+'''
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_ranks_waiting_when_another_gives_up_wait_only_their_own_timeout(tmp_path):
+    """Three ranks, rank 2 late: rank 1, still waiting when rank 0 gave up, was woken as if
+    by a failure, waited the grace on top of the timeout and named rank 0's giving up as
+    a failure."""
+    res = _run_script(tmp_path, "late3.py", LATE3, 3)
+    got = {r: _tagged(res, r, "RESULT").split(" ", 2) for r in range(3)}
+    for r in (0, 1):
+        assert got[r][2] == "phase load: rank 2 did not arrive within 4 s (arrived: 0,1)", got
+        assert float(got[r][1]) < 4 + 3.5, got   # was the timeout + the 5 s grace and more
+    assert got[2][2] == ("phase load: arrived after ranks 0,1 stopped waiting for it (timeout "
+                         "4 s): this rank is late, the others have stopped"), got
+
+
+MISMATCH2 = r'''
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from coordloader.dist import collective as coll
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+g = coll.wrap_group(None, timeout_s=3)
+try:
+    coll.run_phase("read" if rank == 0 else "write", lambda: None, g)
+    outcome = "PASSED"
+except coll.CollectiveError as e:
+    outcome = " ".join(str(e).split())
+print("RESULT", outcome, flush=True)
+g.close()
+time.sleep(3)
+os._exit(0)
+'''
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_ranks_in_different_phases_name_each_other_when_they_stop_waiting(tmp_path):
+    """Two ranks at one step in different phases: each names the other's phase (the
+    claim of a rank giving up replaced its status, and the message named nobody)."""
+    res = _run_script(tmp_path, "mismatch2.py", MISMATCH2, 2)
+    got = {r: _tagged(res, r, "RESULT").split(" ", 1)[1] for r in (0, 1)}
+    assert got[0] == ("phase read: rank 1: PhaseMismatch: is in phase 'write' at step 0, not "
+                      "'read'"), got
+    assert got[1] == ("phase write: rank 0: PhaseMismatch: is in phase 'read' at step 0, not "
+                      "'write'"), got
 
 
 SUBGROUPS = r'''

@@ -759,13 +759,18 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
         if not ok:
             st.add(f"{k}/f", 1)
             st.set(f"{k}/ev", b"f")        # wake the others now: no need to wait for all
-        if st.add(f"{k}/{name}/n", 1) == world:
+        arrived = st.add(f"{k}/{name}/n", 1)
+        if arrived == world:
             st.set(f"{k}/ev", b"a")
     except Exception as exc:  # noqa: BLE001
         raise _lost(group, name, exc, local) from (local or exc)
+    if arrived >= GIVE_UP:
+        _raise_late(group, k, name, local)
     timed_out = _wait_or_death(group, f"{k}/ev", seq, name, local)
+    absent = None    # the ranks missing when this rank gave up waiting
     if timed_out:
-        timed_out = _give_up(group, k, name, status, local)
+        absent = _give_up(group, k, name, local)
+        timed_out = absent is not None
     if not timed_out:
         try:
             nfail = st.add(f"{k}/f", 0)
@@ -797,13 +802,14 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
         raise _lost(group, name, gone, local) from local
     # a rank that gave up waiting says so to the late ranks; to itself (and the others
     # that timed out) the late ranks are the news
-    failures = {r: (s[2], s[3]) for r, s in statuses.items()
-                if not s[1] and not (timed_out and len(s) > 5 and s[5])}
+    failures = {r: (s[2], s[3]) for r, s in statuses.items() if not s[1]}
     for r, s in statuses.items():   # collective discipline: same phase at the same step
         if s[0] != name and s[1]:
             failures[r] = ("PhaseMismatch", f"is in phase {s[0]!r} at step {seq}, "
                                             f"not {name!r}")
     missing = [r for r in range(world) if r not in statuses]
+    if absent:   # a rank arriving during the claim is late all the same
+        missing = sorted(set(missing) | set(absent))
     dead = _dead_ranks(group, missing)
     late = [r for r in missing if r not in dead]
     if dead:
@@ -811,8 +817,7 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
         # failing: those are the late ones) because of it. Name it alone, so every rank
         # prints the same line whatever it saw of the breakage.
         failures = {r: f for r, f in failures.items()
-                    if not (len(statuses[r]) > 4 and statuses[r][4])
-                    and not (len(statuses[r]) > 5 and statuses[r][5])}
+                    if not (len(statuses[r]) > 4 and statuses[r][4])}
         late = []
     notes = []
     if dead:
@@ -825,7 +830,8 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
             notes.append(f"{_rank_word(late)} did not report within "
                          f"{min(group.grace_s, group.timeout_s):g} s of the failure")
     if timed_out and late:
-        notes[-1] += f" (arrived: {format_ranges(statuses) or 'none'})"
+        notes[-1] += (f" (arrived: "
+                      f"{format_ranges([r for r in statuses if r not in missing]) or 'none'})")
     err = _phase_error(name, failures, notes, local, missing)
     _ack_and_linger(group, str(seq), list(statuses))
     raise err from local
@@ -836,25 +842,34 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
 GIVE_UP = 1 << 40
 
 
-def _give_up(group: Group, k: str, name: str, status: tuple, local) -> bool:
+def _give_up(group: Group, k: str, name: str, local) -> list[int] | None:
     """This rank waited out the timeout at step ``k``: claim that in the arrival count
-    itself, so no rank can still complete the count and pass the boundary while this one
-    raises (a late rank did, and returned as loaded). False when every rank arrived
-    before the claim (go on as if the wait had ended); else the claim is posted as a
-    failure, which the late ranks read when they arrive."""
+    itself, so that no rank can still complete the count and pass the boundary while
+    this one raises (a late rank did, and returned as loaded); a rank arriving after the
+    claim reads it in the count it gets back. -> the ranks that had not arrived, or None
+    when every rank arrived before the claim (go on as if the wait had ended)."""
     st = group.store
+    present = _present(group, f"{k}/s/") or []
     try:
         if st.add(f"{k}/{name}/n", GIVE_UP) % GIVE_UP >= group.world:
-            return False
-        if status[1]:
-            st.set(f"{k}/s/{group.rank}", pickle.dumps(
-                (name, False, "CollectiveError", f"stopped waiting for the ranks that had "
-                 f"not arrived (timeout {group.timeout_s:g} s)", False, True)))
-        st.add(f"{k}/f", 1)
-        st.set(f"{k}/ev", b"f")
+            return None
+        st.set(f"{k}/g/{group.rank}", b"1")    # who gave up, for the late ranks' message
     except Exception as exc:  # noqa: BLE001
         raise _lost(group, name, exc, local) from (local or exc)
-    return True
+    return [r for r in range(group.world) if r not in present]
+
+
+def _raise_late(group: Group, k: str, name: str, local) -> None:
+    """This rank arrived after another gave up waiting at step ``k``: the others have
+    raised (or are raising), so this one must not pass the boundary either."""
+    gave = _present(group, f"{k}/g/") or []
+    who = _rank_word(gave) if gave else "another rank"
+    note = (f"arrived after {who} stopped waiting for it (timeout {group.timeout_s:g} s): "
+            f"this rank is late, the others have stopped")
+    err = _phase_error(name, {}, [note], local)
+    _ack_and_linger(group, k, [])
+    group._failed = True
+    raise err from local
 
 
 def _wait_or_death(group: Group, key: str, seq: int, name: str, local) -> bool:
