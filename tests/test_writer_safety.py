@@ -263,3 +263,13 @@ def test_dump_of_another_layout_is_refused_or_replaced_whole(tmp_path, tiny):
     check_dump_target(d, 1, 2, overwrite=True)
     dump_rank(d, 0, t0, plan_digest="tp2", world=2, overwrite=True)
     assert sorted(os.listdir(d)) == ["rank-00000.safetensors", "rank-00001.safetensors"]
+
+
+def test_dump_rank_without_a_world_writes_in_any_rank_order(tmp_path):
+    """dump_rank(world=None) checked rank 0 against a world of 1: rank 1's file, written
+    first, was refused as the dump of another layout."""
+    d = str(tmp_path / "d")
+    t = {"w": torch.arange(4.0)}
+    dump_rank(d, 1, t, plan_digest="x")
+    dump_rank(d, 0, t, plan_digest="x")
+    assert sorted(os.listdir(d)) == ["rank-00000.safetensors", "rank-00001.safetensors"]

@@ -32,11 +32,11 @@ def stale_dumps(out_dir: str, world: int) -> list[str]:
     return [n for r, n in found if r >= world]
 
 
-def check_dump_target(out_dir: str, rank: int, world: int, overwrite: bool) -> None:
+def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: bool) -> None:
     """The refusals of ``dump_rank``, checked on every rank before any rank writes (a phase
     of its own): a rank refused while another wrote left a dump of two loads. Rank 0 also
     refuses the files of ranks past ``world`` (left by a dump of another layout) unless
-    ``overwrite``; ``dump_rank`` then removes them."""
+    ``overwrite``; ``dump_rank`` then removes them). ``world`` None: no such check."""
     path = dump_path(out_dir, rank)
     if os.path.isdir(path):
         raise SaveError("the dump target is a directory, not a file; remove it or choose "
@@ -44,7 +44,7 @@ def check_dump_target(out_dir: str, rank: int, world: int, overwrite: bool) -> N
     if os.path.lexists(path) and not overwrite:
         raise SaveError("a dump file already exists; pass --overwrite (overwrite=True) to "
                         "replace it", file=path, rank=rank)
-    stale = stale_dumps(out_dir, world) if rank == 0 else []
+    stale = stale_dumps(out_dir, world) if rank == 0 and world is not None else []
     if stale and not overwrite:
         raise SaveError(f"holds the dump of ranks this layout of {world} rank(s) does not "
                         f"have ({', '.join(stale[:4])}{' ...' if len(stale) > 4 else ''}); "
@@ -64,7 +64,7 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
     path = dump_path(out_dir, rank)
     # Checked before any work so a refused dump costs nothing; the rename below is what
     # makes the replacement itself safe.
-    check_dump_target(out_dir, rank, world if world is not None else rank + 1, overwrite)
+    check_dump_target(out_dir, rank, world, overwrite)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
