@@ -216,7 +216,7 @@ def _run(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     # single-process --rank N: the rank loaded is N (under torchrun: $RANK, as before)
-    with collective.exit_on_error(rank=args.rank):
+    with collective.exit_on_error(rank=None if "RANK" in os.environ else args.rank):
         return _run(args)
 
 
