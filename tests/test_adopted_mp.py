@@ -578,26 +578,35 @@ def test_a_rank_arriving_after_the_others_gave_up_does_not_pass(tmp_path, ckpt):
                       "it (timeout 2 s): this rank is late, the others have stopped"), got
 
 
-LATE3 = r'''
+def _phase_script(world: int, timeout: float, phase: str, delay: str, linger: str) -> str:
+    """A ``world``-rank script: each rank adopts the default group (``timeout``), sleeps
+    ``delay`` (an expression of ``rank``), runs one phase named ``phase`` (an expression)
+    and prints ``RESULT <seconds> <outcome>``; it exits after ``linger`` seconds."""
+    return f'''
 import os, sys, time
 from datetime import timedelta
 import torch.distributed as dist
 from coordloader.dist import collective as coll
 rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=60))
-g = coll.wrap_group(None, timeout_s=4)
-time.sleep({0: 0.0, 1: 0.5, 2: 12.0}[rank])
+dist.init_process_group("gloo", rank=rank, world_size={world}, timeout=timedelta(seconds=60))
+g = coll.wrap_group(None, timeout_s={timeout})
+time.sleep({delay})
 t0 = time.monotonic()
 try:
-    coll.run_phase("load", lambda: None, g)
+    coll.run_phase({phase}, lambda: None, g)
     outcome = "PASSED"
 except coll.CollectiveError as e:
     outcome = " ".join(str(e).split())
-print("RESULT", f"{time.monotonic() - t0:.1f}", outcome, flush=True)
+print("RESULT", f"{{time.monotonic() - t0:.1f}}", outcome, flush=True)
 g.close()
-time.sleep(15 if rank == 0 else 3)   # rank 0 hosts the store: alive for the late rank
+time.sleep({linger})
 os._exit(0)
 '''
+
+
+# rank 2 late; rank 0 hosts the store, alive for it
+LATE3 = _phase_script(3, 4, '"load"', "{0: 0.0, 1: 0.5, 2: 12.0}[rank]",
+                      "15 if rank == 0 else 3")
 
 
 @pytest.mark.slow   # rank processes over gloo
@@ -614,24 +623,7 @@ def test_ranks_waiting_when_another_gives_up_wait_only_their_own_timeout(tmp_pat
                          "4 s): this rank is late, the others have stopped"), got
 
 
-MISMATCH2 = r'''
-import os, sys, time
-from datetime import timedelta
-import torch.distributed as dist
-from coordloader.dist import collective as coll
-rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-g = coll.wrap_group(None, timeout_s=3)
-try:
-    coll.run_phase("read" if rank == 0 else "write", lambda: None, g)
-    outcome = "PASSED"
-except coll.CollectiveError as e:
-    outcome = " ".join(str(e).split())
-print("RESULT", outcome, flush=True)
-g.close()
-time.sleep(3)
-os._exit(0)
-'''
+MISMATCH2 = _phase_script(2, 3, '"read" if rank == 0 else "write"', "0", "3")
 
 
 @pytest.mark.slow   # rank processes over gloo
@@ -639,7 +631,7 @@ def test_ranks_in_different_phases_name_each_other_when_they_stop_waiting(tmp_pa
     """Two ranks at one step in different phases: each names the other's phase (the
     claim of a rank giving up replaced its status, and the message named nobody)."""
     res = _run_script(tmp_path, "mismatch2.py", MISMATCH2, 2)
-    got = {r: _tagged(res, r, "RESULT").split(" ", 1)[1] for r in (0, 1)}
+    got = {r: _tagged(res, r, "RESULT").split(" ", 2)[2] for r in (0, 1)}
     assert got[0] == ("phase read: rank 1: PhaseMismatch: is in phase 'write' at step 0, not "
                       "'read'"), got
     assert got[1] == ("phase write: rank 0: PhaseMismatch: is in phase 'read' at step 0, not "
