@@ -715,3 +715,28 @@ def test_the_store_host_returning_first_does_not_fail_the_others(tmp_path, ckpt)
     res = _run_script(tmp_path, "hostexits.py", HOST_EXITS, 2, ckpt)
     got = {r: _tagged(res, r, "RESULT").split(" ", 1)[1] for r in (0, 1)}
     assert got == {0: "LOADED", 1: "LOADED"}, got
+
+
+# rank 1 arrives 2 s after rank 0, rank 2 after both gave up
+STAGGERED = _phase_script(3, 4, '"load"', "{0: 0.0, 1: 2.0, 2: 5.0}[rank]",
+                          "15 if rank == 0 else 5")
+# rank 1 arrives in another phase after rank 0 gave up
+LATE_ELSEWHERE = _phase_script(2, 3, '"read" if rank == 0 else "write"', "4.0 * rank",
+                               "8 if rank == 0 else 2")
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_no_rank_passes_a_step_another_gave_up_at(tmp_path):
+    """Rank 1, giving up after rank 2 had arrived late, found every arrival counted and
+    passed, while ranks 0 and 2 raised; a late rank in another phase waited out a whole
+    timeout of its own."""
+    res = _run_script(tmp_path, "staggered.py", STAGGERED, 3)
+    got = {r: _tagged(res, r, "RESULT").split(" ", 2) for r in range(3)}
+    assert got[0][2] == "phase load: rank 2 did not arrive within 4 s (arrived: 0,1)", got
+    assert got[1][2] == ("phase load: rank 0 stopped waiting (timeout 4 s) before every rank "
+                         "had arrived"), got
+    assert got[2][2].startswith("phase load: arrived after rank 0 stopped waiting"), got
+    res = _run_script(tmp_path, "elsewhere.py", LATE_ELSEWHERE, 2)
+    got = {r: _tagged(res, r, "RESULT").split(" ", 2) for r in (0, 1)}
+    assert got[1][2].startswith("phase write: arrived after rank 0 stopped waiting"), got
+    assert float(got[1][1]) < 1.5, got

@@ -762,15 +762,20 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
         arrived = st.add(f"{k}/{name}/n", 1)
         if arrived == world:
             st.set(f"{k}/ev", b"a")
+        # a claim in this phase's count, or one made in another phase at this step
+        late = arrived >= GIVE_UP or (arrived < world and st.check([f"{k}/gave"]))
     except Exception as exc:  # noqa: BLE001
         raise _lost(group, name, exc, local) from (local or exc)
-    if arrived >= GIVE_UP:
-        _raise_late(group, k, name, local)
+    if late:
+        _raise_late(group, k, name, status, local)
     timed_out = _wait_or_death(group, f"{k}/ev", seq, name, local)
-    absent = None    # the ranks missing when this rank gave up waiting
+    absent: list[int] = []    # the ranks missing when this rank gave up waiting
+    fallback = None           # what it says when no rank can be named
     if timed_out:
-        absent = _give_up(group, k, name, local)
-        timed_out = absent is not None
+        claim = _give_up(group, k, name, local)
+        timed_out = claim is not None
+        if claim is not None:
+            absent, fallback = claim
     if not timed_out:
         try:
             nfail = st.add(f"{k}/f", 0)
@@ -832,6 +837,8 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
     if timed_out and late:
         notes[-1] += (f" (arrived: "
                       f"{format_ranges([r for r in statuses if r not in missing]) or 'none'})")
+    if timed_out and not notes and not failures and fallback:
+        notes.append(fallback)
     err = _phase_error(name, failures, notes, local, missing)
     _ack_and_linger(group, str(seq), list(statuses))
     raise err from local
@@ -842,31 +849,43 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
 GIVE_UP = 1 << 40
 
 
-def _give_up(group: Group, k: str, name: str, local) -> list[int] | None:
+def _give_up(group: Group, k: str, name: str, local) -> tuple[list[int], str] | None:
     """This rank waited out the timeout at step ``k``: claim that in the arrival count
     itself, so that no rank can still complete the count and pass the boundary while
     this one raises (a late rank did, and returned as loaded); a rank arriving after the
-    claim reads it in the count it gets back. -> the ranks that had not arrived, or None
-    when every rank arrived before the claim (go on as if the wait had ended)."""
+    claim reads it in the count it gets back (or, in another phase, in ``k/gave``).
+    -> None when every rank arrived before any claim (go on as if the wait had ended);
+    else the ranks without a status and what to say when none can be named."""
     st = group.store
-    present = _present(group, f"{k}/s/") or []
     try:
-        if st.add(f"{k}/{name}/n", GIVE_UP) % GIVE_UP >= group.world:
+        got = st.add(f"{k}/{name}/n", GIVE_UP)
+        if got < 2 * GIVE_UP and got % GIVE_UP >= group.world:
             return None
         st.set(f"{k}/g/{group.rank}", b"1")    # who gave up, for the late ranks' message
+        st.set(f"{k}/gave", b"1")
     except Exception as exc:  # noqa: BLE001
         raise _lost(group, name, exc, local) from (local or exc)
-    return [r for r in range(group.world) if r not in present]
+    present = _present(group, f"{k}/s/") or []
+    others = [r for r in (_present(group, f"{k}/g/") or []) if r != group.rank]
+    if got >= 2 * GIVE_UP and others:
+        say = (f"{_rank_word(others)} stopped waiting (timeout {group.timeout_s:g} s) before "
+               f"every rank had arrived")
+    else:   # a rank's status was in before its arrival was counted
+        say = (f"{group.world - got % GIVE_UP} rank(s) did not arrive within "
+               f"{group.timeout_s:g} s")
+    return [r for r in range(group.world) if r not in present], say
 
 
-def _raise_late(group: Group, k: str, name: str, local) -> None:
+def _raise_late(group: Group, k: str, name: str, status: tuple, local) -> None:
     """This rank arrived after another gave up waiting at step ``k``: the others have
-    raised (or are raising), so this one must not pass the boundary either."""
+    raised (or are raising), so this one must not pass the boundary either; its own
+    failure, if it had one, is named too."""
     gave = _present(group, f"{k}/g/") or []
     who = _rank_word(gave) if gave else "another rank"
     note = (f"arrived after {who} stopped waiting for it (timeout {group.timeout_s:g} s): "
             f"this rank is late, the others have stopped")
-    err = _phase_error(name, {}, [note], local)
+    own = {} if status[1] else {group.rank: (status[2], status[3])}
+    err = _phase_error(name, own, [note], local)
     _ack_and_linger(group, k, [])
     group._failed = True
     raise err from local
