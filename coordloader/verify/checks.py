@@ -246,51 +246,46 @@ class _FullReader:
             ref = self._open(sp.file).get_tensor(name)
             a, b = int_view(ref.to(local.device)), int_view(local)
             return None if torch.equal(a, b) else "scalar differs from the checkpoint"
-        budget = max(1, FULL_CHUNK_BYTES // itemsize(info.dtype))
-        for sp in info.pieces:
-            inter = intersect(piece.src, sp.box)
-            if inter is None:
-                continue
-            key = piece_key(name, sp.box, shape)
-            sl = self._open(sp.file).get_slice(key)
-            for sub in iter_subboxes(inter, budget):
-                ref = sl[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(sub, sp.box))]
-                mine = narrow_box(local, [o + a - p0 for o, (a, _), (p0, _) in
-                                          zip(piece.dst, sub, piece.src)], box_shape(sub))
-                rb, mb = int_view(ref.to(local.device)), int_view(mine)
-                if tuple(rb.shape) != tuple(mb.shape):
-                    return f"re-read {list(rb.shape)} elements, holds {list(mb.shape)}"
-                if not torch.equal(rb, mb):
-                    diff = rb != mb
-                    n = int(diff.sum().item())
-                    first = [int(x) for x in diff.nonzero()[0].tolist()]
-                    at = [a + i for (a, _), i in zip(sub, first)]
-                    w = rb.element_size() * 8
-                    mask = (1 << w) - 1
-                    got = int(mb[tuple(first)].item()) & mask
-                    want = int(rb[tuple(first)].item()) & mask
-                    return (f"{n} element(s) differ from {sp.file} in {fmt_box(sub)}; first at "
-                            f"global index {at}: holds bits 0x{got:0{w // 4}x}, checkpoint has "
-                            f"0x{want:0{w // 4}x}")
+        for sp, sub, ref in self._reread(info, piece.src):
+            mine = narrow_box(local, [o + a - p0 for o, (a, _), (p0, _) in
+                                      zip(piece.dst, sub, piece.src)], box_shape(sub))
+            rb, mb = int_view(ref.to(local.device)), int_view(mine)
+            if tuple(rb.shape) != tuple(mb.shape):
+                return f"re-read {list(rb.shape)} elements, holds {list(mb.shape)}"
+            if not torch.equal(rb, mb):
+                diff = rb != mb
+                n = int(diff.sum().item())
+                first = [int(x) for x in diff.nonzero()[0].tolist()]
+                at = [a + i for (a, _), i in zip(sub, first)]
+                w = rb.element_size() * 8
+                mask = (1 << w) - 1
+                got = int(mb[tuple(first)].item()) & mask
+                want = int(rb[tuple(first)].item()) & mask
+                return (f"{n} element(s) differ from {sp.file} in {fmt_box(sub)}; first at "
+                        f"global index {at}: holds bits 0x{got:0{w // 4}x}, checkpoint has "
+                        f"0x{want:0{w // 4}x}")
         return None
-
 
     def digest_box(self, name: str, box: Box) -> int:
         """The digest of the part ``box`` of checkpoint tensor ``name``, re-read in bounded
         chunks (digests add up over any split of a tensor)."""
         info = self.meta.tensors[name]
         shape = tuple(info.shape)
+        return sum(digest(ref, sub, shape) for _, sub, ref in self._reread(info, box))
+
+    def _reread(self, info, box: Box):
+        """(stored piece, sub-box, its elements re-read) for the part ``box`` of the tensor
+        ``info``: per stored piece it overlaps, in sub-boxes of at most FULL_CHUNK_BYTES."""
+        shape = tuple(info.shape)
         budget = max(1, FULL_CHUNK_BYTES // itemsize(info.dtype))
-        total = 0
         for sp in info.pieces:
             inter = intersect(box, sp.box)
             if inter is None:
                 continue
-            sl = self._open(sp.file).get_slice(piece_key(name, sp.box, shape))
+            sl = self._open(sp.file).get_slice(piece_key(info.name, sp.box, shape))
             for sub in iter_subboxes(inter, budget):
-                ref = sl[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(sub, sp.box))]
-                total += digest(ref, sub, shape)
-        return total
+                yield sp, sub, sl[tuple(slice(a - s0, b - s0)
+                                        for (a, b), (s0, _) in zip(sub, sp.box))]
 
 
 def rest_digests(tensors: Mapping[str, torch.Tensor], rank_plan, meta) -> tuple[dict, list]:
