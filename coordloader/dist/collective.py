@@ -805,8 +805,6 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
         gone = getattr(st, "stalled", None) or RuntimeError("store went away while reading "
                                                             "statuses")
         raise _lost(group, name, gone, local) from local
-    # a rank that gave up waiting says so to the late ranks; to itself (and the others
-    # that timed out) the late ranks are the news
     failures = {r: (s[2], s[3]) for r, s in statuses.items() if not s[1]}
     for r, s in statuses.items():   # collective discipline: same phase at the same step
         if s[0] != name and s[1]:
