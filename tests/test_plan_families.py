@@ -22,8 +22,8 @@ def dsv3():
 def plan_alone(monkeypatch, meta, layout, rules=None):
     """The plan with every tensor placed on its own (no family shares a placement)."""
     with monkeypatch.context() as m:
-        m.setattr(planner_mod._Planner, "_family_key",
-                  lambda self, placer, layers: lambda n: None)
+        m.setattr(planner_mod._Planner, "_family_keys",
+                  lambda self, groups, spans, placer, layers: {})
         return make_plan(meta, layout, rules)
 
 

@@ -43,9 +43,6 @@ class Layers(NamedTuple):
     layer_of: dict[str, int]   # tensor name -> layer index (tensors of a layer only)
     num_layers: int            # config.json's num_hidden_layers (MTP layers are past it)
     stage_of: list[int]        # layer index -> pipeline stage
-    # layer tensor name -> the name around its layer index, (before, after): the tensors
-    # of one family are the same tensor of different layers
-    family: dict[str, tuple[str, str]]
 
 
 class Placer:

@@ -35,10 +35,11 @@ from coordloader.planning.model import (
     TensorSlice,
     share_of,
 )
-from coordloader.planning.placement import Layers, Placer
+from coordloader.planning.placement import SCALE_SUFFIX, Layers, Placer
 from coordloader.planning.rankgroups import RankGroups, dedupe, rank_classes
 from coordloader.planning.rules import Rule, RuleSet, make_rule, resolve_rules
 from coordloader.planning.rules.presets import missing_config_error
+from coordloader.planning.rules.ruleset import digit_templates
 from coordloader.planning.runs import slice_runs
 from coordloader.planning.strategies import EXPERT_ID_REGEX
 from coordloader.text import MAX_NAME_CHARS, clip
@@ -46,6 +47,8 @@ from coordloader.text import MAX_NAME_CHARS, clip
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 
 _NAME = attrgetter("name")
+_SHAPE = attrgetter("shape")
+_DTYPE = attrgetter("dtype")
 _REPLICATE = make_rule("*", "replicate", source="replicate_unmatched")
 
 
@@ -104,25 +107,35 @@ class _Planner:
     # -- driver --------------------------------------------------------------
     def run(self) -> Plan:
         names = sorted(self.meta.tensors)
-        layers = self._find_layers(names)
+        templates = digit_templates(names)
+        groups: dict[str, list[str]] = {}   # digit template -> its names, in name order
+        for n, t in zip(names, templates):
+            g = groups.get(t)
+            if g is None:
+                g = groups[t] = []
+            g.append(n)
+        layers, spans = self._find_layers(groups)
         tied = self._tied()
         # match rules first: unmatched names fail before any work
-        match = self._match_rules(names)
+        match = self._match_rules(names, templates)
         placer = Placer(self.meta, self.L, self.config, match, layers, tied)
-        return self._assemble(self._place_all(names, placer, layers))
+        keys = self._family_keys(groups, spans, placer, layers)
+        return self._assemble(self._place_all(names, placer, keys))
 
-    def _find_layers(self, names: list[str]) -> Layers:
+    def _find_layers(self, groups: dict[str, list[str]]) -> tuple[Layers, dict[str, tuple[int, int]]]:
         """The layer of each layer tensor, the number of layers and each layer's stage,
-        checking config.json's num_hidden_layers against the names and the layout."""
-        layer_of = {}
-        family = {}
+        checking config.json's num_hidden_layers against the names and the layout; and per
+        digit template of layer tensors the [start, stop) of the layer index in its names.
+        LAYER_RE has no digit literal, so it matches a template where it matches each of
+        its names: the index is found once per template and cut from each name."""
+        layer_of: dict[str, int] = {}
+        spans: dict[str, tuple[int, int]] = {}
         search = LAYER_RE.search
-        for n in names:
-            m = search(n)
+        for t, members in groups.items():
+            m = search(t)
             if m:
-                a, b = m.span(1)
-                layer_of[n] = int(n[a:b])
-                family[n] = (n[:a], n[b:])
+                a, b = spans[t] = m.span(1)
+                layer_of.update(zip(members, map(int, map(itemgetter(slice(a, b)), members))))
         max_layer = max(layer_of.values(), default=-1)
         nl = self.config.get("num_hidden_layers")
         if nl is None and not layer_of:
@@ -154,7 +167,7 @@ class _Planner:
                     stage_of[li] = s
         elif self.L.pp > 1 and layer_of:
             raise PlanError(f"layout: pp={self.L.pp} but config.json says num_hidden_layers=0")
-        return Layers(layer_of, nl, stage_of, family)
+        return Layers(layer_of, nl, stage_of), spans
 
     def _tied(self) -> bool:
         """Whether the input embedding is also the lm_head (the last stage reads it too)."""
@@ -164,10 +177,10 @@ class _Planner:
                             f"{clip(repr(tie), MAX_NAME_CHARS)}")
         return bool(self.rules.preset != "bert" and tie and "lm_head.weight" not in self.meta.tensors)
 
-    def _match_rules(self, names: list[str]) -> dict[str, tuple[Rule, dict]]:
+    def _match_rules(self, names: list[str], templates: list[str]) -> dict[str, tuple[Rule, dict]]:
         """Tensor name -> (its rule, the rule's params); raises naming the unmatched tensors,
         warns of user rules that match nothing."""
-        found = self.rules.match_all(names)
+        found = self.rules.match_all(names, templates)
         hits = set(found)
         unmatched = []
         if None in hits:
@@ -197,10 +210,10 @@ class _Planner:
                               f"matches no tensor of the checkpoint", stacklevel=4)
         return match
 
-    def _place_all(self, names: list[str], placer: Placer, layers: Layers) -> Placed:
+    def _place_all(self, names: list[str], placer: Placer, keys: dict) -> Placed:
         """Pass 1: each tensor's classes and rank groups; a replica table per distinct
         rank-groups object (selectors repeat, so there are few). A tensor of a layer is
-        placed once for its family (``_family_key``): DeepSeek-V3's 92 k tensors are 1.6 k
+        placed once for its family (``keys``): DeepSeek-V3's 92 k tensors are 1.6 k
         families."""
         excluded = []
         todo = []
@@ -208,9 +221,7 @@ class _Planner:
         tables: list = []          # rank groups per table
         dedupe_memo: dict = {}
         placed: dict = {}          # family key -> (classes, table) or None (excluded)
-        family_key = self._family_key(placer, layers)
-        for n in names:
-            key = family_key(n)
+        for n, key in zip(names, map(keys.get, names)):
             if key is not None:
                 got = placed.get(key, placed)
                 if got is not placed:
@@ -237,50 +248,54 @@ class _Planner:
                 placed[key] = (classes, k, strategy)
         return Placed(excluded, todo, tables)
 
-    def _family_key(self, placer: Placer, layers: Layers):
-        """-> ``key(name)``: equal keys for tensors whose placement is the same, or None
-        where the tensor is placed on its own.
+    def _family_keys(self, groups: dict[str, list[str]], spans: dict[str, tuple[int, int]],
+                     placer: Placer, layers: Layers) -> dict:
+        """Tensor name -> a key equal for tensors whose placement is the same; names
+        without one are placed on their own.
 
         A placement reads the tensor's rule, shape and name, and the stage of its layer;
         the name only around the layer index (strategies match "embed", "gate_up" and the
         default expert id pattern, none of which spans a layer's digits). So the same
         tensor of different layers in one stage, matched by the same rule, is placed
-        alike. Not so for a user's expert ``id_regex`` (it may read the layer's digits), and
-        a block scale follows its weight, whose key joins its own (a rule may single out
-        one layer's weight; a weight placed on its own places its scale on its own)."""
-        family, layer_of, nl, stage_of = (layers.family, layers.layer_of, layers.num_layers,
-                                          layers.stage_of)
+        alike: the key is the name around its layer index, the rule, shape, dtype and
+        stage. Not so for a user's expert ``id_regex`` (it may read the layer's digits).
+        A block scale follows its weight: its key joins its weight's (a rule may single
+        out one layer's weight; a weight placed on its own places its scale on its own).
+        Keys are built a digit template at a time, as columns; a template whose names
+        match different rules (a rule that reads digits) is placed name by name."""
         match = placer.match
         tensors = self.meta.tensors
-
-        def key(n: str):
-            fk = family.get(n)
-            if fk is None:
-                return None
-            rule, params = match[n]
+        layer_of, nl, stage_of = layers.layer_of, layers.num_layers, layers.stage_of
+        keys: dict = {}
+        scales = []
+        for t, (a, b) in spans.items():
+            members = groups[t]
+            found = list(map(match.__getitem__, members))
+            rule, params = found[0]
+            if any(f[0] is not rule for f in found):
+                continue
             strategy = rule.strategy
             if strategy == "expert" and params["id_regex"] != EXPERT_ID_REGEX:
-                return None
-            li = layer_of[n]
-            t = tensors[n]
-            k = (fk, id(rule), t.shape, t.dtype, stage_of[li] if li < nl else -1)
+                continue
             if strategy == "scale":
-                w = placer.scale_weight(n, params)
-                wm = match.get(w)
-                wt = tensors.get(w)
-                if wm is None or wt is None:
-                    return None    # placed on its own, which words the error
-                if w in family:
-                    # the weight's own key: a weight placed on its own (an expert id_regex
-                    # that may read the layer) places its scale on its own too
-                    wk = key(w) if wm[0].strategy != "scale" else None
-                    if wk is None:
-                        return None
-                    k += (wk,)
-                else:
-                    k += (w, id(wm[0]), wt.shape)
-            return k
-        return key
+                if not params.get("weight") and t.endswith(SCALE_SUFFIX):
+                    scales.append((t, rule))
+                continue
+            infos = list(map(tensors.__getitem__, members))
+            keys.update(zip(members, zip(
+                map(itemgetter(slice(0, a)), members), map(itemgetter(slice(b, None)), members),
+                repeat(id(rule)), map(_SHAPE, infos), map(_DTYPE, infos),
+                # -1: past num_hidden_layers (MTP layers)
+                [stage_of[li] if li < nl else -1 for li in map(layer_of.__getitem__, members)])))
+        cut = itemgetter(slice(0, -len(SCALE_SUFFIX)))
+        for t, rule in scales:
+            a, b = spans[t]
+            members = groups[t]
+            wkeys = list(map(keys.get, map(cut, members)))
+            infos = list(map(tensors.__getitem__, members))
+            keys.update((n, (n[:a], n[b:], id(rule), ti.shape, ti.dtype, wk[-1], wk))
+                        for n, ti, wk in zip(members, infos, wkeys) if wk is not None)
+        return keys
 
     def _assemble(self, placed: Placed) -> Plan:
         """Pass 2: one slice per (tensor, class), appended to each rank class holding it;

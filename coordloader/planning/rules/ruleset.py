@@ -91,6 +91,17 @@ def rule_from_dict(d: Any, source: str, index: int) -> Rule:
 
 
 _DIGITS_AS_ZERO = str.maketrans("123456789", "000000000")
+
+
+def digit_templates(names: Sequence[str]) -> list[str]:
+    """Each name with every ASCII digit read as 0: names of one template differ only in
+    their digits, which sit at the same positions with the same run lengths."""
+    joined = "\n".join(names).translate(_DIGITS_AS_ZERO)
+    if joined.count("\n") == max(len(names) - 1, 0):   # no name holds a newline
+        return joined.split("\n") if names else []
+    return [n.translate(_DIGITS_AS_ZERO) for n in names]
+
+
 _DIGIT_CODES = range(ord("0"), ord("9") + 1)
 
 
@@ -189,20 +200,18 @@ class RuleSet:
                                                                 for r in self.rules]
         self._digit_blind: bool | None = None   # computed on first match_all
 
-    def match_all(self, names: Sequence[str]) -> list[int | None]:
+    def match_all(self, names: Sequence[str],
+                  templates: Sequence[str] | None = None) -> list[int | None]:
         """``match`` of each name. When no rule can tell one ASCII digit from another
         (``_digit_blind``), names equal up to their digits match alike, so each distinct
-        *digit template* (every digit read as 0) is matched once: DeepSeek-V3's 92 k names
-        are a few hundred templates."""
+        *digit template* (``digit_templates``; given when the caller has them) is matched
+        once: DeepSeek-V3's 92 k names are a few hundred templates."""
         if self._digit_blind is None:
             self._digit_blind = all(_digit_blind(r.regex_text) for r in self.rules)
         if not self._digit_blind:
             return list(map(self.match, names))
-        joined = "\n".join(names).translate(_DIGITS_AS_ZERO)
-        if joined.count("\n") == max(len(names) - 1, 0):   # no name holds a newline
-            templates = joined.split("\n") if names else []
-        else:
-            templates = [n.translate(_DIGITS_AS_ZERO) for n in names]
+        if templates is None:
+            templates = digit_templates(names)
         found = {t: self.match(t) for t in set(templates)}
         return list(map(found.__getitem__, templates))
 
