@@ -677,6 +677,36 @@ def test_directory_without_index_needs_every_numbered_shard(tmp_path):
         read_checkpoint(str(tmp_path))
 
 
+@pytest.mark.parametrize("names", [
+    # DeepSeek-V3's own shards pad the count to 6 digits
+    ["model-00001-of-000003.safetensors", "model-00002-of-000003.safetensors",
+     "model-00003-of-000003.safetensors"],
+    ["model-000000-of-000003.safetensors", "model-000001-of-000003.safetensors",
+     "model-000002-of-000003.safetensors"],
+    ["model-1-of-3.safetensors", "model-2-of-3.safetensors", "model-3-of-3.safetensors"],
+], ids=["count-6-digits", "from-0", "unpadded"])
+def test_numbered_shards_of_any_width_must_be_whole(tmp_path, names):
+    write_sharded(tmp_path, {names[0]: GOOD[:1], names[1]: GOOD[1:2], names[2]: GOOD[2:]},
+                  index=False)
+    assert list(read_checkpoint(str(tmp_path)).tensors) == ["a", "b", "c"]
+    os.remove(tmp_path / names[2])
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(str(tmp_path))
+    assert str(e.value) == (f"file {tmp_path}: has no index and 2 of the 3 numbered shards: "
+                            f"{names[2]} missing; the copy or download is incomplete")
+
+
+def test_numbered_shard_outside_its_set_is_refused(tmp_path):
+    write_sharded(tmp_path, {"model-00001-of-00002.safetensors": GOOD[:1],
+                             "model-00002-of-00002.safetensors": GOOD[1:2],
+                             "model-00003-of-00002.safetensors": GOOD[2:]}, index=False)
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(str(tmp_path))
+    assert str(e.value) == (f"file {tmp_path}: has no index and numbered shard "
+                            f"model-00003-of-00002.safetensors lies outside its set of 2 "
+                            f"(numbered 1..2)")
+
+
 def test_model_safetensors_preferred_without_index(tmp_path):
     write_st(tmp_path / M, GOOD)
     write_st(tmp_path / "consolidated.safetensors", GOOD)

@@ -33,9 +33,11 @@ V1_SHARD_RE = re.compile(r"model-rank-\d{5}-part-\d{5}\.safetensors\Z")
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
 DCP_SAVED_OFFSETS = "saved_offsets"
 DCP_SHARD_RE = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors\Z")
-# transformers' numbered shards (model-00001-of-00004.safetensors): the name says how many
-# files the set has, which is all there is to go on when the index is missing
-NUMBERED_SHARD_RE = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.safetensors\Z")
+# numbered shards: the name says how many files the set has, which is all there is to go
+# on when the index is missing. Any widths: transformers pads to 5 digits
+# (model-00001-of-00004), DeepSeek-V3's own shards pad the count to 6
+# (model-00001-of-000163), and other writers number from 0 or do not pad
+NUMBERED_SHARD_RE = re.compile(r"(.*)-(\d+)-of-(\d+)\.safetensors\Z", re.ASCII)
 
 # Weights in the formats transformers falls back to when a directory has no safetensors
 # (pickle; TF and Flax in older versions), single, numbered shards, or their index: beside

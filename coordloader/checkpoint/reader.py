@@ -568,26 +568,40 @@ def discover(root: str) -> Discovery:
 
 def _check_numbered_sets(path: str, shards: tuple[str, ...]) -> None:
     """Without an index, numbered shards (``model-00001-of-00004.safetensors``) must form
-    whole sets: a copy or download that lost a file would otherwise load as a smaller
-    model. DCP's per-rank files are exempt (a rank may hold nothing of a numbered file)."""
-    sets: dict[str, dict[int, set[int]]] = {}
+    whole sets, numbered 1..N or 0..N-1: a copy or download that lost a file would
+    otherwise load as a smaller model. DCP's per-rank files are exempt (a rank may hold
+    nothing of a numbered file)."""
+    sets: dict[str, dict[int, dict[int, str]]] = {}   # prefix -> total -> number -> name
     for n in shards:
         m = None if DCP_SHARD_RE.match(n) else NUMBERED_SHARD_RE.match(n)
         if m:
-            sets.setdefault(m.group(1), {}).setdefault(int(m.group(3)), set()).add(int(m.group(2)))
+            sets.setdefault(m.group(1), {}).setdefault(int(m.group(3)), {})[int(m.group(2))] = n
     for prefix, by_total in sorted(sets.items()):
         if len(by_total) > 1:
-            totals = sorted(by_total)
-            raise CheckpointError(f"holds shards of sets of different sizes ({prefix}-*-of-"
-                                  f"{totals[0]:05d} and {prefix}-*-of-{totals[1]:05d}) and no "
-                                  f"index; expected one checkpoint per directory", file=path)
+            a, b = (next(iter(by_total[t].values())) for t in sorted(by_total)[:2])
+            raise CheckpointError(f"holds shards of sets of different sizes ({a} and {b}) and "
+                                  f"no index; expected one checkpoint per directory", file=path)
         (total, present), = by_total.items()
-        missing = [i for i in range(1, total + 1) if i not in present]
-        if missing:
-            names = [f"{prefix}-{i:05d}-of-{total:05d}.safetensors" for i in missing]
-            more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+        first = 0 if 0 in present else 1
+        outside = sorted(i for i in present if not first <= i < first + total)
+        if outside:
+            raise CheckpointError(f"has no index and numbered shard {present[outside[0]]} lies "
+                                  f"outside its set of {total} (numbered {first}.."
+                                  f"{first + total - 1})", file=path)
+        if len(present) < total:
+            # name the missing files as the present ones are written (widths as they pad)
+            some = next(iter(present.values()))
+            m = NUMBERED_SHARD_RE.match(some)
+            width = len(m.group(2)) if all(
+                len(NUMBERED_SHARD_RE.match(v).group(2)) == len(m.group(2))
+                for v in present.values()) else 0
+            gone = (i for i in range(first, first + total) if i not in present)
+            names = [f"{prefix}-{i:0{width}d}-of-{m.group(3)}.safetensors"
+                     for i, _ in zip(gone, range(3))]
+            more = total - len(present) - len(names)
+            more = f" (and {more} more)" if more else ""
             raise CheckpointError(f"has no index and {len(present)} of the {total} numbered "
-                                  f"shards: {', '.join(names[:3])}{more} missing; the copy or "
+                                  f"shards: {', '.join(names)}{more} missing; the copy or "
                                   f"download is incomplete", file=path)
 
 
