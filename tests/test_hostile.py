@@ -201,6 +201,71 @@ def _two_tensor_file(path, first: float):
     save_file({"a": torch.arange(4.0) + first, "b": torch.arange(4.0) + first + 100}, str(path))
 
 
+_PP_RULES = [{"pattern": "model.layers.*.w", "strategy": "replicate"}]
+_PP_CONFIG = {"architectures": ["X"], "model_type": "x", "num_hidden_layers": 2}
+
+
+def _publish_layers(d: str, step: float, files=("a", "b")) -> None:
+    """Layer 1 in a.safetensors, layer 0 in b.safetensors, each renamed into place."""
+    import torch
+    from safetensors.torch import save_file
+    for f, layer in (("a", 1), ("b", 0)):
+        if f in files:
+            save_file({f"model.layers.{layer}.w": torch.full((4, 4), step)}, f"{d}/{f}.tmp")
+            os.replace(f"{d}/{f}.tmp", f"{d}/{f}.safetensors")
+
+
+def _replaced_worker(rank: int, port: int, d: str, case: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from coordloader import loader
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if case == "stale" and rank == 0:
+        cl.make_plan(d, Layout(pp=2), _PP_RULES, config=_PP_CONFIG)   # reads every header
+    dist.barrier()
+    if case == "stale" and rank == 1:
+        _publish_layers(d, 1.0)   # the next step, same headers
+    dist.barrier()
+    if case == "replaced":
+        # rank 0 holds layer 0, in b, whose header rank 1 parses (files[rank::world]); b is
+        # replaced (same header, new data) after the plan is agreed, before rank 0 reads it
+        loader.PHASE_HOOKS.append(
+            lambda phase: _publish_layers(d, 7.0, "b") if phase == "load" and rank == 0 else None)
+    try:
+        t = cl.load(d, Layout(pp=2), rules=_PP_RULES, config=_PP_CONFIG, verify="shapes",
+                    timeout=60)
+        got = "ok " + " ".join(f"{k}={v.flatten()[0].item()}" for k, v in sorted(t.items()))
+    except Exception as e:   # noqa: BLE001 - the test compares the message
+        got = f"{type(e).__name__}: {e}"
+    Path(out, f"rank{rank}").write_text(got)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["replaced", "stale"])
+def test_file_changes_seen_by_every_rank_whoever_parsed_its_header(tmp_path, case):
+    """'replaced': a file replaced after the plan was agreed loaded its new bytes on a rank
+    that had not parsed its header itself, while the other held the old step's tensors.
+    'stale': a rank that once read the headers of an older step refused the next step's
+    files, which it had not parsed again, on every try."""
+    from coordloader.dist.collective import free_port
+
+    from ranks import spawn_and_wait
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    _publish_layers(str(d), 0.0)
+    spawn_and_wait(_replaced_worker, (free_port(), str(d), case, str(tmp_path)), 2,
+                   "2-rank load of a replaced file", hard_s=120)
+    got = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
+    if case == "stale":
+        assert got == ["ok model.layers.0.w=1.0", "ok model.layers.1.w=1.0"]
+    else:
+        want = ("CollectiveError: phase load: rank 0: LoadError: file b.safetensors: file "
+                "changed after its header was read")
+        assert got[0].startswith(want) and got[1].startswith(want), got
+
+
 @pytest.mark.parametrize("engine", ["cpu", "safetensors"])
 @pytest.mark.parametrize("how", ["header", "replaced", "in-place", "in-place-mtime-kept"])
 def test_engine_refuses_file_rewritten_at_same_size_after_header_read(tmp_path, how, engine):

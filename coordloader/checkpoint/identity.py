@@ -27,6 +27,7 @@ from coordloader.checkpoint.reader import (
     MAX_HEADER_LEN,
     _open_regular,
     _pread_exact,
+    note_header_seen,
     read_small_file,
 )
 from coordloader.errors import CheckpointError
@@ -70,7 +71,8 @@ def _sample_offsets(start: int, end: int) -> list[tuple[int, int]]:
 
 
 def _safetensors_identity(root: str, name: str) -> FileIdentity:
-    fd, st = _open_regular(os.path.join(root, name), name)
+    path = os.path.join(root, name)
+    fd, st = _open_regular(path, name)
     try:
         size = st.st_size
         if size < 8:
@@ -81,6 +83,9 @@ def _safetensors_identity(root: str, name: str) -> FileIdentity:
             raise CheckpointError(f"header length {n} exceeds the file size {size} or the "
                                   f"{MAX_HEADER_LEN}-byte limit", file=name)
         header = hashlib.sha256(_pread_exact(fd, n, 8, name)).hexdigest()
+        # the engines refuse this file if it changes from now on, also where another
+        # rank parsed its header
+        note_header_seen(path, st, header)
         sample = hashlib.sha256()
         for off, length in _sample_offsets(8 + n, size):
             sample.update(_pread_exact(fd, length, off, name))

@@ -296,8 +296,17 @@ class _HeaderSeen(NamedTuple):
 # rewritten in place at the same size after its header was read would otherwise be loaded
 # as new bytes under the old plan; the engines compare the file they open with this. Only
 # this process's own reads count: another host's copy of the file has another inode and
-# mtime (identity.py), and a record for another header is of another version of the file.
+# mtime, and a record for another header is of another version of the file. In a load
+# over a process group each rank parses a share of the headers but fingerprints every
+# file (identity.py), which notes each here too: a file whose header another rank read is
+# checked alike, and a record left by an earlier read of an older version is replaced.
 _HEADERS_SEEN: dict[str, _HeaderSeen] = {}
+
+
+def note_header_seen(path: str, st: os.stat_result, header_sha256: str) -> None:
+    """Record that this process read the header ``header_sha256`` of the file at ``path``
+    (``st``: the open file's stat), for ``changed_since_header``."""
+    _HEADERS_SEEN[os.path.abspath(path)] = _HeaderSeen(_stat_key(st), header_sha256)
 
 
 def _stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
@@ -348,7 +357,7 @@ def read_file_header(root: str, name: str) -> FileHeader:
         os.close(fd)
     with gc_paused():
         h = _header_from_raw(raw, name, n, size)
-    _HEADERS_SEEN[path] = _HeaderSeen(_stat_key(st), h.info.header_sha256)
+    note_header_seen(path, st, h.info.header_sha256)
     return h
 
 
