@@ -33,7 +33,13 @@ from coordloader.checkpoint.dtypes import torch_dtype
 from coordloader.checkpoint.identity import CheckpointIdentity, checkpoint_identity, identity_mismatch
 from coordloader.checkpoint.metadata import CheckpointMeta
 from coordloader.dist import collective
-from coordloader.engines import LoadStats, check_disjoint, resolve_engine_name, select_engine
+from coordloader.engines import (
+    LoadStats,
+    check_disjoint,
+    require_tensor,
+    resolve_engine_name,
+    select_engine,
+)
 from coordloader.errors import (
     CheckpointError,
     CollectiveError,
@@ -386,7 +392,10 @@ def _target_dict(target, rank: int | None = None) -> dict[str, torch.Tensor]:
         d.update(dict(target.named_buffers()))
         return d
     if isinstance(target, Mapping):
-        return dict(target)
+        d = dict(target)
+        for k, t in d.items():
+            require_tensor(t, f"target {clip(repr(k), MAX_NAME_CHARS)}", None, rank)
+        return d
     raise LoadError(f"load_into needs a torch.nn.Module or a mapping of tensors, got "
                     f"{type(target).__name__}", rank=rank)
 

@@ -211,3 +211,18 @@ def test_aliases_counted_as_filled_are_not_reported_unloaded(ab):
     tied = torch.zeros(4)
     got = cl.load_into({"a": tied, "b": tied}, ab, Layout(), name_map={"b": None}, **ONE)
     assert got.loaded == ["a"] and got.not_loaded == []
+
+
+@pytest.mark.parametrize("value", [1.0, [0.0, 1.0, 2.0, 3.0]], ids=["float", "list"])
+def test_a_destination_that_is_no_tensor_is_a_load_error(ab, value):
+    """A float or list among the targets raised a bare AttributeError ('float' object has
+    no attribute 'shape'), from load_into and from out=."""
+    with pytest.raises(LoadError) as e:
+        cl.load_into({"a": value, "b": torch.zeros(4)}, ab, Layout(), **ONE)
+    kind = type(value).__name__
+    assert str(e.value) == (f"rank 0: target 'a' is a {kind}, not a torch.Tensor; expected a "
+                            f"tensor to load into")
+    with pytest.raises(LoadError) as e:
+        cl.load_detailed(ab, Layout(), out={"a": value}, **ONE)
+    assert str(e.value) == (f"rank 0, tensor 'a': destination is a {kind}, not a "
+                            f"torch.Tensor; expected a tensor to load into")

@@ -140,12 +140,20 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(np.any(sa[i[ok]] + la > sb[ok]))
 
 
+def require_tensor(t, what: str, name: str | None, rank: int | None) -> None:
+    """LoadError unless ``t``, a destination handed in, is a torch.Tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise LoadError(f"{what} is a {type(t).__name__}, not a torch.Tensor; expected a "
+                        f"tensor to load into", tensor=name, rank=rank)
+
+
 def check_disjoint(dests, rank: int | None, what: str = "destination") -> None:
     """LoadError unless the tensors of ``dests`` (name, tensor) pairs own their memory:
     none shares a byte with another or has elements sharing memory (an expanded view).
     Filling overlapping destinations leaves one with the other's bytes, unnoticed."""
     spans = []
     for name, t in dests:
+        require_tensor(t, what, name, rank)
         if t.numel() == 0 or t.device.type == "meta":
             continue
         if torch._debug_has_internal_overlap(t) == 1:
@@ -305,4 +313,5 @@ def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
 
 
 __all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "allocate",
-           "host_out", "check_out", "check_disjoint", "copy_overlap", "intersect", "piece_key", "to_device"]
+           "host_out", "check_out", "check_disjoint", "require_tensor", "copy_overlap", "intersect",
+           "piece_key", "to_device"]
