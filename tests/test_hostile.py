@@ -73,6 +73,14 @@ def _swap(tmp, base, how):
     return d
 
 
+def _grown(tmp, base, name, size):
+    """``name`` of the two-shard checkpoint grown (sparse) to ``size`` bytes."""
+    d = tmp / "ck"
+    shutil.copytree(base["two"], d)
+    os.truncate(d / name, size)
+    return d
+
+
 W = {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}
 CASES = {
     "header length 2**64-1": (lambda t, b: _single(t, b, b"{}", length=2**64 - 1),
@@ -91,6 +99,15 @@ CASES = {
                                                     b"0" * 5000 + b'], "data_offsets": [0, 8]}}'),
                          "5001 digits"),
     "deeply nested JSON": (lambda t, b: _single(t, b, b'{"w":' * 100_000), "nested too deeply"),
+    # 2 MB of empty arrays took 40 MB parsed (a 95 MB header 2.4 GB)
+    "JSON of empty arrays": (lambda t, b: _single(t, b, b'{"w":[' + b"[]," * 700_000 + b"[]]}"),
+                             "header holds 700003 JSON arrays and objects in 2100010 bytes; "
+                             "expected at most one per 12 bytes"),
+    "index over 64 MiB": (lambda t, b: _grown(t, b, INDEX, (64 << 20) + 1),
+                          f"index is {(64 << 20) + 1} bytes; expected at most {64 << 20}"),
+    "config.json over 16 MiB": (lambda t, b: _grown(t, b, "config.json", (16 << 20) + 1),
+                                f"config.json is {(16 << 20) + 1} bytes; expected at most "
+                                f"{16 << 20}"),
     "duplicate keys": (lambda t, b: _single(t, b, b'{"w": {"dtype": "BF16", "shape": [4], '
                                                   b'"data_offsets": [0, 8]}, "w": {"dtype": "BF16", '
                                                   b'"shape": [4], "data_offsets": [0, 8]}}',

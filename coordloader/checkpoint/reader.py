@@ -66,7 +66,14 @@ from coordloader.errors import CheckpointError
 from coordloader.gcpause import gc_paused
 
 MAX_HEADER_LEN = 100_000_000        # the safetensors format's own limit
-MAX_JSON_FILE = 256 * 1024 * 1024   # index / config.json size cap (a 91k-tensor index is ~9 MB)
+MAX_JSON_FILE = 256 * 1024 * 1024   # side file cap (coordloader's index lists every piece)
+MAX_HF_INDEX = 64 * 1024 * 1024     # a 92k-tensor HF index is ~9 MB
+MAX_CONFIG = 16 * 1024 * 1024       # a config.json is kilobytes
+# Parsed JSON takes several times its text, and an empty array or object (2-3 bytes of
+# text) about 60 bytes: a large text made mostly of them is refused before it is parsed.
+# A safetensors header has at most one per 16 bytes (a one-letter name, an empty shape).
+_DENSE_FROM = 1 << 20
+_BYTES_PER_CONTAINER = 12
 _MAX_INT_DIGITS = 19                # every valid offset/dim is < 2**63 < 10**19
 _INT_LIMIT = 1 << 63
 
@@ -165,6 +172,13 @@ _INDEX_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_hook, parse_constant=
 
 
 def _parse_json(raw: bytes, decoder: json.JSONDecoder, file: str, what: str) -> dict:
+    if len(raw) > _DENSE_FROM:
+        n = raw.count(b"[") + raw.count(b"{")
+        if n > len(raw) // _BYTES_PER_CONTAINER:
+            raise CheckpointError(f"{what} holds {n} JSON arrays and objects in {len(raw)} "
+                                  f"bytes; expected at most one per {_BYTES_PER_CONTAINER} "
+                                  f"bytes (refused before parsing: it would take many times "
+                                  f"its size in memory)", file=file)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -261,21 +275,22 @@ def _pread_exact(fd: int, n: int, offset: int, name: str) -> bytes:
     return b"".join(parts)
 
 
-def read_small_file(path: str, name: str, what: str) -> bytes:
+def read_small_file(path: str, name: str, what: str, limit: int = MAX_JSON_FILE) -> bytes:
     """All bytes of a small side file (index, config, manifest): a regular file opened
-    without ever blocking, at most MAX_JSON_FILE bytes; CheckpointError naming ``name``."""
+    without ever blocking, at most ``limit`` bytes; CheckpointError naming ``name``."""
     fd, st = _open_regular(path, name)
     try:
-        if st.st_size > MAX_JSON_FILE:
+        if st.st_size > limit:
             raise CheckpointError(f"{what} is {st.st_size} bytes; expected at most "
-                                  f"{MAX_JSON_FILE}", file=name)
+                                  f"{limit}", file=name)
         return _pread_exact(fd, st.st_size, 0, name)
     finally:
         os.close(fd)
 
 
-def _read_json_file(path: str, name: str, decoder: json.JSONDecoder, what: str) -> dict:
-    return _parse_json(read_small_file(path, name, what), decoder, name, what)
+def _read_json_file(path: str, name: str, decoder: json.JSONDecoder, what: str,
+                    limit: int = MAX_JSON_FILE) -> dict:
+    return _parse_json(read_small_file(path, name, what, limit), decoder, name, what)
 
 
 # --------------------------------------------------------------------------- one file
@@ -644,7 +659,7 @@ def _read_config(d: str) -> dict | None:
     p = os.path.join(d, "config.json")
     if not os.path.lexists(p):
         return None
-    config = _read_json_file(p, "config.json", _INDEX_DECODER, "config.json")
+    config = _read_json_file(p, "config.json", _INDEX_DECODER, "config.json", MAX_CONFIG)
     if not isinstance(config, dict):
         raise CheckpointError(f"config.json must hold a JSON object, got "
                               f"{type(config).__name__}", file="config.json")
@@ -684,7 +699,8 @@ def _weight_map_files(wm: dict, index_name: str) -> set[str]:
 
 def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
     with gc_paused():
-        idx = _read_json_file(os.path.join(d, index_name), index_name, _INDEX_DECODER, "index")
+        idx = _read_json_file(os.path.join(d, index_name), index_name, _INDEX_DECODER, "index",
+                              MAX_HF_INDEX)
     wm = idx.get("weight_map")
     if type(wm) is not dict:
         raise CheckpointError("index has no weight_map object; expected \"weight_map\": "
