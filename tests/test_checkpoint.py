@@ -127,6 +127,18 @@ def test_duplicate_keys_refused(tmp_path):
     bad(tmp_path, M, "duplicate key 'w'")
 
 
+def test_tensor_name_that_is_no_utf8_refused(tmp_path):
+    """A JSON escape of a lone surrogate gave a name no UTF-8 holds: the cpu engine loaded
+    it, and verify="full" (through the safetensors library, which refuses the file)
+    reported the load corrupt."""
+    one(tmp_path, '{"\\ud800": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}', 1)
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(str(tmp_path))
+    assert str(e.value) == ("file model.safetensors, tensor '\\ud800': tensor name holds a lone "
+                            "surrogate (a \\ud800-\\udfff escape), which is not UTF-8; expected "
+                            "a UTF-8 name")
+
+
 def test_duplicate_keys_inside_entry_refused(tmp_path):
     hdr = '{"w": {"dtype": "U8", "dtype": "F32", "shape": [1], "data_offsets": [0, 1]}}'
     one(tmp_path, hdr, 1)

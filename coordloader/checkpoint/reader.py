@@ -415,8 +415,23 @@ def _numel(shape: list) -> int:
     return n
 
 
+def _not_utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _validate_entries(hdr: dict, file: str, data_start: int, size: int) -> tuple[Entry, ...]:
     """Per-tensor checks, kept lean: ~90k tensors must validate in well under a second."""
+    try:   # JSON's \ud800 escapes give str no UTF-8 can hold; readers of the file refuse it
+        "".join(hdr).encode("utf-8")
+    except UnicodeEncodeError:
+        bad = next(k for k in hdr if not k.isascii() and _not_utf8(k))
+        raise CheckpointError("tensor name holds a lone surrogate (a \\ud800-\\udfff escape), "
+                              "which is not UTF-8; expected a UTF-8 name", file=file,
+                              tensor=bad) from None
     rows = []
     append = rows.append
     for key, ent in hdr.items():
