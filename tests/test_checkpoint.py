@@ -708,6 +708,20 @@ def test_numbered_shards_of_any_width_must_be_whole(tmp_path, names):
                             f"{names[2]} missing; the copy or download is incomplete")
 
 
+def test_path_to_one_numbered_shard_is_refused(tmp_path):
+    """A path to one file of a set loaded it alone, as a smaller model."""
+    a, b = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    write_sharded(tmp_path, {a: GOOD[:1], b: GOOD[1:]})
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(str(tmp_path / b))
+    assert str(e.value) == (f"file {tmp_path / b}: is shard 2 of a set of 2 (by its name), "
+                            f"holding only some of the tensors; pass the checkpoint's directory "
+                            f"or its index")
+    write_st(tmp_path / "model-00001-of-00001.safetensors", GOOD)
+    assert list(read_checkpoint(str(tmp_path / "model-00001-of-00001.safetensors")).tensors) == [
+        "a", "b", "c"]
+
+
 def test_numbered_shard_outside_its_set_is_refused(tmp_path):
     write_sharded(tmp_path, {"model-00001-of-00002.safetensors": GOOD[:1],
                              "model-00002-of-00002.safetensors": GOOD[1:2],

@@ -559,6 +559,12 @@ def discover(root: str) -> Discovery:
         if not base.endswith(".safetensors"):
             raise CheckpointError("is not a .safetensors file or an index (expected a "
                                   "checkpoint directory or a .safetensors file)", file=path)
+        m = NUMBERED_SHARD_RE.match(base)
+        if m and int(m.group(3)) > 1:
+            # read alone it would load as a smaller model
+            raise CheckpointError(f"is shard {int(m.group(2))} of a set of {int(m.group(3))} "
+                                  f"(by its name), holding only some of the tensors; pass the "
+                                  f"checkpoint's directory or its index", file=path)
         return Discovery(root=d, files=(base,), kind="single", config=_read_config(d))
     if not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"checkpoint path is {_kind(st.st_mode)}; expected a directory "
