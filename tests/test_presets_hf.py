@@ -744,15 +744,36 @@ def test_qwen3_next_linear_attention_refuses_split_key_head_groups(hf_checkpoint
                      rules=[{"pattern": "*.self_attn.*", "strategy": "replicate"}])
 
 
-def test_qwen3_next_mtp_draft_tensors_are_refused(hf_checkpoint):
-    """The published Qwen3-Next checkpoint carries the MTP draft layer under ``mtp.``;
-    vLLM's main model skips it and no preset rule plans it, so the plan names it."""
+def test_qwen3_next_mtp_draft_tensors_are_left_out(hf_checkpoint):
+    """The published Qwen3-Next checkpoint carries the MTP draft tensors under ``mtp.``;
+    vLLM's main model drops them (its draft model loads them), and the plan refused the
+    checkpoint (no rule for mtp.fc.weight). They are left out as DeepSeek's MTP layers
+    are; with include_mtp they follow the rules, on the last stage."""
     from coordloader.planning.planner import meta_from_specs
     meta = cl.read_checkpoint(str(hf_checkpoint("qwen3_next")))
     specs = [(n, t.dtype, t.shape) for n, t in meta.tensors.items()]
-    specs += [("mtp.fc.weight", "BF16", (32, 64)), ("mtp.norm.weight", "BF16", (32,))]
+    mtp = [("mtp.fc.weight", "BF16", (32, 64)), ("mtp.layers.0.input_layernorm.weight", "BF16",
+                                                 (32,)), ("mtp.norm.weight", "BF16", (32,))]
+    full = meta_from_specs(meta.config, specs + mtp)
+    plan = cl.make_plan(full, cl.Layout(tp=2, pp=2))
+    base = cl.make_plan(meta_from_specs(meta.config, specs), cl.Layout(tp=2, pp=2))
+    assert plan.excluded == tuple(sorted(base.excluded + tuple(n for n, _, _ in mtp)))
+    assert [[t.name for t in rp.tensors] for rp in plan.ranks] == [
+        [t.name for t in rp.tensors] for rp in base.ranks]
+    cl.validate_cover(plan, full)
     with pytest.raises(cl.errors.PlanError, match="mtp.fc.weight.*no sharding rule"):
-        cl.make_plan(meta_from_specs(meta.config, specs), cl.Layout(tp=2))
+        cl.make_plan(full, cl.Layout(tp=2, pp=2, include_mtp=True))
+    plan = cl.make_plan(full, cl.Layout(tp=2, pp=2, include_mtp=True),
+                        rules=[{"pattern": "mtp.fc.weight", "strategy": "colwise"}])
+    cl.validate_cover(plan, full)
+    held = sorted((t.name, rp.rank, t.local_shape, t.pieces[0].src) for rp in plan.ranks
+                  for t in rp.tensors if t.name.startswith("mtp."))
+    assert held == [("mtp.fc.weight", 2, (16, 64), ((0, 16), (0, 64))),
+                    ("mtp.fc.weight", 3, (16, 64), ((16, 32), (0, 64))),
+                    ("mtp.layers.0.input_layernorm.weight", 2, (32,), ((0, 32),)),
+                    ("mtp.layers.0.input_layernorm.weight", 3, (32,), ((0, 32),)),
+                    ("mtp.norm.weight", 2, (32,), ((0, 32),)),
+                    ("mtp.norm.weight", 3, (32,), ((0, 32),))]
 
 
 def test_reference_catches_interleaved_pairs_split_as_halves(hf_checkpoint):

@@ -51,7 +51,8 @@ class Placer:
     tensors, and a weight with a block scale is placed once for both."""
 
     def __init__(self, meta: CheckpointMeta, layout: Layout, config: Mapping,
-                 match: Mapping[str, tuple[Rule, dict]], layers: Layers, tied: bool):
+                 match: Mapping[str, tuple[Rule, dict]], layers: Layers, tied: bool,
+                 mtp_prefix: str | None = None):
         self.meta = meta
         self.L = layout
         self.config = config
@@ -59,6 +60,7 @@ class Placer:
         self.layer_of, self.num_layers, self.stage_of = (layers.layer_of, layers.num_layers,
                                                          layers.stage_of)
         self.tied = tied                # the lm_head reads the input embedding
+        self.mtp_prefix = mtp_prefix    # names of MTP draft tensors (MTP_PREFIX)
         self._placed: dict[str, tuple] = {}
         self._scaled = {n[:-len(SCALE_SUFFIX)] for n in meta.tensors if n.endswith(SCALE_SUFFIX)}
         self._scale_memo: dict = {}
@@ -85,6 +87,8 @@ class Placer:
     def _stages(self, n: str, params: Mapping) -> tuple[int, ...] | None:
         """Stages holding tensor ``n``; None = excluded (MTP layers)."""
         pp = self.L.pp
+        if self.mtp_prefix and n.startswith(self.mtp_prefix):
+            return (pp - 1,)   # the planner left them out unless include_mtp
         st = params.get("stage")
         li = self.layer_of.get(n)
         if li is not None and st in (None, "layer"):

@@ -38,7 +38,7 @@ from coordloader.planning.model import (
 from coordloader.planning.placement import SCALE_SUFFIX, Layers, Placer
 from coordloader.planning.rankgroups import RankGroups, dedupe, rank_classes
 from coordloader.planning.rules import Rule, RuleSet, make_rule, resolve_rules
-from coordloader.planning.rules.presets import missing_config_error
+from coordloader.planning.rules.presets import MTP_PREFIX, missing_config_error
 from coordloader.planning.rules.ruleset import digit_templates
 from coordloader.planning.runs import slice_runs
 from coordloader.planning.strategies import EXPERT_ID_REGEX
@@ -107,6 +107,12 @@ class _Planner:
     # -- driver --------------------------------------------------------------
     def run(self) -> Plan:
         names = sorted(self.meta.tensors)
+        mtp = MTP_PREFIX.get(self.rules.preset)
+        left_out = []   # MTP draft tensors under a prefix: left out before rule matching
+        if mtp and not self.L.include_mtp:
+            left_out = [n for n in names if n.startswith(mtp)]
+            if left_out:
+                names = [n for n in names if not n.startswith(mtp)]
         templates = digit_templates(names)
         groups: dict[str, list[str]] = {}   # digit template -> its names, in name order
         for n, t in zip(names, templates):
@@ -118,9 +124,12 @@ class _Planner:
         tied = self._tied()
         # match rules first: unmatched names fail before any work
         match = self._match_rules(names, templates)
-        placer = Placer(self.meta, self.L, self.config, match, layers, tied)
+        placer = Placer(self.meta, self.L, self.config, match, layers, tied, mtp)
         keys = self._family_keys(groups, spans, placer, layers)
-        return self._assemble(self._place_all(names, placer, keys))
+        placed = self._place_all(names, placer, keys)
+        if left_out:
+            placed = placed._replace(excluded=sorted(placed.excluded + left_out))
+        return self._assemble(placed)
 
     def _find_layers(self, groups: dict[str, list[str]]) -> tuple[Layers, dict[str, tuple[int, int]]]:
         """The layer of each layer tensor, the number of layers and each layer's stage,

@@ -62,6 +62,14 @@ def detect_preset(config: Mapping | None) -> str | None:
     return _MODEL_TYPES.get(mt)
 
 
+# Presets whose checkpoints hold multi-token-prediction (MTP) draft tensors under a name
+# prefix instead of as layers past num_hidden_layers (DeepSeek's way): vLLM's main model
+# drops them (Qwen3-Next: WeightsMapper "mtp." -> None) and its draft model loads them.
+# Left out unless the layout asks for MTP (include_mtp), then on the last stage, as
+# DeepSeek's MTP layers.
+MTP_PREFIX = {"qwen3_next": "mtp."}
+
+
 def _cfg_int(config: Mapping, *keys, default=None, preset: str = "") -> int | None:
     for k in keys:
         v = config.get(k)
@@ -303,8 +311,9 @@ def _qwen3_next(config, R) -> list[Rule]:
     head, so a rank takes whole key-head groups; conv1d packs q, k and v channels, each
     split on its own (mamba_v2_sharded_weight_loader); dt_bias and A_log one value per
     value head; out_proj rowwise; the gated norm replicated. The MoE block is qwen2_moe's
-    with the shared expert kept as a Qwen3NextMLP. The MTP draft layers (``mtp.*``) are
-    loaded by vLLM's draft model, not this one: no rule here plans them."""
+    with the shared expert kept as a Qwen3NextMLP. The MTP draft tensors (``mtp.*``) are
+    loaded by vLLM's draft model, not this one: left out (``MTP_PREFIX``); with
+    include_mtp they follow these rules where they match, on the last stage."""
     nk = _cfg_int(config, "linear_num_key_heads", preset="qwen3_next")
     nv = _cfg_int(config, "linear_num_value_heads", preset="qwen3_next")
     hk = _cfg_int(config, "linear_key_head_dim", preset="qwen3_next")
