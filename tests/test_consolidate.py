@@ -132,3 +132,88 @@ def test_save_warns_about_excluded_tensors(tmp_path):
     assert plan.excluded
     with pytest.warns(UserWarning, match="excluded by the plan"):
         save(str(tmp_path / "s"), load(src, Layout(), rank=0), plan, rank=0, config=src)
+
+
+# -- the source changing under a consolidate --------------------------------------------
+
+_CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+_CHANGED = ("file changed after its header was read (same size and header; another inode, "
+            "mtime or ctime: replaced, rewritten in place, or its permissions or links "
+            "changed): read the checkpoint again")
+_LEFT = "; the output directory was left as it was"
+
+
+def _save_generation(src, v, **kw):
+    """One training save into ``src``: three 8x8 tensors of value ``v``, one file each."""
+    save(src, {f"w{i}": torch.full((8, 8), float(v)) for i in range(3)}, config=_CFG,
+         overwrite=True, **{"max_shard_bytes": 300, **kw})
+
+
+def _tree(d):
+    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d))}
+
+
+@pytest.fixture
+def race(tmp_path, monkeypatch):
+    """A sharded source of three files (generation 1), an earlier consolidate of it in
+    ``out`` (what the failing one must leave as it was), and ``at_second_open(fn)``: run
+    ``fn`` just before the consolidate opens its second source file."""
+    from coordloader.checkpoint import fileio
+    src, out = str(tmp_path / "trained"), str(tmp_path / "hf")
+    _save_generation(src, 1)
+    files = sorted(f for f in os.listdir(src) if f.endswith(".coordloader-shard"))
+    assert len(files) == 3
+    consolidate(src, out)
+    before = _tree(out)
+
+    def at_second_open(fn):
+        orig, opened = fileio.OpenFiles.fd, []
+
+        def fd(self, name):
+            if name not in self.fds and len(opened) == 1:
+                fn()
+            if name not in self.fds:
+                opened.append(name)
+            return orig(self, name)
+        monkeypatch.setattr(fileio.OpenFiles, "fd", fd)
+
+    return src, out, files, before, at_second_open
+
+
+def test_a_save_into_the_source_during_a_consolidate_is_refused_not_mixed(race):
+    # a training job re-saves into the source directory while the consolidate runs: was
+    # published without an error, w0 from the first save and w1, w2 from the second
+    src, out, files, before, at_second_open = race
+    at_second_open(lambda: _save_generation(src, 2))
+    with pytest.raises(SaveError) as ei:
+        consolidate(src, out, overwrite=True)
+    assert str(ei.value) == (f"file {os.path.join(src, files[1])}: reading the source: "
+                             f"{_CHANGED}{_LEFT}")
+    assert _tree(out) == before
+
+
+def test_a_source_file_that_disappears_is_named_as_the_source(race):
+    # was: "file model-00001-of-00001.safetensors: writing an output shard failed: No such
+    # file or directory", naming the output file
+    src, out, files, before, at_second_open = race
+    at_second_open(lambda: os.unlink(os.path.join(src, files[1])))
+    with pytest.raises(SaveError) as ei:
+        consolidate(src, out, overwrite=True, max_shard_bytes=1 << 30)
+    assert str(ei.value) == (f"file {os.path.join(src, files[1])}: reading the source: "
+                             f"cannot open: No such file or directory{_LEFT}")
+    assert _tree(out) == before
+
+
+def test_metadata_handed_in_from_before_a_resave_is_refused(race):
+    # consolidate(meta=) with metadata read before the source was saved again, in another
+    # shard split: was "writing an output shard failed: No such file or directory"
+    src, out, files, before, _ = race
+    meta = read_checkpoint(src)
+    _save_generation(src, 3, max_shard_bytes=1 << 20)
+    with pytest.raises(SaveError) as ei:
+        consolidate(src, out, overwrite=True, meta=meta)
+    size = os.path.getsize(os.path.join(src, files[0]))
+    assert str(ei.value) == (f"file {os.path.join(src, files[0])}: reading the source: file is "
+                             f"{size} bytes, its header was read when it had "
+                             f"{meta.files[0].size}: it changed during the consolidate{_LEFT}")
+    assert _tree(out) == before

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -219,11 +219,16 @@ def write_file_atomic(path: str, data: bytes, *, fsync: bool = True,
 class OpenFiles:
     """Files under ``root`` opened read-only once each, on first use (``pread`` on a shared
     descriptor is safe across threads); all closed by ``close()`` or on leaving a ``with``
-    block. Raises OSError for a file that cannot be opened: the caller names it."""
+    block. Raises OSError for a file that cannot be opened: the caller names it.
 
-    def __init__(self, root: str):
+    ``check(path, fd, name)``, when given, runs on each file as it is opened (without
+    blocking: ``O_NONBLOCK``, so a FIFO in its place is opened, not waited on), before
+    any read through it; what it raises closes the file and propagates."""
+
+    def __init__(self, root: str, check: Callable[[str, int, str], None] | None = None):
         self.root = root
         self.fds: dict[str, int] = {}
+        self._check = check
         self._lock = threading.Lock()
 
     def fd(self, name: str) -> int:
@@ -232,7 +237,19 @@ class OpenFiles:
             with self._lock:
                 fd = self.fds.get(name)
                 if fd is None:
-                    fd = self.fds[name] = os.open(os.path.join(self.root, name), os.O_RDONLY)
+                    fd = self.fds[name] = self._open(name)
+        return fd
+
+    def _open(self, name: str) -> int:
+        path = os.path.join(self.root, name)
+        if self._check is None:
+            return os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            self._check(path, fd, name)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
 
     def close(self) -> None:

@@ -236,11 +236,13 @@ def to_device(tensors: dict[str, torch.Tensor], device: torch.device,
         tensors[name] = dst
 
 
-def refuse_changed(path: str, fd: int, info, rank: int | None) -> None:
+def refuse_changed(path: str, fd: int, info, rank: int | None, *,
+                   during: str = "the load") -> None:
     """LoadError unless the open file ``fd`` is still the one whose header ``info`` (a
     FileInfo) the plan was made from: a regular file of the same size and header and, when
     this process read that header, the same inode, mtime and ctime. Every engine calls it on each
-    file before reading it: a rewritten file would otherwise be read under the old plan."""
+    file before reading it: a rewritten file would otherwise be read under the old plan.
+    ``consolidate`` calls it too, on each source file (``during``: what is under way)."""
     import stat
 
     from coordloader.checkpoint.reader import changed_since_header, header_unchanged
@@ -250,7 +252,7 @@ def refuse_changed(path: str, fd: int, info, rank: int | None) -> None:
                         file=info.name, rank=rank)
     if st.st_size != info.size:
         raise LoadError(f"file is {st.st_size} bytes, its header was read when it had "
-                        f"{info.size}: it changed during the load", file=info.name, rank=rank)
+                        f"{info.size}: it changed during {during}", file=info.name, rank=rank)
     if not header_unchanged(fd, info):
         raise LoadError("file's header differs from the one the plan was made from: the file "
                         "was rewritten after its header was read; read the checkpoint again",
@@ -262,7 +264,8 @@ def refuse_changed(path: str, fd: int, info, rank: int | None) -> None:
                         file=info.name, rank=rank)
 
 
-def refuse_changed_path(path: str, info, rank: int | None) -> None:
+def refuse_changed_path(path: str, info, rank: int | None, *,
+                        during: str = "the load") -> None:
     """``refuse_changed`` on a file an engine is about to open by path (a library that
     opens it itself: safetensors, instanttensor)."""
     try:
@@ -270,7 +273,7 @@ def refuse_changed_path(path: str, info, rank: int | None) -> None:
     except OSError as e:
         raise LoadError(f"cannot open: {e.strerror}", file=info.name, rank=rank) from None
     try:
-        refuse_changed(path, fd, info, rank)
+        refuse_changed(path, fd, info, rank, during=during)
     finally:
         os.close(fd)
 

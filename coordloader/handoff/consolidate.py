@@ -8,6 +8,11 @@ tensor is assembled one *row block* (a range of dim 0) at a time from the source
 that overlap it, read with ``preadv`` and written with ``pwrite`` into its region. At most
 one block plus one piece slab of it is in memory. Publishing is ``handoff/publish.py``'s:
 staging directory inside OUT, fsync, then the moves under a marker, index last.
+
+The source is read as the engines read a checkpoint: every source file is opened once,
+before anything is written, and checked to be the file whose header the metadata was read
+from (``refuse_changed``); every read goes through those descriptors, so a save into
+the source directory while this runs is refused, never mixed in.
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.fileio import OpenFiles, fsync_dir, pread_into, pwrite_all
 from coordloader.checkpoint.formats import HF_INDEX
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape, check_extents
-from coordloader.errors import SaveError
+from coordloader.engines import refuse_changed
+from coordloader.errors import LoadError, SaveError
 from coordloader.handoff.publish import (
     companion_files,
     os_error,
@@ -64,7 +70,7 @@ def iter_row_blocks(t: TensorInfo, src: OpenFiles, block_bytes: int = DEFAULT_BL
         (p,) = t.pieces
         buf = np.empty((), dtype=npdt)
         pread_into(src.fd(p.file), memoryview(buf.reshape(1).view(np.uint8)), p.start,
-                   file=p.file, tensor=t.name)
+                   file=os.path.join(src.root, p.file), tensor=t.name)
         yield 0, buf
         return
     rows = t.shape[0]
@@ -89,7 +95,8 @@ def iter_row_blocks(t: TensorInfo, src: OpenFiles, block_bytes: int = DEFAULT_BL
             part = np.empty((i1 - i0,) + tuple(pshape[1:]), dtype=npdt)
             if part.size:
                 pread_into(src.fd(p.file), memoryview(part.reshape(-1).view(np.uint8)),
-                           p.start + (i0 - a) * slab, file=p.file, tensor=t.name)
+                           p.start + (i0 - a) * slab, file=os.path.join(src.root, p.file),
+                           tensor=t.name)
             idx = (slice(i0 - r0, i1 - r0),) + tuple(slice(x, y) for x, y in p.box[1:])
             block[idx] = part
         yield r0, block
@@ -113,6 +120,43 @@ def read_full(meta: CheckpointMeta, name: str):
     arr = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
     raw = torch.from_numpy(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).copy())
     return raw.view(torch_dtype(t.dtype)).reshape(t.shape)
+
+
+_DURING = "the consolidate"
+
+
+def _source_error(detail: str, path: str) -> SaveError:
+    return SaveError(f"reading the source: {detail}; the output directory was left as it was",
+                     file=path)
+
+
+def _open_sources(meta: CheckpointMeta) -> OpenFiles:
+    """Every source file of ``meta`` opened once, each checked (``refuse_changed``, the
+    engines' check) to be the file whose header ``meta`` was read from. SaveError naming
+    the source file and what changed otherwise."""
+    infos = {f.name: f for f in meta.files}
+
+    def check(path: str, fd: int, name: str) -> None:
+        info = infos.get(name)
+        if info is None:   # a piece names a file the metadata does not list: never read it
+            raise _source_error("not a file of the checkpoint's metadata", path)
+        try:
+            refuse_changed(path, fd, info, None, during=_DURING)
+        except LoadError as e:
+            raise _source_error(e.message, path) from None
+
+    srcs = OpenFiles(meta.root, check)
+    try:
+        for f in meta.files:
+            path = os.path.join(meta.root, f.name)
+            try:
+                srcs.fd(f.name)
+            except OSError as e:
+                raise _source_error(f"cannot open: {e.strerror}", path) from None
+    except BaseException:
+        srcs.close()
+        raise
+    return srcs
 
 
 def _plan_shards(meta: CheckpointMeta, max_shard_bytes: int) -> list[list[TensorInfo]]:
@@ -172,9 +216,14 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     if os.path.realpath(out_dir) == os.path.realpath(meta.root):
         raise SaveError("output directory is the source checkpoint; choose another directory",
                         file=out_dir)
-    stage = prepare_target(out_dir, overwrite, None, "consolidate-" + uuid.uuid4().hex[:12])
+    # every source file opened and checked before anything is written; read only through these
+    srcs = _open_sources(meta)
+    try:
+        stage = prepare_target(out_dir, overwrite, None, "consolidate-" + uuid.uuid4().hex[:12])
+    except BaseException:
+        srcs.close()
+        raise
     stage_dir = os.path.join(out_dir, stage)
-    srcs = OpenFiles(meta.root)
     try:
         shards = _plan_shards(meta, max_shard_bytes)
         n = len(shards)
