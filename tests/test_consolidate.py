@@ -204,6 +204,25 @@ def test_a_source_file_that_disappears_is_named_as_the_source(race):
     assert _tree(out) == before
 
 
+def test_a_save_into_the_source_after_its_data_was_read_is_refused(race, monkeypatch):
+    # every source file open already: the data read is the first save's, but the manifest
+    # and config.json copied by path beside it would be the second's (the manifest was
+    # carried, and a verify=digest load of the output refused it)
+    import coordloader.handoff.consolidate as cons
+    src, out, files, before, _ = race
+    orig = cons.companion_files
+
+    def companions(root, skip):
+        _save_generation(src, 2)
+        return orig(root, skip)
+    monkeypatch.setattr(cons, "companion_files", companions)
+    with pytest.raises(SaveError) as ei:
+        consolidate(src, out, overwrite=True)
+    assert str(ei.value) == (f"file {os.path.join(src, files[0])}: reading the source: "
+                             f"{_CHANGED}{_LEFT}")
+    assert _tree(out) == before
+
+
 def test_metadata_handed_in_from_before_a_resave_is_refused(race):
     # consolidate(meta=) with metadata read before the source was saved again, in another
     # shard split: was "writing an output shard failed: No such file or directory"

@@ -11,8 +11,9 @@ staging directory inside OUT, fsync, then the moves under a marker, index last.
 
 The source is read as the engines read a checkpoint: every source file is opened once,
 before anything is written, and checked to be the file whose header the metadata was read
-from (``refuse_changed``); every read goes through those descriptors, so a save into
-the source directory while this runs is refused, never mixed in.
+from (``refuse_changed``); every read goes through those descriptors. Before the publish
+each source path is checked again, so a save into the source directory while this runs
+(whose manifest or config would be copied beside the old data) is refused, never mixed in.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.fileio import OpenFiles, fsync_dir, pread_into, pwrite_all
 from coordloader.checkpoint.formats import HF_INDEX
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape, check_extents
-from coordloader.engines import refuse_changed
+from coordloader.engines import refuse_changed, refuse_changed_path
 from coordloader.errors import LoadError, SaveError
 from coordloader.handoff.publish import (
     companion_files,
@@ -159,6 +160,18 @@ def _open_sources(meta: CheckpointMeta) -> OpenFiles:
     return srcs
 
 
+def _recheck_sources(meta: CheckpointMeta) -> None:
+    """Each source path still the file read (the data came through descriptors opened
+    first; the manifest and companion files were copied by path and must be the same
+    save's)."""
+    for f in meta.files:
+        path = os.path.join(meta.root, f.name)
+        try:
+            refuse_changed_path(path, f, None, during=_DURING)
+        except LoadError as e:
+            raise _source_error(e.message, path) from None
+
+
 def _plan_shards(meta: CheckpointMeta, max_shard_bytes: int) -> list[list[TensorInfo]]:
     shards, cur, size = [], [], 0
     for t in meta.tensors.values():
@@ -271,6 +284,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_json_durable(os.path.join(stage_dir, HF_INDEX), index)
         fsync_dir(stage_dir)
+        _recheck_sources(meta)
         publish(out_dir, stage, names + extras, HF_INDEX)
     except OSError as e:
         raise os_error(e, getattr(e, "filename", None) or out_dir, None, "consolidating") from e
