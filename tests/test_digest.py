@@ -555,3 +555,28 @@ def test_a_size_one_last_dim_of_any_stride_digests_like_its_copy(route, dt):
     for view, box, shape in ((col.t(), ((0, 3), (0, 1)), (3, 1)), (one[::2], ((1, 2),), (3,))):
         assert view.is_contiguous() and view.stride(-1) != 1
         assert digest(view, box, shape, route=route) == digest(view.clone(), box, shape), view
+
+
+@pytest.mark.parametrize("route", list(Route), ids=lambda r: r.name)
+def test_a_wrapper_subclass_without_storage_is_refused_not_read_at_address_0(route):
+    """A wrapper tensor subclass (torch's TwoTensor here; torchao's float8 training
+    weights, a DTensor) has no storage: data_ptr() is 0. The kernel read its elements at
+    address 0 and the process died with SIGSEGV (coordloader.save, load_into's verify)."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    a = torch.randn(4, 8)
+    t = two_tensor.TwoTensor(a, a.clone())
+    assert t.data_ptr() == 0
+    if route is Route.KERNEL and _dgm().kernel._kernel is None:
+        pytest.skip("the digest kernel is not built")
+    with pytest.raises(VerifyError) as e:
+        digest(t, full_box((4, 8)), (4, 8), route=route)
+    assert str(e.value) == ("cannot digest a TwoTensor of shape [4, 8]: it holds no data of its "
+                            "own (a wrapper tensor subclass); digests cover plain strided "
+                            "tensors of checkpoint dtypes")
+    # the kernel's own call refuses a null pointer too, whoever prepared the tensor
+    if _dgm().kernel._kernel is not None:
+        with pytest.raises(VerifyError, match="cannot digest a TwoTensor of shape"):
+            _dgm().kernel._kernel_one((4, 8), full_box((4, 8)), t)
+    # an empty one holds nothing to read: digest 0, as any empty tensor
+    e0 = two_tensor.TwoTensor(torch.empty(0, 8), torch.empty(0, 8))
+    assert digest(e0, ((0, 0), (0, 8)), (0, 8), route=route) == 0

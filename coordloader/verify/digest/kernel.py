@@ -8,16 +8,19 @@ import torch
 
 from coordloader.checkpoint.dtypes import _BITS_VIEW
 from coordloader.checkpoint.metadata import Box
+from coordloader.errors import VerifyError
 from coordloader.verify.digest.definition import MASK64, PAIRED
 from coordloader.verify.digest.routes import (
     _LITTLE,
     _cached,
     _col_weight_vec,
     _digest_slow,
+    _has_data,
     _mm_lock,
     _row_weight_vec,
     _sub_views,
     _word_weight_vec,
+    no_data,
 )
 
 # --------------------------------------------------------------------------- CPU kernel
@@ -141,6 +144,8 @@ def _kernel_call(shape: tuple[int, ...], box: Box, t: torch.Tensor) -> int:
     if kw != width:
         sizes = sizes[:-1] + (sizes[-1] // 2,)
     strides = [s * width for s in t.stride()[:-1]]
+    if t.numel() and not _has_data(t):   # the C loop would read address 0
+        raise VerifyError(no_data(t))
     # colw and roww stay referenced here while the kernel reads them
     return _kernel.rows(t.data_ptr(), kw, sizes, strides, cp, rp)
 

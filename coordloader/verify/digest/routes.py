@@ -189,6 +189,22 @@ def _default_chunk(device: torch.device) -> int:
     return CPU_CHUNK if device.type == "cpu" else DEVICE_CHUNK
 
 
+def _has_data(t: torch.Tensor) -> bool:
+    """Whether a CPU tensor's data pointer points at memory: a wrapper tensor subclass (a
+    float8 or quantized training weight, a DTensor) has no storage and reports 0, and
+    reading its elements there is a read of address 0."""
+    try:
+        return t.data_ptr() != 0
+    except Exception:  # noqa: BLE001 — a subclass that refuses data_ptr has no data either
+        return False
+
+
+def no_data(t: torch.Tensor) -> str:
+    return (f"cannot digest a {type(t).__name__} of shape {list(t.shape)}: it holds no data of its "
+            f"own (a wrapper tensor subclass); digests cover plain strided tensors of "
+            f"checkpoint dtypes")
+
+
 def _prepare(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int]):
     """Validate one digest request -> (global shape, box, the data (0-d as 1-d)). The
     integer view is taken by the routes that need one (``int_view``); the kernel reads
@@ -198,6 +214,8 @@ def _prepare(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int])
         kind = "quantized" if tensor.is_quantized else str(tensor.layout)
         raise VerifyError(f"cannot digest a {kind} tensor ({tensor.dtype}): digests cover "
                           "plain strided tensors of checkpoint dtypes")
+    if tensor.device.type == "cpu" and tensor.numel() and not _has_data(tensor):
+        raise VerifyError(no_data(tensor))
     if tensor.is_conj() or tensor.is_neg():
         # lazy conjugate/negative views: their memory holds the un-negated bits
         tensor = tensor.resolve_conj().resolve_neg()
