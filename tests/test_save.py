@@ -647,6 +647,60 @@ def test_save_of_something_other_than_a_state_dict_is_refused(tmp_path, what):
     assert not (tmp_path / "x").exists() or not os.listdir(tmp_path / "x")
 
 
+_DTENSOR_LOCALS = """
+import json, os, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.two_tensor import TwoTensor
+import coordloader as cl
+from coordloader.checkpoint.reader import read_checkpoint
+from coordloader.handoff.consolidate import read_full
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0,
+                        world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+out, cfg = sys.argv[1], {"model_type": "toy"}
+a = torch.arange(32.0).reshape(4, 8)
+res = {}
+for case, state in (("wrapper-local", {"w": DTensor.from_local(TwoTensor(a, a.clone()), mesh,
+                                                               [Shard(0)])}),
+                    ("boxed-dtensor", {"w": cl.Boxed(DTensor.from_local(a, mesh, [Shard(0)]),
+                                                     (4, 8), (0, 0))}),
+                    ("plain-local", {"w": DTensor.from_local(a.clone(), mesh, [Shard(0)])})):
+    try:
+        cl.save(os.path.join(out, case), state, config=cfg)
+        res[case] = torch.equal(read_full(read_checkpoint(os.path.join(out, case)), "w"), a)
+    except Exception as e:
+        res[case] = f"{type(e).__name__}: {e}"
+print(json.dumps(res))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
+def test_dtensors_with_a_wrapper_local_or_inside_boxed_are_refused(tmp_path):
+    """A DTensor whose local tensor is a wrapper subclass (FSDP2 with torchao float8
+    weights) and a Boxed wrapping a DTensor killed the process with SIGSEGV in the digest
+    kernel (data_ptr() 0 read as an address); a DTensor of a plain local tensor saves."""
+    pytest.importorskip("torch.testing._internal.two_tensor")
+    p = subprocess.run([sys.executable, "-c", _DTENSOR_LOCALS, str(tmp_path), str(free_port())],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep
+                                + os.environ.get("PYTHONPATH", "")))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res == {
+        "wrapper-local": "SaveError: rank 0, tensor "
+                         "'w': the DTensor's local tensor is a TwoTensor, a torch.Tensor "
+                         "subclass; expected a plain torch.Tensor or nn.Parameter, whose storage "
+                         "holds its values (unwrap or dequantize it to a plain tensor first)",
+        "boxed-dtensor": "SaveError: rank 0, tensor "
+                         "'w': the Boxed tensor is a DTensor; expected a plain local tensor (pass "
+                         "the DTensor itself, whose placements give its boxes, or "
+                         "Boxed(dtensor.to_local(), ...))",
+        "plain-local": True}
+
+
 @pytest.mark.parametrize("call", ["save", "save_local", "consolidate", "recover_save"])
 def test_an_output_directory_that_is_not_a_path_is_refused(tmp_path, call):
     """A state dict passed before the directory (save(sd, dir)) failed with a bare
@@ -785,7 +839,13 @@ def test_overwrite_without_a_config_drops_the_old_models_config(tmp_path):
     ("boxed-list", "rank 0, tensor 'x': the Boxed tensor is list; expected a torch.Tensor"),
     ("boxed-float", "rank 0, tensor 'x': Boxed global shape [4] and offset [1.5] must be "
                     "integers"),
-], ids=["meta", "sparse", "complex", "boxed-list", "boxed-float"])
+    ("subclass", "rank 0, tensor 'x': is a TwoTensor, a torch.Tensor subclass; expected a plain "
+                 "torch.Tensor or nn.Parameter, whose storage holds its values (unwrap or "
+                 "dequantize it to a plain tensor first)"),
+    ("boxed-subclass", "rank 0, tensor 'x': the Boxed tensor is a TwoTensor, a torch.Tensor "
+                       "subclass; expected a plain torch.Tensor or nn.Parameter, whose storage "
+                       "holds its values (unwrap or dequantize it to a plain tensor first)"),
+], ids=["meta", "sparse", "complex", "boxed-list", "boxed-float", "subclass", "boxed-subclass"])
 def test_tensors_that_cannot_be_written_are_named(tmp_path, value, msg):
     """Each of these raised a bare torch error (or one naming no tensor and no rank)."""
     from coordloader.errors import SaveError
@@ -794,6 +854,14 @@ def test_tensors_that_cannot_be_written_are_named(tmp_path, value, msg):
         value = Boxed([1, 2], (2,), (0,))
     elif value == "boxed-float":
         value = Boxed(torch.zeros(2), (4,), (1.5,))
+    elif value in ("subclass", "boxed-subclass"):
+        # a wrapper subclass (as torchao's float8 training weights are) has no storage:
+        # data_ptr() 0, which the digest kernel read as an address (SIGSEGV, digests=True)
+        # and the writer refused with torch's words (digests=False)
+        two = pytest.importorskip("torch.testing._internal.two_tensor")
+        a = torch.arange(8.0).reshape(2, 4)
+        wrapper = two.TwoTensor(a, a.clone())
+        value = Boxed(wrapper, (2, 4), (0, 0)) if value == "boxed-subclass" else wrapper
     with pytest.raises(SaveError) as e:
         save(tmp_path / "out", {"x": value}, config=CFG)
     assert str(e.value) == msg
