@@ -701,6 +701,76 @@ def test_dtensors_with_a_wrapper_local_or_inside_boxed_are_refused(tmp_path):
         "plain-local": True}
 
 
+LLAMA_CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+             "intermediate_size": 128, "vocab_size": 256, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "num_hidden_layers": 2}
+
+
+@pytest.mark.parametrize("name, shape, msg", [
+    ("model.embed_tokens.weight", (128, 64),
+     "global shape [128, 64] has 128 along dim 0, but config.json says vocab_size=256"),
+    ("model.layers.0.self_attn.k_proj.weight", (64, 64),
+     "global shape [64, 64] has 64 along dim 0, but config.json says "
+     "num_key_value_heads*head_dim=32"),
+    ("model.layers.1.mlp.down_proj.weight", (64, 64),
+     "global shape [64, 64] has 64 along dim 1, but config.json says intermediate_size=128"),
+], ids=["vocab", "kv-heads", "down-proj"])
+def test_global_shapes_config_json_contradicts_are_refused(tmp_path, name, shape, msg):
+    """A rank's FSDP shard passed as a plain tensor without a plan is taken as the whole
+    tensor: a (128, 64) embedding was saved under a config.json with vocab_size=256 and
+    loaded, verify="digest" passing. Saved shapes are compared with config.json as the
+    readers compare DCP's extents, before anything is written."""
+    with pytest.raises(SaveError) as e:
+        save(tmp_path / "x", {name: torch.zeros(shape)}, config=LLAMA_CFG)
+    assert str(e.value) == (
+        f"rank 0, tensor {name!r}: {msg}; expected the shape of the model config.json "
+        f"describes (a plain tensor saved without a plan is taken as the whole tensor: pass a "
+        f"rank's shard as a DTensor or a coordloader Boxed, or save with the plan it was "
+        f"loaded with)")
+    assert not (tmp_path / "x").exists() or not os.listdir(tmp_path / "x")
+    # a Boxed tensor of a global shape config.json contradicts: no hint about plain tensors
+    with pytest.raises(SaveError) as e:
+        save(tmp_path / "y", {name: cl.Boxed(torch.zeros(shape), shape, (0,) * len(shape))},
+             config=LLAMA_CFG)
+    assert str(e.value) == (f"rank 0, tensor {name!r}: {msg}; expected the shape of the model "
+                            f"config.json describes")
+
+
+def _local_shards_worker(rank, port, out, q):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        full = torch.arange(256 * 64, dtype=torch.float32).reshape(256, 64)
+        mine = {"model.embed_tokens.weight": full[128 * rank:128 * (rank + 1)].clone()}
+        try:
+            save(out, mine, config=LLAMA_CFG, timeout=30)
+            q.put((rank, "ok"))
+        except Exception as e:  # noqa: BLE001
+            q.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
+def test_ranks_shards_passed_as_whole_tensors_are_refused_on_every_rank(tmp_path):
+    """Two ranks each passing their Shard(0) local tensor (dt.to_local()) as a plain tensor,
+    no plan: rank 0's half was written as the whole embedding and save returned on both."""
+    import torch.multiprocessing as mp
+    q = mp.get_context("spawn").Queue()
+    out = str(tmp_path / "ck")
+    spawn_and_wait(_local_shards_worker, (free_port(), out, q), 2, "2-rank save", hard_s=90)
+    res = dict(q.get(timeout=10) for _ in range(2))
+    want = ("CollectiveError: phase save-prepare: ranks 0,1: SaveError: tensor "
+            "'model.embed_tokens.weight': global shape [128, 64] has 128 along dim 0, but "
+            "config.json says vocab_size=256; expected the shape of the model config.json "
+            "describes (a plain tensor saved without a plan is taken as the whole tensor: pass "
+            "a rank's shard as a DTensor or a coordloader Boxed, or save with the plan it was "
+            "loaded with)")
+    assert res == {0: want, 1: want}
+    assert not os.path.exists(out) or not os.listdir(out)
+
+
 @pytest.mark.parametrize("call", ["save", "save_local", "consolidate", "recover_save"])
 def test_an_output_directory_that_is_not_a_path_is_refused(tmp_path, call):
     """A state dict passed before the directory (save(sd, dir)) failed with a bare

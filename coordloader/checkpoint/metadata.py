@@ -12,7 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from math import prod
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from coordloader.errors import CheckpointError
 
@@ -187,21 +187,32 @@ def extent_mismatch(meta: CheckpointMeta, config: Mapping | None = None
     else the checkpoint's own) states a size the pieces do not reach or exceed; None when
     all agree (or nothing compares)."""
     config = meta.config if config is None else config
-    if not meta.shapes_from_extents or not isinstance(config, Mapping):
+    if not meta.shapes_from_extents:
         return None
-    for name, t in meta.tensors.items():
+    return config_mismatch({name: t.shape for name, t in meta.tensors.items()}, config)
+
+
+def config_mismatch(shapes: Mapping[str, Sequence[int]], config: Mapping | None
+                    ) -> tuple[str, str, int, int, int] | None:
+    """The first (tensor, config key, config value, size, dim) where config.json states a
+    size of a dim that the tensor's global shape in ``shapes`` does not have; None when
+    all agree (or nothing compares). Used on the extents of DCP's pieces and on the
+    global shapes ``coordloader.save`` is handed."""
+    if not isinstance(config, Mapping):
+        return None
+    for name, shape in shapes.items():
         for suffix, key in _CONFIG_SIZED:
             want = config.get(key)
-            if name.endswith(suffix) and type(want) is int and t.shape and t.shape[0] != want:
-                return name, key, want, t.shape[0], 0
-    for name, t in meta.tensors.items():
+            if name.endswith(suffix) and type(want) is int and shape and shape[0] != want:
+                return name, key, want, shape[0], 0
+    for name, shape in shapes.items():
         if not name.endswith(_CONFIG_SUFFIXES):   # one C-level test for most names
             continue
         for suffix, dim, size in _CONFIG_DIMS:
-            if name.endswith(suffix) and len(t.shape) > dim:
+            if name.endswith(suffix) and len(shape) > dim:
                 got = size(config)
-                if got is not None and t.shape[dim] != got[1]:
-                    return name, got[0], got[1], t.shape[dim], dim
+                if got is not None and shape[dim] != got[1]:
+                    return name, got[0], got[1], shape[dim], dim
     return None
 
 

@@ -45,7 +45,7 @@ from coordloader.checkpoint.formats import (
     STAGING_PREFIX,
     shard_name,
 )
-from coordloader.checkpoint.metadata import box_numel, box_shape
+from coordloader.checkpoint.metadata import box_numel, box_shape, config_mismatch
 from coordloader.checkpoint.tiling import TilingKind, fmt_box, tiling_problem
 from coordloader.errors import CoordloaderError, SaveError
 from coordloader.handoff.pieces import collect_pieces, keep_primaries, undecided
@@ -141,6 +141,27 @@ def _write_rank(stage: str, pieces, rank: int, max_shard_bytes: int, with_digest
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
     return {"rank": rank, "files": files, "pieces": records, "bytes": total}
+
+
+def check_config_shapes(pieces, tensors, plan, cfg: ModelConfig, rank: int) -> None:
+    """SaveError where config.json states the size of a dim (vocab_size, hidden_size, heads
+    times head_dim, ...) that the global shape of a tensor this rank saves does not have:
+    the comparison the readers make on DCP's extents (``config_mismatch``). Caught here, a
+    rank's shard passed as a plain tensor without a plan (taken as the whole tensor, and
+    written once, from the lowest rank) is refused before anything is written."""
+    bad = config_mismatch({p.name: p.shape for p in pieces}, cfg.doc)
+    if bad is None:
+        return
+    name, key, want, got, dim = bad
+    shape = next(p.shape for p in pieces if p.name == name)
+    hint = ""
+    if plan is None and type(tensors.get(name)) in (torch.Tensor, torch.nn.Parameter):
+        hint = (" (a plain tensor saved without a plan is taken as the whole tensor: pass a "
+                "rank's shard as a DTensor or a coordloader Boxed, or save with the plan it "
+                "was loaded with)")
+    raise SaveError(f"global shape {list(shape)} has {got} along dim {dim}, but config.json "
+                    f"says {key}={want}; expected the shape of the model config.json "
+                    f"describes{hint}", tensor=name, rank=rank)
 
 
 # ---------------------------------------------------------------------------------------
@@ -355,6 +376,7 @@ def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrit
                             f"{plan.world_size} ({plan.layout})", rank=rank)
         cfg = resolve_config(config, rank)
         pieces = collect_pieces(tensors, plan.rank(rank) if plan is not None else None, rank)
+        check_config_shapes(pieces, tensors, plan, cfg, rank)
         stage = prepare_target(out_dir, overwrite, rank, token) if rank == 0 else None
         return cfg, pieces, stage
     try:
@@ -431,6 +453,7 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
     try:  # refused before anything is written; a refused later rank ends the save
         cfg = resolve_config(config, rank)
         pieces = collect_pieces(tensors, plan.rank(rank) if plan is not None else None, rank)
+        check_config_shapes(pieces, tensors, plan, cfg, rank)
     except BaseException:
         if rank > 0:
             shutil.rmtree(stage_dir, ignore_errors=True)
