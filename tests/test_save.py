@@ -771,6 +771,46 @@ def test_ranks_shards_passed_as_whole_tensors_are_refused_on_every_rank(tmp_path
     assert not os.path.exists(out) or not os.listdir(out)
 
 
+def _rank_kw_worker(rank, port, out, q):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        plan, locs, _ = make_plan_and_locals()
+        if rank == 0:
+            dist.barrier()          # rank 1 calls first: the order a race can give
+        try:
+            r = save(out, locs[rank], plan, rank=rank, config=CFG)
+            q.put((rank, f"ok published={r.published}"))
+        except Exception as e:  # noqa: BLE001
+            q.put((rank, f"{type(e).__name__}: {e}"))
+        if rank == 1:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
+def test_every_rank_passing_its_own_rank_under_a_group_is_told_to_leave_it_out(tmp_path):
+    """save(..., rank=dist.get_rank()) on every rank of a group runs one local-mode save
+    per process at once (rank= is local mode, documented for one process saving the plan
+    ranks in turn): the outcome depends on timing. Where it is refused, the message says
+    why and what to do."""
+    import torch.multiprocessing as mp
+    q = mp.get_context("spawn").Queue()
+    out = str(tmp_path / "ck")
+    spawn_and_wait(_rank_kw_worker, (free_port(), out, q), 2, "2-rank save", hard_s=90)
+    res = dict(q.get(timeout=10) for _ in range(2))
+    stage = [n for n in os.listdir(out) if n.startswith(".coordloader-staging")]
+    assert res[1] == (
+        f"SaveError: rank 1, file {os.path.join(out, stage[0])}: local-mode save: call save() "
+        f"for ranks in order 0..1; ranks [0] have not been saved into this staging directory; "
+        f"this process is rank 1 of an initialised process group of 2: if every rank calls "
+        f"save(), leave rank= out, so that they save together (distributed mode); rank= is "
+        f"local mode, one process saving the ranks in turn")
+    assert res[0] == "ok published=False"
+
+
 @pytest.mark.parametrize("call", ["save", "save_local", "consolidate", "recover_save"])
 def test_an_output_directory_that_is_not_a_path_is_refused(tmp_path, call):
     """A state dict passed before the directory (save(sd, dir)) failed with a bare

@@ -435,6 +435,22 @@ def _record(stage_dir: str, rank: int) -> dict:
         return json.load(f)
 
 
+def _group_hint(rank: int) -> str:
+    """Where a local-mode call under an initialised process group passes the process's own
+    rank, the likely cause of its refusal: every rank calling save(rank=get_rank()), which
+    runs one local-mode save per process at once (rank= keeps local mode under a group, so
+    that one process can save every plan rank in turn; the ranks then agree nothing)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    world, me = dist.get_world_size(), dist.get_rank()
+    if world < 2 or rank != me:
+        return ""
+    return (f"; this process is rank {me} of an initialised process group of {world}: if every "
+            f"rank calls save(), leave rank= out, so that they save together (distributed "
+            f"mode); rank= is local mode, one process saving the ranks in turn")
+
+
 def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: int = 5 * 2**30,
                overwrite: bool = False, config=None, digests: bool = True) -> SaveResult:
     """One process saves every plan rank in turn (rank 0, 1, ..., world-1): the call for
@@ -446,7 +462,7 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
     if not 0 <= rank < world:
         where = f"the plan's world of {world} ({plan.layout})" if plan is not None else \
             "a save without a plan, which is one call (rank 0)"
-        raise SaveError(f"rank {rank} outside {where}", rank=rank)
+        raise SaveError(f"rank {rank} outside {where}{_group_hint(rank)}", rank=rank)
     token = "local-" + (plan.digest()[:16] if plan is not None else uuid.uuid4().hex[:16])
     stage = STAGING_PREFIX + token
     stage_dir = os.path.join(out_dir, stage)
@@ -466,8 +482,8 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
                    if not os.path.exists(os.path.join(stage_dir, f"rank-{r:05d}.json"))]
         if missing:
             raise SaveError(f"local-mode save: call save() for ranks in order 0..{world - 1}; ranks "
-                            f"{missing} have not been saved into this staging directory", file=stage_dir,
-                            rank=rank)
+                            f"{missing} have not been saved into this staging directory"
+                            f"{_group_hint(rank)}", file=stage_dir, rank=rank)
         # a box an earlier rank already wrote (a Boxed replica) is written once, as in a
         # distributed save
         held = [[(p["name"], p["box"]) for p in _record(stage_dir, r)["pieces"]]
