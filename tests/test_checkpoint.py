@@ -578,7 +578,7 @@ def test_single_file(tmp_path):
     assert list(meta.tensors) == ["z", "a", "flag", "empty", "s"]
     z = meta.tensors["z"]
     assert z == TensorInfo("z", "F16", (3, 2), (SourcePiece(M, ((0, 3), (0, 2)), 8 + hlen,
-                                                            8 + hlen + 12),))
+                                                            8 + hlen + 12, "z"),))
     assert meta.tensors["empty"].pieces[0].start == meta.tensors["empty"].pieces[0].end
     assert meta.tensors["s"].shape == ()
     assert meta.total_bytes == n
@@ -764,7 +764,7 @@ def test_assembled_records_equal_init_built(tmp_path):
     assert meta.tensors
     for name, t in meta.tensors.items():
         p = t.pieces[0]
-        p2 = SourcePiece(p.file, p.box, p.start, p.end)
+        p2 = SourcePiece(p.file, p.box, p.start, p.end, p.key)
         t2 = TensorInfo(t.name, t.dtype, t.shape, (p2,))
         assert t == t2 and hash(t) == hash(t2) and repr(t) == repr(t2)
         for a, b in ((t, t2), (p, p2)):   # slotted: every field set, nothing else held
@@ -871,8 +871,11 @@ def test_coordloader_sharded_format(tmp_path):
                                          ((2, 4), (3, 6))]
     assert [p.file for p in w.pieces] == ["rank-0.safetensors", "rank-1.safetensors",
                                           "rank-0.safetensors", "rank-1.safetensors"]
+    # each piece carries the key its file stores it under (the index's "key")
+    assert [p.key for p in w.pieces] == ["w@0:2,0:3", "w@0:2,3:6", "w@2:4,0:3", "w@2:4,3:6"]
+    assert [p.key for p in meta.tensors["bias"].pieces] == ["bias@0:3", "bias@3:6"]
     assert all(p.end - p.start == 2 * 3 * 2 for p in w.pieces)
-    assert meta.tensors["norm"].is_whole
+    assert meta.tensors["norm"].is_whole and meta.tensors["norm"].pieces[0].key == "norm"
     assert list(meta.tensors) == ["w", "bias", "norm"]  # by first piece: file, then offset
     assert meta.total_bytes == 4 * 6 * 2 + 6 * 4 + 6 * 4
     check_bytes(meta)

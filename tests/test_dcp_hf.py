@@ -108,6 +108,30 @@ def test_dcp_sharded_output_loads_at_tp4_byte_exact(dcp_out, kind):
             assert torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)), (kind, r, n)
 
 
+@pytest.mark.parametrize("kind", ["fsdp2", "tp"])
+def test_dcp_output_loads_with_every_engine_and_verifies_full_and_digest(dcp_out, kind,
+                                                                          tmp_path):
+    """DCP stores every rank's piece under the tensor's plain name; the safetensors engine
+    and the re-reads of verify=full and of a lone rank's verify=digest asked for
+    coordloader's sharded key ``name@a:b,...`` instead (``File does not contain tensor``)."""
+    import shutil
+    src, outs, _ = dcp_out
+    out = str(tmp_path / kind)
+    shutil.copytree(outs[kind], out)            # the manifest goes beside the copy
+    meta = cl.read_checkpoint(out)
+    cl.write_manifest(meta)
+    layout = Layout(tp=4)
+    for r in range(4):                          # each rank alone: no process group
+        want = cl.load(src, layout, rank=r)
+        for engine, verify in (("safetensors", "full"), ("cpu", "full"), ("safetensors", "digest")):
+            got = cl.load(out, layout, rank=r, config=src, engine=engine, verify=verify)
+            assert got.keys() == want.keys(), (r, engine)
+            for n in want:
+                assert torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)), \
+                    (kind, r, engine, n)
+    assert {p.key for t in meta.tensors.values() for p in t.pieces} == set(meta.tensors)
+
+
 def test_dcp_output_consolidates_to_a_checkpoint_transformers_loads(dcp_out):
     src, outs, base = dcp_out
     hf = str(base / "hf")

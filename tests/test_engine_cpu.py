@@ -54,11 +54,11 @@ def meta_of(root: str, files: list[str], sharded: dict | None = None) -> Checkpo
         for fname, key, box in parts:
             e = entries[(fname, key)]
             claimed.add((fname, key))
-            pcs.append(SourcePiece(fname, tuple(map(tuple, box)), e[2], e[3]))
+            pcs.append(SourcePiece(fname, tuple(map(tuple, box)), e[2], e[3], key))
         tensors[name] = TensorInfo(name, dt, tuple(shape), tuple(pcs))
     for (fname, k), (dt, shape, a, b) in entries.items():
         if (fname, k) not in claimed:
-            tensors[k] = TensorInfo(k, dt, shape, (SourcePiece(fname, full_box(shape), a, b),))
+            tensors[k] = TensorInfo(k, dt, shape, (SourcePiece(fname, full_box(shape), a, b, k),))
     return CheckpointMeta(root=root, files=tuple(infos), tensors=tensors)
 
 
@@ -294,6 +294,51 @@ def test_multi_piece_sources(tmp_path):
             got, stats = select_engine(engine).load_rank(meta, rp, "cpu")
             assert same_bytes(got["w"], want), engine
             assert stats.bytes_read == 4 * 6 * 4
+
+
+DCP_FILES = ("shard-00001-model-00001-of-00001.safetensors",
+             "shard-00002-model-00001-of-00001.safetensors")
+
+
+def dcp_ckpt(tmp_path) -> tuple[CheckpointMeta, dict[str, torch.Tensor]]:
+    """torch DCP's HF output (``HuggingFaceStorageWriter(save_distributed=True)``): one file
+    per rank, each rank's piece stored under the tensor's own name, so both files hold a
+    key ``w`` (8x6 F32, rows 0-4 and 4-8) and a key ``v`` (3x2 I32, rows 0-2 and 2-3).
+    -> (meta, the full tensors)."""
+    w = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    v = torch.arange(100, 106, dtype=torch.int32).reshape(3, 2)
+    rows = {"w": ((0, 4), (4, 8)), "v": ((0, 2), (2, 3))}
+    full = {"w": w, "v": v}
+    for r, fname in enumerate(DCP_FILES):
+        info = {k: {"saved_offsets": [rows[k][r][0], 0]} for k in full}
+        save_file({k: full[k][slice(*rows[k][r])].contiguous() for k in full},
+                  str(tmp_path / fname), metadata={"DCP_SHARDING_INFO": json.dumps(info)})
+    meta = meta_of(str(tmp_path), list(DCP_FILES), sharded={
+        k: (dt, tuple(full[k].shape), [(f, k, [rows[k][r], (0, full[k].shape[1])])
+                                       for r, f in enumerate(DCP_FILES)])
+        for k, dt in (("w", "F32"), ("v", "I32"))})
+    return meta, full
+
+
+def test_dcp_pieces_stored_under_the_tensors_name_in_every_file(tmp_path):
+    """torch DCP stores each piece under the plain name: the safetensors engine asked for
+    ``w@0:4,0:6`` (coordloader's sharded key, rebuilt from the box) and failed."""
+    meta, full = dcp_ckpt(tmp_path)
+    assert [(p.file, p.key) for p in meta.tensors["w"].pieces] == [(f, "w") for f in DCP_FILES]
+    targets = [  # rows crossing the files' boundary, columns spanning both pieces, all
+        ("w", [(((2, 6), (0, 6)), (0, 0))]), ("w", [(split_box((8, 6), 1, 1, 2), (0, 0))]),
+        ("w", [(((0, 8), (0, 6)), (0, 0))]), ("v", [(((1, 3), (0, 2)), (0, 0))])]
+    for name, pieces in targets:
+        rp = RankPlan(0, {}, (slice_of(meta, name, pieces),))
+        want = reference(full[name], pieces, box_shape_of(pieces))
+        for engine in ("cpu", "safetensors"):
+            got, stats = select_engine(engine).load_rank(meta, rp, "cpu")
+            assert same_bytes(got[name], want), (engine, name, pieces)
+            assert stats.bytes_read == want.numel() * want.element_size()
+
+
+def box_shape_of(pieces) -> tuple[int, ...]:
+    return tuple(b - a for a, b in pieces[0][0])
 
 
 def test_select_engine_names():

@@ -26,7 +26,9 @@ from coordloader.errors import LoadError
 from coordloader.planning.model import LoadGroup, Plan, RankPlan
 
 from test_engine_cpu import (  # noqa: F401
+    DCP_FILES,
     ckpt,
+    dcp_ckpt,
     multi_piece_ckpt,
     plans_for,
     reference,
@@ -200,6 +202,48 @@ def test_multi_piece_sources_stream_by_piece_key(tmp_path, fake_cuda):
     got, _ = select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp, rp])).load_rank(
         meta, rp, "cuda:0")
     assert same_bytes(got["w"], reference(full, pieces, (4, 6)))
+
+
+def test_dcp_pieces_under_one_key_in_two_files_stream_to_their_own_boxes(tmp_path, fake_cuda):
+    """torch DCP's output: both files hold keys ``w`` and ``v``. The engine keyed the stream
+    by key alone, rebuilt as ``w@0:4,0:6``: every DCP key was unknown. Each yielded ``w``
+    is now matched to its file by stream position, in group mode (every tensor of both
+    files streams) and in filtered mode (the filter ``["v", "w"]`` keeps both files'
+    pieces, the rank's rows sit in one of them)."""
+    meta, full = dcp_ckpt(tmp_path)
+    rows = [((2, 6), (0, 6)), ((5, 8), (0, 6))]   # across both files / in the second only
+    rps = [RankPlan(r, {}, (slice_of(meta, "w", [(b, (0, 0))]),
+                            slice_of(meta, "v", [(((r, r + 2), (0, 2)), (0, 0))])))
+           for r, b in enumerate(rows)]
+    for groups in ([], [LoadGroup(DCP_FILES, (0, 1), "filtered")]):
+        for rp in rps:
+            CALLS.clear()
+            got, stats = select_engine("instanttensor", "cuda:0", plan=_plan(meta, rps, groups)) \
+                .load_rank(meta, rp, "cuda:0")
+            _check(got, rp, full)
+            assert [c["files"] for c in CALLS] == [list(DCP_FILES)]
+            assert CALLS[0]["tensor_filter"] == (["v", "w"] if groups else None)
+            assert stats.extra["bytes_streamed"] == meta.total_bytes
+
+
+def test_a_dcp_file_streaming_a_key_its_header_did_not_list_is_named(tmp_path, fake_cuda,
+                                                                        monkeypatch):
+    """A yielded key the metadata does not list in the file the stream position gives
+    (here every position of the second file is attributed to a file without tensors)
+    is refused, naming that file."""
+    meta, _ = dcp_ckpt(tmp_path)
+    rp = RankPlan(0, {}, (slice_of(meta, "w", [(((0, 8), (0, 6)), (0, 0))]),))
+    real = ite._stream_files
+    monkeypatch.setattr(ite, "_stream_files",
+                        lambda *a: [f.replace("00002", "00003") for f in real(*a)])
+    first = min((p for t in meta.tensors.values() for p in t.pieces if p.file == DCP_FILES[1]),
+                key=lambda p: p.start).key   # the second file's first tensor in the stream
+    with pytest.raises(LoadError) as e:
+        select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
+            meta, rp, "cuda:0")
+    assert str(e.value) == (f"rank 0, file {DCP_FILES[1].replace('00002', '00003')}: "
+                            f"instanttensor yielded key {first!r}, which the checkpoint "
+                            f"metadata does not list in this file (file changed?)")
 
 
 def test_non_cuda_device_refused_before_instanttensor(ckpt, monkeypatch):

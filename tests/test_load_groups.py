@@ -13,9 +13,12 @@ def _sharded_meta() -> CheckpointMeta:
     """Layer 0's ``x`` is stored in two pieces, rows 0-1 in a.safetensors and rows 2-3 in
     b.safetensors; layer 1's ``y`` whole in a.safetensors, after x's piece."""
     a0 = 8 + 64
-    x_a = SourcePiece("a.safetensors", ((0, 2), (0, 4)), a0, a0 + 2 * F32_ROW)
-    y_a = SourcePiece("a.safetensors", ((0, 4), (0, 4)), x_a.end, x_a.end + 4 * F32_ROW)
-    x_b = SourcePiece("b.safetensors", ((2, 4), (0, 4)), a0, a0 + 2 * F32_ROW)
+    x_a = SourcePiece("a.safetensors", ((0, 2), (0, 4)), a0, a0 + 2 * F32_ROW,
+                      "model.layers.0.x@0:2,0:4")
+    y_a = SourcePiece("a.safetensors", ((0, 4), (0, 4)), x_a.end, x_a.end + 4 * F32_ROW,
+                      "model.layers.1.y")
+    x_b = SourcePiece("b.safetensors", ((2, 4), (0, 4)), a0, a0 + 2 * F32_ROW,
+                      "model.layers.0.x@2:4,0:4")
     tensors = {"model.layers.0.x": TensorInfo("model.layers.0.x", "F32", (4, 4), (x_a, x_b)),
                "model.layers.1.y": TensorInfo("model.layers.1.y", "F32", (4, 4), (y_a,))}
     files = (FileInfo("a.safetensors", y_a.end, 64, "0" * 64),

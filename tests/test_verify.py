@@ -188,6 +188,53 @@ def test_load_of_one_rank_without_a_group_refuses_a_flipped_byte_it_holds(tmp_pa
     assert checks(e.value.report) == [(1, "w", "digest")]
 
 
+def _dcp_ckpt(root) -> torch.Tensor:
+    """torch DCP's HF output: ``w`` (8x4 F32) as rows 0-4 and 4-8 in two per-rank files,
+    each piece stored under the plain name ``w``. -> the full tensor."""
+    import json
+    os.makedirs(root)
+    w = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    for r in range(2):
+        save_file({"w": w[4 * r:4 * r + 4].contiguous()},
+                  os.path.join(root, f"shard-0000{r + 1}-model-00001-of-00001.safetensors"),
+                  metadata={"DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": [4 * r, 0]}})})
+    return w
+
+
+def test_full_and_digest_re_read_dcp_pieces_under_their_stored_key(tmp_path):
+    """The re-reads of verify=full and of a rank's rest for verify=digest asked the files
+    for ``w@0:4,0:4`` (coordloader's sharded key, rebuilt from the box), which torch DCP's
+    files do not hold: a false VerifyError on an intact checkpoint."""
+    import coordloader as cl
+    root = str(tmp_path / "dcp")
+    w = _dcp_ckpt(root)
+    rep, col = [{"pattern": "w", "strategy": "replicate"}], [{"pattern": "w", "strategy": "colwise"}]
+    got = cl.load(root, Layout(tp=1), rank=0, engine="cpu", verify="full", rules=rep)
+    assert torch.equal(got["w"], w)
+    cl.write_manifest(cl.read_checkpoint(root))
+    for r in (0, 1):   # one rank without a group: re-reads the rows the other rank holds
+        got = cl.load(root, Layout(tp=2), rank=r, engine="cpu", verify="digest", rules=col)
+        assert torch.equal(got["w"], w[4 * r:4 * r + 4])
+    # the re-read is of the right bytes: a flipped byte of the second file is named there
+    f2 = os.path.join(root, "shard-00002-model-00001-of-00001.safetensors")
+    off = read_checkpoint(root).tensors["w"].pieces[1].start + 4 * 4 + 4   # w[5, 1]
+    with open(f2, "r+b") as f:
+        f.seek(off)
+        b0 = f.read(1)[0]
+        f.seek(off)
+        f.write(bytes([b0 ^ 0x40]))
+    loaded = {"w": w.clone()}
+    meta = read_checkpoint(root)
+    plan = cl.make_plan(meta, Layout(tp=1), rules=rep)
+    with pytest.raises(VerifyError) as e:
+        vf.verify_rank(loaded, plan, "full", meta=meta, rank=0)
+    assert checks(e.value.report) == [(0, "w", "bytes")], e.value.report
+    detail = e.value.report["failures"][0]["detail"]
+    assert detail == ("1 element(s) differ from shard-00002-model-00001-of-00001.safetensors "
+                      "in [4:8,0:4]; first at global index [5, 1]: holds bits 0x41a80000, "
+                      "checkpoint has 0x41a80040")   # 21.0, its low byte flipped
+
+
 def test_a_rank_checked_alone_names_a_checkpoint_it_cannot_re_read(setup):
     root, full, meta, man, plan, loaded = setup
     os.rename(os.path.join(root, "model.safetensors"), os.path.join(root, "moved"))

@@ -32,8 +32,11 @@ def box_numel(box: Box) -> int:
 
 
 def piece_key(name: str, box: Box, shape: tuple[int, ...]) -> str:
-    """Key under which a piece of tensor ``name`` is stored in a shard file: the name
-    itself for a whole tensor, else ``name@a:b,c:d`` (coordloader's sharded format)."""
+    """Key under which coordloader's sharded format stores a piece of tensor ``name``: the
+    name itself for a whole tensor, else ``name@a:b,c:d``. The writer's naming rule (and
+    the reader's check of an index against it), not a way to find a stored piece: other
+    formats store pieces under other keys (torch DCP under the plain name), so readers of
+    bytes use ``SourcePiece.key``."""
     if tuple(box) == full_box(tuple(shape)):
         return name
     return name + "@" + ",".join(f"{a}:{b}" for a, b in box)
@@ -58,6 +61,10 @@ class SourcePiece:
     box: Box     # region of the global tensor this piece holds
     start: int   # absolute byte offset in the file
     end: int     # absolute byte offset one past the last byte
+    # the key the file's header stores this piece under: the tensor's name in a plain HF
+    # checkpoint and in torch DCP's per-rank files (so (file, key) is unique, key alone
+    # is not), ``name@a:b,c:d`` for a part in coordloader's sharded format
+    key: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -876,7 +876,8 @@ def _assemble_dcp(by_file, names) -> dict[str, TensorInfo]:
                                       f"expected {{\"{DCP_SAVED_OFFSETS}\": [{len(shape)} "
                                       f"non-negative integers]}}", file=fname, tensor=key)
             box = tuple((o, o + s) for o, s in zip(offs, shape))
-            found.setdefault(key, []).append((dtype, box, SourcePiece(fname, box, start, end)))
+            found.setdefault(key, []).append((dtype, box, SourcePiece(fname, box, start, end,
+                                                                      key)))
         extra = sorted(set(info) - keys)
         if extra:
             raise CheckpointError(f"{DCP_SHARDING_INFO} lists {extra[0][:200]!r}, which the file "
@@ -925,7 +926,7 @@ def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInf
     # object.__setattr__ per field; tests/test_checkpoint.py compares the records with
     # __init__-built ones). The duplicate and index checks run in C after each file.
     new = object.__new__
-    p_file, p_box, p_start, p_end = _field_setters(SourcePiece)
+    p_file, p_box, p_start, p_end, p_key = _field_setters(SourcePiece)
     t_name, t_dtype, t_shape, t_pieces = _field_setters(TensorInfo)
     count = 0
     for i, fname in enumerate(names):
@@ -940,6 +941,7 @@ def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInf
             p_box(p, box)
             p_start(p, start)
             p_end(p, end)
+            p_key(p, key)
             t = new(TensorInfo)
             t_name(t, key)
             t_dtype(t, dtype)
@@ -1028,7 +1030,7 @@ def _assemble_sharded(discovery: Discovery, by_file, names) -> dict[str, TensorI
                 raise CheckpointError(f"piece {key!r} is stored with shape {list(ent[2])}; its "
                                       f"box needs {list(box_shape(box))}", file=fname,
                                       tensor=name)
-            pieces.append(SourcePiece(fname, box, ent[3], ent[4]))
+            pieces.append(SourcePiece(fname, box, ent[3], ent[4], key))
         listed = wm.get(name, "") if wm is not None else None
         if listed == "":
             raise CheckpointError("tensor is in the coordloader section but not in the "

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from coordloader.checkpoint import dtypes
-from coordloader.checkpoint.metadata import Box, box_numel, box_shape, piece_key
+from coordloader.checkpoint.metadata import Box, box_numel, box_shape
 from coordloader.errors import LoadError
 from coordloader.planning.model import TensorSlice
 
@@ -317,4 +317,4 @@ def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
 
 __all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "allocate",
            "host_out", "check_out", "check_disjoint", "require_tensor", "copy_overlap", "intersect",
-           "piece_key", "to_device"]
+           "to_device"]

@@ -11,7 +11,10 @@ cost model); a plan without them loads every file in one group of all ranks.
 
 The handle API used (instanttensor 0.2.x): ``with safe_open(files, framework="pt",
 device=idx, process_group=pg, copy=False, ...) as f: for key, t in f.tensors(): ...``;
-keys stream in file order (the file list sorted), then data offset.
+keys stream in file order (the file list sorted), then data offset. The stream names each
+tensor by its key alone, which is not unique across files (torch DCP stores every rank's
+piece of a tensor under the tensor's name): the engine attributes each yielded tensor to
+its file by position, from the number of tensors each file streams.
 """
 from __future__ import annotations
 
@@ -32,7 +35,6 @@ from coordloader.engines import (
     check_out,
     copy_overlap,
     intersect,
-    piece_key,
     refuse_changed_path,
     slice_nbytes,
 )
@@ -138,7 +140,8 @@ class OpenCall(NamedTuple):
 
 
 def needed_keys(meta: CheckpointMeta, rank_plan: RankPlan) -> dict[str, set[str]]:
-    """file -> the keys of the stored pieces this rank's slices overlap."""
+    """file -> the keys (``SourcePiece.key``) of the stored pieces this rank's slices
+    overlap."""
     need: dict[str, set[str]] = {}
     for ts in rank_plan.tensors:
         info = meta.tensors.get(ts.name)
@@ -146,7 +149,7 @@ def needed_keys(meta: CheckpointMeta, rank_plan: RankPlan) -> dict[str, set[str]
             continue
         for sp in info.pieces:
             if any(intersect(pc.src, sp.box) is not None for pc in ts.pieces):
-                need.setdefault(sp.file, set()).add(piece_key(info.name, sp.box, info.shape))
+                need.setdefault(sp.file, set()).add(sp.key)
     return need
 
 
@@ -166,12 +169,12 @@ def open_calls(groups: Sequence[LoadGroup], process_groups: Sequence[Any], rank:
         if g.mode == LoadGroupMode.GROUP:
             calls.append(OpenCall(list(g.files), pg, None, len(g.ranks) if pg is not None else 1))
         else:
-            keys = sorted(k for f in g.files for k in need.get(f, ()))
+            keys = sorted({k for f in g.files for k in need.get(f, ())})
             if keys:
                 calls.append(OpenCall(list(g.files), None, keys, 1))
     rest = sorted(f for f in need if f not in covered)
     if rest:
-        calls.append(OpenCall(rest, None, sorted(k for f in rest for k in need[f]), 1))
+        calls.append(OpenCall(rest, None, sorted({k for f in rest for k in need[f]}), 1))
     return calls
 
 
@@ -196,6 +199,19 @@ def check_device(device: Any) -> torch.device:
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def _stream_files(files: Sequence[str], paths: Sequence[str], keys: Sequence[str] | None,
+                  file_keys: Mapping[str, Sequence[str]]) -> list[str]:
+    """The file of each tensor one ``safe_open(paths, tensor_filter=keys)`` streams, in
+    stream order: the paths sorted (as instanttensor sorts them), per file as many
+    tensors as its header holds, or as it holds keys of ``keys`` (exact names)."""
+    keep = None if keys is None else set(keys)
+    out: list[str] = []
+    for _, fname in sorted(zip(paths, files)):
+        ks = file_keys.get(fname, ())
+        out += [fname] * (len(ks) if keep is None else sum(k in keep for k in ks))
+    return out
 
 
 class InstantTensorEngine:
@@ -265,22 +281,25 @@ class InstantTensorEngine:
                 raise LoadError("planned tensor is not in the checkpoint", tensor=ts.name, rank=rank)
             tensors[ts.name] = allocate(ts, alloc_dev, out, rank=rank)
             held += slice_nbytes(ts)
-        # key -> (tensor name, source piece); keys are unique within a checkpoint
-        keymap: dict[str, tuple] = {}
+        # (file, key) -> (tensor, source piece): keys are unique within a file only
+        keymap: dict[tuple[str, str], tuple] = {}
+        file_keys: dict[str, list[str]] = {}
         for info in meta.tensors.values():
             for sp in info.pieces:
-                keymap[piece_key(info.name, sp.box, info.shape)] = (info, sp)
+                keymap[(sp.file, sp.key)] = (info, sp)
+                file_keys.setdefault(sp.file, []).append(sp.key)
         need = needed_keys(meta, rank_plan)
         calls = open_calls(groups, pgs, rank, need)
 
         streamed = share = 0
-        seen: set[str] = set()
+        seen: set[tuple[str, str]] = set()
         opener = _safe_open()
         infos = {fi.name: fi for fi in meta.files}
         for files, pg, keys, gsize in calls:   # OpenCall
             paths = [os.path.join(meta.root, f) for f in files]
             for f, path in zip(files, paths):
                 refuse_changed_path(path, infos[f], rank)
+            streams = _stream_files(files, paths, keys, file_keys)   # file per yield
             kwargs = dict(self.tuning)
             if keys is not None:
                 kwargs.update(tensor_filter=keys, tensor_name_match_mode="exact")
@@ -291,12 +310,19 @@ class InstantTensorEngine:
             with _instanttensor_errors(f"instanttensor failed while streaming {files[0]}"
                                        f"{' and others' if len(files) > 1 else ''}", rank), \
                     handle as f:
-                for key, t in f.tensors():
-                    ent = keymap.get(key)
+                for i, (key, t) in enumerate(f.tensors()):
+                    if i >= len(streams):
+                        raise LoadError(f"instanttensor yielded key {key!r} after the "
+                                        f"{len(streams)} tensor(s) the checkpoint metadata "
+                                        f"lists in {files[0]}"
+                                        f"{' and others' if len(files) > 1 else ''} "
+                                        f"(file changed?)", rank=rank)
+                    fname = streams[i]
+                    ent = keymap.get((fname, key))
                     if ent is None:
                         raise LoadError(f"instanttensor yielded key {key!r}, which the "
-                                        f"checkpoint metadata does not know (file changed?)",
-                                        rank=rank)
+                                        f"checkpoint metadata does not list in this file "
+                                        f"(file changed?)", file=fname, rank=rank)
                     info, sp = ent
                     nb = t.numel() * t.element_size()
                     streamed += nb
@@ -308,10 +334,10 @@ class InstantTensorEngine:
                     dst = tensors[info.name]
                     for pc in ts.pieces:
                         copy_overlap(dst, pc.src, pc.dst, src, sp.box)
-                    seen.add(key)
+                    seen.add((fname, key))
                     if progress is not None:
                         progress(nb)
-        missing = sorted(k for ks in need.values() for k in ks if k not in seen)
+        missing = sorted(f"{f}:{k}" for f, ks in need.items() for k in ks if (f, k) not in seen)
         if missing:
             raise LoadError(f"instanttensor never delivered {len(missing)} needed key(s): "
                             f"{missing[:8]}{' ...' if len(missing) > 8 else ''}", rank=rank)

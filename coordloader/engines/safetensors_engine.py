@@ -24,7 +24,6 @@ from coordloader.engines import (
     copy_overlap,
     host_out,
     intersect,
-    piece_key,
     refuse_changed_path,
     slice_nbytes,
     to_device,
@@ -87,7 +86,7 @@ class SafetensorsEngine:
                         ov = intersect(pc.src, sp.box)
                         if ov is None:
                             continue
-                        key = piece_key(ts.name, sp.box, info.shape)
+                        key = sp.key
                         try:
                             sl = handle(sp.file).get_slice(key)
                             rel = tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(ov, sp.box))

@@ -445,7 +445,8 @@ def meta_from_specs(config: Mapping | None, specs, *, files: int = 1,
             shape = tuple(int(x) for x in shape)
             nbytes = prod(shape) * itemsize(dt)
             tensors[name] = TensorInfo(name, dt, shape,
-                                       (SourcePiece(fname, full_box(shape), off, off + nbytes),))
+                                       (SourcePiece(fname, full_box(shape), off, off + nbytes,
+                                                    name),))
             h.update(f"{name}|{dt}|{shape}|{off}".encode())
             off += nbytes
         finfos.append(FileInfo(fname, off, hlen, h.hexdigest()))

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 import torch
 
 from coordloader.checkpoint.dtypes import from_torch, itemsize, torch_dtype
-from coordloader.checkpoint.metadata import Box, box_numel, box_shape, full_box, piece_key
+from coordloader.checkpoint.metadata import Box, box_numel, box_shape, full_box
 from coordloader.checkpoint.tiling import fmt_box, tiling_problem
 from coordloader.engines import intersect, narrow_box
 from coordloader.errors import CollectiveError, CoordloaderError, VerifyError
@@ -243,7 +243,7 @@ class _FullReader:
         shape = tuple(info.shape)
         if not shape:
             sp = info.pieces[0]
-            ref = self._open(sp.file).get_tensor(name)
+            ref = self._open(sp.file).get_tensor(sp.key)
             a, b = int_view(ref.to(local.device)), int_view(local)
             return None if torch.equal(a, b) else "scalar differs from the checkpoint"
         for sp, sub, ref in self._reread(info, piece.src):
@@ -276,13 +276,12 @@ class _FullReader:
     def _reread(self, info, box: Box):
         """(stored piece, sub-box, its elements re-read) for the part ``box`` of the tensor
         ``info``: per stored piece it overlaps, in sub-boxes of at most FULL_CHUNK_BYTES."""
-        shape = tuple(info.shape)
         budget = max(1, FULL_CHUNK_BYTES // itemsize(info.dtype))
         for sp in info.pieces:
             inter = intersect(box, sp.box)
             if inter is None:
                 continue
-            sl = self._open(sp.file).get_slice(piece_key(info.name, sp.box, shape))
+            sl = self._open(sp.file).get_slice(sp.key)
             for sub in iter_subboxes(inter, budget):
                 yield sp, sub, sl[tuple(slice(a - s0, b - s0)
                                         for (a, b), (s0, _) in zip(sub, sp.box))]
