@@ -246,6 +246,36 @@ def test_a_dcp_file_streaming_a_key_its_header_did_not_list_is_named(tmp_path, f
                             f"metadata does not list in this file (file changed?)")
 
 
+@pytest.mark.parametrize("header", ["same", "other"])
+def test_a_file_renamed_over_its_path_after_the_check_is_refused(tmp_path, fake_cuda,
+                                                                 monkeypatch, header):
+    """The engine checked each file on one open, then instanttensor opened the paths
+    again: a file renamed over one in between (the next save) loaded its bytes unnoticed
+    under a same header, or failed as an unknown key under another. The checked
+    descriptors stay open through the stream, and each path must still name its file."""
+    from safetensors.torch import save_file
+
+    from coordloader.checkpoint.reader import read_checkpoint
+    save_file({"w": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+    meta = read_checkpoint(str(tmp_path))
+
+    def swap_then_open(*a, **k):   # runs between the engine's check and instanttensor's open
+        save_file({"w" if header == "same" else "x": torch.ones(4, 4)},
+                  str(tmp_path / "new.safetensors"))
+        os.replace(tmp_path / "new.safetensors", tmp_path / "model.safetensors")
+        return FakeSafeOpen(*a, **k)
+
+    monkeypatch.setattr(ite, "_safe_open", lambda: swap_then_open)
+    rp = RankPlan(0, {}, (slice_of(meta, "w", [(((0, 4), (0, 4)), (0, 0))]),))
+    with pytest.raises(LoadError) as e:
+        select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
+            meta, rp, "cuda:0")
+    assert str(e.value) == ("rank 0, file model.safetensors: file was replaced at its path "
+                            "between its check and its read (another inode there now): "
+                            "read the checkpoint again")
+    assert len(CALLS) == 1   # instanttensor did open it: the refusal came after
+
+
 def test_non_cuda_device_refused_before_instanttensor(ckpt, monkeypatch):
     meta, _ = ckpt
     CALLS.clear()

@@ -283,6 +283,54 @@ def test_file_changes_seen_by_every_rank_whoever_parsed_its_header(tmp_path, cas
         assert got[0].startswith(want) and got[1].startswith(want), got
 
 
+@pytest.mark.parametrize("proc", [True, False], ids=["fd-path", "no-proc"])
+def test_safetensors_engine_reads_the_file_it_checked(tmp_path, monkeypatch, proc):
+    """The safetensors engine checked a file on one open and let safe_open open its path
+    again: a same-header file renamed over the path in between (the next save, published
+    by atomic rename) loaded its new bytes unnoticed. safe_open now opens the checked
+    descriptor's /proc path, so the checked file is read; without /proc the path is
+    compared with the descriptor after safe_open and the swap refused."""
+    import safetensors
+    import torch
+
+    from coordloader.engines import safetensors_engine as se
+    from coordloader.errors import LoadError
+    f = tmp_path / "model.safetensors"
+    _two_tensor_file(f, 0.0)
+    meta = cl.read_checkpoint(str(tmp_path))
+    real, opened = safetensors.safe_open, []
+
+    def swap_then_open(path, *a, **k):   # runs between the engine's check and its open
+        if not opened:
+            _two_tensor_file(tmp_path / "new.safetensors", 7.0)
+            os.replace(tmp_path / "new.safetensors", f)
+        opened.append(str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(safetensors, "safe_open", swap_then_open)
+    if not proc:
+        monkeypatch.setattr(se, "fd_path", lambda fd: None)
+    if proc:
+        got = cl.load_detailed(meta, Layout(), rank=0, engine="safetensors",
+                               replicate_unmatched=True).tensors
+        assert torch.equal(got["a"], torch.arange(4.0))          # the checked file's bytes
+        assert torch.equal(got["b"], torch.arange(4.0) + 100)
+        assert opened[0].startswith("/proc/self/fd/")
+    else:
+        with pytest.raises(LoadError) as e:
+            cl.load_detailed(meta, Layout(), rank=0, engine="safetensors",
+                             replicate_unmatched=True)
+        assert opened == [str(f)]
+        assert str(e.value) == ("rank 0, file model.safetensors: file was replaced at its path "
+                                "between its check and its read (another inode there now): "
+                                "read the checkpoint again")
+    monkeypatch.undo()
+    # the swap did happen: read again, the file loads as it now is
+    assert torch.equal(cl.load_detailed(str(tmp_path), Layout(), rank=0, engine="safetensors",
+                                        replicate_unmatched=True).tensors["a"],
+                       torch.arange(4.0) + 7)
+
+
 @pytest.mark.parametrize("engine", ["cpu", "safetensors"])
 @pytest.mark.parametrize("how", ["header", "replaced", "in-place", "in-place-mtime-kept"])
 def test_engine_refuses_file_rewritten_at_same_size_after_header_read(tmp_path, how, engine):

@@ -16,9 +16,10 @@ parameters in, so nothing is loaded twice). Engines:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -264,18 +265,75 @@ def refuse_changed(path: str, fd: int, info, rank: int | None, *,
                         file=info.name, rank=rank)
 
 
-def refuse_changed_path(path: str, info, rank: int | None, *,
-                        during: str = "the load") -> None:
-    """``refuse_changed`` on a file an engine is about to open by path (a library that
-    opens it itself: safetensors, instanttensor)."""
+def open_checked(path: str, info, rank: int | None, *, during: str = "the load") -> int:
+    """Open ``path`` once and ``refuse_changed`` on that descriptor; the caller closes it.
+    For an engine whose library opens files itself (safetensors, instanttensor): checking
+    one open and letting the library open the path again would check one file and read
+    another, if a new file were renamed over the path in between. The library is handed
+    ``fd_path(fd)`` (the checked file itself), or, where there is none, the path followed
+    by ``refuse_replaced`` once the library has opened it."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise LoadError(f"cannot open: {e.strerror}", file=info.name, rank=rank) from None
     try:
         refuse_changed(path, fd, info, rank, during=during)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
+
+
+def refuse_changed_path(path: str, info, rank: int | None, *,
+                        during: str = "the load") -> None:
+    """``refuse_changed`` on the file at ``path`` now (opened, checked and closed)."""
+    os.close(open_checked(path, info, rank, during=during))
+
+
+def fd_path(fd: int) -> str | None:
+    """A path whose opening opens the very file ``fd`` is open on, wherever the file's
+    own path points now (``/proc/self/fd/N``); None on a platform without one."""
+    p = f"/proc/self/fd/{fd}"
+    return p if os.path.exists(p) else None
+
+
+def refuse_replaced(path: str, fd: int, info, rank: int | None) -> None:
+    """LoadError unless ``path`` still names the file open on ``fd`` (the one
+    ``open_checked`` checked): same device and inode. Called after a library opened
+    ``path`` itself; while ``fd`` stays open its inode cannot be reused, so a file renamed
+    over the path in between is seen (the checked file renamed back over it is not)."""
+    st = os.fstat(fd)
+    try:
+        now = os.stat(path)
+    except OSError as e:
+        raise LoadError(f"file is gone from its path after it was checked: {e.strerror}; "
+                        f"read the checkpoint again", file=info.name, rank=rank) from None
+    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        raise LoadError("file was replaced at its path between its check and its read (another "
+                        "inode there now): read the checkpoint again", file=info.name, rank=rank)
+
+
+@contextlib.contextmanager
+def paths_stay_checked(paths: Sequence[str], infos: Sequence, rank: int | None):
+    """For a library that opens ``paths`` itself (instanttensor): ``open_checked`` each,
+    holding the descriptors while the body runs; when it ends, or fails with a LoadError,
+    ``refuse_replaced`` on each, so a file renamed over its path between the check and
+    the library's open of it is named instead of loaded (or blamed on the library)."""
+    fds: list[int] = []
+    try:
+        for path, info in zip(paths, infos):
+            fds.append(open_checked(path, info, rank))
+        try:
+            yield
+        except LoadError:
+            for path, fd, info in zip(paths, fds, infos):
+                refuse_replaced(path, fd, info, rank)   # a file replaced meanwhile: the cause
+            raise
+        for path, fd, info in zip(paths, fds, infos):
+            refuse_replaced(path, fd, info, rank)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def slice_nbytes(ts: TensorSlice) -> int:

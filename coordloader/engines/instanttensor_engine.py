@@ -35,7 +35,7 @@ from coordloader.engines import (
     check_out,
     copy_overlap,
     intersect,
-    refuse_changed_path,
+    paths_stay_checked,
     slice_nbytes,
 )
 from coordloader.errors import LoadError
@@ -297,46 +297,49 @@ class InstantTensorEngine:
         infos = {fi.name: fi for fi in meta.files}
         for files, pg, keys, gsize in calls:   # OpenCall
             paths = [os.path.join(meta.root, f) for f in files]
-            for f, path in zip(files, paths):
-                refuse_changed_path(path, infos[f], rank)
-            streams = _stream_files(files, paths, keys, file_keys)   # file per yield
-            kwargs = dict(self.tuning)
-            if keys is not None:
-                kwargs.update(tensor_filter=keys, tensor_name_match_mode="exact")
-            with _instanttensor_errors(f"instanttensor.safe_open failed on {len(files)} file(s) "
-                                       f"({files[0]}{', ...' if len(files) > 1 else ''})", rank):
-                handle = opener(list(paths), framework="pt", device=dev.index, process_group=pg,
-                                copy=False, **kwargs)
-            with _instanttensor_errors(f"instanttensor failed while streaming {files[0]}"
-                                       f"{' and others' if len(files) > 1 else ''}", rank), \
-                    handle as f:
-                for i, (key, t) in enumerate(f.tensors()):
-                    if i >= len(streams):
-                        raise LoadError(f"instanttensor yielded key {key!r} after the "
-                                        f"{len(streams)} tensor(s) the checkpoint metadata "
-                                        f"lists in {files[0]}"
-                                        f"{' and others' if len(files) > 1 else ''} "
-                                        f"(file changed?)", rank=rank)
-                    fname = streams[i]
-                    ent = keymap.get((fname, key))
-                    if ent is None:
-                        raise LoadError(f"instanttensor yielded key {key!r}, which the "
-                                        f"checkpoint metadata does not list in this file "
-                                        f"(file changed?)", file=fname, rank=rank)
-                    info, sp = ent
-                    nb = t.numel() * t.element_size()
-                    streamed += nb
-                    share += nb // gsize
-                    ts = slices.get(info.name)
-                    if ts is None:
-                        continue  # another rank's tensor: dropped as it streams past
-                    src = t.reshape(box_shape(sp.box))
-                    dst = tensors[info.name]
-                    for pc in ts.pieces:
-                        copy_overlap(dst, pc.src, pc.dst, src, sp.box)
-                    seen.add((fname, key))
-                    if progress is not None:
-                        progress(nb)
+            # instanttensor opens the paths itself: each file is checked on a descriptor
+            # held open meanwhile, and each path must still name that file after the
+            # stream (not the descriptors' /proc paths: instanttensor sorts the paths it
+            # is given, and the ranks of a group must list the files alike)
+            with paths_stay_checked(paths, [infos[f] for f in files], rank):
+                streams = _stream_files(files, paths, keys, file_keys)   # file per yield
+                kwargs = dict(self.tuning)
+                if keys is not None:
+                    kwargs.update(tensor_filter=keys, tensor_name_match_mode="exact")
+                with _instanttensor_errors(f"instanttensor.safe_open failed on {len(files)} file(s) "
+                                           f"({files[0]}{', ...' if len(files) > 1 else ''})", rank):
+                    handle = opener(list(paths), framework="pt", device=dev.index, process_group=pg,
+                                    copy=False, **kwargs)
+                with _instanttensor_errors(f"instanttensor failed while streaming {files[0]}"
+                                           f"{' and others' if len(files) > 1 else ''}", rank), \
+                        handle as f:
+                    for i, (key, t) in enumerate(f.tensors()):
+                        if i >= len(streams):
+                            raise LoadError(f"instanttensor yielded key {key!r} after the "
+                                            f"{len(streams)} tensor(s) the checkpoint metadata "
+                                            f"lists in {files[0]}"
+                                            f"{' and others' if len(files) > 1 else ''} "
+                                            f"(file changed?)", rank=rank)
+                        fname = streams[i]
+                        ent = keymap.get((fname, key))
+                        if ent is None:
+                            raise LoadError(f"instanttensor yielded key {key!r}, which the "
+                                            f"checkpoint metadata does not list in this file "
+                                            f"(file changed?)", file=fname, rank=rank)
+                        info, sp = ent
+                        nb = t.numel() * t.element_size()
+                        streamed += nb
+                        share += nb // gsize
+                        ts = slices.get(info.name)
+                        if ts is None:
+                            continue  # another rank's tensor: dropped as it streams past
+                        src = t.reshape(box_shape(sp.box))
+                        dst = tensors[info.name]
+                        for pc in ts.pieces:
+                            copy_overlap(dst, pc.src, pc.dst, src, sp.box)
+                        seen.add((fname, key))
+                        if progress is not None:
+                            progress(nb)
         missing = sorted(f"{f}:{k}" for f, ks in need.items() for k in ks if (f, k) not in seen)
         if missing:
             raise LoadError(f"instanttensor never delivered {len(missing)} needed key(s): "

@@ -22,9 +22,11 @@ from coordloader.engines import (
     Progress,
     allocate,
     copy_overlap,
+    fd_path,
     host_out,
     intersect,
-    refuse_changed_path,
+    open_checked,
+    refuse_replaced,
     slice_nbytes,
     to_device,
 )
@@ -61,13 +63,20 @@ class SafetensorsEngine:
                         raise LoadError("plan reads a file which is not in the checkpoint",
                                         file=fname, rank=rank)
                     # safe_open reads the file's header anew: a file rewritten since the
-                    # plan was made would be read under its new layout, unnoticed
-                    refuse_changed_path(path, fi, rank)
+                    # plan was made would be read under its new layout, unnoticed. It
+                    # opens the file it was checked on (the descriptor's /proc path), not
+                    # the path again: a new file renamed over it in between would be read
+                    fd = open_checked(path, fi, rank)
+                    stack.callback(os.close, fd)
+                    via = fd_path(fd)
                     try:
-                        h = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+                        h = stack.enter_context(safe_open(via or path, framework="pt",
+                                                          device="cpu"))
                     except Exception as e:
                         raise LoadError(f"safetensors cannot open it: {e}", file=fname,
                                         rank=rank) from None
+                    if via is None:
+                        refuse_replaced(path, fd, fi, rank)
                     handles[fname] = h
                 return h
 
