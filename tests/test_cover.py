@@ -114,3 +114,20 @@ def test_check_cover_views():
     check_cover(good, {"a": (4, 6), "b": (3,), "c": (1,)}, excluded=["c"])
     with pytest.raises(PlanError, match="outside"):
         check_cover([(0, [("b", [[[0, 4]]], 0)])], {"b": (3,)})
+
+
+def test_check_cover_views_with_copy_pieces():
+    """A piece marked as a copy (Piece.copy: a K/V head of a fused qkv on every TP rank)
+    is a replica of one primary piece, whatever its slice's replica id says."""
+    shapes = {"qkv": (6, 2)}
+    k = ((4, 6), (0, 2))
+    good = [(0, [("qkv", [Piece(((0, 2), (0, 2)), (0, 0)), Piece(k, (2, 0))], 0)]),
+            (1, [("qkv", [Piece(((2, 4), (0, 2)), (0, 0)), Piece(k, (2, 0), True)], 0)])]
+    check_cover(good, shapes)
+    unmarked = good[:1] + [(1, [("qkv", [Piece(((2, 4), (0, 2)), (0, 0)), Piece(k, (2, 0))], 0)])]
+    with pytest.raises(PlanError, match="duplicated primary"):
+        check_cover(unmarked, shapes)
+    off = good + [(2, [("qkv", [Piece(((3, 5), (0, 2)), (0, 0), True)], 0)])]
+    with pytest.raises(VerifyError, match="copy equals no primary") as ei:
+        check_cover(off, shapes, error=VerifyError)
+    assert ei.value.rank == 2

@@ -161,6 +161,16 @@ def _phi3_model():
     return Phi3ForCausalLM(cfg)
 
 
+def _phi3_kv1_model():
+    """phi3 with one K/V head: tp 2 and 4 replicate it inside the fused qkv_proj."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    cfg = Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     tie_word_embeddings=False)
+    return Phi3ForCausalLM(cfg)
+
+
 def _phi3_reference(name: str, t: torch.Tensor, cfg: dict, c: Coords):
     """vLLM phi3.py (LlamaForCausalLM): the checkpoint's fused qkv_proj goes through
     QKVParallelLinear.weight_loader with shard id None (cut into q, k, v by head counts,
@@ -394,6 +404,7 @@ FAMILIES = {
                         (dict(tp=2), dict(tp=4), dict(tp=2, ep=2), dict(tp=4, ep=4))),
     "bert": Family("bert", _bert_model, _bert_reference, (dict(tp=2),)),
     "phi3": Family("phi3", _phi3_model, _phi3_reference, (dict(tp=2), dict(tp=4))),
+    "phi3_kv1": Family("phi3_kv1", _phi3_kv1_model, _phi3_reference, (dict(tp=2), dict(tp=4))),
     "gemma3": Family("gemma3", _gemma3_model, _gemma3_reference, (dict(tp=2), dict(tp=4))),
     "glm4_moe": Family("glm4_moe", _glm4_moe_model, _glm4_moe_reference,
                        (dict(tp=2), dict(tp=4), dict(tp=2, ep=2), dict(tp=4, ep=4))),
@@ -491,6 +502,95 @@ def test_phi3_detected(hf_checkpoint):
 @pytest.mark.parametrize("layout", FAMILIES["phi3"].layouts, ids=str)
 def test_phi3_matches_vllm(hf_checkpoint, layout):
     check_family(hf_checkpoint("phi3"), FAMILIES["phi3"], layout)
+
+
+# --- a fused qkv_proj whose K/V heads replicate (tp > num_key_value_heads) ---------------
+
+QKV = "model.layers.0.self_attn.qkv_proj.weight"
+# (family, tp) where tp exceeds the K/V heads: 1 head at tp 2 and 4, 2 heads at tp 4
+KV_REPLICATED = [("phi3_kv1", 2), ("phi3_kv1", 4), ("phi3", 4)]
+
+
+def vllm_qkv_rows(H: int, KV: int, hd: int, tp: int, tp_rank: int) -> list[tuple[int, int, bool]]:
+    """QKVParallelLinear's rows of a fused qkv on ``tp_rank``, by vLLM's formulas:
+    num_heads = H / tp, num_kv_heads = max(1, KV / tp), num_kv_head_replicas =
+    max(1, tp / KV), K/V shard = tp_rank // num_kv_head_replicas. -> per block (q, k, v)
+    (start row, stop row, held by a lower TP rank too: a copy of its primary)."""
+    nh, nkv, reps = H // tp, max(1, KV // tp), max(1, tp // KV)
+    shard = tp_rank // reps
+    q = tp_rank * nh * hd
+    k = H * hd + shard * nkv * hd
+    v = (H + KV) * hd + shard * nkv * hd
+    copy = tp_rank % reps != 0
+    return [(q, q + nh * hd, False), (k, k + nkv * hd, copy), (v, v + nkv * hd, copy)]
+
+
+@pytest.mark.parametrize("family,tp", KV_REPLICATED, ids=str)
+def test_fused_qkv_with_replicated_kv_heads_plans_vllm_rows_and_covers(hf_checkpoint, family, tp):
+    """vLLM copies the K/V head to every rank of its group and so does the plan; the
+    copies are marked (Piece.copy), so the exact cover holds: primaries tile qkv_proj once
+    and each copy equals the primary of the lowest rank holding that head."""
+    path = hf_checkpoint(family)
+    cfg = json.loads((path / "config.json").read_text())
+    H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg["hidden_size"] // H
+    meta = cl.read_checkpoint(str(path))
+    plan = cl.make_plan(meta, cl.Layout(tp=tp))
+    cl.validate_cover(plan, meta)
+    width = cfg["hidden_size"]
+    for r in range(tp):
+        ts = plan.rank(r).by_name()[QKV]
+        want, loc = [], 0
+        for a, b, copy in vllm_qkv_rows(H, KV, hd, tp, r):
+            want.append((((a, b), (0, width)), (loc, 0), copy))
+            loc += b - a
+        assert [(p.src, p.dst, p.copy) for p in ts.pieces] == want, r
+        assert ts.local_shape == (loc, width) and ts.replica == 0
+    # the JSON carries the mark (optional: absent on every other piece) and reads back
+    js = plan.to_json(with_digest=False)
+    r1 = next(t for t in js["ranks"][1]["tensors"] if t["name"] == QKV)
+    assert [p.get("copy") for p in r1["pieces"]] == [None, True, True]
+    r0 = next(t for t in js["ranks"][0]["tensors"] if t["name"] == QKV)
+    assert all("copy" not in p for p in r0["pieces"])
+    back = cl.planning.model.TensorSlice.from_json(r1)
+    assert back == plan.rank(1).by_name()[QKV]
+
+
+@pytest.mark.parametrize("family,tp", KV_REPLICATED, ids=str)
+def test_fused_qkv_cover_refuses_copies_that_are_not_copies(hf_checkpoint, family, tp):
+    """Negative: the copy mark must be where vLLM's copy is. Unmarked, the K/V head is a
+    duplicated primary; marked on its first holder too, nobody holds it as primary; a copy
+    box shifted off the primary's rows equals no primary piece."""
+    import dataclasses
+
+    from coordloader.planning.model import Piece, Plan, RankPlan
+    meta = cl.read_checkpoint(str(hf_checkpoint(family)))
+    plan = cl.make_plan(meta, cl.Layout(tp=tp))
+
+    def with_pieces(rank, fix):
+        ranks = []
+        for rp in plan.ranks:
+            ts = list(rp.tensors)
+            if rp.rank == rank:
+                ts = [dataclasses.replace(t, pieces=tuple(fix(t.pieces))) if t.name == QKV
+                      else t for t in ts]
+            ranks.append(RankPlan(rp.rank, rp.coords, tuple(ts)))
+        return Plan(plan.layout, plan.fingerprint, tuple(ranks), plan.excluded,
+                    plan.load_groups)
+
+    def flag(pieces, value):
+        return [Piece(p.src, p.dst, value) if i else p for i, p in enumerate(pieces)]
+
+    def shifted(pieces):   # the K copy one row up, into the q rows: same size, no primary
+        return [Piece(((p.src[0][0] - 1, p.src[0][1] - 1),) + p.src[1:], p.dst, True)
+                if i == 1 else p for i, p in enumerate(pieces)]
+
+    for rank, fix, msg in [(1, lambda ps: flag(ps, False), "duplicated primary"),
+                           (0, lambda ps: flag(ps, True), "missing piece"),
+                           (1, shifted, "copy equals no primary")]:
+        with pytest.raises(cl.errors.PlanError, match=msg) as ei:
+            cl.validate_cover(with_pieces(rank, fix), meta)
+        assert ei.value.tensor == QKV
 
 
 def test_reference_catches_fused_blocks_split_as_one(hf_checkpoint):

@@ -1,10 +1,11 @@
 """Exact-cover validation.
 
-For every checkpoint tensor the primary pieces (replica 0) over all ranks must tile the
-tensor exactly once; every replica must hold exactly the boxes of some primary; every
-tensor is held unless excluded on purpose. For a plan we also check each slice on its
-own: pieces inside the tensor and inside the local shape, byte runs inside the tensor's
-bytes in its files and adding up to the pieces' volume.
+For every checkpoint tensor the primary pieces (replica 0, less the pieces marked as
+copies: ``Piece.copy``) over all ranks must tile the tensor exactly once; every replica
+must hold exactly the boxes of some primary (its copies aside); every copy piece must
+equal a primary piece; every tensor is held unless excluded on purpose. For a plan we
+also check each slice on its own: pieces inside the tensor and inside the local shape,
+byte runs inside the tensor's bytes in its files and adding up to the pieces' volume.
 
 Sort/sweep based: per tensor the boxes are sorted along the dim where their starts vary
 most and swept with an active list, so a valid tiling costs O(n log n) per tensor
@@ -26,7 +27,7 @@ from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.tiling import tiling_problem
 from coordloader.errors import PlanError
 from coordloader.gcpause import gc_paused
-from coordloader.planning.model import share_of
+from coordloader.planning.model import Piece, copy_boxes, primary_boxes, share_of
 from coordloader.planning.runs import RunList, groups_of
 
 Box = tuple
@@ -38,24 +39,26 @@ def _as_box(p) -> Box:
 
 
 def _core(prim: Mapping[str, list], reps: Mapping[str, list], shapes: Mapping[str, Sequence[int]],
-          excluded: Iterable[str], err) -> None:
+          excluded: Iterable[str], err, copies: Mapping[str, list] | None = None) -> None:
     """prim/reps: name -> [(rank, boxes tuple, key)], ``key`` an identity shortcut: a
-    replica whose key equals a primary's key holds the same boxes."""
+    replica whose key equals a primary's key holds the same boxes. copies: name ->
+    [(rank, boxes tuple)] of pieces marked as copies; each box must be a primary piece's."""
     excluded = set(excluded)
+    copies = copies or {}
     tiled: set = set()
-    for name in prim.keys() | reps.keys():
+    for name in prim.keys() | reps.keys() | copies.keys():
         if name not in shapes:
-            r = (prim.get(name) or reps.get(name))[0][0]
+            r = (prim.get(name) or reps.get(name) or copies.get(name))[0][0]
             raise err("tensor is not in the checkpoint", tensor=name, rank=r)
         if name in excluded:
-            r = (prim.get(name) or reps.get(name))[0][0]
+            r = (prim.get(name) or reps.get(name) or copies.get(name))[0][0]
             raise err("tensor is excluded from the plan but a rank holds it", tensor=name, rank=r)
     for name, shape in shapes.items():
         ps = prim.get(name)
         if not ps:
             if name in excluded:
                 continue
-            rs = reps.get(name)
+            rs = reps.get(name) or copies.get(name)
             if rs:
                 raise err(f"only replicas of this tensor are held (no primary copy, shape "
                           f"{list(shape)})", tensor=name, rank=rs[0][0])
@@ -99,22 +102,38 @@ def _core(prim: Mapping[str, list], reps: Mapping[str, list], shapes: Mapping[st
                 if tuple(bx) not in sets:
                     raise err(f"replica that equals no primary: boxes {[list(map(list, b)) for b in bx]}",
                               tensor=name, rank=r)
+        cs = copies.get(name)
+        if cs:
+            # the primaries tile the tensor once: a copy equal to one of their boxes
+            # holds exactly one primary piece's elements
+            boxes = {b for p in ps for b in p[1]}
+            for r, bx in cs:
+                for b in bx:
+                    if b not in boxes:
+                        raise err(f"piece marked as a copy equals no primary piece: box "
+                                  f"{[list(x) for x in b]}", tensor=name, rank=r)
 
 
 def check_cover(views: Iterable, shapes: Mapping[str, Sequence[int]], *, excluded: Iterable[str] = (),
                 error: type = PlanError) -> None:
     """Validate gathered per-rank views: ``views`` = [(rank, [(name, pieces, replica), ...])]
-    with pieces as Piece objects or source boxes ([[start, stop], ...]); ``shapes`` = the
+    with pieces as Piece objects (a copy piece, ``Piece.copy``, is checked as a replica of
+    one primary piece) or source boxes ([[start, stop], ...]); ``shapes`` = the
     checkpoint's {name: shape}. Raises ``error`` (PlanError by default; the verifier may
     pass VerifyError) naming the rank and tensor: missing piece, duplicated primary,
     replica that equals no primary, piece outside the tensor, unknown tensor."""
     prim: dict[str, list] = {}
     reps: dict[str, list] = {}
+    copies: dict[str, list] = {}
     for rank, entries in views:
         for name, pieces, replica in entries:
-            bx = tuple(_as_box(p) for p in pieces)
+            # (a box given as a list has a ``copy`` method: only a Piece says it is one)
+            bx = tuple(_as_box(p) for p in pieces if not (type(p) is Piece and p.copy))
+            cp = tuple(_as_box(p) for p in pieces if type(p) is Piece and p.copy)
             (prim if replica == 0 else reps).setdefault(name, []).append((rank, bx, (rank, name)))
-    _core(prim, reps, {k: tuple(v) for k, v in shapes.items()}, excluded, error)
+            if cp:
+                copies.setdefault(name, []).append((rank, cp))
+    _core(prim, reps, {k: tuple(v) for k, v in shapes.items()}, excluded, error, copies)
 
 
 def validate_cover(plan, meta) -> None:
@@ -127,6 +146,8 @@ def _validate_cover(plan, meta) -> None:
     tensors = meta.tensors
     prim: dict[str, list] = {}
     reps: dict[str, list] = {}
+    copies: dict[str, list] = {}   # name -> [(rank, copy boxes)], once per pieces object
+    copied: set = set()
     checked: set = set()
     ranges: dict[str, dict] = {}
     pieces_ok: dict = {}
@@ -143,23 +164,38 @@ def _validate_cover(plan, meta) -> None:
             if key not in checked:
                 _check_slice(s, tensors, ranges, r, pieces_ok)
                 checked.add(key)
+            _add_copies(s, r, copies, copied)
             if s.replica == 0:
-                prim.setdefault(s.name, []).append((r, tuple(p.src for p in s.pieces), id(s.pieces)))
+                prim.setdefault(s.name, []).append((r, primary_boxes(s.pieces), id(s.pieces)))
             else:
                 reps.setdefault(s.name, []).append((r, s, id(s.pieces)))
     for sh, ranks in members.values():
-        _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done)
+        _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done, copies, copied)
     # replicas whose pieces object is not shared with a primary need their boxes (the
     # others are matched by key and their slot is never read)
     for name, rs in reps.items():
         keys = {p[2] for p in prim.get(name, ())}
         for i, (r, s, k) in enumerate(rs):
             if k not in keys:
-                rs[i] = (r, tuple(p.src for p in s.pieces), ("rank", r))
-    _core(prim, reps, {n: t.shape for n, t in tensors.items()}, plan.excluded, PlanError)
+                rs[i] = (r, primary_boxes(s.pieces), ("rank", r))
+    _core(prim, reps, {n: t.shape for n, t in tensors.items()}, plan.excluded, PlanError,
+          copies)
 
 
-def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done) -> None:
+def _add_copies(s, rank, copies, copied) -> None:
+    """Record the copy pieces of slice ``s`` (held by ``rank``), once per (tensor, pieces
+    object): every holder of that object holds the same copies."""
+    k = (s.name, id(s.pieces))
+    if k in copied:
+        return
+    copied.add(k)
+    cp = copy_boxes(s.pieces)
+    if cp:
+        copies.setdefault(s.name, []).append((rank, cp))
+
+
+def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done, copies,
+                   copied) -> None:
     """Add the primaries and replicas of a rank class (ranks sharing ``sh``) as the per-rank
     loop would, at the cost of one rank: each slice is checked once; per replica table,
     the members whose replica id is 0 hold the primaries, and one member with another id
@@ -183,7 +219,7 @@ def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done) -> N
             pcs = s.pieces
             boxes = boxes_of.get(id(pcs))
             if boxes is None:
-                boxes = boxes_of[id(pcs)] = tuple([p.src for p in pcs])
+                boxes = boxes_of[id(pcs)] = primary_boxes(pcs)
             lst = prim.get(s.name)
             if lst is None:
                 lst = prim[s.name] = []
@@ -197,6 +233,7 @@ def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done) -> N
     done |= fresh
     for s, k in compress(zip(sh.slices, sh.tables), map(fresh.__contains__, map(id, sh.slices))):
         _check_slice(s, tensors, ranges, ranks[0], pieces_ok)
+        _add_copies(s, ranks[0], copies, copied)
         prims, others = zero[k]
         # replicas in a class that also holds the primary copy hold its very pieces: only
         # a class of replicas alone must be matched against the primaries of other classes

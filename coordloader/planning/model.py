@@ -25,6 +25,12 @@ SCHEMA_VERSION = 1
 class Piece:
     src: Box                 # box in the global tensor
     dst: tuple[int, ...]     # offset of the box's corner in the local tensor
+    # True: a copy of a box that another rank class holds as its primary piece (the K/V
+    # heads of a fused qkv replicated when tp > num_kv_heads: the q rows make every TP
+    # rank's slice its own class, so the slice's replica id cannot say it). A copy never
+    # counts as primary, whatever the slice's ``replica``; cover proves its box equals a
+    # primary piece's. False everywhere else, and then absent from the JSON and the digest.
+    copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,7 @@ class TensorSlice:
             "name": self.name, "file": None if multi else self.file, "dtype": self.dtype,
             "global_shape": list(self.global_shape), "local_shape": list(self.local_shape),
             "replica": self.replica, "strategy": self.strategy,
-            "pieces": [{"src": [list(p) for p in pc.src], "dst": list(pc.dst)} for pc in self.pieces],
+            "pieces": [_piece_json(pc) for pc in self.pieces],
             "byte_runs": runs,
         }
 
@@ -114,11 +120,29 @@ class TensorSlice:
         for r in d["byte_runs"]:
             f = r[3] if len(r) > 3 else d["file"]
             runs.append(ByteRun(f, int(r[0]), int(r[1]), int(r[2])))
-        pieces = tuple(Piece(tuple((int(a), int(b)) for a, b in p["src"]), tuple(int(x) for x in p["dst"]))
+        pieces = tuple(Piece(tuple((int(a), int(b)) for a, b in p["src"]), tuple(int(x) for x in p["dst"]),
+                             bool(p.get("copy", False)))
                        for p in d["pieces"])
         return TensorSlice(d["name"], d["file"] if d["file"] is not None else runs[0].file, d["dtype"],
                            tuple(d["global_shape"]), tuple(d["local_shape"]), pieces,
                            int(d["replica"]), tuple(runs), d.get("strategy", "replicate"))
+
+
+def _piece_json(pc: Piece) -> dict:
+    d = {"src": [list(p) for p in pc.src], "dst": list(pc.dst)}
+    if pc.copy:   # optional: absent on every piece that is not a copy
+        d["copy"] = True
+    return d
+
+
+def primary_boxes(pieces) -> tuple:
+    """The source boxes of ``pieces`` that are not copies (``Piece.copy``)."""
+    return tuple([p.src for p in pieces if not p.copy])
+
+
+def copy_boxes(pieces) -> tuple:
+    """The source boxes of ``pieces`` that are copies of another rank class's primary."""
+    return tuple([p.src for p in pieces if p.copy])
 
 
 @dataclass(frozen=True)
@@ -419,8 +443,11 @@ class _Rows:
                 if mid is None:
                     pk = pieces_of.get(id(pcs))
                     if pk is None:
+                        # a copy piece adds a third item; every other piece encodes
+                        # as before the field existed
                         pk = pieces_of[id(pcs)] = tuple(
-                            (tuple(map(tuple, p.src)), tuple(p.dst)) for p in pcs)
+                            (tuple(map(tuple, p.src)), tuple(p.dst)) + ((True,) if p.copy else ())
+                            for p in pcs)
                     mid = middle_of[mk] = ", ".join(map(repr, (
                         d["dtype"], gs, ls, d["strategy"], pk)))
                 runs = d["byte_runs"]

@@ -314,7 +314,7 @@ class Placer:
                             f"{B[i]}-element quantisation block, so its scale {list(t.shape)} "
                             f"cannot follow", n)
                     box.append((a // B[i], -(-b // B[i])))
-                sp.append(Piece(tuple(box), tuple(pc.dst[i] // B[i] for i in range(nd))))
+                sp.append(Piece(tuple(box), tuple(pc.dst[i] // B[i] for i in range(nd)), pc.copy))
             for i in range(nd):
                 if ls[i] % B[i] and any(pc.dst[i] + pc.src[i][1] - pc.src[i][0] != ls[i] for pc in pieces):
                     raise self.err(f"weight {wname!r} local size {ls[i]} along dim {i} is not a "

@@ -188,7 +188,32 @@ def _place_packed(ctx: PlacementContext, t: TensorInfo, p: Mapping):
         g.append(keys[key])
     if len(classes) == 1:
         return Everyone(), classes
-    return ByTp(tuple(g)), classes
+    return ByTp(tuple(g)), mark_copies(classes)
+
+
+def mark_copies(classes) -> list:
+    """``classes`` with every piece whose box an earlier, different class already holds
+    marked as a copy (``Piece.copy``): a packed qkv whose K/V blocks replicate (tp >
+    num_kv_heads) gives each TP rank its own class (its q rows), so the same K/V box sits
+    in several classes and only the first holds it as primary. Classes equal to an
+    earlier one (empty uneven chunks) stay equal to it, copies marked alike, so that
+    ``rankgroups.dedupe`` still merges them into replicas. Without a shared box the
+    classes are returned as they are."""
+    held: set = set()   # boxes an earlier distinct class holds
+    seen: dict = {}     # (shape, pieces) as placed -> that class, copies marked
+    out = []
+    for c in classes:
+        got = seen.get(c)
+        if got is not None:
+            out.append(got)
+            continue
+        ls, pieces = c
+        if any(p.src in held for p in pieces):
+            c = (ls, tuple(Piece(p.src, p.dst, True) if p.src in held else p for p in pieces))
+        held.update(p.src for p in pieces)
+        seen[(ls, pieces)] = c
+        out.append(c)
+    return out if out != classes else classes
 
 def _place_expert(ctx: PlacementContext, t: TensorInfo, p: Mapping):
     rx = ctx.compiled(p["id_regex"])
