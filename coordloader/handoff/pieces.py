@@ -231,7 +231,9 @@ def collect_pieces(tensors, rank_plan, rank: int) -> list[PieceOut]:
             raise SaveError(f"dtype {t.dtype} differs from the checkpoint dtype {ts.dtype} "
                             f"({torch_dtype(ts.dtype)}); convert before saving", tensor=name,
                             rank=rank)
-        out += [_piece(name, t, ts.global_shape, pc.src, pc.dst, True) for pc in ts.pieces]
+        # a copy piece (Piece.copy) is another rank's primary: written once, by that rank
+        out += [_piece(name, t, ts.global_shape, pc.src, pc.dst, True) for pc in ts.pieces
+                if not pc.copy]
     return out
 
 

@@ -6,8 +6,9 @@ On-disk format, version 2 (read back by ``coordloader.checkpoint``; names in
 ``checkpoint/formats.py``, chosen so that no Hugging Face reader takes the directory for
 a checkpoint of its own):
 
-- every rank writes the pieces it holds as *primary* copy (``replica == 0``; replicas are
-  not written twice) into its own files ``rank-RRRRR-part-PPPPP.coordloader-shard``
+- every rank writes the pieces it holds as *primary* copy (``replica == 0``, less the
+  pieces the plan marks as copies, ``Piece.copy``; replicas are not written twice) into
+  its own files ``rank-RRRRR-part-PPPPP.coordloader-shard``
   (safetensors content). A piece is stored under the key ``name`` when it is the whole
   tensor, else ``name@a:b,c:d`` (its box in the global tensor). The file's
   ``__metadata__`` maps each key to a JSON string ``{"name", "shape", "box"}`` so a shard

@@ -4,9 +4,10 @@ Modes (each includes the ones before it):
 
 * ``shapes`` — local: loaded names equal the plan's names exactly, each dtype and local
   shape matches, padding (local regions no piece covers, e.g. vocab padding rows) is zero.
-  Global: ranks all-gather a compact view (names, piece boxes, replica ids — no data) and
-  every rank checks the exact cover on it: primary pieces tile each tensor once, every
-  replica piece equals a primary piece, no checkpoint tensor is held by nobody.
+  Global: ranks all-gather a compact view (names, piece boxes, replica ids and copy
+  pieces — no data) and every rank checks the exact cover on it: primary pieces tile each
+  tensor once, every replica piece (a piece of a replica slice, or a piece the plan marks
+  as a copy: ``Piece.copy``) equals a primary piece, no checkpoint tensor is held by nobody.
 * ``digest`` — each rank digests its pieces (``coordloader.digest``, on the tensors' own
   device); per tensor the primary digests must sum to the manifest's digest and each
   replica's digest must equal its primary's. Without a manifest only the replica check
@@ -178,6 +179,9 @@ class ViewEntry(NamedTuple):
     global_shape: tuple[int, ...]
     replica: int
     boxes: tuple[Box, ...]
+    # indices of the pieces that are copies of another rank's primary piece (Piece.copy):
+    # replicas whatever ``replica`` says, so their digests are compared, never summed
+    copies: tuple[int, ...] = ()
 
 
 @dataclass
@@ -343,7 +347,8 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
                 continue
             t = tensors[name]
             view.append(ViewEntry(name, ts.dtype, tuple(ts.global_shape), ts.replica,
-                                  tuple(tuple(tuple(x) for x in p.src) for p in ts.pieces)))
+                                  tuple(tuple(tuple(x) for x in p.src) for p in ts.pieces),
+                                  tuple(i for i, p in enumerate(ts.pieces) if p.copy)))
             stats["tensors"] += 1
             try:
                 dt = torch_dtype(ts.dtype)
@@ -537,11 +542,12 @@ def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None
 
 def _whole_here(name: str, h: Holders) -> Holders | None:
     """``h`` with the pieces that tile the whole tensor as its primaries (this rank's
-    primary pieces, else its replica pieces), or None when neither does."""
+    primary pieces, else its replica pieces, else both: a slice with copy pieces), or None
+    when none does."""
     if len(h.decl) != 1:
         return None
     (_, gshape), = h.decl.keys()
-    for pieces in (h.prim, h.repl):
+    for pieces in (h.prim, h.repl, h.prim + h.repl if h.prim and h.repl else []):
         if pieces and not cover_problems(name, gshape, [(p.rank, p.box) for p in pieces], []):
             return h if pieces is h.prim else Holders(h.decl, list(pieces), [])
     return None
@@ -554,8 +560,10 @@ def _holders(payloads: Sequence[Payload]) -> dict[str, Holders]:
         for v in p.view:
             h = holders.setdefault(v.name, Holders())
             h.decl.setdefault((v.dtype, tuple(v.global_shape)), []).append(p.rank)
+            copies = v.copies
             for i, b in enumerate(v.boxes):
-                (h.prim if v.replica == 0 else h.repl).append(HeldPiece(p.rank, i, tuple(b)))
+                (h.prim if v.replica == 0 and i not in copies else h.repl).append(
+                    HeldPiece(p.rank, i, tuple(b)))
     return holders
 
 
@@ -611,8 +619,9 @@ def _manifest_entry(name: str, manifest, failures: list[Finding]):
 def _rest_findings(name: str, h: Holders, digests: Mapping[int, Mapping[str, list[str]]],
                    rest: list[int], manifest, failures: list[Finding], notes: list[str]) -> None:
     """One rank's pieces of a split tensor, with the rest of it re-read from the
-    checkpoint, against the manifest."""
-    pieces = h.prim or h.repl
+    checkpoint, against the manifest. Every piece the rank holds counts, primary, replica
+    or copy alike: ``rest`` is the part none of them covers."""
+    pieces = h.prim + h.repl
     d = [digests.get(r, {}).get(name) for r, _, _ in pieces]
     if any(x is None for x in d):
         notes.append(f"{name}: not compared with the manifest (digests missing)")
