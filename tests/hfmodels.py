@@ -19,6 +19,12 @@ QWEN3_MOE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=6
                  num_hidden_layers=2, vocab_size=300, max_position_embeddings=256,
                  decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
 
+# Llama 4 text: fused experts [E, H, 2I] (gate and up halves) and [E, I, H]
+LLAMA4 = dict(hidden_size=128, intermediate_size=64, intermediate_size_mlp=256, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, num_hidden_layers=2, vocab_size=300,
+              num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
+              max_position_embeddings=256, tie_word_embeddings=False)
+
 
 def refill(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
@@ -67,6 +73,16 @@ def write_qwen3_moe(out: str, *, seed: int = 0, dtype=torch.bfloat16,
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_MOE)).to(dtype)
+    refill(model, seed)
+    model.save_pretrained(out, max_shard_size=shard_size)
+    return out
+
+
+def write_llama4(out: str, *, seed: int = 0, shard_size: str = "150KB") -> str:
+    """A tiny bf16 Llama4ForCausalLM (text, 4 experts every layer) in several shards."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    torch.manual_seed(seed)
+    model = Llama4ForCausalLM(Llama4TextConfig(**LLAMA4)).to(torch.bfloat16)
     refill(model, seed)
     model.save_pretrained(out, max_shard_size=shard_size)
     return out

@@ -5,7 +5,9 @@ rank's tensors, wrapped, are then narrowed at the offsets vLLM 0.32's layers use
 (ColumnParallel/RowParallel: tp_rank * size; QKV k/v: (tp_rank // replicas) * size;
 VocabParallelEmbedding: the vocab padded to 64 split evenly, the last slice clipped) and
 copied into parameters, as the layers' weight_loaders do. Values are compared with the
-whole tensors read by the safetensors library.
+whole tensors read by the safetensors library. A tiny Llama 4 checkpoint gets the op
+chains of vLLM's fused-expert loader (transpose, chunk, index), run on the rank's tensors
+and on the whole ones alike.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from coordloader.errors import FitError
 from coordloader.integrations.globaltensor import global_tensor, unconsumed
 from coordloader.planning.model import Piece, TensorSlice
 
-from hfmodels import LLAMA, write_llama
+from hfmodels import LLAMA, LLAMA4, write_llama, write_llama4
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +133,8 @@ def test_an_unpadded_vocab_split_is_refused(llama):
 
 
 @pytest.mark.parametrize("op", [
-    lambda t: t.t().contiguous(),
+    # a transpose is a lazy view now; copying the whole of it out still needs all rows
+    lambda t: torch.empty(128, 64, dtype=t.dtype).copy_(t.t().contiguous()),
     lambda t: t.repeat_interleave(2, dim=0),
     lambda t: t.to(torch.float16),
     lambda t: t * 2,
@@ -139,7 +142,7 @@ def test_an_unpadded_vocab_split_is_refused(llama):
     lambda t: t[::2],
     lambda t: torch.cat([t, t]),
     lambda t: t.narrow(0, 0, 64).sum(),
-], ids=["t_contiguous", "repeat_interleave", "to_dtype", "mul", "view", "strided", "cat", "sum"])
+], ids=["t_contiguous_copy", "repeat_interleave", "to_dtype", "mul", "view", "strided", "cat", "sum"])
 def test_data_access_before_narrowing_is_refused(llama, op):
     t = rank_tensors(llama, 2, 0)["model.layers.0.self_attn.k_proj.weight"]
     with pytest.raises(FitError) as e:
@@ -357,3 +360,147 @@ def test_a_tied_head_is_compared_by_bytes_in_any_dtype():
     assert _head_is_embedding({"lm_head.weight": a, "model.embed_tokens.weight": a.clone()})
     assert not _head_is_embedding({"lm_head.weight": a, "model.embed_tokens.weight": other})
     assert not _head_is_embedding({"lm_head.weight": a})
+
+
+# --- views that reorder dims; vLLM's Llama 4 expert loader ------------------------------
+
+def _held_cols():
+    """A [4, 6, 8] tensor of which the rank holds columns 2:6 of the last dim, as two
+    pieces stored in reverse order (columns 4:6 first)."""
+    full = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)
+    ts = TensorSlice("x", "f", "F32", (4, 6, 8), (4, 6, 4),
+                     (Piece(((0, 4), (0, 6), (4, 6)), (0, 0, 0)),
+                      Piece(((0, 4), (0, 6), (2, 4)), (0, 0, 2))), 0, ())
+    local = torch.cat([full[:, :, 4:6], full[:, :, 2:4]], dim=2)
+    return full, global_tensor("x", local, ts, rank=1)
+
+
+def _copy_out(v) -> torch.Tensor:
+    param = torch.empty(v.shape, dtype=v.dtype)
+    param.copy_(v)
+    return param
+
+
+@pytest.mark.parametrize("chain", [
+    lambda t: t.transpose(-1, -2)[:, 2:6],
+    lambda t: t.permute(2, 0, 1).narrow(0, 2, 4).chunk(2, dim=0)[1],
+    lambda t: t.mT[:, 2:6, :].select(0, 1).t(),
+    lambda t: t.movedim(2, 0)[2:6].swapaxes(1, 2).unsqueeze(0).squeeze(0),
+    lambda t: t[0, :, 2:6].T,
+    lambda t: t.transpose(0, 2)[2:6].unbind(1)[3],
+    lambda t: t.permute(0, 2, 1)[:, 2:6].contiguous(),
+    lambda t: t.permute(2, 1, 0).split([2, 2, 2, 2])[1].swapdims(0, 2),
+    lambda t: t.transpose(-1, -2)[torch.tensor([1, 2])][:, 2:6],
+    lambda t: t.detach().transpose(0, 1).transpose(0, 1)[..., 3:5],
+], ids=["transpose", "permute_narrow_chunk", "mT_select_t", "movedim_swapaxes_unsqueeze",
+        "T", "transpose_unbind", "permute_contiguous", "permute_split_swapdims",
+        "transpose_index", "transpose_twice"])
+def test_dim_reordering_views_are_exact(chain):
+    """transpose/permute (and t, T, mT, movedim, swapaxes) are lazy views: later narrow,
+    chunk, select, unbind, index and copy_ answer element for element as on the tensor."""
+    full, t = _held_cols()
+    ref, view = chain(full), chain(t)
+    assert view.shape == ref.shape and view.size() == ref.size() and view.dim() == ref.dim()
+    assert view.is_contiguous()                     # so .contiguous() reads nothing
+    assert torch.equal(_copy_out(view), ref)
+    assert torch.equal(view.materialize(), ref)
+
+
+def test_a_permuted_view_consumes_its_box_only():
+    full, t = _held_cols()
+    part = t.permute(2, 0, 1)[2:4]                  # global columns 2:4
+    assert part.box == ((0, 4), (0, 6), (2, 4)) and part.dims == (2, 0, 1)
+    assert torch.equal(_copy_out(part), full[:, :, 2:4].permute(2, 0, 1))
+    assert [u.boxes for u in unconsumed({"x": t})] == [(((0, 4), (0, 6), (4, 6)),)]
+    # another rank's columns, transposed, are refused when copied, naming the box
+    with pytest.raises(FitError, match=r"does not hold.*requested box \[0:4,0:6,0:2\]"):
+        _copy_out(t.transpose(-1, -2)[:, :2])
+
+
+def test_an_index_that_is_no_run_is_refused():
+    _, t = _held_cols()
+    assert t[torch.tensor([2, 3])].box == ((2, 4), (0, 6), (0, 8))
+    assert t[:, torch.tensor([-2, -1])].box == ((0, 4), (4, 6), (0, 8))
+    with pytest.raises(FitError, match=r"indices \[0, 2\] of dim 0 are out of range or not a "
+                                       r"contiguous"):
+        t[torch.tensor([0, 2])]
+    with pytest.raises(FitError, match="aten.index.Tensor"):
+        t[torch.tensor([True, False, True, False])]
+
+
+def _moe_coords(layout: dict, rank: int, num_experts: int):
+    """vLLM's MoE coordinates of ``rank``: (moe_tp, moe_tp_rank, the experts it keeps
+    under expert parallelism (linear placement) or None)."""
+    tp, ep = layout.get("tp", 1), layout.get("ep", 1)
+    moe_tp = tp // ep
+    if ep == 1:
+        return moe_tp, rank % moe_tp, None
+    per = num_experts // ep
+    ep_rank = rank // moe_tp
+    return moe_tp, rank % moe_tp, range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def llama4_expert_param(name: str, weight, moe_tp: int, moe_tp_rank: int, experts):
+    """vLLM 0.32 llama4.py ``load_moe_expert_weights`` (fused) and FusedMoE's
+    weight_loader (full_load: a 3-D weight; ``_load_w13``/``_load_w2``) for one fused
+    expert tensor: the w13 or w2 parameter it fills."""
+    hidden, inter = LLAMA4["hidden_size"], LLAMA4["intermediate_size"]
+    n_local = LLAMA4["num_local_experts"] if experts is None else len(experts)
+    w = weight.transpose(-1, -2)
+    gate_up = "experts.gate_up_proj" in name
+    if gate_up:
+        w = w.chunk(2, dim=-2)
+        param = torch.zeros(n_local, 2 * (inter // moe_tp), hidden, dtype=weight.dtype)
+        shards = (("w1", 0), ("w3", 1))
+    else:
+        param = torch.zeros(n_local, hidden, inter // moe_tp, dtype=weight.dtype)
+        shards = (("w2", None),)
+    for shard_id, idx in shards:
+        loaded = w[idx] if gate_up else w
+        if experts is not None:                                    # expert_map's local ids
+            loaded = loaded[torch.tensor(list(experts))]
+        shard_dim = {"w1": 0, "w2": 1, "w3": 0}[shard_id] + 1      # full_load
+        per_rank = loaded.shape[shard_dim] // moe_tp
+        offset = per_rank * moe_tp_rank
+        loaded = loaded.narrow(shard_dim, offset, min(per_rank, loaded.shape[shard_dim] - offset))
+        dst = param
+        if shard_id != "w2":
+            size = param.shape[shard_dim] // 2
+            dst = param.narrow(shard_dim, 0 if shard_id == "w1" else size, size)
+        dst.copy_(loaded)
+    return param
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    return write_llama4(str(tmp_path_factory.mktemp("llama4")))
+
+
+LAYOUTS = (dict(tp=1), dict(tp=2), dict(tp=2, ep=2))
+
+
+def _check_expert_loader(ckpt: str, layout: dict, marker: str, load, num_experts: int) -> None:
+    full = whole(ckpt)
+    n = 0
+    for rank in range(layout["tp"]):
+        res = cl.load_detailed(ckpt, cl.Layout(**layout), rank=rank, verify="none")
+        by = res.rank_plan.by_name()
+        gts = {k: global_tensor(k, t, by[k], rank=rank) for k, t in res.tensors.items()
+               if marker in k}
+        coords = _moe_coords(layout, rank, num_experts)
+        for name, t in sorted(gts.items()):
+            got = load(name, t, *coords)
+            ref = load(name, full[name].clone(), *coords)
+            assert got.shape == ref.shape and torch.equal(got, ref), (name, rank)
+            n += 1
+        # every held expert element went into a parameter, each one asked for was held
+        assert unconsumed(gts) == [], rank
+    assert n >= 2 * layout["tp"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_llama4_expert_loader_ops_are_exact(llama4, layout):
+    """Llama 4's fused experts were refused: vLLM's loader transposes the whole tensor and
+    chunks gate/up before narrowing (and indexes the local experts under EP)."""
+    _check_expert_loader(llama4, layout, ".feed_forward.experts.", llama4_expert_param,
+                         LLAMA4["num_local_experts"])

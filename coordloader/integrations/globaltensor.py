@@ -4,12 +4,16 @@ Serving engines build their fused, sharded parameters in per-layer weight loader
 narrow *whole* checkpoint tensors at their own tp-rank offsets. Handing those loaders a
 ``GlobalShapeTensor`` lets each model's own loader place the rank's slices (no per-model
 offset table here): shape, ndim, dtype and device are the global tensor's; narrowing,
-slicing, ``select``, ``unbind``, ``unsqueeze``/``squeeze``, ``split`` and ``detach`` give
-lazy views; the data is read only when a view is copied out (``copy_`` into a parameter,
-or ``materialize()``), and only when every element of the view is held. Any other data
-access (a transpose, a dtype conversion, ``repeat_interleave``, arithmetic) raises
-``FitError`` naming the tensor, the requested box and the held boxes: a loader that
-would compute on the full tensor before narrowing would otherwise load wrong values.
+slicing, ``select``, ``unbind``, ``unsqueeze``/``squeeze``, ``split``/``chunk``,
+``detach``, ``transpose``/``permute`` (``t``, ``mT``, ``movedim``, ``swapaxes``) and
+indexing one dim by a contiguous ascending run of indices give lazy views: a view is a
+global box and, per view dim, the global dim it shows. The data is read only when a view
+is copied out (``copy_`` into a parameter, or ``materialize()``: the box gathered from
+the held pieces, then permuted to the view's dim order), and only when every element of
+the view is held. Any other data access (a dtype conversion, ``repeat_interleave``,
+``view``, arithmetic) raises ``FitError`` naming the tensor, the requested box and the
+held boxes: a loader that would compute on the full tensor before narrowing would
+otherwise load wrong values.
 
 Every copied-out box is recorded, so after loading ``unconsumed`` tells which held
 elements no loader used (exact fit: each element asked for was held, each held element
@@ -117,9 +121,18 @@ class GlobalShapeTensor(torch.Tensor):
     def box(self) -> Box:
         return self._box
 
+    @property
+    def dims(self) -> tuple[ViewDim, ...]:
+        """Per view dim, the global dim it shows (None: a dim unsqueeze added)."""
+        return self._dims
+
     def materialize(self) -> torch.Tensor:
-        """This view's data as a plain tensor (recorded as consumed)."""
-        return self._held.gather(self._box).reshape(self.shape)
+        """This view's data as a plain tensor (recorded as consumed): the box gathered in
+        global dim order, its dims then put in the view's order."""
+        data = self._held.gather(self._box)
+        shown = [g for g in self._dims if g is not None]
+        fixed = [g for g in range(len(self._box)) if g not in shown]   # size 1: selected
+        return data.permute(shown + fixed).reshape(self.shape).contiguous()
 
     # -- lazy views ----------------------------------------------------------------------
 
@@ -171,6 +184,45 @@ class GlobalShapeTensor(torch.Tensor):
         drop = {self._dim(d) for d in ds}
         drop = {d for d in drop if self.shape[d] == 1}
         return self._view(self._box, tuple(g for i, g in enumerate(self._dims) if i not in drop))
+
+    def _permute(self, order) -> "GlobalShapeTensor":
+        n = self.dim()
+        ds = [self._dim(d) for d in order]
+        if sorted(ds) != list(range(n)):
+            raise self._held.refuse(f"permute({list(order)}) is not a permutation of the "
+                                    f"{n} dims", self._box)
+        return self._view(self._box, tuple(self._dims[d] for d in ds))
+
+    def _transpose(self, d0: int, d1: int) -> "GlobalShapeTensor":
+        order = list(range(self.dim()))
+        a, b = self._dim(d0), self._dim(d1)
+        order[a], order[b] = b, a
+        return self._permute(order)
+
+    def _index(self, indices) -> "GlobalShapeTensor":
+        """``t[idx]`` with one integer index tensor (after leading full dims): a view when
+        the indices are a contiguous ascending run (vLLM's local expert ids), which is a
+        slice; any other index picks elements that are no box."""
+        lead = 0
+        while lead < len(indices) and indices[lead] is None:
+            lead += 1
+        idx = indices[lead] if lead < len(indices) else None
+        ok = (isinstance(idx, torch.Tensor) and not isinstance(idx, GlobalShapeTensor)
+              and idx.dim() == 1 and len(idx) > 0 and not idx.dtype.is_floating_point
+              and idx.dtype != torch.bool and all(i is None for i in indices[lead + 1:])
+              and lead < self.dim())
+        if ok:
+            n = self.shape[lead]
+            vals = [int(v) for v in idx.tolist()]
+            if all(-n <= v < n for v in vals):
+                vals = [v % n for v in vals]
+                if vals == list(range(vals[0], vals[0] + len(vals))):
+                    return self._slice(lead, vals[0], vals[0] + len(vals), 1)
+        what = (f"indices {idx.tolist()[:16]} of dim {lead}" if ok else "this index")
+        raise self._held.refuse(f"aten.index.Tensor: {what} are out of range or not a "
+                                f"contiguous ascending run, so they pick no box (answered "
+                                f"lazily: one index tensor that is one run, as vLLM's local "
+                                f"expert ids)", self._box)
 
     def _split(self, sizes: list[int], d: int) -> list["GlobalShapeTensor"]:
         out, at = [], 0
@@ -227,9 +279,18 @@ class GlobalShapeTensor(torch.Tensor):
             return self._split(list(sz), d)
         if pkt in (aten.detach, aten.alias):
             return self._view(self._box, self._dims)
+        if pkt is aten.permute:
+            return self._permute(list(arg(0, "dims", ())))
+        if pkt is aten.transpose:
+            return self._transpose(arg(0, "dim0", 0), arg(1, "dim1", 1))
+        if pkt is aten.t:
+            return self._transpose(0, 1) if self.dim() == 2 else self._view(self._box, self._dims)
+        if pkt is aten.index and func is aten.index.Tensor:
+            return self._index(list(arg(0, "indices", [])))
         raise self._held.refuse(f"{func} would read or compute on the data before narrowing it "
                                 f"to this rank's slice (only narrow/slice/select/unbind/unsqueeze/"
-                                f"split/detach are answered lazily, then copy_)", self._box)
+                                f"split/detach/transpose/permute/index by a contiguous run are "
+                                f"answered lazily, then copy_)", self._box)
 
 
 def full(held: HeldTensor) -> Box:
