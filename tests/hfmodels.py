@@ -19,7 +19,13 @@ QWEN3_MOE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=6
                  num_hidden_layers=2, vocab_size=300, max_position_embeddings=256,
                  decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
 
-# Llama 4 text: fused experts [E, H, 2I] (gate and up halves) and [E, I, H]
+# gpt-oss (bf16) and Llama 4 text: fused experts [E, H, 2I] (gpt-oss with interleaved
+# gate/up pairs and biases, Llama 4 with gate and up halves) and [E, I, H]
+GPT_OSS = dict(hidden_size=128, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=32, num_hidden_layers=2, vocab_size=300, num_local_experts=4,
+               num_experts_per_tok=2, max_position_embeddings=256, sliding_window=64,
+               layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)
+
 LLAMA4 = dict(hidden_size=128, intermediate_size=64, intermediate_size_mlp=256, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, num_hidden_layers=2, vocab_size=300,
               num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
@@ -73,6 +79,16 @@ def write_qwen3_moe(out: str, *, seed: int = 0, dtype=torch.bfloat16,
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_MOE)).to(dtype)
+    refill(model, seed)
+    model.save_pretrained(out, max_shard_size=shard_size)
+    return out
+
+
+def write_gpt_oss(out: str, *, seed: int = 0, shard_size: str = "150KB") -> str:
+    """A tiny bf16 GptOssForCausalLM (4 experts) in several shards; returns ``out``."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(GptOssConfig(**GPT_OSS)).to(torch.bfloat16)
     refill(model, seed)
     model.save_pretrained(out, max_shard_size=shard_size)
     return out

@@ -5,9 +5,9 @@ rank's tensors, wrapped, are then narrowed at the offsets vLLM 0.32's layers use
 (ColumnParallel/RowParallel: tp_rank * size; QKV k/v: (tp_rank // replicas) * size;
 VocabParallelEmbedding: the vocab padded to 64 split evenly, the last slice clipped) and
 copied into parameters, as the layers' weight_loaders do. Values are compared with the
-whole tensors read by the safetensors library. A tiny Llama 4 checkpoint gets the op
-chains of vLLM's fused-expert loader (transpose, chunk, index), run on the rank's tensors
-and on the whole ones alike.
+whole tensors read by the safetensors library. Tiny gpt-oss and Llama 4 checkpoints get
+the op chains of vLLM's fused-expert loaders (permute, transpose, chunk, zero_), run on
+the rank's tensors and on the whole ones alike.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from coordloader.errors import FitError
 from coordloader.integrations.globaltensor import global_tensor, unconsumed
 from coordloader.planning.model import Piece, TensorSlice
 
-from hfmodels import LLAMA, LLAMA4, write_llama, write_llama4
+from hfmodels import GPT_OSS, LLAMA, LLAMA4, write_gpt_oss, write_llama, write_llama4
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +362,7 @@ def test_a_tied_head_is_compared_by_bytes_in_any_dtype():
     assert not _head_is_embedding({"lm_head.weight": a})
 
 
-# --- views that reorder dims; vLLM's Llama 4 expert loader ------------------------------
+# --- views that reorder dims; in-place zero_; vLLM's gpt-oss and Llama 4 expert loaders ----
 
 def _held_cols():
     """A [4, 6, 8] tensor of which the rank holds columns 2:6 of the last dim, as two
@@ -417,6 +417,28 @@ def test_a_permuted_view_consumes_its_box_only():
         _copy_out(t.transpose(-1, -2)[:, :2])
 
 
+def test_zero_writes_zeros_that_later_copies_read():
+    """gpt-oss's loader zeroes down_proj_bias on TP ranks other than 0, then copies it:
+    the parameter gets zeros, the held elements copied out (as zeros) count as used; the
+    local data read from the checkpoint is left as it was."""
+    full, t = _held_cols()
+    before = t._held.local.clone()
+    assert t[1:3].zero_() is not None
+    got = _copy_out(t[:, :, 2:6])
+    expect = full[:, :, 2:6].clone()
+    expect[1:3] = 0
+    assert torch.equal(got, expect) and torch.equal(t._held.local, before)
+    assert unconsumed({"x": t}) == []
+    # zeroed elements read as zeros even where the rank holds nothing
+    t.transpose(-1, -2)[:, 6:8].zero_()
+    assert torch.equal(_copy_out(t[:, :, 6:8]), torch.zeros(4, 6, 2))
+    # zeroed but never copied out: the held elements are still unused
+    _, t2 = _held_cols()
+    t2[:, :, 2:4].zero_()
+    assert sorted(unconsumed({"x": t2})[0].boxes) == [((0, 4), (0, 6), (2, 4)),
+                                                      ((0, 4), (0, 6), (4, 6))]
+
+
 def test_an_index_that_is_no_run_is_refused():
     _, t = _held_cols()
     assert t[torch.tensor([2, 3])].box == ((2, 4), (0, 6), (0, 8))
@@ -438,6 +460,35 @@ def _moe_coords(layout: dict, rank: int, num_experts: int):
     per = num_experts // ep
     ep_rank = rank // moe_tp
     return moe_tp, rank % moe_tp, range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def gpt_oss_expert_param(name: str, weight, moe_tp: int, moe_tp_rank: int, experts):
+    """vLLM 0.32 gpt_oss.py ``_load_weights_other`` (bf16) for one fused expert tensor,
+    as it runs the ops on the checkpoint tensor: the parameter it copies into."""
+    inter = GPT_OSS["intermediate_size"]
+    per = -(-inter // moe_tp)                                        # cdiv
+    start, end = moe_tp_rank * per, min((moe_tp_rank + 1) * per, inter)
+    leaf = name.rsplit(".", 1)[1]
+    if leaf in ("gate_up_proj", "down_proj"):                     # w13_weight / w2_weight
+        if experts is not None:
+            w = weight[experts.start:experts.stop, ...]
+        elif leaf == "gate_up_proj":
+            w = weight[:, :, 2 * start:2 * end]
+        else:
+            w = weight[:, start:end, :]
+        w = w.permute(0, 2, 1).contiguous()
+    elif leaf == "gate_up_proj_bias":                             # w13_bias
+        w = weight[experts.start:experts.stop, ...] if experts is not None \
+            else weight[:, 2 * start:2 * end]
+    else:                                                          # w2_bias
+        assert leaf == "down_proj_bias"
+        if experts is not None:
+            w = weight[experts.start:experts.stop, ...]
+        else:
+            w = weight
+            if moe_tp_rank != 0:
+                w.zero_()                                          # added on rank 0 only
+    return _copy_out(w)
 
 
 def llama4_expert_param(name: str, weight, moe_tp: int, moe_tp_rank: int, experts):
@@ -472,6 +523,11 @@ def llama4_expert_param(name: str, weight, moe_tp: int, moe_tp_rank: int, expert
 
 
 @pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return write_gpt_oss(str(tmp_path_factory.mktemp("gpt_oss")))
+
+
+@pytest.fixture(scope="module")
 def llama4(tmp_path_factory):
     return write_llama4(str(tmp_path_factory.mktemp("llama4")))
 
@@ -496,6 +552,14 @@ def _check_expert_loader(ckpt: str, layout: dict, marker: str, load, num_experts
         # every held expert element went into a parameter, each one asked for was held
         assert unconsumed(gts) == [], rank
     assert n >= 2 * layout["tp"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_gpt_oss_expert_loader_ops_are_exact(gpt_oss, layout):
+    """gpt-oss (bf16) could not be served: vLLM's loader permutes the narrowed w13/w2 and
+    zeroes w2_bias on TP ranks other than 0, and both were refused."""
+    _check_expert_loader(gpt_oss, layout, ".mlp.experts.", gpt_oss_expert_param,
+                         GPT_OSS["num_local_experts"])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)

@@ -10,14 +10,16 @@ indexing one dim by a contiguous ascending run of indices give lazy views: a vie
 global box and, per view dim, the global dim it shows. The data is read only when a view
 is copied out (``copy_`` into a parameter, or ``materialize()``: the box gathered from
 the held pieces, then permuted to the view's dim order), and only when every element of
-the view is held. Any other data access (a dtype conversion, ``repeat_interleave``,
-``view``, arithmetic) raises ``FitError`` naming the tensor, the requested box and the
-held boxes: a loader that would compute on the full tensor before narrowing would
-otherwise load wrong values.
+the view is held. ``zero_`` writes zeros over a view's box, as on a real tensor (gpt-oss
+zeroes a bias on TP ranks other than 0 before copying it): later copies read zeros
+there, whether held or not. Any other data access (a dtype conversion,
+``repeat_interleave``, ``view``, arithmetic) raises ``FitError`` naming the tensor, the
+requested box and the held boxes: a loader that would compute on the full tensor before
+narrowing would otherwise load wrong values.
 
 Every copied-out box is recorded, so after loading ``unconsumed`` tells which held
-elements no loader used (exact fit: each element asked for was held, each held element
-was asked for).
+elements no loader used (exact fit: each element asked for was held or zeroed, each held
+element was copied out, zeroed or not).
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class HeldTensor:
     pieces: tuple[Piece, ...]
     rank: int | None = None
     consumed: list[Box] = field(default_factory=list)
+    zeroed: list[Box] = field(default_factory=list)    # boxes a loader zero_()ed
 
     @property
     def held_boxes(self) -> tuple[Box, ...]:
@@ -63,12 +66,16 @@ class HeldTensor:
                         f"{list(self.global_shape)}, held boxes {fmt_boxes(self.held_boxes)}",
                         tensor=self.name, rank=self.rank)
 
+    def holds(self, box: Box) -> bool:
+        """Whether every element of ``box`` is held or was zeroed."""
+        return uncovered(box, self.held_boxes + tuple(self.zeroed)) == []
+
     def gather(self, box: Box) -> torch.Tensor:
         """The elements of global ``box`` as a tensor of ``box_shape(box)``; FitError unless
-        every one is held. Recorded as consumed."""
+        every one is held (or zeroed: it reads as zero). Recorded as consumed."""
         if any(a == b for a, b in box):   # an empty narrow (torch allows it) asks for nothing
             return torch.empty(box_shape(box), dtype=self.local.dtype, device=self.local.device)
-        if uncovered(box, self.held_boxes):
+        if not self.holds(box):
             raise self.refuse("asked for elements this rank does not hold (the serving "
                               "engine's split differs from the plan's)", box)
         out = torch.empty(box_shape(box), dtype=self.local.dtype, device=self.local.device)
@@ -79,6 +86,10 @@ class HeldTensor:
             shape = box_shape(ov)
             src = narrow_box(self.local, [d + o[0] - s[0] for d, o, s in zip(p.dst, ov, p.src)], shape)
             narrow_box(out, [o[0] - b[0] for o, b in zip(ov, box)], shape).copy_(src)
+        for z in self.zeroed:             # the local data stays as read; zeros win here
+            ov = intersect(z, box)
+            if ov is not None:
+                narrow_box(out, [o[0] - b[0] for o, b in zip(ov, box)], box_shape(ov)).zero_()
         self.consumed.append(box)
         return out
 
@@ -224,6 +235,13 @@ class GlobalShapeTensor(torch.Tensor):
                                 f"lazily: one index tensor that is one run, as vLLM's local "
                                 f"expert ids)", self._box)
 
+    def _zero(self) -> "GlobalShapeTensor":
+        """``zero_``: the box reads as zeros from now on, in every view (the local data is
+        kept as read); returns this view, as in-place ops do."""
+        if all(a < b for a, b in self._box):
+            self._held.zeroed.append(self._box)
+        return self
+
     def _split(self, sizes: list[int], d: int) -> list["GlobalShapeTensor"]:
         out, at = [], 0
         for s in sizes:
@@ -287,10 +305,12 @@ class GlobalShapeTensor(torch.Tensor):
             return self._transpose(0, 1) if self.dim() == 2 else self._view(self._box, self._dims)
         if pkt is aten.index and func is aten.index.Tensor:
             return self._index(list(arg(0, "indices", [])))
+        if func is aten.zero_.default:
+            return self._zero()
         raise self._held.refuse(f"{func} would read or compute on the data before narrowing it "
                                 f"to this rank's slice (only narrow/slice/select/unbind/unsqueeze/"
                                 f"split/detach/transpose/permute/index by a contiguous run are "
-                                f"answered lazily, then copy_)", self._box)
+                                f"answered lazily, zero_ writes zeros, then copy_)", self._box)
 
 
 def full(held: HeldTensor) -> Box:
