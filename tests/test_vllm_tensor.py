@@ -439,6 +439,25 @@ def test_zero_writes_zeros_that_later_copies_read():
                                                       ((0, 4), (0, 6), (4, 6))]
 
 
+def test_an_op_on_a_held_box_is_refused_naming_the_op_not_narrowing():
+    _, t = _held_cols()
+    held = t[:, :, 2:6]
+    with pytest.raises(FitError) as e:
+        held * 2
+    msg = str(e.value)
+    assert "aten.mul.Tensor is not answered" in msg and "holds every element" in msg
+    assert "before narrowing" not in msg and "requested box [0:4,0:6,2:6]" in msg
+    with pytest.raises(FitError, match=r"aten.mul.Tensor would read or compute on elements "
+                                       r"this rank does not hold.*before narrowing"):
+        t * 2
+    with pytest.raises(FitError, match=r"aten.fill_.Scalar changes a checkpoint tensor in place"):
+        held.fill_(1)
+    param = torch.zeros(4, 6, 4)
+    with pytest.raises(FitError) as e:                   # the parameter changes, not t
+        param.add_(held)
+    assert "aten.add_.Tensor is not answered" in str(e.value)
+
+
 def test_an_index_that_is_no_run_is_refused():
     _, t = _held_cols()
     assert t[torch.tensor([2, 3])].box == ((2, 4), (0, 6), (0, 8))

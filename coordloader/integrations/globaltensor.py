@@ -13,9 +13,9 @@ the held pieces, then permuted to the view's dim order), and only when every ele
 the view is held. ``zero_`` writes zeros over a view's box, as on a real tensor (gpt-oss
 zeroes a bias on TP ranks other than 0 before copying it): later copies read zeros
 there, whether held or not. Any other data access (a dtype conversion,
-``repeat_interleave``, ``view``, arithmetic) raises ``FitError`` naming the tensor, the
-requested box and the held boxes: a loader that would compute on the full tensor before
-narrowing would otherwise load wrong values.
+``repeat_interleave``, ``view``, arithmetic) raises ``FitError`` naming the op, the
+tensor, the requested box and the held boxes: a loader that would compute on the full
+tensor before narrowing would otherwise load wrong values.
 
 Every copied-out box is recorded, so after loading ``unconsumed`` tells which held
 elements no loader used (exact fit: each element asked for was held or zeroed, each held
@@ -260,8 +260,8 @@ class GlobalShapeTensor(torch.Tensor):
             return dst.copy_(src.materialize(), *args[2:], **kwargs)
         self = args[0]
         if not isinstance(self, GlobalShapeTensor):
-            held = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, GlobalShapeTensor))._held
-            raise held.refuse(f"{func} reads the data of a whole checkpoint tensor", full(held))
+            raise refuse_op(func, next(a for a in tree_leaves((args, kwargs))
+                                       if isinstance(a, GlobalShapeTensor)), writes=False)
         a = list(args[1:])
 
         def arg(i: int, name: str, default):
@@ -307,10 +307,29 @@ class GlobalShapeTensor(torch.Tensor):
             return self._index(list(arg(0, "indices", [])))
         if func is aten.zero_.default:
             return self._zero()
-        raise self._held.refuse(f"{func} would read or compute on the data before narrowing it "
-                                f"to this rank's slice (only narrow/slice/select/unbind/unsqueeze/"
-                                f"split/detach/transpose/permute/index by a contiguous run are "
-                                f"answered lazily, zero_ writes zeros, then copy_)", self._box)
+        raise refuse_op(func, self, writes=func._schema.is_mutable)
+
+
+LAZY = ("narrow/slice/select/unbind/squeeze/unsqueeze/split/chunk/detach/transpose/permute/"
+        "index by a contiguous run give views, zero_ writes zeros, copy_ reads them out")
+
+
+def refuse_op(func, t: GlobalShapeTensor, *, writes: bool) -> FitError:
+    """The FitError for an op a GlobalShapeTensor does not answer: which op, and whether
+    it changes ``t`` in place, needs elements this rank does not hold (a loader computing
+    before narrowing) or would only compute on held ones (an op this class does not
+    answer)."""
+    if writes:
+        why = (f"{func} changes a checkpoint tensor in place (of the in-place ops only "
+               f"zero_ is answered)")
+    elif t._held.holds(t._box):
+        why = (f"{func} is not answered on a checkpoint tensor, although this rank holds "
+               f"every element of the box (only {LAZY})")
+    else:
+        why = (f"{func} would read or compute on elements this rank does not hold: the "
+               f"loader computes before narrowing the tensor to this rank's slice "
+               f"(only {LAZY})")
+    return t._held.refuse(why, t._box)
 
 
 def full(held: HeldTensor) -> Box:
