@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from itertools import compress
 from math import prod
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.tiling import tiling_problem
@@ -146,8 +146,7 @@ def _validate_cover(plan, meta) -> None:
     tensors = meta.tensors
     prim: dict[str, list] = {}
     reps: dict[str, list] = {}
-    copies: dict[str, list] = {}   # name -> [(rank, copy boxes)], once per pieces object
-    copied: set = set()
+    copies = _Copies({}, set(), {})
     checked: set = set()
     ranges: dict[str, dict] = {}
     pieces_ok: dict = {}
@@ -164,13 +163,13 @@ def _validate_cover(plan, meta) -> None:
             if key not in checked:
                 _check_slice(s, tensors, ranges, r, pieces_ok)
                 checked.add(key)
-            _add_copies(s, r, copies, copied)
+            _add_copies(s, r, copies)
             if s.replica == 0:
                 prim.setdefault(s.name, []).append((r, primary_boxes(s.pieces), id(s.pieces)))
             else:
                 reps.setdefault(s.name, []).append((r, s, id(s.pieces)))
     for sh, ranks in members.values():
-        _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done, copies, copied)
+        _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done, copies)
     # replicas whose pieces object is not shared with a primary need their boxes (the
     # others are matched by key and their slot is never read)
     for name, rs in reps.items():
@@ -179,23 +178,34 @@ def _validate_cover(plan, meta) -> None:
             if k not in keys:
                 rs[i] = (r, primary_boxes(s.pieces), ("rank", r))
     _core(prim, reps, {n: t.shape for n, t in tensors.items()}, plan.excluded, PlanError,
-          copies)
+          copies.of_name)
 
 
-def _add_copies(s, rank, copies, copied) -> None:
-    """Record the copy pieces of slice ``s`` (held by ``rank``), once per (tensor, pieces
-    object): every holder of that object holds the same copies."""
-    k = (s.name, id(s.pieces))
-    if k in copied:
-        return
-    copied.add(k)
-    cp = copy_boxes(s.pieces)
-    if cp:
-        copies.setdefault(s.name, []).append((rank, cp))
+class _Copies(NamedTuple):
+    """The copy pieces found so far: name -> [(rank, copy boxes)], recorded once per
+    (tensor, pieces object); and id(pieces) -> their copy boxes (pieces objects are
+    shared, and most hold none: one lookup per slice)."""
+    of_name: dict
+    recorded: set
+    boxes_of: dict
 
 
-def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done, copies,
-                   copied) -> None:
+def _add_copies(s, rank, cp: _Copies) -> None:
+    """Record the copy pieces of slice ``s`` (held by ``rank``): every holder of its pieces
+    object holds the same copies."""
+    pcs = s.pieces
+    boxes = cp.boxes_of.get(id(pcs))
+    if boxes is None:
+        boxes = cp.boxes_of[id(pcs)] = copy_boxes(pcs)
+    if boxes:
+        k = (s.name, id(pcs))
+        if k not in cp.recorded:
+            cp.recorded.add(k)
+            cp.of_name.setdefault(s.name, []).append((rank, boxes))
+
+
+def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done,
+                   copies: _Copies) -> None:
     """Add the primaries and replicas of a rank class (ranks sharing ``sh``) as the per-rank
     loop would, at the cost of one rank: each slice is checked once; per replica table,
     the members whose replica id is 0 hold the primaries, and one member with another id
@@ -233,7 +243,7 @@ def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done, copi
     done |= fresh
     for s, k in compress(zip(sh.slices, sh.tables), map(fresh.__contains__, map(id, sh.slices))):
         _check_slice(s, tensors, ranges, ranks[0], pieces_ok)
-        _add_copies(s, ranks[0], copies, copied)
+        _add_copies(s, ranks[0], copies)
         prims, others = zero[k]
         # replicas in a class that also holds the primary copy hold its very pieces: only
         # a class of replicas alone must be matched against the primaries of other classes
