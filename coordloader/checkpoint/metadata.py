@@ -199,6 +199,23 @@ def extent_mismatch(meta: CheckpointMeta, config: Mapping | None = None
     return config_mismatch({name: t.shape for name, t in meta.tensors.items()}, config)
 
 
+def config_sized_mismatch(shapes: Mapping[str, Sequence[int]], config: Mapping | None
+                          ) -> tuple[str, str, int, int, int] | None:
+    """``config_mismatch`` on dim 0 of the tensors config.json sizes outright (the
+    embedding's and head's vocab rows, the norms' hidden size): the dim an FSDP shard
+    cuts. A draft head (``draft_vocab_size``, EAGLE-3) has its own vocabulary."""
+    if not isinstance(config, Mapping):
+        return None
+    for name, shape in shapes.items():
+        for suffix, key in _CONFIG_SIZED:
+            if key == "vocab_size" and suffix == "lm_head.weight" and "draft_vocab_size" in config:
+                key = "draft_vocab_size"
+            want = config.get(key)
+            if name.endswith(suffix) and type(want) is int and shape and shape[0] != want:
+                return name, key, want, shape[0], 0
+    return None
+
+
 def config_mismatch(shapes: Mapping[str, Sequence[int]], config: Mapping | None
                     ) -> tuple[str, str, int, int, int] | None:
     """The first (tensor, config key, config value, size, dim) where config.json states a
@@ -207,11 +224,9 @@ def config_mismatch(shapes: Mapping[str, Sequence[int]], config: Mapping | None
     global shapes ``coordloader.save`` is handed."""
     if not isinstance(config, Mapping):
         return None
-    for name, shape in shapes.items():
-        for suffix, key in _CONFIG_SIZED:
-            want = config.get(key)
-            if name.endswith(suffix) and type(want) is int and shape and shape[0] != want:
-                return name, key, want, shape[0], 0
+    bad = config_sized_mismatch(shapes, config)
+    if bad is not None:
+        return bad
     for name, shape in shapes.items():
         if not name.endswith(_CONFIG_SUFFIXES):   # one C-level test for most names
             continue

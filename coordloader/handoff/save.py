@@ -46,7 +46,7 @@ from coordloader.checkpoint.formats import (
     STAGING_PREFIX,
     shard_name,
 )
-from coordloader.checkpoint.metadata import box_numel, box_shape, config_mismatch
+from coordloader.checkpoint.metadata import box_numel, box_shape, config_sized_mismatch
 from coordloader.checkpoint.tiling import TilingKind, fmt_box, tiling_problem
 from coordloader.errors import CoordloaderError, SaveError
 from coordloader.handoff.pieces import collect_pieces, keep_primaries, undecided
@@ -144,25 +144,25 @@ def _write_rank(stage: str, pieces, rank: int, max_shard_bytes: int, with_digest
     return {"rank": rank, "files": files, "pieces": records, "bytes": total}
 
 
-def check_config_shapes(pieces, tensors, plan, cfg: ModelConfig, rank: int) -> None:
-    """SaveError where config.json states the size of a dim (vocab_size, hidden_size, heads
-    times head_dim, ...) that the global shape of a tensor this rank saves does not have:
-    the comparison the readers make on DCP's extents (``config_mismatch``). Caught here, a
-    rank's shard passed as a plain tensor without a plan (taken as the whole tensor, and
-    written once, from the lowest rank) is refused before anything is written."""
-    bad = config_mismatch({p.name: p.shape for p in pieces}, cfg.doc)
+def check_whole_claims(pieces, tensors, cfg: ModelConfig, rank: int) -> None:
+    """SaveError where a plain tensor saved without a plan, in a distributed save, has a
+    global shape whose dim 0 config.json contradicts (vocab rows, hidden size:
+    ``config_sized_mismatch``). Each rank's tensor is taken as the whole tensor and the
+    ranks' equal boxes are written once, from the lowest rank: ranks passing their FSDP
+    shards (``dt.to_local()``) saved half of every weight. Only that claim is checked: the
+    shapes of a plan, a DTensor or a Boxed tensor are stated, not inferred, and a config's
+    other dims do not size a vision tower, a draft head or packed quantized weights."""
+    plain = {p.name: p.shape for p in pieces
+             if type(tensors.get(p.name)) in (torch.Tensor, torch.nn.Parameter)}
+    bad = config_sized_mismatch(plain, cfg.doc)
     if bad is None:
         return
     name, key, want, got, dim = bad
-    shape = next(p.shape for p in pieces if p.name == name)
-    hint = ""
-    if plan is None and type(tensors.get(name)) in (torch.Tensor, torch.nn.Parameter):
-        hint = (" (a plain tensor saved without a plan is taken as the whole tensor: pass a "
-                "rank's shard as a DTensor or a coordloader Boxed, or save with the plan it "
-                "was loaded with)")
-    raise SaveError(f"global shape {list(shape)} has {got} along dim {dim}, but config.json "
-                    f"says {key}={want}; expected the shape of the model config.json "
-                    f"describes{hint}", tensor=name, rank=rank)
+    raise SaveError(f"global shape {list(plain[name])} has {got} along dim {dim}, but "
+                    f"config.json says {key}={want}; expected the whole tensor (a plain tensor "
+                    f"saved without a plan is taken as the whole tensor: pass a rank's shard "
+                    f"as a DTensor or a coordloader Boxed, or save with the plan it was "
+                    f"loaded with)", tensor=name, rank=rank)
 
 
 # ---------------------------------------------------------------------------------------
@@ -377,7 +377,8 @@ def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrit
                             f"{plan.world_size} ({plan.layout})", rank=rank)
         cfg = resolve_config(config, rank)
         pieces = collect_pieces(tensors, plan.rank(rank) if plan is not None else None, rank)
-        check_config_shapes(pieces, tensors, plan, cfg, rank)
+        if plan is None and world > 1:
+            check_whole_claims(pieces, tensors, cfg, rank)
         stage = prepare_target(out_dir, overwrite, rank, token) if rank == 0 else None
         return cfg, pieces, stage
     try:
@@ -470,7 +471,6 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
     try:  # refused before anything is written; a refused later rank ends the save
         cfg = resolve_config(config, rank)
         pieces = collect_pieces(tensors, plan.rank(rank) if plan is not None else None, rank)
-        check_config_shapes(pieces, tensors, plan, cfg, rank)
     except BaseException:
         if rank > 0:
             shutil.rmtree(stage_dir, ignore_errors=True)
