@@ -249,8 +249,17 @@ def _replaced_worker(rank: int, port: int, d: str, case: str, out: str) -> None:
         # replaced (same header, new data) after the plan is agreed, before rank 0 reads it
         loader.PHASE_HOOKS.append(
             lambda phase: _publish_layers(d, 7.0, "b") if phase == "load" and rank == 0 else None)
+    src = d
+    if case == "meta":
+        # metadata read by each rank, then the files replaced before the load: the load's
+        # fingerprint of the new files must not stand for the old read
+        src = cl.read_checkpoint(d)
+        dist.barrier()
+        if rank == 1:
+            _publish_layers(d, 7.0)
+        dist.barrier()
     try:
-        t = cl.load(d, Layout(pp=2), rules=_PP_RULES, config=_PP_CONFIG, verify="shapes",
+        t = cl.load(src, Layout(pp=2), rules=_PP_RULES, config=_PP_CONFIG, verify="shapes",
                     timeout=60)
         got = "ok " + " ".join(f"{k}={v.flatten()[0].item()}" for k, v in sorted(t.items()))
     except Exception as e:   # noqa: BLE001 - the test compares the message
@@ -260,12 +269,14 @@ def _replaced_worker(rank: int, port: int, d: str, case: str, out: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["replaced", "stale"])
+@pytest.mark.parametrize("case", ["replaced", "stale", "meta"])
 def test_file_changes_seen_by_every_rank_whoever_parsed_its_header(tmp_path, case):
     """'replaced': a file replaced after the plan was agreed loaded its new bytes on a rank
     that had not parsed its header itself, while the other held the old step's tensors.
     'stale': a rank that once read the headers of an older step refused the next step's
-    files, which it had not parsed again, on every try."""
+    files, which it had not parsed again, on every try. 'meta': metadata read before the
+    files were replaced, handed to the load: refused (a first fix let the load's own
+    fingerprint of the new files replace the record of the old read)."""
     from coordloader.dist.collective import free_port
 
     from ranks import spawn_and_wait
@@ -277,6 +288,9 @@ def test_file_changes_seen_by_every_rank_whoever_parsed_its_header(tmp_path, cas
     got = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
     if case == "stale":
         assert got == ["ok model.layers.0.w=1.0", "ok model.layers.1.w=1.0"]
+    elif case == "meta":
+        assert all(g.startswith("CollectiveError: phase load: rank") and
+                   "file changed after its header was read" in g for g in got), got
     else:
         want = ("CollectiveError: phase load: rank 0: LoadError: file b.safetensors: file "
                 "changed after its header was read")

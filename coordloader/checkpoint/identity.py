@@ -70,7 +70,7 @@ def _sample_offsets(start: int, end: int) -> list[tuple[int, int]]:
     return [(start + i * step, SAMPLE_BYTES) for i in range(SAMPLE_BLOCKS)]
 
 
-def _safetensors_identity(root: str, name: str) -> FileIdentity:
+def _safetensors_identity(root: str, name: str, record: bool) -> FileIdentity:
     path = os.path.join(root, name)
     fd, st = _open_regular(path, name)
     try:
@@ -83,9 +83,8 @@ def _safetensors_identity(root: str, name: str) -> FileIdentity:
             raise CheckpointError(f"header length {n} exceeds the file size {size} or the "
                                   f"{MAX_HEADER_LEN}-byte limit", file=name)
         header = hashlib.sha256(_pread_exact(fd, n, 8, name)).hexdigest()
-        # the engines refuse this file if it changes from now on, also where another
-        # rank parsed its header
-        note_header_seen(path, st, header)
+        if record:   # the engines refuse this file if it changes from now on, also
+            note_header_seen(path, st, header)   # where another rank parsed its header
         sample = hashlib.sha256()
         for off, length in _sample_offsets(8 + n, size):
             sample.update(_pread_exact(fd, length, off, name))
@@ -102,12 +101,15 @@ def _side_identity(root: str, name: str) -> FileIdentity:
     return FileIdentity(name, len(data), hashlib.sha256(data).hexdigest(), "")
 
 
-def checkpoint_identity(root: str, shards: Sequence[str],
-                        side_files: Sequence[str] = ()) -> CheckpointIdentity:
+def checkpoint_identity(root: str, shards: Sequence[str], side_files: Sequence[str] = (), *,
+                        record: bool = True) -> CheckpointIdentity:
     """This rank's fingerprint of the safetensors ``shards`` and ``side_files`` under
-    ``root`` (a side file may be absent; that is part of the identity)."""
+    ``root`` (a side file may be absent; that is part of the identity). ``record``: note
+    each shard as seen now (``note_header_seen``), for a load whose headers are read in
+    the same phase; not for metadata read earlier, whose record of the file as it was
+    then must stay to refuse a file changed since."""
     root = os.path.abspath(os.fspath(root))
-    files = [_safetensors_identity(root, n) for n in shards]
+    files = [_safetensors_identity(root, n, record) for n in shards]
     files += [_side_identity(root, n) for n in side_files if n not in shards]
     return CheckpointIdentity(tuple(sorted(files)))
 
