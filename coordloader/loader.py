@@ -392,10 +392,9 @@ def _target_dict(target, rank: int | None = None) -> dict[str, torch.Tensor]:
         d.update(dict(target.named_buffers()))
         return d
     if isinstance(target, Mapping):
-        d = dict(target)
-        for k, t in d.items():
-            require_tensor(t, f"target {clip(repr(k), MAX_NAME_CHARS)}", None, rank)
-        return d
+        # entries no checkpoint tensor fills may be anything (TransformerEngine's
+        # ``_extra_state``): a target is checked when a tensor maps to it
+        return dict(target)
     raise LoadError(f"load_into needs a torch.nn.Module or a mapping of tensors, got "
                     f"{type(target).__name__}", rank=rank)
 
@@ -593,6 +592,7 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                                 f"name_map= or strict=False)", tensor=name, rank=rank)
             skipped.append(name)
             continue
+        require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}", name, rank)
         dt = torch_dtype(s.dtype)
         if tuple(dst.shape) != tuple(s.local_shape) or dst.dtype != dt:
             raise LoadError(f"target {tgt!r} is {dst.dtype} {list(dst.shape)}, this rank's "
@@ -605,6 +605,8 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
         _check_fusion_parts(fusions[k], prefix, parts, rank)
         tgt = prefix + fusions[k].target
         dst = dests.get(tgt)
+        if dst is not None:
+            require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}", None, rank)
         experts = sorted(next(iter(parts.values())))
         slots[(k, prefix)] = layout.local_order(rank_plan.coords.get("ep"), experts)
         try:   # the fusion itself, on meta tensors: the shape and dtype it gives

@@ -220,9 +220,21 @@ def test_a_destination_that_is_no_tensor_is_a_load_error(ab, value):
     with pytest.raises(LoadError) as e:
         cl.load_into({"a": value, "b": torch.zeros(4)}, ab, Layout(), **ONE)
     kind = type(value).__name__
-    assert str(e.value) == (f"rank 0: target 'a' is a {kind}, not a torch.Tensor; expected a "
-                            f"tensor to load into")
+    assert str(e.value) == (f"rank 0, tensor 'a': target 'a' is a {kind}, not a torch.Tensor; "
+                            f"expected a tensor to load into")
     with pytest.raises(LoadError) as e:
         cl.load_detailed(ab, Layout(), out={"a": value}, **ONE)
     assert str(e.value) == (f"rank 0, tensor 'a': destination is a {kind}, not a "
                             f"torch.Tensor; expected a tensor to load into")
+
+
+def test_entries_no_tensor_fills_may_be_anything(ab):
+    """TransformerEngine and Megatron put ``_extra_state`` entries (None, BytesIO) in
+    state_dict(); a first check of every entry refused such a mapping."""
+    import io
+    target = {"a": torch.zeros(4), "b": torch.zeros(4), "layer._extra_state": None,
+              "other._extra_state": io.BytesIO()}
+    rep = cl.load_into(target, ab, Layout(), strict=False, **ONE)
+    assert target["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert target["b"].tolist() == [100.0, 101.0, 102.0, 103.0]
+    assert sorted(rep.not_loaded) == ["layer._extra_state", "other._extra_state"]
