@@ -139,6 +139,21 @@ def test_tensor_name_that_is_no_utf8_refused(tmp_path):
                             "a UTF-8 name")
 
 
+def test_metadata_that_is_no_utf8_refused(tmp_path):
+    """The same in a __metadata__ value: loaded, then a false corruption from verify."""
+    one(tmp_path, '{"__metadata__": {"note": "\\ud800"}, '
+                  '"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}', 1)
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(str(tmp_path))
+    assert str(e.value) == ("file model.safetensors: __metadata__ entry 'note' holds a lone "
+                            "surrogate (a \\ud800-\\udfff escape), which is not UTF-8; "
+                            "expected UTF-8 strings")
+    # an escaped backslash before "ud800" is an ordinary string
+    one(tmp_path, '{"__metadata__": {"note": "\\\\ud800"}, '
+                  '"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}', 1)
+    assert read_checkpoint(str(tmp_path)).files[0].metadata == (("note", "\\ud800"),)
+
+
 def test_duplicate_keys_inside_entry_refused(tmp_path):
     hdr = '{"w": {"dtype": "U8", "dtype": "F32", "shape": [1], "data_offsets": [0, 1]}}'
     one(tmp_path, hdr, 1)
