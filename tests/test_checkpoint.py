@@ -698,7 +698,8 @@ def test_directory_without_index_needs_every_numbered_shard(tmp_path):
     with pytest.raises(CheckpointError) as e:
         read_checkpoint(str(tmp_path))
     assert str(e.value) == (f"file {tmp_path}: has no index and 1 of the 2 numbered shards: "
-                            f"{b} missing; the copy or download is incomplete")
+                            f"{b} missing (or model-00000-of-00002.safetensors, if the set is "
+                            f"numbered from 0); the copy or download is incomplete")
     write_st(tmp_path / "model-00002-of-00003.safetensors", GOOD[1:2])
     with pytest.raises(CheckpointError, match="sets of different sizes"):
         read_checkpoint(str(tmp_path))
@@ -716,11 +717,23 @@ def test_numbered_shards_of_any_width_must_be_whole(tmp_path, names):
     write_sharded(tmp_path, {names[0]: GOOD[:1], names[1]: GOOD[1:2], names[2]: GOOD[2:]},
                   index=False)
     assert list(read_checkpoint(str(tmp_path)).tensors) == ["a", "b", "c"]
-    os.remove(tmp_path / names[2])
+    os.remove(tmp_path / names[1])
     with pytest.raises(CheckpointError) as e:
         read_checkpoint(str(tmp_path))
     assert str(e.value) == (f"file {tmp_path}: has no index and 2 of the 3 numbered shards: "
-                            f"{names[2]} missing; the copy or download is incomplete")
+                            f"{names[1]} missing; the copy or download is incomplete")
+
+
+def test_a_set_numbered_from_0_without_shard_0_names_both_readings(tmp_path):
+    """Without shard 0 a set numbered 0..N-1 reads as 1..N missing N: the message named a
+    file that never existed."""
+    write_sharded(tmp_path, {"model-1-of-3.safetensors": GOOD[:1],
+                             "model-2-of-3.safetensors": GOOD[1:]}, index=False)
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(str(tmp_path))
+    assert str(e.value) == (f"file {tmp_path}: has no index and 2 of the 3 numbered shards: "
+                            f"model-3-of-3.safetensors missing (or model-0-of-3.safetensors, if "
+                            f"the set is numbered from 0); the copy or download is incomplete")
 
 
 def test_path_to_one_numbered_shard_is_refused(tmp_path):

@@ -659,8 +659,13 @@ def _check_numbered_sets(path: str, shards: tuple[str, ...]) -> None:
                      for i, _ in zip(gone, range(3))]
             more = total - len(present) - len(names)
             more = f" (and {more} more)" if more else ""
+            alt = ""
+            if first == 1 and len(present) == total - 1 and total not in present:
+                # without shard 0 the set reads as numbered from 1: it may be 0..N-1
+                alt = (f" (or {prefix}-{0:0{width}d}-of-{m.group(3)}.safetensors, if the set "
+                       f"is numbered from 0)")
             raise CheckpointError(f"has no index and {len(present)} of the {total} numbered "
-                                  f"shards: {', '.join(names)}{more} missing; the copy or "
+                                  f"shards: {', '.join(names)}{more} missing{alt}; the copy or "
                                   f"download is incomplete", file=path)
 
 
