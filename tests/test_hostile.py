@@ -297,6 +297,34 @@ def test_file_changes_seen_by_every_rank_whoever_parsed_its_header(tmp_path, cas
         assert got[0].startswith(want) and got[1].startswith(want), got
 
 
+def test_safetensors_engine_errors_name_the_file_not_its_descriptor(tmp_path):
+    """safe_open is given the checked descriptor's /proc/self/fd/N; its own error named
+    that path (`unable to open file </proc/self/fd/126> ...`), meaningless once the
+    descriptor is closed. Here safe_open's open fails for real (the engine's check takes
+    the last descriptor RLIMIT_NOFILE allows): the message names the file instead."""
+    import resource
+
+    from coordloader.errors import LoadError
+    _two_tensor_file(tmp_path / "model.safetensors", 0.0)
+    meta = cl.read_checkpoint(str(tmp_path))
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (fd + 1, hard))   # one descriptor left
+    try:
+        with pytest.raises(LoadError) as e:
+            cl.load_detailed(meta, Layout(), rank=0, engine="safetensors", verify="none",
+                             replicate_unmatched=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    msg = str(e.value)
+    head = "rank 0, file model.safetensors: safetensors cannot open it: "
+    assert msg.startswith(head), msg
+    # its words vary with the safetensors version ("unable to open file <P> in read-only
+    # mode: Too many open files (24)", 0.8.0's "No such file or directory: P")
+    assert "model.safetensors" in msg[len(head):] and "/proc/self/fd" not in msg, msg
+
+
 @pytest.mark.parametrize("proc", [True, False], ids=["fd-path", "no-proc"])
 def test_safetensors_engine_reads_the_file_it_checked(tmp_path, monkeypatch, proc):
     """The safetensors engine checked a file on one open and let safe_open open its path

@@ -9,6 +9,7 @@ cpu engine and as the benchmark baseline.
 from __future__ import annotations
 
 import os
+import re
 import time
 from contextlib import ExitStack
 from typing import Any, Mapping
@@ -34,6 +35,13 @@ from coordloader.errors import LoadError
 from coordloader.planning.model import RankPlan
 
 
+def _named(e: Exception, via: str | None, fname: str) -> str:
+    """``e``'s text with the ``/proc/self/fd/N`` path safe_open was given (``via``) replaced
+    by the file's name: the descriptor is closed by then, its number means nothing."""
+    msg = str(e)
+    return msg if via is None else re.sub(re.escape(via) + r"(?!\d)", fname, msg)
+
+
 class SafetensorsEngine:
     name = "safetensors"
 
@@ -53,6 +61,7 @@ class SafetensorsEngine:
         held = read = 0
         with ExitStack() as stack:
             handles: dict[str, Any] = {}
+            vias: dict[str, str | None] = {}   # file -> the /proc path safe_open opened
 
             def handle(fname: str):
                 h = handles.get(fname)
@@ -65,18 +74,25 @@ class SafetensorsEngine:
                     # safe_open reads the file's header anew: a file rewritten since the
                     # plan was made would be read under its new layout, unnoticed. It
                     # opens the file it was checked on (the descriptor's /proc path), not
-                    # the path again: a new file renamed over it in between would be read
+                    # the path again: a new file renamed over it in between would be read.
+                    # The descriptor is closed once safe_open has mapped the file (the
+                    # mapping is of the checked inode; safe_open keeps no descriptor):
+                    # holding one per file for the whole load ran out of descriptors
+                    # (RLIMIT_NOFILE, often 1024) on checkpoints of that many files
                     fd = open_checked(path, fi, rank)
-                    stack.callback(os.close, fd)
-                    via = fd_path(fd)
                     try:
-                        h = stack.enter_context(safe_open(via or path, framework="pt",
-                                                          device="cpu"))
-                    except Exception as e:
-                        raise LoadError(f"safetensors cannot open it: {e}", file=fname,
-                                        rank=rank) from None
-                    if via is None:
-                        refuse_replaced(path, fd, fi, rank)
+                        via = fd_path(fd)
+                        try:
+                            h = stack.enter_context(safe_open(via or path, framework="pt",
+                                                              device="cpu"))
+                        except Exception as e:
+                            raise LoadError(f"safetensors cannot open it: {_named(e, via, fname)}",
+                                            file=fname, rank=rank) from None
+                        if via is None:
+                            refuse_replaced(path, fd, fi, rank)
+                    finally:
+                        os.close(fd)
+                    vias[fname] = via
                     handles[fname] = h
                 return h
 
@@ -103,7 +119,8 @@ class SafetensorsEngine:
                         except LoadError:
                             raise
                         except Exception as e:
-                            raise LoadError(f"safetensors failed to read key {key!r}: {e}",
+                            raise LoadError(f"safetensors failed to read key {key!r}: "
+                                            f"{_named(e, vias.get(sp.file), sp.file)}",
                                             file=sp.file, tensor=ts.name, rank=rank) from None
                         if part.dtype != dt:
                             part = part.view(dt)
