@@ -6,7 +6,11 @@ list is sorted in place, tensors stream in file-then-offset order, group mode yi
 tensor of the files on every rank, ``tensor_filter`` with a process group raises
 ValueError, a non-CUDA device raises ValueError, and with ``copy=False`` each yielded
 tensor is a view into a ring buffer that is overwritten before the next yield (so an
-engine that keeps references instead of copying fails these tests)."""
+engine that keeps references instead of copying fails these tests), and the handle keeps
+the list it streams as ``filename``. ``FakeSafeOpen.ORDER`` (a test sets it; the
+signature stays the real one's) streams the files in another order: "reversed" (a
+library build that orders its list otherwise, and says so in ``filename``) or "hidden"
+(reversed, and no ``filename`` on the handle)."""
 from __future__ import annotations
 
 import fnmatch
@@ -41,6 +45,8 @@ CALLS: list[dict] = []
 
 
 class FakeSafeOpen:
+    ORDER: Literal["sorted", "reversed", "hidden"] = "sorted"
+
     def __init__(self, filename: Union[str, list[str]], framework: str,
                  device: Union[int, str, torch.device], process_group=None, *,
                  buffer_size: Optional[int] = None, chunk_size: Optional[int] = None,
@@ -53,7 +59,9 @@ class FakeSafeOpen:
             raise ValueError("tensor_filter requires process_group=None")
         if isinstance(filename, str):
             filename = [filename]
-        filename.sort()  # the real one sorts the caller's list in place
+        filename.sort(reverse=self.ORDER != "sorted")  # the real one sorts the caller's list in place
+        if self.ORDER != "hidden":
+            self.filename = filename   # the real one's attribute: the list it streams
         device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if device.type != "cuda":
             raise ValueError("InstantTensor only supports CUDA devices for now")
@@ -324,3 +332,102 @@ def test_open_calls_decides_which_safe_open_calls_a_rank_makes():
     assert open_calls(groups, pgs, 1, {"d": {"y"}}) == [
         OpenCall(["a", "b"], "pg01", None, 2), OpenCall(["d"], None, None, 1)]
     assert open_calls([], [], 0, {}) == []
+
+
+def test_real_instanttensor_keeps_the_list_it_streams_as_filename():
+    """What the engine reads the stream's file order from, in the real package's source:
+    the sorted list is kept as ``self.filename`` and its tensors stream file by file in
+    that list's order (``FakeSafeOpen`` does the same; CUDA is needed to build one)."""
+    src = inspect.getsource(instanttensor.safe_open.__init__)
+    assert "filename.sort()" in src and "self.filename = filename" in src
+    assert re.search(r"for f_idx, f in enumerate\(self\.filename\):", src)
+    assert "for tensor_index, (name, metadata) in enumerate(self.ordered_tensor_metadatas)" \
+        in inspect.getsource(instanttensor.safe_open.tensors)
+
+
+def _dcp_rank_plans(meta):
+    rows = [((0, 4), (0, 6)), ((4, 8), (0, 6))]   # rank 0 in the first file, rank 1 the second
+    return [RankPlan(r, {}, (slice_of(meta, "w", [(b, (0, 0))]),
+                             slice_of(meta, "v", [(((r, r + 1), (0, 2)), (0, 0))])))
+            for r, b in enumerate(rows)]
+
+
+def test_dcp_pieces_are_attributed_in_the_order_the_handle_streams_its_files(
+        tmp_path, fake_cuda, monkeypatch):
+    """Each yielded tensor was attributed to a file by its position, assuming the files
+    stream in Python-sorted order: a library streaming them otherwise gave rank 0 rows
+    4:8 of ``w`` as its rows 0:4, no error (same key, same shape). The order is now the
+    handle's own (its ``filename``)."""
+    monkeypatch.setattr(FakeSafeOpen, "ORDER", "reversed")
+    meta, full = dcp_ckpt(tmp_path)
+    rps = _dcp_rank_plans(meta)
+    for groups in ([], [LoadGroup(DCP_FILES, (0, 1), "filtered")]):
+        for rp in rps:
+            CALLS.clear()
+            got, _ = select_engine("instanttensor", "cuda:0", plan=_plan(meta, rps, groups)) \
+                .load_rank(meta, rp, "cuda:0")
+            _check(got, rp, full)
+            assert CALLS[0]["files"] == list(reversed(DCP_FILES))
+
+
+def test_a_stream_whose_file_order_is_not_given_is_refused_where_keys_repeat(
+        tmp_path, fake_cuda, monkeypatch, ckpt):
+    """Without the handle's file order, a key stored in several of the files (torch DCP)
+    cannot be attributed: refused, not guessed. Keys each in one file are attributed by
+    key (the plain checkpoint loads)."""
+    monkeypatch.setattr(FakeSafeOpen, "ORDER", "hidden")
+    meta, full = ckpt
+    rps = plans_for(meta)
+    for rp in rps:
+        got, _ = select_engine("instanttensor", "cuda:0", plan=_plan(meta, rps)).load_rank(
+            meta, rp, "cuda:0")
+        _check(got, rp, full)
+    assert CALLS[-1]["files"] == ["b.safetensors", "a.safetensors"]
+    (tmp_path / "dcp").mkdir()
+    meta, _ = dcp_ckpt(tmp_path / "dcp")
+    rps = _dcp_rank_plans(meta)
+    with pytest.raises(LoadError) as e:
+        select_engine("instanttensor", "cuda:0", plan=_plan(meta, rps)).load_rank(
+            meta, rps[0], "cuda:0")
+    assert str(e.value) == (
+        f"rank 0: instanttensor does not say in which order it streams the 2 files "
+        f"({DCP_FILES[0]}, ...; its handle has no 'filename' list of them), and key(s) "
+        f"['v', 'w'] are stored in several of them (torch DCP's per-rank files): which file "
+        f"a streamed tensor comes from cannot be told; use --engine cpu")
+
+
+def test_a_yielded_tensor_of_another_dtype_or_shape_is_refused(tmp_path, fake_cuda,
+                                                                monkeypatch):
+    """A yielded tensor was only reshaped to its piece's box, so any tensor of the same
+    element count was copied in: one of another dtype was converted value by value, one
+    of another file (a handle streaming its files in another order than its ``filename``
+    says) landed in the wrong rows. Its dtype and shape must be the stored piece's."""
+    meta, full = dcp_ckpt(tmp_path)
+    rp = _dcp_rank_plans(meta)[0]
+
+    class Retyped(FakeSafeOpen):   # yields w's F32 bytes as I32: same shape and size
+        def tensors(self):
+            for k, t in super().tensors():
+                yield k, (t.view(torch.int32) if t.dtype == torch.float32 else t)
+
+    class Misordered(FakeSafeOpen):   # filename sorted, streams the files reversed
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.items.sort(key=lambda it: it[0], reverse=True)   # stable: offsets kept
+
+    monkeypatch.setattr(ite, "_safe_open", lambda: Retyped)
+    with pytest.raises(LoadError) as e:
+        select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
+            meta, rp, "cuda:0")
+    assert str(e.value) == (f"rank 0, file {DCP_FILES[0]}, tensor 'w': instanttensor yielded "
+                            f"key 'w' as torch.int32 [4, 6]; the checkpoint metadata has it in "
+                            f"this file as torch.float32 [4, 6] (file changed, or the stream "
+                            f"attributed to the wrong file?)")
+    monkeypatch.setattr(ite, "_safe_open", lambda: Misordered)
+    with pytest.raises(LoadError) as e:
+        select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
+            meta, rp, "cuda:0")
+    assert str(e.value) == (f"rank 0, file {DCP_FILES[0]}, tensor 'v': instanttensor yielded "
+                            f"key 'v' as torch.int32 [1, 2]; the checkpoint metadata has it in "
+                            f"this file as torch.int32 [2, 2] (file changed, or the stream "
+                            f"attributed to the wrong file?)")

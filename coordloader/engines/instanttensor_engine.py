@@ -11,10 +11,14 @@ cost model); a plan without them loads every file in one group of all ranks.
 
 The handle API used (instanttensor 0.2.x): ``with safe_open(files, framework="pt",
 device=idx, process_group=pg, copy=False, ...) as f: for key, t in f.tensors(): ...``;
-keys stream in file order (the file list sorted), then data offset. The stream names each
-tensor by its key alone, which is not unique across files (torch DCP stores every rank's
-piece of a tensor under the tensor's name): the engine attributes each yielded tensor to
-its file by position, from the number of tensors each file streams.
+keys stream in file order, then data offset. The stream names each tensor by its key
+alone, which is not unique across files (torch DCP stores every rank's piece of a tensor
+under the tensor's name): the engine attributes each yielded tensor to its file by
+position, from the number of tensors each file streams, in the file order the handle
+gives (``f.filename``: the list it streams, sorted in 0.2.x). A handle that does not give
+it leaves only the keys: the engine attributes by key where each key is in one file, and
+refuses where one is in several. Every yielded tensor must have exactly the dtype and
+shape its file stores the piece as.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
+from coordloader.checkpoint import dtypes
 from coordloader.checkpoint.metadata import CheckpointMeta, box_shape
 from coordloader.engines import (
     LoadStats,
@@ -201,17 +206,49 @@ def check_device(device: Any) -> torch.device:
     return dev
 
 
-def _stream_files(files: Sequence[str], paths: Sequence[str], keys: Sequence[str] | None,
+def _stream_order(handle: Any, paths: Sequence[str], files: Sequence[str]) -> list[str] | None:
+    """The files in the order ``handle`` streams them: its ``filename`` (instanttensor 0.2.x
+    keeps there the list it reads and streams, after sorting it), mapped back to file
+    names; None when the handle has no such list of exactly ``paths``."""
+    order = getattr(handle, "filename", None)
+    if isinstance(order, str):
+        order = [order]
+    if (not isinstance(order, (list, tuple)) or not all(isinstance(p, str) for p in order)
+            or sorted(order) != sorted(paths)):
+        return None
+    by_path = dict(zip(paths, files))
+    return [by_path[p] for p in order]
+
+
+def _stream_files(order: Sequence[str], keys: Sequence[str] | None,
                   file_keys: Mapping[str, Sequence[str]]) -> list[str]:
     """The file of each tensor one ``safe_open(paths, tensor_filter=keys)`` streams, in
-    stream order: the paths sorted (as instanttensor sorts them), per file as many
-    tensors as its header holds, or as it holds keys of ``keys`` (exact names)."""
+    stream order: the files in ``order`` (``_stream_order``), per file as many tensors as
+    its header holds, or as it holds keys of ``keys`` (exact names)."""
     keep = None if keys is None else set(keys)
     out: list[str] = []
-    for _, fname in sorted(zip(paths, files)):
+    for fname in order:
         ks = file_keys.get(fname, ())
         out += [fname] * (len(ks) if keep is None else sum(k in keep for k in ks))
     return out
+
+
+def _key_files(files: Sequence[str], keys: Sequence[str] | None,
+               file_keys: Mapping[str, Sequence[str]]) -> tuple[dict[str, str], list[str]]:
+    """(key -> its file, the keys stored in several of ``files``) among the keys a
+    ``safe_open(files, tensor_filter=keys)`` streams: what attributes a tensor to its
+    file when the stream's file order is not known."""
+    keep = None if keys is None else set(keys)
+    where: dict[str, str] = {}
+    shared: set[str] = set()
+    for fname in files:
+        for k in file_keys.get(fname, ()):
+            if keep is not None and k not in keep:
+                continue
+            if k in where and where[k] != fname:
+                shared.add(k)
+            where[k] = fname
+    return where, sorted(shared)
 
 
 class InstantTensorEngine:
@@ -302,7 +339,6 @@ class InstantTensorEngine:
             # stream (not the descriptors' /proc paths: instanttensor sorts the paths it
             # is given, and the ranks of a group must list the files alike)
             with paths_stay_checked(paths, [infos[f] for f in files], rank):
-                streams = _stream_files(files, paths, keys, file_keys)   # file per yield
                 kwargs = dict(self.tuning)
                 if keys is not None:
                     kwargs.update(tensor_filter=keys, tensor_name_match_mode="exact")
@@ -313,30 +349,65 @@ class InstantTensorEngine:
                 with _instanttensor_errors(f"instanttensor failed while streaming {files[0]}"
                                            f"{' and others' if len(files) > 1 else ''}", rank), \
                         handle as f:
+                    # which file each yielded tensor comes from: its position in the file
+                    # order the handle streams; without that order, its key where each key
+                    # is in one file (never a guessed order: two files holding a key 'w'
+                    # of one shape, a wrong order loads one's rows as the other's)
+                    order = _stream_order(f, paths, files) if len(files) > 1 else list(files)
+                    streams = by_key = None
+                    if order is not None:
+                        streams = _stream_files(order, keys, file_keys)   # file per yield
+                    else:
+                        by_key, shared = _key_files(files, keys, file_keys)
+                        if shared:
+                            raise LoadError(
+                                f"instanttensor does not say in which order it streams the "
+                                f"{len(files)} files ({files[0]}, ...; its handle has no "
+                                f"'filename' list of them), and key(s) {shared[:4]}"
+                                f"{' ...' if len(shared) > 4 else ''} are stored in several "
+                                f"of them (torch DCP's per-rank files): which file a streamed "
+                                f"tensor comes from cannot be told; use --engine cpu",
+                                rank=rank)
                     for i, (key, t) in enumerate(f.tensors()):
-                        if i >= len(streams):
+                        if streams is not None and i >= len(streams):
                             raise LoadError(f"instanttensor yielded key {key!r} after the "
                                             f"{len(streams)} tensor(s) the checkpoint metadata "
                                             f"lists in {files[0]}"
                                             f"{' and others' if len(files) > 1 else ''} "
                                             f"(file changed?)", rank=rank)
-                        fname = streams[i]
+                        if streams is not None:
+                            fname = streams[i]
+                        elif key in by_key:
+                            fname = by_key[key]
+                        else:
+                            raise LoadError(f"instanttensor yielded key {key!r}, which the "
+                                            f"checkpoint metadata does not list in {files[0]}"
+                                            f"{' or the others' if len(files) > 1 else ''} "
+                                            f"(file changed?)", rank=rank)
                         ent = keymap.get((fname, key))
                         if ent is None:
                             raise LoadError(f"instanttensor yielded key {key!r}, which the "
                                             f"checkpoint metadata does not list in this file "
                                             f"(file changed?)", file=fname, rank=rank)
                         info, sp = ent
+                        want = (dtypes.torch_dtype(info.dtype), box_shape(sp.box))
+                        if (t.dtype, tuple(t.shape)) != want:
+                            # same element count is not enough: a piece of another file
+                            # or layout would be copied in as this one's
+                            raise LoadError(f"instanttensor yielded key {key!r} as {t.dtype} "
+                                            f"{list(t.shape)}; the checkpoint metadata has it "
+                                            f"in this file as {want[0]} {list(want[1])} (file "
+                                            f"changed, or the stream attributed to the wrong "
+                                            f"file?)", file=fname, tensor=info.name, rank=rank)
                         nb = t.numel() * t.element_size()
                         streamed += nb
                         share += nb // gsize
                         ts = slices.get(info.name)
                         if ts is None:
                             continue  # another rank's tensor: dropped as it streams past
-                        src = t.reshape(box_shape(sp.box))
                         dst = tensors[info.name]
                         for pc in ts.pieces:
-                            copy_overlap(dst, pc.src, pc.dst, src, sp.box)
+                            copy_overlap(dst, pc.src, pc.dst, t, sp.box)
                         seen.add((fname, key))
                         if progress is not None:
                             progress(nb)
