@@ -236,3 +236,92 @@ def test_metadata_handed_in_from_before_a_resave_is_refused(race):
                              f"{size} bytes, its header was read when it had "
                              f"{meta.files[0].size}: it changed during the consolidate{_LEFT}")
     assert _tree(out) == before
+
+
+_SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+@pytest.fixture
+def hf_race(tmp_path, monkeypatch):
+    """A plain HF source (index, two shards, config.json and tokenizer_config.json, a
+    manifest) written by save A, an earlier consolidate of it in ``out`` (what a failing
+    one must leave as it was), and ``after_opens(fn)``: run ``fn`` once the consolidate has
+    opened and checked its sources, before it writes anything."""
+    from safetensors.torch import save_file
+
+    import coordloader.handoff.consolidate as cons
+    from coordloader.verify.manifest import write_manifest
+    src, out = str(tmp_path / "trained"), str(tmp_path / "hf")
+    os.makedirs(src)
+    save_file({"w0": torch.zeros(4, 8)}, os.path.join(src, _SHARDS[0]), {"format": "pt"})
+    save_file({"w1": torch.ones(4, 8), "w2": torch.ones(4, 8)}, os.path.join(src, _SHARDS[1]),
+              {"format": "pt"})
+    with open(os.path.join(src, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {"w0": _SHARDS[0], "w1": _SHARDS[1],
+                                                  "w2": _SHARDS[1]}}, f)
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump({**_CFG, "note": "save A"}, f)
+    with open(os.path.join(src, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 1024}, f)
+    write_manifest(read_checkpoint(src))
+    consolidate(src, out)
+    before = _tree(out)
+
+    def after_opens(fn):
+        orig = cons._plan_shards
+
+        def plan(meta, max_shard_bytes):
+            fn()
+            return orig(meta, max_shard_bytes)
+        monkeypatch.setattr(cons, "_plan_shards", plan)
+
+    return src, out, before, after_opens
+
+
+def test_a_save_into_the_source_killed_while_publishing_is_refused(hf_race):
+    # save B into the source killed once its config.json had moved in: the old shards are
+    # still in place, the publish marker too. Was published: save B's config.json beside
+    # save A's data
+    from coordloader.handoff import publish as pub
+    src, out, before, after_opens = hf_race
+
+    class Killed(Exception):
+        pass
+
+    def killed_save():
+        def hook(step):
+            if step == "moved config.json":
+                raise Killed(step)
+        pub._test_hook = hook
+        try:
+            with pytest.raises(Killed):
+                save(src, {f"w{i}": torch.full((4, 8), 100.0) for i in range(3)},
+                     config={**_CFG, "note": "save B"}, overwrite=True)
+        finally:
+            pub._test_hook = None
+        assert set(_SHARDS) < set(os.listdir(src))
+    after_opens(killed_save)
+    with pytest.raises(SaveError) as ei:
+        consolidate(src, out, overwrite=True)
+    assert str(ei.value) == (
+        f"file {src}: reading the source: a save into this directory was interrupted while "
+        f"publishing (coordloader-publishing.json is present): its files mix the previous "
+        f"checkpoint and the new one. Every file of the new checkpoint is on disk: finish it "
+        f"with coordloader.recover_save({src!r}), or run the save again with "
+        f"overwrite=True{_LEFT}")
+    assert _tree(out) == before
+
+
+def test_metadata_handed_in_for_a_source_holding_the_publish_marker_is_refused(hf_race):
+    # consolidate(meta=) skips the reader's own refusal of an interrupted directory
+    src, out, before, _ = hf_race
+    meta = read_checkpoint(src)
+    with open(os.path.join(src, "coordloader-publishing.json"), "w") as f:
+        f.write("{}")
+    with pytest.raises(SaveError) as ei:
+        consolidate(src, out, overwrite=True, meta=meta)
+    assert str(ei.value).startswith(
+        f"file {src}: reading the source: a save into this directory was interrupted while "
+        f"publishing (coordloader-publishing.json is present)")
+    assert str(ei.value).endswith(_LEFT)
+    assert _tree(out) == before

@@ -555,7 +555,7 @@ def discover(root: str) -> Discovery:
                               ".safetensors file)", file=path) from None
     if stat.S_ISREG(st.st_mode):
         d, base = os.path.split(path)
-        _refuse_interrupted(d)
+        refuse_interrupted(d)
         if base == SHARDED_INDEX:
             return _discover_sharded(d, _read_config(d))
         if base.endswith(SHARD_SUFFIX) or V1_SHARD_RE.match(base):
@@ -587,8 +587,7 @@ def discover(root: str) -> Discovery:
         names = sorted(os.listdir(path))
     except OSError as e:
         raise CheckpointError(f"cannot list directory: {e.strerror}", file=path) from None
-    if PUBLISH_MARKER in names:
-        raise CheckpointError(interrupted_message(path), file=path)
+    refuse_interrupted(path)
     config = _read_config(path)
     indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
     if SHARDED_INDEX in names:
@@ -669,7 +668,10 @@ def _check_numbered_sets(path: str, shards: tuple[str, ...]) -> None:
                                   f"download is incomplete", file=path)
 
 
-def _refuse_interrupted(d: str) -> None:
+def refuse_interrupted(d: str) -> None:
+    """CheckpointError when directory ``d`` holds the publish marker: a save into it is
+    mid-publish or was killed there, and its files mix two checkpoints. Every reader of a
+    checkpoint directory (and ``consolidate``, on its source) refuses it with this."""
     if os.path.lexists(os.path.join(d, PUBLISH_MARKER)):
         raise CheckpointError(interrupted_message(d), file=d)
 

@@ -31,8 +31,9 @@ from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.fileio import OpenFiles, fsync_dir, pread_into, pwrite_all
 from coordloader.checkpoint.formats import HF_INDEX
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape, check_extents
+from coordloader.checkpoint.reader import refuse_interrupted
 from coordloader.engines import refuse_changed, refuse_changed_path
-from coordloader.errors import LoadError, SaveError
+from coordloader.errors import CheckpointError, LoadError, SaveError
 from coordloader.handoff.publish import (
     companion_files,
     os_error,
@@ -131,10 +132,23 @@ def _source_error(detail: str, path: str) -> SaveError:
                      file=path)
 
 
+def _refuse_publishing(meta: CheckpointMeta) -> None:
+    """The readers' refusal of a directory holding the publish marker, as a SaveError
+    naming the source directory: a save into it is publishing (or was killed doing so), so
+    its data files may still be the previous save's while its config.json, manifest or
+    tokenizer files are already the new one's."""
+    try:
+        refuse_interrupted(meta.root)
+    except CheckpointError as e:
+        raise _source_error(e.message, meta.root) from None
+
+
 def _open_sources(meta: CheckpointMeta) -> OpenFiles:
     """Every source file of ``meta`` opened once, each checked (``refuse_changed``, the
     engines' check) to be the file whose header ``meta`` was read from. SaveError naming
-    the source file and what changed otherwise."""
+    the source file and what changed otherwise, or the source directory while a save into
+    it is publishing."""
+    _refuse_publishing(meta)
     infos = {f.name: f for f in meta.files}
 
     def check(path: str, fd: int, name: str) -> None:
@@ -163,7 +177,10 @@ def _open_sources(meta: CheckpointMeta) -> OpenFiles:
 def _recheck_sources(meta: CheckpointMeta) -> None:
     """Each source path still the file read (the data came through descriptors opened
     first; the manifest and companion files were copied by path and must be the same
-    save's)."""
+    save's): no save into the source directory publishing now or killed while publishing
+    (whose new config.json can sit beside the old data files), each data file the one
+    read."""
+    _refuse_publishing(meta)
     for f in meta.files:
         path = os.path.join(meta.root, f.name)
         try:
