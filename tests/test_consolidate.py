@@ -205,9 +205,10 @@ def test_a_source_file_that_disappears_is_named_as_the_source(race):
 
 
 def test_a_save_into_the_source_after_its_data_was_read_is_refused(race, monkeypatch):
-    # every source file open already: the data read is the first save's, but the manifest
-    # and config.json copied by path beside it would be the second's (the manifest was
-    # carried, and a verify=digest load of the output refused it)
+    # the data files open already (the save runs as the companions are listed): the data
+    # read is the first save's, but the manifest and config.json copied beside it would be
+    # the second's (the manifest was carried, and a verify=digest load of the output
+    # refused it)
     import coordloader.handoff.consolidate as cons
     src, out, files, before, _ = race
     orig = cons.companion_files
@@ -266,6 +267,8 @@ def hf_race(tmp_path, monkeypatch):
     write_manifest(read_checkpoint(src))
     consolidate(src, out)
     before = _tree(out)
+    assert {n: before[n] for n in ("config.json", "tokenizer_config.json")} == {
+        n: open(os.path.join(src, n), "rb").read() for n in ("config.json", "tokenizer_config.json")}
 
     def after_opens(fn):
         orig = cons._plan_shards
@@ -324,4 +327,84 @@ def test_metadata_handed_in_for_a_source_holding_the_publish_marker_is_refused(h
         f"file {src}: reading the source: a save into this directory was interrupted while "
         f"publishing (coordloader-publishing.json is present)")
     assert str(ei.value).endswith(_LEFT)
+    assert _tree(out) == before
+
+
+def _replace(path, data):
+    """``path`` replaced by a new file (another inode) holding ``data``."""
+    with open(path + ".new", "wb") as f:
+        f.write(data)
+    os.replace(path + ".new", path)
+
+
+def _other_manifest(path):
+    # the same fingerprint (same shards, sizes, headers), other digests: another save of
+    # the same shapes. load_manifest accepts it for the source's metadata
+    doc = json.load(open(path))
+    for t in doc["tensors"].values():
+        t["digest"] = "%016x" % (int(t["digest"], 16) ^ 1)
+    return json.dumps(doc).encode()
+
+
+_CHANGED_SINCE = ("changed since the consolidate opened it (another device, inode, size, "
+                  "mtime or ctime: replaced or rewritten), so it may be another save's than "
+                  "the data read; run the consolidate again once the source is saved")
+
+
+@pytest.mark.parametrize("name,change", [
+    # save B's config.json renamed in, no marker (a tool that writes it by rename): was
+    # published beside save A's data
+    ("config.json", lambda p: _replace(p, json.dumps({**_CFG, "note": "save B"}).encode())),
+    # rewritten in place, the same inode: was copied by path, the new content published
+    ("tokenizer_config.json",
+     lambda p: open(p, "w").write(json.dumps({"model_max_length": 4096, "x": 1}))),
+    # another save's manifest of the same shapes: was carried beside save A's data, and a
+    # verify=digest load of the output refused it
+    ("coordloader.manifest.json", lambda p: _replace(p, _other_manifest(p))),
+    # the index the metadata came from, replaced
+    ("model.safetensors.index.json", lambda p: _replace(p, open(p, "rb").read())),
+], ids=["config-renamed-in", "tokenizer-rewritten-in-place", "manifest-renamed-in",
+        "index-renamed-in"])
+def test_a_companion_changed_after_the_sources_were_opened_is_refused(hf_race, name, change):
+    src, out, before, after_opens = hf_race
+    path = os.path.join(src, name)
+    after_opens(lambda: change(path))
+    with pytest.raises(SaveError) as ei:
+        consolidate(src, out, overwrite=True)
+    assert str(ei.value) == f"file {path}: reading the source: {_CHANGED_SINCE}{_LEFT}"
+    assert _tree(out) == before
+
+
+def test_a_companion_removed_after_the_sources_were_opened_is_refused(hf_race):
+    # was published without the source's config.json (copied by path, gone by then)
+    src, out, before, after_opens = hf_race
+    path = os.path.join(src, "config.json")
+    after_opens(lambda: os.unlink(path))
+    with pytest.raises(SaveError) as ei:
+        consolidate(src, out, overwrite=True)
+    assert str(ei.value) == (f"file {path}: reading the source: is gone from its path since "
+                             f"the consolidate opened it (No such file or directory): the "
+                             f"source changed while it ran; run the consolidate again once "
+                             f"the source is saved{_LEFT}")
+    assert _tree(out) == before
+
+
+def test_companions_are_copied_from_the_files_opened_with_the_data(hf_race, monkeypatch):
+    # the bytes copied are those of the file opened and checked, even when its path
+    # names another file by the time of the copy (the recheck then refuses the publish)
+    import coordloader.handoff.consolidate as cons
+    src, out, before, after_opens = hf_race
+    path = os.path.join(src, "config.json")
+    original = open(path, "rb").read()
+    after_opens(lambda: _replace(path, b'{"note": "save B"}'))
+    copied = {}
+    orig_copy = cons._copy_companion
+
+    def copy(fd, dst):
+        orig_copy(fd, dst)
+        copied[os.path.basename(dst)] = open(dst, "rb").read()
+    monkeypatch.setattr(cons, "_copy_companion", copy)
+    with pytest.raises(SaveError):
+        consolidate(src, out, overwrite=True)
+    assert copied["config.json"] == original
     assert _tree(out) == before

@@ -11,15 +11,20 @@ staging directory inside OUT, fsync, then the moves under a marker, index last.
 
 The source is read as the engines read a checkpoint: every source file is opened once,
 before anything is written, and checked to be the file whose header the metadata was read
-from (``refuse_changed``); every read goes through those descriptors. Before the publish
-each source path is checked again, so a save into the source directory while this runs
-(whose manifest or config would be copied beside the old data) is refused, never mixed in.
+from (``refuse_changed``); every read goes through those descriptors. The files copied or
+read beside the data (config.json, tokenizer files, the manifest, the index) are opened
+then too and their identity recorded; the companions are copied from those descriptors.
+Before the publish the source is checked again: no publish marker, each data file the one
+read, each of those files unchanged at its path. A save into the source directory while
+this runs (whose manifest or config would be copied beside the old data) is refused,
+never mixed in.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -29,7 +34,7 @@ import numpy as np
 
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.fileio import OpenFiles, fsync_dir, pread_into, pwrite_all
-from coordloader.checkpoint.formats import HF_INDEX
+from coordloader.checkpoint.formats import HF_INDEX, HF_INDEX_SUFFIX, SHARDED_INDEX
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape, check_extents
 from coordloader.checkpoint.reader import refuse_interrupted
 from coordloader.engines import refuse_changed, refuse_changed_path
@@ -174,12 +179,64 @@ def _open_sources(meta: CheckpointMeta) -> OpenFiles:
     return srcs
 
 
-def _recheck_sources(meta: CheckpointMeta) -> None:
-    """Each source path still the file read (the data came through descriptors opened
-    first; the manifest and companion files were copied by path and must be the same
-    save's): no save into the source directory publishing now or killed while publishing
-    (whose new config.json can sit beside the old data files), each data file the one
-    read."""
+# what identifies a file's content without reading it: replaced (device, inode) or
+# rewritten in place (size, mtime, ctime)
+_IDENTITY = ("st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return tuple(getattr(st, a) for a in _IDENTITY)
+
+
+def _open_described(meta: CheckpointMeta,
+                    fds: dict[str, tuple[int, tuple[int, ...]]]) -> list[str]:
+    """Open, into ``fds`` (name: descriptor, identity), every file of the source that is
+    not data but is copied or read beside it: the companion files (config.json, tokenizer
+    files ...), the manifest, the index. Opened with the data files, before anything is
+    written: the companions are copied from these descriptors, and ``_recheck_sources``
+    compares each path's identity with the one recorded here. Returns the companions'
+    names (what travels along)."""
+    data = {f.name for f in meta.files}
+    companions = companion_files(meta.root, data)
+    names = set(companions)
+    try:
+        listing = os.listdir(meta.root)
+    except OSError as e:
+        raise _source_error(f"cannot list the source directory: {e.strerror}", meta.root) from None
+    names |= {n for n in listing if n not in data and (
+        n in (MANIFEST_NAME, SHARDED_INDEX) or n.endswith(HF_INDEX_SUFFIX))}
+    for name in sorted(names):
+        path = os.path.join(meta.root, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except OSError as e:
+            raise _source_error(f"cannot open: {e.strerror}", path) from None
+        st = os.fstat(fd)
+        fds[name] = (fd, _identity(st))
+        if not stat.S_ISREG(st.st_mode):
+            raise _source_error("is not a regular file", path)
+    return companions
+
+
+def _copy_companion(fd: int, dst: str) -> None:
+    """The companion open on ``fd`` (the file whose identity was recorded) into ``dst``,
+    fsynced (the publish renames it)."""
+    with open(dst, "wb") as out:
+        off = 0
+        while chunk := os.pread(fd, 1 << 16, off):   # small: memory stays bounded
+            out.write(chunk)
+            off += len(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _recheck_sources(meta: CheckpointMeta, described: dict[str, tuple[int, tuple[int, ...]]]) -> None:
+    """The source still the one read, just before the publish: no save into the source
+    directory publishing now or killed while publishing (whose new config.json can sit
+    beside the old data files), each data file the one read (the data came through
+    descriptors opened first), and each file copied or read beside the data (config.json,
+    tokenizer files, manifest, index) unchanged at its path since it was opened with the
+    data: the same save's."""
     _refuse_publishing(meta)
     for f in meta.files:
         path = os.path.join(meta.root, f.name)
@@ -187,6 +244,26 @@ def _recheck_sources(meta: CheckpointMeta) -> None:
             refuse_changed_path(path, f, None, during=_DURING)
         except LoadError as e:
             raise _source_error(e.message, path) from None
+    for name, (_, ident) in sorted(described.items()):
+        path = os.path.join(meta.root, name)
+        try:
+            now = _identity(os.stat(path))
+        except OSError as e:
+            raise _source_error(f"is gone from its path since the consolidate opened it "
+                                f"({e.strerror}): the source changed while it ran; run the "
+                                f"consolidate again once the source is saved", path) from None
+        if now != ident:
+            raise _source_error("changed since the consolidate opened it (another device, "
+                                "inode, size, mtime or ctime: replaced or rewritten), so it may "
+                                "be another save's than the data read; run the consolidate "
+                                "again once the source is saved", path)
+
+
+def _close_all(srcs: OpenFiles, described: dict[str, tuple[int, tuple[int, ...]]]) -> None:
+    srcs.close()
+    for fd, _ in described.values():
+        os.close(fd)
+    described.clear()
 
 
 def _plan_shards(meta: CheckpointMeta, max_shard_bytes: int) -> list[list[TensorInfo]]:
@@ -246,12 +323,15 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     if os.path.realpath(out_dir) == os.path.realpath(meta.root):
         raise SaveError("output directory is the source checkpoint; choose another directory",
                         file=out_dir)
-    # every source file opened and checked before anything is written; read only through these
+    # every source file opened and checked before anything is written; read only through
+    # these, and the companions copied from theirs
     srcs = _open_sources(meta)
+    described: dict[str, tuple[int, tuple[int, ...]]] = {}
     try:
+        companions = _open_described(meta, described)
         stage = prepare_target(out_dir, overwrite, None, "consolidate-" + uuid.uuid4().hex[:12])
     except BaseException:
-        srcs.close()
+        _close_all(srcs, described)
         raise
     stage_dir = os.path.join(out_dir, stage)
     try:
@@ -284,13 +364,12 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
                 raise os_error(e, fname, None, "writing an output shard") from e
             finally:
                 os.close(fd)
-        # Small companion files (config.json, tokenizer files ...) travel along; the source
-        # index/manifest/data files do not (they describe the source files).
-        extras = companion_files(meta.root, {f.name for f in meta.files})
+        # Small companion files (config.json, tokenizer files ...) travel along, copied
+        # from the descriptors opened with the data; the source index/manifest/data files
+        # do not (they describe the source files).
+        extras = list(companions)
         for entry in extras:
-            shutil.copyfile(os.path.join(meta.root, entry), os.path.join(stage_dir, entry))
-            with open(os.path.join(stage_dir, entry), "rb+") as f:
-                os.fsync(f.fileno())
+            _copy_companion(described[entry][0], os.path.join(stage_dir, entry))
         if cfg is not None:
             extras = sorted(set(extras) | set(stage_config(stage_dir, cfg)))
         # Content is unchanged, so the source's digests carry over: a manifest for the new
@@ -301,12 +380,12 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_json_durable(os.path.join(stage_dir, HF_INDEX), index)
         fsync_dir(stage_dir)
-        _recheck_sources(meta)
+        _recheck_sources(meta, described)
         publish(out_dir, stage, names + extras, HF_INDEX)
     except OSError as e:
         raise os_error(e, getattr(e, "filename", None) or out_dir, None, "consolidating") from e
     finally:
-        srcs.close()
+        _close_all(srcs, described)
         # after the publish marker the stage holds the new files recover_save moves in
         if not publishing(out_dir, stage):
             shutil.rmtree(stage_dir, ignore_errors=True)
