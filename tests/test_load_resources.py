@@ -75,6 +75,56 @@ def _lowest_free_fd() -> int:
     return fd
 
 
+def _many_files(tmp_path, n):
+    import torch
+    from safetensors.torch import save_file
+    wm = {}
+    for i in range(n):
+        f = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file({f"t{i}": torch.full((4,), float(i))}, str(tmp_path / f))
+        wm[f"t{i}"] = f
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": wm}))
+    return read_checkpoint(str(tmp_path))
+
+
+def test_cpu_engine_makes_room_for_the_files_it_holds_open(tmp_path):
+    """The cpu engine holds every file it reads open for the whole load: a rank reading
+    more files than the soft RLIMIT_NOFILE allows (a torch DCP checkpoint of 1024 ranks
+    under the common soft limit of 1024) failed `cannot open: Too many open files`. The
+    soft limit is raised up to the hard one for the load and put back after; past the
+    hard limit the refusal says which limit."""
+    import resource
+
+    import torch
+    n = 100
+    meta = _many_files(tmp_path, n)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = _lowest_free_fd() + 40
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        got = cl.load_detailed(meta, Layout(), rank=0, engine="cpu", verify="none",
+                               replicate_unmatched=True).tensors
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (low, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(got) == n
+    assert all(torch.equal(got[f"t{i}"], torch.full((4,), float(i))) for i in range(n))
+    # a hard limit cannot be raised again by an unprivileged process: its own process
+    script = (f"import resource, coordloader as cl\n"
+              f"resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+              f"try:\n"
+              f"    cl.load_detailed({str(tmp_path)!r}, cl.Layout(), rank=0, engine='cpu',\n"
+              f"                     verify='none', replicate_unmatched=True)\n"
+              f"except cl.errors.LoadError as e:\n"
+              f"    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120).stdout.strip()
+    assert out.startswith(f"rank 0: this rank reads {n} files, holding each open, and needs "), out
+    assert out.endswith("file descriptors; the hard limit (RLIMIT_NOFILE) is 64: raise it "
+                        "(ulimit -Hn), or load with more ranks"), out
+
+
 def test_safetensors_engine_loads_more_files_than_descriptors_allowed(tmp_path):
     """The safetensors engine held the checked descriptor of every file it had opened
     until the end of the load, so a rank reading more files than RLIMIT_NOFILE allows
@@ -85,16 +135,8 @@ def test_safetensors_engine_loads_more_files_than_descriptors_allowed(tmp_path):
     import resource
 
     import torch
-    from safetensors.torch import save_file
     n = 100
-    wm = {}
-    for i in range(n):
-        f = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        save_file({f"t{i}": torch.full((4,), float(i))}, str(tmp_path / f))
-        wm[f"t{i}"] = f
-    (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": wm}))
-    meta = read_checkpoint(str(tmp_path))
+    meta = _many_files(tmp_path, n)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (_lowest_free_fd() + 40, hard))
     try:
