@@ -313,6 +313,38 @@ def refuse_replaced(path: str, fd: int, info, rank: int | None) -> None:
                         "inode there now): read the checkpoint again", file=info.name, rank=rank)
 
 
+# descriptors left for the rest of the process while a rank holds its files open
+_FD_SPARE = 64
+
+
+def descriptor_room(files: int, rank: int | None):
+    """Make room for ``files`` more open descriptors: the cpu engine holds every file it
+    reads open for the whole load (its read threads share them), instanttensor's library
+    opens them all beside the engine's checked ones, and a rank of a torch DCP checkpoint
+    saved by 1024 ranks reads 1024 files, past the common soft limit of 1024.
+    Raises the soft RLIMIT_NOFILE up to the hard limit when needed and returns the call
+    that puts it back (None when nothing changed); LoadError when even the hard limit is
+    too low."""
+    try:
+        import resource
+    except ImportError:   # not POSIX
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        used = 256
+    need = used + files + _FD_SPARE
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return None
+    if hard != resource.RLIM_INFINITY and need > hard:
+        raise LoadError(f"this rank reads {files} files, holding each open, and needs {need} "
+                        f"file descriptors; the hard limit (RLIMIT_NOFILE) is {hard}: raise it "
+                        f"(ulimit -Hn), or load with more ranks", rank=rank)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 @contextlib.contextmanager
 def paths_stay_checked(paths: Sequence[str], infos: Sequence, rank: int | None):
     """For a library that opens ``paths`` itself (instanttensor): ``open_checked`` each,
@@ -320,6 +352,7 @@ def paths_stay_checked(paths: Sequence[str], infos: Sequence, rank: int | None):
     ``refuse_replaced`` on each, so a file renamed over its path between the check and
     the library's open of it is named instead of loaded (or blamed on the library)."""
     fds: list[int] = []
+    room = descriptor_room(2 * len(paths), rank)   # these and the library's own
     try:
         for path, info in zip(paths, infos):
             fds.append(open_checked(path, info, rank))
@@ -334,6 +367,8 @@ def paths_stay_checked(paths: Sequence[str], infos: Sequence, rank: int | None):
     finally:
         for fd in fds:
             os.close(fd)
+        if room is not None:
+            room()
 
 
 def slice_nbytes(ts: TensorSlice) -> int:
@@ -375,4 +410,4 @@ def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
 
 __all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "allocate",
            "host_out", "check_out", "check_disjoint", "require_tensor", "copy_overlap", "intersect",
-           "to_device"]
+           "to_device", "descriptor_room"]

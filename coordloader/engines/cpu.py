@@ -48,6 +48,7 @@ from coordloader.engines import (
     LoadStats,
     Progress,
     allocate,
+    descriptor_room,
     host_out,
     refuse_changed,
     slice_nbytes,
@@ -108,37 +109,6 @@ class StridedRead(NamedTuple):
     fname: str = ""
 
 
-# descriptors left for the rest of the process while a rank holds its files open
-_FD_SPARE = 64
-
-
-def _descriptor_room(files: int, rank: int | None):
-    """Make room for ``files`` more open descriptors: the engine holds every file it reads
-    open for the whole load (its read threads share them), and a rank of a torch DCP
-    checkpoint saved by 1024 ranks reads 1024 files, past the common soft limit of 1024.
-    Raises the soft RLIMIT_NOFILE up to the hard limit when needed and returns the call
-    that puts it back (None when nothing changed); LoadError when even the hard limit is
-    too low."""
-    try:
-        import resource
-    except ImportError:   # not POSIX
-        return None
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        used = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        used = 256
-    need = used + files + _FD_SPARE
-    if soft == resource.RLIM_INFINITY or need <= soft:
-        return None
-    if hard != resource.RLIM_INFINITY and need > hard:
-        raise LoadError(f"this rank reads {files} files, holding each open, and needs {need} "
-                        f"file descriptors; the hard limit (RLIMIT_NOFILE) is {hard}: raise it "
-                        f"(ulimit -Hn), or load with more ranks", rank=rank)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
 def _byte_view(t: torch.Tensor) -> tuple[np.ndarray, memoryview]:
     """Flat uint8 numpy view and writable memoryview of a contiguous CPU tensor (no copy)."""
     flat = t.reshape(-1)
@@ -197,7 +167,7 @@ class CpuEngine:
                                            base)
 
         fds: dict[str, int] = {}
-        room = _descriptor_room(len(items), rank)
+        room = descriptor_room(len(items), rank)
         try:
             for fname in items:
                 path = os.path.join(meta.root, fname)
