@@ -8,7 +8,14 @@ import os
 from typing import Any, Mapping
 
 from coordloader.checkpoint.metadata import CheckpointMeta
-from coordloader.checkpoint.reader import checkpoint_path, read_checkpoint, read_small_file
+from coordloader.checkpoint.reader import (
+    MAX_CONFIG,
+    MAX_JSON_FILE,
+    checkpoint_path,
+    read_checkpoint,
+    read_small_file,
+    refuse_dense_json,
+)
 from coordloader.errors import CheckpointError, PlanError
 from coordloader.layout import Layout
 from coordloader.planning.model import Plan
@@ -17,11 +24,12 @@ from coordloader.planning.rules import PRESETS
 from coordloader.planning.rules.ruleset import parse_rule_file
 
 
-def read_json_file(path: str, what: str) -> Any:
+def read_json_file(path: str, what: str, limit: int = MAX_JSON_FILE) -> Any:
     """The JSON document in ``path``; a PlanError naming ``what`` and the file otherwise."""
     try:
         # a regular file, opened without blocking: a FIFO given as --rules waited forever
-        data = read_small_file(path, path, what)
+        data = read_small_file(path, path, what, limit)
+        refuse_dense_json(data, path, what)
     except CheckpointError as e:
         raise PlanError(f"cannot read {what} {path}: {e.message}") from None
     try:
@@ -53,7 +61,7 @@ def read_config(config: Any) -> dict | None:
     path = os.fspath(config)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    doc = read_json_file(path, "config file")
+    doc = read_json_file(path, "config file", MAX_CONFIG)
     if not isinstance(doc, dict):
         raise PlanError(f"config file {path} holds a JSON {type(doc).__name__}; expected an object")
     return doc

@@ -420,3 +420,25 @@ def test_engine_refuses_file_rewritten_at_same_size_after_header_read(tmp_path, 
                        {"header": torch.arange(4.0) + 100, "replaced": torch.arange(4.0) + 7,
                         "in-place": torch.arange(4.0) + 7,
                         "in-place-mtime-kept": torch.arange(4.0) + 7}[how])
+
+
+def test_config_and_rule_files_of_empty_arrays_are_refused_before_parsing(tmp_path):
+    """A config= or rule file went through plain json.loads: 2 MB of empty arrays took
+    tens of MB parsed; a config file over 16 MiB was read whole. Both now meet the
+    checks a checkpoint's own config.json meets."""
+    from coordloader.api import read_config, read_rules
+    from coordloader.errors import PlanError
+    bomb = tmp_path / "bomb.json"
+    bomb.write_bytes(b'{"x":[' + b"[]," * 700_000 + b"[]]}")
+    for call in (lambda: read_config(str(bomb)),
+                 lambda: read_rules(str(bomb))):
+        with pytest.raises(PlanError) as e:
+            call()
+        assert "holds 700003 JSON arrays and objects in 2100010 bytes; expected at most one " \
+               "per 12 bytes" in str(e.value), str(e.value)
+    big = tmp_path / "big.json"
+    big.write_bytes(b"{}")
+    os.truncate(big, (16 << 20) + 1)
+    with pytest.raises(PlanError) as e:
+        read_config(str(big))
+    assert f"config file is {(16 << 20) + 1} bytes; expected at most {16 << 20}" in str(e.value)

@@ -172,7 +172,9 @@ _INDEX_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_hook, parse_constant=
                                   parse_int=_int_hook, parse_float=_float_hook_lenient)
 
 
-def _parse_json(raw: bytes, decoder: json.JSONDecoder, file: str, what: str) -> dict:
+def refuse_dense_json(raw: bytes, file: str, what: str) -> None:
+    """CheckpointError for a JSON text over 1 MiB made mostly of arrays and objects, before
+    it is parsed (every JSON file coordloader reads goes through this)."""
     if len(raw) > _DENSE_FROM:
         n = raw.count(b"[") + raw.count(b"{")
         if n > len(raw) // _BYTES_PER_CONTAINER:
@@ -180,6 +182,10 @@ def _parse_json(raw: bytes, decoder: json.JSONDecoder, file: str, what: str) -> 
                                   f"bytes; expected at most one per {_BYTES_PER_CONTAINER} "
                                   f"bytes (refused before parsing: it would take many times "
                                   f"its size in memory)", file=file)
+
+
+def _parse_json(raw: bytes, decoder: json.JSONDecoder, file: str, what: str) -> dict:
+    refuse_dense_json(raw, file, what)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -41,7 +41,12 @@ from coordloader.checkpoint.formats import (
     STAGING_PREFIX,
     V1_SHARD_RE,
 )
-from coordloader.checkpoint.reader import PICKLE_SUFFIXES, read_small_file
+from coordloader.checkpoint.reader import (
+    MAX_CONFIG,
+    PICKLE_SUFFIXES,
+    read_small_file,
+    refuse_dense_json,
+)
 from coordloader.errors import CheckpointError, SaveError
 from coordloader.verify.manifest import MANIFEST_NAME
 
@@ -362,7 +367,8 @@ def resolve_config(config: Any, rank: int | None) -> ModelConfig:
         src_dir, path = path, os.path.join(path, CONFIG_NAME)
     try:
         # a regular file, opened without blocking: a FIFO given as --config waited forever
-        data = read_small_file(path, path, "config file")
+        data = read_small_file(path, path, "config file", MAX_CONFIG)
+        refuse_dense_json(data, path, "config file")
     except CheckpointError as e:
         raise SaveError(f"cannot read the config given as config= (--config): {e.message}",
                         file=path, rank=rank) from None

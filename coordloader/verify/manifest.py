@@ -25,7 +25,7 @@ import torch
 from coordloader.checkpoint.dtypes import bits_dtype, itemsize
 from coordloader.checkpoint.fileio import OpenFiles, pread_into, write_file_atomic
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
-from coordloader.checkpoint.reader import read_small_file
+from coordloader.checkpoint.reader import read_small_file, refuse_dense_json
 from coordloader.errors import CheckpointError, VerifyError
 
 # explicit names: the package re-exports the function `digest`, shadowing the module
@@ -173,6 +173,7 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
     try:
         # never blocks: a FIFO, a device or a directory in its place is refused
         raw = read_small_file(path, path, "manifest")
+        refuse_dense_json(raw, path, "manifest")
     except CheckpointError as e:
         raise VerifyError(f"cannot read the manifest: {e.message}", file=path) from None
     try:
