@@ -1,6 +1,6 @@
 """The docs say what the code does.
 
-- docs/cli.md and the generated sections of docs/*.md equal what coordloader.docgen
+- docs/cli.md and the generated sections of docs/*.md equal what tools/docgen.py
   produces from the code now (drift test; fix: ``python tools/docgen.py``);
 - every signature in docs/api.md matches the real function (names, kinds, defaults);
 - every shell block (```bash / ```sh / ```console) and python block in docs/*.md and

@@ -220,8 +220,8 @@ def config_mismatch(shapes: Mapping[str, Sequence[int]], config: Mapping | None
                     ) -> tuple[str, str, int, int, int] | None:
     """The first (tensor, config key, config value, size, dim) where config.json states a
     size of a dim that the tensor's global shape in ``shapes`` does not have; None when
-    all agree (or nothing compares). Used on the extents of DCP's pieces and on the
-    global shapes ``coordloader.save`` is handed."""
+    all agree (or nothing compares). Used on the extents of DCP's pieces
+    (``extent_mismatch``)."""
     if not isinstance(config, Mapping):
         return None
     bad = config_sized_mismatch(shapes, config)

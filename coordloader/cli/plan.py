@@ -152,7 +152,8 @@ def add_layout_args(g) -> None:
     g.add_argument("--allow-uneven", action="store_true",
                    help="allow splits that do not divide (torch.chunk semantics)")
     g.add_argument("--include-mtp", action="store_true",
-                   help="load DeepSeek MTP layers (index >= num_hidden_layers) on the last stage")
+                   help="load DeepSeek MTP layers (index >= num_hidden_layers) and Qwen3-Next's "
+                        "mtp.* draft tensors on the last stage")
     g.add_argument("--rules", default=None,
                    help="a preset name, or a JSON rule file overriding/extending the preset")
     g.add_argument("--config", default=None, metavar="FILE",
