@@ -158,6 +158,8 @@ def test_metadata_and_lazy_views_never_read():
     assert t.shape == (6, 4) and t.numel() == 24 and t.size(1) == 4 and t.device.type == "meta"
     v = t.detach()[3:].split([1, 2])[1].unsqueeze(0).squeeze(0).select(1, 2)
     assert v.shape == (2,) and v.box == ((4, 6), (2, 3))
+    c = t[3:].t().contiguous()[torch.tensor([1, 2])].clone()      # lazy copies read nothing
+    assert c.shape == (2, 3) and c.box == ((3, 6), (1, 3)) and c.is_contiguous()
     assert "GlobalShapeTensor('w'" in repr(t)
 
 
@@ -401,7 +403,9 @@ def test_dim_reordering_views_are_exact(chain):
     full, t = _held_cols()
     ref, view = chain(full), chain(t)
     assert view.shape == ref.shape and view.size() == ref.size() and view.dim() == ref.dim()
-    assert view.is_contiguous()                     # so .contiguous() reads nothing
+    # torch's layout: a permuted or narrowed view is not contiguous, its copy is
+    assert view.stride() == ref.stride() and view.is_contiguous() == ref.is_contiguous()
+    assert view.contiguous().stride() == ref.contiguous().stride()
     assert torch.equal(_copy_out(view), ref)
     assert torch.equal(view.materialize(), ref)
 
@@ -437,6 +441,37 @@ def test_zero_writes_zeros_that_later_copies_read():
     t2[:, :, 2:4].zero_()
     assert sorted(unconsumed({"x": t2})[0].boxes) == [((0, 4), (0, 6), (2, 4)),
                                                       ((0, 4), (0, 6), (4, 6))]
+
+
+def _zero_then_read(x):
+    """zero_ on what torch returns as a copy (index, clone, contiguous of a non-contiguous
+    view), on views of that copy, and on the tensor after the copy was taken; the reads
+    of the tensor and of the copies, copied out."""
+    a = x[torch.arange(0, 2)]                 # a copy: zeroing it leaves x as it was
+    a.zero_()
+    b = x.transpose(0, 2).contiguous()        # a copy too
+    b[1:3].zero_()                            # a view of the copy: zeroes the copy
+    c = x[:, :, 3:7].clone()
+    x[2].zero_()                              # the tensor itself, after c was taken
+    c.transpose(1, 2)[1].zero_()
+    d = x[torch.tensor([1, 2, 3])]            # taken after: sees x's zeros
+    return [_copy_out(v) for v in (x[:, :, 2:6], a[..., 2:6], b[2:6], c[..., :3], d[..., 2:6],
+                                   b[2:6, 1:3].contiguous().mT)]
+
+
+def test_zero_on_a_copy_leaves_the_checkpoint_tensor_as_torch_does():
+    """Indexing by a run was answered as a view of the checkpoint tensor and contiguous()
+    returned the view itself (every view claimed contiguous strides), so zero_ on what
+    torch returns as a copy zeroed the checkpoint tensor: wrong values, silently."""
+    full, t = _held_cols()
+    _, t2 = _held_cols()
+    assert not t2.mT.is_contiguous() and t2.mT.stride() == full.mT.stride()
+    for make_copy in (lambda x: x[torch.arange(0, 2)], lambda x: x.transpose(0, 2).contiguous(),
+                      lambda x: x.permute(1, 0, 2)[:, :, 2:6].clone()):
+        make_copy(t2).zero_()
+        assert torch.equal(_copy_out(t2[:, :, 2:6]), full[:, :, 2:6])
+    for got, ref in zip(_zero_then_read(t), _zero_then_read(full.clone()), strict=True):
+        assert got.shape == ref.shape and torch.equal(got, ref)
 
 
 def test_an_op_on_a_held_box_is_refused_naming_the_op_not_narrowing():

@@ -5,17 +5,21 @@ narrow *whole* checkpoint tensors at their own tp-rank offsets. Handing those lo
 ``GlobalShapeTensor`` lets each model's own loader place the rank's slices (no per-model
 offset table here): shape, ndim, dtype and device are the global tensor's; narrowing,
 slicing, ``select``, ``unbind``, ``unsqueeze``/``squeeze``, ``split``/``chunk``,
-``detach``, ``transpose``/``permute`` (``t``, ``mT``, ``movedim``, ``swapaxes``) and
-indexing one dim by a contiguous ascending run of indices give lazy views: a view is a
-global box and, per view dim, the global dim it shows. The data is read only when a view
-is copied out (``copy_`` into a parameter, or ``materialize()``: the box gathered from
-the held pieces, then permuted to the view's dim order), and only when every element of
-the view is held. ``zero_`` writes zeros over a view's box, as on a real tensor (gpt-oss
-zeroes a bias on TP ranks other than 0 before copying it): later copies read zeros
-there, whether held or not. Any other data access (a dtype conversion,
-``repeat_interleave``, ``view``, arithmetic) raises ``FitError`` naming the op, the
-tensor, the requested box and the held boxes: a loader that would compute on the full
-tensor before narrowing would otherwise load wrong values.
+``detach`` and ``transpose``/``permute`` (``t``, ``mT``, ``movedim``, ``swapaxes``) give
+lazy views: a view is a global box and, per view dim, the global dim it shows; strides
+and contiguity are what torch reports for the same ops on the whole tensor. Indexing one
+dim by a contiguous ascending run of indices, ``clone`` and ``contiguous()`` of a
+non-contiguous view give lazy *copies*, as torch does: boxes like views, but with a zero
+record of their own (``zero_`` on a copy leaves the checkpoint tensor as it was). The
+data is read only when a view is copied out (``copy_`` into a parameter, or
+``materialize()``: the box gathered from the held pieces, then permuted to the view's dim
+order), and only when every element of the view is held. ``zero_`` writes zeros over a
+view's box, as on a real tensor (gpt-oss zeroes a bias on TP ranks other than 0 before
+copying it): later reads of the tensor it was called on, and of that tensor's views, see
+zeros there, whether held or not; a copy taken before keeps the values it had. Any other
+data access (a dtype conversion, ``repeat_interleave``, ``view``, arithmetic) raises
+``FitError`` naming the op, the tensor, the requested box and the held boxes: a loader
+that would compute on the full tensor before narrowing would otherwise load wrong values.
 
 Every copied-out box is recorded, so after loading ``unconsumed`` tells which held
 elements no loader used (exact fit: each element asked for was held or zeroed, each held
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from coordloader.checkpoint.dtypes import torch_dtype
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape
@@ -55,7 +59,7 @@ class HeldTensor:
     pieces: tuple[Piece, ...]
     rank: int | None = None
     consumed: list[Box] = field(default_factory=list)
-    zeroed: list[Box] = field(default_factory=list)    # boxes a loader zero_()ed
+    zeroed: list[Box] = field(default_factory=list)    # boxes zero_()ed on the tensor itself
 
     @property
     def held_boxes(self) -> tuple[Box, ...]:
@@ -66,16 +70,18 @@ class HeldTensor:
                         f"{list(self.global_shape)}, held boxes {fmt_boxes(self.held_boxes)}",
                         tensor=self.name, rank=self.rank)
 
-    def holds(self, box: Box) -> bool:
-        """Whether every element of ``box`` is held or was zeroed."""
-        return uncovered(box, self.held_boxes + tuple(self.zeroed)) == []
+    def holds(self, box: Box, zeroed: Iterable[Box] = ()) -> bool:
+        """Whether every element of ``box`` is held or in one of the ``zeroed`` boxes."""
+        return uncovered(box, self.held_boxes + tuple(zeroed)) == []
 
-    def gather(self, box: Box) -> torch.Tensor:
+    def gather(self, box: Box, zeroed: list[Box] | None = None) -> torch.Tensor:
         """The elements of global ``box`` as a tensor of ``box_shape(box)``; FitError unless
-        every one is held (or zeroed: it reads as zero). Recorded as consumed."""
+        every one is held or in a ``zeroed`` box (it reads as zero; default: the boxes
+        zeroed on the checkpoint tensor itself). Recorded as consumed."""
+        zeroed = self.zeroed if zeroed is None else zeroed
         if any(a == b for a, b in box):   # an empty narrow (torch allows it) asks for nothing
             return torch.empty(box_shape(box), dtype=self.local.dtype, device=self.local.device)
-        if not self.holds(box):
+        if not self.holds(box, zeroed):
             raise self.refuse("asked for elements this rank does not hold (the serving "
                               "engine's split differs from the plan's)", box)
         out = torch.empty(box_shape(box), dtype=self.local.dtype, device=self.local.device)
@@ -86,7 +92,7 @@ class HeldTensor:
             shape = box_shape(ov)
             src = narrow_box(self.local, [d + o[0] - s[0] for d, o, s in zip(p.dst, ov, p.src)], shape)
             narrow_box(out, [o[0] - b[0] for o, b in zip(ov, box)], shape).copy_(src)
-        for z in self.zeroed:             # the local data stays as read; zeros win here
+        for z in zeroed:                  # the local data stays as read; zeros win here
             ov = intersect(z, box)
             if ov is not None:
                 narrow_box(out, [o[0] - b[0] for o, b in zip(ov, box)], box_shape(ov)).zero_()
@@ -111,13 +117,22 @@ class GlobalShapeTensor(torch.Tensor):
     _held: HeldTensor
     _box: Box                      # the view's region, in global coordinates
     _dims: tuple[ViewDim, ...]     # global dims not listed here were fixed by select
+    _zeroed: list[Box]             # zeroed boxes, shared by the views of one tensor or copy
+    _meta: torch.Tensor            # the same ops on a meta tensor: torch's strides
+    #                                (None only inside __torch_dispatch__, until _layout)
 
     @staticmethod
-    def __new__(cls, held: HeldTensor, box: Box, dims: tuple[ViewDim, ...]):
+    def __new__(cls, held: HeldTensor, box: Box, dims: tuple[ViewDim, ...],
+                zeroed: list[Box], meta: torch.Tensor | None):
         shape = tuple(1 if g is None else box[g][1] - box[g][0] for g in dims)
-        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=held.local.dtype,
+        if meta is not None and shape != tuple(meta.shape):   # the box bookkeeping is wrong
+            raise held.refuse(f"internal: a view of shape {list(shape)} where torch gives "
+                              f"{list(meta.shape)}", box)
+        layout = {} if meta is None else dict(strides=meta.stride(),
+                                              storage_offset=meta.storage_offset())
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, **layout, dtype=held.local.dtype,
                                                 device=held.local.device, requires_grad=False)
-        t._held, t._box, t._dims = held, box, dims
+        t._held, t._box, t._dims, t._zeroed, t._meta = held, box, dims, zeroed, meta
         return t
 
     def __repr__(self, *, tensor_contents=None) -> str:   # default repr would read the data
@@ -140,7 +155,7 @@ class GlobalShapeTensor(torch.Tensor):
     def materialize(self) -> torch.Tensor:
         """This view's data as a plain tensor (recorded as consumed): the box gathered in
         global dim order, its dims then put in the view's order."""
-        data = self._held.gather(self._box)
+        data = self._held.gather(self._box, self._zeroed)
         shown = [g for g in self._dims if g is not None]
         fixed = [g for g in range(len(self._box)) if g not in shown]   # size 1: selected
         return data.permute(shown + fixed).reshape(self.shape).contiguous()
@@ -148,7 +163,15 @@ class GlobalShapeTensor(torch.Tensor):
     # -- lazy views ----------------------------------------------------------------------
 
     def _view(self, box: Box, dims: tuple[ViewDim, ...]) -> "GlobalShapeTensor":
-        return GlobalShapeTensor(self._held, box, dims)
+        # torch's layout is set by __torch_dispatch__ (_layout)
+        return GlobalShapeTensor(self._held, box, dims, self._zeroed, None)
+
+    def _layout(self, meta: torch.Tensor, *, copy: bool) -> "GlobalShapeTensor":
+        """This view with the strides torch gives (``meta``); a copy (``copy``: what torch
+        returns as a new tensor) gets its own zero record, starting from the zeros it
+        copied."""
+        zeroed = list(self._zeroed) if copy else self._zeroed
+        return GlobalShapeTensor(self._held, self._box, self._dims, zeroed, meta)
 
     def _dim(self, d: int, ndim: int | None = None) -> int:
         n = self.dim() if ndim is None else ndim
@@ -236,10 +259,11 @@ class GlobalShapeTensor(torch.Tensor):
                                 f"expert ids)", self._box)
 
     def _zero(self) -> "GlobalShapeTensor":
-        """``zero_``: the box reads as zeros from now on, in every view (the local data is
-        kept as read); returns this view, as in-place ops do."""
+        """``zero_``: the box reads as zeros from now on, in every view of the tensor this
+        view aliases (the checkpoint tensor, or a copy); the local data is kept as read.
+        Returns this view, as in-place ops do."""
         if all(a < b for a, b in self._box):
-            self._held.zeroed.append(self._box)
+            self._zeroed.append(self._box)
         return self
 
     def _split(self, sizes: list[int], d: int) -> list["GlobalShapeTensor"]:
@@ -252,6 +276,19 @@ class GlobalShapeTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        out = cls._answer(func, args, kwargs)
+        if func is aten.zero_.default or not isinstance(out, (GlobalShapeTensor, tuple, list)):
+            return out
+        # the same op on meta tensors: torch's own checks, strides and storage offsets
+        meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        copy = func.overloadpacket in (aten.clone, aten.index)    # torch returns new tensors
+        if isinstance(out, GlobalShapeTensor):
+            return out._layout(meta, copy=copy)
+        return type(out)(o._layout(m, copy=copy) for o, m in zip(out, meta, strict=True))
+
+    @classmethod
+    def _answer(cls, func, args, kwargs):
+        """The op's result with the views' own layout (or the op's value, for copy_)."""
         pkt = func.overloadpacket
         if pkt is aten.copy_:
             dst, src = args[0], args[1]
@@ -295,7 +332,7 @@ class GlobalShapeTensor(torch.Tensor):
                 raise self._held.refuse(f"split sizes {list(sz)} of dim {d} do not add up to "
                                         f"its size {n}", self._box)
             return self._split(list(sz), d)
-        if pkt in (aten.detach, aten.alias):
+        if pkt in (aten.detach, aten.alias, aten.clone):
             return self._view(self._box, self._dims)
         if pkt is aten.permute:
             return self._permute(list(arg(0, "dims", ())))
@@ -310,8 +347,13 @@ class GlobalShapeTensor(torch.Tensor):
         raise refuse_op(func, self, writes=func._schema.is_mutable)
 
 
-LAZY = ("narrow/slice/select/unbind/squeeze/unsqueeze/split/chunk/detach/transpose/permute/"
-        "index by a contiguous run give views, zero_ writes zeros, copy_ reads them out")
+LAZY = ("narrow/slice/select/unbind/squeeze/unsqueeze/split/chunk/detach/transpose/permute "
+        "give views, index by a contiguous run/clone/contiguous give copies, zero_ writes "
+        "zeros, copy_ reads them out")
+
+
+def _to_meta(x):
+    return x._meta if isinstance(x, GlobalShapeTensor) else x
 
 
 def refuse_op(func, t: GlobalShapeTensor, *, writes: bool) -> FitError:
@@ -344,7 +386,9 @@ def global_tensor(name: str, local: torch.Tensor, ts: TensorSlice, *,
         raise FitError(f"local tensor is {local.dtype} {list(local.shape)}, the plan says "
                        f"{ts.dtype} {list(ts.local_shape)}", tensor=name, rank=rank)
     held = HeldTensor(name, tuple(ts.global_shape), local, tuple(ts.pieces), rank)
-    return GlobalShapeTensor(held, full(held), tuple(range(len(ts.global_shape))))
+    meta = torch.empty(held.global_shape, dtype=local.dtype, device="meta")
+    return GlobalShapeTensor(held, full(held), tuple(range(len(ts.global_shape))),
+                             held.zeroed, meta)
 
 
 class Unconsumed(NamedTuple):
