@@ -504,6 +504,20 @@ def test_an_index_that_is_no_run_is_refused():
         t[torch.tensor([True, False, True, False])]
 
 
+@pytest.mark.filterwarnings("ignore:indexing with dtype torch.uint8")
+def test_a_uint8_index_is_a_mask_and_refused():
+    """torch reads a uint8 index tensor as a mask; it was read as a run of ids: the
+    [0, 1] mask (row 1) loaded rows 0 and 1, silently."""
+    full, t = _held_cols()
+    mask = torch.tensor([0, 1], dtype=torch.uint8)
+    assert full[:2][mask].shape == (1, 6, 8)
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.float32):
+        with pytest.raises(FitError, match=rf"aten.index.Tensor: an index tensor of dtype "
+                                           rf"{dtype} .*picks no box"):
+            t[:2][mask.to(dtype)]
+    assert t[torch.tensor([0, 1], dtype=torch.int32)].box == ((0, 2), (0, 6), (0, 8))
+
+
 def _moe_coords(layout: dict, rank: int, num_experts: int):
     """vLLM's MoE coordinates of ``rank``: (moe_tp, moe_tp_rank, the experts it keeps
     under expert parallelism (linear placement) or None)."""

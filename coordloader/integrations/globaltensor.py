@@ -241,10 +241,15 @@ class GlobalShapeTensor(torch.Tensor):
         while lead < len(indices) and indices[lead] is None:
             lead += 1
         idx = indices[lead] if lead < len(indices) else None
+        if isinstance(idx, torch.Tensor) and idx.dtype not in (torch.int64, torch.int32):
+            # uint8 and bool index tensors are masks to torch, no ids
+            raise self._held.refuse(f"aten.index.Tensor: an index tensor of dtype {idx.dtype} "
+                                    f"(a mask, for uint8 and bool) picks no box (answered "
+                                    f"lazily: one int64 or int32 index tensor that is one "
+                                    f"run, as vLLM's local expert ids)", self._box)
         ok = (isinstance(idx, torch.Tensor) and not isinstance(idx, GlobalShapeTensor)
-              and idx.dim() == 1 and len(idx) > 0 and not idx.dtype.is_floating_point
-              and idx.dtype != torch.bool and all(i is None for i in indices[lead + 1:])
-              and lead < self.dim())
+              and idx.dim() == 1 and len(idx) > 0
+              and all(i is None for i in indices[lead + 1:]) and lead < self.dim())
         if ok:
             n = self.shape[lead]
             vals = [int(v) for v in idx.tolist()]
