@@ -103,7 +103,37 @@ class HeldTensor:
         """Held elements no loader copied out, as disjoint boxes."""
         left: list[Box] = []
         for held in self.held_boxes:
-            left.extend(uncovered(held, self.consumed) or [])
+            parts = [ov for c in self.consumed if (ov := intersect(held, c)) is not None]
+            left.extend(self._uncovered(held, parts))
+        return left
+
+    def _uncovered(self, whole: Box, parts: list[Box], max_cells: int = 1 << 22) -> list[Box]:
+        """The regions of ``whole`` no box of ``parts`` (inside it) covers. The boxes' edges
+        cut ``whole`` into a grid of cells, each one covered or not (any number of
+        fragments); a grid too large falls back to box subtraction, and where that
+        fragments past its limit too, the check says it gave up (never "all used")."""
+        edges = [sorted({lo, hi} | {p[d][0] for p in parts} | {p[d][1] for p in parts})
+                 for d, (lo, hi) in enumerate(whole)]
+        cells = 1
+        for e in edges:
+            cells *= len(e) - 1
+        if cells > max_cells:
+            got = uncovered(whole, parts, limit=1024)
+            if got is None:
+                raise self.refuse(f"the exact-fit check gave up: {len(parts)} copied-out "
+                                  f"boxes cut a held box into {cells} cells", whole)
+            return got
+        at = [{x: i for i, x in enumerate(e)} for e in edges]
+        covered = torch.zeros([len(e) - 1 for e in edges], dtype=torch.bool)
+        for p in parts:
+            covered[tuple(slice(i[a], i[b]) for i, (a, b) in zip(at, p))] = True
+        left: list[Box] = []
+        for cell in (~covered).nonzero().tolist():
+            box = tuple((e[i], e[i + 1]) for e, i in zip(edges, cell))
+            prev = left[-1] if left else None
+            if prev is not None and prev[:-1] == box[:-1] and prev[-1][1] == box[-1][0]:
+                box = left.pop()[:-1] + ((prev[-1][0], box[-1][1]),)    # one run
+            left.append(box)
         return left
 
 
