@@ -254,6 +254,40 @@ def test_split_sizes_must_add_up_as_in_torch():
             t.split(sizes)
 
 
+@pytest.mark.parametrize("chain", [
+    lambda t: t[:, :0].split(2, 1),
+    lambda t: t[:, :0].split(0, 1),
+    lambda t: t[:0].chunk(3),
+    lambda t: (t[1, 2, 3].squeeze(-1), t[1, 2, 3].squeeze(0), t[0, 1, 2].squeeze(), t[1, 2].squeeze(-1)),
+    lambda t: (t[1].t(), t[1, 2].t(), t[1, 2, 3].t()),
+], ids=["split_size0_dim", "split0_size0_dim", "chunk_size0_dim", "squeeze_0d", "t_1d_0d"])
+def test_edge_shapes_split_and_squeeze_as_torch(chain):
+    """split of a size-0 dim gave no chunk (torch: one empty chunk); squeeze(-1) of a
+    0-d view was refused (torch allows dims 0 and -1 there)."""
+    full, t = _held_cols()
+    ref, got = chain(full), chain(t)
+    assert [r.shape for r in ref] == [g.shape for g in got]
+    for r, g in zip(ref, got):
+        if g.numel() and g.box[2][0] >= 2 and g.box[2][1] <= 6:
+            assert torch.equal(_copy_out(g), r)
+
+
+def test_ops_torch_refuses_on_these_shapes_are_refused():
+    """t() of a 3-d view returned it unchanged (torch raises); split(0) raised a bare
+    ValueError from range()."""
+    full, t = _held_cols()
+    for bad in (lambda x: x.t(), lambda x: x.split(0, 1), lambda x: x.split(-1, 0)):
+        with pytest.raises(RuntimeError):
+            bad(full)
+    with pytest.raises(FitError, match=r"t\(\) expects a tensor with <= 2 dimensions, but "
+                                       r"this view is 3-d"):
+        t.t()
+    with pytest.raises(FitError, match="split size 0 of dim 1 of size 6"):
+        t.split(0, 1)
+    with pytest.raises(FitError, match="split size -1 of dim 0 of size 4"):
+        t.split(-1, 0)
+
+
 def test_writing_into_a_checkpoint_tensor_is_refused():
     _, t = _experts(range(0, 4))
     with pytest.raises(FitError, match="writing into"):

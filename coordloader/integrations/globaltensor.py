@@ -205,7 +205,7 @@ class GlobalShapeTensor(torch.Tensor):
 
     def _dim(self, d: int, ndim: int | None = None) -> int:
         n = self.dim() if ndim is None else ndim
-        if not -n <= d < max(n, 1):
+        if not -max(n, 1) <= d < max(n, 1):        # a 0-d tensor takes dim 0 and -1
             raise self._held.refuse(f"dim {d} out of range for a {n}-d view", self._box)
         return d % n if n else 0
 
@@ -246,7 +246,7 @@ class GlobalShapeTensor(torch.Tensor):
 
     def _squeeze(self, ds: Iterable[int]) -> "GlobalShapeTensor":
         drop = {self._dim(d) for d in ds}
-        drop = {d for d in drop if self.shape[d] == 1}
+        drop = {d for d in drop if self.dim() and self.shape[d] == 1}   # 0-d: stays
         return self._view(self._box, tuple(g for i, g in enumerate(self._dims) if i not in drop))
 
     def _permute(self, order) -> "GlobalShapeTensor":
@@ -361,7 +361,12 @@ class GlobalShapeTensor(torch.Tensor):
             n = self.shape[d]
             sz = arg(0, "split_size", None) if pkt is aten.split else arg(0, "split_sizes", None)
             if isinstance(sz, int):
-                sz = [min(sz, n - s) for s in range(0, n, sz)]
+                if sz < 0 or (sz == 0 and n > 0):  # as torch refuses it
+                    raise self._held.refuse(f"split size {sz} of dim {d} of size {n} (torch "
+                                            f"takes a positive size, or 0 for a size-0 dim)",
+                                            self._box)
+                # a size-0 dim splits into one empty chunk
+                sz = [min(sz, n - s) for s in range(0, n, sz)] if n else [0]
             elif sum(sz) != n or any(s < 0 for s in sz):
                 # torch refuses these too: a view of other offsets must not pass for one
                 raise self._held.refuse(f"split sizes {list(sz)} of dim {d} do not add up to "
@@ -374,6 +379,9 @@ class GlobalShapeTensor(torch.Tensor):
         if pkt is aten.transpose:
             return self._transpose(arg(0, "dim0", 0), arg(1, "dim1", 1))
         if pkt is aten.t:
+            if self.dim() > 2:
+                raise self._held.refuse(f"t() expects a tensor with <= 2 dimensions, but this "
+                                        f"view is {self.dim()}-d", self._box)
             return self._transpose(0, 1) if self.dim() == 2 else self._view(self._box, self._dims)
         if pkt is aten.index and func is aten.index.Tensor:
             return self._index(list(arg(0, "indices", [])))
