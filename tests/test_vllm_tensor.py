@@ -547,6 +547,30 @@ def test_an_op_on_a_held_box_is_refused_naming_the_op_not_narrowing():
     assert "aten.add_.Tensor is not answered" in str(e.value)
 
 
+def test_writes_through_out_and_zeroed_boxes_are_named_as_such():
+    """out= a checkpoint tensor was reported as an op "not answered although every element
+    is held", and an op on a zeroed box the rank does not hold as if the rank held it."""
+    _, t = _held_cols()
+    held = t[:, :, 2:6]
+    for write in (lambda: torch.add(torch.zeros(4, 6, 4), 1, out=held),
+                  lambda: torch.mul(held, 2, out=t[:, :, 2:6]),
+                  lambda: torch.clamp(torch.zeros(4, 6, 4), 0, 1, out=held)):
+        with pytest.raises(FitError, match=r"changes a checkpoint tensor in place.*"
+                                           r"requested box \[0:4,0:6,2:6\]"):
+            write()
+    with pytest.raises(FitError, match=r"aten.mul.out is not answered.*holds every element"):
+        torch.mul(held, 2, out=torch.zeros(4, 6, 4))        # writes the plain tensor only
+    unheld = t[:, :, 6:8]
+    unheld.zero_()
+    with pytest.raises(FitError) as e:
+        unheld.sum()
+    assert "every element of the box is held by this rank or was zeroed" in str(e.value)
+    assert "holds every element" not in str(e.value)
+    with pytest.raises(FitError, match=r"aten.sum.default would read or compute on elements "
+                                       r"this rank does not hold"):
+        t[:, :, 1:8].sum()
+
+
 def test_an_index_that_is_no_run_is_refused():
     _, t = _held_cols()
     assert t[torch.tensor([2, 3])].box == ((2, 4), (0, 6), (0, 8))

@@ -331,9 +331,11 @@ class GlobalShapeTensor(torch.Tensor):
                 raise dst._held.refuse("writing into a checkpoint tensor", dst._box)
             return dst.copy_(src.materialize(), *args[2:], **kwargs)
         self = args[0]
+        written = _written(func, args, kwargs)     # checkpoint tensors the op would change
         if not isinstance(self, GlobalShapeTensor):
-            raise refuse_op(func, next(a for a in tree_leaves((args, kwargs))
-                                       if isinstance(a, GlobalShapeTensor)), writes=False)
+            raise refuse_op(func, written[0] if written else
+                            next(a for a in tree_leaves((args, kwargs))
+                                 if isinstance(a, GlobalShapeTensor)), writes=bool(written))
         a = list(args[1:])
 
         def arg(i: int, name: str, default):
@@ -387,12 +389,23 @@ class GlobalShapeTensor(torch.Tensor):
             return self._index(list(arg(0, "indices", [])))
         if func is aten.zero_.default:
             return self._zero()
-        raise refuse_op(func, self, writes=func._schema.is_mutable)
+        raise refuse_op(func, written[0] if written else self, writes=bool(written))
 
 
 LAZY = ("narrow/slice/select/unbind/squeeze/unsqueeze/split/chunk/detach/transpose/permute "
         "give views, index by a contiguous run/clone/contiguous give copies, zero_ writes "
         "zeros, copy_ reads them out")
+
+
+def _written(func, args, kwargs) -> list[GlobalShapeTensor]:
+    """The GlobalShapeTensors among the arguments ``func`` writes (``self`` of an
+    in-place op, ``out=``), per its schema."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+            out.extend(x for x in tree_leaves(v) if isinstance(x, GlobalShapeTensor))
+    return out
 
 
 def _to_meta(x):
@@ -410,6 +423,9 @@ def refuse_op(func, t: GlobalShapeTensor, *, writes: bool) -> FitError:
     elif t._held.holds(t._box):
         why = (f"{func} is not answered on a checkpoint tensor, although this rank holds "
                f"every element of the box (only {LAZY})")
+    elif t._held.holds(t._box, t._zeroed):
+        why = (f"{func} is not answered on a checkpoint tensor, although every element of "
+               f"the box is held by this rank or was zeroed (only {LAZY})")
     else:
         why = (f"{func} would read or compute on elements this rank does not hold: the "
                f"loader computes before narrowing the tensor to this rank's slice "
