@@ -232,7 +232,7 @@ def _publish_layers(d: str, step: float, files=("a", "b")) -> None:
             os.replace(f"{d}/{f}.tmp", f"{d}/{f}.safetensors")
 
 
-def _replaced_worker(rank: int, port: int, d: str, case: str, out: str) -> None:
+def _replaced_worker(rank: int, port: int, d: str, case: str, out: str, meta=None) -> None:
     import torch.distributed as dist
 
     from coordloader import loader
@@ -244,12 +244,12 @@ def _replaced_worker(rank: int, port: int, d: str, case: str, out: str) -> None:
     if case == "stale" and rank == 1:
         _publish_layers(d, 1.0)   # the next step, same headers
     dist.barrier()
-    if case == "replaced":
+    if case in ("replaced", "pickled"):
         # rank 0 holds layer 0, in b, whose header rank 1 parses (files[rank::world]); b is
         # replaced (same header, new data) after the plan is agreed, before rank 0 reads it
         loader.PHASE_HOOKS.append(
             lambda phase: _publish_layers(d, 7.0, "b") if phase == "load" and rank == 0 else None)
-    src = d
+    src = d if meta is None else meta
     if case == "meta":
         # metadata read by each rank, then the files replaced before the load: the load's
         # fingerprint of the new files must not stand for the old read
@@ -269,21 +269,24 @@ def _replaced_worker(rank: int, port: int, d: str, case: str, out: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["replaced", "stale", "meta"])
+@pytest.mark.parametrize("case", ["replaced", "stale", "meta", "pickled"])
 def test_file_changes_seen_by_every_rank_whoever_parsed_its_header(tmp_path, case):
     """'replaced': a file replaced after the plan was agreed loaded its new bytes on a rank
     that had not parsed its header itself, while the other held the old step's tensors.
     'stale': a rank that once read the headers of an older step refused the next step's
     files, which it had not parsed again, on every try. 'meta': metadata read before the
     files were replaced, handed to the load: refused (a first fix let the load's own
-    fingerprint of the new files replace the record of the old read)."""
+    fingerprint of the new files replace the record of the old read). 'pickled': metadata
+    read in the parent, handed to spawned ranks that hold no record of it, a file replaced
+    during the load: refused (a second fix recorded nothing then)."""
     from coordloader.dist.collective import free_port
 
     from ranks import spawn_and_wait
     d = tmp_path / "ckpt"
     d.mkdir()
     _publish_layers(str(d), 0.0)
-    spawn_and_wait(_replaced_worker, (free_port(), str(d), case, str(tmp_path)), 2,
+    meta = cl.read_checkpoint(str(d)) if case == "pickled" else None
+    spawn_and_wait(_replaced_worker, (free_port(), str(d), case, str(tmp_path), meta), 2,
                    "2-rank load of a replaced file", hard_s=120)
     got = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
     if case == "stale":
@@ -291,7 +294,7 @@ def test_file_changes_seen_by_every_rank_whoever_parsed_its_header(tmp_path, cas
     elif case == "meta":
         assert all(g.startswith("CollectiveError: phase load: rank") and
                    "file changed after its header was read" in g for g in got), got
-    else:
+    else:   # replaced, pickled
         want = ("CollectiveError: phase load: rank 0: LoadError: file b.safetensors: file "
                 "changed after its header was read")
         assert got[0].startswith(want) and got[1].startswith(want), got

@@ -83,8 +83,9 @@ def _safetensors_identity(root: str, name: str, record: bool) -> FileIdentity:
             raise CheckpointError(f"header length {n} exceeds the file size {size} or the "
                                   f"{MAX_HEADER_LEN}-byte limit", file=name)
         header = hashlib.sha256(_pread_exact(fd, n, 8, name)).hexdigest()
-        if record:   # the engines refuse this file if it changes from now on, also
-            note_header_seen(path, st, header)   # where another rank parsed its header
+        # the engines refuse this file if it changes from now on, also where another
+        # rank parsed its header
+        note_header_seen(path, st, header, replace=record)
         sample = hashlib.sha256()
         for off, length in _sample_offsets(8 + n, size):
             sample.update(_pread_exact(fd, length, off, name))
@@ -104,10 +105,12 @@ def _side_identity(root: str, name: str) -> FileIdentity:
 def checkpoint_identity(root: str, shards: Sequence[str], side_files: Sequence[str] = (), *,
                         record: bool = True) -> CheckpointIdentity:
     """This rank's fingerprint of the safetensors ``shards`` and ``side_files`` under
-    ``root`` (a side file may be absent; that is part of the identity). ``record``: note
-    each shard as seen now (``note_header_seen``), for a load whose headers are read in
-    the same phase; not for metadata read earlier, whose record of the file as it was
-    then must stay to refuse a file changed since."""
+    ``root`` (a side file may be absent; that is part of the identity). Each shard is
+    noted as seen now (``note_header_seen``), so the engines refuse it if it changes
+    from now on; with ``record=False`` (metadata read earlier, handed in) only where this
+    process holds no record of that header: one taken when the metadata was read must
+    stay to refuse a file changed since, and metadata read in another process (pickled
+    to spawned ranks) leaves none."""
     root = os.path.abspath(os.fspath(root))
     files = [_safetensors_identity(root, n, record) for n in shards]
     files += [_side_identity(root, n) for n in side_files if n not in shards]

@@ -325,10 +325,17 @@ class _HeaderSeen(NamedTuple):
 _HEADERS_SEEN: dict[str, _HeaderSeen] = {}
 
 
-def note_header_seen(path: str, st: os.stat_result, header_sha256: str) -> None:
+def note_header_seen(path: str, st: os.stat_result, header_sha256: str, *,
+                     replace: bool = True) -> None:
     """Record that this process read the header ``header_sha256`` of the file at ``path``
-    (``st``: the open file's stat), for ``changed_since_header``."""
-    _HEADERS_SEEN[os.path.abspath(path)] = _HeaderSeen(_stat_key(st), header_sha256)
+    (``st``: the open file's stat), for ``changed_since_header``. ``replace=False`` keeps
+    a record of the same header already there (taken when the metadata in use was read)."""
+    path = os.path.abspath(path)
+    if not replace:
+        seen = _HEADERS_SEEN.get(path)
+        if seen is not None and seen.header_sha256 == header_sha256:
+            return
+    _HEADERS_SEEN[path] = _HeaderSeen(_stat_key(st), header_sha256)
 
 
 def _stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
