@@ -729,13 +729,18 @@ def test_shapes_config_json_does_not_describe_are_saved(tmp_path, name, shape, d
     assert torch.equal(got.tensors[name], t)
 
 
-def _local_shards_worker(rank, port, out, q):
+def _local_shards_worker(rank, port, out, q, how):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         full = torch.arange(256 * 64, dtype=torch.float32).reshape(256, 64)
-        mine = {"model.embed_tokens.weight": full[128 * rank:128 * (rank + 1)].clone()}
+        if how == "fsdp":   # every weight's Shard(0)
+            mine = {"model.embed_tokens.weight": full[128 * rank:128 * (rank + 1)].clone()}
+        else:               # ColwiseParallel q_proj's shard beside the replicated embedding
+            mine = {"model.embed_tokens.weight": full,
+                    "model.layers.0.self_attn.q_proj.weight":
+                        torch.zeros(32, 64) + rank}
         try:
             save(out, mine, config=LLAMA_CFG, timeout=30)
             q.put((rank, "ok"))
@@ -746,19 +751,29 @@ def _local_shards_worker(rank, port, out, q):
 
 
 @pytest.mark.slow   # subprocesses, or long: the full suite runs it
-def test_ranks_shards_passed_as_whole_tensors_are_refused_on_every_rank(tmp_path):
+@pytest.mark.parametrize("how", ["fsdp", "tp"])
+def test_ranks_shards_passed_as_whole_tensors_are_refused_on_every_rank(tmp_path, how):
     """Two ranks each passing their Shard(0) local tensor (dt.to_local()) as a plain tensor,
-    no plan: rank 0's half was written as the whole embedding and save returned on both."""
+    no plan: rank 0's half was written as the whole embedding and save returned on both.
+    'tp': a ColwiseParallel q_proj's shard beside a whole embedding (a first fix compared
+    only the embedding's and norms' dim 0, and the half q_proj was saved)."""
     import torch.multiprocessing as mp
     q = mp.get_context("spawn").Queue()
     out = str(tmp_path / "ck")
-    spawn_and_wait(_local_shards_worker, (free_port(), out, q), 2, "2-rank save", hard_s=90)
+    spawn_and_wait(_local_shards_worker, (free_port(), out, q, how), 2, "2-rank save",
+                   hard_s=90)
     res = dict(q.get(timeout=10) for _ in range(2))
-    want = ("CollectiveError: phase save-prepare: ranks 0,1: SaveError: tensor "
-            "'model.embed_tokens.weight': global shape [128, 64] has 128 along dim 0, but "
-            "config.json says vocab_size=256; expected the whole tensor (a plain tensor saved "
-            "without a plan is taken as the whole tensor: pass a rank's shard as a DTensor or "
-            "a coordloader Boxed, or save with the plan it was loaded with)")
+    name, shape, what = (("model.embed_tokens.weight", [128, 64],
+                          "128 along dim 0, but config.json says vocab_size=256")
+                         if how == "fsdp" else
+                         ("model.layers.0.self_attn.q_proj.weight", [32, 64],
+                          "32 along dim 0, but config.json says "
+                          "num_attention_heads*head_dim=64"))
+    want = (f"CollectiveError: phase save-prepare: ranks 0,1: SaveError: tensor {name!r}: "
+            f"global shape {shape} has {what}; expected the whole tensor (a plain tensor "
+            f"saved without a plan is taken as the whole tensor: pass a rank's shard as a "
+            f"DTensor or a coordloader Boxed, or save with the plan it was loaded with; a "
+            f"whole tensor of another shape as Boxed(t, t.shape, (0,) * t.dim()))")
     assert res == {0: want, 1: want}
     assert not os.path.exists(out) or not os.listdir(out)
 

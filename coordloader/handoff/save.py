@@ -46,7 +46,7 @@ from coordloader.checkpoint.formats import (
     STAGING_PREFIX,
     shard_name,
 )
-from coordloader.checkpoint.metadata import box_numel, box_shape, config_sized_mismatch
+from coordloader.checkpoint.metadata import box_numel, box_shape, config_mismatch
 from coordloader.checkpoint.tiling import TilingKind, fmt_box, tiling_problem
 from coordloader.errors import CoordloaderError, SaveError
 from coordloader.handoff.pieces import collect_pieces, keep_primaries, undecided
@@ -146,15 +146,17 @@ def _write_rank(stage: str, pieces, rank: int, max_shard_bytes: int, with_digest
 
 def check_whole_claims(pieces, tensors, cfg: ModelConfig, rank: int) -> None:
     """SaveError where a plain tensor saved without a plan, in a distributed save, has a
-    global shape whose dim 0 config.json contradicts (vocab rows, hidden size:
-    ``config_sized_mismatch``). Each rank's tensor is taken as the whole tensor and the
-    ranks' equal boxes are written once, from the lowest rank: ranks passing their FSDP
-    shards (``dt.to_local()``) saved half of every weight. Only that claim is checked: the
-    shapes of a plan, a DTensor or a Boxed tensor are stated, not inferred, and a config's
-    other dims do not size a vision tower, a draft head or packed quantized weights."""
+    global shape config.json contradicts (``config_mismatch``: vocab, hidden size, heads
+    times head_dim, intermediate size, experts). Each rank's tensor is taken as the whole
+    tensor and the ranks' equal boxes are written once, from the lowest rank: ranks
+    passing their FSDP or TP shards (``dt.to_local()``) saved half of a weight. Only that
+    claim is checked: the shapes of a plan, a DTensor or a Boxed tensor are stated, not
+    inferred, and a single process's plain tensor is whole by its own say (a draft head,
+    a vision tower under a flat config or packed quantized weights need not have the
+    sizes config.json states). A whole tensor the check refuses goes as a Boxed one."""
     plain = {p.name: p.shape for p in pieces
              if type(tensors.get(p.name)) in (torch.Tensor, torch.nn.Parameter)}
-    bad = config_sized_mismatch(plain, cfg.doc)
+    bad = config_mismatch(plain, cfg.doc)
     if bad is None:
         return
     name, key, want, got, dim = bad
@@ -162,7 +164,8 @@ def check_whole_claims(pieces, tensors, cfg: ModelConfig, rank: int) -> None:
                     f"config.json says {key}={want}; expected the whole tensor (a plain tensor "
                     f"saved without a plan is taken as the whole tensor: pass a rank's shard "
                     f"as a DTensor or a coordloader Boxed, or save with the plan it was "
-                    f"loaded with)", tensor=name, rank=rank)
+                    f"loaded with; a whole tensor of another shape as Boxed(t, t.shape, "
+                    f"(0,) * t.dim()))", tensor=name, rank=rank)
 
 
 # ---------------------------------------------------------------------------------------
