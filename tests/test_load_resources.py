@@ -305,3 +305,32 @@ def test_gc_pause_leaves_no_young_scan_behind_and_respects_frozen_objects():
     finally:
         gc.enable()
     del kept, more
+
+
+def test_descriptor_room_of_overlapping_loads_is_put_back_by_the_last():
+    """Two loads in one process: the first to finish put the soft limit back under the
+    one still running, whose next opens failed 'Too many open files'; put back out of
+    order, the process kept a raised limit."""
+    import resource
+
+    from coordloader.engines import descriptor_room
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = _lowest_free_fd() + 40
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        end_a = descriptor_room(100, 0)
+        after_a = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        end_b = descriptor_room(300, 0)
+        after_b = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        end_a()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == after_b   # b still holds
+        end_b()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == low
+        roomy = low + 1000
+        resource.setrlimit(resource.RLIMIT_NOFILE, (roomy, hard))
+        end_c = descriptor_room(1, 0)   # room enough: nothing changes, nothing put back
+        end_c()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == roomy
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert low < after_a < after_b

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -317,32 +318,59 @@ def refuse_replaced(path: str, fd: int, info, rank: int | None) -> None:
 _FD_SPARE = 64
 
 
-def descriptor_room(files: int, rank: int | None):
+class _Room:
+    """The soft RLIMIT_NOFILE as coordloader's loads in this process left it: the loads
+    holding raised room, the soft limit before the first of them raised it, and the one
+    set last. The limit goes back only when the last holder leaves, and only if nothing
+    else changed it meanwhile: concurrent loads (threads, two models in one process) must
+    not take each other's descriptors away."""
+    lock = threading.Lock()
+    holders = 0
+    before: int | None = None   # the soft limit before coordloader raised it
+    granted: int | None = None  # the soft limit coordloader set last
+
+
+def descriptor_room(files: int, rank: int | None) -> Callable[[], None]:
     """Make room for ``files`` more open descriptors: the cpu engine holds every file it
     reads open for the whole load (its read threads share them), instanttensor's library
     opens them all beside the engine's checked ones, and a rank of a torch DCP checkpoint
     saved by 1024 ranks reads 1024 files, past the common soft limit of 1024.
-    Raises the soft RLIMIT_NOFILE up to the hard limit when needed and returns the call
-    that puts it back (None when nothing changed); LoadError when even the hard limit is
-    too low."""
+    Raises the soft RLIMIT_NOFILE up to the hard limit when needed; returns the call that
+    ends this load's hold (the limit is put back when no load holds room any more);
+    LoadError when even the hard limit is too low."""
     try:
         import resource
     except ImportError:   # not POSIX
-        return None
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        used = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        used = 256
-    need = used + files + _FD_SPARE
-    if soft == resource.RLIM_INFINITY or need <= soft:
-        return None
-    if hard != resource.RLIM_INFINITY and need > hard:
-        raise LoadError(f"this rank reads {files} files, holding each open, and needs {need} "
-                        f"file descriptors; the hard limit (RLIMIT_NOFILE) is {hard}: raise it "
-                        f"(ulimit -Hn), or load with more ranks", rank=rank)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        return lambda: None
+    with _Room.lock:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        try:
+            used = len(os.listdir("/proc/self/fd"))
+        except OSError:   # no /proc, or no descriptor left to list it with
+            used = soft if soft != resource.RLIM_INFINITY else 0
+        need = used + files + _FD_SPARE
+        if soft != resource.RLIM_INFINITY and need > soft:
+            if hard != resource.RLIM_INFINITY and need > hard:
+                raise LoadError(f"this rank reads {files} files, holding each open, and needs "
+                                f"{need} file descriptors; the hard limit (RLIMIT_NOFILE) is "
+                                f"{hard}: raise it (ulimit -Hn), or load with more ranks",
+                                rank=rank)
+            if _Room.before is None:
+                _Room.before = soft
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+            _Room.granted = need
+        _Room.holders += 1
+
+    def release() -> None:
+        with _Room.lock:
+            _Room.holders -= 1
+            if _Room.holders or _Room.before is None:
+                return
+            now, hard_now = resource.getrlimit(resource.RLIMIT_NOFILE)
+            if now == _Room.granted:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (_Room.before, hard_now))
+            _Room.before = _Room.granted = None
+    return release
 
 
 @contextlib.contextmanager
@@ -367,8 +395,7 @@ def paths_stay_checked(paths: Sequence[str], infos: Sequence, rank: int | None):
     finally:
         for fd in fds:
             os.close(fd)
-        if room is not None:
-            room()
+        room()
 
 
 def slice_nbytes(ts: TensorSlice) -> int:

@@ -189,8 +189,7 @@ class CpuEngine:
         finally:
             for fd in fds.values():
                 os.close(fd)
-            if room is not None:
-                room()
+            room()
 
         if device.type != "cpu":
             to_device(tensors, device, out, rank=rank)
