@@ -414,7 +414,7 @@ class _DirectDests:
         if name not in self._memo:
             tgt = self._mapf(name)
             t = self._dests.get(tgt) if tgt is not None else None
-            ok = (t is not None and tgt not in self._claimed and t.is_contiguous()
+            ok = (isinstance(t, torch.Tensor) and tgt not in self._claimed and t.is_contiguous()
                   and t.device.type == self._type)
             if ok:
                 self._claimed.add(tgt)
@@ -580,6 +580,15 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
             skipped.append(name)
             continue
         dst = dests.get(tgt)
+        if dst is not None or tgt in dests:
+            if not isinstance(dst, torch.Tensor):
+                # an entry holding no tensor (TransformerEngine's _extra_state: None, a
+                # BytesIO) is not filled; strict says so, else it is left as it is
+                if strict:
+                    require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}", name,
+                                   rank)
+                skipped.append(name)
+                continue
         hit = None if dst is not None else _fusion_source(fusions, tgt)
         if hit is not None:   # one of many checkpoint tensors of a fused parameter
             k, prefix, src, expert = hit
@@ -592,7 +601,6 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                                 f"name_map= or strict=False)", tensor=name, rank=rank)
             skipped.append(name)
             continue
-        require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}", name, rank)
         dt = torch_dtype(s.dtype)
         if tuple(dst.shape) != tuple(s.local_shape) or dst.dtype != dt:
             raise LoadError(f"target {tgt!r} is {dst.dtype} {list(dst.shape)}, this rank's "

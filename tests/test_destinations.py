@@ -238,3 +238,22 @@ def test_entries_no_tensor_fills_may_be_anything(ab):
     assert target["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert target["b"].tolist() == [100.0, 101.0, 102.0, 103.0]
     assert sorted(rep.not_loaded) == ["layer._extra_state", "other._extra_state"]
+
+
+@pytest.mark.parametrize("held", [None, "bytes"])
+def test_an_entry_holding_no_tensor_that_a_checkpoint_tensor_maps_to(ab, held):
+    """The checkpoint carries 'b' (as TransformerEngine saves _extra_state, a uint8
+    tensor) and the target's entry holds None or a BytesIO: strict=False skipped None but
+    refused a BytesIO; strict named None 'no target entry'. Both are skipped without
+    strict, and strict names what the entry holds."""
+    import io
+    value = None if held is None else io.BytesIO()
+    target = {"a": torch.zeros(4), "b": value}
+    rep = cl.load_into(target, ab, Layout(), strict=False, **ONE)
+    assert target["a"].tolist() == [0.0, 1.0, 2.0, 3.0] and target["b"] is value
+    assert rep.skipped == ["b"]
+    with pytest.raises(LoadError) as e:
+        cl.load_into(target, ab, Layout(), **ONE)
+    kind = type(value).__name__
+    assert str(e.value) == (f"rank 0, tensor 'b': target 'b' is a {kind}, not a torch.Tensor; "
+                            f"expected a tensor to load into")
