@@ -361,14 +361,99 @@ _CHANGED_SINCE = ("changed since the consolidate opened it (another device, inod
     # another save's manifest of the same shapes: was carried beside save A's data, and a
     # verify=digest load of the output refused it
     ("coordloader.manifest.json", lambda p: _replace(p, _other_manifest(p))),
-    # the index the metadata came from, replaced
-    ("model.safetensors.index.json", lambda p: _replace(p, open(p, "rb").read())),
+    # the index the metadata came from, replaced by other bytes (the same weight map)
+    ("model.safetensors.index.json",
+     lambda p: _replace(p, json.dumps(json.load(open(p)), indent=1).encode())),
 ], ids=["config-renamed-in", "tokenizer-rewritten-in-place", "manifest-renamed-in",
         "index-renamed-in"])
 def test_a_companion_changed_after_the_sources_were_opened_is_refused(hf_race, name, change):
     src, out, before, after_opens = hf_race
     path = os.path.join(src, name)
     after_opens(lambda: change(path))
+    with pytest.raises(SaveError) as ei:
+        consolidate(src, out, overwrite=True)
+    assert str(ei.value) == f"file {path}: reading the source: {_CHANGED_SINCE}{_LEFT}"
+    assert _tree(out) == before
+
+
+def _same_bytes_in_place(path, data):
+    """``path`` rewritten in place with ``data`` (the same size), its mtime set back: only
+    its ctime tells."""
+    st = os.stat(path)
+    assert len(data) == st.st_size
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _flip_case(path):
+    data = open(path, "rb").read()
+    return data.replace(b"save A", b"SAVE A")
+
+
+@pytest.mark.parametrize("change", [
+    # a chmod: the ctime moves
+    lambda src: os.chmod(os.path.join(src, "config.json"), 0o600),
+    # a backup tool hard-linking a companion: the ctime moves (and the link count)
+    lambda src: os.link(os.path.join(src, "tokenizer_config.json"), os.path.join(src, ".bak")),
+    # a touch: the mtime and ctime move
+    lambda src: os.utime(os.path.join(src, "config.json")),
+    # the index replaced by the same bytes: another inode
+    lambda src: _replace(os.path.join(src, "model.safetensors.index.json"),
+                         open(os.path.join(src, "model.safetensors.index.json"), "rb").read()),
+], ids=["chmod-config", "hard-link-to-tokenizer", "touch-config", "index-same-bytes"])
+def test_a_companion_whose_identity_moved_but_not_its_bytes_publishes(hf_race, change):
+    # was refused (changed since the consolidate opened it): the identity moved, the bytes
+    # did not; the output is the undisturbed consolidate's, byte for byte
+    src, out, before, after_opens = hf_race
+    after_opens(lambda: change(src))
+    consolidate(src, out, overwrite=True)
+    assert _tree(out) == before
+
+
+@pytest.mark.parametrize("when", ["before-the-copy", "after-the-copy"])
+def test_a_companion_rewritten_in_place_at_the_same_size_and_mtime_is_refused(
+        hf_race, monkeypatch, when):
+    # other bytes, the same inode, size and mtime: its bytes are compared, not only its
+    # identity, and the copy's with the bytes opened
+    import coordloader.handoff.consolidate as cons
+    src, out, before, after_opens = hf_race
+    path = os.path.join(src, "config.json")
+    new = _flip_case(path)
+    if when == "before-the-copy":
+        after_opens(lambda: _same_bytes_in_place(path, new))
+    else:
+        orig_copy = cons._copy_companion
+
+        def copy(fd, dst):
+            digest = orig_copy(fd, dst)
+            if os.path.basename(dst) == "config.json":
+                _same_bytes_in_place(path, new)
+            return digest
+        monkeypatch.setattr(cons, "_copy_companion", copy)
+    with pytest.raises(SaveError) as ei:
+        consolidate(src, out, overwrite=True)
+    assert str(ei.value) == f"file {path}: reading the source: {_CHANGED_SINCE}{_LEFT}"
+    assert _tree(out) == before
+
+
+def test_a_companion_copied_mid_rewrite_is_refused_though_its_bytes_came_back(
+        hf_race, monkeypatch):
+    # rewritten in place before the copy and back after it: the path holds the bytes
+    # opened again, but the copy holds the others; refused, not published
+    import coordloader.handoff.consolidate as cons
+    src, out, before, after_opens = hf_race
+    path = os.path.join(src, "config.json")
+    original = open(path, "rb").read()
+    after_opens(lambda: _same_bytes_in_place(path, _flip_case(path)))
+    orig_copy = cons._copy_companion
+
+    def copy(fd, dst):
+        digest = orig_copy(fd, dst)
+        if os.path.basename(dst) == "config.json":
+            _same_bytes_in_place(path, original)
+        return digest
+    monkeypatch.setattr(cons, "_copy_companion", copy)
     with pytest.raises(SaveError) as ei:
         consolidate(src, out, overwrite=True)
     assert str(ei.value) == f"file {path}: reading the source: {_CHANGED_SINCE}{_LEFT}"
@@ -401,8 +486,9 @@ def test_companions_are_copied_from_the_files_opened_with_the_data(hf_race, monk
     orig_copy = cons._copy_companion
 
     def copy(fd, dst):
-        orig_copy(fd, dst)
+        digest = orig_copy(fd, dst)
         copied[os.path.basename(dst)] = open(dst, "rb").read()
+        return digest
     monkeypatch.setattr(cons, "_copy_companion", copy)
     with pytest.raises(SaveError):
         consolidate(src, out, overwrite=True)

@@ -13,14 +13,17 @@ The source is read as the engines read a checkpoint: every source file is opened
 before anything is written, and checked to be the file whose header the metadata was read
 from (``refuse_changed``); every read goes through those descriptors. The files copied or
 read beside the data (config.json, tokenizer files, the manifest, the index) are opened
-then too and their identity recorded; the companions are copied from those descriptors.
-Before the publish the source is checked again: no publish marker, each data file the one
-read, each of those files unchanged at its path. A save into the source directory while
+then too, their identity and a digest of their bytes recorded; the companions are copied
+from those descriptors. Before the publish the source is checked again: no publish marker,
+each data file the one read, each of those files unchanged at its path (the same identity,
+or, where only that moved, as a chmod, a hard link, a touch or a rewrite with the same
+bytes moves it, the same bytes as when opened). A save into the source directory while
 this runs (whose manifest or config would be copied beside the old data) is refused,
 never mixed in.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -36,10 +39,11 @@ from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.fileio import OpenFiles, fsync_dir, pread_into, pwrite_all
 from coordloader.checkpoint.formats import HF_INDEX, HF_INDEX_SUFFIX, SHARDED_INDEX
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape, check_extents
-from coordloader.checkpoint.reader import refuse_interrupted
+from coordloader.checkpoint.reader import MAX_JSON_FILE, read_small_file, refuse_interrupted
 from coordloader.engines import refuse_changed, refuse_changed_path
 from coordloader.errors import CheckpointError, LoadError, SaveError
 from coordloader.handoff.publish import (
+    MAX_COMPANION_BYTES,
     companion_files,
     os_error,
     output_dir,
@@ -188,14 +192,31 @@ def _identity(st: os.stat_result) -> tuple[int, ...]:
     return tuple(getattr(st, a) for a in _IDENTITY)
 
 
-def _open_described(meta: CheckpointMeta,
-                    fds: dict[str, tuple[int, tuple[int, ...]]]) -> list[str]:
-    """Open, into ``fds`` (name: descriptor, identity), every file of the source that is
-    not data but is copied or read beside it: the companion files (config.json, tokenizer
-    files ...), the manifest, the index. Opened with the data files, before anything is
-    written: the companions are copied from these descriptors, and ``_recheck_sources``
-    compares each path's identity with the one recorded here. Returns the companions'
-    names (what travels along)."""
+# name: (descriptor, identity, sha256 of its bytes when opened, or None past the cap)
+Described = dict[str, tuple[int, tuple[int, ...], bytes | None]]
+
+
+def _fd_digest(fd: int, limit: int) -> bytes | None:
+    """sha256 of the bytes of the file open on ``fd``, read in bounded chunks; None when it
+    holds more than ``limit`` bytes (then only its identity is compared)."""
+    h, off = hashlib.sha256(), 0
+    while chunk := os.pread(fd, 1 << 16, off):   # small chunks: memory stays bounded
+        off += len(chunk)
+        if off > limit:
+            return None
+        h.update(chunk)
+    return h.digest()
+
+
+def _open_described(meta: CheckpointMeta, fds: Described) -> list[str]:
+    """Open, into ``fds`` (name: descriptor, identity, digest), every file of the source
+    that is not data but is copied or read beside it: the companion files (config.json,
+    tokenizer files ...), the manifest, the index. Opened with the data files, before
+    anything is written: the companions are copied from these descriptors, and
+    ``_recheck_sources`` compares each path's identity with the one recorded here and,
+    where that moved, its bytes with the digest recorded here. These files are small
+    (companions at most MAX_COMPANION_BYTES, the index and manifest the reader's cap).
+    Returns the companions' names (what travels along)."""
     data = {f.name for f in meta.files}
     companions = companion_files(meta.root, data)
     names = set(companions)
@@ -212,31 +233,57 @@ def _open_described(meta: CheckpointMeta,
         except OSError as e:
             raise _source_error(f"cannot open: {e.strerror}", path) from None
         st = os.fstat(fd)
-        fds[name] = (fd, _identity(st))
+        fds[name] = (fd, _identity(st), None)
         if not stat.S_ISREG(st.st_mode):
             raise _source_error("is not a regular file", path)
+        limit = MAX_COMPANION_BYTES if name in companions else MAX_JSON_FILE
+        try:
+            fds[name] = (fd, _identity(st), _fd_digest(fd, limit))
+        except OSError as e:
+            raise _source_error(f"cannot read: {e.strerror}", path) from None
     return companions
 
 
-def _copy_companion(fd: int, dst: str) -> None:
+def _copy_companion(fd: int, dst: str) -> bytes:
     """The companion open on ``fd`` (the file whose identity was recorded) into ``dst``,
-    fsynced (the publish renames it)."""
+    fsynced (the publish renames it). Returns the sha256 of the bytes copied."""
+    h = hashlib.sha256()
     with open(dst, "wb") as out:
         off = 0
         while chunk := os.pread(fd, 1 << 16, off):   # small: memory stays bounded
             out.write(chunk)
+            h.update(chunk)
             off += len(chunk)
         out.flush()
         os.fsync(out.fileno())
+    return h.digest()
 
 
-def _recheck_sources(meta: CheckpointMeta, described: dict[str, tuple[int, tuple[int, ...]]]) -> None:
+def _same_bytes(path: str, digest: bytes | None, limit: int) -> bool:
+    """Whether the file now at ``path`` holds the bytes whose sha256 is ``digest``: read
+    with ``read_small_file`` (a regular file, never blocking on a FIFO, at most ``limit``
+    bytes). False where it cannot be read, is larger, or no digest was recorded."""
+    if digest is None:
+        return False
+    try:
+        data = read_small_file(path, path, "file", limit)
+    except CheckpointError:
+        return False
+    return hashlib.sha256(data).digest() == digest
+
+
+def _recheck_sources(meta: CheckpointMeta, described: Described,
+                     copied: dict[str, bytes | None] | None = None) -> None:
     """The source still the one read, just before the publish: no save into the source
     directory publishing now or killed while publishing (whose new config.json can sit
     beside the old data files), each data file the one read (the data came through
     descriptors opened first), and each file copied or read beside the data (config.json,
     tokenizer files, manifest, index) unchanged at its path since it was opened with the
-    data: the same save's."""
+    data: the same save's. Unchanged is the same identity, or, where only that moved (a
+    chmod, a hard link made by a backup tool, a touch, a replacement with the same bytes),
+    the same bytes at the path as when opened; a companion's copy (``copied``: name:
+    sha256 of the bytes copied) must hold the bytes opened too."""
+    copied = copied or {}
     _refuse_publishing(meta)
     for f in meta.files:
         path = os.path.join(meta.root, f.name)
@@ -244,7 +291,7 @@ def _recheck_sources(meta: CheckpointMeta, described: dict[str, tuple[int, tuple
             refuse_changed_path(path, f, None, during=_DURING)
         except LoadError as e:
             raise _source_error(e.message, path) from None
-    for name, (_, ident) in sorted(described.items()):
+    for name, (_, ident, digest) in sorted(described.items()):
         path = os.path.join(meta.root, name)
         try:
             now = _identity(os.stat(path))
@@ -252,16 +299,19 @@ def _recheck_sources(meta: CheckpointMeta, described: dict[str, tuple[int, tuple
             raise _source_error(f"is gone from its path since the consolidate opened it "
                                 f"({e.strerror}): the source changed while it ran; run the "
                                 f"consolidate again once the source is saved", path) from None
-        if now != ident:
+        # the size when opened bounds the read: a larger file now is other bytes
+        size = ident[_IDENTITY.index("st_size")]
+        if ((name in copied and copied[name] != digest)
+                or (now != ident and not _same_bytes(path, digest, size))):
             raise _source_error("changed since the consolidate opened it (another device, "
                                 "inode, size, mtime or ctime: replaced or rewritten), so it may "
                                 "be another save's than the data read; run the consolidate "
                                 "again once the source is saved", path)
 
 
-def _close_all(srcs: OpenFiles, described: dict[str, tuple[int, tuple[int, ...]]]) -> None:
+def _close_all(srcs: OpenFiles, described: Described) -> None:
     srcs.close()
-    for fd, _ in described.values():
+    for fd, _, _ in described.values():
         os.close(fd)
     described.clear()
 
@@ -326,7 +376,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     # every source file opened and checked before anything is written; read only through
     # these, and the companions copied from theirs
     srcs = _open_sources(meta)
-    described: dict[str, tuple[int, tuple[int, ...]]] = {}
+    described: Described = {}
     try:
         companions = _open_described(meta, described)
         stage = prepare_target(out_dir, overwrite, None, "consolidate-" + uuid.uuid4().hex[:12])
@@ -368,8 +418,9 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
         # from the descriptors opened with the data; the source index/manifest/data files
         # do not (they describe the source files).
         extras = list(companions)
+        copied = {}
         for entry in extras:
-            _copy_companion(described[entry][0], os.path.join(stage_dir, entry))
+            copied[entry] = _copy_companion(described[entry][0], os.path.join(stage_dir, entry))
         if cfg is not None:
             extras = sorted(set(extras) | set(stage_config(stage_dir, cfg)))
         # Content is unchanged, so the source's digests carry over: a manifest for the new
@@ -380,7 +431,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_json_durable(os.path.join(stage_dir, HF_INDEX), index)
         fsync_dir(stage_dir)
-        _recheck_sources(meta, described)
+        _recheck_sources(meta, described, copied)
         publish(out_dir, stage, names + extras, HF_INDEX)
     except OSError as e:
         raise os_error(e, getattr(e, "filename", None) or out_dir, None, "consolidating") from e
