@@ -42,14 +42,22 @@ def refill(model, seed: int) -> None:
             p.copy_(vals.to(p.dtype))
 
 
-def write_llama(out: str, *, seed: int = 0, dtype=torch.bfloat16, shard_size: str = "150KB") -> str:
-    """A tiny LlamaForCausalLM in several shards; returns ``out``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _write(out: str, model_class: str, config_class: str, params: dict, seed: int, dtype,
+           shard_size: str) -> str:
+    """transformers' ``model_class`` built from ``config_class(**params)``, every parameter
+    refilled from ``seed``, saved in shards of ``shard_size``; returns ``out``."""
+    import transformers
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**LLAMA)).to(dtype)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**params))
+    model = model.to(dtype)
     refill(model, seed)
     model.save_pretrained(out, max_shard_size=shard_size)
     return out
+
+
+def write_llama(out: str, *, seed: int = 0, dtype=torch.bfloat16, shard_size: str = "150KB") -> str:
+    """A tiny LlamaForCausalLM in several shards; returns ``out``."""
+    return _write(out, "LlamaForCausalLM", "LlamaConfig", LLAMA, seed, dtype, shard_size)
 
 
 def write_llama_tied_with_extras(out: str) -> str:
@@ -76,29 +84,17 @@ def write_llama_tied_with_extras(out: str) -> str:
 def write_qwen3_moe(out: str, *, seed: int = 0, dtype=torch.bfloat16,
                     shard_size: str = "150KB") -> str:
     """A tiny Qwen3MoeForCausalLM (4 experts) in several shards; returns ``out``."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_MOE)).to(dtype)
-    refill(model, seed)
-    model.save_pretrained(out, max_shard_size=shard_size)
-    return out
+    return _write(out, "Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_MOE, seed, dtype,
+                  shard_size)
 
 
 def write_gpt_oss(out: str, *, seed: int = 0, shard_size: str = "150KB") -> str:
     """A tiny bf16 GptOssForCausalLM (4 experts) in several shards; returns ``out``."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-    torch.manual_seed(seed)
-    model = GptOssForCausalLM(GptOssConfig(**GPT_OSS)).to(torch.bfloat16)
-    refill(model, seed)
-    model.save_pretrained(out, max_shard_size=shard_size)
-    return out
+    return _write(out, "GptOssForCausalLM", "GptOssConfig", GPT_OSS, seed, torch.bfloat16,
+                  shard_size)
 
 
 def write_llama4(out: str, *, seed: int = 0, shard_size: str = "150KB") -> str:
     """A tiny bf16 Llama4ForCausalLM (text, 4 experts every layer) in several shards."""
-    from transformers import Llama4ForCausalLM, Llama4TextConfig
-    torch.manual_seed(seed)
-    model = Llama4ForCausalLM(Llama4TextConfig(**LLAMA4)).to(torch.bfloat16)
-    refill(model, seed)
-    model.save_pretrained(out, max_shard_size=shard_size)
-    return out
+    return _write(out, "Llama4ForCausalLM", "Llama4TextConfig", LLAMA4, seed, torch.bfloat16,
+                  shard_size)

@@ -411,26 +411,31 @@ def test_a_companion_whose_identity_moved_but_not_its_bytes_publishes(hf_race, c
     assert _tree(out) == before
 
 
+def _after_copy_of(monkeypatch, name: str, then) -> None:
+    """Run ``then()`` once consolidate has copied the companion ``name``."""
+    import coordloader.handoff.consolidate as cons
+    orig_copy = cons._copy_companion
+
+    def copy(fd, dst):
+        digest = orig_copy(fd, dst)
+        if os.path.basename(dst) == name:
+            then()
+        return digest
+    monkeypatch.setattr(cons, "_copy_companion", copy)
+
+
 @pytest.mark.parametrize("when", ["before-the-copy", "after-the-copy"])
 def test_a_companion_rewritten_in_place_at_the_same_size_and_mtime_is_refused(
         hf_race, monkeypatch, when):
     # other bytes, the same inode, size and mtime: its bytes are compared, not only its
     # identity, and the copy's with the bytes opened
-    import coordloader.handoff.consolidate as cons
     src, out, before, after_opens = hf_race
     path = os.path.join(src, "config.json")
     new = _flip_case(path)
     if when == "before-the-copy":
         after_opens(lambda: _same_bytes_in_place(path, new))
     else:
-        orig_copy = cons._copy_companion
-
-        def copy(fd, dst):
-            digest = orig_copy(fd, dst)
-            if os.path.basename(dst) == "config.json":
-                _same_bytes_in_place(path, new)
-            return digest
-        monkeypatch.setattr(cons, "_copy_companion", copy)
+        _after_copy_of(monkeypatch, "config.json", lambda: _same_bytes_in_place(path, new))
     with pytest.raises(SaveError) as ei:
         consolidate(src, out, overwrite=True)
     assert str(ei.value) == f"file {path}: reading the source: {_CHANGED_SINCE}{_LEFT}"
@@ -441,19 +446,11 @@ def test_a_companion_copied_mid_rewrite_is_refused_though_its_bytes_came_back(
         hf_race, monkeypatch):
     # rewritten in place before the copy and back after it: the path holds the bytes
     # opened again, but the copy holds the others; refused, not published
-    import coordloader.handoff.consolidate as cons
     src, out, before, after_opens = hf_race
     path = os.path.join(src, "config.json")
     original = open(path, "rb").read()
     after_opens(lambda: _same_bytes_in_place(path, _flip_case(path)))
-    orig_copy = cons._copy_companion
-
-    def copy(fd, dst):
-        digest = orig_copy(fd, dst)
-        if os.path.basename(dst) == "config.json":
-            _same_bytes_in_place(path, original)
-        return digest
-    monkeypatch.setattr(cons, "_copy_companion", copy)
+    _after_copy_of(monkeypatch, "config.json", lambda: _same_bytes_in_place(path, original))
     with pytest.raises(SaveError) as ei:
         consolidate(src, out, overwrite=True)
     assert str(ei.value) == f"file {path}: reading the source: {_CHANGED_SINCE}{_LEFT}"
