@@ -142,7 +142,8 @@ def read_metadata(ckpt, group, rank: int, world: int) -> tuple[CheckpointMeta,
         if group is None:
             return ckpt, None
         return ckpt, _phase("metadata-read", lambda: checkpoint_identity(
-            ckpt.root, [f.name for f in ckpt.files], [MANIFEST_NAME], record=False), group)
+            ckpt.root, [f.name for f in ckpt.files], [MANIFEST_NAME], read_from=ckpt.files),
+            group)
     if group is None:
         return checkpoint.read_checkpoint(checkpoint.checkpoint_path(ckpt)), None
     root = checkpoint.checkpoint_path(ckpt)

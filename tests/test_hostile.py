@@ -222,13 +222,15 @@ _PP_RULES = [{"pattern": "model.layers.*.w", "strategy": "replicate"}]
 _PP_CONFIG = {"architectures": ["X"], "model_type": "x", "num_hidden_layers": 2}
 
 
-def _publish_layers(d: str, step: float, files=("a", "b")) -> None:
-    """Layer 1 in a.safetensors, layer 0 in b.safetensors, each renamed into place."""
+def _publish_layers(d: str, step: float, files=("a", "b"), note=None) -> None:
+    """Layer 1 in a.safetensors, layer 0 in b.safetensors, each renamed into place
+    (``note``: a __metadata__ entry, which changes the header)."""
     import torch
     from safetensors.torch import save_file
     for f, layer in (("a", 1), ("b", 0)):
         if f in files:
-            save_file({f"model.layers.{layer}.w": torch.full((4, 4), step)}, f"{d}/{f}.tmp")
+            save_file({f"model.layers.{layer}.w": torch.full((4, 4), step)}, f"{d}/{f}.tmp",
+                      metadata=None if note is None else {"note": note})
             os.replace(f"{d}/{f}.tmp", f"{d}/{f}.safetensors")
 
 
@@ -250,13 +252,13 @@ def _replaced_worker(rank: int, port: int, d: str, case: str, out: str, meta=Non
         loader.PHASE_HOOKS.append(
             lambda phase: _publish_layers(d, 7.0, "b") if phase == "load" and rank == 0 else None)
     src = d if meta is None else meta
-    if case == "meta":
+    if case in ("meta", "other-header"):
         # metadata read by each rank, then the files replaced before the load: the load's
         # fingerprint of the new files must not stand for the old read
         src = cl.read_checkpoint(d)
         dist.barrier()
         if rank == 1:
-            _publish_layers(d, 7.0)
+            _publish_layers(d, 7.0, note="step 7" if case == "other-header" else None)
         dist.barrier()
     try:
         t = cl.load(src, Layout(pp=2), rules=_PP_RULES, config=_PP_CONFIG, verify="shapes",
@@ -269,7 +271,7 @@ def _replaced_worker(rank: int, port: int, d: str, case: str, out: str, meta=Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["replaced", "stale", "meta", "pickled"])
+@pytest.mark.parametrize("case", ["replaced", "stale", "meta", "pickled", "other-header"])
 def test_file_changes_seen_by_every_rank_whoever_parsed_its_header(tmp_path, case):
     """'replaced': a file replaced after the plan was agreed loaded its new bytes on a rank
     that had not parsed its header itself, while the other held the old step's tensors.
@@ -278,7 +280,10 @@ def test_file_changes_seen_by_every_rank_whoever_parsed_its_header(tmp_path, cas
     files were replaced, handed to the load: refused (a first fix let the load's own
     fingerprint of the new files replace the record of the old read). 'pickled': metadata
     read in the parent, handed to spawned ranks that hold no record of it, a file replaced
-    during the load: refused (a second fix recorded nothing then)."""
+    during the load: refused (a second fix recorded nothing then). 'other-header': the
+    files republished with another header before the load of the metadata handed in:
+    refused at metadata-read (a third fix recorded the new files, and the old header put
+    back with other data during the load loaded that data)."""
     from coordloader.dist.collective import free_port
 
     from ranks import spawn_and_wait
@@ -291,6 +296,10 @@ def test_file_changes_seen_by_every_rank_whoever_parsed_its_header(tmp_path, cas
     got = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
     if case == "stale":
         assert got == ["ok model.layers.0.w=1.0", "ok model.layers.1.w=1.0"]
+    elif case == "other-header":
+        assert all(g.startswith("CollectiveError: phase metadata-read: ") and
+                   "file's size is not what it was when the metadata handed in was read: "
+                   "it changed since; read the checkpoint again" in g for g in got), got
     elif case == "meta":
         assert all(g.startswith("CollectiveError: phase load: rank") and
                    "file changed after its header was read" in g for g in got), got

@@ -133,3 +133,24 @@ def test_ranks_on_copies_with_other_data_stop_naming_the_rank_and_file(two_seeds
         line = rank_line(err, r)
         assert "phase plan-agree: " in line and "CheckpointError" in line, line
         assert f"file {_shards(a)[0]} differs in its data on rank 1 " in line, line
+
+
+def test_metadata_handed_in_is_checked_against_the_files_as_they_are(two_seeds):
+    """With metadata read earlier and handed to the load, a file whose header changed since
+    (same size) had its new state recorded as seen, so the old header put back with other
+    data during the load loaded that data; refused at the fingerprint now."""
+    import dataclasses
+
+    import coordloader as cl
+    from coordloader.errors import CheckpointError
+    a, _, _ = two_seeds
+    meta = cl.read_checkpoint(a)
+    assert checkpoint_identity(a, _shards(a), SIDE, read_from=meta.files) == \
+        checkpoint_identity(a, _shards(a), SIDE)
+    other = tuple(dataclasses.replace(f, header_sha256="0" * 64) if i == 1 else f
+                  for i, f in enumerate(meta.files))
+    with pytest.raises(CheckpointError) as e:
+        checkpoint_identity(a, _shards(a), SIDE, read_from=other)
+    assert str(e.value) == (f"file {meta.files[1].name}: file's header is not what it was when "
+                            f"the metadata handed in was read: it changed since; read the "
+                            f"checkpoint again")

@@ -70,7 +70,7 @@ def _sample_offsets(start: int, end: int) -> list[tuple[int, int]]:
     return [(start + i * step, SAMPLE_BYTES) for i in range(SAMPLE_BLOCKS)]
 
 
-def _safetensors_identity(root: str, name: str, record: bool) -> FileIdentity:
+def _safetensors_identity(root: str, name: str, read_from) -> FileIdentity:
     path = os.path.join(root, name)
     fd, st = _open_regular(path, name)
     try:
@@ -83,9 +83,14 @@ def _safetensors_identity(root: str, name: str, record: bool) -> FileIdentity:
             raise CheckpointError(f"header length {n} exceeds the file size {size} or the "
                                   f"{MAX_HEADER_LEN}-byte limit", file=name)
         header = hashlib.sha256(_pread_exact(fd, n, 8, name)).hexdigest()
+        if read_from is not None and (size, header) != (read_from.size, read_from.header_sha256):
+            what = "size" if size != read_from.size else "header"
+            raise CheckpointError(f"file's {what} is not what it was when the metadata handed "
+                                  f"in was read: it changed since; read the checkpoint again",
+                                  file=name)
         # the engines refuse this file if it changes from now on, also where another
         # rank parsed its header
-        note_header_seen(path, st, header, replace=record)
+        note_header_seen(path, st, header, replace=read_from is None)
         sample = hashlib.sha256()
         for off, length in _sample_offsets(8 + n, size):
             sample.update(_pread_exact(fd, length, off, name))
@@ -103,16 +108,19 @@ def _side_identity(root: str, name: str) -> FileIdentity:
 
 
 def checkpoint_identity(root: str, shards: Sequence[str], side_files: Sequence[str] = (), *,
-                        record: bool = True) -> CheckpointIdentity:
+                        read_from: Sequence | None = None) -> CheckpointIdentity:
     """This rank's fingerprint of the safetensors ``shards`` and ``side_files`` under
     ``root`` (a side file may be absent; that is part of the identity). Each shard is
     noted as seen now (``note_header_seen``), so the engines refuse it if it changes
-    from now on; with ``record=False`` (metadata read earlier, handed in) only where this
-    process holds no record of that header: one taken when the metadata was read must
-    stay to refuse a file changed since, and metadata read in another process (pickled
-    to spawned ranks) leaves none."""
+    from now on. ``read_from``: the FileInfos of metadata read earlier and handed in: a
+    shard whose size or header is not its FileInfo's changed since and is refused, and a
+    shard is noted only where this process holds no record of that header (one taken
+    when the metadata was read must stay to refuse a file changed since; metadata read
+    in another process, pickled to spawned ranks, leaves none)."""
     root = os.path.abspath(os.fspath(root))
-    files = [_safetensors_identity(root, n, record) for n in shards]
+    expect = None if read_from is None else {f.name: f for f in read_from}
+    files = [_safetensors_identity(root, n, None if expect is None else expect.get(n))
+             for n in shards]
     files += [_side_identity(root, n) for n in side_files if n not in shards]
     return CheckpointIdentity(tuple(sorted(files)))
 
