@@ -361,8 +361,13 @@ def descriptor_room(files: int, rank: int | None) -> Callable[[], None]:
             _Room.granted = need
         _Room.holders += 1
 
+    done = []
+
     def release() -> None:
         with _Room.lock:
+            if done:   # once per hold
+                return
+            done.append(True)
             _Room.holders -= 1
             if _Room.holders or _Room.before is None:
                 return
