@@ -243,7 +243,7 @@ def test_a_dcp_file_streaming_a_key_its_header_did_not_list_is_named(tmp_path, f
     rp = RankPlan(0, {}, (slice_of(meta, "w", [(((0, 8), (0, 6)), (0, 0))]),))
     real = ite._stream_files
     monkeypatch.setattr(ite, "_stream_files",
-                        lambda *a: [f.replace("00002", "00003") for f in real(*a)])
+                        lambda *a: [(f.replace("00002", "00003"), k) for f, k in real(*a)])
     first = min((p for t in meta.tensors.values() for p in t.pieces if p.file == DCP_FILES[1]),
                 key=lambda p: p.start).key   # the second file's first tensor in the stream
     with pytest.raises(LoadError) as e:
@@ -465,3 +465,30 @@ def test_a_rank_of_many_files_gets_room_for_their_descriptors(tmp_path, fake_cud
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert all(torch.equal(got[f"t{i}"], torch.full((4,), float(i))) for i in range(n))
+
+
+def test_a_stream_that_skips_a_tensor_is_refused_not_attributed_to_the_next_file(
+        tmp_path, fake_cuda, monkeypatch):
+    """Tensors were attributed to files by counting: a stream yielding one tensor fewer
+    than the metadata lists would credit every later one to the wrong file, and DCP's
+    same-shaped pieces under one key in every file passed every check. The key expected
+    at each position (each file's keys in the order of their bytes) is checked."""
+    meta, _ = dcp_ckpt(tmp_path)
+    rp = _dcp_rank_plans(meta)[0]
+    first, second = (p.key for p in sorted(
+        (p for t in meta.tensors.values() for p in t.pieces if p.file == DCP_FILES[0]),
+        key=lambda p: p.start))
+
+    class Skipping(FakeSafeOpen):   # drops the first file's first tensor
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            del self.items[0]
+
+    monkeypatch.setattr(ite, "_safe_open", lambda: Skipping)
+    with pytest.raises(LoadError) as e:
+        select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
+            meta, rp, "cuda:0")
+    assert str(e.value) == (f"rank 0, file {DCP_FILES[0]}: instanttensor yielded key "
+                            f"{second!r} where the checkpoint metadata has {first!r} next in "
+                            f"this file (the stream skipped or added a tensor, or the file "
+                            f"changed?)")

@@ -221,16 +221,15 @@ def _stream_order(handle: Any, paths: Sequence[str], files: Sequence[str]) -> li
 
 
 def _stream_files(order: Sequence[str], keys: Sequence[str] | None,
-                  file_keys: Mapping[str, Sequence[str]]) -> list[str]:
-    """The file of each tensor one ``safe_open(paths, tensor_filter=keys)`` streams, in
-    stream order: the files in ``order`` (``_stream_order``), per file as many tensors as
-    its header holds, or as it holds keys of ``keys`` (exact names)."""
+                  file_keys: Mapping[str, Sequence[str]]) -> list[tuple[str, str]]:
+    """(file, key) of each tensor one ``safe_open(paths, tensor_filter=keys)`` streams, in
+    stream order: the files in ``order`` (``_stream_order``), per file its keys in the
+    order of their bytes (``file_keys``), or those of ``keys`` (exact names). The key
+    yielded at each position is checked against it: a stream that skips or adds a tensor
+    is refused there, not attributed to the next file."""
     keep = None if keys is None else set(keys)
-    out: list[str] = []
-    for fname in order:
-        ks = file_keys.get(fname, ())
-        out += [fname] * (len(ks) if keep is None else sum(k in keep for k in ks))
-    return out
+    return [(fname, k) for fname in order for k in file_keys.get(fname, ())
+            if keep is None or k in keep]
 
 
 def _key_files(files: Sequence[str], keys: Sequence[str] | None,
@@ -320,11 +319,12 @@ class InstantTensorEngine:
             held += slice_nbytes(ts)
         # (file, key) -> (tensor, source piece): keys are unique within a file only
         keymap: dict[tuple[str, str], tuple] = {}
-        file_keys: dict[str, list[str]] = {}
         for info in meta.tensors.values():
             for sp in info.pieces:
                 keymap[(sp.file, sp.key)] = (info, sp)
-                file_keys.setdefault(sp.file, []).append(sp.key)
+        file_keys: dict[str, list[str]] = {}   # per file its keys in the order of their bytes
+        for (fname, key), (_, sp) in sorted(keymap.items(), key=lambda kv: kv[1][1].start):
+            file_keys.setdefault(fname, []).append(key)
         need = needed_keys(meta, rank_plan)
         calls = open_calls(groups, pgs, rank, need)
 
@@ -376,7 +376,13 @@ class InstantTensorEngine:
                                             f"{' and others' if len(files) > 1 else ''} "
                                             f"(file changed?)", rank=rank)
                         if streams is not None:
-                            fname = streams[i]
+                            fname, want = streams[i]
+                            if key != want:
+                                raise LoadError(
+                                    f"instanttensor yielded key {key!r} where the checkpoint "
+                                    f"metadata has {want!r} next in this file (the stream "
+                                    f"skipped or added a tensor, or the file changed?)",
+                                    file=fname, rank=rank)
                         elif key in by_key:
                             fname = by_key[key]
                         else:
