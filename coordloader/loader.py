@@ -581,15 +581,13 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
             skipped.append(name)
             continue
         dst = dests.get(tgt)
-        if dst is not None or tgt in dests:
-            if not isinstance(dst, torch.Tensor):
-                # an entry holding no tensor (TransformerEngine's _extra_state: None, a
-                # BytesIO) is not filled; strict says so, else it is left as it is
-                if strict:
-                    require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}", name,
-                                   rank)
-                skipped.append(name)
-                continue
+        if tgt in dests and not isinstance(dst, torch.Tensor):
+            # an entry holding no tensor (TransformerEngine's _extra_state: None, a
+            # BytesIO) is not filled; strict says so, else it is left as it is
+            if strict:
+                require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}", name, rank)
+            skipped.append(name)
+            continue
         hit = None if dst is not None else _fusion_source(fusions, tgt)
         if hit is not None:   # one of many checkpoint tensors of a fused parameter
             k, prefix, src, expert = hit
@@ -614,8 +612,9 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
         _check_fusion_parts(fusions[k], prefix, parts, rank)
         tgt = prefix + fusions[k].target
         dst = dests.get(tgt)
-        if dst is not None:
-            require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}", None, rank)
+        if dst is not None:   # named by one of the checkpoint tensors it fuses
+            require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}",
+                           next(iter(next(iter(parts.values())).values())), rank)
         experts = sorted(next(iter(parts.values())))
         slots[(k, prefix)] = layout.local_order(rank_plan.coords.get("ep"), experts)
         try:   # the fusion itself, on meta tensors: the shape and dtype it gives

@@ -118,9 +118,8 @@ def checkpoint_identity(root: str, shards: Sequence[str], side_files: Sequence[s
     when the metadata was read must stay to refuse a file changed since; metadata read
     in another process, pickled to spawned ranks, leaves none)."""
     root = os.path.abspath(os.fspath(root))
-    expect = None if read_from is None else {f.name: f for f in read_from}
-    files = [_safetensors_identity(root, n, None if expect is None else expect.get(n))
-             for n in shards]
+    expect = {f.name: f for f in read_from or ()}
+    files = [_safetensors_identity(root, n, expect.get(n)) for n in shards]
     files += [_side_identity(root, n) for n in side_files if n not in shards]
     return CheckpointIdentity(tuple(sorted(files)))
 

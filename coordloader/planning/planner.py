@@ -116,10 +116,7 @@ class _Planner:
         templates = digit_templates(names)
         groups: dict[str, list[str]] = {}   # digit template -> its names, in name order
         for n, t in zip(names, templates):
-            g = groups.get(t)
-            if g is None:
-                g = groups[t] = []
-            g.append(n)
+            groups.setdefault(t, []).append(n)
         layers, spans = self._find_layers(groups)
         tied = self._tied()
         # match rules first: unmatched names fail before any work
