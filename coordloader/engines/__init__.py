@@ -389,14 +389,15 @@ def paths_stay_checked(paths: Sequence[str], infos: Sequence, rank: int | None):
     try:
         for path, info in zip(paths, infos):
             fds.append(open_checked(path, info, rank))
+        def still_checked() -> None:
+            for path, fd, info in zip(paths, fds, infos):
+                refuse_replaced(path, fd, info, rank)
         try:
             yield
         except LoadError:
-            for path, fd, info in zip(paths, fds, infos):
-                refuse_replaced(path, fd, info, rank)   # a file replaced meanwhile: the cause
+            still_checked()   # a file replaced meanwhile: the cause
             raise
-        for path, fd, info in zip(paths, fds, infos):
-            refuse_replaced(path, fd, info, rank)
+        still_checked()
     finally:
         for fd in fds:
             os.close(fd)
