@@ -202,6 +202,7 @@ def mark_copies(classes) -> list:
     held: set = set()   # boxes an earlier distinct class holds
     seen: dict = {}     # (shape, pieces) as placed -> that class, copies marked
     out = []
+    marked = False
     for c in classes:
         got = seen.get(c)
         if got is not None:
@@ -210,10 +211,11 @@ def mark_copies(classes) -> list:
         ls, pieces = c
         if any(p.src in held for p in pieces):
             c = (ls, tuple(Piece(p.src, p.dst, True) if p.src in held else p for p in pieces))
+            marked = True
         held.update(p.src for p in pieces)
         seen[(ls, pieces)] = c
         out.append(c)
-    return out if out != classes else classes
+    return out if marked else classes
 
 def _place_expert(ctx: PlacementContext, t: TensorInfo, p: Mapping):
     rx = ctx.compiled(p["id_regex"])
