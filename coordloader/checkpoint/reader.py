@@ -642,30 +642,27 @@ def _check_numbered_sets(path: str, shards: tuple[str, ...]) -> None:
     whole sets, numbered 1..N or 0..N-1: a copy or download that lost a file would
     otherwise load as a smaller model. DCP's per-rank files are exempt (a rank may hold
     nothing of a numbered file)."""
-    sets: dict[str, dict[int, dict[int, str]]] = {}   # prefix -> total -> number -> name
+    sets: dict[str, dict[int, dict[int, re.Match]]] = {}   # prefix -> total -> number -> its match
     for n in shards:
         m = None if DCP_SHARD_RE.match(n) else NUMBERED_SHARD_RE.match(n)
         if m:
-            sets.setdefault(m.group(1), {}).setdefault(int(m.group(3)), {})[int(m.group(2))] = n
+            sets.setdefault(m.group(1), {}).setdefault(int(m.group(3)), {})[int(m.group(2))] = m
     for prefix, by_total in sorted(sets.items()):
         if len(by_total) > 1:
-            a, b = (next(iter(by_total[t].values())) for t in sorted(by_total)[:2])
+            a, b = (next(iter(by_total[t].values())).string for t in sorted(by_total)[:2])
             raise CheckpointError(f"holds shards of sets of different sizes ({a} and {b}) and "
                                   f"no index; expected one checkpoint per directory", file=path)
         (total, present), = by_total.items()
         first = 0 if 0 in present else 1
         outside = sorted(i for i in present if not first <= i < first + total)
         if outside:
-            raise CheckpointError(f"has no index and numbered shard {present[outside[0]]} lies "
+            raise CheckpointError(f"has no index and numbered shard {present[outside[0]].string} lies "
                                   f"outside its set of {total} (numbered {first}.."
                                   f"{first + total - 1})", file=path)
         if len(present) < total:
             # name the missing files as the present ones are written (widths as they pad)
-            some = next(iter(present.values()))
-            m = NUMBERED_SHARD_RE.match(some)
-            width = len(m.group(2)) if all(
-                len(NUMBERED_SHARD_RE.match(v).group(2)) == len(m.group(2))
-                for v in present.values()) else 0
+            m = next(iter(present.values()))
+            width = len(m.group(2)) if len({len(v.group(2)) for v in present.values()}) == 1 else 0
             gone = (i for i in range(first, first + total) if i not in present)
             names = [f"{prefix}-{i:0{width}d}-of-{m.group(3)}.safetensors"
                      for i, _ in zip(gone, range(3))]
