@@ -335,3 +335,26 @@ def test_descriptor_room_of_overlapping_loads_is_put_back_by_the_last():
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert low < after_a < after_b
+
+
+def test_consolidate_makes_room_for_the_source_files_it_holds_open(tmp_path):
+    """consolidate opens every source file before writing and holds them for the run: a
+    source of more files than the soft RLIMIT_NOFILE allows (a DCP save of many ranks)
+    failed 'cannot open: Too many open files' where a load of it worked."""
+    import resource
+
+    import torch
+    n = 100
+    (tmp_path / "src").mkdir()
+    _many_files(tmp_path / "src", n)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = _lowest_free_fd() + 40
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        cl.consolidate(str(tmp_path / "src"), str(tmp_path / "out"))
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (low, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    got = cl.load_detailed(str(tmp_path / "out"), Layout(), rank=0, verify="none",
+                           replicate_unmatched=True).tensors
+    assert all(torch.equal(got[f"t{i}"], torch.full((4,), float(i))) for i in range(n))

@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import shutil
-import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -39,8 +38,13 @@ from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.fileio import OpenFiles, fsync_dir, pread_into, pwrite_all
 from coordloader.checkpoint.formats import HF_INDEX, HF_INDEX_SUFFIX, SHARDED_INDEX
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape, check_extents
-from coordloader.checkpoint.reader import MAX_JSON_FILE, read_small_file, refuse_interrupted
-from coordloader.engines import refuse_changed, refuse_changed_path
+from coordloader.checkpoint.reader import (
+    MAX_JSON_FILE,
+    _open_regular,
+    read_small_file,
+    refuse_interrupted,
+)
+from coordloader.engines import descriptor_room, refuse_changed, refuse_changed_path
 from coordloader.errors import CheckpointError, LoadError, SaveError
 from coordloader.handoff.publish import (
     MAX_COMPANION_BYTES,
@@ -208,6 +212,11 @@ def _fd_digest(fd: int, limit: int) -> bytes | None:
     return h.digest()
 
 
+# descriptors for the files opened beside the data (config.json, tokenizer files, the
+# manifest, the index), past the data files' own
+_SIDE_FILES = 32
+
+
 def _open_described(meta: CheckpointMeta, fds: Described) -> list[str]:
     """Open, into ``fds`` (name: descriptor, identity, digest), every file of the source
     that is not data but is copied or read beside it: the companion files (config.json,
@@ -229,13 +238,10 @@ def _open_described(meta: CheckpointMeta, fds: Described) -> list[str]:
     for name in sorted(names):
         path = os.path.join(meta.root, name)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        except OSError as e:
-            raise _source_error(f"cannot open: {e.strerror}", path) from None
-        st = os.fstat(fd)
+            fd, st = _open_regular(path, path)   # never blocks; a regular file
+        except CheckpointError as e:
+            raise _source_error(e.message, path) from None
         fds[name] = (fd, _identity(st), None)
-        if not stat.S_ISREG(st.st_mode):
-            raise _source_error("is not a regular file", path)
         limit = MAX_COMPANION_BYTES if name in companions else MAX_JSON_FILE
         try:
             fds[name] = (fd, _identity(st), _fd_digest(fd, limit))
@@ -309,11 +315,12 @@ def _recheck_sources(meta: CheckpointMeta, described: Described,
                                 "again once the source is saved", path)
 
 
-def _close_all(srcs: OpenFiles, described: Described) -> None:
+def _close_all(srcs: OpenFiles, described: Described, room) -> None:
     srcs.close()
     for fd, _, _ in described.values():
         os.close(fd)
     described.clear()
+    room()
 
 
 def _plan_shards(meta: CheckpointMeta, max_shard_bytes: int) -> list[list[TensorInfo]]:
@@ -375,13 +382,21 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
                         file=out_dir)
     # every source file opened and checked before anything is written; read only through
     # these, and the companions copied from theirs
-    srcs = _open_sources(meta)
+    try:   # every source file stays open for the run, as in the cpu engine's load
+        room = descriptor_room(len(meta.files) + _SIDE_FILES, None)
+    except LoadError as e:
+        raise SaveError(e.message, file=meta.root) from None
+    try:
+        srcs = _open_sources(meta)
+    except BaseException:
+        room()
+        raise
     described: Described = {}
     try:
         companions = _open_described(meta, described)
         stage = prepare_target(out_dir, overwrite, None, "consolidate-" + uuid.uuid4().hex[:12])
     except BaseException:
-        _close_all(srcs, described)
+        _close_all(srcs, described, room)
         raise
     stage_dir = os.path.join(out_dir, stage)
     try:
@@ -436,7 +451,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     except OSError as e:
         raise os_error(e, getattr(e, "filename", None) or out_dir, None, "consolidating") from e
     finally:
-        _close_all(srcs, described)
+        _close_all(srcs, described, room)
         # after the publish marker the stage holds the new files recover_save moves in
         if not publishing(out_dir, stage):
             shutil.rmtree(stage_dir, ignore_errors=True)
