@@ -331,11 +331,9 @@ class GlobalShapeTensor(torch.Tensor):
                 raise dst._held.refuse("writing into a checkpoint tensor", dst._box)
             return dst.copy_(src.materialize(), *args[2:], **kwargs)
         self = args[0]
-        written = _written(func, args, kwargs)     # checkpoint tensors the op would change
         if not isinstance(self, GlobalShapeTensor):
-            raise refuse_op(func, written[0] if written else
-                            next(a for a in tree_leaves((args, kwargs))
-                                 if isinstance(a, GlobalShapeTensor)), writes=bool(written))
+            raise _refusal(func, args, kwargs, next(a for a in tree_leaves((args, kwargs))
+                                                     if isinstance(a, GlobalShapeTensor)))
         a = list(args[1:])
 
         def arg(i: int, name: str, default):
@@ -389,7 +387,14 @@ class GlobalShapeTensor(torch.Tensor):
             return self._index(list(arg(0, "indices", [])))
         if func is aten.zero_.default:
             return self._zero()
-        raise refuse_op(func, written[0] if written else self, writes=bool(written))
+        raise _refusal(func, args, kwargs, self)
+
+
+def _refusal(func, args, kwargs, view: GlobalShapeTensor) -> FitError:
+    """``refuse_op`` for an op not answered: named by the checkpoint tensor it would change
+    (``_written``), else by ``view``. Only refusals walk the op's schema for that."""
+    written = _written(func, args, kwargs)
+    return refuse_op(func, written[0] if written else view, writes=bool(written))
 
 
 LAZY = ("narrow/slice/select/unbind/squeeze/unsqueeze/split/chunk/detach/transpose/permute "
