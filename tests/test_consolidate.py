@@ -407,8 +407,9 @@ def test_a_companion_whose_identity_moved_but_not_its_bytes_publishes(hf_race, c
     # did not; the output is the undisturbed consolidate's, byte for byte
     src, out, before, after_opens = hf_race
     after_opens(lambda: change(src))
-    consolidate(src, out, overwrite=True)
-    assert _tree(out) == before
+    fresh = out + "-again"   # not the earlier output: a run that published nothing fails
+    consolidate(src, fresh)
+    assert _tree(fresh) == before
 
 
 def _after_copy_of(monkeypatch, name: str, then) -> None:

@@ -415,22 +415,16 @@ def test_a_yielded_tensor_of_another_dtype_or_shape_is_refused(tmp_path, fake_cu
             super().__init__(*a, **k)
             self.items.sort(key=lambda it: it[0], reverse=True)   # stable: offsets kept
 
-    monkeypatch.setattr(ite, "_safe_open", lambda: Retyped)
-    with pytest.raises(LoadError) as e:
-        select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
-            meta, rp, "cuda:0")
-    assert str(e.value) == (f"rank 0, file {DCP_FILES[0]}, tensor 'w': instanttensor yielded "
-                            f"key 'w' as torch.int32 [4, 6]; the checkpoint metadata has it in "
-                            f"this file as torch.float32 [4, 6] (file changed, or the stream "
-                            f"attributed to the wrong file?)")
-    monkeypatch.setattr(ite, "_safe_open", lambda: Misordered)
-    with pytest.raises(LoadError) as e:
-        select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
-            meta, rp, "cuda:0")
-    assert str(e.value) == (f"rank 0, file {DCP_FILES[0]}, tensor 'v': instanttensor yielded "
-                            f"key 'v' as torch.int32 [1, 2]; the checkpoint metadata has it in "
-                            f"this file as torch.int32 [2, 2] (file changed, or the stream "
-                            f"attributed to the wrong file?)")
+    for fake, key, got, want in ((Retyped, "w", "torch.int32 [4, 6]", "torch.float32 [4, 6]"),
+                                 (Misordered, "v", "torch.int32 [1, 2]", "torch.int32 [2, 2]")):
+        monkeypatch.setattr(ite, "_safe_open", lambda fake=fake: fake)
+        with pytest.raises(LoadError) as e:
+            select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
+                meta, rp, "cuda:0")
+        assert str(e.value) == (f"rank 0, file {DCP_FILES[0]}, tensor {key!r}: instanttensor "
+                                f"yielded key {key!r} as {got}; the checkpoint metadata has it "
+                                f"in this file as {want} (file changed, or the stream "
+                                f"attributed to the wrong file?)")
 
 
 def test_a_rank_of_many_files_gets_room_for_their_descriptors(tmp_path, fake_cuda):

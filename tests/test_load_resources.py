@@ -317,6 +317,7 @@ def test_descriptor_room_of_overlapping_loads_is_put_back_by_the_last():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     low = _lowest_free_fd() + 40
     resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    end_a = end_b = lambda: None   # noqa: E731
     try:
         end_a = descriptor_room(100, 0)
         after_a = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -332,7 +333,9 @@ def test_descriptor_room_of_overlapping_loads_is_put_back_by_the_last():
         end_c = descriptor_room(1, 0)   # room enough: nothing changes, nothing put back
         end_c()
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == roomy
-    finally:
+    finally:   # no hold left behind for later loads, whatever failed (ends are once only)
+        end_a()
+        end_b()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert low < after_a < after_b
 
