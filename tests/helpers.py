@@ -1,6 +1,7 @@
 """One copy of the small helpers the tests share."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -20,6 +21,33 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 def open_fds() -> set[str]:
     """The file descriptors this process holds open now."""
     return set(os.listdir("/proc/self/fd"))
+
+
+@contextlib.contextmanager
+def few_descriptors(spare: int):
+    """The soft RLIMIT_NOFILE set to allow ``spare`` more open descriptors than this
+    process holds now (the hard limit kept); yields that soft limit and puts the old one
+    back whatever happens."""
+    import resource
+    fd = os.open(os.devnull, os.O_RDONLY)   # the lowest free descriptor
+    os.close(fd)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (fd + spare, hard))
+    try:
+        yield fd + spare
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def many_files(directory, n: int) -> None:
+    """An HF checkpoint of ``n`` files under an index, file i holding ``t{i}`` = four i's."""
+    from safetensors.torch import save_file
+
+    from stfiles import write_index
+    wm = {f"t{i}": f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)}
+    for i in range(n):
+        save_file({f"t{i}": torch.full((4,), float(i))}, os.path.join(directory, wm[f"t{i}"]))
+    write_index(directory, wm)
 
 
 def rank_line(err: str, rank: int, *, only: bool = False) -> str:

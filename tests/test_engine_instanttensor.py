@@ -434,30 +434,19 @@ def test_a_rank_of_many_files_gets_room_for_their_descriptors(tmp_path, fake_cud
     engine does, and put back after."""
     import resource
 
-    from safetensors.torch import save_file
-
     import coordloader as cl
     from coordloader.checkpoint.reader import read_checkpoint
     from coordloader.layout import Layout
+
+    from helpers import few_descriptors, many_files
     n = 100
-    for i in range(n):
-        save_file({f"t{i}": torch.full((4,), float(i))},
-                  str(tmp_path / f"model-{i + 1:05d}-of-{n:05d}.safetensors"))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {f"t{i}": f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                                        for i in range(n)}}))
+    many_files(str(tmp_path), n)
     meta = read_checkpoint(str(tmp_path))
     plan = cl.make_plan(meta, Layout(), replicate_unmatched=True)
-    fd = os.open(os.devnull, os.O_RDONLY)
-    os.close(fd)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (fd + 40, hard))
-    try:
+    with few_descriptors(40) as low:
         got, _ = select_engine("instanttensor", "cuda:0", plan=plan).load_rank(
             meta, plan.rank(0), "cuda:0")
-        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (fd + 40, hard)
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == low
     assert all(torch.equal(got[f"t{i}"], torch.full((4,), float(i))) for i in range(n))
 
 

@@ -317,21 +317,14 @@ def test_safetensors_engine_errors_name_the_file_not_its_descriptor(tmp_path):
     that path (`unable to open file </proc/self/fd/126> ...`), meaningless once the
     descriptor is closed. Here safe_open's open fails for real (the engine's check takes
     the last descriptor RLIMIT_NOFILE allows): the message names the file instead."""
-    import resource
-
     from coordloader.errors import LoadError
+
+    from helpers import few_descriptors
     _two_tensor_file(tmp_path / "model.safetensors", 0.0)
     meta = cl.read_checkpoint(str(tmp_path))
-    fd = os.open(os.devnull, os.O_RDONLY)
-    os.close(fd)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (fd + 1, hard))   # one descriptor left
-    try:
-        with pytest.raises(LoadError) as e:
-            cl.load_detailed(meta, Layout(), rank=0, engine="safetensors", verify="none",
-                             replicate_unmatched=True)
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with few_descriptors(1), pytest.raises(LoadError) as e:   # one descriptor left
+        cl.load_detailed(meta, Layout(), rank=0, engine="safetensors", verify="none",
+                         replicate_unmatched=True)
     msg = str(e.value)
     head = "rank 0, file model.safetensors: safetensors cannot open it: "
     assert msg.startswith(head), msg

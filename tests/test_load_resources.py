@@ -3,6 +3,7 @@ successful or failed, and the CPU engine's memory stays within the bytes it must
 plus a fixed buffer."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -20,7 +21,7 @@ from coordloader.errors import CheckpointError, CoordloaderError, LoadError
 from coordloader.layout import Layout
 from coordloader.synth import synthesize
 
-from helpers import open_fds
+from helpers import few_descriptors, many_files, open_fds
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,22 +70,8 @@ def test_no_fd_or_thread_leak_across_100_loads_including_failures(tmp_path):
     assert gc.isenabled()
 
 
-def _lowest_free_fd() -> int:
-    fd = os.open(os.devnull, os.O_RDONLY)
-    os.close(fd)
-    return fd
-
-
 def _many_files(tmp_path, n):
-    import torch
-    from safetensors.torch import save_file
-    wm = {}
-    for i in range(n):
-        f = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        save_file({f"t{i}": torch.full((4,), float(i))}, str(tmp_path / f))
-        wm[f"t{i}"] = f
-    (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": wm}))
+    many_files(str(tmp_path), n)
     return read_checkpoint(str(tmp_path))
 
 
@@ -99,15 +86,10 @@ def test_cpu_engine_makes_room_for_the_files_it_holds_open(tmp_path):
     import torch
     n = 100
     meta = _many_files(tmp_path, n)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    low = _lowest_free_fd() + 40
-    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
-    try:
+    with few_descriptors(40) as low:
         got = cl.load_detailed(meta, Layout(), rank=0, engine="cpu", verify="none",
                                replicate_unmatched=True).tensors
-        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (low, hard)
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == low
     assert len(got) == n
     assert all(torch.equal(got[f"t{i}"], torch.full((4,), float(i))) for i in range(n))
     # a hard limit cannot be raised again by an unprivileged process: its own process
@@ -132,18 +114,13 @@ def test_safetensors_engine_loads_more_files_than_descriptors_allowed(tmp_path):
     of many ranks) failed `safetensors cannot open it: unable to open file
     </proc/self/fd/N> ... Too many open files`. Each is closed once safe_open has mapped
     the file: 100 files load with 40 descriptors to spare."""
-    import resource
 
     import torch
     n = 100
     meta = _many_files(tmp_path, n)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (_lowest_free_fd() + 40, hard))
-    try:
+    with few_descriptors(40):
         got = cl.load_detailed(meta, Layout(), rank=0, engine="safetensors", verify="none",
                                replicate_unmatched=True).tensors
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert len(got) == n
     assert all(torch.equal(got[f"t{i}"], torch.full((4,), float(i))) for i in range(n))
 
@@ -314,11 +291,10 @@ def test_descriptor_room_of_overlapping_loads_is_put_back_by_the_last():
     import resource
 
     from coordloader.engines import descriptor_room
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    low = _lowest_free_fd() + 40
-    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
     end_a = end_b = lambda: None   # noqa: E731
-    try:
+    with few_descriptors(40) as low, contextlib.ExitStack() as ends:
+        # no hold left behind for later loads, whatever fails (ends are once only)
+        ends.callback(lambda: (end_a(), end_b()))
         end_a = descriptor_room(100, 0)
         after_a = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         end_b = descriptor_room(300, 0)
@@ -329,14 +305,11 @@ def test_descriptor_room_of_overlapping_loads_is_put_back_by_the_last():
         end_b()
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == low
         roomy = low + 1000
-        resource.setrlimit(resource.RLIMIT_NOFILE, (roomy, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (roomy, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
         end_c = descriptor_room(1, 0)   # room enough: nothing changes, nothing put back
         end_c()
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == roomy
-    finally:   # no hold left behind for later loads, whatever failed (ends are once only)
-        end_a()
-        end_b()
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert low < after_a < after_b
 
 
@@ -350,14 +323,9 @@ def test_consolidate_makes_room_for_the_source_files_it_holds_open(tmp_path):
     n = 100
     (tmp_path / "src").mkdir()
     _many_files(tmp_path / "src", n)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    low = _lowest_free_fd() + 40
-    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
-    try:
+    with few_descriptors(40) as low:
         cl.consolidate(str(tmp_path / "src"), str(tmp_path / "out"))
-        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (low, hard)
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == low
     got = cl.load_detailed(str(tmp_path / "out"), Layout(), rank=0, verify="none",
                            replicate_unmatched=True).tensors
     assert all(torch.equal(got[f"t{i}"], torch.full((4,), float(i))) for i in range(n))
