@@ -319,12 +319,14 @@ class InstantTensorEngine:
             held += slice_nbytes(ts)
         # (file, key) -> (tensor, source piece): keys are unique within a file only
         keymap: dict[tuple[str, str], tuple] = {}
+        starts: dict[str, list[tuple[int, str]]] = {}
         for info in meta.tensors.values():
             for sp in info.pieces:
                 keymap[(sp.file, sp.key)] = (info, sp)
-        file_keys: dict[str, list[str]] = {}   # per file its keys in the order of their bytes
-        for (fname, key), (_, sp) in sorted(keymap.items(), key=lambda kv: kv[1][1].start):
-            file_keys.setdefault(fname, []).append(key)
+                starts.setdefault(sp.file, []).append((sp.start, sp.key))
+        # per file its keys in the order of their bytes, sorted file by file (tuples: no
+        # key function per entry)
+        file_keys = {f: [k for _, k in sorted(p)] for f, p in starts.items()}
         need = needed_keys(meta, rank_plan)
         calls = open_calls(groups, pgs, rank, need)
 
