@@ -1,5 +1,6 @@
 import collections
 import json
+import re
 
 import pytest
 from hypothesis import strategies as st
@@ -114,6 +115,19 @@ def test_split_errors_name_tensor_and_layout_once():
         msg = str(ei.value)
         assert msg.startswith("tensor 'w': ") and what in msg, msg
         assert msg.count("(layout tp=2 pp=1 dp=1 ep=1)") == 1, msg
+
+
+@pytest.mark.parametrize("strategy, params, msg", [
+    ("heads", {"num_heads": 2, "kv": "false"}, "param 'kv' must be true or false, got 'false'"),
+    ("heads", {"num_heads": 2, "kv": 1}, "param 'kv' must be true or false, got 1"),
+    ("packed", {"num_blocks": 2, "heads": [2, 2], "kv": ["false", True]},
+     "param 'kv' must list one boolean (true or false) per block (2), got ['false', True]"),
+])
+def test_boolean_params_are_booleans(strategy, params, msg):
+    """A rule file's "kv": "false" was read as bool("false"), True: K/V heads replicated
+    at a tp above the heads, where the rule said to refuse."""
+    with pytest.raises(PlanError, match=re.escape(msg)):
+        make_rule("x", strategy, params)
 
 
 def test_named_expert_packing_declared_or_refused():

@@ -354,11 +354,19 @@ def _check_vocab(p: dict, where: str) -> None:
     _pos_int(p, "pad_to", where)
 
 
+def _bool(p: dict, k: str, where: str) -> None:
+    v = p.get(k, False)
+    if not isinstance(v, bool):
+        # bool("false") is True: a rule file's string would select the other split
+        raise PlanError(f"{where}: param {k!r} must be true or false, got {v!r}")
+    p[k] = v
+
+
 def _check_heads(p: dict, where: str) -> None:
     if "num_heads" not in p:
         raise PlanError(f"{where}: strategy 'heads' needs param 'num_heads'")
     _pos_int(p, "num_heads", where)
-    p["kv"] = bool(p.get("kv", False))
+    _bool(p, "kv", where)
 
 
 def _check_packed(p: dict, where: str) -> None:
@@ -383,9 +391,11 @@ def _check_packed(p: dict, where: str) -> None:
                             f"block ({n}), got {h!r}")
         p["heads"] = tuple(h)
         kv = p.get("kv", [False] * n)
-        if not isinstance(kv, (list, tuple)) or len(kv) != n:
-            raise PlanError(f"{where}: param 'kv' must list one boolean per block ({n})")
-        p["kv"] = tuple(bool(x) for x in kv)
+        if not isinstance(kv, (list, tuple)) or len(kv) != n or any(
+                not isinstance(x, bool) for x in kv):
+            raise PlanError(f"{where}: param 'kv' must list one boolean (true or false) per "
+                            f"block ({n}), got {kv!r}")
+        p["kv"] = tuple(kv)
     elif "kv" in p:
         raise PlanError(f"{where}: param 'kv' of 'packed' needs 'heads'")
 
