@@ -112,6 +112,15 @@ class Layout:
     def moe_tp(self) -> int:
         return self.moe_group_size // self.ep
 
+    @property
+    def sequence_parallel_moe(self) -> bool:
+        """vLLM's expert parallelism over TP x DP with tp > 1 and dp > 1 (every expert
+        whole on one rank): vLLM then runs the MoE on a sequence-parallel split of the
+        tokens (``ParallelConfig.use_sequence_parallel_moe``, on with its default all2all
+        backends) and some models keep their shared experts whole on every rank."""
+        return (self.ep_spans_dp and self.ep > 1 and self.moe_tp == 1 and self.tp > 1
+                and self.dp > 1)
+
     # -- coordinates ---------------------------------------------------------
     def coords(self, rank: int) -> Coords:
         if not _is_int(rank) or not 0 <= rank < self.world_size:

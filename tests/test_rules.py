@@ -122,6 +122,7 @@ def test_split_errors_name_tensor_and_layout_once():
     ("heads", {"num_heads": 2, "kv": 1}, "param 'kv' must be true or false, got 1"),
     ("packed", {"num_blocks": 2, "heads": [2, 2], "kv": ["false", True]},
      "param 'kv' must list one boolean (true or false) per block (2), got ['false', True]"),
+    ("colwise", {"shared_expert": "yes"}, "param 'shared_expert' must be true or false"),
 ])
 def test_boolean_params_are_booleans(strategy, params, msg):
     """A rule file's "kv": "false" was read as bool("false"), True: K/V heads replicated

@@ -96,7 +96,7 @@ def _place_replicate(ctx: PlacementContext, t: TensorInfo, p: Mapping):
 
 def _place_colwise(ctx: PlacementContext, t: TensorInfo, p: Mapping, dim=None):
     dim = p.get("dim", 0) if dim is None else dim
-    if not t.shape or ctx.L.tp == 1:
+    if not t.shape or ctx.L.tp == 1 or (p.get("shared_expert") and ctx.L.sequence_parallel_moe):
         return ctx.whole(t)
     classes = ctx.split_dim(t, dim, ctx.L.tp, f"split over tp={ctx.L.tp}")
     return ByTp(tuple(range(ctx.L.tp))), classes
@@ -362,6 +362,11 @@ def _bool(p: dict, k: str, where: str) -> None:
     p[k] = v
 
 
+def _check_split(p: dict, where: str) -> None:
+    if "shared_expert" in p:
+        _bool(p, "shared_expert", where)
+
+
 def _check_heads(p: dict, where: str) -> None:
     if "num_heads" not in p:
         raise PlanError(f"{where}: strategy 'heads' needs param 'num_heads'")
@@ -437,8 +442,10 @@ def _check_scale(p: dict, where: str) -> None:
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("replicate", frozenset({"stage"}), None, _place_replicate),
-    Strategy("colwise", frozenset({"dim", "stage"}), None, _place_colwise),
-    Strategy("rowwise", frozenset({"dim", "stage"}), None, _place_rowwise),
+    Strategy("colwise", frozenset({"dim", "stage", "shared_expert"}), _check_split,
+             _place_colwise),
+    Strategy("rowwise", frozenset({"dim", "stage", "shared_expert"}), _check_split,
+             _place_rowwise),
     Strategy("vocab", frozenset({"pad_to", "stage"}), _check_vocab, _place_vocab),
     Strategy("heads", frozenset({"num_heads", "kv", "dim", "stage"}), _check_heads, _place_heads),
     Strategy("packed", frozenset({"dim", "blocks", "num_blocks", "heads", "kv", "stage"}),

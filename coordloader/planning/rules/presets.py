@@ -178,6 +178,11 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
             R(r".*\.self_attn\.o_proj\.weight", "rowwise"),
             R(r".*\.mlp\.gate\.(weight|e_score_correction_bias)", "replicate"),
             R(r".*\.eh_proj\.weight", "replicate"),
+            # vLLM deepseek_v2.py: shared_experts a DeepseekV2MLP, held whole (disable_tp)
+            # when the MoE runs sequence-parallel (``Layout.sequence_parallel_moe``)
+            R(r".*\.mlp\.shared_experts\.(gate|up)_proj\.weight", "colwise",
+              shared_expert=True),
+            R(r".*\.mlp\.shared_experts\.down_proj\.weight", "rowwise", shared_expert=True),
         ]
     elif name == "phi3":
         rules += _phi3(config, R, need(heads, "num_attention_heads"),
@@ -297,8 +302,11 @@ def _llama4(R, exp: dict) -> list[Rule]:
         R(f + r"router\.weight", "replicate"),
         R(f + r"experts\.gate_up_proj", "expert", dim=1, num_blocks=2, **exp),
         R(f + r"experts\.down_proj", "expert", dim=0, **exp),
-        R(f + r"(shared_expert\.)?(gate|up)_proj\.weight", "colwise"),
-        R(f + r"(shared_expert\.)?down_proj\.weight", "rowwise"),
+        R(f + r"(gate|up)_proj\.weight", "colwise"),
+        R(f + r"down_proj\.weight", "rowwise"),
+        # shared_expert: whole when the MoE runs sequence-parallel (disable_tp in vLLM)
+        R(f + r"shared_expert\.(gate|up)_proj\.weight", "colwise", shared_expert=True),
+        R(f + r"shared_expert\.down_proj\.weight", "rowwise", shared_expert=True),
     ]
 
 
@@ -311,7 +319,8 @@ def _qwen3_next(config, R) -> list[Rule]:
     head, so a rank takes whole key-head groups; conv1d packs q, k and v channels, each
     split on its own (mamba_v2_sharded_weight_loader); dt_bias and A_log one value per
     value head; out_proj rowwise; the gated norm replicated. The MoE block is qwen2_moe's
-    with the shared expert kept as a Qwen3NextMLP. The MTP draft tensors (``mtp.*``) are
+    with the shared expert kept as a Qwen3NextMLP, held whole under a sequence-parallel
+    MoE (``Layout.sequence_parallel_moe``). The MTP draft tensors (``mtp.*``) are
     loaded by vLLM's draft model, not this one: left out (``MTP_PREFIX``); with
     include_mtp they follow these rules where they match, on the last stage."""
     nk = _cfg_int(config, "linear_num_key_heads", preset="qwen3_next")
@@ -329,6 +338,10 @@ def _qwen3_next(config, R) -> list[Rule]:
           heads=[nk, nk, nv]),
         R(la + r"(dt_bias|A_log)", "heads", num_heads=nv),
         R(la + r"out_proj\.weight", "rowwise"),
+        # the shared expert is a Qwen2MoeMLP given is_sequence_parallel: whole when the MoE
+        # runs sequence-parallel (qwen2_moe's own shared expert is not given it)
+        R(r".*\.mlp\.shared_expert\.(gate|up)_proj\.weight", "colwise", shared_expert=True),
+        R(r".*\.mlp\.shared_expert\.down_proj\.weight", "rowwise", shared_expert=True),
     ]
 
 
