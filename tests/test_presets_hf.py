@@ -548,6 +548,25 @@ def test_bert_matches_vllm(hf_checkpoint, layout):
     check_family(hf_checkpoint("bert"), FAMILIES["bert"], layout)
 
 
+def test_bert_sequence_classification_head_held_whole(tmp_path):
+    """BertForSequenceClassification maps to the bert preset, whose rules had none for its
+    classifier: the plan was refused. vLLM's bert.py builds it as an nn.Linear, whole."""
+    from transformers import BertConfig, BertForSequenceClassification
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=48,
+                     max_position_embeddings=40, type_vocab_size=2, num_labels=3)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(cfg)
+    _refill(model, seed=9)
+    model.save_pretrained(tmp_path)
+    full = _full_tensors(tmp_path)
+    assert {"classifier.weight", "classifier.bias"} <= set(full)
+    for rank in range(2):
+        got = cl.load(str(tmp_path), cl.Layout(tp=2), rank=rank)
+        for n in ("classifier.weight", "classifier.bias"):
+            assert torch.equal(got[n], full[n]), (rank, n)
+
+
 def test_phi3_detected(hf_checkpoint):
     cfg = json.loads((hf_checkpoint("phi3") / "config.json").read_text())
     assert cl.planning.rules.detect_preset(cfg) == "phi3"

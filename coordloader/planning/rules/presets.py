@@ -365,4 +365,6 @@ def _bert(config, R) -> list[Rule]:
         # pretraining heads (BertForPreTraining / MaskedLM): small, and vLLM's BERT has no
         # parallel version of them, so every rank of the last stage keeps them whole
         R(r"cls\..*", "replicate", stage="last"),
+        # BertForSequenceClassification's head: an nn.Linear in vLLM's bert.py too
+        R(r"classifier\.(weight|bias)", "replicate", stage="last"),
     ]
