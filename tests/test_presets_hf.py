@@ -567,6 +567,28 @@ def test_bert_sequence_classification_head_held_whole(tmp_path):
             assert torch.equal(got[n], full[n]), (rank, n)
 
 
+def test_mixtral_in_memory_names_plan(tmp_path):
+    """transformers 5 holds Mixtral's router as mlp.gate in memory (what state_dict() and
+    DCP write; save_pretrained writes block_sparse_moe.gate): its plan was refused."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from coordloader.checkpoint.dtypes import from_torch
+    from coordloader.planning.planner import meta_from_specs
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    sd = MixtralForCausalLM(cfg).state_dict()
+    gate = "model.layers.0.mlp.gate.weight"
+    assert gate in sd and "model.layers.0.mlp.experts.gate_up_proj" in sd, sorted(sd)
+    meta = meta_from_specs(cfg.to_dict(), [(n, from_torch(t.dtype), tuple(t.shape))
+                                           for n, t in sd.items()])
+    plan = cl.make_plan(meta, cl.Layout(tp=2, ep=2))
+    cl.validate_cover(plan, meta)
+    for r in range(2):
+        ts = plan.rank(r).by_name()[gate]
+        assert ts.local_shape == ts.global_shape == tuple(sd[gate].shape)
+
+
 def test_phi3_detected(hf_checkpoint):
     cfg = json.loads((hf_checkpoint("phi3") / "config.json").read_text())
     assert cl.planning.rules.detect_preset(cfg) == "phi3"

@@ -201,7 +201,9 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
     exp = {"num_experts": n_exp} if n_exp else {}
     if name == "mixtral":
         rules += [
-            R(r".*\.block_sparse_moe\.gate\.weight", "replicate"),
+            # transformers 5 holds the router as mlp.gate in memory (state_dict, DCP);
+            # save_pretrained writes block_sparse_moe.gate
+            R(r".*\.(block_sparse_moe|mlp)\.gate\.weight", "replicate"),
             R(r".*\.block_sparse_moe\.experts\.\d+\.w[13]\.weight", "expert", dim=0, **exp),
             R(r".*\.block_sparse_moe\.experts\.\d+\.w2\.weight", "expert", dim=1, **exp),
         ]
