@@ -90,8 +90,12 @@ class Layout:
                 raise PlanError(f"layout: pp_layers {list(pl)} must give a non-negative layer count "
                                 f"for each of the pp={self.pp} stages")
         if self.ep > self.moe_group_size:
+            hint = ("; experts spread over the TP x DP ranks (vLLM's --data-parallel-size "
+                    "with --enable-expert-parallel) need ep_spans_dp=True"
+                    if not self.ep_spans_dp and self.dp > 1 and self.ep <= self.tp * self.dp
+                    else "")
             raise PlanError(f"layout: ep={self.ep} exceeds the MoE group size {self.moe_group_size} "
-                            f"({self._moe_group_desc()})")
+                            f"({self._moe_group_desc()}){hint}")
         if self.moe_group_size % self.ep:
             raise PlanError(f"layout: ep={self.ep} does not divide the MoE group size "
                             f"{self.moe_group_size} ({self._moe_group_desc()})")

@@ -37,6 +37,20 @@ def test_invalid_layouts(kw):
         Layout(**kw)
 
 
+def test_ep_over_dp_without_ep_spans_dp_says_how():
+    """vLLM's DP + EP spreads experts over the TP x DP ranks: the same layout without
+    ep_spans_dp was refused with only "exceeds the MoE group size 1"."""
+    with pytest.raises(PlanError) as ei:
+        Layout(tp=1, dp=4, ep=4)
+    assert str(ei.value) == (
+        "layout: ep=4 exceeds the MoE group size 1 (tp=1); experts spread over the TP x DP "
+        "ranks (vLLM's --data-parallel-size with --enable-expert-parallel) need "
+        "ep_spans_dp=True")
+    with pytest.raises(PlanError) as ei:   # more ep ranks than TP x DP: no such hint
+        Layout(tp=1, dp=2, ep=4)
+    assert str(ei.value) == "layout: ep=4 exceeds the MoE group size 1 (tp=1)"
+
+
 def test_expert_checks():
     with pytest.raises(PlanError, match="misses"):
         Layout(tp=2, ep=2, expert_placement=((0,), (2,))).check_experts(3)
