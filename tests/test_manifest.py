@@ -163,8 +163,29 @@ def test_missing_and_malformed_manifest(tmp_path):
     doc = json.loads(open(mf.manifest_path(root)).read())
     doc["tensors"][next(iter(doc["tensors"]))]["shape"] = [1e400]
     open(mf.manifest_path(root), "w").write(json.dumps(doc).replace("Infinity", "1e400"))
-    with pytest.raises(VerifyError, match="malformed manifest: cannot convert float infinity"):
+    with pytest.raises(VerifyError, match=r"malformed manifest: shape \[inf\] is not a list of "
+                                          r"non-negative integers"):
         mf.load_manifest(root, meta)
+
+
+@pytest.mark.parametrize("edit", [lambda d: "-" + d, lambda d: "1" + d, lambda d: "0x" + d,
+                                  lambda d: d[:8] + "_" + d[8:], lambda d: d[:-2],
+                                  lambda d: 12345, lambda d: None],
+                         ids=["negative", "65 bits", "0x", "underscore", "short", "int", "null"])
+def test_a_manifest_digest_that_is_not_16_hex_digits_is_malformed(tmp_path, edit):
+    """A hand-edited digest of 2^64 or more, or negative, was taken (int(x, 16)) and the
+    finding printed it masked: "primary pieces sum to D, manifest has D", blaming rank 0
+    for a manifest no digest can equal."""
+    root = write_hf(tmp_path / "ck", tensors_a())
+    meta = read_checkpoint(root)
+    mf.write_manifest(meta)
+    doc = json.loads(open(mf.manifest_path(root)).read())
+    entry = doc["tensors"]["model.layers.0.w"]
+    entry["digest"] = edit(entry["digest"])
+    open(mf.manifest_path(root), "w").write(json.dumps(doc))
+    with pytest.raises(VerifyError) as ei:
+        mf.load_manifest(root, meta)
+    assert ei.value.message == f"malformed manifest: digest {entry['digest']!r} is not 16 hex digits"
 
 
 def test_manifest_that_is_a_fifo_is_refused_without_blocking(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -161,6 +162,25 @@ def _staleness(doc: dict, meta: CheckpointMeta) -> str:
     return "; ".join(what) or "the recorded fingerprint differs"
 
 
+_DIGEST_TEXT = re.compile(r"[0-9a-fA-F]{16}")
+
+
+def _digest_value(text) -> int:
+    """A digest as ``fmt`` writes it: 16 hex digits. int(x, 16) also took a sign, "0x",
+    underscores and values of 2^64 and more, which no digest equals; the finding then
+    printed the value masked, equal to the one computed."""
+    if not isinstance(text, str) or not _DIGEST_TEXT.fullmatch(text):
+        raise ValueError(f"digest {text!r} is not 16 hex digits")
+    return int(text, 16)
+
+
+def _shape(dims) -> tuple[int, ...]:
+    if not isinstance(dims, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0
+                                         for d in dims):
+        raise ValueError(f"shape {dims!r} is not a list of non-negative integers")
+    return tuple(dims)
+
+
 def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) -> Manifest | None:
     """The checkpoint's manifest, or None when there is none (unless ``required``).
     Raises VerifyError for a malformed or stale manifest, naming what changed."""
@@ -180,7 +200,7 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         doc = json.loads(raw)
         if doc.get("format") != "coordloader.manifest" or doc.get("version") != VERSION:
             raise ValueError(f"not a version-{VERSION} coordloader manifest")
-        tensors = {n: TensorDigest(str(t["dtype"]), tuple(int(s) for s in t["shape"]), int(t["digest"], 16))
+        tensors = {n: TensorDigest(str(t["dtype"]), _shape(t["shape"]), _digest_value(t["digest"]))
                    for n, t in doc["tensors"].items()}
         fp = str(doc["fingerprint"])
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
