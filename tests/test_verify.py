@@ -306,11 +306,34 @@ def test_padding_rows_not_zero(setup):
 
 
 def test_replica_differs_from_primary_without_manifest(setup):
+    """Without a manifest nothing says which copy is wrong: both ranks are named."""
     root, full, meta, man, plan, loaded = setup
     loaded[1]["norm"][2] += 1
     rep = world(loaded, plan, "digest", meta=meta, manifest=None)
-    assert checks(rep) == [(1, "norm", "digest")]
-    assert "primary copy on rank 0" in rep["failures"][0]["detail"]
+    assert checks(rep) == [(None, "norm", "digest")] and rep["failures"][0]["ranks"] == [0, 1]
+    detail = rep["failures"][0]["detail"]
+    assert " on rank 1 (piece 0) differs from the primary copy on rank 0 (piece 0): " in detail
+    assert detail.endswith("; either may be the wrong one (no manifest says which; "
+                           "verify='full' compares each with the checkpoint)")
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_the_intact_copy_is_not_blamed(setup, bad_rank):
+    """norm: primary on rank 0, replica on rank 1. A corrupted primary blamed rank 1, the
+    intact replica, alone (rank=1); the manifest finding named no single rank. Now the
+    replica is blamed alone only when the primaries match the manifest."""
+    root, full, meta, man, plan, loaded = setup
+    loaded[bad_rank]["norm"].view(torch.int16)[3] ^= 0x40
+    rep = world(loaded, plan, "digest", meta=meta, manifest=man)
+    fl = rep["failures"]
+    if bad_rank == 1:
+        assert checks(rep) == [(1, "norm", "digest")]
+        assert "whose content matches the manifest" in fl[0]["detail"]
+    else:
+        assert checks(rep) == [(None, "norm", "digest"), (0, "norm", "digest")]
+        assert fl[0]["ranks"] == [0, 1] and "the primaries differ from the manifest too" in \
+            fl[0]["detail"]
+        assert "content differs from the manifest" in fl[1]["detail"]
 
 
 def test_rank_with_a_different_plan_breaks_the_cover(setup):

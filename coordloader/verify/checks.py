@@ -642,33 +642,46 @@ def _rest_findings(name: str, h: Holders, digests: Mapping[int, Mapping[str, lis
 
 def _digest_findings(name: str, h: Holders, digests: Mapping[int, Mapping[str, list[str]]],
                      manifest, failures: list[Finding], notes: list[str]) -> None:
-    """Replicas against their primary; with a manifest, the primaries' sum against it."""
+    """Replicas against their primary; with a manifest, the primaries' sum against it. A
+    replica that disagrees with its primary is blamed alone only when the primaries' sum
+    matches the manifest; else either copy may be the wrong one, and both ranks are named."""
     prim_d = {}
     for r, i, b in h.prim:
         d = digests.get(r, {}).get(name)
         if d is not None:
             prim_d[b] = (r, i, int(d[i], 16))
+    differ = []   # (replica rank, its piece, box, its digest text, primary's (rank, piece, digest))
     for r, i, b in h.repl:
         d = digests.get(r, {}).get(name)
         if d is None or b not in prim_d:
             continue
-        pr, pi, pd = prim_d[b]
-        if int(d[i], 16) != pd:
-            failures.append(_finding(r, "digest", f"replica digest {d[i]} differs from the "
-                                     f"primary copy on rank {pr} (piece {pi}): {fmt(pd)}",
-                                     name, i, b))
-    if manifest is None:
-        return
-    if len(prim_d) < len(h.prim):
-        # a holder sent no digests (its failure is already a finding): a partial sum
-        # would only add a false "content differs"
-        notes.append(f"{name}: not compared with the manifest (primary digests missing)")
-        return
-    md = _manifest_entry(name, manifest, failures)
-    if md is None:
-        return
-    got = combine(d for _, _, d in prim_d.values())
-    if got != md.digest:
+        if int(d[i], 16) != prim_d[b][2]:
+            differ.append((r, i, b, d[i], prim_d[b]))
+    primaries_ok = None   # True / False once compared with the manifest
+    if manifest is not None:
+        if len(prim_d) < len(h.prim):
+            # a holder sent no digests (its failure is already a finding): a partial sum
+            # would only add a false "content differs"
+            notes.append(f"{name}: not compared with the manifest (primary digests missing)")
+        else:
+            md = _manifest_entry(name, manifest, failures)
+            if md is not None:
+                got = combine(d for _, _, d in prim_d.values())
+                primaries_ok = got == md.digest
+    why = ("the primaries differ from the manifest too" if primaries_ok is False
+           else "no manifest says which")
+    for r, i, b, d, (pr, pi, pd) in differ:
+        if primaries_ok:
+            failures.append(_finding(r, "digest", f"replica digest {d} differs from the "
+                                     f"primary copy on rank {pr} (piece {pi}): {fmt(pd)}, "
+                                     f"whose content matches the manifest", name, i, b))
+        else:
+            failures.append(_finding(None, "digest", f"replica digest {d} on rank {r} (piece "
+                                     f"{i}) differs from the primary copy on rank {pr} (piece "
+                                     f"{pi}): {fmt(pd)}; either may be the wrong one ({why}; "
+                                     f"verify='full' compares each with the checkpoint)",
+                                     name, None, b, ranks=(pr, r)))
+    if primaries_ok is False:
         who = ", ".join(f"rank {r} piece {i} {fmt_box(b)}"
                         for b, (r, i, _) in sorted(prim_d.items(), key=lambda kv: kv[1][0]))
         rs = sorted({r for r, _, _ in prim_d.values()})
