@@ -130,6 +130,52 @@ def test_stale_manifest_refused_naming_the_change(tmp_path):
     assert mf.load_manifest(root, read_checkpoint(root)) is not None
 
 
+def test_manifest_of_another_step_with_the_same_headers_says_so(tmp_path, capsys):
+    """A manifest written for one training step, kept beside the next step saved over it
+    (same names, shapes, sizes and headers: the fingerprint is equal): every tensor failed
+    as "content differs from the manifest", as if the ranks had loaded wrong bytes. The
+    manifest records each file's sampled data; the failure now says first that the files
+    hold other data than when it was written, and still names each tensor."""
+    from coordloader.layout import Layout
+    from coordloader.planning.planner import build_plan
+    from coordloader.verify import checks as vf
+    root = write_hf(tmp_path / "ck", tensors_a())
+    meta = read_checkpoint(root)
+    mf.write_manifest(meta)
+    step2 = {n: (t + 1 if t.is_floating_point() else t) for n, t in tensors_a().items()}
+    write_hf(tmp_path / "ck", step2)
+    meta2 = read_checkpoint(root)
+    assert meta2.fingerprint() == meta.fingerprint()
+    man = mf.load_manifest(root, meta2)
+    assert man.data_changed == ("model-00001-of-00002.safetensors",
+                                "model-00002-of-00002.safetensors")
+    hint = ("file model-00001-of-00002.safetensors and 1 more holds other data than when the "
+            "manifest was written (sampled blocks differ; headers and sizes are the same): the "
+            "checkpoint was changed or saved again since (another training step?). If on "
+            "purpose, the manifest is stale: regenerate it with `python -m "
+            f"coordloader.manifest {meta2.root}`; if not, the file is corrupt")
+    rules = [{"pattern": "*", "strategy": "replicate"}]
+    plan = build_plan(meta2, Layout(), rules)
+    held = {n: t for n, t in step2.items()}
+    rep = vf.evaluate([vf.local_payload(held, plan.rank(0), "digest", meta=meta2)], "digest",
+                      meta=meta2, manifest=man)
+    fl = rep["failures"]
+    assert fl[0] == {"rank": None, "check": "manifest", "detail": hint, "tensor": None,
+                     "piece": None, "box": None, "ranks": []}
+    assert {f["tensor"] for f in fl[1:]} == {n for n, t in step2.items() if t.is_floating_point()}
+    assert manifest_main([root, "--check"]) == 1
+    assert capsys.readouterr().err.rstrip().endswith(hint)
+    # a manifest written before the samples were recorded: no files named
+    doc = json.loads(open(mf.manifest_path(root)).read())
+    for f in doc["files"]:
+        del f["data_sample_sha256"]
+    open(mf.manifest_path(root), "w").write(json.dumps(doc))
+    assert mf.load_manifest(root, meta2).data_changed == ()
+    mf.write_manifest(meta2)   # regenerated: nothing differs
+    assert mf.load_manifest(root, meta2).data_changed == ()
+    assert manifest_main([root, "--check"]) == 0
+
+
 def test_manifest_of_another_digest_algorithm_is_stale(tmp_path):
     """A manifest written by a coordloader whose digest math differs (v2 -> v3 changed
     the element values) is refused by name, with the command that fixes it."""

@@ -185,7 +185,10 @@ def test_load_of_one_rank_without_a_group_refuses_a_flipped_byte_it_holds(tmp_pa
         f.write(bytes([b[0] ^ 0x40]))
     with pytest.raises(VerifyError) as e:
         cl.load(str(tmp_path), Layout(tp=2), rank=1, rules=rules, verify="digest")
-    assert checks(e.value.report) == [(1, "w", "digest")]
+    # the file's sampled data differs from the manifest's record: said first
+    assert checks(e.value.report) == [(None, None, "manifest"), (1, "w", "digest")]
+    assert e.value.report["failures"][0]["detail"].startswith(
+        "file model.safetensors holds other data than when the manifest was written")
 
 
 def _dcp_ckpt(root) -> torch.Tensor:

@@ -75,13 +75,7 @@ def _safetensors_identity(root: str, name: str, read_from) -> FileIdentity:
     fd, st = _open_regular(path, name)
     try:
         size = st.st_size
-        if size < 8:
-            raise CheckpointError(f"file is {size} bytes; a safetensors file needs at least 8",
-                                  file=name)
-        n = int.from_bytes(_pread_exact(fd, 8, 0, name), "little")
-        if n > min(size - 8, MAX_HEADER_LEN):
-            raise CheckpointError(f"header length {n} exceeds the file size {size} or the "
-                                  f"{MAX_HEADER_LEN}-byte limit", file=name)
+        n = _header_len(fd, size, name)
         header = hashlib.sha256(_pread_exact(fd, n, 8, name)).hexdigest()
         if read_from is not None and (size, header) != (read_from.size, read_from.header_sha256):
             what = "size" if size != read_from.size else "header"
@@ -91,12 +85,38 @@ def _safetensors_identity(root: str, name: str, read_from) -> FileIdentity:
         # the engines refuse this file if it changes from now on, also where another
         # rank parsed its header
         note_header_seen(path, st, header, replace=read_from is None)
-        sample = hashlib.sha256()
-        for off, length in _sample_offsets(8 + n, size):
-            sample.update(_pread_exact(fd, length, off, name))
-        return FileIdentity(name, size, header, sample.hexdigest())
+        return FileIdentity(name, size, header, _sample_sha256(fd, 8 + n, size, name))
     finally:
         os.close(fd)
+
+
+def _sample_sha256(fd: int, start: int, size: int, name: str) -> str:
+    sample = hashlib.sha256()
+    for off, length in _sample_offsets(start, size):
+        sample.update(_pread_exact(fd, length, off, name))
+    return sample.hexdigest()
+
+
+def data_sample_sha256(root: str, name: str) -> str:
+    """The sha256 of the sampled data blocks of safetensors file ``name`` under ``root``
+    (``FileIdentity.sample_sha256``): it tells apart two files of the same header whose
+    values differ throughout, such as two training steps of one model."""
+    fd, st = _open_regular(os.path.join(os.fspath(root), name), name)
+    try:
+        return _sample_sha256(fd, 8 + _header_len(fd, st.st_size, name), st.st_size, name)
+    finally:
+        os.close(fd)
+
+
+def _header_len(fd: int, size: int, name: str) -> int:
+    if size < 8:
+        raise CheckpointError(f"file is {size} bytes; a safetensors file needs at least 8",
+                              file=name)
+    n = int.from_bytes(_pread_exact(fd, 8, 0, name), "little")
+    if n > min(size - 8, MAX_HEADER_LEN):
+        raise CheckpointError(f"header length {n} exceeds the file size {size} or the "
+                              f"{MAX_HEADER_LEN}-byte limit", file=name)
+    return n
 
 
 def _side_identity(root: str, name: str) -> FileIdentity:

@@ -39,8 +39,10 @@ def _run(args) -> int:
             got = compute(meta, jobs=args.jobs)
             bad = [n for n, d in got.items() if d.digest != man.tensors[n].digest]
             if bad:
+                hint = man.changed_hint(meta.root)
                 raise VerifyError(f"{len(bad)} tensor(s) differ from the manifest: "
-                                  + ", ".join(bad[:10]), file=man.path)
+                                  + ", ".join(bad[:10]) + (f"; {hint}" if hint else ""),
+                                  file=man.path)
             path = man.path
         else:
             path = write_manifest(meta, jobs=args.jobs)

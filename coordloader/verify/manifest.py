@@ -25,6 +25,7 @@ import torch
 
 from coordloader.checkpoint.dtypes import bits_dtype, itemsize
 from coordloader.checkpoint.fileio import OpenFiles, pread_into, write_file_atomic
+from coordloader.checkpoint.identity import data_sample_sha256
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
 from coordloader.checkpoint.reader import read_small_file, refuse_dense_json
 from coordloader.errors import CheckpointError, VerifyError
@@ -52,9 +53,23 @@ class Manifest:
     fingerprint: str
     algorithm: str
     tensors: Mapping[str, TensorDigest]
+    # files whose sampled data differs from what the manifest recorded (same headers)
+    data_changed: tuple[str, ...] = ()
 
     def get(self, name: str) -> TensorDigest | None:
         return self.tensors.get(name)
+
+    def changed_hint(self, root: str) -> str:
+        """Why digests may differ from this manifest other than a wrong load ("" if
+        nothing says so)."""
+        if not self.data_changed:
+            return ""
+        more = f" and {len(self.data_changed) - 1} more" if len(self.data_changed) > 1 else ""
+        return (f"file {self.data_changed[0]}{more} holds other data than when the manifest "
+                f"was written (sampled blocks differ; headers and sizes are the same): the "
+                f"checkpoint was changed or saved again since (another training step?). If on "
+                f"purpose, the manifest is stale: regenerate it with `python -m "
+                f"coordloader.manifest {root}`; if not, the file is corrupt")
 
 
 def manifest_path(root: str) -> str:
@@ -124,7 +139,11 @@ def to_json(meta: CheckpointMeta, digests: Mapping[str, TensorDigest]) -> dict:
         "version": VERSION,
         "algorithm": ALGORITHM,
         "fingerprint": meta.fingerprint(),
-        "files": [{"name": f.name, "size": f.size, "header_sha256": f.header_sha256} for f in meta.files],
+        # the data samples tell this checkpoint from another with the same headers (another
+        # training step): its manifest would fail every tensor as if the load were wrong
+        "files": [{"name": f.name, "size": f.size, "header_sha256": f.header_sha256,
+                   "data_sample_sha256": data_sample_sha256(meta.root, f.name)}
+                  for f in meta.files],
         "tensors": {n: {"dtype": d.dtype, "shape": list(d.shape), "digest": fmt(d.digest)}
                     for n, d in digests.items()},
     }
@@ -181,6 +200,24 @@ def _shape(dims) -> tuple[int, ...]:
     return tuple(dims)
 
 
+def _data_changed(doc: dict, meta: CheckpointMeta, path: str) -> tuple[str, ...]:
+    """The files whose sampled data is not what the manifest recorded (same headers and
+    sizes, other values). Manifests written before the samples were recorded carry none."""
+    out = []
+    for f in doc.get("files") or ():
+        want = f.get("data_sample_sha256") if isinstance(f, dict) else None
+        if want is None:
+            continue
+        try:
+            got = data_sample_sha256(meta.root, f["name"])
+        except CheckpointError as e:
+            raise VerifyError(f"cannot read the checkpoint file the manifest describes: "
+                              f"{e.message}", file=path) from None
+        if got != want:
+            out.append(str(f["name"]))
+    return tuple(out)
+
+
 def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) -> Manifest | None:
     """The checkpoint's manifest, or None when there is none (unless ``required``).
     Raises VerifyError for a malformed or stale manifest, naming what changed."""
@@ -227,4 +264,4 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         if t.dtype != info.dtype or t.shape != tuple(info.shape):
             raise VerifyError(f"manifest records {t.dtype}{list(t.shape)}, checkpoint has "
                               f"{info.dtype}{list(info.shape)}", file=path, tensor=n)
-    return Manifest(path, fp, doc["algorithm"], tensors)
+    return Manifest(path, fp, doc["algorithm"], tensors, _data_changed(doc, meta, path))
