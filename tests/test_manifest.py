@@ -147,8 +147,8 @@ def test_manifest_of_another_step_with_the_same_headers_says_so(tmp_path, capsys
     meta2 = read_checkpoint(root)
     assert meta2.fingerprint() == meta.fingerprint()
     man = mf.load_manifest(root, meta2)
-    assert man.data_changed == ("model-00001-of-00002.safetensors",
-                                "model-00002-of-00002.safetensors")
+    assert man.data_changed() == ("model-00001-of-00002.safetensors",
+                                  "model-00002-of-00002.safetensors")
     hint = ("file model-00001-of-00002.safetensors and 1 more holds other data than when the "
             "manifest was written (sampled blocks differ; headers and sizes are the same): the "
             "checkpoint was changed or saved again since (another training step?). If on "
@@ -170,10 +170,38 @@ def test_manifest_of_another_step_with_the_same_headers_says_so(tmp_path, capsys
     for f in doc["files"]:
         del f["data_sample_sha256"]
     open(mf.manifest_path(root), "w").write(json.dumps(doc))
-    assert mf.load_manifest(root, meta2).data_changed == ()
+    assert mf.load_manifest(root, meta2).data_changed() == ()
     mf.write_manifest(meta2)   # regenerated: nothing differs
-    assert mf.load_manifest(root, meta2).data_changed == ()
+    assert mf.load_manifest(root, meta2).data_changed() == ()
     assert manifest_main([root, "--check"]) == 0
+
+
+def test_data_samples_are_read_only_to_explain_a_failure(tmp_path, monkeypatch):
+    """Loading a manifest reads no data samples (a clean verify pays nothing for them); a
+    malformed 'files' list is a malformed manifest, and an entry naming a file the
+    checkpoint does not have (a path outside it) is never read."""
+    from coordloader.checkpoint import identity
+    root = write_hf(tmp_path / "ck", tensors_a())
+    meta = read_checkpoint(root)
+    mf.write_manifest(meta)
+    read = []
+    real = identity.data_sample_sha256
+    monkeypatch.setattr(mf, "data_sample_sha256", lambda r, n: read.append(n) or real(r, n))
+    man = mf.load_manifest(root, meta)
+    assert read == []
+    assert man.data_changed() == () and len(read) == 2
+    doc = json.loads(open(mf.manifest_path(root)).read())
+    doc["files"].append({"name": "../outside.safetensors", "data_sample_sha256": "0" * 64})
+    open(mf.manifest_path(root), "w").write(json.dumps(doc))
+    assert set(mf.load_manifest(root, meta).samples) == {f.name for f in meta.files}
+    for bad, msg in (({"data_sample_sha256": "0" * 64}, "a 'files' entry is not an object "
+                      "with a name"), ({"name": meta.files[0].name, "data_sample_sha256": 5},
+                                       "data_sample_sha256 of 'model-00001-of-00002"
+                                       ".safetensors' is not a string")):
+        doc["files"] = [bad]
+        open(mf.manifest_path(root), "w").write(json.dumps(doc))
+        with pytest.raises(VerifyError, match=f"malformed manifest: {msg}"):
+            mf.load_manifest(root, meta)
 
 
 def test_manifest_of_another_digest_algorithm_is_stale(tmp_path):

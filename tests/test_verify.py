@@ -118,10 +118,13 @@ def test_flipped_byte_after_manifest_names_the_tensor(setup):
     # shapes: nothing to see
     assert world(loaded2, plan, "shapes", meta=meta2, manifest=man)["ok"]
     rep = world(loaded2, plan, "digest", meta=meta2, manifest=man)
-    # the manifest holds whole-tensor digests: the sum is wrong, every holder is named
-    assert checks(rep) == [(None, "w_col", "digest")] and rep["failures"][0]["ranks"] == [0, 1]
-    assert "differs from the manifest" in rep["failures"][0]["detail"]
-    assert "rank 1 piece 0 [4:8,0:6]" in rep["failures"][0]["detail"]
+    # the manifest holds whole-tensor digests: the sum is wrong, every holder is named,
+    # after the file whose sampled data is not the manifest's any more
+    assert checks(rep) == [(None, None, "manifest"), (None, "w_col", "digest")]
+    assert rep["failures"][0]["detail"].startswith("file model.safetensors holds other data")
+    assert rep["failures"][1]["ranks"] == [0, 1]
+    assert "differs from the manifest" in rep["failures"][1]["detail"]
+    assert "rank 1 piece 0 [4:8,0:6]" in rep["failures"][1]["detail"]
     # full mode re-reads the (now flipped) file and finds the loaded bytes equal to it; the
     # manifest still flags the content. With the pre-flip tensors loaded, full pinpoints it.
     rep = world(loaded, plan, "full", meta=meta2, manifest=None, manifest_error=None)

@@ -39,7 +39,7 @@ def _run(args) -> int:
             got = compute(meta, jobs=args.jobs)
             bad = [n for n, d in got.items() if d.digest != man.tensors[n].digest]
             if bad:
-                hint = man.changed_hint(meta.root)
+                hint = man.changed_hint()
                 raise VerifyError(f"{len(bad)} tensor(s) differ from the manifest: "
                                   + ", ".join(bad[:10]) + (f"; {hint}" if hint else ""),
                                   file=man.path)

@@ -516,11 +516,11 @@ def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None
                     continue
             compared += manifest is not None
             _digest_findings(name, h, digests, manifest, failures, notes)
-        hint = manifest.changed_hint(os.path.dirname(manifest.path)) if manifest else ""
-        if hint and any(f.check == "digest" and "differs from the manifest" in f.detail
-                        for f in failures):
-            # first: it explains the findings after it (every tensor of another step fails)
-            failures.insert(0, _finding(None, "manifest", hint))
+        if manifest is not None and any(f.check == "digest" and "differs from the manifest"
+                                        in f.detail for f in failures):
+            hint = manifest.changed_hint()
+            if hint:   # first: it explains the findings after it (all of another step's)
+                failures.insert(0, _finding(None, "manifest", hint))
         if manifest is not None and compared:
             checks.append("digest-manifest")
             manifest_info = f"compared with {manifest.path}"

@@ -18,7 +18,7 @@ import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
@@ -29,6 +29,7 @@ from coordloader.checkpoint.identity import data_sample_sha256
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
 from coordloader.checkpoint.reader import read_small_file, refuse_dense_json
 from coordloader.errors import CheckpointError, VerifyError
+from coordloader.text import MAX_NAME_CHARS, clip
 
 # explicit names: the package re-exports the function `digest`, shadowing the module
 from coordloader.verify.digest import ALGORITHM, MASK64, digest, flat_offset, fmt, iter_subboxes
@@ -53,23 +54,41 @@ class Manifest:
     fingerprint: str
     algorithm: str
     tensors: Mapping[str, TensorDigest]
-    # files whose sampled data differs from what the manifest recorded (same headers)
-    data_changed: tuple[str, ...] = ()
+    root: str = ""
+    # file name -> the sha256 of its sampled data blocks when the manifest was written
+    # (FileIdentity.sample_sha256); absent in manifests written before they were recorded
+    samples: Mapping[str, str] = field(default_factory=dict)
 
     def get(self, name: str) -> TensorDigest | None:
         return self.tensors.get(name)
 
-    def changed_hint(self, root: str) -> str:
+    def data_changed(self) -> tuple[str, ...]:
+        """The files whose sampled data is not what the manifest recorded (same headers and
+        sizes, other values). Read on demand, after a digest failure: a load that verifies
+        clean reads no samples. A file that cannot be read now is not listed: this only
+        explains a failure found otherwise."""
+        out = []
+        for name, want in sorted(self.samples.items()):
+            try:
+                got = data_sample_sha256(self.root, name)
+            except CheckpointError:
+                continue
+            if got != want:
+                out.append(name)
+        return tuple(out)
+
+    def changed_hint(self) -> str:
         """Why digests may differ from this manifest other than a wrong load ("" if
         nothing says so)."""
-        if not self.data_changed:
+        changed = self.data_changed()
+        if not changed:
             return ""
-        more = f" and {len(self.data_changed) - 1} more" if len(self.data_changed) > 1 else ""
-        return (f"file {self.data_changed[0]}{more} holds other data than when the manifest "
+        more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+        return (f"file {changed[0]}{more} holds other data than when the manifest "
                 f"was written (sampled blocks differ; headers and sizes are the same): the "
                 f"checkpoint was changed or saved again since (another training step?). If on "
                 f"purpose, the manifest is stale: regenerate it with `python -m "
-                f"coordloader.manifest {root}`; if not, the file is corrupt")
+                f"coordloader.manifest {self.root}`; if not, the file is corrupt")
 
 
 def manifest_path(root: str) -> str:
@@ -200,22 +219,27 @@ def _shape(dims) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def _data_changed(doc: dict, meta: CheckpointMeta, path: str) -> tuple[str, ...]:
-    """The files whose sampled data is not what the manifest recorded (same headers and
-    sizes, other values). Manifests written before the samples were recorded carry none."""
-    out = []
-    for f in doc.get("files") or ():
-        want = f.get("data_sample_sha256") if isinstance(f, dict) else None
+def _samples(doc: dict, meta: CheckpointMeta) -> dict[str, str]:
+    """The recorded data samples of the checkpoint's own files (an entry for a name the
+    checkpoint does not have is never read)."""
+    files = doc.get("files", [])
+    if not isinstance(files, list):
+        raise ValueError("'files' is not a list")
+    ours = {f.name for f in meta.files}
+    out = {}
+    for f in files:
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ValueError(clip(f"a 'files' entry is not an object with a name: {f!r}",
+                                  MAX_NAME_CHARS))
+        want = f.get("data_sample_sha256")
         if want is None:
             continue
-        try:
-            got = data_sample_sha256(meta.root, f["name"])
-        except CheckpointError as e:
-            raise VerifyError(f"cannot read the checkpoint file the manifest describes: "
-                              f"{e.message}", file=path) from None
-        if got != want:
-            out.append(str(f["name"]))
-    return tuple(out)
+        if not isinstance(want, str):
+            raise ValueError(f"data_sample_sha256 of {clip(repr(f['name']), MAX_NAME_CHARS)} "
+                             f"is not a string")
+        if f["name"] in ours:
+            out[f["name"]] = want
+    return out
 
 
 def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) -> Manifest | None:
@@ -240,6 +264,7 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         tensors = {n: TensorDigest(str(t["dtype"]), _shape(t["shape"]), _digest_value(t["digest"]))
                    for n, t in doc["tensors"].items()}
         fp = str(doc["fingerprint"])
+        samples = _samples(doc, meta)
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
         raise VerifyError(f"malformed manifest: {e}", file=path) from None
     except RecursionError:
@@ -264,4 +289,4 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         if t.dtype != info.dtype or t.shape != tuple(info.shape):
             raise VerifyError(f"manifest records {t.dtype}{list(t.shape)}, checkpoint has "
                               f"{info.dtype}{list(info.shape)}", file=path, tensor=n)
-    return Manifest(path, fp, doc["algorithm"], tensors, _data_changed(doc, meta, path))
+    return Manifest(path, fp, doc["algorithm"], tensors, meta.root, samples)
