@@ -74,6 +74,33 @@ def test_cli_consolidate_is_byte_equal(tmp_path, arch, layout):
     assert {n: d.digest for n, d in m.tensors.items()} == {n: d.digest for n, d in mf.compute(meta).items()}
 
 
+def test_a_manifest_of_another_step_is_not_carried(tmp_path):
+    """The next step saved over a checkpoint, its old manifest kept (same headers): its
+    files' data samples differ from the manifest's record. Consolidate carried the old
+    digests over with the new files' samples, so the output's manifest looked current and
+    failed every tensor without saying why. It is not carried now."""
+    from safetensors.torch import save_file
+
+    from coordloader.verify import manifest as mf
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    step = [{f"w{i}": torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * s + i))
+             for i in range(3)} for s in range(2)]
+    save_file(step[0], str(src / "model.safetensors"))
+    mf.write_manifest(read_checkpoint(str(src)))
+    save_file(step[1], str(src / "model.safetensors"))
+    assert mf.load_manifest(str(src), read_checkpoint(str(src))).data_changed()
+    consolidate(str(src), str(out))
+    assert not os.path.exists(out / mf.MANIFEST_NAME)
+    # the current manifest is carried, and verifies the output
+    mf.write_manifest(read_checkpoint(str(src)))
+    consolidate(str(src), str(out), overwrite=True)
+    meta = read_checkpoint(str(out))
+    m = mf.load_manifest(str(out), meta, required=True)
+    assert m.data_changed() == ()
+    assert {n: d.digest for n, d in m.tensors.items()} == {n: d.digest for n, d in mf.compute(meta).items()}
+
+
 def test_bounded_memory_and_dim1_pieces(tmp_path):
     # one 4 MiB tensor saved as 4 dim-1 pieces (rowwise split), consolidated with 64 KiB blocks
     from coordloader.planning.model import Piece, Plan, RankPlan, TensorSlice

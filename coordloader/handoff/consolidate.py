@@ -351,7 +351,9 @@ def _carry_manifest(meta: CheckpointMeta, stage_dir: str, names: list[str]) -> b
         m = mf.load_manifest(meta.root, meta)
     except VerifyError:
         return False
-    if m is None:
+    # a manifest of another save of the same model (its files' data samples differ): the
+    # new manifest would record the new files' samples and pass as current
+    if m is None or m.data_changed():
         return False
     write_json_durable(os.path.join(stage_dir, MANIFEST_NAME),
                         staged_manifest(stage_dir, names, dict(m.tensors)))
@@ -440,7 +442,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
             extras = sorted(set(extras) | set(stage_config(stage_dir, cfg)))
         # Content is unchanged, so the source's digests carry over: a manifest for the new
         # files (their fingerprint) without re-reading anything. A stale source manifest
-        # is refused by load_manifest and simply not carried.
+        # (refused by load_manifest, or of other data) is simply not carried.
         if _carry_manifest(meta, stage_dir, names):
             extras.append(MANIFEST_NAME)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
