@@ -323,6 +323,21 @@ def test_replica_differs_from_primary_without_manifest(setup):
                            "verify='full' compares each with the checkpoint)")
 
 
+def test_a_replica_mismatch_says_why_no_copy_is_blamed(setup):
+    """A manifest without the tensor cannot say which copy is wrong: the message says that,
+    not that there is no manifest."""
+    import dataclasses
+    root, full, meta, man, plan, loaded = setup
+    loaded[1]["norm"][2] += 1
+    partial = dataclasses.replace(man, tensors={n: d for n, d in man.tensors.items()
+                                                if n != "norm"})
+    rep = world(loaded, plan, "digest", meta=meta, manifest=partial)
+    assert checks(rep) == [(None, "norm", "digest"), (None, "norm", "digest")]
+    assert rep["failures"][0]["detail"] == "not in the manifest"
+    assert "either may be the wrong one (the manifest has no entry for this tensor; " in \
+        rep["failures"][1]["detail"]
+
+
 @pytest.mark.parametrize("bad_rank", [0, 1])
 def test_the_intact_copy_is_not_blamed(setup, bad_rank):
     """norm: primary on rank 0, replica on rank 1. A corrupted primary blamed rank 1, the

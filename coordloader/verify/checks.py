@@ -663,18 +663,21 @@ def _digest_findings(name: str, h: Holders, digests: Mapping[int, Mapping[str, l
         if int(d[i], 16) != prim_d[b][2]:
             differ.append((r, i, b, d[i], prim_d[b]))
     primaries_ok = None   # True / False once compared with the manifest
+    why = "no manifest says which"
     if manifest is not None:
         if len(prim_d) < len(h.prim):
             # a holder sent no digests (its failure is already a finding): a partial sum
             # would only add a false "content differs"
             notes.append(f"{name}: not compared with the manifest (primary digests missing)")
+            why = "primary digests are missing, so the manifest could not say which"
         else:
             md = _manifest_entry(name, manifest, failures)
-            if md is not None:
+            if md is None:
+                why = "the manifest has no entry for this tensor"
+            else:
                 got = combine(d for _, _, d in prim_d.values())
                 primaries_ok = got == md.digest
-    why = ("the primaries differ from the manifest too" if primaries_ok is False
-           else "no manifest says which")
+                why = "the primaries differ from the manifest too"
     for r, i, b, d, (pr, pi, pd) in differ:
         if primaries_ok:
             failures.append(_finding(r, "digest", f"replica digest {d} differs from the "
