@@ -92,7 +92,7 @@ class Layout:
         if self.ep > self.moe_group_size:
             hint = ("; experts spread over the TP x DP ranks (vLLM's --data-parallel-size "
                     "with --enable-expert-parallel) need ep_spans_dp=True"
-                    if not self.ep_spans_dp and self.dp > 1 and self.ep <= self.tp * self.dp
+                    if not self.ep_spans_dp and self.dp > 1 and (self.tp * self.dp) % self.ep == 0
                     else "")
             raise PlanError(f"layout: ep={self.ep} exceeds the MoE group size {self.moe_group_size} "
                             f"({self._moe_group_desc()}){hint}")

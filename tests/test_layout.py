@@ -46,9 +46,12 @@ def test_ep_over_dp_without_ep_spans_dp_says_how():
         "layout: ep=4 exceeds the MoE group size 1 (tp=1); experts spread over the TP x DP "
         "ranks (vLLM's --data-parallel-size with --enable-expert-parallel) need "
         "ep_spans_dp=True")
-    with pytest.raises(PlanError) as ei:   # more ep ranks than TP x DP: no such hint
-        Layout(tp=1, dp=2, ep=4)
-    assert str(ei.value) == "layout: ep=4 exceeds the MoE group size 1 (tp=1)"
+    # no such hint where ep_spans_dp would not fit either: more ep ranks than TP x DP, or
+    # an ep that does not divide TP x DP
+    for kw, group in ((dict(tp=1, dp=2, ep=4), "1 (tp=1)"), (dict(tp=2, dp=3, ep=4), "2 (tp=2)")):
+        with pytest.raises(PlanError) as ei:
+            Layout(**kw)
+        assert str(ei.value) == f"layout: ep=4 exceeds the MoE group size {group}"
 
 
 def test_expert_checks():
