@@ -196,7 +196,9 @@ def _fresh_floor_run(ctx, _):
         flat[::4096].fill_(1)
         out[ts.name] = t
         n += flat.numel()
-    return None, n, {}
+    # returned, so that they are freed after the clock as every other method's tensors
+    # are (freeing 600 MB inside it cost the floor ~15 %); nothing is read
+    return out, 0, {"materialised_bytes": n}
 
 
 # -- (m) one memory copy of the held bytes: with (f), the limit of any load --------------
