@@ -497,7 +497,8 @@ def _save_run(ctx, tensors):
 
 
 METHODS: dict[str, Method] = {m.key: m for m in [
-    Method("cpu", "coordloader cpu engine", _cpu_setup, _cpu_run),
+    Method("cpu", "coordloader cpu engine (its default reader threads: max(2, min(8, CPUs)))",
+           _cpu_setup, _cpu_run),
     Method("preadv", "(a') preadv of the same byte ranges, 1 thread", _preadv_setup, _preadv_run),
     Method("span", "(a'') preadv of each slice's span + copy-out, 1 thread", _no_setup,
            _span_run),
