@@ -54,6 +54,25 @@ def _spread(t: dict) -> str:
     return f"{t['lo']:.2f}–{t['hi']:.2f} ({t['pairs']} pairs)"
 
 
+def _met(t: dict) -> str:
+    if t.get("too_few_pairs"):
+        return f"– ({t['pairs']} pairs < 7: not judged)"
+    return _ok(t.get("ok"))
+
+
+def _cold_cell(k: str, c: dict) -> str:
+    """The cold figure with its own spread and, for the best peer, its own peer (the
+    warm and the cold best peer can differ)."""
+    if not c:
+        return "–"
+    cell = _f(c.get("value"), "{:.2f}")
+    if k == "cpu_vs_best_peer" and c.get("peer"):
+        cell += f" (`{c['peer']}`)"
+    if c.get("lo") is not None:
+        cell += f", {_spread(c)}"
+    return cell
+
+
 def load_section(sec: dict) -> str:
     out = [f"### Load: {os.path.basename(sec['ckpt'].rstrip('/'))}, "
            f"{sec['checkpoint_bytes'] / 1e9:.2f} GB in {sec['files']} files, "
@@ -90,16 +109,19 @@ def load_section(sec: dict) -> str:
                               "included)", storage=True))
     if sec.get("targets"):
         cold_t = sec.get("cold_targets") or {}
-        out += ["Targets: ratios against peers and the limit are medians of ratios paired "
-                "within a repeat (the methods alternate inside each repeat), with their "
-                "min-max over the pairs.", "",
-                "| target | warm | pairs min-max (warm) | met (warm) | cold | met (cold) | goal |",
+        out += ["Targets: ratios against peers, the limit and the whole read into existing "
+                "tensors are medians of ratios paired within a repeat (the methods alternate "
+                "inside each repeat, in a counterbalanced order), with their min-max over "
+                "the pairs; judged on 7 pairs or more. The best peer is the one the engine "
+                "leads by the least (lowest paired median), warm and cold each its own.", "",
+                "| target | warm | pairs min-max (warm) | met (warm) | cold (pairs min-max) "
+                "| met (cold) | goal |",
                 "|---|---:|---:|:---:|---:|:---:|---|"]
         for k, t in sec["targets"].items():
             c = cold_t.get(k) or {}
             name = f"{k} (`{t['peer']}`)" if k == "cpu_vs_best_peer" else k
-            out.append(f"| {name} | {_f(t['value'], '{:.2f}')} | {_spread(t)} | {_ok(t['ok'])} | "
-                       f"{_f(c.get('value'), '{:.2f}')} | {_ok(c.get('ok'))} | {t['target']} |")
+            out.append(f"| {name} | {_f(t['value'], '{:.2f}')} | {_spread(t)} | {_met(t)} | "
+                       f"{_cold_cell(k, c)} | {_met(c) if c else '–'} | {t['target']} |")
         out.append("")
     for n in sec.get("notes", []):
         out.append(f"- {n}")
