@@ -147,7 +147,7 @@ def test_plan_bench_on_small_metadata(tmp_path):
     from coordloader.synth import synthesize
     ckpt = synthesize(str(tmp_path / "dsv3"), "deepseek_v3", "tiny", metadata_only=True)
     out = tmp_path / "out"
-    p = _bench(["plan", "--plan-ckpt", ckpt, "--worlds", "8,16", "--repeats", "1",
+    p = _bench(["plan", "--plan-ckpt", ckpt, "--worlds", "8,16", "--repeats", "3",
                 "--out", str(out)])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     last = p.stdout.rstrip("\n").splitlines()[-1]
@@ -173,6 +173,12 @@ def test_plan_bench_on_small_metadata(tmp_path):
     # what a load pays besides the plan: its digest, timed beside it
     assert all(r["digest_s"] > 0 for r in rows)
     assert "| digest s |" in (out / "results.md").read_text()
+    # the target's total: the median of each repeat's plan + cover, the first one kept
+    from statistics import median
+    for r in rows:
+        assert len(r["totals_s"]) == r["repeats"] == 3
+        assert r["total_s"] == median(r["totals_s"]) and r["first_total_s"] == r["totals_s"][0]
+    assert "| first s | repeats |" in (out / "results.md").read_text()
 
 
 def test_unknown_method_is_refused(tmp_path, capsys):

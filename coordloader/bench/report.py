@@ -135,17 +135,20 @@ def plan_section(sec: dict) -> str:
            f"({sec['tensors']:,} tensors, {sec['files']} files, "
            f"{sec['described_bytes'] / 1e9:.0f} GB described; headers read in "
            f"{sec['metadata_s']:.2f} s)", "",
-           "Total = plan + cover (the target's figure); a load computes the plan and its "
-           "digest on every rank (digest s), not the cover.", "",
+           "Total = the median over repeats of plan + cover (the target's figure; plan s "
+           "and cover s are their own medians, first = the first repeat's total); a load "
+           "computes the plan and its digest on every rank (digest s), not the cover. "
+           "Rows without a target past 64 ranks run once.", "",
            "| kind | ranks | layout | rank classes | slices | pieces | byte runs | plan s | "
-           "cover s | total s | digest s | slices/s | target |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "cover s | total s | first s | repeats | digest s | slices/s | target |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in sec["rows"]:
         tgt = f"<= {r['target_s']:g} s: {_ok(r['ok'])}" if "target_s" in r else ""
         out.append(f"| {r.get('kind', '')} | {r['world']} | {r['layout']} | "
                    f"{r.get('rank_classes', '')} | {r['slices']:,} | {r['pieces']:,} | "
                    f"{r['byte_runs']:,} | {r['plan_s']:.2f} | {r['cover_s']:.2f} | "
-                   f"{r['total_s']:.2f} | {_f(r.get('digest_s'), '{:.2f}')} | "
+                   f"{r['total_s']:.2f} | {_f(r.get('first_total_s'), '{:.2f}')} | "
+                   f"{r.get('repeats', '')} | {_f(r.get('digest_s'), '{:.2f}')} | "
                    f"{r['slices_per_s']:,.0f} | {tgt} |")
     m = sec.get("metadata_split")
     if m:
