@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -425,6 +426,13 @@ def test_refuses_non_empty_out_and_overwrites_on_request(tmp_path):
     with pytest.raises(SaveError, match="not empty"):
         synth.synthesize(str(out), "llama", "tiny")
     assert os.listdir(out) == ["keep.txt"]
+    # overwrite replaces checkpoint files only: the user's own file is never deleted
+    with pytest.raises(SaveError, match="holds 'keep.txt', which is not a checkpoint file"):
+        synth.synthesize(str(out), "llama", "tiny", overwrite=True)
+    assert os.listdir(out) == ["keep.txt"]
+    os.remove(out / "keep.txt")
+    synth.synthesize(str(out), "llama", "tiny", shards=2)
+    (out / "coordloader.manifest.json").write_text("{}")
     synth.synthesize(str(out), "llama", "tiny", overwrite=True)
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert not [p for p in os.listdir(tmp_path) if p != "o"]  # no temp dirs left behind
@@ -440,7 +448,7 @@ def test_an_output_that_cannot_be_made_is_a_save_error(tmp_path, monkeypatch):
                             f"directory: File exists")
     out = tmp_path / "o"
     out.mkdir()
-    (out / "keep.txt").write_text("x")
+    (out / "config.json").write_text("x")
     real = os.rename
 
     def rename(a, b):
@@ -451,7 +459,7 @@ def test_an_output_that_cannot_be_made_is_a_save_error(tmp_path, monkeypatch):
     with pytest.raises(SaveError, match="cannot move the new checkpoint into place: Permission "
                                         "denied; nothing replaced"):
         synth.synthesize(str(out), "llama", "tiny", overwrite=True)
-    assert os.listdir(out) == ["keep.txt"]
+    assert os.listdir(out) == ["config.json"] and (out / "config.json").read_text() == "x"
     assert sorted(os.listdir(tmp_path)) == ["afile", "o"]
 
 
@@ -460,6 +468,58 @@ def test_empty_out_dir_is_filled(tmp_path):
     out.mkdir()
     synth.synthesize(str(out), "bert", "tiny")
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+def test_overwrite_never_deletes_what_is_not_a_checkpoint(tmp_path, monkeypatch):
+    """--overwrite deleted OUT whole (the user's files and subdirectories with it), and an
+    empty OUT (an unset shell variable) named the current directory."""
+    out = tmp_path / "o"
+    synth.synthesize(str(out), "llama", "tiny")
+
+    def refused(first):
+        with pytest.raises(SaveError, match=f"holds '{first}', which is not a checkpoint file"):
+            synth.synthesize(str(out), "llama", "tiny", overwrite=True)
+
+    (out / "notes.txt").write_text("x")
+    (out / "sub").mkdir()
+    (out / "sub" / "y").write_text("y")
+    refused("notes.txt")
+    os.remove(out / "notes.txt")
+    refused("sub")
+    assert (out / "sub" / "y").read_text() == "y"
+    shutil.rmtree(out / "sub")
+    (out / "old.safetensors").mkdir()   # a directory, whatever its name
+    refused("old.safetensors")
+    os.rmdir(out / "old.safetensors")
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["o"]
+    monkeypatch.chdir(out)
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(SaveError, match="empty path"):
+        synth.synthesize("", "llama", "tiny", overwrite=True)
+    assert synth_main(["", "--arch", "llama", "--overwrite"]) == 1
+    assert (out / "keep.txt").read_text() == "x"
+
+
+def test_a_symlink_out_is_refused(tmp_path):
+    """Replacing a link to a directory put a new directory in the link's place."""
+    tgt = tmp_path / "tgt"
+    synth.synthesize(str(tgt), "llama", "tiny")
+    before = sorted(os.listdir(tgt))
+    lnk = tmp_path / "lnk"
+    lnk.symlink_to(tgt)
+    for overwrite in (False, True):
+        with pytest.raises(SaveError, match="symbolic link"):
+            synth.synthesize(str(lnk), "llama", "tiny", overwrite=overwrite)
+    os.remove(tgt / "config.json")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "lnk2").symlink_to(empty)
+    with pytest.raises(SaveError, match="symbolic link"):
+        synth.synthesize(str(tmp_path / "lnk2"), "llama", "tiny")
+    assert lnk.is_symlink() and (tmp_path / "lnk2").is_symlink()
+    assert sorted(os.listdir(tgt)) == [n for n in before if n != "config.json"]
+    assert sorted(os.listdir(tmp_path)) == ["empty", "lnk", "lnk2", "tgt"]
 
 
 def test_split_shards_exact_count():

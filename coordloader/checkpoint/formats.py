@@ -50,6 +50,9 @@ OTHER_HF_WEIGHTS_RE = re.compile(
 PUBLISH_MARKER = "coordloader-publishing.json"
 STAGING_PREFIX = ".coordloader-staging-"
 
+# per-tensor content digests beside the checkpoint (coordloader.verify.manifest)
+MANIFEST_NAME = "coordloader.manifest.json"
+
 
 def shard_name(rank: int, part: int) -> str:
     return f"rank-{rank:05d}-part-{part:05d}{SHARD_SUFFIX}"

@@ -37,11 +37,13 @@ from typing import Any, Iterable, NamedTuple
 
 from coordloader.checkpoint.dtypes import SUPPORTED, itemsize
 from coordloader.checkpoint.formats import (
+    CONFIG_NAME,
     DCP_SAVED_OFFSETS,
     DCP_SHARD_RE,
     DCP_SHARDING_INFO,
     HF_INDEX_SUFFIX,
     HF_SINGLE,
+    MANIFEST_NAME,
     NUMBERED_SHARD_RE,
     PUBLISH_MARKER,
     SHARD_SUFFIX,
@@ -555,6 +557,16 @@ def checkpoint_path(root: Any) -> str:
         raise CheckpointError(f"checkpoint path {str(root)[:200]!r} is {type(root).__name__}; "
                               f"expected a str or os.PathLike path")
     return os.path.abspath(path)
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a file called ``name`` in a checkpoint directory is read as part of the
+    checkpoint: by ``discover`` (weights, indexes, the publish marker), ``_read_config``,
+    or the loader's manifest check. A file written there under such a name changes what
+    loads, or makes the directory unloadable. Other names are ignored beside safetensors
+    weights (pickle weights are looked at only in a directory without any)."""
+    return (name.endswith((".safetensors", INDEX_SUFFIX, SHARD_SUFFIX))
+            or name in (SHARDED_INDEX, CONFIG_NAME, PUBLISH_MARKER, MANIFEST_NAME))
 
 
 def discover(root: str) -> Discovery:

@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m coordloader.synth",
                                  description="Write a synthetic HF-style safetensors checkpoint "
                                              "with real architecture naming and shapes.")
-    ap.add_argument("out", metavar="OUT", help="output directory (must be empty or absent)")
+    ap.add_argument("out", metavar="OUT",
+                    help="output directory (must be empty or absent, unless --overwrite)")
     ap.add_argument("--arch", required=True, choices=archs.ARCHS)
     ap.add_argument("--size", default="tiny", choices=archs.SIZES)
     ap.add_argument("--shards", type=int, default=None,
@@ -23,7 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metadata-only", action="store_true",
                     help="real headers, data left as sparse holes (no disk used)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an OUT that holds only checkpoint files (*.safetensors, their "
+                         "index, config.json, the manifest); anything else in it is refused")
     ap.add_argument("--fsync", action="store_true",
                     help="fsync every file (crash-durable; slower, bound by the disk)")
     args = ap.parse_args(argv)

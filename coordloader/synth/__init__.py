@@ -31,6 +31,7 @@ import numpy as np
 
 from coordloader.checkpoint import dtypes
 from coordloader.checkpoint.fileio import write_file_atomic, write_safetensors_stream
+from coordloader.checkpoint.reader import is_checkpoint_file
 from coordloader.errors import CoordloaderError, SaveError
 from coordloader.synth import archs
 
@@ -176,24 +177,58 @@ def _write_json(path: str, obj, fsync: bool) -> None:
     write_file_atomic(path, (json.dumps(obj, indent=2) + "\n").encode(), fsync=fsync)
 
 
+def _foreign_entry(out_dir: str) -> str | None:
+    """The first entry of ``out_dir`` that is no checkpoint file (a file of another name,
+    or a directory), None when there is none: an overwrite deletes OUT whole, and must never
+    take the user's own files with it."""
+    with os.scandir(out_dir) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        if not is_checkpoint_file(e.name) or e.is_dir(follow_symlinks=False):
+            return e.name
+    return None
+
+
+def _check_replaceable(out_dir: str, overwrite: bool) -> None:
+    if not os.listdir(out_dir):
+        return
+    if not overwrite:
+        raise SaveError("output directory is not empty (pass overwrite=True / --overwrite "
+                        "to replace it)", file=out_dir)
+    foreign = _foreign_entry(out_dir)
+    if foreign is not None:
+        raise SaveError(f"output directory holds {foreign!r}, which is not a checkpoint file; "
+                        f"overwrite replaces only a directory of checkpoint files (*.safetensors, "
+                        f"their index, config.json, the manifest): move it out or choose "
+                        f"another directory", file=out_dir)
+
+
 def _prepare_out(out_dir: str, overwrite: bool) -> None:
+    if os.path.islink(out_dir):
+        # the final rename would put a directory in the link's place (the link gone, its
+        # target left as it was)
+        raise SaveError("output path is a symbolic link; pass the directory it points to",
+                        file=out_dir)
     if os.path.lexists(out_dir):
         if not os.path.isdir(out_dir):
             raise SaveError("output path exists and is not a directory", file=out_dir)
-        if os.listdir(out_dir) and not overwrite:
-            raise SaveError("output directory is not empty (pass overwrite=True / --overwrite "
-                            "to replace it)", file=out_dir)
+        _check_replaceable(out_dir, overwrite)
 
 
 def synthesize(out_dir: str, arch: str, size: str = "tiny", *, shards: int | None = None,
                metadata_only: bool = False, seed: int = 0, overwrite: bool = False,
                fsync: bool = False) -> str:
     """Writes a synthetic ``arch``/``size`` checkpoint into ``out_dir``; returns its path.
+    ``overwrite`` replaces an ``out_dir`` that holds checkpoint files only (see
+    ``is_checkpoint_file``); any other entry there is refused, never deleted.
 
     Files are renamed into place (readers never see partial files) but not fsynced unless
     ``fsync``: the data is regenerable from the seed, and fsync would cap the write at the
     disk's sustained speed (measured ~230-275 MB/s here vs ~800 MB/s without).
     """
+    if not os.fspath(out_dir):
+        # abspath("") is the current directory: an unset shell variable would name it
+        raise SaveError("output directory is an empty path")
     out_dir = os.path.abspath(os.fspath(out_dir))
     cfg, specs = archs.arch_tensors(arch, size)
     total = sum(math.prod(s) * dtypes.itemsize(d) for _, d, s in specs)
@@ -244,13 +279,14 @@ def synthesize(out_dir: str, arch: str, size: str = "tiny", *, shards: int | Non
 
 
 def _swap_in(work: str, out_dir: str, overwrite: bool) -> None:
-    # rename(2) replaces an absent or empty directory atomically; a non-empty one (overwrite)
-    # is moved aside first and deleted after the new one is in place.
+    # rename(2) replaces an absent or empty directory atomically; a non-empty one (overwrite,
+    # checkpoint files only) is moved aside first and deleted after the new one is in place.
     old = None
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         if not overwrite:  # something appeared in OUT while we were writing
             raise SaveError("output directory became non-empty while writing; nothing replaced",
                             file=out_dir)
+        _check_replaceable(out_dir, overwrite)  # again: the user may have added a file since
         old = work + ".old"
         try:
             os.rename(out_dir, old)

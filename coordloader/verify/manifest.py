@@ -25,6 +25,7 @@ import torch
 
 from coordloader.checkpoint.dtypes import bits_dtype, itemsize
 from coordloader.checkpoint.fileio import OpenFiles, pread_into, write_file_atomic
+from coordloader.checkpoint.formats import MANIFEST_NAME
 from coordloader.checkpoint.identity import data_sample_sha256
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
 from coordloader.checkpoint.reader import read_small_file, refuse_dense_json
@@ -34,7 +35,6 @@ from coordloader.text import MAX_NAME_CHARS, clip
 # explicit names: the package re-exports the function `digest`, shadowing the module
 from coordloader.verify.digest import ALGORITHM, MASK64, digest, flat_offset, fmt, iter_subboxes
 
-MANIFEST_NAME = "coordloader.manifest.json"
 VERSION = 1
 READ_CHUNK_BYTES = 32 << 20   # per read; digest() then works through it in cache-sized chunks
 
