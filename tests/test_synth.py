@@ -522,6 +522,31 @@ def test_a_symlink_out_is_refused(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["empty", "lnk", "lnk2", "tgt"]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names fds through /proc")
+def test_fsync_makes_the_rename_into_out_durable(tmp_path, monkeypatch):
+    """--fsync fsynced every file but not OUT's parent after the temp directory was renamed
+    to OUT: a crash could still lose the whole checkpoint."""
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(a, b):
+        events.append(("rename", os.fspath(b)))
+        return real_rename(a, b)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    parent = os.path.realpath(tmp_path)
+    out = os.path.join(parent, "o")
+    for overwrite in (False, True):   # into an absent OUT, then over the previous one
+        events.clear()
+        synth.synthesize(out, "llama", "tiny", fsync=True, overwrite=overwrite)
+        last = len(events) - 1 - events[::-1].index(("rename", out))
+        assert ("fsync", parent) in events[last + 1:], events
+
+
 def test_split_shards_exact_count():
     _, specs = synth.arch_tensors("mixtral", "tiny")
     for n in (1, 2, 3, 7, len(specs)):

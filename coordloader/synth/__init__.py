@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from coordloader.checkpoint import dtypes
-from coordloader.checkpoint.fileio import write_file_atomic, write_safetensors_stream
+from coordloader.checkpoint.fileio import fsync_dir, write_file_atomic, write_safetensors_stream
 from coordloader.checkpoint.reader import is_checkpoint_file
 from coordloader.errors import CoordloaderError, SaveError
 from coordloader.synth import archs
@@ -271,14 +271,14 @@ def synthesize(out_dir: str, arch: str, size: str = "tiny", *, shards: int | Non
             _write_json(os.path.join(work, "model.safetensors.index.json"),
                         {"metadata": {"total_size": total},
                          "weight_map": dict(sorted(weight_map.items()))}, fsync)
-        _swap_in(work, out_dir, overwrite)
+        _swap_in(work, out_dir, overwrite, fsync)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return out_dir
 
 
-def _swap_in(work: str, out_dir: str, overwrite: bool) -> None:
+def _swap_in(work: str, out_dir: str, overwrite: bool, fsync: bool = False) -> None:
     # rename(2) replaces an absent or empty directory atomically; a non-empty one (overwrite,
     # checkpoint files only) is moved aside first and deleted after the new one is in place.
     old = None
@@ -300,5 +300,9 @@ def _swap_in(work: str, out_dir: str, overwrite: bool) -> None:
             os.rename(old, out_dir)   # the previous contents back where they were
         raise SaveError(f"cannot move the new checkpoint into place: {e.strerror or e}; "
                         f"nothing replaced", file=out_dir) from None
+    if fsync:
+        # the rename is an entry of OUT's parent: until that is on disk a crash can lose OUT,
+        # every file in it fsynced or not
+        fsync_dir(os.path.dirname(out_dir))
     if old:
         shutil.rmtree(old, ignore_errors=True)
