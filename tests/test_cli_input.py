@@ -2,6 +2,8 @@
 store error with a C++ backtrace."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from coordloader.cli.load import build_parser
@@ -72,6 +74,56 @@ def test_an_output_never_replaces_a_file_of_the_checkpoint(tmp_path, monkeypatch
             f"replace {name} in the checkpoint directory {ck}; write it elsewhere"
             in capsys.readouterr().err)
     assert main([ck, flag, str(tmp_path / "out.json")]) == 0 and (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("tool, flag, name", [("load", "--report", "model.safetensors.index.json"),
+                                              ("load", "--report", "coordloader.manifest.json"),
+                                              ("plan", "--json", "plan.safetensors")])
+def test_an_output_never_adds_a_file_the_reader_would_read(tmp_path, monkeypatch, capsys, tool,
+                                                           flag, name):
+    """The guard fired only on a file that existed: a new report named like an index, or a
+    plan named like a shard, was written into the checkpoint and read as part of it (the
+    checkpoint no longer loaded)."""
+    import importlib
+
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.synth import synthesize
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    before = sorted(os.listdir(ck))
+    def main(argv):   # load exits through the distributed error policy, plan returns
+        try:
+            return importlib.import_module(f"coordloader.cli.{tool}").main(argv)
+        except SystemExit as e:
+            return e.code
+    out = str(tmp_path / "ck" / name)
+    assert main([ck, "--quiet", flag, out] if tool == "load" else [ck, flag, out]) == 1
+    assert (f"ConfigError: file {out}: {flag} {out} would add {name} to the checkpoint "
+            f"directory {ck}, where it would be read as part of the checkpoint; write it "
+            f"elsewhere" in capsys.readouterr().err)
+    assert sorted(os.listdir(ck)) == before
+    read_checkpoint(ck)
+    # any other name there is ignored by the reader, and allowed
+    assert main([ck, flag, str(tmp_path / "ck" / "notes.json")]) == 0
+    read_checkpoint(ck)
+
+
+def test_load_report_dash_is_stdout(tmp_path, monkeypatch, capsys):
+    """--report - wrote a file named '-'; plan --json - means stdout, and so does it now,
+    the table then on stderr."""
+    import json
+
+    from coordloader.cli.load import main
+    from coordloader.synth import synthesize
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    monkeypatch.chdir(tmp_path)
+    assert main([ck, "--report", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["checkpoint"] == ck and "read/held" in err
+    assert not os.path.lexists(tmp_path / "-")
 
 
 @pytest.mark.parametrize("flag", ["--max-shard-size", "--block-mib"])

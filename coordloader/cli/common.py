@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+from coordloader.checkpoint.reader import is_checkpoint_file
 from coordloader.dist.collective import exit_on_error
 from coordloader.errors import ConfigError
 
@@ -23,16 +24,26 @@ def run_command(tool: str, body: Callable[[], int | None]) -> int:
 
 def refuse_checkpoint_file(out: str | None, checkpoint: str, flag: str) -> None:
     """ConfigError when the output file ``out`` of ``flag`` would replace a file in the
-    checkpoint's own directory (a shard, its config, its index): checked before any work."""
+    checkpoint's own directory (a shard, its config, its index), or add one there that the
+    reader would read as part of the checkpoint (``is_checkpoint_file``: a report named
+    ``model.safetensors.index.json`` made the checkpoint unloadable): checked before any
+    work."""
     if not out or out == "-":
         return
     root = os.path.abspath(checkpoint)
     if not os.path.isdir(root):
         root = os.path.dirname(root)
     target = os.path.realpath(os.path.abspath(out))
-    if os.path.lexists(out) and os.path.dirname(target) == os.path.realpath(root):
-        raise ConfigError(f"{flag} {out} would replace {os.path.basename(target)} in the "
-                          f"checkpoint directory {root}; write it elsewhere", file=out)
+    if os.path.dirname(target) != os.path.realpath(root):
+        return
+    name = os.path.basename(target)
+    if os.path.lexists(out):
+        raise ConfigError(f"{flag} {out} would replace {name} in the checkpoint directory "
+                          f"{root}; write it elsewhere", file=out)
+    if is_checkpoint_file(name):
+        raise ConfigError(f"{flag} {out} would add {name} to the checkpoint directory {root}, "
+                          f"where it would be read as part of the checkpoint; write it "
+                          f"elsewhere", file=out)
 
 
 def refuse_checkpoint_dir(out_dir: str | None, checkpoint: str, flag: str) -> None:

@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without torchrun: load this rank's share in a single process")
     o = p.add_argument_group("output")
     o.add_argument("--report", default=None, metavar="FILE",
-                   help="write the per-rank summary (and the plan digest) as JSON")
+                   help="write the per-rank summary (and the plan digest) as JSON to FILE "
+                        "('-' = stdout, the table then goes to stderr)")
     o.add_argument("--dump", default=None, metavar="DIR",
                    help="write each rank's tensors to DIR/rank-00000.safetensors, ...")
     o.add_argument("--overwrite", action="store_true",
@@ -174,17 +175,20 @@ def _run(args) -> int:
             if not rank0:
                 return
             rows, totals = summary_rows(per_rank)
+            # with the report on stdout the table goes to stderr, so stdout parses as JSON
+            # alone (as plan --json -)
+            out = sys.stderr if args.report == "-" else sys.stdout
             if not args.quiet:
                 print(f"coordloader: {args.checkpoint} layout {layout} engine {res.stats.engine} "
-                      f"verify {args.verify} plan {res.plan.digest()[:12]}")
-                print(format_load_table(rows, totals), flush=True)
+                      f"verify {args.verify} plan {res.plan.digest()[:12]}", file=out)
+                print(format_load_table(rows, totals), file=out, flush=True)
                 vr = res.verify_report or {}
                 if args.verify != "none" and vr:
                     # the verdict is agreed (verify_rank gathers), so rank 0 speaks for all
                     print(f"verify {args.verify}: passed on all {len(per_rank)} rank(s): "
-                          f"{', '.join(vr.get('checks', []))}", flush=True)
+                          f"{', '.join(vr.get('checks', []))}", file=out, flush=True)
                     for note in vr.get("notes", []):
-                        print(f"  note: {note}", flush=True)
+                        print(f"  note: {note}", file=out, flush=True)
             vr = res.verify_report or {}
             if (args.quiet and args.verify in ("digest", "full") and vr
                     and "digest-manifest" not in vr.get("checks", [])):
@@ -198,6 +202,10 @@ def _run(args) -> int:
                           "verify_report": {k: v for k, v in (res.verify_report or {}).items()
                                             if k in ("ok", "mode", "checks", "manifest", "notes")},
                           "ranks": rows, "totals": totals}
+                if args.report == "-":
+                    sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
+                    sys.stdout.flush()
+                    return
                 try:
                     write_file_atomic(args.report,
                                       json.dumps(report, indent=2, sort_keys=True).encode())
