@@ -18,8 +18,10 @@ def main(argv=None) -> int:
                                  description="Write coordloader.manifest.json (per-tensor content "
                                              "digests) next to a safetensors checkpoint.")
     ap.add_argument("ckpt", help="checkpoint directory")
-    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
-                    help="worker threads, one tensor each (default: CPUs, at most 8)")
+    # the default is resolved when run, not here: docs/cli.md is generated from this parser
+    # and must read the same on every machine
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="worker threads, one tensor each (default: min(8, CPUs))")
     ap.add_argument("--check", action="store_true",
                     help="recompute and compare with the existing manifest instead of writing")
     ap.add_argument("--quiet", action="store_true")
@@ -31,6 +33,8 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
+    if args.jobs is None:
+        args.jobs = min(8, os.cpu_count() or 1)
     if True:
         meta = read_checkpoint(args.ckpt)
         t0 = time.perf_counter()
