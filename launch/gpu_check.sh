@@ -7,9 +7,10 @@
 # 1. installs what is missing (coordloader from this checkout with its test extras,
 #    instanttensor); 2. `pytest -m gpu`; 3. `bench load` rows it_raw / it_engine next to the
 #    cpu engine on the same checkpoint and plan; 4. with 2+ GPUs, a 2-process NCCL load
-#    (torchrun, --verify digest). Writes OUT_DIR/summary.txt (one line per step: ok, FAIL
-#    or skipped, with seconds) plus each step's log and JSON. Exit status: 0 all steps ok,
-#    1 a step failed, 2 no CUDA device (nothing run), 3 the install failed.
+#    (torchrun, --verify digest against the manifest written first). Writes
+#    OUT_DIR/summary.txt (one line per step: ok, FAIL or skipped, with seconds) plus each
+#    step's log and JSON. Exit status: 0 all steps ok, 1 a step failed, 2 no CUDA device
+#    (nothing run), 3 the install failed.
 #
 # Variables read (optional): PYTHON (default python), STEP_TIMEOUT (seconds per step,
 # default 150), BUDGET (seconds for all steps, default 450), REPEATS (bench repeats,
@@ -103,10 +104,13 @@ step bench_it "$PYTHON" -m coordloader.bench load --methods cpu,it_raw,it_engine
 # 4. a 2-process NCCL load
 if [[ "$NGPU" -ge 2 ]]; then
   CK="$OUT/ckpt-qwen3_moe-tiny"
+  # --overwrite: a rerun into the same OUT_DIR; the manifest: without one --verify digest
+  # compares the replicas only, never the content against the checkpoint.
   # the single-quoted script is expanded by the inner shell, from its environment
   # shellcheck disable=SC2016
   step nccl_load env NPROC=2 DEVICE=cuda CKPT="$CK" PYTHON="$PYTHON" bash -c \
-    '"$PYTHON" -m coordloader.synth --arch qwen3_moe --size tiny "$CKPT" >/dev/null &&
+    '"$PYTHON" -m coordloader.synth --arch qwen3_moe --size tiny --overwrite "$CKPT" >/dev/null &&
+     "$PYTHON" -m coordloader.manifest --quiet "$CKPT" &&
      launch/local.sh --tp 2 --ep 2 --engine instanttensor --verify digest --report "$1"' \
     _ "$OUT/nccl_load.json"
 else

@@ -47,3 +47,21 @@ def test_refuses_a_python_without_torch(tmp_path):
     p = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], capture_output=True,
                        text=True, timeout=30, env=env, cwd=tmp_path)
     assert p.returncode == 2 and "cannot import torch" in p.stderr, p.stderr
+
+
+def test_nccl_step_reruns_and_writes_the_manifest_before_loading():
+    """The NCCL step synthesized without --overwrite (a rerun into the same OUT_DIR failed
+    at synth) and loaded with --verify digest and no manifest (content compared with
+    nothing: digest-replicas only). Checked on the script's text: the step needs 2 GPUs."""
+    import re
+    text = SCRIPT.read_text()
+    m = re.search(r"step nccl_load .*? bash -c \\\n\s*'(.*?)'", text, re.S)
+    assert m, "the nccl_load step's inner script was not found"
+    cmds = [" ".join(c.split()) for c in m.group(1).split("&&")]
+    assert len(cmds) == 3, cmds   # one chain: a failed step stops the ones after it
+    synth, manifest, load = cmds
+    assert synth.startswith('"$PYTHON" -m coordloader.synth ') and "--overwrite" in synth.split()
+    assert synth.split()[-2:] == ['"$CKPT"', ">/dev/null"]
+    assert manifest.startswith('"$PYTHON" -m coordloader.manifest ')
+    assert manifest.split()[-1] == '"$CKPT"' and "--check" not in manifest
+    assert load.startswith("launch/local.sh ") and "--verify digest" in load
