@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from typing import Any, Mapping
@@ -47,6 +48,12 @@ def read_rules(rules: Any) -> Any:
     """``rules`` with a rule-file path replaced by the file's parsed content (the source name
     kept for messages); anything else as given."""
     if isinstance(rules, str) and rules not in PRESETS:
+        if not os.path.lexists(rules):
+            # read as a missing rule file, a preset's typo (qwen3-moe) named no preset
+            near = difflib.get_close_matches(rules, PRESETS, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise PlanError(f"rules {rules!r} is neither a rule file nor a preset (presets: "
+                            f"{', '.join(PRESETS)}){hint}")
         return parse_rule_file(read_json_file(rules, "rule file"), rules)
     return rules
 

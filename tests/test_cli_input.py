@@ -126,6 +126,69 @@ def test_load_report_dash_is_stdout(tmp_path, monkeypatch, capsys):
     assert not os.path.lexists(tmp_path / "-")
 
 
+def _no_torchrun_env(monkeypatch):
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(v, raising=False)
+
+
+def _exit_code(main, argv):
+    try:   # load exits through the distributed error policy, plan returns
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def test_a_mistyped_preset_is_named_as_such(tmp_path, capsys):
+    """--rules qwen3-moe said the rule file does not exist, and named no preset."""
+    from coordloader.cli.plan import main
+    from coordloader.planning.rules import PRESETS
+    from coordloader.synth import synthesize
+    ck = synthesize(str(tmp_path / "ck"), "qwen3_moe", "tiny")
+    assert main([ck, "--rules", "qwen3-moe"]) == 1
+    err = capsys.readouterr().err
+    assert ("PlanError: rules 'qwen3-moe' is neither a rule file nor a preset (presets: "
+            + ", ".join(PRESETS) + "); did you mean 'qwen3_moe'?") in err
+    assert main([ck, "--rules", str(tmp_path / "none.json")]) == 1
+    err = capsys.readouterr().err
+    assert "is neither a rule file nor a preset" in err and "did you mean" not in err
+
+
+@pytest.mark.parametrize("engine", ["cpu", "auto", "safetensors"])
+def test_loader_config_keys_are_checked_under_every_engine(tmp_path, monkeypatch, capsys,
+                                                           engine):
+    """A mistyped --loader-config key was accepted by the cpu/auto engine and refused only
+    on a GPU machine, by the instanttensor engine."""
+    pytest.importorskip("instanttensor")
+    from coordloader.cli.load import main
+    from coordloader.synth import synthesize
+    _no_torchrun_env(monkeypatch)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    argv = [ck, "--quiet", "--engine", engine, "--device", "cpu", "--loader-config"]
+    assert _exit_code(main, argv + ['{"chunk_sise": 5}']) == 1
+    err = capsys.readouterr().err
+    assert "LoadError: --loader-config has unknown option(s) chunk_sise; " in err
+    assert "accepts" in err and "chunk_size" in err.split("accepts")[1]
+    assert _exit_code(main, argv + ['{"chunk_size": 5}']) == 0
+
+
+def test_dump_onto_a_file_is_refused_before_the_load(tmp_path, monkeypatch, capsys):
+    """--dump FILE ran the whole load and failed only then, creating the directory."""
+    import coordloader.cli.load as load_cli
+    from coordloader.synth import synthesize
+    _no_torchrun_env(monkeypatch)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    target = tmp_path / "afile"
+    target.write_text("x")
+
+    def load_detailed(*a, **k):
+        raise AssertionError("loaded before refusing --dump")
+    monkeypatch.setattr(load_cli, "load_detailed", load_detailed)
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--dump", str(target)]) == 1
+    assert (f"ConfigError: file {target}: --dump {target} exists and is not a directory"
+            in capsys.readouterr().err)
+    assert target.read_text() == "x"
+
+
 @pytest.mark.parametrize("flag", ["--max-shard-size", "--block-mib"])
 @pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf", "big"])
 def test_consolidate_sizes_must_be_positive_and_finite(flag, bad, capsys):

@@ -15,7 +15,7 @@ from coordloader.cli.common import refuse_checkpoint_dir, refuse_checkpoint_file
 from coordloader.cli.plan import add_layout_args, experts_held, human, layout_from_args, ranges_str
 from coordloader.dist import collective
 from coordloader.engines import ENGINE_NAMES
-from coordloader.errors import LoadError, SaveError
+from coordloader.errors import ConfigError, LoadError, SaveError
 from coordloader.handoff.dump import check_dump_target, dump_rank
 from coordloader.loader import VERIFY_MODES, load_detailed
 from coordloader.text import ArgumentParser, positive_number
@@ -136,6 +136,10 @@ def _run(args) -> int:
     layout = layout_from_args(args)
     refuse_checkpoint_file(args.report, args.checkpoint, "--report")
     refuse_checkpoint_dir(args.dump, args.checkpoint, "--dump")
+    if args.dump and os.path.lexists(args.dump) and not os.path.isdir(args.dump):
+        # found when the dump is written, it cost the whole load first
+        raise ConfigError(f"--dump {args.dump} exists and is not a directory; choose a "
+                          f"directory", file=args.dump)
     group, device = _init_from_env(args)
     try:
         if group is not None:

@@ -80,6 +80,9 @@ def select_engine(name: str = "auto", device: Any = None, **options):
     ``group`` and ``loader_config``; the cpu engine ``threads``, ``chunk_bytes`` and
     ``span_bytes``)."""
     name = resolve_engine_name(name, device)
+    if name != "instanttensor" and options.get("loader_config"):
+        from coordloader.engines.instanttensor_engine import check_loader_config
+        check_loader_config(options["loader_config"])
     if name == "cpu":
         from coordloader.engines.cpu import CpuEngine
         return CpuEngine(**{k: v for k, v in options.items() if k in ("threads", "chunk_bytes",

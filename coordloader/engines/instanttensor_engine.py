@@ -123,6 +123,18 @@ def parse_loader_config(cfg: str | Mapping | None) -> dict:
     return out
 
 
+def check_loader_config(cfg: str | Mapping | None) -> None:
+    """LoadError for a ``cfg`` the instanttensor engine would refuse, checked under every
+    engine: a typo accepted by the cpu engine (which reads none of it) failed only on the
+    GPU machine. Without an importable instanttensor nothing says which options it takes,
+    and nothing reads them: unchecked."""
+    try:
+        _instanttensor()
+    except LoadError:
+        return
+    parse_loader_config(cfg)
+
+
 @contextlib.contextmanager
 def _instanttensor_errors(what: str, rank: int):
     """A failure inside instanttensor becomes a LoadError saying ``what`` failed (ours pass)."""
