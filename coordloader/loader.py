@@ -23,7 +23,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Container, Mapping, NamedTuple
 
 import torch
 
@@ -539,6 +539,32 @@ def _refuse_meta(dst: torch.Tensor, tgt: str, name: str | None, rank: int) -> No
                         tensor=name, rank=rank)
 
 
+def _refuse_unwritable(dst: torch.Tensor, tgt: str, name: str | None, rank: int,
+                       in_place: Container[str] = ()) -> None:
+    """Targets torch would refuse to write once the load is done: the copies into targets
+    the engine does not fill in place run after the last phase, so their failure reached
+    only the rank that raised, the others returning as loaded."""
+    if type(dst) not in (torch.Tensor, torch.nn.Parameter):
+        # a wrapper subclass (DTensor, TwoTensor, a float8 weight) need not hold its values
+        # in its own storage: the engine cannot read into it, and a copy_ into it goes
+        # wherever the subclass sends it
+        raise LoadError(f"target {tgt!r} is a {type(dst).__name__}, a torch.Tensor subclass; "
+                        f"expected a plain torch.Tensor or nn.Parameter, whose storage holds "
+                        f"its values (load into a plain tensor, then convert it)",
+                        tensor=name, rank=rank)
+    if (dst.is_inference() and not torch.is_inference_mode_enabled()
+            and (name is None or name not in in_place)):
+        # the engine fills a contiguous target on the load device itself (``in_place``);
+        # any other gets a copy_, which torch refuses for an inference tensor outside
+        # inference_mode
+        raise LoadError(f"target {tgt!r} is an inference tensor (made under "
+                        f"torch.inference_mode()) that is not filled in place (not contiguous, "
+                        f"or not on the load device), and torch refuses to write it "
+                        f"outside inference mode; call load_into under torch.inference_mode(), "
+                        f"or pass a contiguous target on the load device",
+                        tensor=name, rank=rank)
+
+
 class _Placement(NamedTuple):
     """Where load_into puts this rank's tensors, decided from the rank's plan before any
     read: checkpoint tensor -> target, and the fused parameters' parts."""
@@ -553,14 +579,17 @@ class _Placement(NamedTuple):
 
 
 def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
-                   fusions: list[_Fusion], required: tuple[str, ...] = ()) -> _Placement:
+                   fusions: list[_Fusion], required: tuple[str, ...] = (),
+                   in_place: Container[str] = ()) -> _Placement:
     """Match every slice of ``rank_plan`` to its target: refused here (before any read, in
     a phase of its own, so every rank stops together) are, under ``strict``, a missing
     target and a ``required`` target no slice fills, and always a shape or dtype that
-    differs, a target on the meta device, two tensors for one target, parts of a fused
-    parameter that do not fuse to it, and targets sharing memory. A refusal after the load
-    left targets filled in place with checkpoint bytes while the call raised, and reached
-    only the rank that raised."""
+    differs, a target on the meta device, a tensor subclass, an inference tensor that
+    would need a copy (not in ``in_place``: the checkpoint tensors whose targets the engine
+    fills itself), two tensors for one target, parts of a fused parameter that do not fuse
+    to it, and targets sharing memory. A refusal after the load left targets filled in
+    place with checkpoint bytes while the call raised, and reached only the rank that
+    raised."""
     rank = rank_plan.rank
     copies, skipped = [], []
     fused: dict[tuple[int, str], dict[int, dict[int, str]]] = {}
@@ -606,6 +635,7 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                             f"slice is {dt} {list(s.local_shape)}", tensor=name, rank=rank)
         _refuse_meta(dst, tgt, name, rank)
         claim(tgt, name)
+        _refuse_unwritable(dst, tgt, name, rank, in_place)
         copies.append((tgt, name, dst))
     fused_dst = {}
     for (k, prefix), parts in fused.items():
@@ -630,6 +660,7 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                             f"({have}); this rank's experts {experts} "
                             f"fuse to {t.dtype} {list(t.shape)}", rank=rank)
         _refuse_meta(dst, tgt, None, rank)
+        _refuse_unwritable(dst, tgt, None, rank)   # filled with a copy of the fusion
         claim(tgt, f"{prefix}{fusions[k].target} (fused)")
         fused_dst[(k, prefix)] = dst
     # two targets sharing memory would hold one's bytes in both
@@ -731,17 +762,20 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
     against the plan before any read: a refusal on any rank stops every rank, with no
     target written."""
     made: list[_Targets] = []   # by prepare, once the group is adopted
+    direct: list[_DirectDests] = []
 
     def prepare(rank: int, device: torch.device) -> _DirectDests:
         # once the group is adopted: a target or name_map refused on one rank alone
         # reaches the others at their first phase, and every rank's calls stay in step
         made.append(_Targets(target, name_map, rank))
-        return _DirectDests(made[0].dests, made[0].map, device.type)
+        direct.append(_DirectDests(made[0].dests, made[0].map, device.type))
+        return direct[0]
 
     def check(rank_plan) -> None:
         t = made[0]
+        # the engine's own answers (memoized), so a target is judged as it will be filled
         t.placement = _place_targets(rank_plan, layout, t.dests, t.map, strict,
-                                     t.conv.fusions, t.required)
+                                     t.conv.fusions, t.required, in_place=direct[0])
 
     res = _load_detailed(ckpt, layout, prepare=prepare, check=check, **load_kw)
     dests, pl = made[0].dests, made[0].placement

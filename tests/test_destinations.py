@@ -150,6 +150,43 @@ def test_a_refused_target_leaves_every_target_unwritten(ab, engine, bad):
     assert a.tolist() == [-1.0] * 4   # refused before any read: nothing written
 
 
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+@pytest.mark.parametrize("bad", ["inference", "subclass"])
+def test_a_target_torch_cannot_write_is_refused_before_any_read(ab, engine, bad):
+    """A target not filled in place gets a copy_ after the last phase: a non-contiguous
+    inference tensor raised torch's bare RuntimeError there, on its rank alone (the others
+    returned as loaded), with 'a' already filled; a tensor subclass (TwoTensor) failed
+    inside the cpu engine with '.numpy() is not supported for tensor subclasses', and the
+    safetensors engine wrote into it and reported it loaded."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    a = torch.full((4,), -1.0)
+    if bad == "inference":
+        with torch.inference_mode():
+            b = torch.zeros(8)[::2]
+        want = ("target 'b' is an inference tensor (made under torch.inference_mode()) that is "
+                "not filled in place")
+    else:
+        b = TwoTensor(torch.zeros(4), torch.zeros(4))
+        want = "target 'b' is a TwoTensor, a torch.Tensor subclass; expected a plain"
+    with pytest.raises(LoadError) as e:
+        cl.load_into({"a": a, "b": b}, ab, Layout(), engine=engine, **ONE)
+    assert str(e.value).startswith(f"rank 0, tensor 'b': {want}"), str(e.value)
+    assert a.tolist() == [-1.0] * 4   # refused before any read: nothing written
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_inference_targets_torch_can_write_load(ab, engine):
+    """An inference tensor the engine fills in place (contiguous, on the load device), and
+    any inference tensor under inference_mode, can be written: they load."""
+    with torch.inference_mode():
+        a, b = torch.zeros(4), torch.zeros(8)[::2]
+    cl.load_into({"a": a, "b": torch.zeros(4)}, ab, Layout(), engine=engine, **ONE)
+    assert a.tolist() == [0.0, 1.0, 2.0, 3.0]
+    with torch.inference_mode():
+        cl.load_into({"a": torch.zeros(4), "b": b}, ab, Layout(), engine=engine, **ONE)
+    assert b.tolist() == [100.0, 101.0, 102.0, 103.0]
+
+
 @pytest.mark.parametrize("as_module", [False, True])
 def test_strict_refuses_a_target_no_tensor_fills(ab, as_module):
     """A target the checkpoint has no tensor for (a DCP save that lost a rank's file takes
