@@ -69,6 +69,42 @@ def test_load_into_targets_sharing_memory_are_refused(ab):
                             "expanded or overlapping view); it needs memory of its own")
 
 
+@pytest.fixture()
+def m23(tmp_path):
+    """One file: F32 ``m`` = [[0, 1, 2], [3, 4, 5]]."""
+    save_file({"m": torch.arange(6.0).reshape(2, 3)}, str(tmp_path / "model.safetensors"))
+    return str(tmp_path)
+
+
+def test_a_target_whose_rows_overlap_is_refused(m23):
+    """An as_strided target whose rows overlap by one element: torch calls its overlap
+    "too hard" to tell, so it passed; rows written one after the other left 'm' unequal
+    to the checkpoint, with verify="full" passing."""
+    base = torch.full((5,), -1.0)
+    for call in (lambda t: cl.load_into({"m": t}, m23, Layout(), verify="full", **ONE),
+                 lambda t: cl.load_detailed(m23, Layout(), out={"m": t}, **ONE)):
+        with pytest.raises(LoadError) as e:
+            call(base.as_strided((2, 3), (2, 1)))
+        assert str(e.value).startswith("rank 0, tensor 'm': ") and str(e.value).endswith(
+            " has elements that share memory (an expanded or overlapping view); it needs "
+            "memory of its own"), str(e.value)
+        assert base.tolist() == [-1.0] * 5   # refused before any read
+
+
+@pytest.mark.parametrize("how", ["transposed", "stepped", "interleaved"])
+def test_targets_of_unusual_strides_that_do_not_overlap_load(m23, how):
+    """Views torch calls too hard to judge, but whose elements each have their own memory
+    (a stepped slice; rows of stride 3 over columns of stride 2, which interleave), load
+    byte-exact, leaving the rest of their buffer alone."""
+    base = torch.full((12,), -1.0)
+    t = {"transposed": lambda: base[:6].view(3, 2).t(),
+         "stepped": lambda: base.view(2, 6)[:, ::2],
+         "interleaved": lambda: base.as_strided((2, 3), (3, 2))}[how]()
+    cl.load_into({"m": t}, m23, Layout(), verify="full", **ONE)
+    assert t.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert (base == -1).sum().item() == 12 - 6   # nothing written outside the view
+
+
 def test_tied_targets_are_refused_and_load_with_one_name_dropped(ab):
     """A state_dict of tied weights names one tensor twice: the error says how to load it,
     and dropping one name loads both, as one tensor."""

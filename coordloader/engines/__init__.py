@@ -145,6 +145,26 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(np.any(sa[i[ok]] + la > sb[ok]))
 
 
+def _self_overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory, where torch cannot tell (its answer 2,
+    "too hard", for any view that is not dense: a slice with a step, a column, and an
+    ``as_strided`` whose rows overlap alike)."""
+    # sufficient, and cheap: with the dims sorted by stride, each stride passes the
+    # furthest offset the smaller dims reach, so no two index tuples meet (every view a
+    # slice, transpose or narrow makes)
+    reach = 0
+    for st, n in sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if st <= reach:
+            break
+        reach += st * (n - 1)
+    else:
+        return False
+    # exact, for what is left: the start of every contiguous run, each run clear of the next
+    import numpy as np
+    starts, run = _runs(t)
+    return bool(np.any(np.diff(starts) < run))
+
+
 def require_tensor(t, what: str, name: str | None, rank: int | None) -> None:
     """LoadError unless ``t``, a destination handed in, is a torch.Tensor."""
     if not isinstance(t, torch.Tensor):
@@ -161,7 +181,8 @@ def check_disjoint(dests, rank: int | None, what: str = "destination") -> None:
         require_tensor(t, what, name, rank)
         if t.numel() == 0 or t.device.type == "meta":
             continue
-        if torch._debug_has_internal_overlap(t) == 1:
+        overlap = torch._debug_has_internal_overlap(t)   # 0 no, 1 yes, 2 too hard to tell
+        if overlap == 1 or (overlap == 2 and _self_overlaps(t)):
             raise LoadError(f"{what} has elements that share memory (an expanded or "
                             f"overlapping view); it needs memory of its own", tensor=name,
                             rank=rank)
