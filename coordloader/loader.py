@@ -134,16 +134,30 @@ def _phase(name: str, fn: Callable[[], Any], group):
 
 # -- phases -----------------------------------------------------------------------------
 
+class _MetaShare(NamedTuple):
+    """What a rank puts into the metadata-assemble gather: what it was handed (``"path"``
+    or ``"meta"``) and, for a path, the headers it read."""
+    source: str
+    headers: list | None
+
+
 def read_metadata(ckpt, group, rank: int, world: int) -> tuple[CheckpointMeta,
                                                                CheckpointIdentity | None]:
     """Headers split across ranks, gathered, assembled identically everywhere; and this
-    rank's own fingerprint of every file (None in one process), for ``agree_on_plan``."""
+    rank's own fingerprint of every file (None in one process), for ``agree_on_plan``.
+    A path and a ``CheckpointMeta`` run the same phases, so ranks handed different kinds
+    meet in the same gather and are named there."""
     if isinstance(ckpt, CheckpointMeta):
         if group is None:
             return ckpt, None
-        return ckpt, _phase("metadata-read", lambda: checkpoint_identity(
+        identity = _phase("metadata-read", lambda: checkpoint_identity(
             ckpt.root, [f.name for f in ckpt.files], [MANIFEST_NAME], read_from=ckpt.files),
             group)
+
+        def agree():
+            _same_source(collective.gather_object(group, _MetaShare("meta", None)), rank)
+            return ckpt
+        return _phase("metadata-assemble", agree, group), identity
     if group is None:
         return checkpoint.read_checkpoint(checkpoint.checkpoint_path(ckpt)), None
     root = checkpoint.checkpoint_path(ckpt)
@@ -159,9 +173,28 @@ def read_metadata(ckpt, group, rank: int, world: int) -> tuple[CheckpointMeta,
     def gather_and_assemble():
         # Inside a phase: every rank finished reading (the previous phase agreed), so all
         # of them reach this all_gather; one dying in it (or in assemble) is still named.
-        gathered = collective.gather_object(group, headers)
-        return checkpoint.assemble(disc.root, disc, [h for part in gathered for h in part])
+        gathered = collective.gather_object(group, _MetaShare("path", headers))
+        _same_source(gathered, rank)
+        return checkpoint.assemble(disc.root, disc,
+                                   [h for part in gathered for h in part.headers])
     return _phase("metadata-assemble", gather_and_assemble, group), identity
+
+
+def _same_source(gathered: list[_MetaShare], rank: int) -> None:
+    """ConfigError unless every rank was handed the same kind of checkpoint: a path's
+    headers are split across the ranks, so a rank handed metadata holds no share of them
+    (the path's ranks waited for it in this gather until the process group's timeout)."""
+    by: dict[str, list[int]] = {}
+    for r, share in enumerate(gathered):
+        by.setdefault(share.source, []).append(r)
+    if len(by) > 1:
+        raise ConfigError(f"ranks disagree on the checkpoint they were handed: "
+                          f"{_ranks(by['path'])} passed a path, {_ranks(by['meta'])} a "
+                          f"CheckpointMeta; pass the same kind on every rank", rank=rank)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + format_ranges(ranks)
 
 
 def agree_on_plan(plan, group, rank: int, identity: CheckpointIdentity | None = None,

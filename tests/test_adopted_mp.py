@@ -543,6 +543,44 @@ def test_a_timeout_or_save_argument_refused_on_one_rank_keeps_the_ranks_in_step(
     assert got[0][5] == got[1][5] == "LOADED", got
 
 
+# rank 0 a path and rank 1 a CheckpointMeta, then the other way round, then both the same
+MIXED_SOURCES = r'''
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+import coordloader
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+for attempt, kinds in enumerate(["PM", "MP", "MM", "PP"]):
+    src = coordloader.read_checkpoint(sys.argv[1]) if kinds[rank] == "M" else sys.argv[1]
+    t0 = time.monotonic()
+    try:
+        coordloader.load(src, coordloader.Layout(tp=2), engine="cpu", timeout=20)
+        outcome = "LOADED"
+    except coordloader.CoordloaderError as e:
+        outcome = type(e).__name__ + " " + " ".join(str(e).split())
+    print("RESULT", attempt, f"{time.monotonic() - t0:.1f}", outcome, flush=True)
+time.sleep(2)   # rank 0 hosts the store: let the other read its last answers
+os._exit(0)
+'''
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_a_path_on_one_rank_and_metadata_on_another_are_named_at_once(tmp_path, ckpt):
+    """A path ran metadata-read and metadata-assemble (a gather), a CheckpointMeta
+    metadata-read alone: the rank handed metadata said 'rank 0 did not arrive' after its
+    timeout, while rank 0 sat in the gather until the process group's timeout. Both kinds
+    now run the same phases and every rank names the mix in metadata-assemble at once; the
+    next calls pair up."""
+    got = _outcomes(_run_script(tmp_path, "mixed.py", MIXED_SOURCES, 2, ckpt), 4)
+    for attempt, (paths, metas) in enumerate([("rank 0", "rank 1"), ("rank 1", "rank 0")]):
+        assert got[0][attempt] == got[1][attempt] == (
+            f"CollectiveError phase metadata-assemble: ranks 0,1: ConfigError: ranks disagree "
+            f"on the checkpoint they were handed: {paths} passed a path, {metas} a "
+            f"CheckpointMeta; pass the same kind on every rank"), got
+    assert got[0][2:] == got[1][2:] == ["LOADED", "LOADED"], got
+
+
 LATE = r'''
 import os, sys, time
 from datetime import timedelta
