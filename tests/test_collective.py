@@ -14,6 +14,7 @@ import pytest
 
 from coordloader.dist.collective import (
     Group,
+    _is_comm_failure,
     describe_exception,
     exit_on_error,
     free_port,
@@ -86,6 +87,16 @@ def main():
         run_phase("verify", lambda: r, g)
     elif mode == "plain_error":
         run_phase("plan", lambda: 1 / (r - 1), g)
+    elif mode == "bad_str":
+        class BadStr(Exception):
+            def __str__(self):
+                raise RuntimeError("str exploded")
+
+        def plan():
+            if r == 1:
+                raise BadStr()
+            return r
+        run_phase("plan", plan, g)
     elif mode == "happy":
         out = run_phase("load", lambda: {"rank": r, "x": r * 10}, g)
         again = run_phase("verify", lambda: out["x"] + 1, g)
@@ -188,6 +199,17 @@ def test_foreign_exception_keeps_type_and_text(tmp_path):
         assert "phase plan: rank 1: ZeroDivisionError: division by zero" in rank_line(err, r)
 
 
+def test_an_exception_whose_str_raises_keeps_its_type_on_every_rank(tmp_path):
+    """Rendering the failure raised 'str exploded' on the failing rank, untyped, before it
+    posted its status; the others named it only as missing, at the timeout."""
+    res, _, _ = _launch(tmp_path, "bad_str", range(2), world=2)
+    for r, (rc, out, err, *_) in res.items():
+        assert rc == 1, (r, err)
+        line = rank_line(err, r)
+        assert line.endswith("phase plan: rank 1: BadStr: BadStr (its message could not be "
+                             "rendered)"), line
+
+
 def test_foreign_listener_on_master_port_is_named_by_every_rank(tmp_path):
     # Another process holds MASTER_PORT: it accepts connections (the kernel does, into
     # the backlog) and never answers. Rank 0 cannot bind; rank 1's store handshake used to
@@ -224,6 +246,20 @@ def test_describe_exception_keeps_context_and_drops_own_rank():
     t, m = describe_exception(RuntimeError("[/src/gloo/pair.cc:553] Connection\n closed"))
     assert (t, m) == ("RuntimeError", "Connection closed")
     assert describe_exception(KeyError())[1] == "(no message)"
+
+
+def test_describe_exception_of_an_exception_whose_str_raises():
+    class BadStr(Exception):
+        def __str__(self):
+            raise RuntimeError("str exploded")
+
+    class BadRuntime(RuntimeError):
+        def __str__(self):
+            raise ValueError("no")
+    assert describe_exception(BadStr()) == ("BadStr",
+                                            "BadStr (its message could not be rendered)")
+    assert describe_exception(BadRuntime())[0] == "BadRuntime"
+    assert not _is_comm_failure(BadRuntime())
 
 
 def test_rank_ranges():

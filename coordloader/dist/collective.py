@@ -124,11 +124,19 @@ def describe_exception(exc: BaseException, rank: int | None = None) -> tuple[str
     elif isinstance(exc, KeyboardInterrupt):
         text = "interrupted (SIGINT / Ctrl-C)"
     else:
-        text = str(exc)
-        if not text and exc.args:
-            text = repr(exc.args)
+        text = _text(exc)
     # capped: the message travels through the status board and must stay small at any scale
     return type(exc).__name__, clip(_one_line(text) or "(no message)", MAX_MESSAGE_CHARS)
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)`` (its args when that is empty), or, when rendering it raises, a note
+    saying so: the failure it reports must still reach every rank under its own type."""
+    try:
+        text = str(exc)
+        return text if text or not exc.args else repr(exc.args)
+    except Exception:  # noqa: BLE001 - any error of a foreign __str__ / __repr__
+        return f"{type(exc).__name__} (its message could not be rendered)"
 
 
 def _one_line(text: str) -> str:
@@ -1006,7 +1014,7 @@ def _is_comm_failure(exc: BaseException) -> bool:
     while exc is not None and seen < 6:
         if isinstance(exc, dist.DistError):
             return True
-        if isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _COMM_TEXT):
+        if isinstance(exc, RuntimeError) and any(t in _text(exc).lower() for t in _COMM_TEXT):
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False
