@@ -201,8 +201,8 @@ def agree_on_plan(plan, group, rank: int, identity: CheckpointIdentity | None = 
                   options: Mapping[str, Any] | None = None) -> None:
     """Every rank must have computed the same plan from the same checkpoint (its own
     fingerprint ``identity`` of the files), with the same ``options`` (settings outside
-    the plan that decide which phases and collectives a rank makes: verify mode, engine),
-    before any tensor I/O."""
+    the plan that decide which phases and collectives a rank makes: verify mode, engine,
+    entry point), before any tensor I/O."""
     if group is None:
         return
     _phase("plan-agree", lambda: _compare_plan_digests(plan, group, rank, identity, options),
@@ -338,10 +338,12 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
                    replicate_unmatched: bool = False, timeout: float | None = None,
                    config=None, agree: Mapping[str, Any] | None = None,
                    prepare: Callable[[int, torch.device], Any] | None = None,
-                   check: Callable[[RankPlan], None] | None = None) -> LoadResult:
+                   check: Callable[[RankPlan], None] | None = None,
+                   call: str = "load") -> LoadResult:
     """load_detailed; ``prepare(rank, device) -> out`` (load_into's checks of its own
     arguments) runs once the group is adopted, like the checks here; ``check(rank_plan)``
-    (load_into's targets against the plan) in a phase of its own before the load."""
+    (load_into's targets against the plan) in a phase of its own before the load;
+    ``call``: the entry point, agreed on with the options."""
     # no cyclic GC while loading (see coordloader.gcpause): a full collection over the
     # metadata, plan and tensors landed in whichever phase was running. Measured with the
     # pause narrowed to metadata + plan (torchrun, tp=2, qwen3_moe-small, medians of 5):
@@ -369,8 +371,10 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
             return make_plan(meta, layout, rules, config=config, **kw)
 
         plan = _phase("plan", build_plan, group)
+        # the entry point too: load_into makes a targets phase that load does not, and the
+        # ranks would meet in different phases, named only after the whole timeout
         agree_on_plan(plan, group, rank, identity,
-                      dict(agree or {}, verify=verify, engine=eng_name))
+                      dict(agree or {}, verify=verify, engine=eng_name, call=call))
         rank_plan = plan.rank(rank)
         if check is not None:
             _phase("targets", lambda: check(rank_plan), group)
@@ -810,7 +814,8 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
         t.placement = _place_targets(rank_plan, layout, t.dests, t.map, strict,
                                      t.conv.fusions, t.required, in_place=direct[0])
 
-    res = _load_detailed(ckpt, layout, prepare=prepare, check=check, **load_kw)
+    res = _load_detailed(ckpt, layout, prepare=prepare, check=check, call="load_into",
+                         **load_kw)
     dests, pl = made[0].dests, made[0].placement
     fusions = pl.fusions
     loaded = []

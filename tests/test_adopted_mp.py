@@ -581,6 +581,49 @@ def test_a_path_on_one_rank_and_metadata_on_another_are_named_at_once(tmp_path, 
     assert got[0][2:] == got[1][2:] == ["LOADED", "LOADED"], got
 
 
+# rank 0 load() and rank 1 load_into(), then the other way round, then both the same
+MIXED_CALLS = r'''
+import os, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+import coordloader
+from coordloader.checkpoint.dtypes import torch_dtype
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+layout = coordloader.Layout(tp=2)
+for attempt, calls in enumerate(["LI", "IL", "LL", "II"]):
+    t0 = time.monotonic()
+    try:
+        if calls[rank] == "L":
+            coordloader.load(sys.argv[1], layout, engine="cpu", timeout=20)
+        else:
+            target = {s.name: torch.zeros(s.local_shape, dtype=torch_dtype(s.dtype))
+                      for s in coordloader.make_plan(sys.argv[1], layout).rank(rank).tensors}
+            coordloader.load_into(target, sys.argv[1], layout, engine="cpu", timeout=20)
+        outcome = "LOADED"
+    except coordloader.CoordloaderError as e:
+        outcome = type(e).__name__ + " " + " ".join(str(e).split())
+    print("RESULT", attempt, f"{time.monotonic() - t0:.1f}", outcome, flush=True)
+time.sleep(2)   # rank 0 hosts the store: let the other read its last answers
+os._exit(0)
+'''
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_load_on_one_rank_and_load_into_on_another_are_named_at_once(tmp_path, ckpt):
+    """load_into makes a targets phase that load does not: rank 0 in 'load' and rank 1 in
+    'targets' at the same step named each other's phase only after the whole timeout. The
+    entry point is one of the options the ranks agree on at plan-agree, before any read."""
+    got = _outcomes(_run_script(tmp_path, "mixedcalls.py", MIXED_CALLS, 2, ckpt), 4)
+    for attempt, (r0, r1) in enumerate([("load", "load_into"), ("load_into", "load")]):
+        assert got[0][attempt] == got[1][attempt] == (
+            f"CollectiveError phase plan-agree: ranks 0,1: ConfigError: ranks disagree on "
+            f"their options (call: rank 0 '{r0}', rank 1 '{r1}'); give every rank the same "
+            f"options"), got
+    assert got[0][2:] == got[1][2:] == ["LOADED", "LOADED"], got
+
+
 LATE = r'''
 import os, sys, time
 from datetime import timedelta
