@@ -21,6 +21,11 @@ fi
 if [[ -z "${NPROC:-}" ]]; then
   if [[ "$DEVICE" == cuda ]]; then
     NPROC=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+    if [[ "$NPROC" -lt 1 ]]; then
+      # torchrun would die on an assertion with 0 processes
+      echo "local.sh: DEVICE=cuda but torch sees no CUDA device; set DEVICE=cpu or NPROC" >&2
+      exit 2
+    fi
   else
     NPROC=2
   fi

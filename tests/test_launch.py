@@ -43,6 +43,19 @@ def test_local_sh_reports_a_layout_mismatch(tmp_path):
     assert "launched with 2 ranks but the layout" in p.stderr, p.stderr[-3000:]
 
 
+def test_local_sh_with_cuda_asked_and_no_gpu_says_so(tmp_path):
+    """DEVICE=cuda on a machine without a GPU gave NPROC=0, and torchrun died on an
+    AssertionError traceback."""
+    env = dict(os.environ, DEVICE="cuda", CKPT=str(tmp_path), PYTHON=sys.executable,
+               CUDA_VISIBLE_DEVICES="")
+    env.pop("NPROC", None)
+    p = subprocess.run(["bash", str(REPO / "launch" / "local.sh")], capture_output=True,
+                       text=True, timeout=120, env=env, cwd=tmp_path)
+    assert p.returncode == 2
+    assert p.stderr.strip() == ("local.sh: DEVICE=cuda but torch sees no CUDA device; set "
+                                "DEVICE=cpu or NPROC")
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_scripts_parse(script):
     p = subprocess.run(["bash", "-n", str(REPO / "launch" / script)], capture_output=True, text=True)
