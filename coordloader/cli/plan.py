@@ -1,6 +1,7 @@
 """``python -m coordloader.plan CKPT --tp 8 --ep 8 ...``: plan a layout, validate the
 cover, print a per-rank table, optionally write the plan as JSON (docs/plan-schema.md).
-Errors (bad layout, rules, checkpoint) print one line and exit 2, without a traceback."""
+Errors (bad layout, rules, checkpoint) print one line and exit 1, without a traceback
+(usage errors: argparse's exit 2)."""
 from __future__ import annotations
 
 import argparse
