@@ -169,6 +169,28 @@ def test_dump_refuses_to_overwrite_without_overwrite(tmp_path, tiny):
         dump_rank(os.path.join(path, "sub"), 0, t0, plan_digest="x")
 
 
+def test_dump_of_one_rank_refuses_a_directory_holding_another_loads_ranks(tmp_path, tiny):
+    """One process per rank (--rank) dumping into one DIR: rank 1 of a tp=4 load went in
+    beside rank 0 of a tp=2 load without complaint, a dump of two loads. Another rank's
+    file of another plan is refused now, unless overwrite; the same plan's is not."""
+    d = str(tmp_path / "d")
+    a = cl.make_plan(tiny, Layout(tp=2))
+    b = cl.make_plan(tiny, Layout(tp=4))
+    dump_rank(d, 0, cl.load(tiny, Layout(tp=2), rank=0), plan_digest=a.digest(), world=2)
+    t1 = cl.load(tiny, Layout(tp=4), rank=1)
+    with pytest.raises(SaveError) as ei:
+        dump_rank(d, 1, t1, plan_digest=b.digest(), world=4)
+    assert ei.value.message == (
+        f"holds rank-00000.safetensors, a dump of another load (plan digest "
+        f"{a.digest()[:12]}, this load's {b.digest()[:12]}); pass --overwrite "
+        f"(overwrite=True) to replace it, or choose another --dump DIR")
+    assert not os.path.exists(dump_path(d, 1))
+    # the same load's other rank goes in beside it
+    dump_rank(d, 1, cl.load(tiny, Layout(tp=2), rank=1), plan_digest=a.digest(), world=2)
+    dump_rank(str(tmp_path / "e"), 1, t1, plan_digest=b.digest(), world=4)
+    dump_rank(d, 1, t1, plan_digest=b.digest(), world=4, overwrite=True)   # asked for
+
+
 # --------------------------------------------------------------------------- ENOSPC
 
 def _no_tmp(d):

@@ -168,7 +168,8 @@ def _run(args) -> int:
             # every rank's refusal before any rank writes (after load_detailed has agreed
             # that every rank dumps): one refused while another wrote left a dump of two loads
             collective.run_phase("dump-check", lambda: check_dump_target(
-                args.dump, res.rank, layout.world_size, args.overwrite), group)
+                args.dump, res.rank, layout.world_size, args.overwrite, res.plan.digest()),
+                group)
             mine["dump"] = collective.run_phase("dump", lambda: dump_rank(
                 args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
                 layout=layout.to_dict(), coords=dict(res.rank_plan.coords),

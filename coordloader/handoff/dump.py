@@ -32,11 +32,15 @@ def stale_dumps(out_dir: str, world: int) -> list[str]:
     return [n for r, n in found if r >= world]
 
 
-def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: bool) -> None:
+def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: bool,
+                      plan_digest: str | None = None) -> None:
     """The refusals of ``dump_rank``, checked on every rank before any rank writes (a phase
     of its own): a rank refused while another wrote left a dump of two loads. Rank 0 also
     refuses the files of ranks past ``world`` (left by a dump of another layout) unless
-    ``overwrite``; ``dump_rank`` then removes them). ``world`` None: no such check."""
+    ``overwrite``; ``dump_rank`` then removes them). ``world`` None: no such check.
+    ``plan_digest``: without ``overwrite``, another rank's file there of another plan (one
+    process per rank dumping, ``--rank``, under another layout or checkpoint) is refused:
+    the directory would hold two loads' files."""
     path = dump_path(out_dir, rank)
     if os.path.isdir(path):
         raise SaveError("the dump target is a directory, not a file; remove it or choose "
@@ -44,12 +48,44 @@ def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: boo
     if os.path.lexists(path) and not overwrite:
         raise SaveError("a dump file already exists; pass --overwrite (overwrite=True) to "
                         "replace it", file=path, rank=rank)
+    if plan_digest is not None and not overwrite:
+        other = _other_plan(out_dir, rank, plan_digest)
+        if other is not None:
+            name, theirs = other
+            raise SaveError(f"holds {name}, a dump of another load (plan digest "
+                            f"{str(theirs)[:12]}, this load's {plan_digest[:12]}); pass "
+                            f"--overwrite (overwrite=True) to replace it, or choose another "
+                            f"--dump DIR", file=out_dir, rank=rank)
     stale = stale_dumps(out_dir, world) if rank == 0 and world is not None else []
     if stale and not overwrite:
         raise SaveError(f"holds the dump of ranks this layout of {world} rank(s) does not "
                         f"have ({', '.join(stale[:4])}{' ...' if len(stale) > 4 else ''}); "
                         f"pass --overwrite (overwrite=True) to replace the whole dump",
                         file=out_dir, rank=rank)
+
+
+def _other_plan(out_dir: str, rank: int, plan_digest: str) -> tuple[str, str | None] | None:
+    """The first dump file of another rank in ``out_dir`` whose plan digest is not
+    ``plan_digest`` (a regular file that cannot be read as a dump counts: None for its
+    digest)."""
+    from coordloader.checkpoint.reader import read_file_header
+    from coordloader.errors import CheckpointError
+    try:
+        names = sorted(os.listdir(out_dir))
+    except OSError:
+        return None
+    for n in names:
+        m = DUMP_NAME_RE.fullmatch(n)
+        if m is None or int(m.group(1)) == rank or not os.path.isfile(os.path.join(out_dir, n)):
+            continue   # (what squats on another rank's name is that rank's to refuse)
+        try:
+            theirs = dict(read_file_header(out_dir, n).info.metadata).get(
+                "coordloader.plan_digest")
+        except CheckpointError:
+            theirs = None
+        if theirs != plan_digest:
+            return n, theirs
+    return None
 
 
 def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
@@ -64,7 +100,7 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
     path = dump_path(out_dir, rank)
     # Checked before any work so a refused dump costs nothing; the rename below is what
     # makes the replacement itself safe.
-    check_dump_target(out_dir, rank, world, overwrite)
+    check_dump_target(out_dir, rank, world, overwrite, plan_digest)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
