@@ -85,6 +85,16 @@ def main():
             return r
         run_phase("load", load, g)
         run_phase("verify", lambda: r, g)
+    elif mode == "sigint_collective":
+        def verify():
+            import torch.distributed as dist
+            if r == 2:   # Ctrl-C on rank 2 before the phase's collective
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            out = [None] * g.world
+            dist.all_gather_object(out, r)   # the others' breaks when rank 2 leaves
+            return r
+        run_phase("verify", verify, g)
     elif mode == "plain_error":
         run_phase("plan", lambda: 1 / (r - 1), g)
     elif mode == "bad_str":
@@ -190,6 +200,20 @@ def test_sigint_on_one_rank_exits_130_there_and_1_naming_it_elsewhere(tmp_path, 
         assert f"phase {phase}: rank 2: KeyboardInterrupt: interrupted (SIGINT / Ctrl-C)" in line, line
         assert "did not arrive" not in line and "died" not in line, line
         assert end - end2 < TIMEOUT, f"rank {r} exited {end - end2:.1f} s after rank 2"
+
+
+def test_sigint_before_a_collective_is_named_alone(tmp_path):
+    """Ctrl-C on rank 2 inside a phase whose collective the others had entered: every
+    rank listed the others' broken collectives too ("Connection closed by peer", gloo's
+    timeouts), live ranks named as failing beside the one that left."""
+    res, _, _ = _launch(tmp_path, "sigint_collective", range(4))
+    assert res[2][0] == 130, res[2][2]
+    for r in (0, 1, 3):
+        rc, out, err, *_ = res[r]
+        assert rc == 1, f"rank {r}: rc {rc}\n{err}"
+        line = rank_line(err, r)
+        assert line.endswith("phase verify: rank 2: KeyboardInterrupt: interrupted (SIGINT / "
+                             "Ctrl-C)"), line
 
 
 def test_foreign_exception_keeps_type_and_text(tmp_path):

@@ -823,13 +823,20 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
         missing = sorted(set(missing) | set(absent))
     dead = _dead_ranks(group, missing)
     late = [r for r in missing if r not in dead]
+
+    def comm(r):   # this rank's failure was a collective broken under it
+        return len(statuses[r]) > 4 and statuses[r][4]
     if dead:
         # A dead rank is the cause: the others' collectives with it failed (or are still
         # failing: those are the late ones) because of it. Name it alone, so every rank
         # prints the same line whatever it saw of the breakage.
-        failures = {r: f for r, f in failures.items()
-                    if not (len(statuses[r]) > 4 and statuses[r][4])}
+        failures = {r: f for r, f in failures.items() if not comm(r)}
         late = []
+    elif any(not comm(r) for r in failures) and any(comm(r) for r in failures):
+        # A rank that failed for a reason of its own (an error, Ctrl-C) left the phase's
+        # collectives, and the others' broke under them: its failure is the cause, theirs
+        # (gloo's "Connection closed by peer", a timeout) only says it left
+        failures = {r: f for r, f in failures.items() if not comm(r)}
     notes = []
     if dead:
         notes.append(f"{_rank_word(dead)} died or hung hard (no heartbeat for "
