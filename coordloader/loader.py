@@ -39,6 +39,7 @@ from coordloader.engines import (
     require_tensor,
     resolve_engine_name,
     select_engine,
+    wraps_other_tensors,
 )
 from coordloader.errors import (
     CheckpointError,
@@ -577,28 +578,31 @@ def _refuse_meta(dst: torch.Tensor, tgt: str, name: str | None, rank: int) -> No
 
 
 def _refuse_unwritable(dst: torch.Tensor, tgt: str, name: str | None, rank: int,
-                       in_place: Container[str] = ()) -> None:
+                       in_place: Container[str] = (), zero_fill: bool = False) -> None:
     """Targets torch would refuse to write once the load is done: the copies into targets
     the engine does not fill in place run after the last phase, so their failure reached
     only the rank that raised, the others returning as loaded."""
-    if type(dst) not in (torch.Tensor, torch.nn.Parameter):
+    if wraps_other_tensors(dst):
         # a wrapper subclass (DTensor, TwoTensor, a float8 weight) need not hold its values
         # in its own storage: the engine cannot read into it, and a copy_ into it goes
-        # wherever the subclass sends it
-        raise LoadError(f"target {tgt!r} is a {type(dst).__name__}, a torch.Tensor subclass; "
-                        f"expected a plain torch.Tensor or nn.Parameter, whose storage holds "
-                        f"its values (load into a plain tensor, then convert it)",
+        # wherever the subclass sends it. A subclass over its own storage (a Parameter
+        # subclass, as_subclass) is filled like a plain tensor.
+        raise LoadError(f"target {tgt!r} is a {type(dst).__name__}, a tensor subclass that "
+                        f"wraps others; expected a tensor whose own storage holds its values "
+                        f"(load into a plain tensor, then convert it)",
                         tensor=name, rank=rank)
     if (dst.is_inference() and not torch.is_inference_mode_enabled()
-            and (name is None or name not in in_place)):
-        # the engine fills a contiguous target on the load device itself (``in_place``);
-        # any other gets a copy_, which torch refuses for an inference tensor outside
-        # inference_mode
+            and (name is None or name not in in_place or dst.device.type != "cpu"
+                 or zero_fill)):
+        # torch refuses every in-place write to an inference tensor outside inference_mode:
+        # a copy_ (a target the engine does not fill itself, or one on an accelerator,
+        # staged through host memory) and the zero_ of padding rows. Only a host target
+        # the engine reads into through its memory is written without one.
         raise LoadError(f"target {tgt!r} is an inference tensor (made under "
-                        f"torch.inference_mode()) that is not filled in place (not contiguous, "
-                        f"or not on the load device), and torch refuses to write it "
-                        f"outside inference mode; call load_into under torch.inference_mode(), "
-                        f"or pass a contiguous target on the load device",
+                        f"torch.inference_mode()) that would be written by torch (copied "
+                        f"into: not contiguous, not in host memory, or not on the load "
+                        f"device; or zero-filled for padding rows), which it refuses outside "
+                        f"inference mode; call load_into under torch.inference_mode()",
                         tensor=name, rank=rank)
 
 
@@ -672,7 +676,7 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                             f"slice is {dt} {list(s.local_shape)}", tensor=name, rank=rank)
         _refuse_meta(dst, tgt, name, rank)
         claim(tgt, name)
-        _refuse_unwritable(dst, tgt, name, rank, in_place)
+        _refuse_unwritable(dst, tgt, name, rank, in_place, s.needs_zero_fill)
         copies.append((tgt, name, dst))
     fused_dst = {}
     for (k, prefix), parts in fused.items():

@@ -199,11 +199,12 @@ def test_a_target_torch_cannot_write_is_refused_before_any_read(ab, engine, bad)
     if bad == "inference":
         with torch.inference_mode():
             b = torch.zeros(8)[::2]
-        want = ("target 'b' is an inference tensor (made under torch.inference_mode()) that is "
-                "not filled in place")
+        want = ("target 'b' is an inference tensor (made under torch.inference_mode()) that "
+                "would be written by torch (copied into: not contiguous")
     else:
         b = TwoTensor(torch.zeros(4), torch.zeros(4))
-        want = "target 'b' is a TwoTensor, a torch.Tensor subclass; expected a plain"
+        want = ("target 'b' is a TwoTensor, a tensor subclass that wraps others; expected a "
+                "tensor whose own storage holds its values")
     with pytest.raises(LoadError) as e:
         cl.load_into({"a": a, "b": b}, ab, Layout(), engine=engine, **ONE)
     assert str(e.value).startswith(f"rank 0, tensor 'b': {want}"), str(e.value)
@@ -221,6 +222,36 @@ def test_inference_targets_torch_can_write_load(ab, engine):
     with torch.inference_mode():
         cl.load_into({"a": torch.zeros(4), "b": b}, ab, Layout(), engine=engine, **ONE)
     assert b.tolist() == [100.0, 101.0, 102.0, 103.0]
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_a_parameter_subclass_over_its_own_storage_loads(ab, engine):
+    """A Parameter subclass (vLLM's parameters are) holds its values in its own storage:
+    it was refused with the wrapper subclasses, which it is not."""
+    class MyParam(torch.nn.Parameter):
+        pass
+    a, b = MyParam(torch.zeros(4)), torch.zeros(4).as_subclass(type("T", (torch.Tensor,), {}))
+    cl.load_into({"a": a, "b": b}, ab, Layout(), engine=engine, **ONE)
+    assert a.tolist() == [0.0, 1.0, 2.0, 3.0] and b.tolist() == [100.0, 101.0, 102.0, 103.0]
+
+
+def test_an_inference_target_with_padding_rows_is_refused_before_any_read(ab):
+    """The engine fills a contiguous host target in place, but zero-fills its padding rows
+    with zero_, which torch refuses for an inference tensor outside inference mode: the
+    load failed in the engine with torch's bare RuntimeError."""
+    with torch.inference_mode():
+        a = torch.zeros(8)
+    b = torch.full((4,), -1.0)
+    rules = [{"pattern": "a", "strategy": "vocab", "params": {"pad_to": 8}},
+             {"pattern": "b", "strategy": "replicate"}]
+    with pytest.raises(LoadError) as e:
+        cl.load_into({"a": a, "b": b}, ab, Layout(), rules=rules, **ONE)
+    assert "or zero-filled for padding rows), which it refuses outside inference mode" in \
+        str(e.value)
+    assert b.tolist() == [-1.0] * 4   # refused before any read
+    with torch.inference_mode():
+        cl.load_into({"a": a, "b": b}, ab, Layout(), rules=rules, **ONE)
+    assert a.tolist() == [0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("as_module", [False, True])

@@ -165,6 +165,15 @@ def _self_overlaps(t: torch.Tensor) -> bool:
     return bool(np.any(np.diff(starts) < run))
 
 
+def wraps_other_tensors(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor subclass with a ``__torch_dispatch__`` of its own (a
+    wrapper: DTensor, torch's TwoTensor, float8 / NF4 training weights): its values need
+    not lie in its own storage, which a wrapper does not have (``data_ptr()`` 0), and an op
+    on it goes where the subclass sends it. A subclass over its own storage (an
+    ``nn.Parameter`` subclass, ``as_subclass``) is read and written like a plain tensor."""
+    return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
 def require_tensor(t, what: str, name: str | None, rank: int | None) -> None:
     """LoadError unless ``t``, a destination handed in, is a torch.Tensor."""
     if not isinstance(t, torch.Tensor):
