@@ -692,9 +692,9 @@ def test_dtensors_with_a_wrapper_local_or_inside_boxed_are_refused(tmp_path):
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res == {
         "wrapper-local": "SaveError: rank 0, tensor "
-                         "'w': the DTensor's local tensor is a TwoTensor, a torch.Tensor "
-                         "subclass; expected a plain torch.Tensor or nn.Parameter, whose storage "
-                         "holds its values (unwrap or dequantize it to a plain tensor first)",
+                         "'w': the DTensor's local tensor is a TwoTensor, a tensor subclass "
+                         "that wraps others; expected a tensor whose own storage holds its "
+                         "values (unwrap or dequantize it to a plain tensor first)",
         "boxed-dtensor": "SaveError: rank 0, tensor "
                          "'w': the Boxed tensor is a DTensor; expected a plain local tensor (pass "
                          "the DTensor itself, whose placements give its boxes, or "
@@ -944,6 +944,18 @@ def test_overwrite_without_a_config_drops_the_old_models_config(tmp_path):
     assert json.loads((out / "config.json").read_text()) == {"model_type": "NEW"}
 
 
+def test_a_parameter_subclass_is_saved_like_a_plain_tensor(tmp_path):
+    """A Parameter subclass over its own storage (vLLM's parameters are) was refused with
+    the wrapper subclasses, which it is not; it is saved and loads back exactly."""
+    class MyParam(torch.nn.Parameter):
+        pass
+    w = torch.arange(12.0).reshape(3, 4)
+    v = torch.ones(2).as_subclass(type("T", (torch.Tensor,), {}))
+    save(tmp_path / "out", {"w": MyParam(w.clone()), "v": v}, config=CFG)
+    meta = read_checkpoint(str(tmp_path / "out"))
+    assert torch.equal(read_full(meta, "w"), w) and torch.equal(read_full(meta, "v"), torch.ones(2))
+
+
 @pytest.mark.parametrize("value, msg", [
     (torch.empty(2, device="meta"),
      "rank 0, tensor 'x': is on the meta device: it has no data to save (materialise it first)"),
@@ -956,12 +968,12 @@ def test_overwrite_without_a_config_drops_the_old_models_config(tmp_path):
     ("boxed-list", "rank 0, tensor 'x': the Boxed tensor is list; expected a torch.Tensor"),
     ("boxed-float", "rank 0, tensor 'x': Boxed global shape [4] and offset [1.5] must be "
                     "integers"),
-    ("subclass", "rank 0, tensor 'x': is a TwoTensor, a torch.Tensor subclass; expected a plain "
-                 "torch.Tensor or nn.Parameter, whose storage holds its values (unwrap or "
-                 "dequantize it to a plain tensor first)"),
-    ("boxed-subclass", "rank 0, tensor 'x': the Boxed tensor is a TwoTensor, a torch.Tensor "
-                       "subclass; expected a plain torch.Tensor or nn.Parameter, whose storage "
-                       "holds its values (unwrap or dequantize it to a plain tensor first)"),
+    ("subclass", "rank 0, tensor 'x': is a TwoTensor, a tensor subclass that wraps others; "
+                 "expected a tensor whose own storage holds its values (unwrap or dequantize "
+                 "it to a plain tensor first)"),
+    ("boxed-subclass", "rank 0, tensor 'x': the Boxed tensor is a TwoTensor, a tensor subclass "
+                       "that wraps others; expected a tensor whose own storage holds its values "
+                       "(unwrap or dequantize it to a plain tensor first)"),
 ], ids=["meta", "sparse", "complex", "boxed-list", "boxed-float", "subclass", "boxed-subclass"])
 def test_tensors_that_cannot_be_written_are_named(tmp_path, value, msg):
     """Each of these raised a bare torch error (or one naming no tensor and no rank)."""

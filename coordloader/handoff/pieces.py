@@ -23,6 +23,7 @@ import torch
 
 from coordloader.checkpoint.dtypes import from_torch, itemsize
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape, piece_key
+from coordloader.engines import wraps_other_tensors
 from coordloader.errors import CoordloaderError, SaveError
 
 
@@ -129,14 +130,12 @@ def _local(name, t, rank: int, what: str = "") -> torch.Tensor:
         raise SaveError(f"{what}is a DTensor; expected a plain local tensor (pass the DTensor "
                         f"itself, whose placements give its boxes, or Boxed(dtensor.to_local(), "
                         f"...))", tensor=name, rank=rank)
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        # A tensor subclass (a float8 or quantized training weight, any wrapper tensor)
-        # need not hold its values in its own storage: a wrapper has none (data_ptr 0),
-        # and its bytes, if it has any, are not the weight's.
-        raise SaveError(f"{what}is a {type(t).__name__}, a torch.Tensor subclass; expected a "
-                        f"plain torch.Tensor or nn.Parameter, whose storage holds its values "
-                        f"(unwrap or dequantize it to a plain tensor first)", tensor=name,
-                        rank=rank)
+    if wraps_other_tensors(t):
+        # a float8 or quantized training weight, any wrapper tensor: a wrapper has no
+        # storage (data_ptr 0), and its bytes, if it has any, are not the weight's
+        raise SaveError(f"{what}is a {type(t).__name__}, a tensor subclass that wraps others; "
+                        f"expected a tensor whose own storage holds its values (unwrap or "
+                        f"dequantize it to a plain tensor first)", tensor=name, rank=rank)
     if t.is_meta:
         raise SaveError(f"{what}is on the meta device: it has no data to save (materialise "
                         f"it first)", tensor=name, rank=rank)

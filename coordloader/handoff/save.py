@@ -48,6 +48,7 @@ from coordloader.checkpoint.formats import (
 )
 from coordloader.checkpoint.metadata import box_numel, box_shape, config_mismatch
 from coordloader.checkpoint.tiling import TilingKind, fmt_box, tiling_problem
+from coordloader.engines import wraps_other_tensors
 from coordloader.errors import CoordloaderError, SaveError
 from coordloader.handoff.pieces import collect_pieces, keep_primaries, undecided
 from coordloader.handoff.publish import (
@@ -155,7 +156,8 @@ def check_whole_claims(pieces, tensors, cfg: ModelConfig, rank: int) -> None:
     a vision tower under a flat config or packed quantized weights need not have the
     sizes config.json states). A whole tensor the check refuses goes as a Boxed one."""
     plain = {p.name: p.shape for p in pieces
-             if type(tensors.get(p.name)) in (torch.Tensor, torch.nn.Parameter)}
+             if isinstance(tensors.get(p.name), torch.Tensor)
+             and not wraps_other_tensors(tensors[p.name])}
     bad = config_mismatch(plain, cfg.doc)
     if bad is None:
         return
