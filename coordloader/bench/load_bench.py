@@ -142,9 +142,9 @@ def _run_set(methods, repeats, *, cold, common, log) -> tuple[dict, dict]:
     for i in range(repeats):
         # a method's place in the order and the method before it must not bias the paired
         # ratios (what the one before leaves behind, a page cache to drop or freed memory
-        # to fault back in, moves a cold run's wall): the order is counterbalanced, a
-        # rotation per repeat, reversed every other cycle, so over 2 x len(methods)
-        # repeats each method holds each place, and follows each other method, equally
+        # to fault back in, moves a cold run's wall): the orders are a Williams design,
+        # in which each method holds each place, and follows each other method, equally
+        # often over one cycle of n repeats (2n for an odd number n of methods)
         order = counterbalanced(methods, i)
         for m in order:
             if m in failed:
@@ -171,11 +171,24 @@ def _run_set(methods, repeats, *, cold, common, log) -> tuple[dict, dict]:
 
 
 def counterbalanced(methods, i: int) -> list:
-    """Repeat ``i``'s order of ``methods``: rotation ``i mod n``, reversed on odd cycles."""
+    """Repeat ``i``'s order of ``methods``: row ``i`` of a Williams design (a Latin square
+    whose rows put every ordered pair of methods next to each other once; for an odd
+    number of methods, the square and its mirror, twice as many rows)."""
     n = len(methods)
-    k = i % n if n else 0
-    order = list(methods[k:]) + list(methods[:k])
-    return order[::-1] if (i // max(n, 1)) % 2 else order
+    if n < 2:
+        return list(methods)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:   # 0, 1, n-1, 2, n-2, ...: each difference mod n once
+        if len(first) % 2:
+            first.append(lo)
+            lo += 1
+        else:
+            first.append(hi)
+            hi -= 1
+    cycle = n if n % 2 == 0 else 2 * n
+    row = i % cycle
+    order = [methods[(x + row) % n] for x in first]
+    return order[::-1] if row >= n else order
 
 
 class Paired(NamedTuple):
@@ -255,7 +268,10 @@ def _compare(rows: dict) -> dict:
         # fastest by median wall can differ from it when pairs and medians disagree.
         each = {k: paired(rows[k]["walls_s"], cpu["walls_s"]) for k in peers}
         each = {k: r for k, r in each.items() if r is not None}
-        best = min(each, key=lambda k: each[k].median) if each else None
+        # among the peers with enough pairs to be judged, when any has: a peer that
+        # failed after two repeats is not the one to stand for the rest
+        judged = [k for k in each if each[k].pairs >= MIN_PAIRS] or list(each)
+        best = min(judged, key=lambda k: each[k].median) if judged else None
         for name, k in ([("cpu_vs_best_peer", best)] if best else []) + [
                 (f"cpu_vs_{k}", k) for k in each]:
             r = each[k]
