@@ -501,6 +501,28 @@ def test_overwrite_never_deletes_what_is_not_a_checkpoint(tmp_path, monkeypatch)
     assert (out / "keep.txt").read_text() == "x"
 
 
+def test_a_file_added_to_out_just_before_the_swap_is_kept(tmp_path, monkeypatch):
+    """A file made in OUT between the last check and the move aside was deleted with the
+    previous checkpoint: it is now found in the moved directory, and OUT is put back."""
+    out = tmp_path / "o"
+    synth.synthesize(str(out), "llama", "tiny")
+    before = sorted(os.listdir(out))
+    real_rename = os.rename
+
+    def rename(a, b):
+        if os.path.abspath(a) == str(out):   # the move aside: a user's file just made
+            (out / "notes.txt").write_text("mine")
+        return real_rename(a, b)
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(SaveError, match="gained 'notes.txt', which is not a checkpoint file, "
+                                        "while writing; nothing replaced"):
+        synth.synthesize(str(out), "llama", "tiny", overwrite=True)
+    monkeypatch.undo()
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(out)) == sorted(before + ["notes.txt"])
+    assert sorted(os.listdir(tmp_path)) == ["o"]
+
+
 def test_a_symlink_out_is_refused(tmp_path):
     """Replacing a link to a directory put a new directory in the link's place."""
     tgt = tmp_path / "tgt"

@@ -293,6 +293,13 @@ def _swap_in(work: str, out_dir: str, overwrite: bool, fsync: bool = False) -> N
         except OSError as e:
             raise SaveError(f"cannot move the previous contents aside: {e.strerror or e}; "
                             f"nothing replaced", file=out_dir) from None
+        # and once more now that nothing can be added under OUT's name: a file created
+        # between the check and the rename is put back with the rest
+        foreign = _foreign_entry(old)
+        if foreign is not None:
+            os.rename(old, out_dir)
+            raise SaveError(f"output directory gained {foreign!r}, which is not a checkpoint "
+                            f"file, while writing; nothing replaced", file=out_dir)
     try:
         os.rename(work, out_dir)
     except OSError as e:
