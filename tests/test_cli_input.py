@@ -50,6 +50,28 @@ def test_master_port_out_of_range_or_not_an_integer_is_named(monkeypatch, port, 
         init_group(timeout_s=1)
 
 
+@pytest.mark.parametrize("env, wanted", [
+    ({"WORLD_SIZE": "2"}, "environment variable WORLD_SIZE=2 is set but RANK is not"),
+    ({"RANK": "1"}, "environment variable RANK=1 is set but WORLD_SIZE is not"),
+])
+def test_half_of_the_rank_environment_is_refused(monkeypatch, env, wanted):
+    """WORLD_SIZE=2 without RANK ran as one process, a world of one, and exited 0: each of
+    the group's processes loaded alone."""
+    from coordloader.dist.collective import init_group
+    from coordloader.errors import CollectiveError
+    for v in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(v, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(CollectiveError, match=wanted):
+        init_group(timeout_s=1)
+    # neither, or a world of one said half-way, is one process
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    g = init_group(timeout_s=1)
+    assert (g.rank, g.world) == (0, 1)
+
+
 @pytest.mark.parametrize("tool, flag, name", [("load", "--report", "model.safetensors"),
                                               ("plan", "--json", "config.json")])
 def test_an_output_never_replaces_a_file_of_the_checkpoint(tmp_path, monkeypatch, capsys, tool,

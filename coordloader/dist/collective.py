@@ -365,7 +365,15 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
         return wrap_group(None, timeout_s, grace_s=grace)
     rank, world = env_int("RANK"), env_int("WORLD_SIZE")
     if rank is None or world is None:
-        return Group(rank=0, world=1, timeout_s=timeout_s, grace_s=grace)
+        if (world is None or world == 1) and (rank is None or rank == 0):
+            return Group(rank=0, world=1, timeout_s=timeout_s, grace_s=grace)
+        # one of a group's processes, told only half of where it stands: as one process
+        # each would load alone, as if the group were a world of one
+        have, lack = ((f"WORLD_SIZE={world}", "RANK") if rank is None
+                      else (f"RANK={rank}", "WORLD_SIZE"))
+        raise CollectiveError(f"environment variable {have} is set but {lack} is not; "
+                              f"expected both (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and "
+                              f"MASTER_PORT), or neither for one process")
     if world < 1 or not 0 <= rank < world:
         raise CollectiveError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
     addr = os.environ.get("MASTER_ADDR")
