@@ -95,6 +95,15 @@ def main():
             dist.all_gather_object(out, r)   # the others' breaks when rank 2 leaves
             return r
         run_phase("verify", verify, g)
+    elif mode == "own_and_nccl":
+        def load():
+            if r == 1:
+                raise SaveError("truncated", file="/ck/model.safetensors")
+            if r == 0:   # an NCCL failure of its own, in the same phase
+                raise RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1234, unhandled cuda "
+                                   "error, NCCL version 2.21.5: out of memory")
+            return r
+        run_phase("load", load, g)
     elif mode == "plain_error":
         run_phase("plan", lambda: 1 / (r - 1), g)
     elif mode == "bad_str":
@@ -212,8 +221,20 @@ def test_sigint_before_a_collective_is_named_alone(tmp_path):
         rc, out, err, *_ = res[r]
         assert rc == 1, f"rank {r}: rc {rc}\n{err}"
         line = rank_line(err, r)
-        assert line.endswith("phase verify: rank 2: KeyboardInterrupt: interrupted (SIGINT / "
-                             "Ctrl-C)"), line
+        assert line == (f"coordloader: rank {r}: phase verify: rank 2: KeyboardInterrupt: "
+                        f"interrupted (SIGINT / Ctrl-C)"), line
+
+
+def test_a_collective_failure_of_its_own_is_named_beside_another_ranks_error(tmp_path):
+    """Only a broken collective that says a peer left is dropped beside another rank's
+    error: rank 0's NCCL out-of-memory was hidden behind rank 1's error on every rank."""
+    res, _, _ = _launch(tmp_path, "own_and_nccl", range(4))
+    for r, (rc, out, err, *_) in res.items():
+        assert rc == 1, f"rank {r}: rc {rc}\n{err}"
+        line = rank_line(err, r)
+        assert "phase load: rank 0: RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1234, " \
+               "unhandled cuda error, NCCL version 2.21.5: out of memory; rank 1: SaveError: " \
+               "file /ck/model.safetensors: truncated" in line, line
 
 
 def test_foreign_exception_keeps_type_and_text(tmp_path):

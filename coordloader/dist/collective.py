@@ -840,11 +840,13 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
         # prints the same line whatever it saw of the breakage.
         failures = {r: f for r, f in failures.items() if not comm(r)}
         late = []
-    elif any(not comm(r) for r in failures) and any(comm(r) for r in failures):
+    elif any(not comm(r) for r in failures):
         # A rank that failed for a reason of its own (an error, Ctrl-C) left the phase's
         # collectives, and the others' broke under them: its failure is the cause, theirs
-        # (gloo's "Connection closed by peer", a timeout) only says it left
-        failures = {r: f for r, f in failures.items() if not comm(r)}
+        # only says it left. Only those are dropped ("closed by peer", a wait timed out):
+        # an NCCL error of its own (out of memory) is a second failure, still named.
+        failures = {r: f for r, f in failures.items()
+                    if not (comm(r) and any(t in f[1].lower() for t in _PEER_LEFT_TEXT))}
     notes = []
     if dead:
         notes.append(f"{_rank_word(dead)} died or hung hard (no heartbeat for "
@@ -1018,6 +1020,9 @@ def _cleanup(group: Group, seq: int, name: str) -> None:
 # What a collective backend says when a peer went away; gloo raises plain RuntimeErrors.
 _COMM_TEXT = ("connection closed by peer", "connection reset by peer", "timed out waiting",
               "broken pipe", "gloo", "nccl", "connection refused")
+# of those, the texts that say only that a peer stopped answering
+_PEER_LEFT_TEXT = ("connection closed by peer", "connection reset by peer", "timed out waiting",
+                   "broken pipe")
 
 
 def _is_comm_failure(exc: BaseException) -> bool:
