@@ -182,8 +182,9 @@ def test_dump_of_one_rank_refuses_a_directory_holding_another_loads_ranks(tmp_pa
         dump_rank(d, 1, t1, plan_digest=b.digest(), world=4)
     assert ei.value.message == (
         f"holds rank-00000.safetensors, a dump of another load (plan digest "
-        f"{a.digest()[:12]}, this load's {b.digest()[:12]}); pass --overwrite "
-        f"(overwrite=True) to replace it, or choose another --dump DIR")
+        f"{a.digest()[:12]}, this load's {b.digest()[:12]}); choose another --dump DIR, or "
+        f"dump every rank of this load with --overwrite (overwrite=True), each rank "
+        f"replacing its own file")
     assert not os.path.exists(dump_path(d, 1))
     # the same load's other rank goes in beside it
     dump_rank(d, 1, cl.load(tiny, Layout(tp=2), rank=1), plan_digest=a.digest(), world=2)

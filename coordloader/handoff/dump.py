@@ -38,8 +38,8 @@ def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: boo
     of its own): a rank refused while another wrote left a dump of two loads. Rank 0 also
     refuses the files of ranks past ``world`` (left by a dump of another layout) unless
     ``overwrite``; ``dump_rank`` then removes them). ``world`` None: no such check.
-    ``plan_digest``: without ``overwrite``, another rank's file there of another plan (one
-    process per rank dumping, ``--rank``, under another layout or checkpoint) is refused:
+    ``plan_digest`` (one process per rank dumping, ``--rank``): without ``overwrite``,
+    another rank's file there of another plan (another layout or checkpoint) is refused:
     the directory would hold two loads' files."""
     path = dump_path(out_dir, rank)
     if os.path.isdir(path):
@@ -53,9 +53,10 @@ def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: boo
         if other is not None:
             name, theirs = other
             raise SaveError(f"holds {name}, a dump of another load (plan digest "
-                            f"{str(theirs)[:12]}, this load's {plan_digest[:12]}); pass "
-                            f"--overwrite (overwrite=True) to replace it, or choose another "
-                            f"--dump DIR", file=out_dir, rank=rank)
+                            f"{str(theirs)[:12]}, this load's {plan_digest[:12]}); choose "
+                            f"another --dump DIR, or dump every rank of this load with "
+                            f"--overwrite (overwrite=True), each rank replacing its own file",
+                            file=out_dir, rank=rank)
     stale = stale_dumps(out_dir, world) if rank == 0 and world is not None else []
     if stale and not overwrite:
         raise SaveError(f"holds the dump of ranks this layout of {world} rank(s) does not "
@@ -90,17 +91,19 @@ def _other_plan(out_dir: str, rank: int, plan_digest: str) -> tuple[str, str | N
 
 def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
               plan_digest: str, layout: dict | None = None, coords: dict | None = None,
-              overwrite: bool = False, world: int | None = None) -> str:
+              overwrite: bool = False, world: int | None = None, alone: bool = True) -> str:
     """Write one rank's tensors; returns the file path. Written atomically (temp file,
     fsync, rename, directory fsync) by ``safetensors_io.write_safetensors``: a reader
     (or a crash, or a full disk) sees the previous file or the new one, never a torn one.
     An existing dump file is replaced only with ``overwrite=True`` (``--overwrite``).
     ``world``: the ranks of the dump; rank 0 removes the files of ranks past it (with
-    ``overwrite``; ``check_dump_target`` refuses them otherwise)."""
+    ``overwrite``; ``check_dump_target`` refuses them otherwise). ``alone``: this process
+    dumps one rank by itself, so other ranks' files there must be of the same plan (in a
+    group every rank writes its own file at once: not checked, nor read world times)."""
     path = dump_path(out_dir, rank)
     # Checked before any work so a refused dump costs nothing; the rename below is what
     # makes the replacement itself safe.
-    check_dump_target(out_dir, rank, world, overwrite, plan_digest)
+    check_dump_target(out_dir, rank, world, overwrite, plan_digest if alone else None)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
