@@ -23,7 +23,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Container, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
@@ -40,6 +40,7 @@ from coordloader.engines import (
     resolve_engine_name,
     select_engine,
     wraps_other_tensors,
+    writable,
 )
 from coordloader.errors import (
     CheckpointError,
@@ -577,11 +578,10 @@ def _refuse_meta(dst: torch.Tensor, tgt: str, name: str | None, rank: int) -> No
                         tensor=name, rank=rank)
 
 
-def _refuse_unwritable(dst: torch.Tensor, tgt: str, name: str | None, rank: int,
-                       in_place: Container[str] = (), zero_fill: bool = False) -> None:
-    """Targets torch would refuse to write once the load is done: the copies into targets
-    the engine does not fill in place run after the last phase, so their failure reached
-    only the rank that raised, the others returning as loaded."""
+def _refuse_unwritable(dst: torch.Tensor, tgt: str, name: str | None, rank: int) -> None:
+    """A target the engines cannot write: refused before any read, since a failure in the
+    copies into targets after the load (the last phase) reached only the rank that raised,
+    the others returning as loaded."""
     if wraps_other_tensors(dst):
         # a wrapper subclass (DTensor, TwoTensor, a float8 weight) need not hold its values
         # in its own storage: the engine cannot read into it, and a copy_ into it goes
@@ -590,19 +590,6 @@ def _refuse_unwritable(dst: torch.Tensor, tgt: str, name: str | None, rank: int,
         raise LoadError(f"target {tgt!r} is a {type(dst).__name__}, a tensor subclass that "
                         f"wraps others; expected a tensor whose own storage holds its values "
                         f"(load into a plain tensor, then convert it)",
-                        tensor=name, rank=rank)
-    if (dst.is_inference() and not torch.is_inference_mode_enabled()
-            and (name is None or name not in in_place or dst.device.type != "cpu"
-                 or zero_fill)):
-        # torch refuses every in-place write to an inference tensor outside inference_mode:
-        # a copy_ (a target the engine does not fill itself, or one on an accelerator,
-        # staged through host memory) and the zero_ of padding rows. Only a host target
-        # the engine reads into through its memory is written without one.
-        raise LoadError(f"target {tgt!r} is an inference tensor (made under "
-                        f"torch.inference_mode()) that would be written by torch (copied "
-                        f"into: not contiguous, not in host memory, or not on the load "
-                        f"device; or zero-filled for padding rows), which it refuses outside "
-                        f"inference mode; call load_into under torch.inference_mode()",
                         tensor=name, rank=rank)
 
 
@@ -620,15 +607,13 @@ class _Placement(NamedTuple):
 
 
 def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
-                   fusions: list[_Fusion], required: tuple[str, ...] = (),
-                   in_place: Container[str] = ()) -> _Placement:
+                   fusions: list[_Fusion], required: tuple[str, ...] = ()) -> _Placement:
     """Match every slice of ``rank_plan`` to its target: refused here (before any read, in
     a phase of its own, so every rank stops together) are, under ``strict``, a missing
     target and a ``required`` target no slice fills, and always a shape or dtype that
-    differs, a target on the meta device, a tensor subclass, an inference tensor that
-    would need a copy (not in ``in_place``: the checkpoint tensors whose targets the engine
-    fills itself), two tensors for one target, parts of a fused parameter that do not fuse
-    to it, and targets sharing memory. A refusal after the load left targets filled in
+    differs, a target on the meta device, a tensor subclass that wraps others, two tensors
+    for one target, parts of a fused parameter that do not fuse to it, and targets sharing
+    memory. A refusal after the load left targets filled in
     place with checkpoint bytes while the call raised, and reached only the rank that
     raised."""
     rank = rank_plan.rank
@@ -676,7 +661,7 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                             f"slice is {dt} {list(s.local_shape)}", tensor=name, rank=rank)
         _refuse_meta(dst, tgt, name, rank)
         claim(tgt, name)
-        _refuse_unwritable(dst, tgt, name, rank, in_place, s.needs_zero_fill)
+        _refuse_unwritable(dst, tgt, name, rank)
         copies.append((tgt, name, dst))
     fused_dst = {}
     for (k, prefix), parts in fused.items():
@@ -803,20 +788,17 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
     against the plan before any read: a refusal on any rank stops every rank, with no
     target written."""
     made: list[_Targets] = []   # by prepare, once the group is adopted
-    direct: list[_DirectDests] = []
 
     def prepare(rank: int, device: torch.device) -> _DirectDests:
         # once the group is adopted: a target or name_map refused on one rank alone
         # reaches the others at their first phase, and every rank's calls stay in step
         made.append(_Targets(target, name_map, rank))
-        direct.append(_DirectDests(made[0].dests, made[0].map, device.type))
-        return direct[0]
+        return _DirectDests(made[0].dests, made[0].map, device.type)
 
     def check(rank_plan) -> None:
         t = made[0]
-        # the engine's own answers (memoized), so a target is judged as it will be filled
         t.placement = _place_targets(rank_plan, layout, t.dests, t.map, strict,
-                                     t.conv.fusions, t.required, in_place=direct[0])
+                                     t.conv.fusions, t.required)
 
     res = _load_detailed(ckpt, layout, prepare=prepare, check=check, call="load_into",
                          **load_kw)
@@ -827,12 +809,14 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
         for tgt, name, dst in pl.copies:
             t = res.tensors[name]
             if t.data_ptr() != dst.data_ptr() or t.device != dst.device:
-                dst.copy_(t)   # else the engine filled dst in place (out=direct)
+                with writable(dst):   # an inference target takes it only in inference mode
+                    dst.copy_(t)      # else the engine filled dst in place (out=direct)
             loaded.append(tgt)
         for (k, prefix), parts in pl.fused.items():
             t = _fuse(fusions[k], {i: {e: res.tensors[n] for e, n in p.items()}
                                    for i, p in parts.items()}, pl.slots[(k, prefix)])
-            pl.fused_dst[(k, prefix)].copy_(t)
+            with writable(pl.fused_dst[(k, prefix)]):
+                pl.fused_dst[(k, prefix)].copy_(t)
             loaded.append(prefix + fusions[k].target)
     filled = set(loaded)
     return LoadIntoResult(loaded, pl.skipped,

@@ -165,6 +165,13 @@ def _self_overlaps(t: torch.Tensor) -> bool:
     return bool(np.any(np.diff(starts) < run))
 
 
+def writable(t: torch.Tensor):
+    """A context in which torch lets this process write ``t`` in place: inference mode for
+    an inference tensor (a target made under ``torch.inference_mode()``; torch refuses an
+    in-place write to one outside it), none for any other tensor."""
+    return torch.inference_mode() if t.is_inference() else contextlib.nullcontext()
+
+
 def wraps_other_tensors(t: torch.Tensor) -> bool:
     """Whether ``t`` is a tensor subclass with a ``__torch_dispatch__`` of its own (a
     wrapper: DTensor, torch's TwoTensor, float8 / NF4 training weights): its values need
@@ -252,7 +259,8 @@ def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | Non
     else:
         t = torch.empty(ts.local_shape, dtype=dt, device=device)
     if ts.needs_zero_fill:
-        t.zero_()
+        with writable(t):
+            t.zero_()
     return t
 
 
@@ -267,7 +275,8 @@ def to_device(tensors: dict[str, torch.Tensor], device: torch.device,
             continue
         dst = out[name]
         _check_dest(dst, t.shape, t.dtype, name, rank)
-        dst.copy_(t)
+        with writable(dst):
+            dst.copy_(t)
         tensors[name] = dst
 
 
@@ -470,10 +479,12 @@ def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
     s = narrow_box(src, [lo - b0 for (lo, _), (b0, _) in zip(ov, src_box)], shape)
     d = narrow_box(dst, [off + lo - p0 for off, (lo, _), (p0, _) in zip(piece_dst, ov, piece_src)],
                    shape)
-    d.copy_(s)
+    with writable(dst):
+        d.copy_(s)
     return box_numel(ov)
 
 
 __all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "allocate",
            "host_out", "check_out", "check_disjoint", "require_tensor", "copy_overlap", "intersect",
+           "writable", "wraps_other_tensors",
            "to_device", "descriptor_room"]
