@@ -971,10 +971,13 @@ def test_a_parameter_subclass_is_saved_like_a_plain_tensor(tmp_path):
     ("subclass", "rank 0, tensor 'x': is a TwoTensor, a tensor subclass that wraps others; "
                  "expected a tensor whose own storage holds its values (unwrap or dequantize "
                  "it to a plain tensor first)"),
+    ("uninitialized", "rank 0, tensor 'x': is an UninitializedParameter (a lazy module's, "
+                      "before its first forward); run the module once or initialize it first"),
     ("boxed-subclass", "rank 0, tensor 'x': the Boxed tensor is a TwoTensor, a tensor subclass "
                        "that wraps others; expected a tensor whose own storage holds its values "
                        "(unwrap or dequantize it to a plain tensor first)"),
-], ids=["meta", "sparse", "complex", "boxed-list", "boxed-float", "subclass", "boxed-subclass"])
+], ids=["meta", "sparse", "complex", "boxed-list", "boxed-float", "subclass", "uninitialized",
+        "boxed-subclass"])
 def test_tensors_that_cannot_be_written_are_named(tmp_path, value, msg):
     """Each of these raised a bare torch error (or one naming no tensor and no rank)."""
     from coordloader.errors import SaveError
@@ -983,6 +986,8 @@ def test_tensors_that_cannot_be_written_are_named(tmp_path, value, msg):
         value = Boxed([1, 2], (2,), (0,))
     elif value == "boxed-float":
         value = Boxed(torch.zeros(2), (4,), (1.5,))
+    elif value == "uninitialized":
+        value = torch.nn.parameter.UninitializedParameter()
     elif value in ("subclass", "boxed-subclass"):
         # a wrapper subclass (as torchao's float8 training weights are) has no storage:
         # data_ptr() 0, which the digest kernel read as an address (SIGSEGV, digests=True)

@@ -130,6 +130,11 @@ def _local(name, t, rank: int, what: str = "") -> torch.Tensor:
         raise SaveError(f"{what}is a DTensor; expected a plain local tensor (pass the DTensor "
                         f"itself, whose placements give its boxes, or Boxed(dtensor.to_local(), "
                         f"...))", tensor=name, rank=rank)
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+        # a lazy module's parameter before its first forward: no shape, no values
+        raise SaveError(f"{what}is an {type(t).__name__} (a lazy module's, before its "
+                        f"first forward); run the module once or initialize it first",
+                        tensor=name, rank=rank)
     if wraps_other_tensors(t):
         # a float8 or quantized training weight, any wrapper tensor: a wrapper has no
         # storage (data_ptr 0), and its bytes, if it has any, are not the weight's
