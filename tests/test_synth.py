@@ -523,6 +523,32 @@ def test_a_file_added_to_out_just_before_the_swap_is_kept(tmp_path, monkeypatch)
     assert sorted(os.listdir(tmp_path)) == ["o"]
 
 
+def test_a_file_written_into_the_replaced_out_after_the_swap_is_kept(tmp_path, monkeypatch):
+    """A process whose working directory is OUT writes into the moved-aside directory: the
+    file was deleted with it (rmtree). Only the checked checkpoint files are removed now,
+    and the directory is kept and named when anything else is left."""
+    out = tmp_path / "o"
+    synth.synthesize(str(out), "llama", "tiny")
+    real_rename = os.rename
+    moved = []
+
+    def rename(a, b):
+        real_rename(a, b)
+        if os.path.abspath(a) == str(out):
+            moved.append(b)
+        elif moved and os.path.abspath(b) == str(out):   # the new one is in: a late write
+            with open(os.path.join(moved[0], "late.txt"), "w") as f:
+                f.write("mine")
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(SaveError, match=r"the new checkpoint is in place, but the previous one "
+                                        r"gained \['late.txt'\] while it was replaced: kept in"):
+        synth.synthesize(str(out), "llama", "tiny", overwrite=True)
+    monkeypatch.undo()
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert open(os.path.join(moved[0], "late.txt")).read() == "mine"
+    assert os.listdir(moved[0]) == ["late.txt"]
+
+
 def test_a_symlink_out_is_refused(tmp_path):
     """Replacing a link to a directory put a new directory in the link's place."""
     tgt = tmp_path / "tgt"

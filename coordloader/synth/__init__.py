@@ -18,6 +18,7 @@ full DeepSeek-V3 (688 GB, 163 shards) takes a few MB of disk and can be read and
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -297,14 +298,14 @@ def _swap_in(work: str, out_dir: str, overwrite: bool, fsync: bool = False) -> N
         # between the check and the rename is put back with the rest
         foreign = _foreign_entry(old)
         if foreign is not None:
-            os.rename(old, out_dir)
+            _put_back(old, out_dir)
             raise SaveError(f"output directory gained {foreign!r}, which is not a checkpoint "
                             f"file, while writing; nothing replaced", file=out_dir)
     try:
         os.rename(work, out_dir)
     except OSError as e:
         if old:
-            os.rename(old, out_dir)   # the previous contents back where they were
+            _put_back(old, out_dir)   # the previous contents back where they were
         raise SaveError(f"cannot move the new checkpoint into place: {e.strerror or e}; "
                         f"nothing replaced", file=out_dir) from None
     if fsync:
@@ -312,4 +313,26 @@ def _swap_in(work: str, out_dir: str, overwrite: bool, fsync: bool = False) -> N
         # every file in it fsynced or not
         fsync_dir(os.path.dirname(out_dir))
     if old:
-        shutil.rmtree(old, ignore_errors=True)
+        # the checkpoint files checked, one by one, then the directory: a file written into
+        # it since (by a process whose working directory it is) keeps it, and is said
+        for n in os.listdir(old):
+            p = os.path.join(old, n)
+            if is_checkpoint_file(n) and (os.path.islink(p) or not os.path.isdir(p)):
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+        try:
+            os.rmdir(old)
+        except OSError:
+            raise SaveError(f"the new checkpoint is in place, but the previous one gained "
+                            f"{sorted(os.listdir(old))[:3]} while it was replaced: kept in "
+                            f"{old}", file=out_dir) from None
+
+
+def _put_back(old: str, out_dir: str) -> None:
+    """The previous contents of OUT back under its name; SaveError saying where they are
+    when that name is taken again meanwhile."""
+    try:
+        os.rename(old, out_dir)
+    except OSError as e:
+        raise SaveError(f"cannot put the previous contents back ({e.strerror or e}): they are "
+                        f"in {old}", file=out_dir) from None
