@@ -526,7 +526,7 @@ def test_a_file_added_to_out_just_before_the_swap_is_kept(tmp_path, monkeypatch)
 def test_a_file_written_into_the_replaced_out_after_the_swap_is_kept(tmp_path, monkeypatch):
     """A process whose working directory is OUT writes into the moved-aside directory: the
     file was deleted with it (rmtree). Only the checked checkpoint files are removed now,
-    and the directory is kept and named when anything else is left."""
+    and the directory is kept, with a warning naming it, when anything else is left."""
     out = tmp_path / "o"
     synth.synthesize(str(out), "llama", "tiny")
     real_rename = os.rename
@@ -540,13 +540,37 @@ def test_a_file_written_into_the_replaced_out_after_the_swap_is_kept(tmp_path, m
             with open(os.path.join(moved[0], "late.txt"), "w") as f:
                 f.write("mine")
     monkeypatch.setattr(os, "rename", rename)
-    with pytest.raises(SaveError, match=r"the new checkpoint is in place, but the previous one "
-                                        r"gained \['late.txt'\] while it was replaced: kept in"):
+    with pytest.warns(UserWarning, match=r"the new checkpoint is in place; the previous one "
+                                         r"could not be removed whole and is kept in .* "
+                                         r"\(late.txt\)"):
         synth.synthesize(str(out), "llama", "tiny", overwrite=True)
     monkeypatch.undo()
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert open(os.path.join(moved[0], "late.txt")).read() == "mine"
     assert os.listdir(moved[0]) == ["late.txt"]
+
+
+def test_out_swapped_for_a_link_while_writing_deletes_nothing_behind_it(tmp_path,
+                                                                        monkeypatch):
+    """OUT replaced by a symbolic link between the last check and the move aside: the
+    removal then listed the link's target and deleted its checkpoint files."""
+    out, victim = tmp_path / "o", tmp_path / "victim"
+    synth.synthesize(str(out), "llama", "tiny")
+    synth.synthesize(str(victim), "llama", "tiny")
+    real_rename = os.rename
+
+    def rename(a, b):
+        if os.path.abspath(a) == str(out) and not os.path.islink(a):
+            shutil.rmtree(out)
+            out.symlink_to(victim)
+        return real_rename(a, b)
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(SaveError, match="output path became a symbolic link while writing; "
+                                        "nothing replaced"):
+        synth.synthesize(str(out), "llama", "tiny", overwrite=True)
+    monkeypatch.undo()
+    assert sorted(os.listdir(victim)) == ["config.json", "model.safetensors"]
+    assert out.is_symlink()
 
 
 def test_a_symlink_out_is_refused(tmp_path):

@@ -18,7 +18,6 @@ full DeepSeek-V3 (688 GB, 163 shards) takes a few MB of disk and can be read and
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -26,6 +25,7 @@ import os
 import queue
 import shutil
 import threading
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -294,6 +294,10 @@ def _swap_in(work: str, out_dir: str, overwrite: bool, fsync: bool = False) -> N
         except OSError as e:
             raise SaveError(f"cannot move the previous contents aside: {e.strerror or e}; "
                             f"nothing replaced", file=out_dir) from None
+        if os.path.islink(old):   # OUT was swapped for a link since the check
+            _put_back(old, out_dir)
+            raise SaveError("output path became a symbolic link while writing; nothing "
+                            "replaced", file=out_dir)
         # and once more now that nothing can be added under OUT's name: a file created
         # between the check and the rename is put back with the rest
         foreign = _foreign_entry(old)
@@ -313,19 +317,34 @@ def _swap_in(work: str, out_dir: str, overwrite: bool, fsync: bool = False) -> N
         # every file in it fsynced or not
         fsync_dir(os.path.dirname(out_dir))
     if old:
-        # the checkpoint files checked, one by one, then the directory: a file written into
-        # it since (by a process whose working directory it is) keeps it, and is said
-        for n in os.listdir(old):
-            p = os.path.join(old, n)
-            if is_checkpoint_file(n) and (os.path.islink(p) or not os.path.isdir(p)):
-                with contextlib.suppress(OSError):
-                    os.unlink(p)
-        try:
-            os.rmdir(old)
-        except OSError:
-            raise SaveError(f"the new checkpoint is in place, but the previous one gained "
-                            f"{sorted(os.listdir(old))[:3]} while it was replaced: kept in "
-                            f"{old}", file=out_dir) from None
+        _remove_replaced(old, out_dir)
+
+
+def _remove_replaced(old: str, out_dir: str) -> None:
+    """Remove the previous OUT, moved aside to ``old``: its checkpoint files one by one,
+    then the directory. What cannot go (a file written into it since, by a process whose
+    working directory it was; a file another process holds open on NFS) keeps it, with a
+    warning: the new checkpoint is in place, and nothing that is not ours is deleted."""
+    left = []
+    try:
+        names = sorted(os.listdir(old))
+    except OSError as e:
+        names, left = [], [f"({e.strerror or e})"]
+    for n in names:
+        p = os.path.join(old, n)
+        if is_checkpoint_file(n) and (os.path.islink(p) or not os.path.isdir(p)):
+            try:
+                os.unlink(p)
+            except OSError as e:
+                left.append(f"{n} ({e.strerror or e})")
+        else:
+            left.append(n)
+    try:
+        os.rmdir(old)
+    except OSError:
+        warnings.warn(f"{out_dir}: the new checkpoint is in place; the previous one could not "
+                      f"be removed whole and is kept in {old} ({', '.join(left[:3]) or 'busy'})",
+                      stacklevel=3)
 
 
 def _put_back(old: str, out_dir: str) -> None:
