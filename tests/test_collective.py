@@ -237,6 +237,35 @@ def test_a_collective_failure_of_its_own_is_named_beside_another_ranks_error(tmp
                "file /ck/model.safetensors: truncated" in line, line
 
 
+@pytest.mark.parametrize("text", ["Socket closed [127.0.0.1]:4242",
+                                  "Application timeout caused pair closure",
+                                  "NCCL error: remote process exited or there was a network "
+                                  "error, NCCL version 2.21.5"])
+def test_gloo_and_nccl_texts_that_say_a_peer_left_are_dropped_beside_the_cause(text):
+    """Rank 2's collective broke when rank 1 left (gloo's and NCCL's other words for it):
+    it was named beside rank 1's own error. One process plays rank 0 at the boundary, the
+    others' statuses posted on the store beforehand."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from coordloader.dist import collective as C
+    st = dist.HashStore()
+    g = C.Group(rank=0, world=3, store=st, timeout_s=5, grace_s=0.5)
+    for r, status in {1: ("load", False, "SaveError", "truncated"),
+                      2: ("load", False, "RuntimeError", text, True)}.items():
+        st.set(f"0/s/{r}", pickle.dumps(status))
+        st.add("0/load/n", 1)
+        st.add("0/f", 1)
+        st.set("0/ev", b"f")
+
+    def fn():
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
+    with pytest.raises(CollectiveError) as ei:
+        C.run_phase("load", fn, g)
+    assert str(ei.value).endswith("phase load: rank 1: SaveError: truncated"), str(ei.value)
+
+
 def test_foreign_exception_keeps_type_and_text(tmp_path):
     res, _, _ = _launch(tmp_path, "plain_error", range(4))
     for r, (rc, out, err, *_) in res.items():

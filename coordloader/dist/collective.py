@@ -1022,7 +1022,8 @@ _COMM_TEXT = ("connection closed by peer", "connection reset by peer", "timed ou
               "broken pipe", "gloo", "nccl", "connection refused")
 # of those, the texts that say only that a peer stopped answering
 _PEER_LEFT_TEXT = ("connection closed by peer", "connection reset by peer", "timed out waiting",
-                   "broken pipe")
+                   "broken pipe", "socket closed", "caused pair closure",
+                   "remote process exited", "communicator was aborted")
 
 
 def _is_comm_failure(exc: BaseException) -> bool:
