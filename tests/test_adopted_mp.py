@@ -543,46 +543,9 @@ def test_a_timeout_or_save_argument_refused_on_one_rank_keeps_the_ranks_in_step(
     assert got[0][5] == got[1][5] == "LOADED", got
 
 
-# rank 0 a path and rank 1 a CheckpointMeta, then the other way round, then both the same
-MIXED_SOURCES = r'''
-import os, sys, time
-from datetime import timedelta
-import torch.distributed as dist
-import coordloader
-rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-for attempt, kinds in enumerate(["PM", "MP", "MM", "PP"]):
-    src = coordloader.read_checkpoint(sys.argv[1]) if kinds[rank] == "M" else sys.argv[1]
-    t0 = time.monotonic()
-    try:
-        coordloader.load(src, coordloader.Layout(tp=2), engine="cpu", timeout=20)
-        outcome = "LOADED"
-    except coordloader.CoordloaderError as e:
-        outcome = type(e).__name__ + " " + " ".join(str(e).split())
-    print("RESULT", attempt, f"{time.monotonic() - t0:.1f}", outcome, flush=True)
-time.sleep(2)   # rank 0 hosts the store: let the other read its last answers
-os._exit(0)
-'''
-
-
-@pytest.mark.slow   # rank processes over gloo
-def test_a_path_on_one_rank_and_metadata_on_another_are_named_at_once(tmp_path, ckpt):
-    """A path ran metadata-read and metadata-assemble (a gather), a CheckpointMeta
-    metadata-read alone: the rank handed metadata said 'rank 0 did not arrive' after its
-    timeout, while rank 0 sat in the gather until the process group's timeout. Both kinds
-    now run the same phases and every rank names the mix in metadata-assemble at once; the
-    next calls pair up."""
-    got = _outcomes(_run_script(tmp_path, "mixed.py", MIXED_SOURCES, 2, ckpt), 4)
-    for attempt, (paths, metas) in enumerate([("rank 0", "rank 1"), ("rank 1", "rank 0")]):
-        assert got[0][attempt] == got[1][attempt] == (
-            f"CollectiveError phase metadata-assemble: ranks 0,1: ConfigError: ranks disagree "
-            f"on the checkpoint they were handed: {paths} passed a path, {metas} a "
-            f"CheckpointMeta; pass the same kind on every rank"), got
-    assert got[0][2:] == got[1][2:] == ["LOADED", "LOADED"], got
-
-
-# rank 0 load() and rank 1 load_into(), then the other way round, then both the same
-MIXED_CALLS = r'''
+# per attempt, what each rank calls (P: load of a path, M: load of a CheckpointMeta,
+# L: load, I: load_into): two ranks differing, the other way round, then both alike
+MIXED = r'''
 import os, sys, time
 from datetime import timedelta
 import torch
@@ -592,15 +555,22 @@ from coordloader.checkpoint.dtypes import torch_dtype
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
 layout = coordloader.Layout(tp=2)
-for attempt, calls in enumerate(["LI", "IL", "LL", "II"]):
+
+
+def call(kind):
+    if kind == "I":
+        target = {s.name: torch.zeros(s.local_shape, dtype=torch_dtype(s.dtype))
+                  for s in coordloader.make_plan(sys.argv[1], layout).rank(rank).tensors}
+        coordloader.load_into(target, sys.argv[1], layout, engine="cpu", timeout=20)
+    else:
+        src = coordloader.read_checkpoint(sys.argv[1]) if kind == "M" else sys.argv[1]
+        coordloader.load(src, layout, engine="cpu", timeout=20)
+
+
+for attempt, kinds in enumerate(sys.argv[2].split(",")):
     t0 = time.monotonic()
     try:
-        if calls[rank] == "L":
-            coordloader.load(sys.argv[1], layout, engine="cpu", timeout=20)
-        else:
-            target = {s.name: torch.zeros(s.local_shape, dtype=torch_dtype(s.dtype))
-                      for s in coordloader.make_plan(sys.argv[1], layout).rank(rank).tensors}
-            coordloader.load_into(target, sys.argv[1], layout, engine="cpu", timeout=20)
+        call(kinds[rank])
         outcome = "LOADED"
     except coordloader.CoordloaderError as e:
         outcome = type(e).__name__ + " " + " ".join(str(e).split())
@@ -611,16 +581,28 @@ os._exit(0)
 
 
 @pytest.mark.slow   # rank processes over gloo
-def test_load_on_one_rank_and_load_into_on_another_are_named_at_once(tmp_path, ckpt):
-    """load_into makes a targets phase that load does not: rank 0 in 'load' and rank 1 in
-    'targets' at the same step named each other's phase only after the whole timeout. The
-    entry point is one of the options the ranks agree on at plan-agree, before any read."""
-    got = _outcomes(_run_script(tmp_path, "mixedcalls.py", MIXED_CALLS, 2, ckpt), 4)
-    for attempt, (r0, r1) in enumerate([("load", "load_into"), ("load_into", "load")]):
-        assert got[0][attempt] == got[1][attempt] == (
-            f"CollectiveError phase plan-agree: ranks 0,1: ConfigError: ranks disagree on "
-            f"their options (call: rank 0 '{r0}', rank 1 '{r1}'); give every rank the same "
-            f"options"), got
+@pytest.mark.parametrize("kinds, refusals", [
+    ("PM,MP,MM,PP", [
+        f"CollectiveError phase metadata-assemble: ranks 0,1: ConfigError: ranks disagree on "
+        f"the checkpoint they were handed: {p} passed a path, {m} a CheckpointMeta; pass the "
+        f"same kind on every rank" for p, m in (("rank 0", "rank 1"), ("rank 1", "rank 0"))]),
+    ("LI,IL,LL,II", [
+        f"CollectiveError phase plan-agree: ranks 0,1: ConfigError: ranks disagree on their "
+        f"options (call: rank 0 '{a}', rank 1 '{b}'); give every rank the same options"
+        for a, b in (("load", "load_into"), ("load_into", "load"))]),
+], ids=["path_and_metadata", "load_and_load_into"])
+def test_ranks_calling_differently_are_named_at_once(tmp_path, ckpt, kinds, refusals):
+    """A path and a CheckpointMeta: a path ran metadata-read and metadata-assemble (a
+    gather), a CheckpointMeta metadata-read alone, so the rank handed metadata said 'rank 0
+    did not arrive' after its timeout while rank 0 sat in the gather until the process
+    group's timeout; both now run the same phases and every rank names the mix in
+    metadata-assemble. load and load_into: load_into makes a targets phase that load does
+    not, and the ranks named each other's phase only after the whole timeout; the entry
+    point is now among the options agreed at plan-agree, before any read. Either way the
+    next calls pair up."""
+    got = _outcomes(_run_script(tmp_path, "mixed.py", MIXED, 2, ckpt, kinds), 4)
+    for attempt, refusal in enumerate(refusals):
+        assert got[0][attempt] == got[1][attempt] == refusal, got
     assert got[0][2:] == got[1][2:] == ["LOADED", "LOADED"], got
 
 
