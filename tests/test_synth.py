@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -501,19 +502,33 @@ def test_overwrite_never_deletes_what_is_not_a_checkpoint(tmp_path, monkeypatch)
     assert (out / "keep.txt").read_text() == "x"
 
 
+def _hook_renames(monkeypatch, out, *, aside=None, swapped=None) -> list:
+    """Patch os.rename around an overwrite of ``out``: ``aside()`` runs just before OUT is
+    moved aside, ``swapped(moved)`` just after the new checkpoint is renamed into OUT.
+    -> the list the moved-aside path is appended to."""
+    real_rename = os.rename
+    moved: list = []
+
+    def rename(a, b):
+        moving_out = os.path.abspath(a) == str(out) and not os.path.islink(a)
+        if moving_out and aside is not None:
+            aside()
+        real_rename(a, b)
+        if moving_out:
+            moved.append(b)
+        elif moved and os.path.abspath(b) == str(out) and swapped is not None:
+            swapped(moved[0])
+    monkeypatch.setattr(os, "rename", rename)
+    return moved
+
+
 def test_a_file_added_to_out_just_before_the_swap_is_kept(tmp_path, monkeypatch):
     """A file made in OUT between the last check and the move aside was deleted with the
     previous checkpoint: it is now found in the moved directory, and OUT is put back."""
     out = tmp_path / "o"
     synth.synthesize(str(out), "llama", "tiny")
     before = sorted(os.listdir(out))
-    real_rename = os.rename
-
-    def rename(a, b):
-        if os.path.abspath(a) == str(out):   # the move aside: a user's file just made
-            (out / "notes.txt").write_text("mine")
-        return real_rename(a, b)
-    monkeypatch.setattr(os, "rename", rename)
+    _hook_renames(monkeypatch, out, aside=lambda: (out / "notes.txt").write_text("mine"))
     with pytest.raises(SaveError, match="gained 'notes.txt', which is not a checkpoint file, "
                                         "while writing; nothing replaced"):
         synth.synthesize(str(out), "llama", "tiny", overwrite=True)
@@ -529,17 +544,8 @@ def test_a_file_written_into_the_replaced_out_after_the_swap_is_kept(tmp_path, m
     and the directory is kept, with a warning naming it, when anything else is left."""
     out = tmp_path / "o"
     synth.synthesize(str(out), "llama", "tiny")
-    real_rename = os.rename
-    moved = []
-
-    def rename(a, b):
-        real_rename(a, b)
-        if os.path.abspath(a) == str(out):
-            moved.append(b)
-        elif moved and os.path.abspath(b) == str(out):   # the new one is in: a late write
-            with open(os.path.join(moved[0], "late.txt"), "w") as f:
-                f.write("mine")
-    monkeypatch.setattr(os, "rename", rename)
+    moved = _hook_renames(monkeypatch, out, swapped=lambda old: Path(old, "late.txt").write_text(
+        "mine"))
     with pytest.warns(UserWarning, match=r"the new checkpoint is in place; the previous one "
                                          r"could not be removed whole and is kept in .* "
                                          r"\(late.txt\)"):
@@ -557,14 +563,11 @@ def test_out_swapped_for_a_link_while_writing_deletes_nothing_behind_it(tmp_path
     out, victim = tmp_path / "o", tmp_path / "victim"
     synth.synthesize(str(out), "llama", "tiny")
     synth.synthesize(str(victim), "llama", "tiny")
-    real_rename = os.rename
 
-    def rename(a, b):
-        if os.path.abspath(a) == str(out) and not os.path.islink(a):
-            shutil.rmtree(out)
-            out.symlink_to(victim)
-        return real_rename(a, b)
-    monkeypatch.setattr(os, "rename", rename)
+    def to_link():
+        shutil.rmtree(out)
+        out.symlink_to(victim)
+    _hook_renames(monkeypatch, out, aside=to_link)
     with pytest.raises(SaveError, match="output path became a symbolic link while writing; "
                                         "nothing replaced"):
         synth.synthesize(str(out), "llama", "tiny", overwrite=True)
