@@ -149,6 +149,16 @@ def _plan(meta, rps, groups=()):
     return Plan(Layout(tp=len(rps)), meta.fingerprint(), tuple(rps), (), tuple(groups))
 
 
+def _refusal(monkeypatch, opener, meta, rp) -> str:
+    """The LoadError message of the instanttensor engine loading ``rp`` through ``opener``
+    (a fake of instanttensor's safe_open)."""
+    monkeypatch.setattr(ite, "_safe_open", lambda: opener)
+    with pytest.raises(LoadError) as e:
+        select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
+            meta, rp, "cuda:0")
+    return str(e.value)
+
+
 def _check(got, rp, full):
     assert sorted(got) == sorted(t.name for t in rp.tensors)
     for ts in rp.tensors:
@@ -273,12 +283,9 @@ def test_a_file_renamed_over_its_path_after_the_check_is_refused(tmp_path, fake_
         os.replace(tmp_path / "new.safetensors", tmp_path / "model.safetensors")
         return FakeSafeOpen(*a, **k)
 
-    monkeypatch.setattr(ite, "_safe_open", lambda: swap_then_open)
     rp = RankPlan(0, {}, (slice_of(meta, "w", [(((0, 4), (0, 4)), (0, 0))]),))
-    with pytest.raises(LoadError) as e:
-        select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
-            meta, rp, "cuda:0")
-    assert str(e.value) == ("rank 0, file model.safetensors: file was replaced at its path "
+    assert _refusal(monkeypatch, swap_then_open, meta, rp) == (
+        "rank 0, file model.safetensors: file was replaced at its path "
                             "between its check and its read (another inode there now): "
                             "read the checkpoint again")
     assert len(CALLS) == 1   # instanttensor did open it: the refusal came after
@@ -417,14 +424,10 @@ def test_a_yielded_tensor_of_another_dtype_or_shape_is_refused(tmp_path, fake_cu
 
     for fake, key, got, want in ((Retyped, "w", "torch.int32 [4, 6]", "torch.float32 [4, 6]"),
                                  (Misordered, "v", "torch.int32 [1, 2]", "torch.int32 [2, 2]")):
-        monkeypatch.setattr(ite, "_safe_open", lambda fake=fake: fake)
-        with pytest.raises(LoadError) as e:
-            select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
-                meta, rp, "cuda:0")
-        assert str(e.value) == (f"rank 0, file {DCP_FILES[0]}, tensor {key!r}: instanttensor "
-                                f"yielded key {key!r} as {got}; the checkpoint metadata has it "
-                                f"in this file as {want} (file changed, or the stream "
-                                f"attributed to the wrong file?)")
+        assert _refusal(monkeypatch, fake, meta, rp) == (
+            f"rank 0, file {DCP_FILES[0]}, tensor {key!r}: instanttensor yielded key {key!r} "
+            f"as {got}; the checkpoint metadata has it in this file as {want} (file changed, or "
+            f"the stream attributed to the wrong file?)")
 
 
 def test_a_rank_of_many_files_gets_room_for_their_descriptors(tmp_path, fake_cuda):
@@ -467,11 +470,7 @@ def test_a_stream_that_skips_a_tensor_is_refused_not_attributed_to_the_next_file
             super().__init__(*a, **k)
             del self.items[0]
 
-    monkeypatch.setattr(ite, "_safe_open", lambda: Skipping)
-    with pytest.raises(LoadError) as e:
-        select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
-            meta, rp, "cuda:0")
-    assert str(e.value) == (f"rank 0, file {DCP_FILES[0]}: instanttensor yielded key "
-                            f"{second!r} where the checkpoint metadata has {first!r} next in "
-                            f"this file (the stream skipped or added a tensor, or the file "
-                            f"changed?)")
+    assert _refusal(monkeypatch, Skipping, meta, rp) == (
+        f"rank 0, file {DCP_FILES[0]}: instanttensor yielded key {second!r} where the "
+        f"checkpoint metadata has {first!r} next in this file (the stream skipped or added a "
+        f"tensor, or the file changed?)")
