@@ -10,6 +10,7 @@ import time
 from typing import Any, NamedTuple
 
 from coordloader.bench.common import (
+    MIN_PAIRS,
     can_drop_caches,
     ckpt_files,
     dir_bytes,
@@ -27,9 +28,6 @@ PEERS = ("span", "st_slice", "st_mmap_narrow")
 # the physical limit: fresh memory (f) plus one copy of the held bytes (m), per repeat
 LIMIT_KEY, LIMIT_PARTS = "floor_memcpy", ("fresh_floor", "memcpy")
 LIMIT_FACTOR = 1.15
-# issue 17: a target against a peer or the limit is judged on at least this many pairs;
-# with fewer the ratio is shown, not judged
-MIN_PAIRS = 7
 # the same with the copy at the rate the kernel copies out of the page cache (p): the
 # limit of any read through it (info)
 PAGE_LIMIT_KEY, PAGE_LIMIT_PARTS = "floor_pcopy", ("fresh_floor", "pcopy")
@@ -272,11 +270,11 @@ def _compare(rows: dict) -> dict:
         # failed after two repeats is not the one to stand for the rest
         judged = [k for k in each if each[k].pairs >= MIN_PAIRS] or list(each)
         best = min(judged, key=lambda k: each[k].median) if judged else None
-        for name, k in ([("cpu_vs_best_peer", best)] if best else []) + [
-                (f"cpu_vs_{k}", k) for k in each]:
-            r = each[k]
-            targets[name] = _target(r, ">= 1.0 (peer wall / cpu wall)", r.median >= 1.0,
-                                    peer=k, label=rows[k]["label"])
+        for k, r in each.items():
+            targets[f"cpu_vs_{k}"] = _target(r, ">= 1.0 (peer wall / cpu wall)",
+                                             r.median >= 1.0, peer=k, label=rows[k]["label"])
+        if best is not None:
+            targets = {"cpu_vs_best_peer": dict(targets[f"cpu_vs_{best}"]), **targets}
     if cpu and lim is not None:
         r = paired(cpu["walls_s"], lim["walls_s"])
         targets["cpu_vs_floor_memcpy"] = _target(r, f"<= {LIMIT_FACTOR} (cpu wall / (f)+(m))",

@@ -5,6 +5,8 @@ import json
 import math
 import os
 
+from coordloader.bench.common import MIN_PAIRS
+
 HEADLINE_PREFIX = "headline:"
 
 
@@ -56,7 +58,7 @@ def _spread(t: dict) -> str:
 
 def _met(t: dict) -> str:
     if t.get("too_few_pairs"):
-        return f"– ({t['pairs']} pairs < 7: not judged)"
+        return f"– ({t['pairs']} pairs < {MIN_PAIRS}: not judged)"
     return _ok(t.get("ok"))
 
 
@@ -112,7 +114,7 @@ def load_section(sec: dict) -> str:
         out += ["Targets: ratios against peers, the limit and the whole read into existing "
                 "tensors are medians of ratios paired within a repeat (the methods alternate "
                 "inside each repeat, in a counterbalanced order), with their min-max over "
-                "the pairs; judged on 7 pairs or more. The best peer is the one the engine "
+                f"the pairs; judged on {MIN_PAIRS} pairs or more. The best peer is the one the engine "
                 "leads by the least (lowest paired median), warm and cold each its own.", "",
                 "| target | warm | pairs min-max (warm) | met (warm) | cold (pairs min-max) "
                 "| met (cold) | goal |",
@@ -147,7 +149,7 @@ def plan_section(sec: dict) -> str:
         out.append(f"| {r.get('kind', '')} | {r['world']} | {r['layout']} | "
                    f"{r.get('rank_classes', '')} | {r['slices']:,} | {r['pieces']:,} | "
                    f"{r['byte_runs']:,} | {r['plan_s']:.2f} | {r['cover_s']:.2f} | "
-                   f"{r['total_s']:.2f} | {_f(r.get('first_total_s'), '{:.2f}')} | "
+                   f"{r['total_s']:.2f} | {_f((r.get('totals_s') or [None])[0], '{:.2f}')} | "
                    f"{r.get('repeats', '')} | {_f(r.get('digest_s'), '{:.2f}')} | "
                    f"{r['slices_per_s']:,.0f} | {tgt} |")
     m = sec.get("metadata_split")
