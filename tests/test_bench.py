@@ -180,6 +180,15 @@ def test_plan_bench_on_small_metadata(tmp_path):
     assert "| first s | repeats |" in (out / "results.md").read_text()
 
 
+def test_a_default_run_has_the_pairs_its_targets_are_judged_on():
+    """The default was 3 repeats, so a default run judged no paired target (7 pairs)."""
+    from coordloader.bench.cli import build_parser, repeats_of
+    from coordloader.bench.common import MIN_PAIRS
+    assert repeats_of(build_parser().parse_args(["load"])) == MIN_PAIRS == 7
+    assert repeats_of(build_parser().parse_args(["load", "--quick"])) == 1
+    assert repeats_of(build_parser().parse_args(["load", "--repeats", "3"])) == 3
+
+
 def test_unknown_method_is_refused(tmp_path, capsys):
     from coordloader.bench.cli import main
     assert main(["load", "--ckpt", str(tmp_path), "--methods", "cpu,nope"]) == 2

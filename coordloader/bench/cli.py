@@ -10,7 +10,7 @@ import time
 import traceback
 
 from coordloader.bench import report
-from coordloader.bench.common import cached_checkpoint, machine_info
+from coordloader.bench.common import MIN_PAIRS, cached_checkpoint, machine_info
 from coordloader.bench.common import log_err as log
 from coordloader.errors import CoordloaderError
 from coordloader.text import MAX_NAME_CHARS, ArgumentParser, clip, positive_number
@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="output directory for results.md, results.json and plots "
                          "(default bench-out)")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="repeats per method, medians reported (default 3; 1 with --quick)")
+                    help="repeats per method, medians reported (default 7, the pairs a "
+                         "paired target is judged on; 1 with --quick)")
     ap.add_argument("--cold-repeats", type=int, default=1,
                     help="cold-cache repeats per method (default 1)")
     ap.add_argument("--no-cold", action="store_true", help="skip cold-cache runs")
@@ -79,10 +80,16 @@ def _worlds(text: str) -> list[int]:
     return [_ranks(x) for x in text.split(",")]
 
 
+def repeats_of(a) -> int:
+    """The repeats per method: given, else 1 with --quick, else MIN_PAIRS (the paired
+    targets are judged on that many pairs: fewer by default would judge none)."""
+    return a.repeats if a.repeats is not None else (1 if a.quick else MIN_PAIRS)
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     t_start = time.perf_counter()
-    repeats = a.repeats if a.repeats is not None else (1 if a.quick else 3)
+    repeats = repeats_of(a)
     if repeats < 1:
         print("--repeats must be >= 1", file=sys.stderr)
         return 2
