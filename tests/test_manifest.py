@@ -200,8 +200,9 @@ def test_data_samples_are_read_only_to_explain_a_failure(tmp_path, monkeypatch):
                                        ".safetensors' is not a string")):
         doc["files"] = [bad]
         open(mf.manifest_path(root), "w").write(json.dumps(doc))
-        with pytest.raises(VerifyError, match=f"malformed manifest: {msg}"):
+        with pytest.raises(VerifyError, match=f"malformed manifest: {msg}") as ei:
             mf.load_manifest(root, meta)
+        assert ei.value.file == mf.manifest_path(root)
 
 
 def test_manifest_of_another_digest_algorithm_is_stale(tmp_path):
@@ -260,6 +261,7 @@ def test_a_manifest_digest_that_is_not_16_hex_digits_is_malformed(tmp_path, edit
     with pytest.raises(VerifyError) as ei:
         mf.load_manifest(root, meta)
     assert ei.value.message == f"malformed manifest: digest {entry['digest']!r} is not 16 hex digits"
+    assert ei.value.file == mf.manifest_path(root)
 
 
 def test_manifest_that_is_a_fifo_is_refused_without_blocking(tmp_path):

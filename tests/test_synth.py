@@ -530,8 +530,9 @@ def test_a_file_added_to_out_just_before_the_swap_is_kept(tmp_path, monkeypatch)
     before = sorted(os.listdir(out))
     _hook_renames(monkeypatch, out, aside=lambda: (out / "notes.txt").write_text("mine"))
     with pytest.raises(SaveError, match="gained 'notes.txt', which is not a checkpoint file, "
-                                        "while writing; nothing replaced"):
+                                        "while writing; nothing replaced") as ei:
         synth.synthesize(str(out), "llama", "tiny", overwrite=True)
+    assert ei.value.file == str(out)
     monkeypatch.undo()
     assert (out / "notes.txt").read_text() == "mine"
     assert sorted(os.listdir(out)) == sorted(before + ["notes.txt"])
@@ -569,8 +570,9 @@ def test_out_swapped_for_a_link_while_writing_deletes_nothing_behind_it(tmp_path
         out.symlink_to(victim)
     _hook_renames(monkeypatch, out, aside=to_link)
     with pytest.raises(SaveError, match="output path became a symbolic link while writing; "
-                                        "nothing replaced"):
+                                        "nothing replaced") as ei:
         synth.synthesize(str(out), "llama", "tiny", overwrite=True)
+    assert ei.value.file == str(out)
     monkeypatch.undo()
     assert sorted(os.listdir(victim)) == ["config.json", "model.safetensors"]
     assert out.is_symlink()

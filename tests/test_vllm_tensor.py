@@ -814,7 +814,9 @@ def _chain_case(data) -> str:
         try:
             r2 = f(r)
         except (RuntimeError, IndexError):
-            with pytest.raises(Exception):        # torch refuses: so must the view
+            # torch refuses: so must the view, in torch's or its own words (an
+            # AttributeError from a bug in the view would not count)
+            with pytest.raises((RuntimeError, IndexError, FitError)):
                 f(g)
             continue
         try:
