@@ -168,15 +168,15 @@ def _run(args) -> int:
             # every rank's refusal before any rank writes (after load_detailed has agreed
             # that every rank dumps): one refused while another wrote left a dump of two loads
             # another rank's file of another plan can only come from one process per rank
-            # (--rank): in a group every rank writes its own file in this very step
+            # (--rank): in a group every rank writes its own file in this very step. Checked
+            # here, once: dump_rank below is told not to again (alone=False)
             collective.run_phase("dump-check", lambda: check_dump_target(
                 args.dump, res.rank, layout.world_size, args.overwrite,
                 res.plan.digest() if group is None else None), group)
             mine["dump"] = collective.run_phase("dump", lambda: dump_rank(
                 args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
                 layout=layout.to_dict(), coords=dict(res.rank_plan.coords),
-                overwrite=args.overwrite, world=layout.world_size, alone=group is None),
-                group)
+                overwrite=args.overwrite, world=layout.world_size, alone=False), group)
         # a phase like the others: a rank dying here is named, not a bare gloo timeout
         per_rank = collective.run_phase("summary", lambda: collective.gather_object(group, mine), group)
         def finish():
