@@ -287,7 +287,6 @@ def _swap_in(work: str, out_dir: str, overwrite: bool, fsync: bool = False) -> N
         if not overwrite:  # something appeared in OUT while we were writing
             raise SaveError("output directory became non-empty while writing; nothing replaced",
                             file=out_dir)
-        _check_replaceable(out_dir, overwrite)  # again: the user may have added a file since
         old = work + ".old"
         try:
             os.rename(out_dir, old)
