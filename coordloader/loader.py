@@ -578,7 +578,7 @@ def _refuse_meta(dst: torch.Tensor, tgt: str, name: str | None, rank: int) -> No
                         tensor=name, rank=rank)
 
 
-def _refuse_unwritable(dst: torch.Tensor, tgt: str, name: str | None, rank: int) -> None:
+def _refuse_wrapper(dst: torch.Tensor, tgt: str, name: str | None, rank: int) -> None:
     """A target the engines cannot write: refused before any read, since a failure in the
     copies into targets after the load (the last phase) reached only the rank that raised,
     the others returning as loaded."""
@@ -655,13 +655,14 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                                 f"name_map= or strict=False)", tensor=name, rank=rank)
             skipped.append(name)
             continue
+        # first: a DTensor states its global shape, and a shape refusal would hide this one
+        _refuse_wrapper(dst, tgt, name, rank)
         dt = torch_dtype(s.dtype)
         if tuple(dst.shape) != tuple(s.local_shape) or dst.dtype != dt:
             raise LoadError(f"target {tgt!r} is {dst.dtype} {list(dst.shape)}, this rank's "
                             f"slice is {dt} {list(s.local_shape)}", tensor=name, rank=rank)
         _refuse_meta(dst, tgt, name, rank)
         claim(tgt, name)
-        _refuse_unwritable(dst, tgt, name, rank)
         copies.append((tgt, name, dst))
     fused_dst = {}
     for (k, prefix), parts in fused.items():
@@ -671,6 +672,7 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
         if dst is not None:   # named by one of the checkpoint tensors it fuses
             require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}",
                            next(iter(next(iter(parts.values())).values())), rank)
+            _refuse_wrapper(dst, tgt, None, rank)   # filled with a copy of the fusion
         experts = sorted(next(iter(parts.values())))
         slots[(k, prefix)] = layout.local_order(rank_plan.coords.get("ep"), experts)
         try:   # the fusion itself, on meta tensors: the shape and dtype it gives
@@ -686,7 +688,6 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                             f"({have}); this rank's experts {experts} "
                             f"fuse to {t.dtype} {list(t.shape)}", rank=rank)
         _refuse_meta(dst, tgt, None, rank)
-        _refuse_unwritable(dst, tgt, None, rank)   # filled with a copy of the fusion
         claim(tgt, f"{prefix}{fusions[k].target} (fused)")
         fused_dst[(k, prefix)] = dst
     # two targets sharing memory would hold one's bytes in both

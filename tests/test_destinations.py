@@ -202,6 +202,16 @@ def test_a_wrapper_subclass_target_is_refused_before_any_read(ab, engine):
     assert a.tolist() == [-1.0] * 4   # refused before any read: nothing written
 
 
+def test_a_wrapper_target_of_another_shape_is_named_as_a_wrapper(ab):
+    """A wrapper's shape is not its storage's (a DTensor states its global shape): the
+    shape refusal came first and named a shape mismatch, hiding why it cannot be filled."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    b = TwoTensor(torch.zeros(8), torch.zeros(8))
+    with pytest.raises(LoadError) as e:
+        cl.load_into({"a": torch.zeros(4), "b": b}, ab, Layout(), **ONE)
+    assert "target 'b' is a TwoTensor, a tensor subclass that wraps others" in str(e.value)
+
+
 @pytest.mark.parametrize("engine", ["cpu", "safetensors"])
 def test_inference_targets_load_outside_inference_mode(ab, engine):
     """Inference tensors (made under torch.inference_mode()) as targets, the call outside
