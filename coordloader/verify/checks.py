@@ -166,6 +166,11 @@ class Finding:
         return (", ".join(parts) + ": " if parts else "") + f"[{self.check}] {self.detail}"
 
 
+# the start of every finding of content that is not the manifest's (the data-changed hint
+# is added when one is made)
+DIFFERS = "content differs from the manifest"
+
+
 def _finding(rank, check, detail, tensor=None, piece=None, box=None, ranks=None) -> Finding:
     return Finding(rank, check, detail, tensor, piece,
                    tuple(tuple(x) for x in box) if box is not None else None,
@@ -516,8 +521,8 @@ def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None
                     continue
             compared += manifest is not None
             _digest_findings(name, h, digests, manifest, failures, notes)
-        if manifest is not None and any(f.check == "digest" and "differs from the manifest"
-                                        in f.detail for f in failures):
+        if manifest is not None and any(f.check == "digest" and f.detail.startswith(DIFFERS)
+                                        for f in failures):
             hint = manifest.changed_hint()
             if hint:   # first: it explains the findings after it (all of another step's)
                 failures.insert(0, _finding(None, "manifest", hint))
@@ -638,7 +643,7 @@ def _rest_findings(name: str, h: Holders, digests: Mapping[int, Mapping[str, lis
     if got != md.digest:
         r = pieces[0].rank
         held = ", ".join(fmt_box(b) for _, _, b in pieces)
-        failures.append(_finding(r, "digest", f"content differs from the manifest: this rank's "
+        failures.append(_finding(r, "digest", f"{DIFFERS}: this rank's "
                                  f"pieces {held} and the rest of the tensor re-read from the "
                                  f"checkpoint sum to {fmt(got)}, manifest has {fmt(md.digest)} "
                                  f"(verify='full' compares this rank's pieces with the "
@@ -694,7 +699,7 @@ def _digest_findings(name: str, h: Holders, digests: Mapping[int, Mapping[str, l
                         for b, (r, i, _) in sorted(prim_d.items(), key=lambda kv: kv[1][0]))
         rs = sorted({r for r, _, _ in prim_d.values()})
         failures.append(_finding(rs[0] if len(rs) == 1 else None, "digest",
-                                 f"content differs from the manifest: primary pieces sum "
+                                 f"{DIFFERS}: primary pieces sum "
                                  f"to {fmt(got)}, manifest has {fmt(md.digest)}; "
                                  f"held by {who}", name, ranks=rs))
 
