@@ -25,9 +25,9 @@ from typing import NamedTuple, Sequence
 
 from coordloader.checkpoint.reader import (
     MAX_HEADER_LEN,
-    _open_regular,
     _pread_exact,
     note_header_seen,
+    open_regular,
     read_small_file,
 )
 from coordloader.errors import CheckpointError
@@ -72,7 +72,7 @@ def _sample_offsets(start: int, end: int) -> list[tuple[int, int]]:
 
 def _safetensors_identity(root: str, name: str, read_from) -> FileIdentity:
     path = os.path.join(root, name)
-    fd, st = _open_regular(path, name)
+    fd, st = open_regular(path, name)
     try:
         size = st.st_size
         n = _header_len(fd, size, name)
@@ -101,7 +101,7 @@ def data_sample_sha256(root: str, name: str) -> str:
     """The sha256 of the sampled data blocks of safetensors file ``name`` under ``root``
     (``FileIdentity.sample_sha256``): it tells apart two files of the same header whose
     values differ throughout, such as two training steps of one model."""
-    fd, st = _open_regular(os.path.join(os.fspath(root), name), name)
+    fd, st = open_regular(os.path.join(os.fspath(root), name), name)
     try:
         return _sample_sha256(fd, 8 + _header_len(fd, st.st_size, name), st.st_size, name)
     finally:

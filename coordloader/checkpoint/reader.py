@@ -240,7 +240,7 @@ def _check_name(name: Any, where: str, file: str | None) -> str:
     return name
 
 
-def _open_regular(path: str, name: str) -> tuple[int, os.stat_result]:
+def open_regular(path: str, name: str) -> tuple[int, os.stat_result]:
     """Open a regular file (following symlinks) read-only without ever blocking."""
     try:
         st = os.stat(path)
@@ -287,7 +287,7 @@ def _pread_exact(fd: int, n: int, offset: int, name: str) -> bytes:
 def read_small_file(path: str, name: str, what: str, limit: int = MAX_JSON_FILE) -> bytes:
     """All bytes of a small side file (index, config, manifest): a regular file opened
     without ever blocking, at most ``limit`` bytes; CheckpointError naming ``name``."""
-    fd, st = _open_regular(path, name)
+    fd, st = open_regular(path, name)
     try:
         if st.st_size > limit:
             raise CheckpointError(f"{what} is {st.st_size} bytes; expected at most "
@@ -337,10 +337,12 @@ def note_header_seen(path: str, st: os.stat_result, header_sha256: str, *,
         seen = _HEADERS_SEEN.get(path)
         if seen is not None and seen.header_sha256 == header_sha256:
             return
-    _HEADERS_SEEN[path] = _HeaderSeen(_stat_key(st), header_sha256)
+    _HEADERS_SEEN[path] = _HeaderSeen(stat_key(st), header_sha256)
 
 
-def _stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
+def stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What identifies a file's content without reading it: (device, inode) for a file
+    replaced, (size, mtime, ctime) for one rewritten in place."""
     # the ctime too: a rewrite in place that sets the mtime back (rsync --inplace -t, cp
     # --preserve=timestamps onto the file) still moves it, and nothing can set it back
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
@@ -351,7 +353,7 @@ def changed_since_header(path: str, st: os.stat_result, header_sha256: str) -> b
     process read its header ``header_sha256``; False when this process never read it."""
     seen = _HEADERS_SEEN.get(os.path.abspath(path))
     return (seen is not None and seen.header_sha256 == header_sha256
-            and seen.stat != _stat_key(st))
+            and seen.stat != stat_key(st))
 
 
 def header_unchanged(fd: int, info: FileInfo) -> bool:
@@ -369,7 +371,7 @@ def read_file_header(root: str, name: str) -> FileHeader:
     """Read and validate one safetensors file's header (never its data)."""
     _check_name(name, "file", name)
     path = os.path.join(_root_dir(root), name)
-    fd, st = _open_regular(path, name)
+    fd, st = open_regular(path, name)
     try:
         size = st.st_size
         if size < 8:

@@ -40,9 +40,10 @@ from coordloader.checkpoint.formats import HF_INDEX, HF_INDEX_SUFFIX, SHARDED_IN
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape, check_extents
 from coordloader.checkpoint.reader import (
     MAX_JSON_FILE,
-    _open_regular,
+    open_regular,
     read_small_file,
     refuse_interrupted,
+    stat_key,
 )
 from coordloader.engines import descriptor_room, refuse_changed, refuse_changed_path
 from coordloader.errors import CheckpointError, LoadError, SaveError
@@ -187,15 +188,6 @@ def _open_sources(meta: CheckpointMeta) -> OpenFiles:
     return srcs
 
 
-# what identifies a file's content without reading it: replaced (device, inode) or
-# rewritten in place (size, mtime, ctime)
-_IDENTITY = ("st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
-
-
-def _identity(st: os.stat_result) -> tuple[int, ...]:
-    return tuple(getattr(st, a) for a in _IDENTITY)
-
-
 # name: (descriptor, identity, sha256 of its bytes when opened, or None past the cap)
 Described = dict[str, tuple[int, tuple[int, ...], bytes | None]]
 
@@ -238,13 +230,13 @@ def _open_described(meta: CheckpointMeta, fds: Described) -> list[str]:
     for name in sorted(names):
         path = os.path.join(meta.root, name)
         try:
-            fd, st = _open_regular(path, path)   # never blocks; a regular file
+            fd, st = open_regular(path, path)   # never blocks; a regular file
         except CheckpointError as e:
             raise _source_error(e.message, path) from None
-        fds[name] = (fd, _identity(st), None)
+        fds[name] = (fd, stat_key(st), None)
         limit = MAX_COMPANION_BYTES if name in companions else MAX_JSON_FILE
         try:
-            fds[name] = (fd, _identity(st), _fd_digest(fd, limit))
+            fds[name] = (fd, stat_key(st), _fd_digest(fd, limit))
         except OSError as e:
             raise _source_error(f"cannot read: {e.strerror}", path) from None
     return companions
@@ -300,13 +292,13 @@ def _recheck_sources(meta: CheckpointMeta, described: Described,
     for name, (_, ident, digest) in sorted(described.items()):
         path = os.path.join(meta.root, name)
         try:
-            now = _identity(os.stat(path))
+            now = stat_key(os.stat(path))
         except OSError as e:
             raise _source_error(f"is gone from its path since the consolidate opened it "
                                 f"({e.strerror}): the source changed while it ran; run the "
                                 f"consolidate again once the source is saved", path) from None
         # the size when opened bounds the read: a larger file now is other bytes
-        size = ident[_IDENTITY.index("st_size")]
+        size = ident[2]   # stat_key: (dev, ino, size, mtime, ctime)
         if ((name in copied and copied[name] != digest)
                 or (now != ident and not _same_bytes(path, digest, size))):
             raise _source_error("changed since the consolidate opened it (another device, "
