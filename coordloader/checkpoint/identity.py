@@ -24,8 +24,8 @@ import os
 from typing import NamedTuple, Sequence
 
 from coordloader.checkpoint.reader import (
-    MAX_HEADER_LEN,
     _pread_exact,
+    header_length,
     note_header_seen,
     open_regular,
     read_small_file,
@@ -75,7 +75,7 @@ def _safetensors_identity(root: str, name: str, read_from) -> FileIdentity:
     fd, st = open_regular(path, name)
     try:
         size = st.st_size
-        n = _header_len(fd, size, name)
+        n = header_length(fd, size, name)
         header = hashlib.sha256(_pread_exact(fd, n, 8, name)).hexdigest()
         if read_from is not None and (size, header) != (read_from.size, read_from.header_sha256):
             what = "size" if size != read_from.size else "header"
@@ -103,20 +103,9 @@ def data_sample_sha256(root: str, name: str) -> str:
     values differ throughout, such as two training steps of one model."""
     fd, st = open_regular(os.path.join(os.fspath(root), name), name)
     try:
-        return _sample_sha256(fd, 8 + _header_len(fd, st.st_size, name), st.st_size, name)
+        return _sample_sha256(fd, 8 + header_length(fd, st.st_size, name), st.st_size, name)
     finally:
         os.close(fd)
-
-
-def _header_len(fd: int, size: int, name: str) -> int:
-    if size < 8:
-        raise CheckpointError(f"file is {size} bytes; a safetensors file needs at least 8",
-                              file=name)
-    n = int.from_bytes(_pread_exact(fd, 8, 0, name), "little")
-    if n > min(size - 8, MAX_HEADER_LEN):
-        raise CheckpointError(f"header length {n} exceeds the file size {size} or the "
-                              f"{MAX_HEADER_LEN}-byte limit", file=name)
-    return n
 
 
 def _side_identity(root: str, name: str) -> FileIdentity:

@@ -367,6 +367,22 @@ def header_unchanged(fd: int, info: FileInfo) -> bool:
             and sha256(head[8:]).hexdigest() == info.header_sha256)
 
 
+def header_length(fd: int, size: int, name: str) -> int:
+    """The header length a safetensors file of ``size`` bytes open as ``fd`` states, checked
+    against the file size and the format's limit before anything of that size is read."""
+    if size < 8:
+        raise CheckpointError(f"file is {size} bytes; a safetensors file needs at least 8 "
+                              f"(the little-endian u64 header length)", file=name)
+    n = int.from_bytes(_pread_exact(fd, 8, 0, name), "little")
+    if n > size - 8:
+        raise CheckpointError(f"header length {n} exceeds the file size {size} (expected at "
+                              f"most {size - 8})", file=name)
+    if n > MAX_HEADER_LEN:
+        raise CheckpointError(f"header length {n} exceeds the {MAX_HEADER_LEN}-byte limit of "
+                              f"the safetensors format", file=name)
+    return n
+
+
 def read_file_header(root: str, name: str) -> FileHeader:
     """Read and validate one safetensors file's header (never its data)."""
     _check_name(name, "file", name)
@@ -374,17 +390,7 @@ def read_file_header(root: str, name: str) -> FileHeader:
     fd, st = open_regular(path, name)
     try:
         size = st.st_size
-        if size < 8:
-            raise CheckpointError(f"file is {size} bytes; a safetensors file needs at least 8 "
-                                  f"(the little-endian u64 header length)", file=name)
-        n = int.from_bytes(_pread_exact(fd, 8, 0, name), "little")
-        # Both checks come before anything of size n is allocated or read.
-        if n > size - 8:
-            raise CheckpointError(f"header length {n} exceeds the file size {size} (expected at "
-                                  f"most {size - 8})", file=name)
-        if n > MAX_HEADER_LEN:
-            raise CheckpointError(f"header length {n} exceeds the {MAX_HEADER_LEN}-byte limit of "
-                                  f"the safetensors format", file=name)
+        n = header_length(fd, size, name)
         raw = _pread_exact(fd, n, 8, name)
     finally:
         os.close(fd)
