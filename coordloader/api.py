@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 from typing import Any, Mapping
 
@@ -13,6 +12,7 @@ from coordloader.checkpoint.reader import (
     MAX_CONFIG,
     MAX_JSON_FILE,
     checkpoint_path,
+    parse_strict_json,
     read_checkpoint,
     read_small_file,
     refuse_dense_json,
@@ -34,10 +34,10 @@ def read_json_file(path: str, what: str, limit: int = MAX_JSON_FILE) -> Any:
     except CheckpointError as e:
         raise PlanError(f"cannot read {what} {path}: {e.message}") from None
     try:
-        return json.loads(data.decode("utf-8"))
+        return parse_strict_json(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise PlanError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:   # bad syntax, a duplicate key, NaN
         raise PlanError(f"{what} {path} is not valid JSON: {e}") from None
     except RecursionError:
         raise PlanError(f"{what} {path} is nested too deeply (expected a list of rules or an "

@@ -116,8 +116,9 @@ class FileHeader:
 
 # --------------------------------------------------------------------------- strict JSON
 
-class _Reject(Exception):
-    """Raised inside the JSON hooks; converted to CheckpointError with the file name."""
+class _Reject(ValueError):
+    """Raised inside the JSON hooks; converted to CheckpointError with the file name (a
+    ValueError, as json's own syntax errors are, for ``parse_strict_json``'s callers)."""
 
 
 def _pairs_hook(pairs):
@@ -172,6 +173,18 @@ def _header_decoder() -> json.JSONDecoder:
 
 _INDEX_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_hook, parse_constant=_const_hook,
                                   parse_int=_int_hook, parse_float=_float_hook_lenient)
+
+
+def parse_strict_json(text: str | bytes) -> Any:
+    """A JSON document parsed as coordloader parses config.json and the index: a duplicate
+    key, NaN, Infinity or an out-of-range number is refused, not read as the last value or
+    as a float that compares unequal to itself. For the JSON a user hands in (rule files,
+    --placement, --loader-config, a save's config, the manifest). Raises ValueError
+    (json.JSONDecodeError for bad syntax, UnicodeDecodeError for bytes that are not UTF-8)
+    or RecursionError for deep nesting; the caller names the file."""
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8")
+    return _INDEX_DECODER.decode(text)
 
 
 def refuse_dense_json(raw: bytes, file: str, what: str) -> None:

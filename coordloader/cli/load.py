@@ -11,6 +11,7 @@ from typing import Mapping
 import torch
 
 from coordloader.checkpoint.fileio import write_file_atomic
+from coordloader.checkpoint.reader import parse_strict_json
 from coordloader.cli.common import refuse_checkpoint_dir, refuse_checkpoint_file
 from coordloader.cli.plan import add_layout_args, experts_held, human, layout_from_args, ranges_str
 from coordloader.dist import collective
@@ -29,8 +30,8 @@ def json_object(text: str) -> dict:
     """argparse type of --loader-config: parsed whatever the engine, so '{bad' is an error
     even when the engine that would read it is not chosen."""
     try:
-        v = json.loads(text)
-    except json.JSONDecodeError as e:
+        v = parse_strict_json(text)
+    except ValueError as e:   # bad syntax, a duplicate key, NaN
         raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
     except RecursionError:
         raise argparse.ArgumentTypeError("nested too deeply (expected a JSON object)") from None

@@ -10,7 +10,7 @@ import sys
 
 from coordloader.api import make_plan, read_json_file
 from coordloader.checkpoint.fileio import write_file_atomic
-from coordloader.checkpoint.reader import read_checkpoint
+from coordloader.checkpoint.reader import parse_strict_json, read_checkpoint
 from coordloader.cli.common import refuse_checkpoint_file, run_command
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
@@ -27,8 +27,8 @@ def parse_placement(v: str):
         return v
     if v.lstrip()[:1] in ("[", "{"):
         try:
-            m = json.loads(v)
-        except json.JSONDecodeError as e:
+            m = parse_strict_json(v)
+        except ValueError as e:   # bad syntax, a duplicate key, NaN
             raise PlanError(f"--placement: {v!r} is not valid JSON: {e}") from None
         except RecursionError:
             raise PlanError(f"--placement: {clip(repr(v), MAX_NAME_CHARS)} is nested too "

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import os
 import time
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -33,6 +32,7 @@ import torch
 
 from coordloader.checkpoint import dtypes
 from coordloader.checkpoint.metadata import CheckpointMeta, box_shape
+from coordloader.checkpoint.reader import parse_strict_json
 from coordloader.engines import (
     LoadStats,
     Progress,
@@ -83,8 +83,8 @@ def parse_loader_config(cfg: str | Mapping | None) -> dict:
         return {}
     if isinstance(cfg, str):
         try:
-            cfg = json.loads(cfg)
-        except json.JSONDecodeError as e:
+            cfg = parse_strict_json(cfg)
+        except ValueError as e:   # bad syntax, a duplicate key, NaN
             raise LoadError(f"--loader-config is not valid JSON: {e}") from None
     if not isinstance(cfg, Mapping):
         raise LoadError(f"--loader-config must be a JSON object, got {type(cfg).__name__}")

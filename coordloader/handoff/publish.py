@@ -44,6 +44,7 @@ from coordloader.checkpoint.formats import (
 from coordloader.checkpoint.reader import (
     MAX_CONFIG,
     PICKLE_SUFFIXES,
+    parse_strict_json,
     read_small_file,
     refuse_dense_json,
 )
@@ -373,8 +374,8 @@ def resolve_config(config: Any, rank: int | None) -> ModelConfig:
         raise SaveError(f"cannot read the config given as config= (--config): {e.message}",
                         file=path, rank=rank) from None
     try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as e:
+        doc = parse_strict_json(data)
+    except (ValueError, RecursionError) as e:   # a duplicate key, NaN: the reader refuses them
         raise SaveError(f"config is not valid JSON: {e}", file=path, rank=rank) from None
     if not isinstance(doc, dict):
         raise SaveError(f"config is a JSON {type(doc).__name__}, expected an object", file=path,
