@@ -79,3 +79,25 @@ def test_options_that_are_not_hashable_are_compared(monkeypatch):
     with pytest.raises(ConfigError, match=r"files: rank 0 \['a'\], rank 1 \['b'\]"):
         loader._compare_plan_digests(Plan(), object(), 0, None, {"files": ["a"]})
     assert len(seen) == 1
+
+
+@pytest.mark.slow   # rank processes
+@pytest.mark.parametrize("extra, want", [
+    ({1: ["--tp", "1"]}, "rank 1: LoadError: launched with 2 ranks but the layout (tp=1 pp=1 "
+                         "dp=1 ep=1) needs 1"),
+    ({1: ["--report", "CKPT/model.safetensors"]},
+     "rank 1: ConfigError: file CKPT/model.safetensors: --report CKPT/model.safetensors "
+     "would add model.safetensors to the checkpoint directory"),
+], ids=["world-on-one", "report-onto-the-checkpoint-on-one"])
+def test_a_rank_refusing_its_arguments_is_named_at_once(tiny_qwen3_moe, tmp_path, extra, want):
+    """One rank refusing its own arguments stopped outside any phase (before the group
+    formed, or just after): the other waited out --timeout (30 s) and called it absent
+    ("did not join") or dead."""
+    extra = {r: [a.replace("CKPT", tiny_qwen3_moe) for a in args] for r, args in extra.items()}
+    want = want.replace("CKPT", tiny_qwen3_moe)
+    out = _run2(tmp_path, tiny_qwen3_moe, extra)
+    for r, (rc, err, took) in out.items():
+        assert rc == 1, (r, err)
+        line = rank_line(err, r, only=True)
+        assert f"phase arguments: {want}" in line, line
+        assert took < 20, (r, took, line)   # well inside --timeout 30

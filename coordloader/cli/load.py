@@ -18,6 +18,7 @@ from coordloader.dist import collective
 from coordloader.engines import ENGINE_NAMES
 from coordloader.errors import ConfigError, LoadError, SaveError
 from coordloader.handoff.dump import check_dump_target, dump_rank
+from coordloader.layout import Layout
 from coordloader.loader import VERIFY_MODES, load_detailed
 from coordloader.text import ArgumentParser, positive_number
 
@@ -133,7 +134,8 @@ def _init_from_env(args):
     return (g if g.world > 1 else None), device
 
 
-def _run(args) -> int:
+def _check_arguments(args, group) -> Layout:
+    """The layout the arguments give, after the refusals that need no checkpoint read."""
     layout = layout_from_args(args)
     refuse_checkpoint_file(args.report, args.checkpoint, "--report")
     refuse_checkpoint_dir(args.dump, args.checkpoint, "--dump")
@@ -141,16 +143,24 @@ def _run(args) -> int:
         # found when the dump is written, it cost the whole load first
         raise ConfigError(f"--dump {args.dump} exists and is not a directory; choose a "
                           f"directory", file=args.dump)
+    if group is not None:
+        if group.world != layout.world_size:
+            raise LoadError(f"launched with {group.world} ranks but the layout ({layout}) "
+                            f"needs {layout.world_size} = pp*dp*tp; use --nproc-per-node "
+                            f"{layout.world_size} (or change the layout)", rank=group.rank)
+        if args.rank is not None:
+            raise LoadError("--rank is for single-process use; under torchrun the rank "
+                            "comes from the environment")
+    return layout
+
+
+def _run(args) -> int:
     group, device = _init_from_env(args)
     try:
-        if group is not None:
-            if group.world != layout.world_size:
-                raise LoadError(f"launched with {group.world} ranks but the layout ({layout}) "
-                                f"needs {layout.world_size} = pp*dp*tp; use --nproc-per-node "
-                                f"{layout.world_size} (or change the layout)", rank=group.rank)
-            if args.rank is not None:
-                raise LoadError("--rank is for single-process use; under torchrun the rank "
-                                "comes from the environment")
+        # in a phase: a rank refusing its own arguments (another --tp than the others, a
+        # --report onto a checkpoint file) stopped before the group formed or outside
+        # any phase, and the others waited out --timeout to call it absent or dead
+        layout = collective.run_phase("arguments", _check_arguments, group, args, group)
         rank0 = group is None or group.rank == 0
         res = load_detailed(args.checkpoint, layout, group=group, rank=args.rank, device=device,
                             engine=args.engine, verify=args.verify, rules=args.rules,
