@@ -36,6 +36,7 @@ from coordloader.dist import collective
 from coordloader.engines import (
     LoadStats,
     check_disjoint,
+    layout_kind,
     require_tensor,
     resolve_engine_name,
     select_engine,
@@ -579,7 +580,8 @@ def _refuse_meta(dst: torch.Tensor, tgt: str, name: str | None, rank: int) -> No
 
 
 def _refuse_wrapper(dst: torch.Tensor, tgt: str, name: str | None, rank: int) -> None:
-    """A target the engines cannot write: refused before any read, since a failure in the
+    """A target the engines cannot write (a wrapper subclass, a sparse or nested tensor):
+    refused before any read, since a failure in the
     copies into targets after the load (the last phase) reached only the rank that raised,
     the others returning as loaded."""
     if wraps_other_tensors(dst):
@@ -590,6 +592,13 @@ def _refuse_wrapper(dst: torch.Tensor, tgt: str, name: str | None, rank: int) ->
         raise LoadError(f"target {tgt!r} is a {type(dst).__name__}, a tensor subclass that "
                         f"wraps others; expected a tensor whose own storage holds its values "
                         f"(load into a plain tensor, then convert it)",
+                        tensor=name, rank=rank)
+    kind = layout_kind(dst)
+    if kind is not None:
+        # a sparse COO target was refused as "sharing memory", a CSR or nested one failed
+        # in torch, untyped
+        raise LoadError(f"target {tgt!r} is a {kind} tensor; expected a dense (strided) "
+                        f"tensor (load into a dense one, then convert it)",
                         tensor=name, rank=rank)
 
 

@@ -162,7 +162,8 @@ def test_out_parameters_requiring_grad_are_filled(tmp_path, engine):
 
 
 @pytest.mark.parametrize("engine", ["cpu", "safetensors"])
-@pytest.mark.parametrize("bad", ["shape", "dtype", "missing", "meta", "two-for-one"])
+@pytest.mark.parametrize("bad", ["shape", "dtype", "missing", "meta", "two-for-one", "sparse",
+                                 "csr", "nested"])
 def test_a_refused_target_leaves_every_target_unwritten(ab, engine, bad):
     """Targets were matched to the loaded tensors after the load: 'a' (contiguous, filled
     by the engine in place) already held the checkpoint's bytes when 'b' was refused, so
@@ -170,7 +171,13 @@ def test_a_refused_target_leaves_every_target_unwritten(ab, engine, bad):
     the plan before any read."""
     a = torch.full((4,), -1.0)
     b = {"shape": torch.zeros(5), "dtype": torch.zeros(4, dtype=torch.float64),
-         "missing": None, "meta": torch.empty(4, device="meta"), "two-for-one": None}[bad]
+         "missing": None, "meta": torch.empty(4, device="meta"), "two-for-one": None,
+         # a sparse COO target was refused as sharing memory; CSR and nested ones failed
+         # in torch, untyped
+         "sparse": torch.zeros(4).to_sparse(), "csr": "csr",
+         "nested": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(2)])}[bad]
+    if bad == "csr":
+        b = torch.zeros(1, 4).to_sparse_csr()
     target = {"a": a} if b is None else {"a": a, "b": b}
     name_map = {"b": "a"} if bad == "two-for-one" else None
     want = {
@@ -179,6 +186,9 @@ def test_a_refused_target_leaves_every_target_unwritten(ab, engine, bad):
         "missing": "no target entry 'b' for this checkpoint tensor",
         "meta": "target 'b' is on the meta device",
         "two-for-one": "checkpoint tensors 'a' and 'b' both map to the target 'a'",
+        "sparse": "target 'b' is a sparse_coo tensor; expected a dense (strided) tensor",
+        "csr": "target 'b' is a sparse_csr tensor; expected a dense (strided) tensor",
+        "nested": "target 'b' is a nested tensor; expected a dense (strided) tensor",
     }[bad]
     with pytest.raises(LoadError) as e:
         cl.load_into(target, ab, Layout(), engine=engine, name_map=name_map, **ONE)

@@ -960,8 +960,10 @@ def test_a_parameter_subclass_is_saved_like_a_plain_tensor(tmp_path):
     (torch.empty(2, device="meta"),
      "rank 0, tensor 'x': is on the meta device: it has no data to save (materialise it first)"),
     (torch.zeros(2, 2).to_sparse(),
-     "rank 0, tensor 'x': has layout torch.sparse_coo; expected a dense tensor (call "
+     "rank 0, tensor 'x': is a sparse_coo tensor; expected a dense tensor (call "
      ".to_dense() first)"),
+    ("nested", "rank 0, tensor 'x': is a nested tensor; expected a dense tensor (call "
+               ".to_dense() first)"),
     (torch.zeros(2, dtype=torch.complex64),
      "rank 0, tensor 'x': has dtype torch.complex64, which safetensors cannot store; convert it "
      "first"),
@@ -976,8 +978,8 @@ def test_a_parameter_subclass_is_saved_like_a_plain_tensor(tmp_path):
     ("boxed-subclass", "rank 0, tensor 'x': the Boxed tensor is a TwoTensor, a tensor subclass "
                        "that wraps others; expected a tensor whose own storage holds its values "
                        "(unwrap or dequantize it to a plain tensor first)"),
-], ids=["meta", "sparse", "complex", "boxed-list", "boxed-float", "subclass", "uninitialized",
-        "boxed-subclass"])
+], ids=["meta", "sparse", "nested", "complex", "boxed-list", "boxed-float", "subclass",
+        "uninitialized", "boxed-subclass"])
 def test_tensors_that_cannot_be_written_are_named(tmp_path, value, msg):
     """Each of these raised a bare torch error (or one naming no tensor and no rank)."""
     from coordloader.errors import SaveError
@@ -988,6 +990,8 @@ def test_tensors_that_cannot_be_written_are_named(tmp_path, value, msg):
         value = Boxed(torch.zeros(2), (4,), (1.5,))
     elif value == "uninitialized":
         value = torch.nn.parameter.UninitializedParameter()
+    elif value == "nested":   # failed untyped, reading its shape
+        value = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(2)])
     elif value in ("subclass", "boxed-subclass"):
         # a wrapper subclass (as torchao's float8 training weights are) has no storage:
         # data_ptr() 0, which the digest kernel read as an address (SIGSEGV, digests=True)

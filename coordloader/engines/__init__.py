@@ -181,6 +181,15 @@ def wraps_other_tensors(t: torch.Tensor) -> bool:
     return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
 
 
+def layout_kind(t: torch.Tensor) -> str | None:
+    """None for a dense (strided) tensor; else what it is instead ("sparse_coo",
+    "sparse_csr", "nested", ...): a tensor that keeps its values in other tensors, which
+    no engine reads into and no writer writes from."""
+    if t.is_nested:   # a nested tensor says torch.strided (or jagged) and has no sizes
+        return "nested"
+    return None if t.layout == torch.strided else str(t.layout).removeprefix("torch.")
+
+
 def require_tensor(t, what: str, name: str | None, rank: int | None) -> None:
     """LoadError unless ``t``, a destination handed in, is a torch.Tensor."""
     if not isinstance(t, torch.Tensor):

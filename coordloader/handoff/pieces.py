@@ -23,7 +23,7 @@ import torch
 
 from coordloader.checkpoint.dtypes import from_torch, itemsize
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape, piece_key
-from coordloader.engines import wraps_other_tensors
+from coordloader.engines import layout_kind, wraps_other_tensors
 from coordloader.errors import CoordloaderError, SaveError
 
 
@@ -144,8 +144,9 @@ def _local(name, t, rank: int, what: str = "") -> torch.Tensor:
     if t.is_meta:
         raise SaveError(f"{what}is on the meta device: it has no data to save (materialise "
                         f"it first)", tensor=name, rank=rank)
-    if t.layout != torch.strided:
-        raise SaveError(f"{what}has layout {t.layout}; expected a dense tensor (call "
+    kind = layout_kind(t)
+    if kind is not None:   # (a nested tensor failed untyped, on its shape)
+        raise SaveError(f"{what}is a {kind} tensor; expected a dense tensor (call "
                         f".to_dense() first)", tensor=name, rank=rank)
     try:
         from_torch(t.dtype)
