@@ -4,7 +4,8 @@
 Runs wherever ``import vllm`` works and coordloader's plugin entry point is installed
 (CI: the separate venv `.ci/vllm.sh` builds); skipped elsewhere. Every vLLM instance of
 the module runs in one driver process (coordloader.bench.vllm_driver), since each costs
-tens of seconds to start.
+tens of seconds to start. vLLM's own scalar weight loaders (kv-cache scales) run in this
+process on the tensors the format hands over.
 
 vLLM-CPU limits, with vLLM's own loaders too: expert parallelism segfaults in the CPU
 fused-MoE kernel at the first forward and pipeline parallelism asserts, so under EP only
@@ -225,3 +226,26 @@ def test_unknown_loader_option_is_refused(runs):
     lines = _failure_lines(err, "ConfigError")
     assert any("unknown key(s) engnie for load format 'coordloader'" in ln for ln in lines), \
         err["log_tail"][-3000:]
+
+
+@pytest.mark.parametrize("gshape", [(), (1,)], ids=["0d", "1"])
+def test_vllms_scalar_loaders_take_a_one_element_checkpoint_tensor(gshape):
+    """A kv-cache k_scale (or an FP8 per-tensor scale) through vLLM's own loaders, as
+    the format hands it over: default_weight_loader views it to the parameter's shape and
+    KVCacheScaleParameter's loader reshapes it to (); both were refused (aten.view), so a
+    checkpoint with kv-cache scales could not be served."""
+    import torch
+    from vllm.model_executor.layers.quantization.kv_cache import KVCacheScaleParameter
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from coordloader.integrations.globaltensor import global_tensor, unconsumed
+    from coordloader.planning.model import Piece, TensorSlice
+
+    box = tuple((0, s) for s in gshape)
+    ts = TensorSlice("model.layers.0.self_attn.k_scale", "f", "F32", gshape, gshape,
+                     (Piece(box, (0,) * len(gshape)),), 0, ())
+    for load in (default_weight_loader, KVCacheScaleParameter.weight_loader):
+        t = global_tensor(ts.name, torch.full(gshape, 0.5), ts, rank=0)
+        param = KVCacheScaleParameter()
+        load(param, t)
+        assert param.shape == () and param.item() == 0.5 and unconsumed({ts.name: t}) == []

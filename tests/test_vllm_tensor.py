@@ -448,9 +448,10 @@ def _copy_out(v) -> torch.Tensor:
     lambda t: t.permute(2, 1, 0).split([2, 2, 2, 2])[1].swapdims(0, 2),
     lambda t: t.transpose(-1, -2)[torch.tensor([1, 2])][:, 2:6],
     lambda t: t.detach().transpose(0, 1).transpose(0, 1)[..., 3:5],
+    lambda t: t.transpose(-1, -2)[1:2, 2:6].view(4, 6).reshape(4, 1, 6, 1)[1:3].view(1, -1, 6),
 ], ids=["transpose", "permute_narrow_chunk", "mT_select_t", "movedim_swapaxes_unsqueeze",
         "T", "transpose_unbind", "permute_contiguous", "permute_split_swapdims",
-        "transpose_index", "transpose_twice"])
+        "transpose_index", "transpose_twice", "transpose_view_size1_dims"])
 def test_dim_reordering_views_are_exact(chain):
     """transpose/permute (and t, T, mT, movedim, swapaxes) are lazy views: later narrow,
     chunk, select, unbind, index and copy_ answer element for element as on the tensor."""
@@ -596,6 +597,106 @@ def test_a_uint8_index_is_a_mask_and_refused():
     assert t[torch.tensor([0, 1], dtype=torch.int32)].box == ((0, 2), (0, 6), (0, 8))
 
 
+def _scalar(gshape: tuple[int, ...], *, held: bool = True):
+    """A 1-element checkpoint tensor (a kv-cache ``k_scale``, an FP8 per-tensor scale) of
+    global shape ``gshape``, held by this rank or not."""
+    pieces = (Piece(tuple((0, s) for s in gshape), (0,) * len(gshape)),) if held else ()
+    ts = TensorSlice("k_scale", "f", "F32", gshape, gshape if held else (0,) * len(gshape),
+                     pieces, 0, ())
+    local = torch.full(gshape, 0.5) if held else torch.zeros((0,) * len(gshape))
+    return global_tensor("k_scale", local, ts, rank=1)
+
+
+@pytest.mark.parametrize("gshape", [(), (1,)], ids=["0d", "1"])
+@pytest.mark.parametrize("to", [(), (1,), (1, 1), (-1,)], ids=["0d", "1", "1x1", "minus1"])
+def test_a_one_element_tensor_views_to_its_parameters_shape(gshape, to):
+    """vLLM 0.32's default_weight_loader copies ``loaded.view(param.shape)`` when both
+    have one element, the kv-cache scale loader ``loaded.reshape(())`` and linear layers
+    ``loaded.reshape(1)``: the view was refused, so no checkpoint with kv-cache scales
+    loaded."""
+    t = _scalar(gshape)
+    v = t.view(to)
+    assert v.shape == torch.full(gshape, 0.5).view(to).shape and v.box == t.box
+    assert [u.numel for u in unconsumed({"k": t})] == [1]     # a view reads nothing
+    param = torch.full(v.shape, -1.0)
+    param.copy_(v)
+    assert torch.equal(param, torch.full(v.shape, 0.5)) and unconsumed({"k": t}) == []
+    assert torch.equal(t.reshape(to).materialize(), torch.full(v.shape, 0.5))
+    assert torch.equal(torch.ops.aten._unsafe_view(t, list(v.shape)).materialize(),
+                       torch.full(v.shape, 0.5))
+    # viewed or not, a scale the rank does not hold is refused when copied out
+    with pytest.raises(FitError, match="asked for elements this rank does not hold"):
+        param.copy_(_scalar(gshape, held=False).view(to))
+
+
+def test_a_row_views_to_one_by_n_and_back_element_for_element():
+    full = torch.arange(6.0)
+    ts = TensorSlice("b", "f", "F32", (6,), (4,), (Piece(((2, 6),), (0,)),), 0, ())
+    t = global_tensor("b", full[2:].clone(), ts)
+    row = t.view(1, 6)
+    assert row.shape == (1, 6) and row.box == ((0, 6),)
+    assert torch.equal(_copy_out(row[:, 2:5]), full.view(1, 6)[:, 2:5])
+    back = row.view(6)
+    assert back.box == ((0, 6),) and back.dims == (0,)
+    assert torch.equal(_copy_out(back[5:]), full[5:])
+    assert [u.boxes for u in unconsumed({"b": t})] == []
+    # rows the rank does not hold stay refused through the view
+    with pytest.raises(FitError, match=r"requested box \[0:2\]"):
+        _copy_out(row[:, :2])
+
+
+@pytest.mark.parametrize("op", [
+    lambda t: t.view(3, 2),
+    lambda t: t.view(6),
+    lambda t: t.reshape(-1),
+    lambda t: t.view(1, 3, 2),
+    lambda t: t.view(-1, -1),
+    lambda t: t.flatten(),
+    lambda t: torch.ops.aten._unsafe_view(t, [3, 2]),
+    lambda t: t.view(torch.int32),
+], ids=["3x2", "6", "reshape_minus1", "1x3x2", "two_minus1", "flatten", "unsafe_view",
+        "dtype"])
+def test_a_view_that_regroups_elements_is_refused(op):
+    """A view that is not only size-1 dims inserted or removed puts elements of several
+    global rows in one view row: no box with a dim per view dim shows that."""
+    data = torch.arange(6.0).reshape(2, 3)
+    ts = TensorSlice("w", "f", "F32", (2, 3), (2, 3), (Piece(((0, 2), (0, 3)), (0, 0)),), 0, ())
+    t = global_tensor("w", data.clone(), ts)
+    with pytest.raises(FitError) as e:
+        op(t)
+    assert "is not answered on a checkpoint tensor" in str(e.value)
+    assert "aten.view" in str(e.value) or "aten._unsafe_view" in str(e.value)
+    assert "requested box [0:2,0:3]" in str(e.value)
+    assert [u.numel for u in unconsumed({"w": t})] == [6]
+    # a transposed view's elements are not in the tensor's order: refused as well, by
+    # view (torch refuses it too) and by reshape (torch's copy, then _unsafe_view of it)
+    with pytest.raises(FitError, match="aten.view.default is not answered"):
+        t.t().view(6)
+    with pytest.raises(FitError, match="aten._unsafe_view.default is not answered"):
+        t.t().reshape(6)
+
+
+def _zero_through_views(x):
+    """zero_ through views that insert or remove size-1 dims, of the tensor and of a copy
+    of it; the reads of both, copied out."""
+    x[:, 1:2].view(4, 8)[2].zero_()                # a view of the tensor: zeroes the tensor
+    c = x[:, :, 2:6].clone()
+    c.reshape(1, 4, 6, 4)[:, 1].zero_()             # a view of the copy: zeroes only the copy
+    x[0, 0].view(1, 8).reshape(8, 1)[3:5].zero_()
+    u = torch.ops.aten._unsafe_view(x.permute(1, 0, 2)[4:5], [4, 8])   # aliases x too
+    u[1].zero_()
+    return [_copy_out(v) for v in (x[:, :, 2:6], c, c.view(4, 1, 6, 4)[:, :, 3], u[..., 4:6])]
+
+
+def test_zero_through_a_view_of_size_1_dims_writes_where_torch_does():
+    """view/reshape to a size with size-1 dims inserted or removed is torch's view (also
+    _unsafe_view): zero_ through it reaches the tensor it views, and through a view of a
+    copy only that copy, element for element as on a real tensor."""
+    full, t = _held_cols()
+    for got, ref in zip(_zero_through_views(t), _zero_through_views(full.clone()), strict=True):
+        assert got.shape == ref.shape and torch.equal(got, ref)
+
+
 def _moe_coords(layout: dict, rank: int, num_experts: int):
     """vLLM's MoE coordinates of ``rank``: (moe_tp, moe_tp_rank, the experts it keeps
     under expert parallelism (linear placement) or None)."""
@@ -726,7 +827,7 @@ def _draw_op(draw, shape):
     views, what torch answers with a copy (index by a run, clone, contiguous), zero_."""
     from hypothesis import strategies as st
     n = len(shape)
-    names = ["unsqueeze", "squeeze", "detach", "contiguous", "clone", "zero_", "zero_"]
+    names = ["unsqueeze", "squeeze", "detach", "contiguous", "clone", "zero_", "zero_", "view"]
     if n:
         names += ["narrow", "slice", "select", "unbind", "chunk", "split", "index", "index"]
     if n >= 2:
@@ -774,6 +875,18 @@ def _draw_op(draw, shape):
     if name == "unsqueeze":
         d = dim(extra=1) if n else draw(st.integers(-1, 0))
         return name, lambda x: x.unsqueeze(d)
+    if name == "view":                # or reshape
+        # size-1 dims inserted or removed (one size may be -1), or now and then flattened,
+        # which regroups elements: refused, or by torch (view of a non-contiguous tensor)
+        size = [s for s in shape if s != 1]
+        for _ in range(draw(st.integers(0, 2))):
+            size.insert(draw(st.integers(0, len(size))), 1)
+        if size and draw(st.booleans()):
+            size[draw(st.integers(0, len(size) - 1))] = -1
+        if draw(st.integers(0, 5)) == 0:
+            size = [-1]
+        return name, (lambda x: x.view(size)) if draw(st.booleans()) else \
+            (lambda x: x.reshape(size))
     if name == "squeeze":
         d = draw(st.one_of(st.none(), st.integers(-max(n, 1), max(n, 1) - 1)))
         return name, (lambda x: x.squeeze()) if d is None else (lambda x: x.squeeze(d))

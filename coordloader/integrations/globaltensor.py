@@ -5,19 +5,21 @@ narrow *whole* checkpoint tensors at their own tp-rank offsets. Handing those lo
 ``GlobalShapeTensor`` lets each model's own loader place the rank's slices (no per-model
 offset table here): shape, ndim, dtype and device are the global tensor's; narrowing,
 slicing, ``select``, ``unbind``, ``unsqueeze``/``squeeze``, ``split``/``chunk``,
-``detach`` and ``transpose``/``permute`` (``t``, ``mT``, ``movedim``, ``swapaxes``) give
-lazy views: a view is a global box and, per view dim, the global dim it shows; strides
-and contiguity are what torch reports for the same ops on the whole tensor. Indexing one
-dim by a contiguous ascending run of indices, ``clone`` and ``contiguous()`` of a
-non-contiguous view give lazy *copies*, as torch does: boxes like views, but with a zero
-record of their own (``zero_`` on a copy leaves the checkpoint tensor as it was). The
-data is read only when a view is copied out (``copy_`` into a parameter, or
-``materialize()``: the box gathered from the held pieces, then permuted to the view's dim
-order), and only when every element of the view is held. ``zero_`` writes zeros over a
-view's box, as on a real tensor (gpt-oss zeroes a bias on TP ranks other than 0 before
-copying it): later reads of the tensor it was called on, and of that tensor's views, see
-zeros there, whether held or not; a copy taken before keeps the values it had. Any other
-data access (a dtype conversion, ``repeat_interleave``, ``view``, arithmetic) raises
+``detach``, ``transpose``/``permute`` (``t``, ``mT``, ``movedim``, ``swapaxes``) and a
+``view``/``reshape`` that only inserts or removes size-1 dims (vLLM's loaders do that to
+a 1-element tensor) give lazy views: a view is a global box and, per view dim, the
+global dim it shows; strides and contiguity are what torch reports for the same ops on
+the whole tensor. Indexing one dim by a contiguous ascending run of indices, ``clone``
+and ``contiguous()`` of a non-contiguous view give lazy *copies*, as torch does: boxes
+like views, but with a zero record of their own (``zero_`` on a copy leaves the
+checkpoint tensor as it was). The data is read only when a view is copied out (``copy_``
+into a parameter, or ``materialize()``: the box gathered from the held pieces, then
+permuted to the view's dim order), and only when every element of the view is held.
+``zero_`` writes zeros over a view's box, as on a real tensor (gpt-oss zeroes a bias on
+TP ranks other than 0 before copying it): later reads of the tensor it was called on,
+and of that tensor's views, see zeros there, whether held or not; a copy taken before
+keeps the values it had. Any other data access (a dtype conversion,
+``repeat_interleave``, a ``view`` that regroups elements across dims, arithmetic) raises
 ``FitError`` naming the op, the tensor, the requested box and the held boxes: a loader
 that would compute on the full tensor before narrowing would otherwise load wrong values.
 
@@ -27,6 +29,7 @@ element was copied out, zeroed or not).
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple
@@ -249,6 +252,29 @@ class GlobalShapeTensor(torch.Tensor):
         drop = {d for d in drop if self.dim() and self.shape[d] == 1}   # 0-d: stays
         return self._view(self._box, tuple(g for i, g in enumerate(self._dims) if i not in drop))
 
+    def _reshape(self, size) -> "GlobalShapeTensor | None":
+        """``view``/``reshape`` to ``size`` when it only inserts or removes size-1 dims
+        (vLLM's default_weight_loader views a 1-element tensor to its parameter's shape,
+        the kv-cache scale loader reshapes it to ``()``): the other dims keep their order,
+        so each element keeps its row-major place and it is a squeeze of every size-1
+        dim, then an unsqueeze at each size-1 dim of ``size``. None for any other size:
+        it regroups elements across dims, which a box with a dim per view dim cannot
+        show."""
+        size = [int(s) for s in size]
+        if size.count(-1) == 1:                 # torch infers it from the other sizes
+            rest = math.prod(s for s in size if s != -1)
+            if rest == 0 or self.numel() % rest:
+                return None
+            size[size.index(-1)] = self.numel() // rest
+        if any(s < 0 for s in size) or [s for s in size if s != 1] != [
+                s for s in self.shape if s != 1]:
+            return None
+        out = self._squeeze(range(self.dim()))
+        for d, s in enumerate(size):             # ascending: dims before d are in place
+            if s == 1:
+                out = out._unsqueeze(d)
+        return out
+
     def _permute(self, order) -> "GlobalShapeTensor":
         n = self.dim()
         ds = [self._dim(d) for d in order]
@@ -387,6 +413,13 @@ class GlobalShapeTensor(torch.Tensor):
             return self._index(list(arg(0, "indices", [])))
         if func is aten.zero_.default:
             return self._zero()
+        # not view.dtype: it reinterprets the bytes, which is no box of elements.
+        # _unsafe_view aliases its input as view does (reshape calls it on the clone it
+        # made when a view could not be had), so neither is a copy in __torch_dispatch__
+        if func in (aten.view.default, aten._unsafe_view.default):
+            out = self._reshape(arg(0, "size", ()))
+            if out is not None:
+                return out
         raise _refusal(func, args, kwargs, self)
 
 
@@ -398,8 +431,9 @@ def _refusal(func, args, kwargs, view: GlobalShapeTensor) -> FitError:
 
 
 LAZY = ("narrow/slice/select/unbind/squeeze/unsqueeze/split/chunk/detach/transpose/permute "
-        "give views, index by a contiguous run/clone/contiguous give copies, zero_ writes "
-        "zeros, copy_ reads them out")
+        "and view/reshape that only insert or remove size-1 dims give views, index by a "
+        "contiguous run/clone/contiguous give copies, zero_ writes zeros, copy_ reads them "
+        "out")
 
 
 def _written(func, args, kwargs) -> list[GlobalShapeTensor]:
