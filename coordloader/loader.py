@@ -470,13 +470,17 @@ class _DirectDests:
 
 class _Fusion(NamedTuple):
     """One of transformers' own weight converters that load_into can apply: checkpoint
-    tensors matching ``sources`` (``*`` = expert id) become the one parameter ``prefix +
-    target`` through ``ops`` (("merge", dim): stack the experts; ("concat", dim): join the
-    sources), e.g. per-expert gate/up -> fused ``mlp.experts.gate_up_proj``."""
+    tensors matching ``sources`` (``*`` = expert id, a source without one is a single
+    tensor) become the one parameter ``prefix + target`` through ``ops`` (("merge", dim):
+    stack each source's experts; ("concat", dim): join every source's tensors), e.g.
+    per-expert gate/up -> fused ``mlp.experts.gate_up_proj``, q/k/v conv -> ``conv1d``."""
     sources: tuple[re.Pattern, ...]
     target: str
     ops: tuple[tuple[str, int], ...]
-    source_names: tuple[str, ...] = ()   # transformers' own patterns, for messages
+    source_names: tuple[str, ...]   # transformers' own patterns, for messages
+
+
+_OP_NAMES = {"merge": "MergeModulelist", "concat": "Concatenate"}   # their class names, for messages
 
 
 class _Conversion(NamedTuple):
@@ -531,7 +535,7 @@ def _transformers_conversion(target) -> _Conversion:
 
 def _fusion_source(fusions: list[_Fusion], name: str):
     """(fusion index, name prefix, source index, expert id) when ``name`` is a source of
-    one of ``fusions``, else None."""
+    one of ``fusions``, else None; the expert id is None for a source without ``*``."""
     for k, f in enumerate(fusions):
         for i, pat in enumerate(f.sources):
             m = pat.search(name)
@@ -539,35 +543,52 @@ def _fusion_source(fusions: list[_Fusion], name: str):
             # ".experts.*.w1.weight" -> target ".experts.gate_up_proj")
             if m is not None and (m.start() == 0 or name[m.start() - 1] == "."
                                   or name[m.start()] == "."):
-                return k, name[:m.start()], i, int(m.group(1)) if m.groups() else 0
+                return k, name[:m.start()], i, int(m.group(1)) if m.groups() else None
     return None
 
 
-def _check_fusion_parts(fusion: _Fusion, prefix: str, parts: dict[int, dict[int, torch.Tensor]],
+def _check_fusion_parts(fusion: _Fusion, prefix: str, parts: dict[int, dict[int | None, str]],
                         rank: int) -> None:
-    """Every source of ``fusion`` must bring the same experts: one missing (dropped by
-    name_map, absent from the checkpoint) failed in torch.stack/cat with a bare
-    RuntimeError, or with another expert in its place put each half's experts in
-    different slots."""
-    have = [sorted(parts.get(i, {})) for i in range(len(fusion.sources))]
-    if all(h == have[0] for h in have):
+    """Every source of ``fusion`` must be there, and every source with an expert id must
+    bring the same experts: one missing (dropped by name_map, absent from the checkpoint)
+    failed in torch.stack/cat with a bare RuntimeError, put each half's experts in
+    different slots (another expert in its place), or left a shorter concatenation."""
+    names = fusion.source_names
+    tgt = repr(prefix + fusion.target)
+    absent = [n for i, n in enumerate(names) if not fusion.sources[i].groups and i not in parts]
+    if absent:
+        raise LoadError(f"transformers fuses {', '.join(prefix + n for n in names)} into {tgt}; "
+                        f"this rank has no {', '.join(prefix + n for n in absent)} (check the "
+                        f"checkpoint and name_map)", rank=rank)
+    have = [(n, sorted(parts.get(i, {}))) for i, n in enumerate(names) if fusion.sources[i].groups]
+    if all(h == have[0][1] for _, h in have):
         return
-    got = "; ".join(f"{prefix}{n} for experts {format_ranges(h, empty='none')}"
-                    for n, h in zip(fusion.source_names or map(str, range(len(have))), have))
-    raise LoadError(f"transformers fuses this rank's {got} into "
-                    f"{prefix + fusion.target!r}; expected the same experts of every source "
-                    f"(check the checkpoint and name_map)", rank=rank)
+    got = "; ".join(f"{prefix}{n} for experts {format_ranges(h, empty='none')}" for n, h in have)
+    raise LoadError(f"transformers fuses this rank's {got} into {tgt}; expected the same "
+                    f"experts of every source (check the checkpoint and name_map)", rank=rank)
 
 
-def _fuse(fusion: _Fusion, parts: dict[int, dict[int, torch.Tensor]],
+def _fuse(fusion: _Fusion, parts: dict[int, dict[int | None, torch.Tensor]],
           order: list[int]) -> torch.Tensor:
-    """Apply ``fusion.ops`` to this rank's source tensors (per source: expert id -> tensor),
-    stacked in ``order`` (``Layout.local_order``)."""
-    cur = [[parts.get(i, {})[e] for e in order] for i in range(len(fusion.sources))]
+    """Apply ``fusion.ops`` to this rank's source tensors (per source: expert id -> tensor)
+    as transformers' MergeModulelist and Concatenate do: each source starts as its list of
+    tensors (its experts in ``order``, ``Layout.local_order``; a source without an expert
+    id is a list of one), a merge stacks each list still unstacked (a tensor passes), a
+    concat joins every source's tensors, flattened in source order, into one. Raises
+    ValueError where the steps do not end in one tensor."""
+    cur: list[torch.Tensor | list[torch.Tensor]] = [
+        [p[e] for e in (order if fusion.sources[i].groups else (None,))]
+        for i, p in sorted(parts.items())]
     for op, dim in fusion.ops:
-        cur = ([torch.stack(p, dim) for p in cur] if op == "merge" else [torch.cat(cur, dim)])
-    (t,) = cur
-    return t
+        if op == "merge":
+            cur = [c if isinstance(c, torch.Tensor) else torch.stack(c, dim) for c in cur]
+        else:
+            cur = [torch.cat([t for c in cur for t in ([c] if isinstance(c, torch.Tensor) else c)],
+                             dim)]
+    if len(cur) != 1 or not isinstance(cur[0], torch.Tensor):
+        steps = ", ".join(f"{_OP_NAMES[op]}(dim={dim})" for op, dim in fusion.ops) or "none"
+        raise ValueError(f"transformers' steps ({steps}) do not join them into one tensor")
+    return cur[0]
 
 
 def _refuse_meta(dst: torch.Tensor, tgt: str, name: str | None, rank: int) -> None:
@@ -607,8 +628,9 @@ class _Placement(NamedTuple):
     read: checkpoint tensor -> target, and the fused parameters' parts."""
     fusions: list[_Fusion]                        # transformers' fusions of the target
     copies: list[tuple[str, str, torch.Tensor]]   # (target, checkpoint tensor, target tensor)
-    # (fusion index, name prefix) -> source index -> expert id -> checkpoint tensor
-    fused: dict[tuple[int, str], dict[int, dict[int, str]]]
+    # (fusion index, name prefix) -> source index -> expert id (None: the source has
+    # none) -> checkpoint tensor
+    fused: dict[tuple[int, str], dict[int, dict[int | None, str]]]
     fused_dst: dict[tuple[int, str], torch.Tensor]
     slots: dict[tuple[int, str], list[int]]      # the experts of each, in slot order
     skipped: list[str]
@@ -627,7 +649,7 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
     raised."""
     rank = rank_plan.rank
     copies, skipped = [], []
-    fused: dict[tuple[int, str], dict[int, dict[int, str]]] = {}
+    fused: dict[tuple[int, str], dict[int, dict[int | None, str]]] = {}
     slots: dict[tuple[int, str], list[int]] = {}
     spec: dict[str, torch.Tensor] = {}   # checkpoint tensor -> its slice, as a meta tensor
     source_of: dict[str, str] = {}       # target -> the checkpoint tensor that fills it
@@ -682,19 +704,24 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
             require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}",
                            next(iter(next(iter(parts.values())).values())), rank)
             _refuse_wrapper(dst, tgt, None, rank)   # filled with a copy of the fusion
-        experts = sorted(next(iter(parts.values())))
+        fusion = fusions[k]
+        starred = [p for i, p in parts.items() if fusion.sources[i].groups]
+        experts = sorted(starred[0]) if starred else []
+        what = (f"experts {experts}" if starred else
+                "slices of " + ", ".join(prefix + n for n in fusion.source_names))
         slots[(k, prefix)] = layout.local_order(rank_plan.coords.get("ep"), experts)
         try:   # the fusion itself, on meta tensors: the shape and dtype it gives
-            t = _fuse(fusions[k], {i: {e: spec[n] for e, n in p.items()} for i, p in parts.items()},
+            t = _fuse(fusion, {i: {e: spec[n] for e, n in p.items()} for i, p in parts.items()},
                       slots[(k, prefix)])
-        except RuntimeError as e:   # parts that do not stack or join (shapes differ)
-            raise LoadError(f"transformers fuses this rank's experts {experts} into {tgt!r}, "
-                            f"but their slices do not fuse: {' '.join(str(e).split())}",
-                            rank=rank) from None
+        # RuntimeError: parts that do not stack or join (shapes differ); TypeError and
+        # ValueError: steps in an order that does not end in one tensor
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise LoadError(f"transformers fuses this rank's {what} into {tgt!r}, but they "
+                            f"do not fuse: {' '.join(str(e).split())}", rank=rank) from None
         if dst is None or tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
             have = "no such entry" if dst is None else f"{dst.dtype} {list(dst.shape)}"
             raise LoadError(f"transformers fuses these checkpoint tensors into {tgt!r} "
-                            f"({have}); this rank's experts {experts} "
+                            f"({have}); this rank's {what} "
                             f"fuse to {t.dtype} {list(t.shape)}", rank=rank)
         _refuse_meta(dst, tgt, None, rank)
         claim(tgt, f"{prefix}{fusions[k].target} (fused)")

@@ -992,6 +992,87 @@ def test_load_into_fuses_mixtral_experts_through_leading_dot_patterns(tmp_path, 
         assert torch.equal(got[k], want[k]), k
 
 
+@pytest.fixture(scope="module")
+def olmo_hybrid_ckpt(tmp_path_factory):
+    """A transformers 5 OlmoHybrid: its model holds one ``linear_attn.conv1d.weight``, its
+    checkpoint q/k/v_conv1d, which transformers joins with a Concatenate alone (no
+    MergeModulelist first: the sources have no expert index)."""
+    from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+    cfg = OlmoHybridConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           pad_token_id=0, eos_token_id=1,
+                           layer_types=["linear_attention", "full_attention"],
+                           linear_num_key_heads=2, linear_num_value_heads=2,
+                           linear_key_head_dim=8, linear_value_head_dim=8)
+    model = OlmoHybridForCausalLM(cfg)
+    _refill(model, seed=31)
+    out = tmp_path_factory.mktemp("olmo-hybrid")
+    model.save_pretrained(out)
+    return out, lambda: OlmoHybridForCausalLM(cfg)
+
+
+OLMO_CONV = "model.layers.0.linear_attn.conv1d.weight"
+OLMO_QKV = ", ".join(f"model.layers.0.linear_attn.{x}_conv1d.weight" for x in "qkv")
+
+
+def test_load_into_fuses_sources_without_an_expert_index(olmo_hybrid_ckpt):
+    """Each source of a Concatenate not preceded by a MergeModulelist is one tensor, not a
+    list of experts: load_into failed with a bare TypeError from torch.cat. Every
+    parameter now ends equal to what from_pretrained gives."""
+    from transformers import AutoModelForCausalLM
+    path, make = olmo_hybrid_ckpt
+    assert "model.layers.0.linear_attn.k_conv1d.weight" in _full_tensors(path)
+    want = AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
+    torch.manual_seed(5)
+    model = make()
+    res = cl.load_into(model, str(path), cl.Layout(), rank=0,
+                       rules=[{"pattern": "*", "strategy": "replicate"}])
+    assert OLMO_CONV in res.loaded
+    assert set(dict(model.named_parameters())) <= set(res.loaded)
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_load_into_refuses_a_missing_source_of_a_concatenation(olmo_hybrid_ckpt):
+    """Without one of q/k/v the concatenation is shorter than the parameter: the fused
+    parameter and the missing source are named."""
+    path, make = olmo_hybrid_ckpt
+    with pytest.raises(cl.LoadError) as ei:
+        cl.load_into(make(), str(path), cl.Layout(), rank=0,
+                     rules=[{"pattern": "*", "strategy": "replicate"}],
+                     name_map=lambda n: None if n.endswith("0.linear_attn.k_conv1d.weight") else n)
+    assert str(ei.value) == (
+        f"rank 0: transformers fuses {OLMO_QKV} into {OLMO_CONV!r}; this rank has no "
+        "model.layers.0.linear_attn.k_conv1d.weight (check the checkpoint and name_map)")
+
+
+def test_load_into_refuses_fusion_steps_that_leave_several_tensors(olmo_hybrid_ckpt, monkeypatch):
+    """Steps that do not end in one tensor (a MergeModulelist alone over three sources)
+    are refused before any read, naming the fused parameter and the steps."""
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import MergeModulelist, WeightConverter
+    path, make = olmo_hybrid_ckpt
+    real = conversion_mapping.get_model_conversion_mapping
+
+    def merge_only(model):   # transformers' own mapping, q/k/v merged instead of joined
+        return [WeightConverter(c.source_patterns, c.target_patterns, [MergeModulelist(dim=0)])
+                if isinstance(c, WeightConverter) and "conv1d" in c.target_patterns[0] else c
+                for c in real(model)]
+    monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", merge_only)
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(cl.LoadError) as ei:
+        cl.load_into(model, str(path), cl.Layout(), rank=0,
+                     rules=[{"pattern": "*", "strategy": "replicate"}])
+    assert str(ei.value) == (
+        f"rank 0: transformers fuses this rank's slices of {OLMO_QKV} into {OLMO_CONV!r}, "
+        "but they do not fuse: transformers' steps (MergeModulelist(dim=0)) do not join "
+        "them into one tensor")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 # --- gpt_oss: interleaved gate/up pairs; llama4: fused block halves -------------------------
 
 def test_gpt_oss_llama4_qwen3_next_detected(hf_checkpoint):
