@@ -40,6 +40,7 @@ from coordloader.engines import (
     require_tensor,
     resolve_engine_name,
     select_engine,
+    uninitialized,
     wraps_other_tensors,
     writable,
 )
@@ -761,6 +762,13 @@ class _Targets:
                             f"{type(name_map).__name__}", rank=rank)
         self.rank = rank
         self.dests = _target_dict(target, rank)
+        for tgt, t in self.dests.items():
+            # first: every later step reads shapes, and torch answers a lazy one with a bare
+            # ValueError. Refused even where no checkpoint tensor maps to it: with no shape,
+            # strict cannot tell whether it needs filling
+            lazy = uninitialized(t)
+            if lazy is not None:
+                raise LoadError(f"target {clip(repr(tgt), MAX_NAME_CHARS)} is {lazy}", rank=rank)
         self.conv = _transformers_conversion(target)
         if callable(name_map):
             self.given = name_map

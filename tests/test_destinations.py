@@ -339,6 +339,31 @@ def test_a_destination_that_is_no_tensor_is_a_load_error(ab, value):
                             f"torch.Tensor; expected a tensor to load into")
 
 
+LAZY = ("is an UninitializedParameter (a lazy module's, before its first forward); run "
+        "the module once or initialize it first")
+
+
+@pytest.mark.parametrize("as_module", [True, False], ids=["module", "mapping"])
+def test_a_lazy_target_is_refused_naming_it(tmp_path, as_module):
+    """A lazy module's parameter before its first forward (nn.LazyLinear) has no shape:
+    load_into failed with torch's bare ValueError from numel(), naming no target and no
+    rank; out= did the same."""
+    save_file({"weight": torch.arange(12.0).reshape(3, 4), "bias": torch.arange(3.0)},
+              str(tmp_path / "model.safetensors"))
+    lazy = torch.nn.LazyLinear(3)
+    target = lazy if as_module else {"bias": torch.zeros(3), "weight": lazy.weight}
+    with pytest.raises(LoadError) as e:
+        cl.load_into(target, str(tmp_path), Layout(), **ONE)
+    assert str(e.value) == f"rank 0: target 'weight' {LAZY}"
+    with pytest.raises(LoadError) as e:
+        cl.load_detailed(str(tmp_path), Layout(), out={"weight": lazy.weight}, **ONE)
+    assert str(e.value) == f"rank 0, tensor 'weight': destination {LAZY}"
+    lazy(torch.zeros(1, 4))   # once materialized, it loads
+    res = cl.load_into(lazy, str(tmp_path), Layout(), **ONE)
+    assert sorted(res.loaded) == ["bias", "weight"]
+    assert torch.equal(lazy.weight, torch.arange(12.0).reshape(3, 4))
+
+
 def test_entries_no_tensor_fills_may_be_anything(ab):
     """TransformerEngine and Megatron put ``_extra_state`` entries (None, BytesIO) in
     state_dict(); a first check of every entry refused such a mapping."""

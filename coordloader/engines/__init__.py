@@ -181,6 +181,17 @@ def wraps_other_tensors(t: torch.Tensor) -> bool:
     return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
 
 
+def uninitialized(t: torch.Tensor) -> str | None:
+    """None for a tensor with a shape; else what it is and what to do, for a refusal: a
+    lazy module's parameter or buffer before its first forward (``nn.LazyLinear``) has no
+    shape or values, and torch answers its ``shape`` or ``numel()`` with a bare
+    ValueError that names neither the tensor nor the rank."""
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+        return (f"an {type(t).__name__} (a lazy module's, before its first forward); run the "
+                f"module once or initialize it first")
+    return None
+
+
 def layout_kind(t: torch.Tensor) -> str | None:
     """None for a dense (strided) tensor; else what it is instead ("sparse_coo",
     "sparse_csr", "nested", ...): a tensor that keeps its values in other tensors, which
@@ -191,10 +202,13 @@ def layout_kind(t: torch.Tensor) -> str | None:
 
 
 def require_tensor(t, what: str, name: str | None, rank: int | None) -> None:
-    """LoadError unless ``t``, a destination handed in, is a torch.Tensor."""
+    """LoadError unless ``t``, a destination handed in, is a torch.Tensor with a shape."""
     if not isinstance(t, torch.Tensor):
         raise LoadError(f"{what} is a {type(t).__name__}, not a torch.Tensor; expected a "
                         f"tensor to load into", tensor=name, rank=rank)
+    lazy = uninitialized(t)
+    if lazy is not None:
+        raise LoadError(f"{what} is {lazy}", tensor=name, rank=rank)
 
 
 def check_disjoint(dests, rank: int | None, what: str = "destination") -> None:
@@ -495,5 +509,5 @@ def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
 
 __all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "allocate",
            "host_out", "check_out", "check_disjoint", "require_tensor", "copy_overlap", "intersect",
-           "writable", "wraps_other_tensors",
+           "uninitialized", "writable", "wraps_other_tensors",
            "to_device", "descriptor_room"]

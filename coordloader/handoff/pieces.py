@@ -23,7 +23,7 @@ import torch
 
 from coordloader.checkpoint.dtypes import from_torch, itemsize
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape, piece_key
-from coordloader.engines import layout_kind, wraps_other_tensors
+from coordloader.engines import layout_kind, uninitialized, wraps_other_tensors
 from coordloader.errors import CoordloaderError, SaveError
 
 
@@ -130,11 +130,9 @@ def _local(name, t, rank: int, what: str = "") -> torch.Tensor:
         raise SaveError(f"{what}is a DTensor; expected a plain local tensor (pass the DTensor "
                         f"itself, whose placements give its boxes, or Boxed(dtensor.to_local(), "
                         f"...))", tensor=name, rank=rank)
-    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
-        # a lazy module's parameter before its first forward: no shape, no values
-        raise SaveError(f"{what}is an {type(t).__name__} (a lazy module's, before its "
-                        f"first forward); run the module once or initialize it first",
-                        tensor=name, rank=rank)
+    lazy = uninitialized(t)
+    if lazy is not None:
+        raise SaveError(f"{what}is {lazy}", tensor=name, rank=rank)
     if wraps_other_tensors(t):
         # a float8 or quantized training weight, any wrapper tensor: a wrapper has no
         # storage (data_ptr 0), and its bytes, if it has any, are not the weight's
