@@ -146,14 +146,15 @@ def test_dcp_output_consolidates_to_a_checkpoint_transformers_loads(dcp_out):
 
 
 def test_dcp_pieces_that_do_not_tile_are_refused(dcp_out, tmp_path):
-    """The exact-cover check holds for DCP output too: a rank's file missing leaves gaps
-    (or a short extent), two copies of one rank's file overlap."""
+    """The exact-cover check holds for DCP output too: a piece missing leaves a gap (here
+    rank 1's file named as rank 0's, so that the shard numbers do not give it away), two
+    copies of one rank's file overlap."""
     import shutil
     _, outs, _ = dcp_out
     files = sorted(os.listdir(outs["fsdp2"]))
     gap = tmp_path / "gap"
     os.makedirs(gap)
-    shutil.copy(os.path.join(outs["fsdp2"], files[1]), gap / files[1])
+    shutil.copy(os.path.join(outs["fsdp2"], files[1]), gap / files[0])
     with pytest.raises(CheckpointError, match="expected them to tile the tensor exactly"):
         cl.read_checkpoint(str(gap))
     dup = tmp_path / "dup"
@@ -472,3 +473,154 @@ def test_dcp_fused_experts_short_of_the_configs_count_are_named(family, cfg):
     name, key, want, got, dim = md.extent_mismatch(meta)
     assert name in fused and (dim, got * 2) == (0, want) and key in md.EXPERT_COUNT_KEYS
     assert doc[key] == want
+
+
+def _moe_dense_first() -> dict:
+    """Qwen3-MoE whose first layer is dense (mlp_only_layers=[0]), as DeepSeek-style models
+    have: its layer 0 tensors are replicated under expert parallelism, its experts are not."""
+    from hfmodels import QWEN3_MOE
+    return {**QWEN3_MOE, "mlp_only_layers": [0]}
+
+
+def _dcp3_worker(rank, port, base):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from transformers import AutoModelForCausalLM
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    try:
+        def save(state, name, **kw):
+            dcp.save(state, storage_writer=HuggingFaceStorageWriter(
+                os.path.join(base, name), save_distributed=True, **kw))
+        # DDP: every rank holds every tensor whole; deduplication spreads them over ranks
+        sd = AutoModelForCausalLM.from_pretrained(os.path.join(base, "llama")).state_dict()
+        save(sd, "ddp")
+        save(sd, "ddp-map", fqn_to_index_mapping={
+            n: 1 if n == "model.embed_tokens.weight" else 2 for n in sd})
+        # EP: fused experts split over the ranks, the dense first layer and the rest whole
+        moe = AutoModelForCausalLM.from_pretrained(os.path.join(base, "moe")).state_dict()
+        mesh = init_device_mesh("cpu", (3,))
+        save({n: distribute_tensor(t, mesh, [Shard(0)]) if ".experts." in n else t
+              for n, t in moe.items()}, "moe-ep", fqn_to_index_mapping={
+            n: 1 if n.startswith("model.embed") or ".layers.0." in n else 2 for n in moe})
+        # two pipeline stages, the first on ranks 0 and 1 with a single tensor: rank 1 is
+        # left nothing by deduplication and writes no file
+        save({"a": torch.arange(4.0)} if rank < 2 else {"b": torch.full((3,), 2.0)}, "gap")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dcp3_out(tmp_path_factory):
+    from hfmodels import _write
+    base = tmp_path_factory.mktemp("dcp3")
+    write_llama(str(base / "llama"))
+    _write(str(base / "moe"), "Qwen3MoeForCausalLM", "Qwen3MoeConfig", _moe_dense_first(), 0,
+           torch.bfloat16, "150KB")
+    # the reference: the state as DCP is handed it (experts fused in memory; save_pretrained
+    # wrote them per expert), whole in one file
+    from safetensors.torch import save_file
+    moe = transformers.AutoModelForCausalLM.from_pretrained(str(base / "moe"))
+    os.makedirs(base / "moe-whole")
+    save_file({k: v.contiguous() for k, v in moe.state_dict().items()},
+              str(base / "moe-whole" / "model.safetensors"))
+    (base / "moe-whole" / "config.json").write_text(json.dumps(moe.config.to_dict()))
+    spawn_and_wait(_dcp3_worker, (free_port(), str(base)), 3, "DCP HF save from 3 gloo ranks",
+                   hard_s=150)
+    return base
+
+
+def _copy_without(src, dst, *drop):
+    import shutil
+    os.makedirs(dst)
+    for n in os.listdir(src):
+        if n not in drop:
+            shutil.copy(os.path.join(src, n), os.path.join(dst, n))
+    return str(dst)
+
+
+def test_dcp_output_without_rank_0s_file_is_refused(dcp3_out, tmp_path):
+    """DDP state saved by DCP from 3 ranks: deduplication writes each whole tensor in one
+    rank's file only, so without rank 0's file the rest loaded as the whole model (17 of 21
+    tensors, no error). Rank 0 always writes, so its file missing is refused by name."""
+    full = str(dcp3_out / "ddp")
+    assert sorted(os.listdir(full)) == [f"shard-0000{r}-model-00001-of-00001.safetensors"
+                                        for r in (1, 2, 3)]
+    src = str(dcp3_out / "llama")
+    got = cl.load(full, Layout(), rank=0, config=src)
+    want = cl.load(src, Layout(), rank=0)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    short = _copy_without(full, tmp_path / "short", "shard-00001-model-00001-of-00001.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        cl.load(short, Layout(), rank=0, config=src)
+    assert str(e.value) == (
+        f"file {short}: holds torch DCP shards from shard-00002-model-00001-of-00001.safetensors "
+        f"up but no shard-00001-model-00001-of-00001.safetensors, rank 0's file: rank 0 writes "
+        f"one whenever it holds a tensor, so the copy is incomplete and every tensor only it "
+        f"held would be missing; expected every rank's shard-*.safetensors file")
+    os.rename(os.path.join(short, "shard-00002-model-00001-of-00001.safetensors"),
+              os.path.join(short, "shard-00000-model-00001-of-00001.safetensors"))
+    with pytest.raises(CheckpointError) as e:
+        cl.read_checkpoint(short)
+    assert str(e.value) == (
+        f"file {short}: holds shard-00000-model-00001-of-00001.safetensors: torch DCP numbers "
+        f"each rank's files from shard-00001 (rank 0); expected shard-00001 and up")
+
+
+def test_dcp_files_of_two_saves_or_past_their_count_are_refused(dcp3_out, tmp_path):
+    """Every file of one save states the same count M (the writer's fqn_to_index_mapping)
+    and is numbered at most M: a file of another save beside them, or a name past the
+    count, is refused naming both."""
+    import shutil
+    mixed = _copy_without(dcp3_out / "ddp-map", tmp_path / "mixed")
+    shutil.copy(dcp3_out / "ddp" / "shard-00003-model-00001-of-00001.safetensors", mixed)
+    with pytest.raises(CheckpointError) as e:
+        cl.read_checkpoint(mixed)
+    assert str(e.value) == (
+        f"file {mixed}: holds torch DCP shards of different saves: "
+        f"shard-00003-model-00001-of-00001.safetensors is one of 1 files per rank and "
+        f"shard-00001-model-00001-of-00002.safetensors one of 2, while one save states one "
+        f"count in every file name; expected one checkpoint per directory")
+    past = _copy_without(dcp3_out / "ddp-map", tmp_path / "past")
+    os.rename(os.path.join(past, "shard-00002-model-00002-of-00002.safetensors"),
+              os.path.join(past, "shard-00002-model-00003-of-00002.safetensors"))
+    with pytest.raises(CheckpointError) as e:
+        cl.read_checkpoint(past)
+    assert str(e.value) == (
+        f"file {past}: holds shard-00002-model-00003-of-00002.safetensors, file 3 of 2: torch "
+        f"DCP numbers a save's files up to their count; expected model-K-of-00002 with K at "
+        f"most 2")
+
+
+def test_dcp_output_with_shard_gaps_and_uneven_file_sets_loads(dcp3_out):
+    """What a valid DCP save may look like, and so is never refused: a rank left nothing
+    by deduplication writes no file (shard 2 absent between 1 and 3), and a rank writes
+    only the files K it holds tensors of (DDP with a mapping, and EP of a MoE model whose
+    first layer is dense)."""
+    gap = str(dcp3_out / "gap")
+    assert sorted(os.listdir(gap)) == ["shard-00001-model-00001-of-00001.safetensors",
+                                       "shard-00003-model-00001-of-00001.safetensors"]
+    from coordloader.handoff.consolidate import read_full
+    meta = cl.read_checkpoint(gap)
+    assert meta.tensors.keys() == {"a", "b"}
+    assert torch.equal(read_full(meta, "a"), torch.arange(4.0))
+    assert torch.equal(read_full(meta, "b"), torch.full((3,), 2.0))
+    files = {k: sorted(os.listdir(dcp3_out / k)) for k in ("ddp-map", "moe-ep")}
+    assert files["ddp-map"] == ["shard-00001-model-00001-of-00002.safetensors",
+                                "shard-00001-model-00002-of-00002.safetensors",
+                                "shard-00002-model-00002-of-00002.safetensors",
+                                "shard-00003-model-00002-of-00002.safetensors"]
+    assert len(files["moe-ep"]) == 6
+    for kind, src, layout in (("ddp-map", "llama", Layout(tp=2)),
+                              ("moe-ep", "moe-whole", Layout(tp=2, ep=2))):
+        src = str(dcp3_out / src)
+        for r in range(layout.world_size):
+            got = cl.load(str(dcp3_out / kind), layout, rank=r, config=src)
+            want = cl.load(src, layout, rank=r)
+            assert got.keys() == want.keys(), (kind, r)
+            for n in want:
+                assert torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)), \
+                    (kind, r, n)

@@ -32,7 +32,10 @@ V1_SHARD_RE = re.compile(r"model-rank-\d{5}-part-\d{5}\.safetensors\Z")
 # no global shapes)
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
 DCP_SAVED_OFFSETS = "saved_offsets"
-DCP_SHARD_RE = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors\Z")
+# shard-S-model-K-of-M: S is the writing rank + 1; K is the file the writer's
+# fqn_to_index_mapping gives a tensor (1 without one) and M the mapping's largest, the same
+# for every rank. A rank writes one file per K it holds tensors of, none when it holds none
+DCP_SHARD_RE = re.compile(r"shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors\Z")
 # numbered shards: the name says how many files the set has, which is all there is to go
 # on when the index is missing. Any widths: transformers pads to 5 digits
 # (model-00001-of-00004), DeepSeek-V3's own shards pad the count to 6

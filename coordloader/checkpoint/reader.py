@@ -889,6 +889,7 @@ def assemble(root: str, discovery: Discovery, headers: Iterable[FileHeader]) -> 
                                       f"hold pieces of tensors and come without an index; "
                                       f"expected an index of whole tensors, or DCP's shards "
                                       f"alone in their directory", file=discovery.index_file)
+            _check_dcp_numbering(discovery.root, names)
             tensors = _assemble_dcp(by_file, names)
             layout = None
             extents = True
@@ -917,6 +918,47 @@ def _dcp_files(by_file, names) -> bool:
                               f"same directory is a torch DCP shard; expected one checkpoint per "
                               f"directory", file=plain)
     return bool(marked)
+
+
+def _check_dcp_numbering(root: str, names) -> None:
+    """What the names of torch DCP's per-rank files prove about the set: one save states
+    one file count M and numbers its files up to M (from 1 as documented; torch does not
+    enforce it, so a 0-based mapping's file 0 is let be), and numbers ranks from shard 1,
+    whose file rank 0 always writes (DCP's deduplication gives rank 0 the first tensor it
+    holds, in both of its modes). Nothing more is provable: a rank left nothing by
+    deduplication writes no file at all (a gap in the shard numbers, or no file K for that
+    rank), and nothing on disk records the number of ranks, so a missing later rank's file
+    that held only whole tensors cannot be told from one never written
+    (docs/reliability.md)."""
+    found = [(n, int(m[1]), int(m[2]), int(m[3]))
+             for n, m in ((n, DCP_SHARD_RE.match(n)) for n in names) if m]
+    if not found:
+        return
+    by_count: dict[int, str] = {}
+    for n, _, _, count in found:
+        by_count.setdefault(count, n)
+    if len(by_count) > 1:
+        (a, ca), (b, cb) = ((by_count[c], c) for c in sorted(by_count)[:2])
+        raise CheckpointError(f"holds torch DCP shards of different saves: {a} is one of {ca} "
+                              f"files per rank and {b} one of {cb}, while one save states one "
+                              f"count in every file name; expected one checkpoint per "
+                              f"directory", file=root)
+    for n, _, k, count in found:
+        if k > count:
+            raise CheckpointError(f"holds {n}, file {k} of {count}: torch DCP numbers a save's "
+                                  f"files up to their count; expected model-K-of-{count:05d} "
+                                  f"with K at most {count}", file=root)
+    n, lowest, _, count = min(found, key=lambda f: f[1])
+    if lowest == 0:
+        raise CheckpointError(f"holds {n}: torch DCP numbers each rank's files from "
+                              f"shard-00001 (rank 0); expected shard-00001 and up", file=root)
+    if lowest > 1:
+        first = "model-00001-of-00001" if count == 1 else f"model-*-of-{count:05d}"
+        raise CheckpointError(f"holds torch DCP shards from {n} up but no shard-00001-{first}"
+                              f".safetensors, rank 0's file: rank 0 writes one whenever it "
+                              f"holds a tensor, so the copy is incomplete and every tensor "
+                              f"only it held would be missing; expected every rank's "
+                              f"shard-*.safetensors file", file=root)
 
 
 def _assemble_dcp(by_file, names) -> dict[str, TensorInfo]:
