@@ -291,6 +291,38 @@ def test_a_file_renamed_over_its_path_after_the_check_is_refused(tmp_path, fake_
     assert len(CALLS) == 1   # instanttensor did open it: the refusal came after
 
 
+def test_a_file_rewritten_in_place_while_it_streams_is_refused(tmp_path, fake_cuda):
+    """A file rewritten in place (same size and header, other data) while instanttensor
+    streamed it loaded as a mix of its two versions with no error: every check ran
+    before the stream. Each checked descriptor's identity is taken again after it."""
+    import time
+
+    from safetensors.torch import save_file
+
+    from coordloader.checkpoint.reader import read_checkpoint
+    f = tmp_path / "model.safetensors"
+    save_file({"a": torch.zeros(4), "b": torch.zeros(4)}, str(f))
+    meta = read_checkpoint(str(tmp_path))
+    rp = RankPlan(0, {}, tuple(slice_of(meta, k, [(((0, 4),), (0,))]) for k in ("a", "b")))
+    streamed = []
+
+    def rewrite_after_first(n):   # the fake reads each tensor as it yields it
+        if not streamed:
+            time.sleep(0.05)      # past the coarse clock's tick
+            with open(f, "r+b") as fh:
+                fh.seek(os.path.getsize(f) - 32)
+                fh.write(torch.ones(8).numpy().tobytes())
+        streamed.append(n)
+
+    with pytest.raises(LoadError) as e:
+        select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
+            meta, rp, "cuda:0", progress=rewrite_after_first)
+    assert streamed == [16, 16]   # 'b' did stream the new bytes
+    assert str(e.value).startswith("rank 0, file model.safetensors: file changed during the "
+                                   "load: its mtime and ctime moved after it was checked "
+                                   "before the reads"), str(e.value)
+
+
 def test_non_cuda_device_refused_before_instanttensor(ckpt, monkeypatch):
     meta, _ = ckpt
     CALLS.clear()

@@ -430,6 +430,79 @@ def test_engine_refuses_file_rewritten_at_same_size_after_header_read(tmp_path, 
                         "in-place-mtime-kept": torch.arange(4.0) + 7}[how])
 
 
+def _rewrite_data_in_place(path, first: float) -> None:
+    """``path`` (a ``_two_tensor_file``) given ``_two_tensor_file(first)``'s values in its
+    own inode: same size and header, other data, as a writer updating the file in place."""
+    import torch
+    st = os.stat(path)
+    time.sleep(0.05)     # past the coarse clock's tick: the rewrite comes later in life
+    with open(path, "r+b") as fh:
+        fh.seek(st.st_size - 32)   # a, then b: four float32 each
+        fh.write(torch.cat([torch.arange(4.0) + first, torch.arange(4.0) + first + 100])
+                 .numpy().tobytes())
+
+
+@pytest.mark.parametrize("engine", ["cpu"])
+def test_file_rewritten_in_place_while_it_is_read_is_refused(tmp_path, engine):
+    """A file rewritten in place (same size and header, other data) after the engine's
+    check and between its reads loaded as a mix, 'a' from the old bytes and 'b' from the
+    new, with no error: every check ran before the reads. Each file's identity is taken
+    again once it is read."""
+    from coordloader.engines import select_engine
+    from coordloader.errors import LoadError
+    f = tmp_path / "model.safetensors"
+    _two_tensor_file(f, 0.0)
+    meta = cl.read_checkpoint(str(tmp_path))
+    rp = cl.make_plan(meta, Layout(), replicate_unmatched=True).rank(0)
+    # the cpu engine: one 16-byte task per tensor, read in order on one thread
+    eng = select_engine(engine, "cpu", threads=1, chunk_bytes=16)
+    calls = []
+
+    def rewrite_after_first_read(n):
+        if not calls:
+            _rewrite_data_in_place(f, 7.0)
+        calls.append(n)
+
+    with pytest.raises(LoadError) as e:
+        eng.load_rank(meta, rp, "cpu", progress=rewrite_after_first_read)
+    assert calls[:1] == [16], calls            # the rewrite came between the two reads
+    assert str(e.value).startswith("rank 0, file model.safetensors: file changed during the "
+                                   "load: its mtime and ctime moved after it was checked "
+                                   "before the reads"), str(e.value)
+
+
+@pytest.mark.parametrize("how", ["renamed-over", "removed"])
+@pytest.mark.parametrize("engine", ["cpu"])
+def test_file_unlinked_while_it_is_read_still_loads_its_bytes(tmp_path, engine, how):
+    """A new file renamed over the path, or the file removed, between two reads moves
+    only the read file's ctime (its link count): the bytes read through the checked
+    descriptor are all the checked file's, and the load is not refused for it."""
+    import torch
+
+    from coordloader.engines import select_engine
+    f = tmp_path / "model.safetensors"
+    _two_tensor_file(f, 0.0)
+    meta = cl.read_checkpoint(str(tmp_path))
+    rp = cl.make_plan(meta, Layout(), replicate_unmatched=True).rank(0)
+    calls = []
+
+    def unlink_after_first_read(n):
+        if not calls:
+            time.sleep(0.05)     # past the coarse clock's tick: the ctime does move
+            if how == "removed":
+                os.unlink(f)
+            else:
+                _two_tensor_file(tmp_path / "new.safetensors", 7.0)
+                os.replace(tmp_path / "new.safetensors", f)
+        calls.append(n)
+
+    got, _ = select_engine(engine, "cpu", threads=1, chunk_bytes=16).load_rank(
+        meta, rp, "cpu", progress=unlink_after_first_read)
+    assert calls == [16, 16], calls
+    assert torch.equal(got["a"], torch.arange(4.0))
+    assert torch.equal(got["b"], torch.arange(4.0) + 100)
+
+
 def test_config_and_rule_files_of_empty_arrays_are_refused_before_parsing(tmp_path):
     """A config= or rule file went through plain json.loads: 2 MB of empty arrays took
     tens of MB parsed; a config file over 16 MiB was read whole. Both now meet the

@@ -304,12 +304,13 @@ def to_device(tensors: dict[str, torch.Tensor], device: torch.device,
 
 
 def refuse_changed(path: str, fd: int, info, rank: int | None, *,
-                   during: str = "the load") -> None:
+                   during: str = "the load") -> os.stat_result:
     """LoadError unless the open file ``fd`` is still the one whose header ``info`` (a
     FileInfo) the plan was made from: a regular file of the same size and header and, when
     this process read that header, the same inode, mtime and ctime. Every engine calls it on each
     file before reading it: a rewritten file would otherwise be read under the old plan.
-    ``consolidate`` calls it too, on each source file (``during``: what is under way)."""
+    ``consolidate`` calls it too, on each source file (``during``: what is under way).
+    Returns the file's ``fstat`` as checked, for ``refuse_moved`` once it is read."""
     import stat
 
     from coordloader.checkpoint.reader import changed_since_header, header_unchanged
@@ -329,31 +330,67 @@ def refuse_changed(path: str, fd: int, info, rank: int | None, *,
                         "another inode, mtime or ctime: replaced, rewritten in place, or its "
                         "permissions or links changed): read the checkpoint again",
                         file=info.name, rank=rank)
+    return st
 
 
-def open_checked(path: str, info, rank: int | None, *, during: str = "the load") -> int:
-    """Open ``path`` once and ``refuse_changed`` on that descriptor; the caller closes it.
-    For an engine whose library opens files itself (safetensors, instanttensor): checking
-    one open and letting the library open the path again would check one file and read
-    another, if a new file were renamed over the path in between. The library is handed
-    ``fd_path(fd)`` (the checked file itself), or, where there is none, the path followed
-    by ``refuse_replaced`` once the library has opened it."""
+_KEY_FIELDS = ("device", "inode", "size", "mtime", "ctime")   # stat_key's order
+
+
+def refuse_moved(fd: int, checked: os.stat_result, info, rank: int | None, *,
+                 during: str = "the load") -> None:
+    """LoadError unless the file open on ``fd`` still has the ``stat_key`` of ``checked``,
+    the ``fstat`` ``refuse_changed`` returned when it checked it before the reads. A file
+    rewritten in place (same size and header, other data) while it is read loads as a mix
+    of its old and new bytes, which no check made before the reads can see: each engine
+    calls this on every file once its reads are done, before the descriptor closes (one
+    ``fstat`` per file, not per read). A rewrite within one tick of the file system's
+    coarse clock after the file's last change moves neither time and is not seen."""
+    from coordloader.checkpoint.reader import stat_key
+    st = os.fstat(fd)
+    was, now = stat_key(checked), stat_key(st)
+    if now == was:
+        return
+    # a link made or removed (a new file renamed over the path, the file deleted, a
+    # backup tool's hard link) moves the ctime alone, and the bytes read through the
+    # descriptor are still the checked file's: refusing would fail a good load. Missed:
+    # a rewrite that sets its mtime back (rsync --inplace -t) at the same time as one
+    if (st.st_nlink != checked.st_nlink
+            and [w for w, a, b in zip(_KEY_FIELDS, was, now) if a != b] == ["ctime"]):
+        return
+    moved = [f"{what} ({a} -> {b} bytes)" if what == "size" else what
+             for what, a, b in zip(_KEY_FIELDS, was, now) if a != b]
+    said = moved[0] if len(moved) == 1 else f"{', '.join(moved[:-1])} and {moved[-1]}"
+    raise LoadError(f"file changed during {during}: its {said} moved after it was "
+                    f"checked before the reads (rewritten in place, truncated, or its "
+                    f"permissions or links changed), so the bytes read may mix two versions "
+                    f"of it; load again once nothing writes the file", file=info.name, rank=rank)
+
+
+def open_checked(path: str, info, rank: int | None, *,
+                 during: str = "the load") -> tuple[int, os.stat_result]:
+    """Open ``path`` once and ``refuse_changed`` on that descriptor -> (descriptor, its
+    ``fstat`` as checked); the caller closes it. For an engine whose library opens
+    files itself (safetensors, instanttensor): checking one open and letting the library
+    open the path again would check one file and read another, if a new file were renamed
+    over the path in between. The library is handed ``fd_path(fd)`` (the checked file
+    itself), or, where there is none, the path followed by ``refuse_replaced`` once the
+    library has opened it."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise LoadError(f"cannot open: {e.strerror}", file=info.name, rank=rank) from None
     try:
-        refuse_changed(path, fd, info, rank, during=during)
+        st = refuse_changed(path, fd, info, rank, during=during)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st
 
 
 def refuse_changed_path(path: str, info, rank: int | None, *,
                         during: str = "the load") -> None:
     """``refuse_changed`` on the file at ``path`` now (opened, checked and closed)."""
-    os.close(open_checked(path, info, rank, during=during))
+    os.close(open_checked(path, info, rank, during=during)[0])
 
 
 def fd_path(fd: int) -> str | None:
@@ -447,16 +484,20 @@ def descriptor_room(files: int, rank: int | None) -> Callable[[], None]:
 def paths_stay_checked(paths: Sequence[str], infos: Sequence, rank: int | None):
     """For a library that opens ``paths`` itself (instanttensor): ``open_checked`` each,
     holding the descriptors while the body runs; when it ends, or fails with a LoadError,
-    ``refuse_replaced`` on each, so a file renamed over its path between the check and
-    the library's open of it is named instead of loaded (or blamed on the library)."""
-    fds: list[int] = []
+    ``refuse_replaced`` and ``refuse_moved`` on each, so a file renamed over its path
+    between the check and the library's open of it, or rewritten in place while the
+    library read it, is named instead of loaded (or blamed on the library). The path
+    names the checked file (``refuse_replaced``), so its descriptor's ``fstat`` is of the
+    file the library read."""
+    fds: list[tuple[int, os.stat_result]] = []
     room = descriptor_room(2 * len(paths), rank)   # these and the library's own
     try:
         for path, info in zip(paths, infos):
             fds.append(open_checked(path, info, rank))
         def still_checked() -> None:
-            for path, fd, info in zip(paths, fds, infos):
+            for path, (fd, st), info in zip(paths, fds, infos):
                 refuse_replaced(path, fd, info, rank)
+                refuse_moved(fd, st, info, rank)
         try:
             yield
         except LoadError:
@@ -464,7 +505,7 @@ def paths_stay_checked(paths: Sequence[str], infos: Sequence, rank: int | None):
             raise
         still_checked()
     finally:
-        for fd in fds:
+        for fd, _ in fds:
             os.close(fd)
         room()
 

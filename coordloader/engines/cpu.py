@@ -51,6 +51,7 @@ from coordloader.engines import (
     descriptor_room,
     host_out,
     refuse_changed,
+    refuse_moved,
     slice_nbytes,
     to_device,
 )
@@ -167,6 +168,7 @@ class CpuEngine:
                                            base)
 
         fds: dict[str, int] = {}
+        checked: dict[str, os.stat_result] = {}   # file -> its fstat as checked
         room = descriptor_room(len(items), rank)
         try:
             for fname in items:
@@ -178,14 +180,25 @@ class CpuEngine:
                 except OSError as e:
                     raise LoadError(f"cannot open: {e.strerror}", file=fname, rank=rank) from None
                 fds[fname] = fd
-                refuse_changed(path, fd, files[fname], rank)
+                checked[fname] = refuse_changed(path, fd, files[fname], rank)
                 if hasattr(os, "posix_fadvise"):
                     try:
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                     except OSError:
                         pass
             tasks, gap_bytes = self._tasks(items, fds)
-            read = self._run(tasks, progress, rank)
+
+            def unmoved() -> None:
+                for fname, fd in fds.items():
+                    refuse_moved(fd, checked[fname], files[fname], rank)
+            try:
+                read = self._run(tasks, progress, rank)
+            except LoadError:
+                unmoved()   # a file truncated or rewritten meanwhile: the cause
+                raise
+            # a file rewritten in place while it was read passed every check before
+            # the reads and now holds bytes of both versions
+            unmoved()
         finally:
             for fd in fds.values():
                 os.close(fd)

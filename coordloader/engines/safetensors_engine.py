@@ -79,7 +79,7 @@ class SafetensorsEngine:
                     # mapping is of the checked inode; safe_open keeps no descriptor):
                     # holding one per file for the whole load ran out of descriptors
                     # (RLIMIT_NOFILE, often 1024) on checkpoints of that many files
-                    fd = open_checked(path, fi, rank)
+                    fd, _ = open_checked(path, fi, rank)
                     try:
                         via = fd_path(fd)
                         try:
