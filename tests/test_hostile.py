@@ -312,16 +312,19 @@ def test_file_changes_seen_by_every_rank_whoever_parsed_its_header(tmp_path, cas
         assert got[0].startswith(want) and got[1].startswith(want), got
 
 
-def test_safetensors_engine_errors_name_the_file_not_its_descriptor(tmp_path):
+def test_safetensors_engine_errors_name_the_file_not_its_descriptor(tmp_path, monkeypatch):
     """safe_open is given the checked descriptor's /proc/self/fd/N; its own error named
-    that path (`unable to open file </proc/self/fd/126> ...`), meaningless once the
-    descriptor is closed. Here safe_open's open fails for real (the engine's check takes
-    the last descriptor RLIMIT_NOFILE allows): the message names the file instead."""
+    that path (`unable to open file </proc/self/fd/126> ...`), meaningless to the user.
+    Here safe_open's open fails for real (the engine's check takes the last descriptor
+    RLIMIT_NOFILE allows, the engine kept from raising it): the message names the file
+    instead."""
+    from coordloader.engines import safetensors_engine as se
     from coordloader.errors import LoadError
 
     from helpers import few_descriptors
     _two_tensor_file(tmp_path / "model.safetensors", 0.0)
     meta = cl.read_checkpoint(str(tmp_path))
+    monkeypatch.setattr(se, "descriptor_room", lambda files, rank: lambda: None)
     with few_descriptors(1), pytest.raises(LoadError) as e:   # one descriptor left
         cl.load_detailed(meta, Layout(), rank=0, engine="safetensors", verify="none",
                          replicate_unmatched=True)
@@ -442,37 +445,42 @@ def _rewrite_data_in_place(path, first: float) -> None:
                  .numpy().tobytes())
 
 
-@pytest.mark.parametrize("engine", ["cpu"])
-def test_file_rewritten_in_place_while_it_is_read_is_refused(tmp_path, engine):
+@pytest.mark.parametrize("after", [1, 2], ids=["between-reads", "after-the-last"])
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_file_rewritten_in_place_while_it_is_read_is_refused(tmp_path, engine, after):
     """A file rewritten in place (same size and header, other data) after the engine's
     check and between its reads loaded as a mix, 'a' from the old bytes and 'b' from the
     new, with no error: every check ran before the reads. Each file's identity is taken
-    again once it is read."""
+    again once it is read (the safetensors engine: also before each piece), so a rewrite
+    during the last read is refused too."""
     from coordloader.engines import select_engine
     from coordloader.errors import LoadError
     f = tmp_path / "model.safetensors"
     _two_tensor_file(f, 0.0)
     meta = cl.read_checkpoint(str(tmp_path))
     rp = cl.make_plan(meta, Layout(), replicate_unmatched=True).rank(0)
-    # the cpu engine: one 16-byte task per tensor, read in order on one thread
+    # the cpu engine: one 16-byte task per tensor, read in order on one thread; the
+    # safetensors engine: one 16-byte piece per tensor
     eng = select_engine(engine, "cpu", threads=1, chunk_bytes=16)
     calls = []
 
-    def rewrite_after_first_read(n):
-        if not calls:
-            _rewrite_data_in_place(f, 7.0)
+    def rewrite_after_a_read(n):
         calls.append(n)
+        if len(calls) == after:
+            _rewrite_data_in_place(f, 7.0)
 
     with pytest.raises(LoadError) as e:
-        eng.load_rank(meta, rp, "cpu", progress=rewrite_after_first_read)
-    assert calls[:1] == [16], calls            # the rewrite came between the two reads
+        eng.load_rank(meta, rp, "cpu", progress=rewrite_after_a_read)
+    # the cpu engine checks once its reads are done, the safetensors engine before each
+    # piece too (refused at the next piece)
+    assert calls == ([16] * after if engine == "safetensors" else [16, 16]), calls
     assert str(e.value).startswith("rank 0, file model.safetensors: file changed during the "
                                    "load: its mtime and ctime moved after it was checked "
                                    "before the reads"), str(e.value)
 
 
 @pytest.mark.parametrize("how", ["renamed-over", "removed"])
-@pytest.mark.parametrize("engine", ["cpu"])
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
 def test_file_unlinked_while_it_is_read_still_loads_its_bytes(tmp_path, engine, how):
     """A new file renamed over the path, or the file removed, between two reads moves
     only the read file's ctime (its link count): the bytes read through the checked
@@ -501,6 +509,52 @@ def test_file_unlinked_while_it_is_read_still_loads_its_bytes(tmp_path, engine, 
     assert calls == [16, 16], calls
     assert torch.equal(got["a"], torch.arange(4.0))
     assert torch.equal(got["b"], torch.arange(4.0) + 100)
+
+
+_TRUNCATE_DURING_LOAD = r'''
+import os, sys
+import torch
+from safetensors.torch import save_file
+import coordloader as cl
+from coordloader.engines import select_engine
+from coordloader.errors import CoordloaderError
+d, engine = sys.argv[1], sys.argv[2]
+f = os.path.join(d, "model.safetensors")
+save_file({"a": torch.zeros(4096), "b": torch.ones(4096)}, f)   # 16 KiB each
+meta = cl.read_checkpoint(d)
+rp = cl.make_plan(meta, cl.Layout(), replicate_unmatched=True).rank(0)
+done = []
+def truncate_after_first_read(n):
+    if not done:
+        done.append(n)
+        os.truncate(f, 4096)   # 'b' lies pages past the end now
+try:
+    select_engine(engine, "cpu", threads=1, chunk_bytes=16384).load_rank(
+        meta, rp, "cpu", progress=truncate_after_first_read)
+    print("LOADED")
+except CoordloaderError as e:
+    print(type(e).__name__ + ": " + str(e))
+'''
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_shard_truncated_during_the_load_is_a_load_error_not_a_crash(tmp_path, engine):
+    """A shard truncated between two reads of the safetensors engine killed the process
+    with SIGBUS: safe_open maps the file, and the slice it gives is a view of the
+    mapping, read past the file's end. Its checked descriptor is held and fstat-ed before
+    each piece. (The cpu engine's preadv found the end of the file; it now says the file
+    changed.)"""
+    p = subprocess.run([sys.executable, "-c", _TRUNCATE_DURING_LOAD, str(tmp_path), engine],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep +
+                                os.environ.get("PYTHONPATH", "")))
+    assert p.returncode == 0, f"exit {p.returncode} (-7: SIGBUS): {p.stderr[-2000:]}"
+    size = os.path.getsize(tmp_path / "model.safetensors")
+    assert size == 4096
+    out = p.stdout.strip()
+    assert out.startswith("LoadError: rank 0, file model.safetensors: file changed during the "
+                          "load: its size ("), out
+    assert " -> 4096 bytes), mtime and ctime moved after it was checked before the reads" in out
 
 
 def test_config_and_rule_files_of_empty_arrays_are_refused_before_parsing(tmp_path):

@@ -25,9 +25,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from coordloader.checkpoint import dtypes
-from coordloader.checkpoint.metadata import Box, box_numel, box_shape
+from coordloader.checkpoint.metadata import Box, CheckpointMeta, box_numel, box_shape
 from coordloader.errors import LoadError
-from coordloader.planning.model import TensorSlice
+from coordloader.planning.model import RankPlan, TensorSlice
 
 ENGINE_NAMES = ("auto", "cpu", "safetensors", "instanttensor")
 
@@ -508,6 +508,20 @@ def paths_stay_checked(paths: Sequence[str], infos: Sequence, rank: int | None):
         for fd, _ in fds:
             os.close(fd)
         room()
+
+
+def needed_keys(meta: CheckpointMeta, rank_plan: RankPlan) -> dict[str, set[str]]:
+    """file -> the keys (``SourcePiece.key``) of the stored pieces this rank's slices
+    overlap."""
+    need: dict[str, set[str]] = {}
+    for ts in rank_plan.tensors:
+        info = meta.tensors.get(ts.name)
+        if info is None:
+            continue
+        for sp in info.pieces:
+            if any(intersect(pc.src, sp.box) is not None for pc in ts.pieces):
+                need.setdefault(sp.file, set()).add(sp.key)
+    return need
 
 
 def slice_nbytes(ts: TensorSlice) -> int:

@@ -39,7 +39,7 @@ from coordloader.engines import (
     allocate,
     check_out,
     copy_overlap,
-    intersect,
+    needed_keys,
     paths_stay_checked,
     slice_nbytes,
 )
@@ -154,20 +154,6 @@ class OpenCall(NamedTuple):
     process_group: Any
     keys: list[str] | None
     group_size: int
-
-
-def needed_keys(meta: CheckpointMeta, rank_plan: RankPlan) -> dict[str, set[str]]:
-    """file -> the keys (``SourcePiece.key``) of the stored pieces this rank's slices
-    overlap."""
-    need: dict[str, set[str]] = {}
-    for ts in rank_plan.tensors:
-        info = meta.tensors.get(ts.name)
-        if info is None:
-            continue
-        for sp in info.pieces:
-            if any(intersect(pc.src, sp.box) is not None for pc in ts.pieces):
-                need.setdefault(sp.file, set()).add(sp.key)
-    return need
 
 
 def open_calls(groups: Sequence[LoadGroup], process_groups: Sequence[Any], rank: int,
