@@ -3,6 +3,8 @@ correctly are refused with a LoadError naming the target, the tensor and the ran
 mis-filled in silence."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -174,10 +176,13 @@ def test_a_refused_target_leaves_every_target_unwritten(ab, engine, bad):
          "missing": None, "meta": torch.empty(4, device="meta"), "two-for-one": None,
          # a sparse COO target was refused as sharing memory; CSR and nested ones failed
          # in torch, untyped
-         "sparse": torch.zeros(4).to_sparse(), "csr": "csr",
-         "nested": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(2)])}[bad]
-    if bad == "csr":
-        b = torch.zeros(1, 4).to_sparse_csr()
+         "sparse": torch.zeros(4).to_sparse(), "csr": None, "nested": None}[bad]
+    with warnings.catch_warnings():   # torch's beta/prototype notices for these layouts
+        warnings.simplefilter("ignore")
+        if bad == "csr":
+            b = torch.zeros(1, 4).to_sparse_csr()
+        elif bad == "nested":
+            b = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(2)])
     target = {"a": a} if b is None else {"a": a, "b": b}
     name_map = {"b": "a"} if bad == "two-for-one" else None
     want = {
