@@ -1007,3 +1007,61 @@ def test_tensors_that_cannot_be_written_are_named(tmp_path, value, msg):
         save(tmp_path / "out", {"x": value}, config=CFG)
     assert str(e.value) == msg
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+# ---- one box, two views of the tensor ------------------------------------------------
+
+_VIEWS = {   # rank 1's Boxed view of the box rank 0 holds as Boxed(w, (4, 3), (0, 0))
+    "shape": (lambda w: cl.Boxed(w + 100, (8, 3), (0, 0)), "F32 [4, 3] on rank 0 vs F32 [8, 3]"),
+    "dtype": (lambda w: cl.Boxed(w.bfloat16(), (4, 3), (0, 0)),
+              "F32 [4, 3] on rank 0 vs BF16 [4, 3]"),
+}
+
+
+def _views_worker(rank, port, out, q, how):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        w = torch.arange(12.0).reshape(4, 3)
+        mine = {"w": cl.Boxed(w, (4, 3), (0, 0)) if rank == 0 else _VIEWS[how][0](w)}
+        try:
+            save(out, mine, config=CFG, timeout=30)
+            q.put((rank, "ok"))
+        except Exception as e:  # noqa: BLE001
+            q.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
+@pytest.mark.parametrize("how", sorted(_VIEWS))
+def test_ranks_holding_one_box_under_another_shape_or_dtype_are_refused(tmp_path, how):
+    """Two ranks passing one box of 'w' under different global shapes or dtypes saved
+    'ok': the lower rank's piece was kept and the other's view never compared, so the
+    index recorded rank 0's view alone."""
+    import torch.multiprocessing as mp
+    q = mp.get_context("spawn").Queue()
+    out = str(tmp_path / "ck")
+    spawn_and_wait(_views_worker, (free_port(), out, q, how), 2, "2-rank save", hard_s=90)
+    res = dict(q.get(timeout=10) for _ in range(2))
+    want = (f"CollectiveError: phase save-assign: ranks 0,1: SaveError: tensor 'w': ranks "
+            f"disagree on dtype / global shape ({_VIEWS[how][1]} on rank 1); expected one "
+            f"dtype and global shape for the tensor on every rank")
+    assert res == {0: want, 1: want}
+    assert not os.path.exists(out) or not os.listdir(out)
+
+
+@pytest.mark.parametrize("how", sorted(_VIEWS))
+def test_local_ranks_holding_one_box_under_another_shape_or_dtype_are_refused(tmp_path, how):
+    """The same in local mode: rank 1's call compares with rank 0's record and ends the
+    save, leaving no staging directory."""
+    plan, locs, _ = make_plan_and_locals()
+    w = torch.arange(12.0).reshape(4, 3)
+    save(tmp_path / "ck", dict(locs[0], w=cl.Boxed(w, (4, 3), (0, 0))), plan, rank=0, config=CFG)
+    with pytest.raises(SaveError) as e:
+        save(tmp_path / "ck", dict(locs[1], w=_VIEWS[how][0](w)), plan, rank=1, config=CFG)
+    assert str(e.value) == (f"tensor 'w': ranks disagree on dtype / global shape "
+                            f"({_VIEWS[how][1]} on rank 1); expected one dtype and global "
+                            f"shape for the tensor on every rank")
+    assert not os.listdir(tmp_path / "ck")

@@ -240,17 +240,36 @@ def collect_pieces(tensors, rank_plan, rank: int) -> list[PieceOut]:
     return out
 
 
-def undecided(pieces: list[PieceOut]) -> list[tuple[str, Box]]:
-    """The (name, box) of the pieces whose writer the ranks still have to agree on."""
-    return [(p.name, p.box) for p in pieces if not p.decided]
+def disagreement(name: str, first: tuple[str, Sequence[int], int],
+                 other: tuple[str, Sequence[int], int]) -> SaveError:
+    """The refusal of two ranks' pieces of ``name`` with different (dtype, global shape,
+    rank): the index can record one view of a tensor only, and whichever it kept, the
+    other rank's bytes would be read as something they are not."""
+    (dt_a, sh_a, r_a), (dt_b, sh_b, r_b) = first, other
+    return SaveError(f"ranks disagree on dtype / global shape ({dt_a} {list(sh_a)} on rank "
+                     f"{r_a} vs {dt_b} {list(sh_b)} on rank {r_b}); expected one dtype and "
+                     f"global shape for the tensor on every rank", tensor=name)
 
 
-def keep_primaries(pieces: list[PieceOut], held: list[list[tuple[str, Box]]],
-                   rank: int) -> list[PieceOut]:
+def undecided(pieces: list[PieceOut]) -> list[tuple[str, Box, str, tuple[int, ...]]]:
+    """The (name, box, dtype, global shape) of the pieces whose writer the ranks still have
+    to agree on. Dtype and shape travel with the box: of the ranks holding one box only
+    the lowest writes it, so the others' view of the tensor is compared here or never."""
+    return [(p.name, p.box, p.dtype, p.shape) for p in pieces if not p.decided]
+
+
+def keep_primaries(pieces: list[PieceOut], held: list[list[tuple]], rank: int) -> list[PieceOut]:
     """Drop the undecided pieces a lower rank also holds (the same box of the same
-    tensor): every replicated box is written once, by the lowest rank holding it."""
-    first: dict[tuple[str, Box], int] = {}
+    tensor): every replicated box is written once, by the lowest rank holding it.
+    ``held[r]``: rank r's (name, box, dtype, global shape) as ``undecided`` gives them.
+    SaveError (``disagreement``) where two ranks hold one box under different dtypes or
+    global shapes; every rank sees the same ``held``, so every rank refuses alike."""
+    first: dict[tuple[str, Box], tuple[str, tuple[int, ...], int]] = {}
     for r, keys in enumerate(held):
-        for k in keys:
-            first.setdefault((k[0], tuple(map(tuple, k[1]))), r)
-    return [p for p in pieces if p.decided or first.get((p.name, p.box), rank) == rank]
+        for name, box, dtype, shape in keys:
+            view = (dtype, tuple(shape), r)
+            seen = first.setdefault((name, tuple(map(tuple, box))), view)
+            if seen[:2] != view[:2]:
+                raise disagreement(name, seen, view)
+    return [p for p in pieces
+            if p.decided or first.get((p.name, p.box), (None, None, rank))[2] == rank]

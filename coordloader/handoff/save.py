@@ -50,7 +50,12 @@ from coordloader.checkpoint.metadata import box_numel, box_shape, config_mismatc
 from coordloader.checkpoint.tiling import TilingKind, fmt_box, tiling_problem
 from coordloader.engines import wraps_other_tensors
 from coordloader.errors import CoordloaderError, SaveError
-from coordloader.handoff.pieces import collect_pieces, keep_primaries, undecided
+from coordloader.handoff.pieces import (
+    collect_pieces,
+    disagreement,
+    keep_primaries,
+    undecided,
+)
 from coordloader.handoff.publish import (
     ModelConfig,
     os_error,
@@ -188,9 +193,8 @@ def _build_index(records: list[dict], layout_dict: dict, names_order: list[str],
                 t = tensors[p["name"]] = {"dtype": p["dtype"], "shape": p["shape"], "pieces": []}
                 digests[p["name"]] = 0
             elif t["dtype"] != p["dtype"] or t["shape"] != p["shape"]:
-                raise SaveError(f"ranks disagree on dtype / global shape ({t['dtype']} "
-                                f"{t['shape']} on rank {ranks_of[p['name']][0]} vs {p['dtype']} "
-                                f"{p['shape']} on rank {rec['rank']})", tensor=p["name"])
+                raise disagreement(p["name"], (t["dtype"], t["shape"], ranks_of[p["name"]][0]),
+                                   (p["dtype"], p["shape"], rec["rank"]))
             t["pieces"].append({"file": p["file"], "key": p["key"], "box": p["box"]})
             ranks_of.setdefault(p["name"], []).append(rec["rank"])
             if p["digest"] is None or digests[p["name"]] is None:
@@ -491,10 +495,14 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
                             f"{missing} have not been saved into this staging directory"
                             f"{_group_hint(rank)}", file=stage_dir, rank=rank)
         # a box an earlier rank already wrote (a Boxed replica) is written once, as in a
-        # distributed save
-        held = [[(p["name"], p["box"]) for p in _record(stage_dir, r)["pieces"]]
-                for r in range(rank)]
-        pieces = keep_primaries(pieces, held + [undecided(pieces)], rank)
+        # distributed save, and only under the dtype and global shape that rank gave it
+        try:
+            held = [[(p["name"], p["box"], p["dtype"], p["shape"])
+                     for p in _record(stage_dir, r)["pieces"]] for r in range(rank)]
+            pieces = keep_primaries(pieces, held + [undecided(pieces)], rank)
+        except BaseException:
+            shutil.rmtree(stage_dir, ignore_errors=True)
+            raise
     t0 = time.perf_counter()
     try:
         rec = _write_rank(stage_dir, pieces, rank, max_shard_bytes, digests)
