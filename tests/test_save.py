@@ -1065,3 +1065,52 @@ def test_local_ranks_holding_one_box_under_another_shape_or_dtype_are_refused(tm
                             f"({_VIEWS[how][1]} on rank 1); expected one dtype and global "
                             f"shape for the tensor on every rank")
     assert not os.listdir(tmp_path / "ck")
+
+
+# ---- a save that only rank 0 calls -----------------------------------------------------
+
+def _rank0_only_worker(rank, port, out, q, how):
+    import torch.distributed as dist
+
+    import coordloader.handoff.save as save_mod
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        if rank == 1 and how == "absent":
+            time.sleep(8)      # in the training loop: save() is never called here
+            return
+        if rank == 1:          # in save(), its prepare slower than rank 0's timeout
+            real = save_mod.resolve_config
+            save_mod.resolve_config = lambda *a: (time.sleep(6), real(*a))[1]
+        try:
+            save(out, {"w": torch.ones(4, 4)}, config=CFG, timeout=3)
+            q.put((rank, "ok"))
+        except Exception as e:  # noqa: BLE001
+            q.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
+@pytest.mark.parametrize("how", ["absent", "slow"])
+def test_a_save_only_rank_0_calls_says_to_pass_rank_0(tmp_path, how):
+    """`if rank == 0: save(out, full_state_dict, ...)` under an initialised group is
+    distributed mode: rank 0 waited out the timeout (300 s by default) and said only
+    'rank 1 did not arrive'. It now says that rank 1 never entered save() and how to save
+    from one process; a rank that entered save() but is slow gets no such hint."""
+    import torch.multiprocessing as mp
+    q = mp.get_context("spawn").Queue()
+    out = str(tmp_path / "ck")
+    spawn_and_wait(_rank0_only_worker, (free_port(), out, q, how), 2, "rank-0-only save",
+                   hard_s=90)
+    got = q.get(timeout=10)
+    while got[0] != 0:
+        got = q.get(timeout=10)
+    said = "CollectiveError: phase save-prepare: rank 1 did not arrive within 3 s (arrived: 0)"
+    if how == "absent":
+        said += ("; rank 1 never entered save() (no heartbeat from it in this save's group): "
+                 "under an initialised process group save() is distributed mode, which every "
+                 "rank calls; if this process alone holds the whole state, pass rank=0 (local "
+                 "mode)")
+    assert got == (0, said)
+    assert not os.path.exists(out) or not os.listdir(out)

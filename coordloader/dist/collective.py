@@ -963,6 +963,15 @@ def _dead_ranks(group: Group, missing: list[int]) -> list[int]:
     return [r for r in missing if after[r] == before[r] > 0]
 
 
+def never_adopted(group: Group, ranks) -> list[int] | None:
+    """Of ``ranks``, those whose heartbeat in ``group`` never moved: they never adopted
+    this group, so they never entered the call that adopts it (a rank that adopts beats
+    at once). None when the group has no heartbeat to tell by (no TCPStore under it, or
+    the store is gone): then nothing is known either way."""
+    beats = _heartbeats(group, list(ranks))
+    return None if beats is None else [r for r, c in beats.items() if c == 0]
+
+
 def _read_statuses(group: Group, seq: int) -> dict[int, tuple] | None:
     present = _present(group, f"{seq}/s/")
     if present is None:

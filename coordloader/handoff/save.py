@@ -49,7 +49,7 @@ from coordloader.checkpoint.formats import (
 from coordloader.checkpoint.metadata import box_numel, box_shape, config_mismatch
 from coordloader.checkpoint.tiling import TilingKind, fmt_box, tiling_problem
 from coordloader.engines import wraps_other_tensors
-from coordloader.errors import CoordloaderError, SaveError
+from coordloader.errors import CollectiveError, CoordloaderError, SaveError
 from coordloader.handoff.pieces import (
     collect_pieces,
     disagreement,
@@ -68,6 +68,7 @@ from coordloader.handoff.publish import (
     write_json_durable,
     writer_error,
 )
+from coordloader.text import format_ranges
 from coordloader.verify.manifest import MANIFEST_NAME
 
 
@@ -367,8 +368,37 @@ def save_distributed(out_dir, tensors, plan=None, *, group=None, rank: int | Non
         # their first boundary, and every rank's next adoption stays in step
         out_dir = output_dir(out_dir, g.rank, usage=SAVE_USAGE)
         _check_args(max_shard_bytes)
-        return _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrite,
-                                 config, digests)
+        try:
+            return _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes,
+                                     overwrite, config, digests)
+        except CollectiveError as e:
+            hint = _absent_hint(g, e)
+            if not hint:
+                raise
+            raise CollectiveError(e.message + hint, file=e.file, tensor=e.tensor, rank=e.rank,
+                                  phase=e.phase, failures=e.failures, missing=e.missing,
+                                  local_error=e.local_error) from e
+
+
+def _absent_hint(g, e: CollectiveError) -> str:
+    """Why the first phase timed out, where the heartbeats say it: the missing ranks
+    never adopted the save's group, so they never called save() at all. The likely cause
+    is ``if rank == 0: save(...)`` with the whole state under an initialised group, which
+    is distributed mode and waits for every rank; a rank merely slow to arrive has beaten,
+    and a group without heartbeats tells nothing, so neither gets a hint."""
+    from coordloader.dist.collective import never_adopted
+    if e.phase != "save-prepare" or e.failures or not e.missing:
+        return ""
+    absent = never_adopted(g, e.missing)
+    if not absent or absent != e.missing:
+        return ""
+    who = ("rank " if len(absent) == 1 else "ranks ") + format_ranges(absent)
+    hint = (f"; {who} never entered save() (no heartbeat from "
+            f"{'it' if len(absent) == 1 else 'them'} in this save's group): under an "
+            f"initialised process group save() is distributed mode, which every rank calls")
+    if len(absent) == g.world - 1:
+        hint += "; if this process alone holds the whole state, pass rank=0 (local mode)"
+    return hint
 
 
 def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrite, config,
