@@ -3,6 +3,7 @@ used by every stage)."""
 from __future__ import annotations
 
 import argparse
+import numbers
 import sys
 from typing import Callable, Iterable
 
@@ -72,3 +73,12 @@ def positive_number(unit: str, maximum: float | None = None) -> Callable[[str], 
             raise argparse.ArgumentTypeError(f"{shown}: expected at most {maximum:g} {unit}")
         return v
     return parse
+
+
+def positive_int_problem(name: str, value) -> str | None:
+    """Why ``value``, given for the argument ``name`` (a size in bytes), is not a positive
+    integer, or None. Compared with 0 unchecked, None or a string ("1GB") raised a bare
+    TypeError, and 0 or a negative size was taken as one byte per file or block."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
+        return None
+    return f"{name} must be a positive integer, got {clip(repr(value), MAX_NAME_CHARS)}"

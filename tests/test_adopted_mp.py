@@ -537,9 +537,9 @@ def test_a_timeout_or_save_argument_refused_on_one_rank_keeps_the_ranks_in_step(
         assert took < 4, (i, took)
         assert got[0][i].startswith("CollectiveError phase metadata-read: rank 1: "
                                     "ConfigError: timeout must be a"), got
-    assert got[1][4] == "SaveError max_shard_bytes must be positive, got 0", got
+    assert got[1][4] == "SaveError rank 1: max_shard_bytes must be a positive integer, got 0", got
     assert got[0][4].startswith("CollectiveError phase ") and got[0][4].endswith(
-        ": rank 1: SaveError: max_shard_bytes must be positive, got 0"), got
+        ": rank 1: SaveError: max_shard_bytes must be a positive integer, got 0"), got
     assert got[0][5] == got[1][5] == "LOADED", got
 
 

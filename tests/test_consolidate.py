@@ -153,6 +153,25 @@ def test_refusals(tmp_path):
     assert "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("kw,shown", [
+    ({"max_shard_bytes": 0}, "max_shard_bytes must be a positive integer, got 0"),
+    ({"max_shard_bytes": -5}, "max_shard_bytes must be a positive integer, got -5"),
+    ({"max_shard_bytes": "1GB"}, "max_shard_bytes must be a positive integer, got '1GB'"),
+    ({"block_bytes": 0}, "block_bytes must be a positive integer, got 0"),
+    ({"block_bytes": -1}, "block_bytes must be a positive integer, got -1"),
+    ({"block_bytes": None}, "block_bytes must be a positive integer, got None"),
+], ids=["shard-0", "shard-neg", "shard-str", "block-0", "block-neg", "block-none"])
+def test_sizes_that_are_not_positive_integers_are_refused(tmp_path, kw, shown):
+    """max_shard_bytes 0 or -5 and block_bytes 0 or -1 were taken without a word (one
+    tensor per file, one row per block); None or a string, a bare TypeError."""
+    src = str(tmp_path / "src")
+    save(src, {"w": torch.ones(2), "v": torch.ones(3)}, config={"model_type": "toy"})
+    with pytest.raises(SaveError) as e:
+        consolidate(src, str(tmp_path / "hf"), **kw)
+    assert str(e.value) == shown
+    assert not (tmp_path / "hf").exists()
+
+
 def test_save_warns_about_excluded_tensors(tmp_path):
     src = synthesize(str(tmp_path / "src"), "deepseek_v3", "tiny")
     plan = make_plan(src, Layout())

@@ -1114,3 +1114,14 @@ def test_a_save_only_rank_0_calls_says_to_pass_rank_0(tmp_path, how):
                  "mode)")
     assert got == (0, said)
     assert not os.path.exists(out) or not os.listdir(out)
+
+
+@pytest.mark.parametrize("value,shown", [
+    (None, "None"), ("1GB", "'1GB'"), (0, "0"), (-5, "-5"), (True, "True"), (2.5, "2.5"),
+], ids=["none", "str", "zero", "negative", "bool", "float"])
+def test_a_max_shard_bytes_that_is_not_a_positive_integer_is_refused(tmp_path, value, shown):
+    """None or "1GB" raised a bare TypeError from comparing it with 0."""
+    with pytest.raises(SaveError) as e:
+        save(tmp_path / "ck", {"w": torch.ones(2)}, config=CFG, max_shard_bytes=value)
+    assert str(e.value) == f"rank 0: max_shard_bytes must be a positive integer, got {shown}"
+    assert not (tmp_path / "ck").exists()

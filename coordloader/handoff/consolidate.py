@@ -49,6 +49,7 @@ from coordloader.engines import descriptor_room, refuse_changed, refuse_changed_
 from coordloader.errors import CheckpointError, LoadError, SaveError
 from coordloader.handoff.publish import (
     MAX_COMPANION_BYTES,
+    check_sizes,
     companion_files,
     os_error,
     output_dir,
@@ -362,6 +363,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     none, and transformers needs one. Raises SaveError / CheckpointError naming the file."""
     from coordloader.checkpoint.fileio import write_safetensors
     t0 = time.perf_counter()
+    check_sizes(None, max_shard_bytes=max_shard_bytes, block_bytes=block_bytes)
     cfg = resolve_config(config, None) if config is not None else None
     if meta is None:
         from coordloader.checkpoint.reader import read_checkpoint

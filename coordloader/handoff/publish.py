@@ -49,6 +49,7 @@ from coordloader.checkpoint.reader import (
     refuse_dense_json,
 )
 from coordloader.errors import CheckpointError, SaveError
+from coordloader.text import positive_int_problem
 from coordloader.verify.manifest import MANIFEST_NAME
 
 # Test hook: called with the name of each publish step just taken, so a test can kill the
@@ -176,6 +177,15 @@ def output_dir(out_dir: Any, rank: int | None = None, *, usage: str = "") -> str
         raise SaveError(f"output directory {str(out_dir)[:200]!r} is {type(out_dir).__name__}; "
                         f"expected a str or os.PathLike path{hint}", rank=rank)
     return path
+
+
+def check_sizes(rank: int | None, **sizes: Any) -> None:
+    """SaveError for the first of ``sizes`` (argument name -> value) that is not a positive
+    integer: save and consolidate refuse their byte bounds before anything is written."""
+    for name, value in sizes.items():
+        problem = positive_int_problem(name, value)
+        if problem is not None:
+            raise SaveError(problem, rank=rank)
 
 
 def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str) -> str:
