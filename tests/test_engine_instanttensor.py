@@ -253,7 +253,7 @@ def test_a_dcp_file_streaming_a_key_its_header_did_not_list_is_named(tmp_path, f
     rp = RankPlan(0, {}, (slice_of(meta, "w", [(((0, 8), (0, 6)), (0, 0))]),))
     real = ite._stream_files
     monkeypatch.setattr(ite, "_stream_files",
-                        lambda *a: [(f.replace("00002", "00003"), k) for f, k in real(*a)])
+                        lambda *a: [(f.replace("00002", "00003"), k, at) for f, k, at in real(*a)])
     first = min((p for t in meta.tensors.values() for p in t.pieces if p.file == DCP_FILES[1]),
                 key=lambda p: p.start).key   # the second file's first tensor in the stream
     with pytest.raises(LoadError) as e:
@@ -506,3 +506,37 @@ def test_a_stream_that_skips_a_tensor_is_refused_not_attributed_to_the_next_file
         f"rank 0, file {DCP_FILES[0]}: instanttensor yielded key {second!r} where the "
         f"checkpoint metadata has {first!r} next in this file (the stream skipped or added a "
         f"tensor, or the file changed?)")
+
+
+def test_a_zero_element_tensor_sharing_its_start_loads_in_header_order(tmp_path, fake_cuda):
+    """safetensors writes ``z.bias`` (F32 [0], data_offsets [0, 0]) before ``a.weight``
+    ([0, 32]) in the header; instanttensor sorts a file's tensors by start alone, stably,
+    so ``z.bias`` streams first, while the engine expected the (start, key) order of the
+    metadata and refused a valid checkpoint in group mode. A tie may now stream in any
+    order; the fake sorts exactly as the real package does."""
+    from safetensors.torch import save_file
+
+    import coordloader as cl
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.layout import Layout
+    w = torch.arange(16, dtype=torch.bfloat16).reshape(4, 4)
+    save_file({"a.weight": w, "z.bias": torch.zeros(0)}, str(tmp_path / "model.safetensors"))
+    with open(tmp_path / "model.safetensors", "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        assert list(json.loads(fh.read(n))) == ["z.bias", "a.weight"]
+    meta = read_checkpoint(str(tmp_path))
+    rp = cl.make_plan(meta, Layout(), replicate_unmatched=True).rank(0)
+    plan = _plan(meta, [rp], [LoadGroup(("model.safetensors",), (0,), "group")])
+    got, _ = select_engine("instanttensor", "cuda:0", plan=plan).load_rank(meta, rp, "cuda:0")
+    assert torch.equal(got["a.weight"], w) and got["z.bias"].shape == (0,)
+    assert CALLS[-1]["tensor_filter"] is None   # group mode: every tensor streams
+
+
+def test_the_fake_orders_a_files_tensors_as_real_instanttensor_does():
+    """The real package's order, from its source: a stable sort of the header's items by
+    their start (so equal starts keep header order), as ``FakeSafeOpen`` sorts."""
+    src = inspect.getsource(instanttensor.safe_open.__init__)
+    assert ('sorted(tensor_metadata.items(), key=lambda kv: kv[1]["data_offsets"][0])'
+            in src)
+    assert ('sorted(hdr.items(), key=lambda kv: kv[1]["data_offsets"][0])'
+            in inspect.getsource(FakeSafeOpen.__init__))

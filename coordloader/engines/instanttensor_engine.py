@@ -219,19 +219,38 @@ def _stream_order(handle: Any, paths: Sequence[str], files: Sequence[str]) -> li
 
 
 def _stream_files(order: Sequence[str], keys: Sequence[str] | None,
-                  file_keys: Mapping[str, Sequence[str]]) -> list[tuple[str, str]]:
-    """(file, key) of each tensor one ``safe_open(paths, tensor_filter=keys)`` streams, in
-    stream order: the files in ``order`` (``_stream_order``), per file its keys in the
-    order of their bytes (``file_keys``), or those of ``keys`` (exact names). The key
-    yielded at each position is checked against it: a stream that skips or adds a tensor
-    is refused there, not attributed to the next file."""
+                  file_keys: Mapping[str, Sequence[tuple[int, str]]]
+                  ) -> list[tuple[str, str, int]]:
+    """(file, key, start) of each tensor one ``safe_open(paths, tensor_filter=keys)``
+    streams, in stream order: the files in ``order`` (``_stream_order``), per file its
+    keys in the order of their bytes (``file_keys``: (start, key) pairs), or those of
+    ``keys`` (exact names). The key yielded at each position is checked against it: a
+    stream that skips or adds a tensor is refused there, not attributed to the next file
+    (tensors of one start excepted, ``_take_tied``)."""
     keep = None if keys is None else set(keys)
-    return [(fname, k) for fname in order for k in file_keys.get(fname, ())
+    return [(fname, k, at) for fname in order for at, k in file_keys.get(fname, ())
             if keep is None or k in keep]
 
 
+def _take_tied(streams: list[tuple[str, str, int]], i: int, key: str) -> bool:
+    """Whether ``key`` is a tensor of the same file and start as the one expected at
+    position ``i``, later in ``streams``; if so it is moved to ``i``. instanttensor orders
+    a file's tensors by start alone, keeping header order among equal starts (zero-element
+    tensors, and the tensor after them), and the metadata keeps only the offset order: a
+    tie may stream in any order, and nothing else may."""
+    fname, _, at = streams[i]
+    for j in range(i + 1, len(streams)):
+        if streams[j][0] != fname or streams[j][2] != at:
+            return False
+        if streams[j][1] == key:
+            streams[i], streams[j] = streams[j], streams[i]
+            return True
+    return False
+
+
 def _key_files(files: Sequence[str], keys: Sequence[str] | None,
-               file_keys: Mapping[str, Sequence[str]]) -> tuple[dict[str, str], list[str]]:
+               file_keys: Mapping[str, Sequence[tuple[int, str]]]
+               ) -> tuple[dict[str, str], list[str]]:
     """(key -> its file, the keys stored in several of ``files``) among the keys a
     ``safe_open(files, tensor_filter=keys)`` streams: what attributes a tensor to its
     file when the stream's file order is not known."""
@@ -239,7 +258,7 @@ def _key_files(files: Sequence[str], keys: Sequence[str] | None,
     where: dict[str, str] = {}
     shared: set[str] = set()
     for fname in files:
-        for k in file_keys.get(fname, ()):
+        for _, k in file_keys.get(fname, ()):
             if keep is not None and k not in keep:
                 continue
             if k in where and where[k] != fname:
@@ -322,9 +341,9 @@ class InstantTensorEngine:
             for sp in info.pieces:
                 keymap[(sp.file, sp.key)] = (info, sp)
                 starts.setdefault(sp.file, []).append((sp.start, sp.key))
-        # per file its keys in the order of their bytes, sorted file by file (tuples: no
-        # key function per entry)
-        file_keys = {f: [k for _, k in sorted(p)] for f, p in starts.items()}
+        # per file its (start, key) in the order of their bytes, sorted file by file
+        # (tuples: no key function per entry)
+        file_keys = {f: sorted(p) for f, p in starts.items()}
         need = needed_keys(meta, rank_plan)
         calls = open_calls(groups, pgs, rank, need)
 
@@ -376,8 +395,8 @@ class InstantTensorEngine:
                                             f"{' and others' if len(files) > 1 else ''} "
                                             f"(file changed?)", rank=rank)
                         if streams is not None:
-                            fname, want = streams[i]
-                            if key != want:
+                            fname, want, _ = streams[i]
+                            if key != want and not _take_tied(streams, i, key):
                                 raise LoadError(
                                     f"instanttensor yielded key {key!r} where the checkpoint "
                                     f"metadata has {want!r} next in this file (the stream "
