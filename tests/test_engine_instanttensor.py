@@ -13,6 +13,7 @@ library build that orders its list otherwise, and says so in ``filename``) or "h
 (reversed, and no ``filename`` on the handle)."""
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
 import json
@@ -67,6 +68,7 @@ class FakeSafeOpen:
             raise ValueError("InstantTensor only supports CUDA devices for now")
         if framework != "pt":
             raise ValueError("InstantTensor only supports pytorch for now")
+        self.device_idx = device.index
         CALLS.append(dict(files=[os.path.basename(f) for f in filename], process_group=process_group,
                           copy=copy, backend=backend, chunk_size=chunk_size, io_depth=io_depth,
                           tensor_filter=tensor_filter, mode=tensor_name_match_mode))
@@ -103,6 +105,13 @@ class FakeSafeOpen:
         ring = torch.empty(max([v["data_offsets"][1] - v["data_offsets"][0]
                                 for _, _, v, _ in self.items] + [1]), dtype=torch.uint8)
         for f, k, v, start in self.items:
+            # the real tensors() synchronises torch.cuda.current_stream() before its loader
+            # may reuse the slot: only the current device's stream. With another device
+            # current, a copy_ queued on this device's stream could read the next chunk
+            # (silently, on a GPU); the fake refuses it loudly instead
+            if torch.cuda.current_device() != self.device_idx:
+                raise RuntimeError(f"tensors() of a handle on cuda:{self.device_idx} with "
+                                   f"cuda:{torch.cuda.current_device()} current")
             a, b = v["data_offsets"]
             ring.fill_(0xA5)  # the previous tensor's bytes are gone
             with open(f, "rb") as fh:
@@ -134,14 +143,42 @@ def test_real_instanttensor_behaves_like_the_fake_on_refusals(ckpt):
         FakeSafeOpen([path], framework="pt", device=0, process_group=object(), tensor_filter=["x"])
 
 
+class FakeCurrentDevice:
+    """``torch.cuda.device`` on a machine without CUDA: makes its device the one
+    ``torch.cuda.current_device()`` answers (``CURRENT``), and puts the previous one back,
+    so that ``FakeSafeOpen.tensors()`` sees which device the engine made current."""
+    CURRENT = 0
+
+    def __init__(self, device):
+        self.idx = device if isinstance(device, int) else torch.device(device).index
+
+    def __enter__(self):
+        self.prev, FakeCurrentDevice.CURRENT = FakeCurrentDevice.CURRENT, self.idx
+
+    def __exit__(self, *exc):
+        FakeCurrentDevice.CURRENT = self.prev
+        return False
+
+
+@contextlib.contextmanager
+def faked_instanttensor():
+    """The instanttensor engine on CPU: ``FakeSafeOpen`` for safe_open, destinations in
+    host memory, CUDA said available, ``FakeCurrentDevice`` for the current device."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ite, "_safe_open", lambda: FakeSafeOpen)
+        mp.setattr(ite, "_allocation_device", lambda dev: torch.device("cpu"))
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        mp.setattr(FakeCurrentDevice, "CURRENT", 0)
+        mp.setattr(torch.cuda, "device", FakeCurrentDevice)
+        mp.setattr(torch.cuda, "current_device", lambda: FakeCurrentDevice.CURRENT)
+        yield
+
+
 @pytest.fixture()
-def fake_cuda(monkeypatch):
+def fake_cuda():
     CALLS.clear()
-    monkeypatch.setattr(ite, "_safe_open", lambda: FakeSafeOpen)
-    monkeypatch.setattr(ite, "_allocation_device", lambda dev: torch.device("cpu"))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    return CALLS
+    with faked_instanttensor():
+        yield CALLS
 
 
 def _plan(meta, rps, groups=()):
@@ -540,3 +577,23 @@ def test_the_fake_orders_a_files_tensors_as_real_instanttensor_does():
             in src)
     assert ('sorted(hdr.items(), key=lambda kv: kv[1]["data_offsets"][0])'
             in inspect.getsource(FakeSafeOpen.__init__))
+
+
+def test_the_load_device_is_current_while_instanttensor_streams(ckpt, fake_cuda):
+    """The engine passed ``device=1`` to safe_open with cuda:0 current: instanttensor's
+    tensors() synchronises only the current device's stream before its loader reuses a
+    ring-buffer slot, so the engine's copy_ on cuda:1 could read the next chunk's bytes.
+    The load device is now current for every open, stream and copy (and not after)."""
+    meta, full = ckpt
+    rps = plans_for(meta)
+    for groups in ([], [LoadGroup(("a.safetensors", "b.safetensors"), (0, 1), "filtered")]):
+        got, _ = select_engine("instanttensor", "cuda:1", plan=_plan(meta, rps, groups)).load_rank(
+            meta, rps[0], "cuda:1")
+        _check(got, rps[0], full)
+        assert torch.cuda.current_device() == 0
+
+
+def test_real_instanttensor_synchronises_the_current_stream_only():
+    """What the fake's current-device check stands for, in the real package's source."""
+    src = inspect.getsource(instanttensor.safe_open.tensors)
+    assert "stream = torch.cuda.current_stream()" in src and "stream.synchronize()" in src

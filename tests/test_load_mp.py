@@ -101,20 +101,9 @@ def _layouts(world: int):
 def _with_fake_instanttensor(fn):
     """Run fn with the CPU stand-in for instanttensor.safe_open (see
     test_engine_instanttensor): exercises load groups / dist.new_group over gloo."""
-    from test_engine_instanttensor import FakeSafeOpen
-
-    from coordloader.engines import instanttensor_engine as ite
-    saved = (ite._safe_open, ite._allocation_device, torch.cuda.is_available,
-             torch.cuda.current_device)
-    ite._safe_open = lambda: FakeSafeOpen
-    ite._allocation_device = lambda dev: torch.device("cpu")
-    torch.cuda.is_available = lambda: True
-    torch.cuda.current_device = lambda: 0
-    try:
+    from test_engine_instanttensor import faked_instanttensor
+    with faked_instanttensor():
         return fn()
-    finally:
-        (ite._safe_open, ite._allocation_device, torch.cuda.is_available,
-         torch.cuda.current_device) = saved
 
 
 def _worker(rank: int, world: int, port: int, ckpts: dict, out_dir: str):

@@ -351,91 +351,96 @@ class InstantTensorEngine:
         seen: set[tuple[str, str]] = set()
         opener = _safe_open()
         infos = {fi.name: fi for fi in meta.files}
-        for files, pg, keys, gsize in calls:   # OpenCall
-            paths = [os.path.join(meta.root, f) for f in files]
-            # instanttensor opens the paths itself: each file is checked on a descriptor
-            # held open meanwhile, and each path must still name that file after the
-            # stream (not the descriptors' /proc paths: instanttensor sorts the paths it
-            # is given, and the ranks of a group must list the files alike)
-            with paths_stay_checked(paths, [infos[f] for f in files], rank):
-                kwargs = dict(self.tuning)
-                if keys is not None:
-                    kwargs.update(tensor_filter=keys, tensor_name_match_mode="exact")
-                with _instanttensor_errors(f"instanttensor.safe_open failed on {len(files)} file(s) "
-                                           f"({files[0]}{', ...' if len(files) > 1 else ''})", rank):
-                    handle = opener(list(paths), framework="pt", device=dev.index, process_group=pg,
-                                    copy=False, **kwargs)
-                with _instanttensor_errors(f"instanttensor failed while streaming {files[0]}"
-                                           f"{' and others' if len(files) > 1 else ''}", rank), \
-                        handle as f:
-                    # which file each yielded tensor comes from: its position in the file
-                    # order the handle streams; without that order, its key where each key
-                    # is in one file (never a guessed order: two files holding a key 'w'
-                    # of one shape, a wrong order loads one's rows as the other's)
-                    order = _stream_order(f, paths, files) if len(files) > 1 else list(files)
-                    streams = by_key = None
-                    if order is not None:
-                        streams = _stream_files(order, keys, file_keys)   # file per yield
-                    else:
-                        by_key, shared = _key_files(files, keys, file_keys)
-                        if shared:
-                            raise LoadError(
-                                f"instanttensor does not say in which order it streams the "
-                                f"{len(files)} files ({files[0]}, ...; its handle has no "
-                                f"'filename' list of them), and key(s) {shared[:4]}"
-                                f"{' ...' if len(shared) > 4 else ''} are stored in several "
-                                f"of them (torch DCP's per-rank files): which file a streamed "
-                                f"tensor comes from cannot be told; use --engine cpu",
-                                rank=rank)
-                    for i, (key, t) in enumerate(f.tensors()):
-                        if streams is not None and i >= len(streams):
-                            raise LoadError(f"instanttensor yielded key {key!r} after the "
-                                            f"{len(streams)} tensor(s) the checkpoint metadata "
-                                            f"lists in {files[0]}"
-                                            f"{' and others' if len(files) > 1 else ''} "
-                                            f"(file changed?)", rank=rank)
-                        if streams is not None:
-                            fname, want, _ = streams[i]
-                            if key != want and not _take_tied(streams, i, key):
-                                raise LoadError(
-                                    f"instanttensor yielded key {key!r} where the checkpoint "
-                                    f"metadata has {want!r} next in this file (the stream "
-                                    f"skipped or added a tensor, or the file changed?)",
-                                    file=fname, rank=rank)
-                        elif key in by_key:
-                            fname = by_key[key]
+        # dev made current: instanttensor lets its loader reuse a ring-buffer slot once
+        # tensors() has synchronised torch.cuda.current_stream(), the current device's
+        # stream; with another device current, the copy_ queued on dev's stream could
+        # read the next chunk's bytes
+        with torch.cuda.device(dev):
+            for files, pg, keys, gsize in calls:   # OpenCall
+                paths = [os.path.join(meta.root, f) for f in files]
+                # instanttensor opens the paths itself: each file is checked on a descriptor
+                # held open meanwhile, and each path must still name that file after the
+                # stream (not the descriptors' /proc paths: instanttensor sorts the paths it
+                # is given, and the ranks of a group must list the files alike)
+                with paths_stay_checked(paths, [infos[f] for f in files], rank):
+                    kwargs = dict(self.tuning)
+                    if keys is not None:
+                        kwargs.update(tensor_filter=keys, tensor_name_match_mode="exact")
+                    with _instanttensor_errors(f"instanttensor.safe_open failed on {len(files)} file(s) "
+                                               f"({files[0]}{', ...' if len(files) > 1 else ''})", rank):
+                        handle = opener(list(paths), framework="pt", device=dev.index, process_group=pg,
+                                        copy=False, **kwargs)
+                    with _instanttensor_errors(f"instanttensor failed while streaming {files[0]}"
+                                               f"{' and others' if len(files) > 1 else ''}", rank), \
+                            handle as f:
+                        # which file each yielded tensor comes from: its position in the file
+                        # order the handle streams; without that order, its key where each key
+                        # is in one file (never a guessed order: two files holding a key 'w'
+                        # of one shape, a wrong order loads one's rows as the other's)
+                        order = _stream_order(f, paths, files) if len(files) > 1 else list(files)
+                        streams = by_key = None
+                        if order is not None:
+                            streams = _stream_files(order, keys, file_keys)   # file per yield
                         else:
-                            raise LoadError(f"instanttensor yielded key {key!r}, which the "
-                                            f"checkpoint metadata does not list in {files[0]}"
-                                            f"{' or the others' if len(files) > 1 else ''} "
-                                            f"(file changed?)", rank=rank)
-                        ent = keymap.get((fname, key))
-                        if ent is None:
-                            raise LoadError(f"instanttensor yielded key {key!r}, which the "
-                                            f"checkpoint metadata does not list in this file "
-                                            f"(file changed?)", file=fname, rank=rank)
-                        info, sp = ent
-                        want = (dtypes.torch_dtype(info.dtype), box_shape(sp.box))
-                        if (t.dtype, tuple(t.shape)) != want:
-                            # same element count is not enough: a piece of another file
-                            # or layout would be copied in as this one's
-                            raise LoadError(f"instanttensor yielded key {key!r} as {t.dtype} "
-                                            f"{list(t.shape)}; the checkpoint metadata has it "
-                                            f"in this file as {want[0]} {list(want[1])} (file "
-                                            f"changed, or the stream attributed to the wrong "
-                                            f"file?)", file=fname, tensor=info.name, rank=rank)
-                        nb = t.numel() * t.element_size()
-                        streamed += nb
-                        share += nb // gsize
-                        ts = slices.get(info.name)
-                        if ts is None:
-                            continue  # another rank's tensor: dropped as it streams past
-                        dst = tensors[info.name]
-                        for pc in ts.pieces:
-                            copy_overlap(dst, pc.src, pc.dst, t, sp.box)
-                        seen.add((fname, key))
-                        if progress is not None:
-                            progress(nb)
+                            by_key, shared = _key_files(files, keys, file_keys)
+                            if shared:
+                                raise LoadError(
+                                    f"instanttensor does not say in which order it streams the "
+                                    f"{len(files)} files ({files[0]}, ...; its handle has no "
+                                    f"'filename' list of them), and key(s) {shared[:4]}"
+                                    f"{' ...' if len(shared) > 4 else ''} are stored in several "
+                                    f"of them (torch DCP's per-rank files): which file a streamed "
+                                    f"tensor comes from cannot be told; use --engine cpu",
+                                    rank=rank)
+                        for i, (key, t) in enumerate(f.tensors()):
+                            if streams is not None and i >= len(streams):
+                                raise LoadError(f"instanttensor yielded key {key!r} after the "
+                                                f"{len(streams)} tensor(s) the checkpoint metadata "
+                                                f"lists in {files[0]}"
+                                                f"{' and others' if len(files) > 1 else ''} "
+                                                f"(file changed?)", rank=rank)
+                            if streams is not None:
+                                fname, want, _ = streams[i]
+                                if key != want and not _take_tied(streams, i, key):
+                                    raise LoadError(
+                                        f"instanttensor yielded key {key!r} where the checkpoint "
+                                        f"metadata has {want!r} next in this file (the stream "
+                                        f"skipped or added a tensor, or the file changed?)",
+                                        file=fname, rank=rank)
+                            elif key in by_key:
+                                fname = by_key[key]
+                            else:
+                                raise LoadError(f"instanttensor yielded key {key!r}, which the "
+                                                f"checkpoint metadata does not list in {files[0]}"
+                                                f"{' or the others' if len(files) > 1 else ''} "
+                                                f"(file changed?)", rank=rank)
+                            ent = keymap.get((fname, key))
+                            if ent is None:
+                                raise LoadError(f"instanttensor yielded key {key!r}, which the "
+                                                f"checkpoint metadata does not list in this file "
+                                                f"(file changed?)", file=fname, rank=rank)
+                            info, sp = ent
+                            want = (dtypes.torch_dtype(info.dtype), box_shape(sp.box))
+                            if (t.dtype, tuple(t.shape)) != want:
+                                # same element count is not enough: a piece of another file
+                                # or layout would be copied in as this one's
+                                raise LoadError(f"instanttensor yielded key {key!r} as {t.dtype} "
+                                                f"{list(t.shape)}; the checkpoint metadata has it "
+                                                f"in this file as {want[0]} {list(want[1])} (file "
+                                                f"changed, or the stream attributed to the wrong "
+                                                f"file?)", file=fname, tensor=info.name, rank=rank)
+                            nb = t.numel() * t.element_size()
+                            streamed += nb
+                            share += nb // gsize
+                            ts = slices.get(info.name)
+                            if ts is None:
+                                continue  # another rank's tensor: dropped as it streams past
+                            dst = tensors[info.name]
+                            for pc in ts.pieces:
+                                copy_overlap(dst, pc.src, pc.dst, t, sp.box)
+                            seen.add((fname, key))
+                            if progress is not None:
+                                progress(nb)
         missing = sorted(f"{f}:{k}" for f, ks in need.items() for k in ks if (f, k) not in seen)
         if missing:
             raise LoadError(f"instanttensor never delivered {len(missing)} needed key(s): "
