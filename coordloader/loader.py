@@ -361,7 +361,7 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
         device = _load_device(engine, device, rank)
         if prepare is not None:
             out = prepare(rank, device)
-        eng_name = resolve_engine_name(engine, device)
+        eng_name = resolve_engine_name(engine, device, group.pg if group is not None else None)
         phases: dict[str, float] = {}
 
         t = time.perf_counter()

@@ -161,10 +161,16 @@ class FakeCurrentDevice:
 
 
 @contextlib.contextmanager
-def faked_instanttensor():
+def faked_instanttensor(gloo_as_nccl: bool = False):
     """The instanttensor engine on CPU: ``FakeSafeOpen`` for safe_open, destinations in
-    host memory, CUDA said available, ``FakeCurrentDevice`` for the current device."""
+    host memory, CUDA said available, ``FakeCurrentDevice`` for the current device.
+    ``gloo_as_nccl``: the engine takes gloo groups as the NCCL ones it needs (the fake's
+    collectives, like the real one's, go over the group it is given)."""
     with pytest.MonkeyPatch.context() as mp:
+        if gloo_as_nccl:
+            real = ite.cuda_backend
+            mp.setattr(ite, "cuda_backend",
+                       lambda pg: "nccl" if real(pg) == "gloo" else real(pg))
         mp.setattr(ite, "_safe_open", lambda: FakeSafeOpen)
         mp.setattr(ite, "_allocation_device", lambda dev: torch.device("cpu"))
         mp.setattr(torch.cuda, "is_available", lambda: True)
@@ -597,3 +603,53 @@ def test_real_instanttensor_synchronises_the_current_stream_only():
     """What the fake's current-device check stands for, in the real package's source."""
     src = inspect.getsource(instanttensor.safe_open.tensors)
     assert "stream = torch.cuda.current_stream()" in src and "stream.synchronize()" in src
+
+
+class _Group:
+    """A process group as far as the engine choice looks: ``dist.get_backend`` of it
+    (patched) answers ``backend``."""
+    def __init__(self, backend: str):
+        self.backend = backend
+
+
+@pytest.fixture()
+def group_backends(monkeypatch):
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "get_backend", lambda pg=None: pg.backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_auto_picks_the_cpu_engine_for_a_group_without_nccl(group_backends):
+    """A gloo group (vLLM's CPU group, a gloo job on GPU machines) with a CUDA device:
+    ``auto`` picked instanttensor, whose safe_open failed with ``AttributeError:
+    'ProcessGroupGloo' object has no attribute '_comm_ptr'``. It now picks cpu there."""
+    from coordloader.engines import cuda_backend, resolve_engine_name
+    from coordloader.engines.cpu import CpuEngine
+    for backend, want in (("gloo", "cpu"), ("nccl", "instanttensor"),
+                          ("cpu:gloo,cuda:nccl", "instanttensor"), ("cpu:gloo", "cpu")):
+        assert resolve_engine_name("auto", "cuda:0", _Group(backend)) == want, backend
+    assert cuda_backend(_Group("cpu:gloo,cuda:nccl")) == "nccl" and cuda_backend(None) is None
+    assert resolve_engine_name("auto", "cuda:0") == "instanttensor"   # no group: one process
+    assert resolve_engine_name("auto", "cpu", _Group("nccl")) == "cpu"
+    assert isinstance(select_engine("auto", "cuda:0", group=_Group("gloo")), CpuEngine)
+
+
+def test_instanttensor_over_a_group_without_nccl_is_refused_by_name(ckpt, fake_cuda,
+                                                                     group_backends,
+                                                                     monkeypatch):
+    """Asked for by name over a gloo group, the engine refuses before any safe_open
+    (was: safe_open's ``AttributeError: 'ProcessGroupGloo' object has no attribute
+    '_comm_ptr'`` wrapped in a LoadError)."""
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    meta, _ = ckpt
+    rps = plans_for(meta)
+    plan = _plan(meta, rps, [LoadGroup(("a.safetensors", "b.safetensors"), (0, 1), "group")])
+    with pytest.raises(LoadError) as e:
+        select_engine("instanttensor", "cuda:0", plan=plan, group=_Group("gloo")).load_rank(
+            meta, rps[0], "cuda:0")
+    assert str(e.value) == (
+        "rank 0: the instanttensor engine needs an NCCL process group (it hands the group's "
+        "NCCL communicator to its loader); the load's group runs CUDA collectives with gloo: "
+        "pass an NCCL group, or use --engine cpu")
+    assert CALLS == []

@@ -102,7 +102,7 @@ def _with_fake_instanttensor(fn):
     """Run fn with the CPU stand-in for instanttensor.safe_open (see
     test_engine_instanttensor): exercises load groups / dist.new_group over gloo."""
     from test_engine_instanttensor import faked_instanttensor
-    with faked_instanttensor():
+    with faked_instanttensor(gloo_as_nccl=True):
         return fn()
 
 

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_layout_args(p.add_argument_group("layout"))
     e = p.add_argument_group("loading")
     e.add_argument("--engine", default="auto", choices=ENGINE_NAMES,
-                   help="auto = instanttensor with CUDA, else cpu (default auto)")
+                   help="auto = instanttensor with CUDA and an NCCL group, else cpu (default auto)")
     e.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="where tensors go; cuda uses cuda:LOCAL_RANK (default: cuda when the "
                         "engine is instanttensor/auto and CUDA is available, else cpu)")

@@ -61,14 +61,29 @@ class LoadStats:
         return d
 
 
-def resolve_engine_name(name: str, device: Any = None) -> str:
-    """``auto`` = instanttensor on a CUDA machine (unless a CPU device was asked for),
-    else cpu."""
+def cuda_backend(pg: Any) -> str | None:
+    """The backend process group ``pg`` runs collectives of CUDA tensors with ("nccl",
+    "gloo", ...: a ``cpu:gloo,cuda:nccl`` group's CUDA entry); None for no group."""
+    if pg is None:
+        return None
+    import torch.distributed as dist
+    backend = str(dist.get_backend(pg))
+    if ":" in backend:
+        return dict(p.split(":", 1) for p in backend.split(",")).get("cuda")
+    return backend
+
+
+def resolve_engine_name(name: str, device: Any = None, group: Any = None) -> str:
+    """``auto`` = instanttensor on a CUDA machine (unless a CPU device was asked for, or
+    the load's process group ``group`` has no NCCL backend for CUDA: instanttensor hands
+    its groups' NCCL communicator to its loader), else cpu."""
     if name not in ENGINE_NAMES:
         raise LoadError(f"unknown engine {name!r}; expected one of {', '.join(ENGINE_NAMES)}")
     if name != "auto":
         return name
     if device is not None and torch.device(device).type != "cuda":
+        return "cpu"
+    if group is not None and cuda_backend(group) != "nccl":
         return "cpu"
     return "instanttensor" if torch.cuda.is_available() else "cpu"
 
@@ -79,7 +94,7 @@ def select_engine(name: str = "auto", device: Any = None, **options):
     ``options`` go to the engine's constructor (the instanttensor engine takes ``plan``,
     ``group`` and ``loader_config``; the cpu engine ``threads``, ``chunk_bytes`` and
     ``span_bytes``)."""
-    name = resolve_engine_name(name, device)
+    name = resolve_engine_name(name, device, options.get("group"))
     if name != "instanttensor" and options.get("loader_config"):
         from coordloader.engines.instanttensor_engine import check_loader_config
         check_loader_config(options["loader_config"])
@@ -562,7 +577,8 @@ def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
     return box_numel(ov)
 
 
-__all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "allocate",
+__all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "cuda_backend",
+           "allocate",
            "host_out", "check_out", "check_disjoint", "require_tensor", "copy_overlap", "intersect",
            "uninitialized", "writable", "wraps_other_tensors",
            "to_device", "descriptor_room"]

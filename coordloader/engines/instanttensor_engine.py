@@ -39,6 +39,7 @@ from coordloader.engines import (
     allocate,
     check_out,
     copy_overlap,
+    cuda_backend,
     needed_keys,
     paths_stay_checked,
     slice_nbytes,
@@ -346,6 +347,13 @@ class InstantTensorEngine:
         file_keys = {f: sorted(p) for f, p in starts.items()}
         need = needed_keys(meta, rank_plan)
         calls = open_calls(groups, pgs, rank, need)
+        for c in calls:
+            backend = cuda_backend(c.process_group)
+            if c.process_group is not None and backend != "nccl":
+                raise LoadError(f"the instanttensor engine needs an NCCL process group (it hands "
+                                f"the group's NCCL communicator to its loader); the load's group "
+                                f"runs CUDA collectives with {backend or 'no backend'}: pass an "
+                                f"NCCL group, or use --engine cpu", rank=rank)
 
         streamed = share = 0
         seen: set[tuple[str, str]] = set()
