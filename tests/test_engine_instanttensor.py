@@ -653,3 +653,33 @@ def test_instanttensor_over_a_group_without_nccl_is_refused_by_name(ckpt, fake_c
         "NCCL communicator to its loader); the load's group runs CUDA collectives with gloo: "
         "pass an NCCL group, or use --engine cpu")
     assert CALLS == []
+
+
+def test_stage_groups_are_made_once_per_default_group(ckpt, fake_cuda, group_backends,
+                                                      monkeypatch):
+    """Each load made a new process group per stage load group (pp > 1) and never
+    destroyed it: an NCCL communicator leaked per stage group per load. They are made
+    once per default group, and again for a new default group."""
+    import torch.distributed as dist
+    made: list[list[int]] = []
+
+    def new_group(ranks):
+        made.append(ranks)
+        return _Group("nccl")
+    monkeypatch.setattr(dist, "new_group", new_group)
+    meta, full = ckpt
+    two = plans_for(meta)
+    rps = [RankPlan(r, {}, two[r % 2].tensors) for r in range(4)]
+    files = ("a.safetensors", "b.safetensors")
+    plan = _plan(meta, rps, [LoadGroup(files, (0, 1), "group"), LoadGroup(files, (2, 3), "group")])
+    used = []
+    for world in (_Group("nccl"), _Group("nccl")):   # a default group, then a new one
+        monkeypatch.setattr(dist.distributed_c10d._world, "default_pg", world)
+        for _ in range(2):
+            CALLS.clear()
+            got, _ = select_engine("instanttensor", "cuda:0", plan=plan).load_rank(
+                meta, rps[2], "cuda:0")
+            _check(got, rps[2], full)
+            used.append(CALLS[0]["process_group"])
+    assert made == [[0, 1], [2, 3]] * 2   # every rank makes every stage's group, in order
+    assert used[0] is used[1] is not used[2] and used[2] is used[3]

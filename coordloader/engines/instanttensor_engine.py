@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import threading
 import time
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -268,6 +269,31 @@ def _key_files(files: Sequence[str], keys: Sequence[str] | None,
     return where, sorted(shared)
 
 
+class _StageGroups:
+    """The process groups ``_stage_group`` made, by global ranks, and the default group
+    they were made in (a sentinel before the first)."""
+    lock = threading.Lock()
+    world: Any = object()
+    groups: dict[tuple[int, ...], Any] = {}
+
+
+def _stage_group(ranks: tuple[int, ...]) -> Any:
+    """The process group of these global ranks, made once per default group: every group
+    new_group makes holds its communicators until destroyed, and one per load leaked an
+    NCCL communicator per stage group per load (pp > 1). Every rank makes the same loads,
+    so the ranks find the same groups made and call new_group (collective over the whole
+    default group) alike. A new default group (destroyed and initialised again) starts
+    afresh: the old one's groups went with it."""
+    import torch.distributed as dist
+    with _StageGroups.lock:
+        if _StageGroups.world is not dist.group.WORLD:
+            _StageGroups.world, _StageGroups.groups = dist.group.WORLD, {}
+        pg = _StageGroups.groups.get(ranks)
+        if pg is None:
+            pg = _StageGroups.groups[ranks] = dist.new_group(ranks=list(ranks))
+        return pg
+
+
 class InstantTensorEngine:
     name = "instanttensor"
 
@@ -300,10 +326,10 @@ class InstantTensorEngine:
                 continue
             # plan ranks are ranks of self.group; new_group wants global ranks
             if self.group is not None and self.group is not dist.group.WORLD:
-                gr = [dist.get_global_rank(self.group, r) for r in g.ranks]
+                gr = tuple(dist.get_global_rank(self.group, r) for r in g.ranks)
             else:
-                gr = list(g.ranks)
-            pgs.append(dist.new_group(ranks=gr))
+                gr = tuple(g.ranks)
+            pgs.append(_stage_group(gr))
         return pgs
 
     # -- the load ------------------------------------------------------------------
