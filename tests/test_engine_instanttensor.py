@@ -19,6 +19,7 @@ import inspect
 import json
 import os
 import re
+import time
 from typing import Literal, Optional, Union
 
 import instanttensor
@@ -614,8 +615,10 @@ class _Group:
 
 @pytest.fixture()
 def group_backends(monkeypatch):
+    """``_Group``s for process groups; their collectives those of ranks that all agree."""
     import torch.distributed as dist
     monkeypatch.setattr(dist, "get_backend", lambda pg=None: pg.backend)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
 
@@ -683,3 +686,82 @@ def test_stage_groups_are_made_once_per_default_group(ckpt, fake_cuda, group_bac
             used.append(CALLS[0]["process_group"])
     assert made == [[0, 1], [2, 3]] * 2   # every rank makes every stage's group, in order
     assert used[0] is used[1] is not used[2] and used[2] is used[3]
+
+
+class CollectiveSafeOpen(FakeSafeOpen):
+    """``FakeSafeOpen`` making the real one's first collective: its ``__init__``
+    all_reduces its memory budget (MIN) over ``process_group`` before anything else."""
+    def __init__(self, *a, process_group=None, **k):
+        if process_group is not None:
+            import torch.distributed as dist
+            budget = torch.tensor([1 << 30])
+            dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=process_group)
+        super().__init__(*a, process_group=process_group, **k)
+
+
+def _prepare_fails_worker(rank: int, port: int, meta, plan, out_dir: str):
+    """Three group-mode loads over gloo: rank 0's allocation fails (CUDA out of memory),
+    then its check of a file, then nothing. Writes what each load raised, and when."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from coordloader import engines
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=PREPARE_TIMEOUT_S))
+    results = []
+    with faked_instanttensor(gloo_as_nccl=True), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ite, "_safe_open", lambda: CollectiveSafeOpen)
+        for case in ("allocate", "check", None):
+            with pytest.MonkeyPatch.context() as fault:
+                if rank == 0 and case == "allocate":
+                    def oom(*a, **k):
+                        raise torch.OutOfMemoryError("CUDA out of memory (rank 0 only)")
+                    fault.setattr(ite, "allocate", oom)
+                if rank == 0 and case == "check":
+                    def changed(path, info, rank, **k):
+                        raise LoadError("file changed after its header was read",
+                                        file=info.name, rank=rank)
+                    fault.setattr(engines, "open_checked", changed)
+                t0 = time.monotonic()
+                try:
+                    select_engine("instanttensor", "cuda:0", plan=plan).load_rank(
+                        meta, plan.rank(rank), "cuda:0")
+                    results.append([case, "ok", time.monotonic() - t0])
+                except Exception as e:
+                    results.append([case, f"{type(e).__name__}: {e}", time.monotonic() - t0])
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+PREPARE_TIMEOUT_S = 30
+
+
+def test_a_rank_failing_before_the_first_collective_stops_every_rank_by_name(ckpt, tmp_path):
+    """Rank 0 failed a rank-local step of the load (allocation out of CUDA memory, the
+    check of a changed file) and left; rank 1 waited in safe_open's own all_reduce until
+    the process group's timeout (NCCL: a watchdog crash), the cause never named. Every
+    rank now prepares first and the ranks agree before the first collective: rank 0
+    raises its cause, rank 1 names rank 0, at once, and the group still loads after."""
+    from coordloader.dist.collective import free_port
+
+    from ranks import spawn_and_wait
+    meta, _ = ckpt
+    plan = _plan(meta, plans_for(meta), [LoadGroup(("a.safetensors", "b.safetensors"), (0, 1),
+                                                   "group")])
+    spawn_and_wait(_prepare_fails_worker, (free_port(), meta, plan, str(tmp_path)), 2,
+                   "2-rank load", hard_s=3 * PREPARE_TIMEOUT_S)
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert [c for c, _, _ in r0] == [c for c, _, _ in r1] == ["allocate", "check", None]
+    for case in (0, 1):
+        assert r1[case][1] == ("LoadError: rank 1: rank 0 failed to prepare the instanttensor "
+                               "load (destinations, file checks; its own error says why): "
+                               "not loading"), r1
+    assert r0[0][1] == ("LoadError: rank 0: preparing the instanttensor load failed: "
+                        "OutOfMemoryError: CUDA out of memory (rank 0 only)")
+    assert r0[1][1] == ("LoadError: rank 0, file a.safetensors: file changed after its "
+                        "header was read")
+    assert r0[2][1] == r1[2][1] == "ok"
+    assert all(t < PREPARE_TIMEOUT_S / 2 for _, _, t in r0 + r1), (r0, r1)

@@ -45,8 +45,9 @@ from coordloader.engines import (
     paths_stay_checked,
     slice_nbytes,
 )
-from coordloader.errors import LoadError
+from coordloader.errors import CoordloaderError, LoadError
 from coordloader.planning.model import LoadGroup, LoadGroupMode, Plan, RankPlan
+from coordloader.text import format_ranges
 
 # Arguments the engine sets itself: overriding them would break correctness.
 FIXED_ARGS = ("filename", "framework", "device", "process_group", "copy")
@@ -294,6 +295,24 @@ def _stage_group(ranks: tuple[int, ...]) -> Any:
         return pg
 
 
+def _distributed(world: int) -> bool:
+    """Whether a load of ``world`` ranks runs over torch.distributed (every rank in it)."""
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and world > 1
+
+
+class _Load:
+    """One rank's prepared load (``InstantTensorEngine._prepare``) and what its streams
+    have delivered so far."""
+
+    def __init__(self, groups, keys, calls, slices, tensors, held, keymap, file_keys, need):
+        self.groups, self.keys, self.calls = groups, keys, calls
+        self.slices, self.tensors, self.held = slices, tensors, held
+        self.keymap, self.file_keys, self.need = keymap, file_keys, need
+        self.seen: set[tuple[str, str]] = set()
+        self.streamed = self.share = 0
+
+
 class InstantTensorEngine:
     name = "instanttensor"
 
@@ -311,35 +330,122 @@ class InstantTensorEngine:
         files = tuple(f.name for f in meta.files)
         return (LoadGroup(files=files, ranks=tuple(range(world)), mode="group"),)
 
-    def _process_groups(self, groups, world: int) -> list:
-        """One torch.distributed group per "group"-mode load group, created in plan order
-        on every rank (new_group is collective over the whole default group)."""
+    def _group_keys(self, groups: Sequence[LoadGroup], world: int) -> list:
+        """Per load group, the ranks of the process group its members read it over (None:
+        each rank reads alone): a "group"-mode group of several ranks in a distributed
+        load. Decided alike on every rank, before any group is made."""
+        distributed = _distributed(world)
+        return [tuple(g.ranks) if g.mode == "group" and distributed and len(g.ranks) > 1
+                else None for g in groups]
+
+    def _process_groups(self, keys: Sequence[tuple[int, ...] | None], world: int) -> dict:
+        """Plan ranks -> the torch.distributed group of each of ``keys``, looked up or made
+        in plan order on every rank (new_group is collective over the whole default
+        group)."""
         import torch.distributed as dist
-        distributed = dist.is_available() and dist.is_initialized() and world > 1
-        pgs = []
-        for g in groups:
-            if g.mode != "group" or not distributed or len(g.ranks) <= 1:
-                pgs.append(None)
+        pgs: dict[tuple[int, ...], Any] = {}
+        for ranks in keys:
+            if ranks is None or ranks in pgs:
                 continue
-            if tuple(g.ranks) == tuple(range(world)):
-                pgs.append(self.group if self.group is not None else dist.group.WORLD)
+            if ranks == tuple(range(world)):
+                pgs[ranks] = self.group if self.group is not None else dist.group.WORLD
                 continue
             # plan ranks are ranks of self.group; new_group wants global ranks
             if self.group is not None and self.group is not dist.group.WORLD:
-                gr = tuple(dist.get_global_rank(self.group, r) for r in g.ranks)
+                gr = tuple(dist.get_global_rank(self.group, r) for r in ranks)
             else:
-                gr = tuple(g.ranks)
-            pgs.append(_stage_group(gr))
+                gr = ranks
+            pgs[ranks] = _stage_group(gr)
         return pgs
+
+    def _agree(self, failure: BaseException | None, rank: int, world: int,
+               dev: torch.device | None) -> None:
+        """Every rank of a distributed load says whether its preparation succeeded, before
+        the first collective of the load: a rank that failed alone (allocation out of
+        memory, a changed file) left the others in safe_open's all_reduce until the
+        process group's timeout (NCCL: a watchdog crash), the cause never named. The
+        others raise naming the failed ranks; the failed rank raises its own error."""
+        import torch.distributed as dist
+        if not _distributed(world):
+            if failure is not None:
+                raise failure
+            return
+        pg = self.group if self.group is not None else dist.group.WORLD
+        if "gloo" in str(dist.get_backend(pg)):
+            on = torch.device("cpu")
+        else:   # NCCL: on the device (the current one where this rank's was refused)
+            on = _allocation_device(dev or torch.device("cuda", torch.cuda.current_device()))
+        failed = torch.zeros(world, dtype=torch.int32, device=on)
+        failed[rank] = failure is not None
+        dist.all_reduce(failed, group=pg)
+        if failure is not None:
+            raise failure
+        bad = [r for r, f in enumerate(failed.tolist()) if f]
+        if bad:
+            raise LoadError(f"rank{'s' if len(bad) > 1 else ''} {format_ranges(bad)} failed to "
+                            f"prepare the instanttensor load (destinations, file checks; "
+                            f"{'their' if len(bad) > 1 else 'its'} own error says why): not "
+                            f"loading", rank=rank)
 
     # -- the load ------------------------------------------------------------------
     def load_rank(self, meta: CheckpointMeta, rank_plan: RankPlan, device: Any = None, *,
                   progress: Progress | None = None,
                   out: Mapping[str, torch.Tensor] | None = None):
-        dev = check_device(device)
         t0 = time.perf_counter()
         rank = rank_plan.rank
         world = self.plan.world_size if self.plan is not None else 1
+        with contextlib.ExitStack() as checked:
+            # everything rank-local first, then agreement, then the first collective
+            dev = failure = None
+            try:
+                dev = check_device(device)
+                st = self._prepare(meta, rank_plan, dev, out, world, checked)
+            except CoordloaderError as e:
+                failure = e
+            except Exception as e:   # torch's OutOfMemoryError, ...: named as this rank's
+                failure = LoadError(f"preparing the instanttensor load failed: "
+                                    f"{type(e).__name__}: {e}", rank=rank)
+                failure.__cause__ = e
+            self._agree(failure, rank, world, dev)
+            pgs = self._process_groups(st.keys, world)
+            calls = [c._replace(process_group=pgs[c.process_group])
+                     if c.process_group is not None else c for c in st.calls]
+            for c in calls:
+                backend = cuda_backend(c.process_group)
+                if c.process_group is not None and backend != "nccl":
+                    raise LoadError(f"the instanttensor engine needs an NCCL process group (it "
+                                    f"hands the group's NCCL communicator to its loader); the "
+                                    f"load's group runs CUDA collectives with "
+                                    f"{backend or 'no backend'}: pass an NCCL group, or use "
+                                    f"--engine cpu", rank=rank)
+            opener = _safe_open()
+            # dev made current: instanttensor lets its loader reuse a ring-buffer slot once
+            # tensors() has synchronised torch.cuda.current_stream(), the current device's
+            # stream; with another device current, the copy_ queued on dev's stream could
+            # read the next chunk's bytes
+            with torch.cuda.device(dev):
+                for call in calls:
+                    self._stream(meta, st, call, opener, dev, rank, progress)
+        need, seen, tensors = st.need, st.seen, st.tensors
+        missing = sorted(f"{f}:{k}" for f, ks in need.items() for k in ks if (f, k) not in seen)
+        if missing:
+            raise LoadError(f"instanttensor never delivered {len(missing)} needed key(s): "
+                            f"{missing[:8]}{' ...' if len(missing) > 8 else ''}", rank=rank)
+        if _allocation_device(dev).type == "cuda":   # dev is CUDA and available (check_device)
+            torch.cuda.synchronize(dev)
+        return tensors, LoadStats(engine=self.name, tensors=len(tensors), bytes_read=st.share,
+                                  bytes_held=st.held, seconds=time.perf_counter() - t0,
+                                  extra={"bytes_streamed": st.streamed, "calls": len(calls),
+                                         "groups": [g.mode for g in st.groups]})
+
+    def _prepare(self, meta: CheckpointMeta, rank_plan: RankPlan, dev: torch.device,
+                 out: Mapping[str, torch.Tensor] | None, world: int,
+                 checked: contextlib.ExitStack) -> _Load:
+        """This rank's part of the load that needs no other rank: the plan's load groups
+        checked, the destinations allocated, the safe_open calls decided (their process
+        groups as plan ranks, ``_group_keys``), and every file of every call checked on a
+        descriptor ``checked`` holds open until the load ends."""
+        rank = rank_plan.rank
         groups = self.load_groups(meta)
         known_files = {f.name for f in meta.files}
         for g in groups:
@@ -350,8 +456,6 @@ class InstantTensorEngine:
             if g.mode not in tuple(LoadGroupMode):
                 raise LoadError(f"plan load group mode {g.mode!r}; expected 'group' or 'filtered'",
                                 rank=rank)
-        pgs = self._process_groups(groups, world)
-        slices = rank_plan.by_name()
         alloc_dev = _allocation_device(dev)
         tensors: dict[str, torch.Tensor] = {}
         held = 0
@@ -372,116 +476,101 @@ class InstantTensorEngine:
         # (tuples: no key function per entry)
         file_keys = {f: sorted(p) for f, p in starts.items()}
         need = needed_keys(meta, rank_plan)
-        calls = open_calls(groups, pgs, rank, need)
-        for c in calls:
-            backend = cuda_backend(c.process_group)
-            if c.process_group is not None and backend != "nccl":
-                raise LoadError(f"the instanttensor engine needs an NCCL process group (it hands "
-                                f"the group's NCCL communicator to its loader); the load's group "
-                                f"runs CUDA collectives with {backend or 'no backend'}: pass an "
-                                f"NCCL group, or use --engine cpu", rank=rank)
-
-        streamed = share = 0
-        seen: set[tuple[str, str]] = set()
-        opener = _safe_open()
+        keys = self._group_keys(groups, world)
+        calls = open_calls(groups, keys, rank, need)
         infos = {fi.name: fi for fi in meta.files}
-        # dev made current: instanttensor lets its loader reuse a ring-buffer slot once
-        # tensors() has synchronised torch.cuda.current_stream(), the current device's
-        # stream; with another device current, the copy_ queued on dev's stream could
-        # read the next chunk's bytes
-        with torch.cuda.device(dev):
-            for files, pg, keys, gsize in calls:   # OpenCall
-                paths = [os.path.join(meta.root, f) for f in files]
-                # instanttensor opens the paths itself: each file is checked on a descriptor
-                # held open meanwhile, and each path must still name that file after the
-                # stream (not the descriptors' /proc paths: instanttensor sorts the paths it
-                # is given, and the ranks of a group must list the files alike)
-                with paths_stay_checked(paths, [infos[f] for f in files], rank):
-                    kwargs = dict(self.tuning)
-                    if keys is not None:
-                        kwargs.update(tensor_filter=keys, tensor_name_match_mode="exact")
-                    with _instanttensor_errors(f"instanttensor.safe_open failed on {len(files)} file(s) "
-                                               f"({files[0]}{', ...' if len(files) > 1 else ''})", rank):
-                        handle = opener(list(paths), framework="pt", device=dev.index, process_group=pg,
-                                        copy=False, **kwargs)
-                    with _instanttensor_errors(f"instanttensor failed while streaming {files[0]}"
-                                               f"{' and others' if len(files) > 1 else ''}", rank), \
-                            handle as f:
-                        # which file each yielded tensor comes from: its position in the file
-                        # order the handle streams; without that order, its key where each key
-                        # is in one file (never a guessed order: two files holding a key 'w'
-                        # of one shape, a wrong order loads one's rows as the other's)
-                        order = _stream_order(f, paths, files) if len(files) > 1 else list(files)
-                        streams = by_key = None
-                        if order is not None:
-                            streams = _stream_files(order, keys, file_keys)   # file per yield
-                        else:
-                            by_key, shared = _key_files(files, keys, file_keys)
-                            if shared:
-                                raise LoadError(
-                                    f"instanttensor does not say in which order it streams the "
-                                    f"{len(files)} files ({files[0]}, ...; its handle has no "
-                                    f"'filename' list of them), and key(s) {shared[:4]}"
-                                    f"{' ...' if len(shared) > 4 else ''} are stored in several "
-                                    f"of them (torch DCP's per-rank files): which file a streamed "
-                                    f"tensor comes from cannot be told; use --engine cpu",
-                                    rank=rank)
-                        for i, (key, t) in enumerate(f.tensors()):
-                            if streams is not None and i >= len(streams):
-                                raise LoadError(f"instanttensor yielded key {key!r} after the "
-                                                f"{len(streams)} tensor(s) the checkpoint metadata "
-                                                f"lists in {files[0]}"
-                                                f"{' and others' if len(files) > 1 else ''} "
-                                                f"(file changed?)", rank=rank)
-                            if streams is not None:
-                                fname, want, _ = streams[i]
-                                if key != want and not _take_tied(streams, i, key):
-                                    raise LoadError(
-                                        f"instanttensor yielded key {key!r} where the checkpoint "
-                                        f"metadata has {want!r} next in this file (the stream "
-                                        f"skipped or added a tensor, or the file changed?)",
-                                        file=fname, rank=rank)
-                            elif key in by_key:
-                                fname = by_key[key]
-                            else:
-                                raise LoadError(f"instanttensor yielded key {key!r}, which the "
-                                                f"checkpoint metadata does not list in {files[0]}"
-                                                f"{' or the others' if len(files) > 1 else ''} "
-                                                f"(file changed?)", rank=rank)
-                            ent = keymap.get((fname, key))
-                            if ent is None:
-                                raise LoadError(f"instanttensor yielded key {key!r}, which the "
-                                                f"checkpoint metadata does not list in this file "
-                                                f"(file changed?)", file=fname, rank=rank)
-                            info, sp = ent
-                            want = (dtypes.torch_dtype(info.dtype), box_shape(sp.box))
-                            if (t.dtype, tuple(t.shape)) != want:
-                                # same element count is not enough: a piece of another file
-                                # or layout would be copied in as this one's
-                                raise LoadError(f"instanttensor yielded key {key!r} as {t.dtype} "
-                                                f"{list(t.shape)}; the checkpoint metadata has it "
-                                                f"in this file as {want[0]} {list(want[1])} (file "
-                                                f"changed, or the stream attributed to the wrong "
-                                                f"file?)", file=fname, tensor=info.name, rank=rank)
-                            nb = t.numel() * t.element_size()
-                            streamed += nb
-                            share += nb // gsize
-                            ts = slices.get(info.name)
-                            if ts is None:
-                                continue  # another rank's tensor: dropped as it streams past
-                            dst = tensors[info.name]
-                            for pc in ts.pieces:
-                                copy_overlap(dst, pc.src, pc.dst, t, sp.box)
-                            seen.add((fname, key))
-                            if progress is not None:
-                                progress(nb)
-        missing = sorted(f"{f}:{k}" for f, ks in need.items() for k in ks if (f, k) not in seen)
-        if missing:
-            raise LoadError(f"instanttensor never delivered {len(missing)} needed key(s): "
-                            f"{missing[:8]}{' ...' if len(missing) > 8 else ''}", rank=rank)
-        if alloc_dev.type == "cuda":   # dev is CUDA and available (check_device)
-            torch.cuda.synchronize(dev)
-        return tensors, LoadStats(engine=self.name, tensors=len(tensors), bytes_read=share,
-                                  bytes_held=held, seconds=time.perf_counter() - t0,
-                                  extra={"bytes_streamed": streamed, "calls": len(calls),
-                                         "groups": [g.mode for g in groups]})
+        for c in calls:
+            # instanttensor opens the paths itself: each file is checked on a descriptor
+            # held open meanwhile, and each path must still name that file after the
+            # stream (not the descriptors' /proc paths: instanttensor sorts the paths it
+            # is given, and the ranks of a group must list the files alike)
+            checked.enter_context(paths_stay_checked(
+                [os.path.join(meta.root, f) for f in c.files], [infos[f] for f in c.files], rank))
+        return _Load(groups, keys, calls, rank_plan.by_name(), tensors, held, keymap, file_keys,
+                     need)
+
+    def _stream(self, meta: CheckpointMeta, st: _Load, call: OpenCall, opener: Any,
+                dev: torch.device, rank: int, progress: Progress | None) -> None:
+        """One safe_open: each streamed tensor attributed to its file and piece, checked,
+        and copied into this rank's destinations where it holds part of it."""
+        files, pg, keys, gsize = call
+        paths = [os.path.join(meta.root, f) for f in files]
+        keymap, file_keys, slices, tensors = st.keymap, st.file_keys, st.slices, st.tensors
+        kwargs = dict(self.tuning)
+        if keys is not None:
+            kwargs.update(tensor_filter=keys, tensor_name_match_mode="exact")
+        with _instanttensor_errors(f"instanttensor.safe_open failed on {len(files)} file(s) "
+                                   f"({files[0]}{', ...' if len(files) > 1 else ''})", rank):
+            handle = opener(list(paths), framework="pt", device=dev.index, process_group=pg,
+                            copy=False, **kwargs)
+        with _instanttensor_errors(f"instanttensor failed while streaming {files[0]}"
+                                   f"{' and others' if len(files) > 1 else ''}", rank), \
+                handle as f:
+            # which file each yielded tensor comes from: its position in the file
+            # order the handle streams; without that order, its key where each key
+            # is in one file (never a guessed order: two files holding a key 'w'
+            # of one shape, a wrong order loads one's rows as the other's)
+            order = _stream_order(f, paths, files) if len(files) > 1 else list(files)
+            streams = by_key = None
+            if order is not None:
+                streams = _stream_files(order, keys, file_keys)   # file per yield
+            else:
+                by_key, shared = _key_files(files, keys, file_keys)
+                if shared:
+                    raise LoadError(
+                        f"instanttensor does not say in which order it streams the "
+                        f"{len(files)} files ({files[0]}, ...; its handle has no "
+                        f"'filename' list of them), and key(s) {shared[:4]}"
+                        f"{' ...' if len(shared) > 4 else ''} are stored in several "
+                        f"of them (torch DCP's per-rank files): which file a streamed "
+                        f"tensor comes from cannot be told; use --engine cpu",
+                        rank=rank)
+            for i, (key, t) in enumerate(f.tensors()):
+                if streams is not None and i >= len(streams):
+                    raise LoadError(f"instanttensor yielded key {key!r} after the "
+                                    f"{len(streams)} tensor(s) the checkpoint metadata "
+                                    f"lists in {files[0]}"
+                                    f"{' and others' if len(files) > 1 else ''} "
+                                    f"(file changed?)", rank=rank)
+                if streams is not None:
+                    fname, want, _ = streams[i]
+                    if key != want and not _take_tied(streams, i, key):
+                        raise LoadError(
+                            f"instanttensor yielded key {key!r} where the checkpoint "
+                            f"metadata has {want!r} next in this file (the stream "
+                            f"skipped or added a tensor, or the file changed?)",
+                            file=fname, rank=rank)
+                elif key in by_key:
+                    fname = by_key[key]
+                else:
+                    raise LoadError(f"instanttensor yielded key {key!r}, which the "
+                                    f"checkpoint metadata does not list in {files[0]}"
+                                    f"{' or the others' if len(files) > 1 else ''} "
+                                    f"(file changed?)", rank=rank)
+                ent = keymap.get((fname, key))
+                if ent is None:
+                    raise LoadError(f"instanttensor yielded key {key!r}, which the "
+                                    f"checkpoint metadata does not list in this file "
+                                    f"(file changed?)", file=fname, rank=rank)
+                info, sp = ent
+                want = (dtypes.torch_dtype(info.dtype), box_shape(sp.box))
+                if (t.dtype, tuple(t.shape)) != want:
+                    # same element count is not enough: a piece of another file
+                    # or layout would be copied in as this one's
+                    raise LoadError(f"instanttensor yielded key {key!r} as {t.dtype} "
+                                    f"{list(t.shape)}; the checkpoint metadata has it "
+                                    f"in this file as {want[0]} {list(want[1])} (file "
+                                    f"changed, or the stream attributed to the wrong "
+                                    f"file?)", file=fname, tensor=info.name, rank=rank)
+                nb = t.numel() * t.element_size()
+                st.streamed += nb
+                st.share += nb // gsize
+                ts = slices.get(info.name)
+                if ts is None:
+                    continue  # another rank's tensor: dropped as it streams past
+                dst = tensors[info.name]
+                for pc in ts.pieces:
+                    copy_overlap(dst, pc.src, pc.dst, t, sp.box)
+                st.seen.add((fname, key))
+                if progress is not None:
+                    progress(nb)
