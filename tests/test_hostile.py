@@ -479,12 +479,14 @@ def test_file_rewritten_in_place_while_it_is_read_is_refused(tmp_path, engine, a
                                    "before the reads"), str(e.value)
 
 
-@pytest.mark.parametrize("how", ["renamed-over", "removed"])
+@pytest.mark.parametrize("how", ["renamed-over", "removed", "renamed-away",
+                                 "linked-and-unlinked", "chmod"])
 @pytest.mark.parametrize("engine", ["cpu", "safetensors"])
 def test_file_unlinked_while_it_is_read_still_loads_its_bytes(tmp_path, engine, how):
-    """A new file renamed over the path, or the file removed, between two reads moves
-    only the read file's ctime (its link count): the bytes read through the checked
-    descriptor are all the checked file's, and the load is not refused for it."""
+    """A new file renamed over the path, the file removed or renamed away, a hard link
+    made and removed (a backup snapshot), a chmod, between two reads, move only the read
+    file's ctime: the bytes read through the checked descriptor are all the checked
+    file's, and the load is not refused for it (the last three were)."""
     import torch
 
     from coordloader.engines import select_engine
@@ -499,6 +501,13 @@ def test_file_unlinked_while_it_is_read_still_loads_its_bytes(tmp_path, engine, 
             time.sleep(0.05)     # past the coarse clock's tick: the ctime does move
             if how == "removed":
                 os.unlink(f)
+            elif how == "renamed-away":
+                os.replace(f, tmp_path / "old.safetensors")
+            elif how == "linked-and-unlinked":
+                os.link(f, tmp_path / "snapshot")
+                os.unlink(tmp_path / "snapshot")
+            elif how == "chmod":
+                os.chmod(f, 0o444)
             else:
                 _two_tensor_file(tmp_path / "new.safetensors", 7.0)
                 os.replace(tmp_path / "new.safetensors", f)

@@ -359,25 +359,27 @@ def refuse_moved(fd: int, checked: os.stat_result, info, rank: int | None, *,
     of its old and new bytes, which no check made before the reads can see: each engine
     calls this on every file once its reads are done, before the descriptor closes (one
     ``fstat`` per file, not per read). A rewrite within one tick of the file system's
-    coarse clock after the file's last change moves neither time and is not seen."""
+    coarse clock after the file's last change moves neither time and is not seen; nor is
+    one that sets the mtime back to the very nanosecond it had (the ctime alone moving is
+    let through, below)."""
     from coordloader.checkpoint.reader import stat_key
     st = os.fstat(fd)
     was, now = stat_key(checked), stat_key(st)
     if now == was:
         return
-    # a link made or removed (a new file renamed over the path, the file deleted, a
-    # backup tool's hard link) moves the ctime alone, and the bytes read through the
-    # descriptor are still the checked file's: refusing would fail a good load. Missed:
-    # a rewrite that sets its mtime back (rsync --inplace -t) at the same time as one
-    if (st.st_nlink != checked.st_nlink
-            and [w for w, a, b in zip(_KEY_FIELDS, was, now) if a != b] == ["ctime"]):
+    # the ctime alone moves for a chmod, a rename, a hard link made or removed (a new
+    # file renamed over the path, a backup snapshot), an xattr, an atime set back: the
+    # bytes read through the descriptor are still the checked file's, and refusing would
+    # fail a good load. A write moves the mtime, and a new version copied in place with
+    # its times kept (rsync --inplace -t) has its own mtime, not the old file's
+    if [w for w, a, b in zip(_KEY_FIELDS, was, now) if a != b] == ["ctime"]:
         return
     moved = [f"{what} ({a} -> {b} bytes)" if what == "size" else what
              for what, a, b in zip(_KEY_FIELDS, was, now) if a != b]
     said = moved[0] if len(moved) == 1 else f"{', '.join(moved[:-1])} and {moved[-1]}"
     raise LoadError(f"file changed during {during}: its {said} moved after it was "
-                    f"checked before the reads (rewritten in place, truncated, or its "
-                    f"permissions or links changed), so the bytes read may mix two versions "
+                    f"checked before the reads (rewritten in place or truncated), so the "
+                    f"bytes read may mix two versions "
                     f"of it; load again once nothing writes the file", file=info.name, rank=rank)
 
 
