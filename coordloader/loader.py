@@ -36,7 +36,7 @@ from coordloader.dist import collective
 from coordloader.engines import (
     LoadStats,
     check_disjoint,
-    layout_kind,
+    refuse_layout,
     require_tensor,
     resolve_engine_name,
     select_engine,
@@ -615,13 +615,7 @@ def _refuse_wrapper(dst: torch.Tensor, tgt: str, name: str | None, rank: int) ->
                         f"wraps others; expected a tensor whose own storage holds its values "
                         f"(load into a plain tensor, then convert it)",
                         tensor=name, rank=rank)
-    kind = layout_kind(dst)
-    if kind is not None:
-        # a sparse COO target was refused as "sharing memory", a CSR or nested one failed
-        # in torch, untyped
-        raise LoadError(f"target {tgt!r} is a {kind} tensor; expected a dense (strided) "
-                        f"tensor (load into a dense one, then convert it)",
-                        tensor=name, rank=rank)
+    refuse_layout(dst, f"target {tgt!r}", name, rank)
 
 
 class _Placement(NamedTuple):

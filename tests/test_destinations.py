@@ -369,6 +369,23 @@ def test_a_lazy_target_is_refused_naming_it(tmp_path, as_module):
     assert torch.equal(lazy.weight, torch.arange(12.0).reshape(3, 4))
 
 
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "nested"])
+def test_a_sparse_or_nested_out_destination_is_refused_naming_it(ab, kind):
+    """out= took them as load_into once did: a COO destination refused as sharing
+    memory, a CSR or nested one failing in torch, untyped."""
+    with warnings.catch_warnings():   # torch's beta/prototype notices for these layouts
+        warnings.simplefilter("ignore")
+        b = {"sparse_coo": lambda: torch.zeros(4).to_sparse(),
+             "sparse_csr": lambda: torch.zeros(1, 4).to_sparse_csr(),
+             "nested": lambda: torch.nested.nested_tensor([torch.zeros(2)])}[kind]()
+    a = torch.full((4,), -1.0)
+    with pytest.raises(LoadError) as e:
+        cl.load_detailed(ab, Layout(), out={"a": a, "b": b}, **ONE)
+    assert str(e.value) == (f"rank 0, tensor 'b': destination is a {kind} tensor; expected a "
+                            f"dense (strided) tensor (load into a dense one, then convert it)")
+    assert a.tolist() == [-1.0] * 4   # refused before any read
+
+
 def test_entries_no_tensor_fills_may_be_anything(ab):
     """TransformerEngine and Megatron put ``_extra_state`` entries (None, BytesIO) in
     state_dict(); a first check of every entry refused such a mapping."""

@@ -224,6 +224,17 @@ def require_tensor(t, what: str, name: str | None, rank: int | None) -> None:
     lazy = uninitialized(t)
     if lazy is not None:
         raise LoadError(f"{what} is {lazy}", tensor=name, rank=rank)
+    refuse_layout(t, what, name, rank)
+
+
+def refuse_layout(t: torch.Tensor, what: str, name: str | None, rank: int | None) -> None:
+    """LoadError unless ``t``, a destination handed in, is dense (``layout_kind``): a
+    sparse COO one was refused as "sharing memory", a CSR or nested one failed in torch,
+    untyped, wherever its strides or sizes were first read."""
+    kind = layout_kind(t)
+    if kind is not None:
+        raise LoadError(f"{what} is a {kind} tensor; expected a dense (strided) tensor (load "
+                        f"into a dense one, then convert it)", tensor=name, rank=rank)
 
 
 def check_disjoint(dests, rank: int | None, what: str = "destination") -> None:
@@ -582,5 +593,5 @@ def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
 __all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "cuda_backend",
            "allocate",
            "host_out", "check_out", "check_disjoint", "require_tensor", "copy_overlap", "intersect",
-           "uninitialized", "writable", "wraps_other_tensors",
+           "uninitialized", "layout_kind", "refuse_layout", "writable", "wraps_other_tensors",
            "to_device", "descriptor_room"]
