@@ -101,3 +101,22 @@ def test_save_config_refused_as_the_reader_would(tmp_path, text, msg):
              config=str(tmp_path / "config.json"))
     assert ei.value.file == str(tmp_path / "config.json")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("cfg, msg", [
+    ({"x": float("nan")}, "Out of range float values are not JSON compliant"),
+    ({1: "a", "1": "b"}, "duplicate key '1'"),
+    ({"seed": 2**70}, "out of range"),
+], ids=["nan", "int-and-str-key", "huge-int"])
+def test_save_config_dict_the_reader_would_refuse_is_refused(tmp_path, cfg, msg):
+    """config= as a dict was written with json.dumps as it came: NaN as NaN, keys 1 and
+    "1" as one key twice; the save finished and its output failed to load."""
+    src = synthesize(str(tmp_path / "src"), "llama", "tiny")
+    layout = Layout(tp=1)
+    doc = dict(json.loads(open(f"{src}/config.json").read()), **{str(k): v for k, v in cfg.items()
+                                                                   if not isinstance(k, int)})
+    doc.update({k: v for k, v in cfg.items() if isinstance(k, int)})
+    with pytest.raises(SaveError, match=f"config= dict is not JSON the reader accepts: .*{msg}"):
+        save(tmp_path / "out", cl.load(src, layout, rank=0), cl.make_plan(src, layout), rank=0,
+             config=doc)
+    assert not (tmp_path / "out").exists()

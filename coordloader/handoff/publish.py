@@ -363,11 +363,14 @@ def resolve_config(config: Any, rank: int | None) -> ModelConfig:
                         "checkpoint could not be loaded at any sharded layout, nor consolidated "
                         "into a checkpoint transformers accepts", rank=rank)
     if isinstance(config, Mapping):
-        doc = dict(config)
         try:
-            data = (json.dumps(doc, indent=2) + "\n").encode()
-        except (TypeError, ValueError) as e:
-            raise SaveError(f"config= dict is not JSON-serialisable: {e}", rank=rank) from e
+            data = (json.dumps(dict(config), indent=2, allow_nan=False) + "\n").encode()
+            # read back as the reader will read it: keys 1 and "1" become one key twice,
+            # an int past 2**63 is refused; the parsed form is what the save plans with
+            doc = parse_strict_json(data)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise SaveError(f"config= dict is not JSON the reader accepts: {e}",
+                            rank=rank) from None
         return ModelConfig(data, doc, None)
     if not isinstance(config, (str, os.PathLike)):
         raise SaveError(f"config= must be a dict, a path to config.json or a checkpoint "
