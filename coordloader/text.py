@@ -78,7 +78,12 @@ def positive_number(unit: str, maximum: float | None = None) -> Callable[[str], 
 def positive_int_problem(name: str, value) -> str | None:
     """Why ``value``, given for the argument ``name`` (a size in bytes), is not a positive
     integer, or None. Compared with 0 unchecked, None or a string ("1GB") raised a bare
-    TypeError, and 0 or a negative size was taken as one byte per file or block."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
+    TypeError, and 0 or a negative size was taken as one byte per file or block. A float
+    of an integer value (``5e9``, as sizes are often written) is one."""
+    if isinstance(value, bool):
+        pass
+    elif isinstance(value, numbers.Integral) and value > 0:
+        return None
+    elif isinstance(value, float) and value.is_integer() and value > 0:
         return None
     return f"{name} must be a positive integer, got {clip(repr(value), MAX_NAME_CHARS)}"

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from coordloader.api import make_plan
 from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.errors import SaveError
-from coordloader.handoff.consolidate import consolidate
+from coordloader.handoff.consolidate import consolidate, read_full
 from coordloader.handoff.save import save
 from coordloader.layout import Layout
 from coordloader.loader import load
@@ -170,6 +170,14 @@ def test_sizes_that_are_not_positive_integers_are_refused(tmp_path, kw, shown):
         consolidate(src, str(tmp_path / "hf"), **kw)
     assert str(e.value) == shown
     assert not (tmp_path / "hf").exists()
+
+
+def test_sizes_written_as_floats_of_integers_are_taken(tmp_path):
+    """block_bytes=1e6 failed in range() with a float; 5e9-style sizes are common."""
+    src = str(tmp_path / "src")
+    save(src, {"w": torch.arange(6.0), "v": torch.ones(3)}, config={"model_type": "toy"})
+    consolidate(src, str(tmp_path / "hf"), max_shard_bytes=5e9, block_bytes=8.0)
+    assert torch.equal(read_full(read_checkpoint(str(tmp_path / "hf")), "w"), torch.arange(6.0))
 
 
 def test_save_warns_about_excluded_tensors(tmp_path):

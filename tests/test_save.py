@@ -1125,3 +1125,12 @@ def test_a_max_shard_bytes_that_is_not_a_positive_integer_is_refused(tmp_path, v
         save(tmp_path / "ck", {"w": torch.ones(2)}, config=CFG, max_shard_bytes=value)
     assert str(e.value) == f"rank 0: max_shard_bytes must be a positive integer, got {shown}"
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_max_shard_bytes_written_as_a_float_of_an_integer_is_taken(tmp_path):
+    """1e9, as sizes are often written, was taken before the check and refused by its
+    first version."""
+    save(tmp_path / "ck", {"w": torch.ones(2), "v": torch.ones(3)}, config=CFG,
+         max_shard_bytes=8.0)   # 8 bytes: one tensor per file, as 8 would give
+    assert sorted(n for n in os.listdir(tmp_path / "ck") if n.endswith(".coordloader-shard")) \
+        == ["rank-00000-part-00000.coordloader-shard", "rank-00000-part-00001.coordloader-shard"]

@@ -363,7 +363,8 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     none, and transformers needs one. Raises SaveError / CheckpointError naming the file."""
     from coordloader.checkpoint.fileio import write_safetensors
     t0 = time.perf_counter()
-    check_sizes(None, max_shard_bytes=max_shard_bytes, block_bytes=block_bytes)
+    max_shard_bytes, block_bytes = check_sizes(None, max_shard_bytes=max_shard_bytes,
+                                               block_bytes=block_bytes)
     cfg = resolve_config(config, None) if config is not None else None
     if meta is None:
         from coordloader.checkpoint.reader import read_checkpoint

@@ -179,13 +179,17 @@ def output_dir(out_dir: Any, rank: int | None = None, *, usage: str = "") -> str
     return path
 
 
-def check_sizes(rank: int | None, **sizes: Any) -> None:
-    """SaveError for the first of ``sizes`` (argument name -> value) that is not a positive
-    integer: save and consolidate refuse their byte bounds before anything is written."""
+def check_sizes(rank: int | None, **sizes: Any) -> tuple[int, ...]:
+    """``sizes`` (argument name -> value) as ints, in order; SaveError for the first that
+    is not a positive integer: save and consolidate refuse their byte bounds before
+    anything is written (a float of an integer value, ``5e9``, is taken as that int)."""
+    out = []
     for name, value in sizes.items():
         problem = positive_int_problem(name, value)
         if problem is not None:
             raise SaveError(problem, rank=rank)
+        out.append(int(value))
+    return tuple(out)
 
 
 def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str) -> str:

@@ -363,7 +363,7 @@ def save_distributed(out_dir, tensors, plan=None, *, group=None, rank: int | Non
         # checked once adopted: a rank refusing its arguments alone reaches the others at
         # their first boundary, and every rank's next adoption stays in step
         out_dir = output_dir(out_dir, g.rank, usage=SAVE_USAGE)
-        check_sizes(g.rank, max_shard_bytes=max_shard_bytes)
+        max_shard_bytes, = check_sizes(g.rank, max_shard_bytes=max_shard_bytes)
         try:
             return _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes,
                                      overwrite, config, digests)
@@ -494,7 +494,7 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
     rank 0 starts a fresh save, the call for the last rank publishes it. Without a plan
     the world is this one call (whole tensors, or ``Boxed`` ones that tile alone)."""
     out_dir = output_dir(out_dir, rank, usage=SAVE_USAGE)
-    check_sizes(rank, max_shard_bytes=max_shard_bytes)
+    max_shard_bytes, = check_sizes(rank, max_shard_bytes=max_shard_bytes)
     world = plan.world_size if plan is not None else 1
     if not 0 <= rank < world:
         where = f"the plan's world of {world} ({plan.layout})" if plan is not None else \
