@@ -470,14 +470,15 @@ class _DirectDests:
 
 
 class _Fusion(NamedTuple):
-    """One of transformers' own weight converters that load_into can apply: checkpoint
-    tensors matching ``sources`` (``*`` = expert id, a source without one is a single
-    tensor) become the one parameter ``prefix + target`` through ``ops`` (("merge", dim):
-    stack each source's experts; ("concat", dim): join every source's tensors), e.g.
-    per-expert gate/up -> fused ``mlp.experts.gate_up_proj``, q/k/v conv -> ``conv1d``."""
-    sources: tuple[re.Pattern, ...]
-    target: str
-    ops: tuple[tuple[str, int], ...]
+    """One of transformers' weight converters of the target model, kept in transformers'
+    order (a checkpoint name goes by the first converter matching it). One load_into can
+    apply (``ops`` not None) makes the checkpoint tensors its sources match one parameter
+    through ``ops`` (("merge", dim): stack each source's experts; ("concat", dim): join
+    every source's tensors), e.g. per-expert gate/up -> fused ``mlp.experts.gate_up_proj``,
+    q/k/v conv -> ``conv1d``."""
+    conv: Any                                  # the transformers WeightConverter: it matches
+    experts: tuple[re.Pattern | None, ...]     # per source: reads the expert id, None: no ``*``
+    ops: tuple[tuple[str, int], ...] | None
     source_names: tuple[str, ...]   # transformers' own patterns, for messages
 
 
@@ -486,16 +487,29 @@ _OP_NAMES = {"merge": "MergeModulelist", "concat": "Concatenate"}   # their clas
 
 class _Conversion(NamedTuple):
     """transformers' conversion mapping of a target model, as far as load_into applies it:
-    its fusions, and its renamings of checkpoint names (``rename``: transformers' own
+    its converters, and its renamings of checkpoint names (``rename``: transformers' own
     ``apply_renamings``; None when it has none)."""
     fusions: list[_Fusion]
     rename: Callable[[str], str] | None
 
 
+def _expert_reader(source: str) -> re.Pattern | None:
+    """The regex transformers builds from source pattern ``source`` (WeightTransform: a
+    regex already, its "*." -> ".*\\.", a name boundary after a trailing word character),
+    with what its ``*`` matches captured as the expert id. None for a source without
+    "*.", whose one tensor is the whole source."""
+    if "*." not in source:
+        return None
+    pattern = source.replace("*.", r"(?P<cl_expert>.*)\.", 1)
+    if re.search(r"[a-zA-Z0-9]$", pattern):
+        pattern += r"(?!\w)"
+    return re.compile(pattern)
+
+
 def _transformers_conversion(target) -> _Conversion:
-    """transformers' conversion mapping for ``target`` (a transformers model): the
-    MergeModulelist / Concatenate converters (the model holds experts fused that
-    checkpoints store one by one) and the renamings (mixtral's ".block_sparse_moe." ->
+    """transformers' conversion mapping for ``target`` (a transformers model): its
+    converters, those of MergeModulelist / Concatenate steps applied (the model holds
+    experts fused that checkpoints store one by one), and the renamings (mixtral's ".block_sparse_moe." ->
     ".mlp."). Read from transformers, never a table of our own."""
     if not isinstance(target, torch.nn.Module) or not hasattr(getattr(target, "config", None),
                                                                "model_type"):
@@ -517,51 +531,82 @@ def _transformers_conversion(target) -> _Conversion:
             renamings.append(conv)
         if not isinstance(conv, WeightConverter):
             continue
-        ops = []
+        ops: list[tuple[str, int]] | None = []
         for op in conv.operations:
             if type(op) is MergeModulelist:
                 ops.append(("merge", op.dim))
             elif type(op) is Concatenate:
                 ops.append(("concat", op.dim))
             else:
+                ops = None
                 break
-        else:
-            srcs = getattr(conv, "_original_source_patterns", conv.source_patterns)
-            tgts = getattr(conv, "_original_target_patterns", conv.target_patterns)
-            if len(tgts) == 1 and all(isinstance(s, str) for s in srcs):
-                out.append(_Fusion(tuple(re.compile(re.escape(s).replace(r"\*", r"(\d+)") + r"\Z")
-                                         for s in srcs), tgts[0], tuple(ops), tuple(srcs)))
+        srcs = conv.source_patterns   # as transformers matches them (\1 and ^ resolved)
+        # one target, and at most one "*" an expert id can come from
+        if ops is not None and not (len(conv.target_patterns) == 1
+                                    and all(s.count("*.") <= 1 for s in srcs)):
+            ops = None
+        out.append(_Fusion(conv, tuple(_expert_reader(s) for s in srcs) if ops is not None else (),
+                           tuple(ops) if ops is not None else None,
+                           tuple(getattr(conv, "_original_source_patterns", srcs))))
     return _Conversion(out, (lambda n: apply_renamings(n, renamings)) if renamings else None)
 
 
-def _fusion_source(fusions: list[_Fusion], name: str):
-    """(fusion index, name prefix, source index, expert id) when ``name`` is a source of
-    one of ``fusions``, else None; the expert id is None for a source without ``*``."""
+_EXPERT_ID = re.compile(r"0|[1-9][0-9]*")   # one spelling per id: "01" and "1" are one expert
+
+
+def _fusion_source(fusions: list[_Fusion], name: str, rank: int, tensor: str):
+    """(fusion index, name prefix, fused target, source index, expert id) when ``name`` (of
+    checkpoint tensor ``tensor``, after name_map) is a source of one of ``fusions``, else
+    None; the expert id is None for a source without ``*``. ``name`` is matched by
+    transformers' own converters, in their order, so it becomes what from_pretrained makes
+    of it: their patterns are regexes (kimi_linear's "\\.experts.*.w1.weight"), and their
+    ``*`` matches any text, dots included."""
     for k, f in enumerate(fusions):
-        for i, pat in enumerate(f.sources):
-            m = pat.search(name)
-            # at a name boundary; a pattern may start with its own "." (mixtral's
-            # ".experts.*.w1.weight" -> target ".experts.gate_up_proj")
-            if m is not None and (m.start() == 0 or name[m.start() - 1] == "."
-                                  or name[m.start()] == "."):
-                return k, name[:m.start()], i, int(m.group(1)) if m.groups() else None
+        hit = f.conv._scoped_match(name)
+        if hit is None:
+            continue
+        if f.ops is None:   # transformers converts it another way: not a fused source
+            return None
+        scope, key, m = hit
+        i = int(next(g for g, v in m.groupdict().items() if v is not None)[1:])
+        tgt, _ = f.conv.rename_source_key(name)
+        prefix = (scope or "") + key[:m.start()]
+        reader = f.experts[i]
+        if reader is None:
+            return k, prefix, tgt, i, None
+        e = reader.match(key, m.start())
+        if e is None or e.end() != m.end():
+            # transformers built its regex otherwise than _expert_reader reads it
+            raise LoadError(f"cannot tell the expert of this checkpoint tensor: transformers' "
+                            f"pattern {f.source_names[i]!r} matches {m.group(0)!r} of "
+                            f"{name!r}, which coordloader reads as "
+                            f"{e.group(0) if e else None!r}", tensor=tensor, rank=rank)
+        eid = e.group("cl_expert")
+        if _EXPERT_ID.fullmatch(eid) is None:
+            # transformers stacks whatever "*" matched in name order; load_into places each
+            # expert by its id, and a wrong slot is a silent wrong load
+            raise LoadError(f"transformers' pattern {f.source_names[i]!r} matches {name!r} "
+                            f"with {eid!r} for its '*'; expected an expert index (0, 1, ...) "
+                            f"to place it by", tensor=tensor, rank=rank)
+        return k, prefix, tgt, i, int(eid)
     return None
 
 
-def _check_fusion_parts(fusion: _Fusion, prefix: str, parts: dict[int, dict[int | None, str]],
-                        rank: int) -> None:
+def _check_fusion_parts(fusion: _Fusion, prefix: str, target: str,
+                        parts: dict[int, dict[int | None, str]], rank: int) -> None:
     """Every source of ``fusion`` must be there, and every source with an expert id must
     bring the same experts: one missing (dropped by name_map, absent from the checkpoint)
     failed in torch.stack/cat with a bare RuntimeError, put each half's experts in
     different slots (another expert in its place), or left a shorter concatenation."""
     names = fusion.source_names
-    tgt = repr(prefix + fusion.target)
-    absent = [n for i, n in enumerate(names) if not fusion.sources[i].groups and i not in parts]
+    tgt = repr(target)
+    absent = [n for i, n in enumerate(names) if fusion.experts[i] is None and i not in parts]
     if absent:
         raise LoadError(f"transformers fuses {', '.join(prefix + n for n in names)} into {tgt}; "
                         f"this rank has no {', '.join(prefix + n for n in absent)} (check the "
                         f"checkpoint and name_map)", rank=rank)
-    have = [(n, sorted(parts.get(i, {}))) for i, n in enumerate(names) if fusion.sources[i].groups]
+    have = [(n, sorted(parts.get(i, {}))) for i, n in enumerate(names)
+            if fusion.experts[i] is not None]
     if all(h == have[0][1] for _, h in have):
         return
     got = "; ".join(f"{prefix}{n} for experts {format_ranges(h, empty='none')}" for n, h in have)
@@ -578,7 +623,7 @@ def _fuse(fusion: _Fusion, parts: dict[int, dict[int | None, torch.Tensor]],
     concat joins every source's tensors, flattened in source order, into one. Raises
     ValueError where the steps do not end in one tensor."""
     cur: list[torch.Tensor | list[torch.Tensor]] = [
-        [p[e] for e in (order if fusion.sources[i].groups else (None,))]
+        [p[e] for e in (order if fusion.experts[i] is not None else (None,))]
         for i, p in sorted(parts.items())]
     for op, dim in fusion.ops:
         if op == "merge":
@@ -623,11 +668,11 @@ class _Placement(NamedTuple):
     read: checkpoint tensor -> target, and the fused parameters' parts."""
     fusions: list[_Fusion]                        # transformers' fusions of the target
     copies: list[tuple[str, str, torch.Tensor]]   # (target, checkpoint tensor, target tensor)
-    # (fusion index, name prefix) -> source index -> expert id (None: the source has
-    # none) -> checkpoint tensor
-    fused: dict[tuple[int, str], dict[int, dict[int | None, str]]]
-    fused_dst: dict[tuple[int, str], torch.Tensor]
-    slots: dict[tuple[int, str], list[int]]      # the experts of each, in slot order
+    # (fusion index, name prefix, fused target) -> source index -> expert id (None: the
+    # source has none) -> checkpoint tensor
+    fused: dict[tuple[int, str, str], dict[int, dict[int | None, str]]]
+    fused_dst: dict[tuple[int, str, str], torch.Tensor]
+    slots: dict[tuple[int, str, str], list[int]]      # the experts of each, in slot order
     skipped: list[str]
     aliases: frozenset[str]   # entries filled as the very tensor of a filled one
 
@@ -644,8 +689,8 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
     raised."""
     rank = rank_plan.rank
     copies, skipped = [], []
-    fused: dict[tuple[int, str], dict[int, dict[int | None, str]]] = {}
-    slots: dict[tuple[int, str], list[int]] = {}
+    fused: dict[tuple[int, str, str], dict[int, dict[int | None, str]]] = {}
+    slots: dict[tuple[int, str, str], list[int]] = {}
     spec: dict[str, torch.Tensor] = {}   # checkpoint tensor -> its slice, as a meta tensor
     source_of: dict[str, str] = {}       # target -> the checkpoint tensor that fills it
 
@@ -669,10 +714,16 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                 require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}", name, rank)
             skipped.append(name)
             continue
-        hit = None if dst is not None else _fusion_source(fusions, tgt)
+        hit = None if dst is not None else _fusion_source(fusions, tgt, rank, name)
         if hit is not None:   # one of many checkpoint tensors of a fused parameter
-            k, prefix, src, expert = hit
-            fused.setdefault((k, prefix), {}).setdefault(src, {})[expert] = name
+            k, prefix, fused_tgt, src, expert = hit
+            mine = fused.setdefault((k, prefix, fused_tgt), {}).setdefault(src, {})
+            if expert in mine:   # the one slot would hold whichever came last
+                raise LoadError(f"checkpoint tensors {mine[expert]!r} and {name!r} are both "
+                                f"{'expert ' + str(expert) if expert is not None else 'the'} "
+                                f"source {fusions[k].source_names[src]!r} of {fused_tgt!r}; "
+                                f"expected one (check name_map)", tensor=name, rank=rank)
+            mine[expert] = name
             spec[name] = torch.empty(s.local_shape, dtype=torch_dtype(s.dtype), device="meta")
             continue
         if dst is None:
@@ -691,23 +742,23 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
         claim(tgt, name)
         copies.append((tgt, name, dst))
     fused_dst = {}
-    for (k, prefix), parts in fused.items():
-        _check_fusion_parts(fusions[k], prefix, parts, rank)
-        tgt = prefix + fusions[k].target
+    for key, parts in fused.items():
+        k, prefix, tgt = key
+        _check_fusion_parts(fusions[k], prefix, tgt, parts, rank)
         dst = dests.get(tgt)
         if dst is not None:   # named by one of the checkpoint tensors it fuses
             require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}",
                            next(iter(next(iter(parts.values())).values())), rank)
             _refuse_wrapper(dst, tgt, None, rank)   # filled with a copy of the fusion
         fusion = fusions[k]
-        starred = [p for i, p in parts.items() if fusion.sources[i].groups]
+        starred = [p for i, p in parts.items() if fusion.experts[i] is not None]
         experts = sorted(starred[0]) if starred else []
         what = (f"experts {experts}" if starred else
                 "slices of " + ", ".join(prefix + n for n in fusion.source_names))
-        slots[(k, prefix)] = layout.local_order(rank_plan.coords.get("ep"), experts)
+        slots[key] = layout.local_order(rank_plan.coords.get("ep"), experts)
         try:   # the fusion itself, on meta tensors: the shape and dtype it gives
             t = _fuse(fusion, {i: {e: spec[n] for e, n in p.items()} for i, p in parts.items()},
-                      slots[(k, prefix)])
+                      slots[key])
         # RuntimeError: parts that do not stack or join (shapes differ); TypeError and
         # ValueError: steps in an order that does not end in one tensor
         except (RuntimeError, TypeError, ValueError) as e:
@@ -719,11 +770,11 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                             f"({have}); this rank's {what} "
                             f"fuse to {t.dtype} {list(t.shape)}", rank=rank)
         _refuse_meta(dst, tgt, None, rank)
-        claim(tgt, f"{prefix}{fusions[k].target} (fused)")
-        fused_dst[(k, prefix)] = dst
+        claim(tgt, f"{tgt} (fused)")
+        fused_dst[key] = dst
     # two targets sharing memory would hold one's bytes in both
     check_disjoint([(tgt, dst) for tgt, _, dst in copies]
-                   + [(key[1] + fusions[key[0]].target, dst) for key, dst in fused_dst.items()],
+                   + [(key[2], dst) for key, dst in fused_dst.items()],
                    rank, what="target")
     # an entry that is the very tensor of a filled one (tied weights in a state dict, one
     # name mapped to None) is filled with it
@@ -785,12 +836,13 @@ class _Targets:
                                   if not isinstance(t, torch.Tensor) or t.numel())
         self.placement: _Placement | None = None
 
-    def fits(self, tgt: str) -> bool:
-        """``tgt`` is a target entry, or a source of a fusion whose parameter is one."""
+    def fits(self, tgt: str, name: str) -> bool:
+        """``tgt`` (checkpoint tensor ``name``'s) is a target entry, or a source of a fusion
+        whose parameter is one."""
         if tgt in self.dests:
             return True
-        hit = _fusion_source(self.conv.fusions, tgt)
-        return hit is not None and hit[1] + self.conv.fusions[hit[0]].target in self.dests
+        hit = _fusion_source(self.conv.fusions, tgt, self.rank, name)
+        return hit is not None and hit[2] in self.dests
 
     def map(self, name: str) -> str | None:
         """The target of checkpoint tensor ``name``: the name given (or mapped), else
@@ -802,10 +854,10 @@ class _Targets:
             raise LoadError(f"name_map gave {clip(repr(tgt), MAX_NAME_CHARS)} for this "
                             f"checkpoint tensor; expected a target name (a str) or None",
                             tensor=name, rank=self.rank)
-        if tgt is None or self.conv.rename is None or self.fits(tgt):
+        if tgt is None or self.conv.rename is None or self.fits(tgt, name):
             return tgt
         renamed = self.conv.rename(tgt)
-        return renamed if self.fits(renamed) else tgt
+        return renamed if self.fits(renamed, name) else tgt
 
 
 def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = True,
@@ -851,12 +903,12 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
                 with writable(dst):   # an inference target takes it only in inference mode
                     dst.copy_(t)      # else the engine filled dst in place (out=direct)
             loaded.append(tgt)
-        for (k, prefix), parts in pl.fused.items():
-            t = _fuse(fusions[k], {i: {e: res.tensors[n] for e, n in p.items()}
-                                   for i, p in parts.items()}, pl.slots[(k, prefix)])
-            with writable(pl.fused_dst[(k, prefix)]):
-                pl.fused_dst[(k, prefix)].copy_(t)
-            loaded.append(prefix + fusions[k].target)
+        for key, parts in pl.fused.items():
+            t = _fuse(fusions[key[0]], {i: {e: res.tensors[n] for e, n in p.items()}
+                                        for i, p in parts.items()}, pl.slots[key])
+            with writable(pl.fused_dst[key]):
+                pl.fused_dst[key].copy_(t)
+            loaded.append(key[2])
     filled = set(loaded)
     return LoadIntoResult(loaded, pl.skipped,
                           sorted(k for k in dests if k not in filled and k not in pl.aliases),

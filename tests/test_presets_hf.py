@@ -9,6 +9,7 @@ not from the planner."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -1071,6 +1072,102 @@ def test_load_into_refuses_fusion_steps_that_leave_several_tensors(olmo_hybrid_c
         "but they do not fuse: transformers' steps (MergeModulelist(dim=0)) do not join "
         "them into one tensor")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def _regex_pattern_model(kind: str):
+    """A tiny transformers model whose conversion mapping writes its source patterns as
+    regexes (r"\\.experts.*.w1.weight" -> ".experts.gate_up_proj")."""
+    import transformers as T
+    if kind == "kimi_linear":
+        cfg = T.KimiLinearConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                                 moe_intermediate_size=32, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                                 qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                                 num_local_experts=4, num_experts_per_tok=2,
+                                 mlp_layer_types=["sparse", "sparse"],
+                                 layer_types=["linear_attention", "full_attention"],
+                                 linear_head_dim=16, linear_num_heads=4, pad_token_id=0,
+                                 bos_token_id=1, eos_token_id=2)
+        return lambda: T.KimiLinearForCausalLM(cfg)
+    cfg = T.DeepseekV4Config(vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                             head_dim=32, q_lora_rank=16, num_experts_per_tok=2,
+                             n_routed_experts=4, n_shared_experts=1,
+                             layer_types=["heavily_compressed_attention",
+                                          "compressed_sparse_attention"],
+                             mlp_layer_types=["moe", "moe"], o_groups=2, o_lora_rank=16,
+                             index_n_heads=4, index_head_dim=16, index_topk=8,
+                             num_nextn_predict_layers=0, qk_rope_head_dim=8, hc_mult=2,
+                             sliding_window=8)
+    return lambda: T.DeepseekV4ForCausalLM(cfg)
+
+
+@pytest.fixture(scope="module", params=["kimi_linear", "deepseek_v4"])
+def regex_pattern_ckpt(request, tmp_path_factory):
+    make = _regex_pattern_model(request.param)
+    model = make()
+    _refill(model, seed=41)
+    out = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(out)
+    return out, make
+
+
+def test_load_into_fuses_experts_through_regex_source_patterns(regex_pattern_ckpt):
+    """kimi_linear, deepseek_v4 (and minimax_m3_vl, mistral_large4_text) write their
+    source patterns as regexes (r"\\.experts.*.w1.weight"): load_into escaped them into a
+    literal backslash, matched nothing and refused the checkpoint save_pretrained wrote
+    ("no target entry ...experts.0.w1.weight"). Matched by transformers' own converters,
+    every parameter ends equal to what from_pretrained gives."""
+    from transformers import AutoModelForCausalLM
+    path, make = regex_pattern_ckpt
+    names = _full_tensors(path)
+    assert any(re.search(r"\.experts\.0\.w1\.weight$", k) for k in names)
+    want = AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
+    torch.manual_seed(5)
+    model = make()
+    res = cl.load_into(model, str(path), cl.Layout(), rank=0,
+                       rules=[{"pattern": "*", "strategy": "replicate"}])
+    assert any(n.endswith(".experts.gate_up_proj") for n in res.loaded)
+    assert set(dict(model.named_parameters())) <= set(res.loaded)
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_load_into_refuses_an_expert_wildcard_matching_no_index(regex_pattern_ckpt):
+    """transformers' "*" matches any text, dots included: a checkpoint name whose "*" part
+    is no expert index has no slot to go to, and is refused naming the pattern (stacking
+    it in name order, as transformers does, could put it in another expert's slot)."""
+    path, make = regex_pattern_ckpt
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(cl.LoadError) as ei:
+        cl.load_into(model, str(path), cl.Layout(), rank=0,
+                     rules=[{"pattern": "*", "strategy": "replicate"}],
+                     name_map=lambda n: n.replace(".experts.1.w1.", ".experts.1.a.w1."))
+    moe = "model.layers.0.block_sparse_moe" if "kimi" in path.name else "model.layers.0.ffn"
+    assert str(ei.value) == (
+        f"rank 0, tensor '{moe}.experts.1.w1.weight': transformers' pattern "
+        f"'\\\\.experts.*.w1.weight' matches '{moe}.experts.1.a.w1.weight' with '1.a' for "
+        "its '*'; expected an expert index (0, 1, ...) to place it by")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_load_into_refuses_two_tensors_for_one_expert_of_a_fusion(regex_pattern_ckpt):
+    """Two checkpoint tensors for one expert of one source (here name_map sends expert 1's
+    w1 to expert 0's): the slot held whichever came last; both are named."""
+    path, make = regex_pattern_ckpt
+    moe = "model.layers.0.block_sparse_moe" if "kimi" in path.name else "model.layers.0.ffn"
+    with pytest.raises(cl.LoadError) as ei:
+        cl.load_into(make(), str(path), cl.Layout(), rank=0,
+                     rules=[{"pattern": "*", "strategy": "replicate"}],
+                     name_map=lambda n: n.replace(".experts.1.w1.", ".experts.0.w1."))
+    assert str(ei.value) == (
+        f"rank 0, tensor '{moe}.experts.1.w1.weight': checkpoint tensors "
+        f"'{moe}.experts.0.w1.weight' and '{moe}.experts.1.w1.weight' are both expert 0 "
+        "source '\\\\.experts.*.w1.weight' of 'model.layers.0.mlp.experts.gate_up_proj'; "
+        "expected one (check name_map)")
 
 
 # --- gpt_oss: interleaved gate/up pairs; llama4: fused block halves -------------------------
