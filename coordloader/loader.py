@@ -554,6 +554,23 @@ def _transformers_conversion(target) -> _Conversion:
 _EXPERT_ID = re.compile(r"0|[1-9][0-9]*")   # one spelling per id: "01" and "1" are one expert
 
 
+@contextlib.contextmanager
+def _converter_api(f: _Fusion, name: str, tensor: str, rank: int):
+    """transformers' converters are matched through WeightConverter's private
+    ``_scoped_match``, its numbered groups and ``rename_source_key`` (transformers 5.25):
+    a transformers whose converters answer otherwise is refused naming the converter and
+    the version, not with a bare AttributeError from deep in load_into."""
+    try:
+        yield
+    except (AttributeError, TypeError, ValueError, IndexError, StopIteration) as e:
+        import transformers
+        raise LoadError(f"cannot apply transformers {transformers.__version__}'s weight "
+                        f"converter {list(f.source_names)} to {name!r} ({type(e).__name__}: "
+                        f"{e}); load_into applies the converters as transformers 5.25 has "
+                        f"them: load with from_pretrained, or map the names with name_map=",
+                        tensor=tensor, rank=rank) from None
+
+
 def _fusion_source(fusions: list[_Fusion], name: str, rank: int, tensor: str):
     """(fusion index, name prefix, fused target, source index, expert id) when ``name`` (of
     checkpoint tensor ``tensor``, after name_map) is a source of one of ``fusions``, else
@@ -562,14 +579,17 @@ def _fusion_source(fusions: list[_Fusion], name: str, rank: int, tensor: str):
     of it: their patterns are regexes (kimi_linear's "\\.experts.*.w1.weight"), and their
     ``*`` matches any text, dots included."""
     for k, f in enumerate(fusions):
-        hit = f.conv._scoped_match(name)
+        with _converter_api(f, name, tensor, rank):
+            hit = f.conv._scoped_match(name)
         if hit is None:
             continue
         if f.ops is None:   # transformers converts it another way: not a fused source
             return None
-        scope, key, m = hit
-        i = int(next(g for g, v in m.groupdict().items() if v is not None)[1:])
-        tgt, _ = f.conv.rename_source_key(name)
+        with _converter_api(f, name, tensor, rank):
+            scope, key, m = hit
+            # transformers names the alternative of its i-th source "g<i>"
+            i = int(next(g for g, v in m.groupdict().items() if v is not None)[1:])
+            tgt, _ = f.conv.rename_source_key(name)
         prefix = (scope or "") + key[:m.start()]
         reader = f.experts[i]
         if reader is None:

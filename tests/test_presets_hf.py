@@ -915,6 +915,31 @@ def test_load_into_fills_fused_expert_parameters(hf_checkpoint):
         assert torch.equal(got[k], ref[k]), k
 
 
+def test_load_into_refuses_converters_of_another_transformers_by_name(hf_checkpoint,
+                                                                     monkeypatch):
+    """load_into matches checkpoint names through transformers 5.25's private
+    WeightConverter._scoped_match: a transformers without it failed with a bare
+    AttributeError from deep in load_into."""
+    import transformers
+    from transformers.core_model_loading import WeightConverter
+
+    def gone(self, key):   # as on a transformers without it (its renamings keep theirs)
+        raise AttributeError("'WeightConverter' object has no attribute '_scoped_match'")
+    path = hf_checkpoint("qwen2_moe")
+    model = _qwen2_moe_model()
+    monkeypatch.setattr(WeightConverter, "_scoped_match", gone)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    whole = [{"pattern": n, "strategy": "replicate"} for n in ("*embed_tokens.weight", "lm_head.weight")]
+    with pytest.raises(cl.LoadError) as e:
+        cl.load_into(model, str(path), cl.Layout(), rank=0, rules=whole)
+    msg = str(e.value)
+    assert msg.startswith("rank 0, tensor 'model.layers.0.mlp.experts.0.down_proj.weight': "
+                          f"cannot apply transformers {transformers.__version__}'s weight "
+                          f"converter ["), msg
+    assert "(AttributeError: " in msg and "load with from_pretrained" in msg, msg
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_load_into_fuses_experts_in_the_expert_maps_order(hf_checkpoint):
     """An explicit expert map lists a rank's experts in slot order ((3, 1) on ep rank 0):
     load_into stacked them by id, expert 1 in slot 0, where a fused checkpoint's load
