@@ -713,7 +713,7 @@ def _prepare_fails_worker(rank: int, port: int, meta, plan, out_dir: str):
     results = []
     with faked_instanttensor(gloo_as_nccl=True), pytest.MonkeyPatch.context() as mp:
         mp.setattr(ite, "_safe_open", lambda: CollectiveSafeOpen)
-        for case in ("allocate", "check", None):
+        for case in ("allocate", "check", "import", None):
             with pytest.MonkeyPatch.context() as fault:
                 if rank == 0 and case == "allocate":
                     def oom(*a, **k):
@@ -724,6 +724,11 @@ def _prepare_fails_worker(rank: int, port: int, meta, plan, out_dir: str):
                         raise LoadError("file changed after its header was read",
                                         file=info.name, rank=rank)
                     fault.setattr(engines, "open_checked", changed)
+                if rank == 0 and case == "import":
+                    def broken():   # what _instanttensor() raises on a broken install
+                        raise LoadError("the instanttensor engine needs the 'instanttensor' "
+                                        "package: libcudart.so.13: cannot open shared object")
+                    fault.setattr(ite, "_safe_open", broken)
                 t0 = time.monotonic()
                 try:
                     select_engine("instanttensor", "cuda:0", plan=plan).load_rank(
@@ -741,10 +746,11 @@ PREPARE_TIMEOUT_S = 30
 
 def test_a_rank_failing_before_the_first_collective_stops_every_rank_by_name(ckpt, tmp_path):
     """Rank 0 failed a rank-local step of the load (allocation out of CUDA memory, the
-    check of a changed file) and left; rank 1 waited in safe_open's own all_reduce until
-    the process group's timeout (NCCL: a watchdog crash), the cause never named. Every
-    rank now prepares first and the ranks agree before the first collective: rank 0
-    raises its cause, rank 1 names rank 0, at once, and the group still loads after."""
+    check of a changed file, the import of instanttensor on a broken install) and left;
+    rank 1 waited in safe_open's own all_reduce until the process group's timeout (NCCL:
+    a watchdog crash), the cause never named. Every rank now prepares first and the
+    ranks agree before the first collective: rank 0 raises its cause, rank 1 names rank
+    0, at once, and the group still loads after."""
     from coordloader.dist.collective import free_port
 
     from ranks import spawn_and_wait
@@ -754,8 +760,9 @@ def test_a_rank_failing_before_the_first_collective_stops_every_rank_by_name(ckp
     spawn_and_wait(_prepare_fails_worker, (free_port(), meta, plan, str(tmp_path)), 2,
                    "2-rank load", hard_s=3 * PREPARE_TIMEOUT_S)
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
-    assert [c for c, _, _ in r0] == [c for c, _, _ in r1] == ["allocate", "check", None]
-    for case in (0, 1):
+    assert [c for c, _, _ in r0] == [c for c, _, _ in r1] == ["allocate", "check", "import",
+                                                              None]
+    for case in (0, 1, 2):
         assert r1[case][1] == ("LoadError: rank 1: rank 0 failed to prepare the instanttensor "
                                "load (destinations, file checks; its own error says why): "
                                "not loading"), r1
@@ -763,5 +770,7 @@ def test_a_rank_failing_before_the_first_collective_stops_every_rank_by_name(ckp
                         "OutOfMemoryError: CUDA out of memory (rank 0 only)")
     assert r0[1][1] == ("LoadError: rank 0, file a.safetensors: file changed after its "
                         "header was read")
-    assert r0[2][1] == r1[2][1] == "ok"
+    assert r0[2][1] == ("LoadError: the instanttensor engine needs the 'instanttensor' "
+                        "package: libcudart.so.13: cannot open shared object")
+    assert r0[3][1] == r1[3][1] == "ok"
     assert all(t < PREPARE_TIMEOUT_S / 2 for _, _, t in r0 + r1), (r0, r1)

@@ -396,9 +396,12 @@ class InstantTensorEngine:
         world = self.plan.world_size if self.plan is not None else 1
         with contextlib.ExitStack() as checked:
             # everything rank-local first, then agreement, then the first collective
-            dev = failure = None
+            dev = failure = opener = None
             try:
                 dev = check_device(device)
+                # the package imported here too: a node whose install is broken failed
+                # after the agreement, its peers left in safe_open's first collective
+                opener = _safe_open()
                 st = self._prepare(meta, rank_plan, dev, out, world, checked)
             except CoordloaderError as e:
                 failure = e
@@ -418,7 +421,6 @@ class InstantTensorEngine:
                                     f"load's group runs CUDA collectives with "
                                     f"{backend or 'no backend'}: pass an NCCL group, or use "
                                     f"--engine cpu", rank=rank)
-            opener = _safe_open()
             # dev made current: instanttensor lets its loader reuse a ring-buffer slot once
             # tensors() has synchronised torch.cuda.current_stream(), the current device's
             # stream; with another device current, the copy_ queued on dev's stream could
