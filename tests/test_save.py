@@ -730,6 +730,15 @@ def test_shapes_config_json_does_not_describe_are_saved(tmp_path, name, shape, d
     assert torch.equal(got.tensors[name], t)
 
 
+def _save_and_report(q, rank, out, mine, timeout=30, **kw):
+    """A rank's save, its outcome put on ``q`` as (rank, "ok" or "Type: message")."""
+    try:
+        save(out, mine, timeout=timeout, **kw)
+        q.put((rank, "ok"))
+    except Exception as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}"))
+
+
 def _local_shards_worker(rank, port, out, q, how):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -742,11 +751,7 @@ def _local_shards_worker(rank, port, out, q, how):
             mine = {"model.embed_tokens.weight": full,
                     "model.layers.0.self_attn.q_proj.weight":
                         torch.zeros(32, 64) + rank}
-        try:
-            save(out, mine, config=LLAMA_CFG, timeout=30)
-            q.put((rank, "ok"))
-        except Exception as e:  # noqa: BLE001
-            q.put((rank, f"{type(e).__name__}: {e}"))
+        _save_and_report(q, rank, out, mine, config=LLAMA_CFG)
     finally:
         dist.destroy_process_group()
 
@@ -1025,11 +1030,7 @@ def _views_worker(rank, port, out, q, how):
     try:
         w = torch.arange(12.0).reshape(4, 3)
         mine = {"w": cl.Boxed(w, (4, 3), (0, 0)) if rank == 0 else _VIEWS[how][0](w)}
-        try:
-            save(out, mine, config=CFG, timeout=30)
-            q.put((rank, "ok"))
-        except Exception as e:  # noqa: BLE001
-            q.put((rank, f"{type(e).__name__}: {e}"))
+        _save_and_report(q, rank, out, mine, config=CFG)
     finally:
         dist.destroy_process_group()
 
@@ -1082,11 +1083,7 @@ def _rank0_only_worker(rank, port, out, q, how):
         if rank == 1:          # in save(), its prepare slower than rank 0's timeout
             real = save_mod.resolve_config
             save_mod.resolve_config = lambda *a: (time.sleep(6), real(*a))[1]
-        try:
-            save(out, {"w": torch.ones(4, 4)}, config=CFG, timeout=3)
-            q.put((rank, "ok"))
-        except Exception as e:  # noqa: BLE001
-            q.put((rank, f"{type(e).__name__}: {e}"))
+        _save_and_report(q, rank, out, {"w": torch.ones(4, 4)}, config=CFG, timeout=3)
     finally:
         dist.destroy_process_group()
 
