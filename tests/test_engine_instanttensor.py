@@ -713,7 +713,7 @@ def _prepare_fails_worker(rank: int, port: int, meta, plan, out_dir: str):
     results = []
     with faked_instanttensor(gloo_as_nccl=True), pytest.MonkeyPatch.context() as mp:
         mp.setattr(ite, "_safe_open", lambda: CollectiveSafeOpen)
-        for case in ("allocate", "check", "import", None):
+        for case in ("allocate", "check", "import", "config", None):
             with pytest.MonkeyPatch.context() as fault:
                 if rank == 0 and case == "allocate":
                     def oom(*a, **k):
@@ -729,10 +729,16 @@ def _prepare_fails_worker(rank: int, port: int, meta, plan, out_dir: str):
                         raise LoadError("the instanttensor engine needs the 'instanttensor' "
                                         "package: libcudart.so.13: cannot open shared object")
                     fault.setattr(ite, "_safe_open", broken)
+                if rank == 0 and case == "config":   # the import parsing loader_config makes
+                    def broken_import():
+                        raise LoadError("the instanttensor engine needs the 'instanttensor' "
+                                        "package: libcudart.so.13 (config)")
+                    fault.setattr(ite, "_instanttensor", broken_import)
+                cfg = '{"chunk_size": 4096}' if case == "config" else None
                 t0 = time.monotonic()
                 try:
-                    select_engine("instanttensor", "cuda:0", plan=plan).load_rank(
-                        meta, plan.rank(rank), "cuda:0")
+                    select_engine("instanttensor", "cuda:0", plan=plan,
+                                  loader_config=cfg).load_rank(meta, plan.rank(rank), "cuda:0")
                     results.append([case, "ok", time.monotonic() - t0])
                 except Exception as e:
                     results.append([case, f"{type(e).__name__}: {e}", time.monotonic() - t0])
@@ -746,7 +752,8 @@ PREPARE_TIMEOUT_S = 30
 
 def test_a_rank_failing_before_the_first_collective_stops_every_rank_by_name(ckpt, tmp_path):
     """Rank 0 failed a rank-local step of the load (allocation out of CUDA memory, the
-    check of a changed file, the import of instanttensor on a broken install) and left;
+    check of a changed file, the import of instanttensor on a broken install, when the
+    engine is made or when it opens) and left;
     rank 1 waited in safe_open's own all_reduce until the process group's timeout (NCCL:
     a watchdog crash), the cause never named. Every rank now prepares first and the
     ranks agree before the first collective: rank 0 raises its cause, rank 1 names rank
@@ -761,8 +768,8 @@ def test_a_rank_failing_before_the_first_collective_stops_every_rank_by_name(ckp
                    "2-rank load", hard_s=3 * PREPARE_TIMEOUT_S)
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
     assert [c for c, _, _ in r0] == [c for c, _, _ in r1] == ["allocate", "check", "import",
-                                                              None]
-    for case in (0, 1, 2):
+                                                              "config", None]
+    for case in (0, 1, 2, 3):
         assert r1[case][1] == ("LoadError: rank 1: rank 0 failed to prepare the instanttensor "
                                "load (destinations, file checks; its own error says why): "
                                "not loading"), r1
@@ -772,5 +779,7 @@ def test_a_rank_failing_before_the_first_collective_stops_every_rank_by_name(ckp
                         "header was read")
     assert r0[2][1] == ("LoadError: the instanttensor engine needs the 'instanttensor' "
                         "package: libcudart.so.13: cannot open shared object")
-    assert r0[3][1] == r1[3][1] == "ok"
+    assert r0[3][1] == ("LoadError: the instanttensor engine needs the 'instanttensor' "
+                        "package: libcudart.so.13 (config)")
+    assert r0[4][1] == r1[4][1] == "ok"
     assert all(t < PREPARE_TIMEOUT_S / 2 for _, _, t in r0 + r1), (r0, r1)

@@ -320,7 +320,14 @@ class InstantTensorEngine:
                  loader_config: str | Mapping | None = None):
         self.plan = plan
         self.group = group
-        self.tuning = parse_loader_config(loader_config)
+        # parsing imports instanttensor: a node whose install is broken fails here, and it
+        # is raised in load_rank, before the ranks agree, not here, where its peers would
+        # wait for it in the engine's agreement until the group's timeout
+        self._config_error: LoadError | None = None
+        try:
+            self.tuning = parse_loader_config(loader_config)
+        except LoadError as e:
+            self.tuning, self._config_error = {}, e
 
     # -- load groups ---------------------------------------------------------------
     def load_groups(self, meta: CheckpointMeta) -> tuple[LoadGroup, ...]:
@@ -398,6 +405,8 @@ class InstantTensorEngine:
             # everything rank-local first, then agreement, then the first collective
             dev = failure = opener = None
             try:
+                if self._config_error is not None:
+                    raise self._config_error
                 dev = check_device(device)
                 # the package imported here too: a node whose install is broken failed
                 # after the agreement, its peers left in safe_open's first collective
