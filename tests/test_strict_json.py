@@ -104,13 +104,15 @@ def test_save_config_refused_as_the_reader_would(tmp_path, text, msg):
 
 
 @pytest.mark.parametrize("cfg, msg", [
-    ({"x": float("nan")}, "Out of range float values are not JSON compliant"),
     ({1: "a", "1": "b"}, "duplicate key '1'"),
     ({"seed": 2**70}, "out of range"),
-], ids=["nan", "int-and-str-key", "huge-int"])
+    ({"blob": "x" * (17 << 20)}, "bytes as JSON; expected at most 16777216"),
+    ({"lists": [[] for _ in range(200_000)]}, "JSON arrays and objects in"),
+], ids=["int-and-str-key", "huge-int", "over-16-MiB", "dense"])
 def test_save_config_dict_the_reader_would_refuse_is_refused(tmp_path, cfg, msg):
-    """config= as a dict was written with json.dumps as it came: NaN as NaN, keys 1 and
-    "1" as one key twice; the save finished and its output failed to load."""
+    """config= as a dict was written with json.dumps as it came: keys 1 and "1" as one
+    key twice, an int past 2**63, more than the reader takes of a config.json; the save
+    finished and its output failed to load."""
     src = synthesize(str(tmp_path / "src"), "llama", "tiny")
     layout = Layout(tp=1)
     doc = dict(json.loads(open(f"{src}/config.json").read()), **{str(k): v for k, v in cfg.items()
@@ -120,3 +122,18 @@ def test_save_config_dict_the_reader_would_refuse_is_refused(tmp_path, cfg, msg)
         save(tmp_path / "out", cl.load(src, layout, rank=0), cl.make_plan(src, layout), rank=0,
              config=doc)
     assert not (tmp_path / "out").exists()
+
+
+def test_save_config_dict_with_infinity_is_written_as_transformers_writes_it(tmp_path):
+    """Mamba2's default time_step_limit is (0.0, inf): json.dumps wrote Infinity, which
+    the reader refuses, and a first fix refused the dict. transformers writes such a float
+    as {"__float__": "Infinity"}, and so does save now."""
+    src = synthesize(str(tmp_path / "src"), "llama", "tiny")
+    layout = Layout(tp=1)
+    doc = dict(json.loads(open(f"{src}/config.json").read()),
+               time_step_limit=(0.0, float("inf")), bound=float("-inf"), odd=float("nan"))
+    save(tmp_path / "out", cl.load(src, layout, rank=0), cl.make_plan(src, layout), rank=0,
+         config=doc)
+    got = read_checkpoint(str(tmp_path / "out")).config
+    assert got["time_step_limit"] == [0.0, {"__float__": "Infinity"}]
+    assert got["bound"] == {"__float__": "-Infinity"} and got["odd"] == {"__float__": "NaN"}

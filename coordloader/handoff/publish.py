@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 from typing import Any, Callable, Mapping, NamedTuple
@@ -355,6 +356,23 @@ class ModelConfig(NamedTuple):
     src_dir: str | None
 
 
+_FLOAT_TAG = "__float__"   # transformers' tag for the floats JSON cannot hold
+
+
+def _tag_special_floats(obj: Any) -> Any:
+    """``obj`` with every infinite or NaN float written as transformers writes it in a
+    config.json (``{"__float__": "Infinity"}``, ``"-Infinity"``, ``"NaN"``; its
+    from_pretrained reads them back): Mamba2's default ``time_step_limit`` is
+    ``(0.0, inf)``, and JSON has no Infinity."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {_FLOAT_TAG: "NaN" if obj != obj else ("Infinity" if obj > 0 else "-Infinity")}
+    if isinstance(obj, dict):
+        return {k: _tag_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_tag_special_floats(v) for v in obj]
+    return obj
+
+
 def resolve_config(config: Any, rank: int | None) -> ModelConfig:
     """Read ``config=`` (a dict, a path to config.json, or the source checkpoint directory)
     before anything is written; refuse None (save's rule: a checkpoint without config.json
@@ -368,10 +386,18 @@ def resolve_config(config: Any, rank: int | None) -> ModelConfig:
                         "into a checkpoint transformers accepts", rank=rank)
     if isinstance(config, Mapping):
         try:
-            data = (json.dumps(dict(config), indent=2, allow_nan=False) + "\n").encode()
+            data = (json.dumps(_tag_special_floats(dict(config)), indent=2,
+                               allow_nan=False) + "\n").encode()
+            if len(data) > MAX_CONFIG:   # the reader's own bounds on a config.json
+                raise ValueError(f"it is {len(data)} bytes as JSON; expected at most "
+                                 f"{MAX_CONFIG}")
+            refuse_dense_json(data, CONFIG_NAME, "config")
             # read back as the reader will read it: keys 1 and "1" become one key twice,
             # an int past 2**63 is refused; the parsed form is what the save plans with
             doc = parse_strict_json(data)
+        except CheckpointError as e:
+            raise SaveError(f"config= dict is not JSON the reader accepts: {e.message}",
+                            rank=rank) from None
         except (TypeError, ValueError, RecursionError) as e:
             raise SaveError(f"config= dict is not JSON the reader accepts: {e}",
                             rank=rank) from None
