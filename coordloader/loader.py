@@ -506,7 +506,7 @@ def _expert_reader(source: str) -> re.Pattern | None:
     return re.compile(pattern)
 
 
-def _transformers_conversion(target) -> _Conversion:
+def _transformers_conversion(target, rank: int) -> _Conversion:
     """transformers' conversion mapping for ``target`` (a transformers model): its
     converters, those of MergeModulelist / Concatenate steps applied (the model holds
     experts fused that checkpoints store one by one), and the renamings (mixtral's ".block_sparse_moe." ->
@@ -531,43 +531,52 @@ def _transformers_conversion(target) -> _Conversion:
             renamings.append(conv)
         if not isinstance(conv, WeightConverter):
             continue
-        ops: list[tuple[str, int]] | None = []
-        for op in conv.operations:
-            if type(op) is MergeModulelist:
-                ops.append(("merge", op.dim))
-            elif type(op) is Concatenate:
-                ops.append(("concat", op.dim))
-            else:
-                ops = None
-                break
-        srcs = conv.source_patterns   # as transformers matches them (\1 and ^ resolved)
-        # one target, and at most one "*" an expert id can come from
-        if ops is not None and not (len(conv.target_patterns) == 1
-                                    and all(s.count("*.") <= 1 for s in srcs)):
-            ops = None
-        out.append(_Fusion(conv, tuple(_expert_reader(s) for s in srcs) if ops is not None else (),
-                           tuple(ops) if ops is not None else None,
-                           tuple(getattr(conv, "_original_source_patterns", srcs))))
+        with _converter_api(clip(repr(conv), MAX_NAME_CHARS), rank):
+            out.append(_fusion_of(conv, MergeModulelist, Concatenate))
     return _Conversion(out, (lambda n: apply_renamings(n, renamings)) if renamings else None)
+
+
+def _fusion_of(conv, merge_type, concat_type) -> _Fusion:
+    """A converter as load_into applies it (``ops`` None: one it does not)."""
+    ops: list[tuple[str, int]] | None = []
+    for op in conv.operations:
+        if type(op) is merge_type:
+            ops.append(("merge", op.dim))
+        elif type(op) is concat_type:
+            ops.append(("concat", op.dim))
+        else:
+            ops = None
+            break
+    srcs = conv.source_patterns   # as transformers matches them (\1 and ^ resolved)
+    # one target, and at most one "*" an expert id can come from
+    if ops is not None and not (len(conv.target_patterns) == 1
+                                and all(s.count("*.") <= 1 for s in srcs)):
+        ops = None
+    return _Fusion(conv, tuple(_expert_reader(s) for s in srcs) if ops is not None else (),
+                   tuple(ops) if ops is not None else None,
+                   tuple(getattr(conv, "_original_source_patterns", srcs)))
 
 
 _EXPERT_ID = re.compile(r"0|[1-9][0-9]*")   # one spelling per id: "01" and "1" are one expert
 
 
 @contextlib.contextmanager
-def _converter_api(f: _Fusion, name: str, tensor: str, rank: int):
-    """transformers' converters are matched through WeightConverter's private
-    ``_scoped_match``, its numbered groups and ``rename_source_key`` (transformers 5.25):
-    a transformers whose converters answer otherwise is refused naming the converter and
+def _converter_api(converter: str, rank: int, name: str | None = None,
+                   tensor: str | None = None):
+    """transformers' converters are read through WeightConverter's ``operations``,
+    ``source_patterns`` and ``target_patterns``, and matched through its private
+    ``_scoped_match``, numbered groups and ``rename_source_key`` (transformers 5.25): a
+    transformers whose converters answer otherwise is refused naming the converter and
     the version, not with a bare AttributeError from deep in load_into."""
     try:
         yield
     except (AttributeError, TypeError, ValueError, IndexError, StopIteration) as e:
         import transformers
+        to = "" if name is None else f" to {name!r}"
         raise LoadError(f"cannot apply transformers {transformers.__version__}'s weight "
-                        f"converter {list(f.source_names)} to {name!r} ({type(e).__name__}: "
-                        f"{e}); load_into applies the converters as transformers 5.25 has "
-                        f"them: load with from_pretrained, or map the names with name_map=",
+                        f"converter {converter}{to} ({type(e).__name__}: {e}); load_into "
+                        f"applies the converters as transformers 5.25 has them: load with "
+                        f"from_pretrained, or map the names with name_map=",
                         tensor=tensor, rank=rank) from None
 
 
@@ -579,13 +588,13 @@ def _fusion_source(fusions: list[_Fusion], name: str, rank: int, tensor: str):
     of it: their patterns are regexes (kimi_linear's "\\.experts.*.w1.weight"), and their
     ``*`` matches any text, dots included."""
     for k, f in enumerate(fusions):
-        with _converter_api(f, name, tensor, rank):
+        with _converter_api(str(list(f.source_names)), rank, name, tensor):
             hit = f.conv._scoped_match(name)
         if hit is None:
             continue
         if f.ops is None:   # transformers converts it another way: not a fused source
             return None
-        with _converter_api(f, name, tensor, rank):
+        with _converter_api(str(list(f.source_names)), rank, name, tensor):
             scope, key, m = hit
             # transformers names the alternative of its i-th source "g<i>"
             i = int(next(g for g, v in m.groupdict().items() if v is not None)[1:])
@@ -834,7 +843,7 @@ class _Targets:
             lazy = uninitialized(t)
             if lazy is not None:
                 raise LoadError(f"target {clip(repr(tgt), MAX_NAME_CHARS)} is {lazy}", rank=rank)
-        self.conv = _transformers_conversion(target)
+        self.conv = _transformers_conversion(target, rank)
         if callable(name_map):
             self.given = name_map
         elif isinstance(name_map, Mapping):

@@ -940,6 +940,32 @@ def test_load_into_refuses_converters_of_another_transformers_by_name(hf_checkpo
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_load_into_refuses_converters_without_the_fields_it_reads(hf_checkpoint, monkeypatch):
+    """The converters' operations, read before any name is matched, failed with a bare
+    AttributeError where the first refusal of another transformers' converters did not
+    reach."""
+    import transformers
+    import transformers.conversion_mapping as cm
+    from transformers.core_model_loading import WeightConverter
+    path = hf_checkpoint("qwen2_moe")
+    model = _qwen2_moe_model()
+    made = cm.get_model_conversion_mapping
+
+    def then_without_operations(*a, **k):   # built, then read as on a transformers without
+        out = made(*a, **k)
+        monkeypatch.setattr(WeightConverter, "operations", property(lambda self: self.gone),
+                            raising=False)
+        return out
+    monkeypatch.setattr(cm, "get_model_conversion_mapping", then_without_operations)
+    whole = [{"pattern": n, "strategy": "replicate"} for n in ("*embed_tokens.weight", "lm_head.weight")]
+    with pytest.raises(cl.LoadError) as e:
+        cl.load_into(model, str(path), cl.Layout(), rank=0, rules=whole)
+    msg = str(e.value)
+    assert msg.startswith(f"rank 0: cannot apply transformers {transformers.__version__}'s "
+                          f"weight converter WeightConverter("), msg
+    assert "(AttributeError: " in msg and "load with from_pretrained" in msg, msg
+
+
 def test_load_into_fuses_experts_in_the_expert_maps_order(hf_checkpoint):
     """An explicit expert map lists a rank's experts in slot order ((3, 1) on ep rank 0):
     load_into stacked them by id, expert 1 in slot 0, where a fused checkpoint's load
