@@ -369,19 +369,27 @@ def test_a_lazy_target_is_refused_naming_it(tmp_path, as_module):
     assert torch.equal(lazy.weight, torch.arange(12.0).reshape(3, 4))
 
 
-@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "nested"])
-def test_a_sparse_or_nested_out_destination_is_refused_naming_it(ab, kind):
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "nested", "negative-bit"])
+@pytest.mark.parametrize("api", ["out", "load_into"])
+def test_a_sparse_or_nested_out_destination_is_refused_naming_it(ab, kind, api):
     """out= took them as load_into once did: a COO destination refused as sharing
-    memory, a CSR or nested one failing in torch, untyped."""
+    memory, a CSR or nested one failing in torch, untyped; a contiguous tensor with
+    torch's negative bit (x.conj().imag, _neg_view) failed in the cpu engine's byte view,
+    untyped, through both."""
     with warnings.catch_warnings():   # torch's beta/prototype notices for these layouts
         warnings.simplefilter("ignore")
         b = {"sparse_coo": lambda: torch.zeros(4).to_sparse(),
              "sparse_csr": lambda: torch.zeros(1, 4).to_sparse_csr(),
-             "nested": lambda: torch.nested.nested_tensor([torch.zeros(2)])}[kind]()
+             "nested": lambda: torch.nested.nested_tensor([torch.zeros(2)]),
+             "negative-bit": lambda: torch._neg_view(torch.zeros(4))}[kind]()
     a = torch.full((4,), -1.0)
     with pytest.raises(LoadError) as e:
-        cl.load_detailed(ab, Layout(), out={"a": a, "b": b}, **ONE)
-    assert str(e.value) == (f"rank 0, tensor 'b': destination is a {kind} tensor; expected a "
+        if api == "out":
+            cl.load_detailed(ab, Layout(), out={"a": a, "b": b}, **ONE)
+        else:
+            cl.load_into({"a": a, "b": b}, ab, Layout(), engine="cpu", **ONE)
+    what = "destination" if api == "out" else "target 'b'"
+    assert str(e.value) == (f"rank 0, tensor 'b': {what} is a {kind} tensor; expected a "
                             f"dense (strided) tensor (load into a dense one, then convert it)")
     assert a.tolist() == [-1.0] * 4   # refused before any read
 

@@ -970,6 +970,8 @@ def test_a_parameter_subclass_is_saved_like_a_plain_tensor(tmp_path):
      ".to_dense() first)"),
     ("nested", "rank 0, tensor 'x': is a nested tensor; expected a dense tensor (call "
                ".to_dense() first)"),
+    (torch._neg_view(torch.ones(2)), "rank 0, tensor 'x': is a negative-bit tensor; expected a "
+                                     "dense tensor (call .resolve_neg() first)"),
     (torch.zeros(2, dtype=torch.complex64),
      "rank 0, tensor 'x': has dtype torch.complex64, which safetensors cannot store; convert it "
      "first"),
@@ -984,8 +986,8 @@ def test_a_parameter_subclass_is_saved_like_a_plain_tensor(tmp_path):
     ("boxed-subclass", "rank 0, tensor 'x': the Boxed tensor is a TwoTensor, a tensor subclass "
                        "that wraps others; expected a tensor whose own storage holds its values "
                        "(unwrap or dequantize it to a plain tensor first)"),
-], ids=["meta", "sparse", "nested", "complex", "boxed-list", "boxed-float", "subclass",
-        "uninitialized", "boxed-subclass"])
+], ids=["meta", "sparse", "nested", "negative-bit", "complex", "boxed-list", "boxed-float",
+        "subclass", "uninitialized", "boxed-subclass"])
 def test_tensors_that_cannot_be_written_are_named(tmp_path, value, msg):
     """Each of these raised a bare torch error (or one naming no tensor and no rank)."""
     from coordloader.errors import SaveError

@@ -213,7 +213,13 @@ def layout_kind(t: torch.Tensor) -> str | None:
     no engine reads into and no writer writes from."""
     if t.is_nested:   # a nested tensor says torch.strided (or jagged) and has no sizes
         return "nested"
-    return None if t.layout == torch.strided else str(t.layout).removeprefix("torch.")
+    if t.layout != torch.strided:
+        return str(t.layout).removeprefix("torch.")
+    # torch's lazy negation or conjugation (x.conj().imag): the storage holds other values
+    # than the tensor shows, and the cpu engine's byte view of it failed in torch, untyped
+    if t.is_neg():
+        return "negative-bit"
+    return "conjugate-bit" if t.is_conj() else None
 
 
 def require_tensor(t, what: str, name: str | None, rank: int | None) -> None:

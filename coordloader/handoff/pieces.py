@@ -144,8 +144,10 @@ def _local(name, t, rank: int, what: str = "") -> torch.Tensor:
                         f"it first)", tensor=name, rank=rank)
     kind = layout_kind(t)
     if kind is not None:   # (a nested tensor failed untyped, on its shape)
-        raise SaveError(f"{what}is a {kind} tensor; expected a dense tensor (call "
-                        f".to_dense() first)", tensor=name, rank=rank)
+        fix = {"negative-bit": ".resolve_neg()", "conjugate-bit": ".resolve_conj()"}.get(
+            kind, ".to_dense()")
+        raise SaveError(f"{what}is a {kind} tensor; expected a dense tensor (call {fix} "
+                        f"first)", tensor=name, rank=rank)
     try:
         from_torch(t.dtype)
     except CoordloaderError:
