@@ -542,6 +542,14 @@ def _copy_without(src, dst, *drop):
     return str(dst)
 
 
+def _refused_once_renamed(d: str, old: str, new: str) -> str:
+    """The CheckpointError reading ``d`` gives once its file ``old`` is renamed ``new``."""
+    os.rename(os.path.join(d, old), os.path.join(d, new))
+    with pytest.raises(CheckpointError) as e:
+        cl.read_checkpoint(d)
+    return str(e.value)
+
+
 def test_dcp_output_without_rank_0s_file_is_refused(dcp3_out, tmp_path):
     """DDP state saved by DCP from 3 ranks: deduplication writes each whole tensor in one
     rank's file only, so without rank 0's file the rest loaded as the whole model (17 of 21
@@ -561,11 +569,8 @@ def test_dcp_output_without_rank_0s_file_is_refused(dcp3_out, tmp_path):
         f"up but no shard-00001-model-00001-of-00001.safetensors, rank 0's file: rank 0 writes "
         f"one whenever it holds a tensor, so the copy is incomplete and every tensor only it "
         f"held would be missing; expected every rank's shard-*.safetensors file")
-    os.rename(os.path.join(short, "shard-00002-model-00001-of-00001.safetensors"),
-              os.path.join(short, "shard-00000-model-00001-of-00001.safetensors"))
-    with pytest.raises(CheckpointError) as e:
-        cl.read_checkpoint(short)
-    assert str(e.value) == (
+    assert _refused_once_renamed(short, "shard-00002-model-00001-of-00001.safetensors",
+                                 "shard-00000-model-00001-of-00001.safetensors") == (
         f"file {short}: holds shard-00000-model-00001-of-00001.safetensors: torch DCP numbers "
         f"each rank's files from shard-00001 (rank 0); expected shard-00001 and up")
 
@@ -585,11 +590,8 @@ def test_dcp_files_of_two_saves_or_past_their_count_are_refused(dcp3_out, tmp_pa
         f"shard-00001-model-00001-of-00002.safetensors one of 2, while one save states one "
         f"count in every file name; expected one checkpoint per directory")
     past = _copy_without(dcp3_out / "ddp-map", tmp_path / "past")
-    os.rename(os.path.join(past, "shard-00002-model-00002-of-00002.safetensors"),
-              os.path.join(past, "shard-00002-model-00003-of-00002.safetensors"))
-    with pytest.raises(CheckpointError) as e:
-        cl.read_checkpoint(past)
-    assert str(e.value) == (
+    assert _refused_once_renamed(past, "shard-00002-model-00002-of-00002.safetensors",
+                                 "shard-00002-model-00003-of-00002.safetensors") == (
         f"file {past}: holds shard-00002-model-00003-of-00002.safetensors, file 3 of 2: torch "
         f"DCP numbers a save's files up to their count; expected model-K-of-00002 with K at "
         f"most 2")
