@@ -892,6 +892,14 @@ def test_preset_splits_fused_experts_like_vllm(fused_qwen2_moe_state, layout):
     check_family(fused_qwen2_moe_state, fam, layout)
 
 
+def assert_same_state(model, want: dict) -> None:
+    """``model``'s state dict is ``want`` (from_pretrained's), key for key, bit for bit."""
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
 def test_load_into_fills_fused_expert_parameters(hf_checkpoint):
     """A transformers 5 MoE model holds experts fused (gate_up_proj [E, 2I, H]); its
     checkpoint stores them one by one. load_into applies transformers' own conversion
@@ -909,10 +917,7 @@ def test_load_into_fills_fused_expert_parameters(hf_checkpoint):
     res = cl.load_into(model, str(path), cl.Layout(), rank=0, rules=whole)
     assert set(dict(model.named_parameters())) <= set(res.loaded)   # rotary buffers are computed
     assert "model.layers.0.mlp.experts.gate_up_proj" in res.loaded
-    got, ref = model.state_dict(), want.state_dict()
-    assert got.keys() == ref.keys()
-    for k in ref:
-        assert torch.equal(got[k], ref[k]), k
+    assert_same_state(model, want.state_dict())
 
 
 def test_load_into_refuses_converters_of_another_transformers_by_name(hf_checkpoint,
@@ -1038,10 +1043,7 @@ def test_load_into_fuses_mixtral_experts_through_leading_dot_patterns(tmp_path, 
               (lambda n: n.replace(".block_sparse_moe.", ".mlp.")))
     res = cl.load_into(model, str(tmp_path), cl.Layout(), rank=0, rules=whole, name_map=rename)
     assert set(dict(model.named_parameters())) <= set(res.loaded)
-    got = model.state_dict()
-    assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    assert_same_state(model, want)
 
 
 @pytest.fixture(scope="module")
@@ -1081,10 +1083,7 @@ def test_load_into_fuses_sources_without_an_expert_index(olmo_hybrid_ckpt):
                        rules=[{"pattern": "*", "strategy": "replicate"}])
     assert OLMO_CONV in res.loaded
     assert set(dict(model.named_parameters())) <= set(res.loaded)
-    got = model.state_dict()
-    assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    assert_same_state(model, want)
 
 
 def test_load_into_refuses_a_missing_source_of_a_concatenation(olmo_hybrid_ckpt):
@@ -1180,10 +1179,7 @@ def test_load_into_fuses_experts_through_regex_source_patterns(regex_pattern_ckp
                        rules=[{"pattern": "*", "strategy": "replicate"}])
     assert any(n.endswith(".experts.gate_up_proj") for n in res.loaded)
     assert set(dict(model.named_parameters())) <= set(res.loaded)
-    got = model.state_dict()
-    assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    assert_same_state(model, want)
 
 
 def test_load_into_refuses_an_expert_wildcard_matching_no_index(regex_pattern_ckpt):
