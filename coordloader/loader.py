@@ -531,18 +531,19 @@ def _transformers_conversion(target, rank: int) -> _Conversion:
             renamings.append(conv)
         if not isinstance(conv, WeightConverter):
             continue
-        with _converter_api(clip(repr(conv), MAX_NAME_CHARS), rank):
+        with _converter_api(conv, rank):
             out.append(_fusion_of(conv, MergeModulelist, Concatenate))
     return _Conversion(out, (lambda n: apply_renamings(n, renamings)) if renamings else None)
 
 
-def _fusion_of(conv, merge_type, concat_type) -> _Fusion:
-    """A converter as load_into applies it (``ops`` None: one it does not)."""
+def _fusion_of(conv, merge: type, concat: type) -> _Fusion:
+    """A converter as load_into applies it (``ops`` None: one it does not); ``merge`` and
+    ``concat``: transformers' MergeModulelist and Concatenate, the steps it applies."""
     ops: list[tuple[str, int]] | None = []
     for op in conv.operations:
-        if type(op) is merge_type:
+        if type(op) is merge:
             ops.append(("merge", op.dim))
-        elif type(op) is concat_type:
+        elif type(op) is concat:
             ops.append(("concat", op.dim))
         else:
             ops = None
@@ -561,17 +562,21 @@ _EXPERT_ID = re.compile(r"0|[1-9][0-9]*")   # one spelling per id: "01" and "1" 
 
 
 @contextlib.contextmanager
-def _converter_api(converter: str, rank: int, name: str | None = None,
+def _converter_api(converter: Any, rank: int, name: str | None = None,
                    tensor: str | None = None):
     """transformers' converters are read through WeightConverter's ``operations``,
     ``source_patterns`` and ``target_patterns``, and matched through its private
     ``_scoped_match``, numbered groups and ``rename_source_key`` (transformers 5.25): a
     transformers whose converters answer otherwise is refused naming the converter and
-    the version, not with a bare AttributeError from deep in load_into."""
+    the version, not with a bare AttributeError from deep in load_into. ``converter``:
+    the converter, or its source patterns (a tuple), formatted only on a refusal: this
+    wraps every match of every checkpoint name."""
     try:
         yield
     except (AttributeError, TypeError, ValueError, IndexError, StopIteration) as e:
         import transformers
+        converter = (list(converter) if isinstance(converter, tuple)
+                     else clip(repr(converter), MAX_NAME_CHARS))
         to = "" if name is None else f" to {name!r}"
         raise LoadError(f"cannot apply transformers {transformers.__version__}'s weight "
                         f"converter {converter}{to} ({type(e).__name__}: {e}); load_into "
@@ -588,13 +593,13 @@ def _fusion_source(fusions: list[_Fusion], name: str, rank: int, tensor: str):
     of it: their patterns are regexes (kimi_linear's "\\.experts.*.w1.weight"), and their
     ``*`` matches any text, dots included."""
     for k, f in enumerate(fusions):
-        with _converter_api(str(list(f.source_names)), rank, name, tensor):
+        with _converter_api(f.source_names, rank, name, tensor):
             hit = f.conv._scoped_match(name)
         if hit is None:
             continue
         if f.ops is None:   # transformers converts it another way: not a fused source
             return None
-        with _converter_api(str(list(f.source_names)), rank, name, tensor):
+        with _converter_api(f.source_names, rank, name, tensor):
             scope, key, m = hit
             # transformers names the alternative of its i-th source "g<i>"
             i = int(next(g for g, v in m.groupdict().items() if v is not None)[1:])
