@@ -353,6 +353,9 @@ def note_header_seen(path: str, st: os.stat_result, header_sha256: str, *,
     _HEADERS_SEEN[path] = _HeaderSeen(stat_key(st), header_sha256)
 
 
+STAT_KEY_FIELDS = ("device", "inode", "size", "mtime", "ctime")   # stat_key's, in order
+
+
 def stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
     """What identifies a file's content without reading it: (device, inode) for a file
     replaced, (size, mtime, ctime) for one rewritten in place."""

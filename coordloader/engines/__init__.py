@@ -365,9 +365,6 @@ def refuse_changed(path: str, fd: int, info, rank: int | None, *,
     return st
 
 
-_KEY_FIELDS = ("device", "inode", "size", "mtime", "ctime")   # stat_key's order
-
-
 def refuse_moved(fd: int, checked: os.stat_result, info, rank: int | None, *,
                  during: str = "the load") -> None:
     """LoadError unless the file open on ``fd`` still has the ``stat_key`` of ``checked``,
@@ -375,25 +372,23 @@ def refuse_moved(fd: int, checked: os.stat_result, info, rank: int | None, *,
     rewritten in place (same size and header, other data) while it is read loads as a mix
     of its old and new bytes, which no check made before the reads can see: each engine
     calls this on every file once its reads are done, before the descriptor closes (one
-    ``fstat`` per file, not per read). A rewrite within one tick of the file system's
+    ``fstat`` per file, not per read; the safetensors engine, whose mapped reads a
+    truncation would end in SIGBUS, also before each piece). A rewrite within one tick of the file system's
     coarse clock after the file's last change moves neither time and is not seen; nor is
     one that sets the mtime back to the very nanosecond it had (the ctime alone moving is
     let through, below)."""
-    from coordloader.checkpoint.reader import stat_key
-    st = os.fstat(fd)
-    was, now = stat_key(checked), stat_key(st)
-    if now == was:
-        return
+    from coordloader.checkpoint.reader import STAT_KEY_FIELDS, stat_key
+    moved = [(what, a, b) for what, a, b in zip(STAT_KEY_FIELDS, stat_key(checked),
+                                                 stat_key(os.fstat(fd))) if a != b]
     # the ctime alone moves for a chmod, a rename, a hard link made or removed (a new
     # file renamed over the path, a backup snapshot), an xattr, an atime set back: the
     # bytes read through the descriptor are still the checked file's, and refusing would
     # fail a good load. A write moves the mtime, and a new version copied in place with
     # its times kept (rsync --inplace -t) has its own mtime, not the old file's
-    if [w for w, a, b in zip(_KEY_FIELDS, was, now) if a != b] == ["ctime"]:
+    if not moved or [what for what, _, _ in moved] == ["ctime"]:
         return
-    moved = [f"{what} ({a} -> {b} bytes)" if what == "size" else what
-             for what, a, b in zip(_KEY_FIELDS, was, now) if a != b]
-    said = moved[0] if len(moved) == 1 else f"{', '.join(moved[:-1])} and {moved[-1]}"
+    shown = [f"{what} ({a} -> {b} bytes)" if what == "size" else what for what, a, b in moved]
+    said = shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} and {shown[-1]}"
     raise LoadError(f"file changed during {during}: its {said} moved after it was "
                     f"checked before the reads (rewritten in place or truncated), so the "
                     f"bytes read may mix two versions "
