@@ -520,17 +520,15 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
             raise SaveError(f"local-mode save: call save() for ranks in order 0..{world - 1}; ranks "
                             f"{missing} have not been saved into this staging directory"
                             f"{_group_hint(rank)}", file=stage_dir, rank=rank)
-        # a box an earlier rank already wrote (a Boxed replica) is written once, as in a
-        # distributed save, and only under the dtype and global shape that rank gave it
-        try:
-            held = [[(p["name"], p["box"], p["dtype"], p["shape"])
-                     for p in _record(stage_dir, r)["pieces"]] for r in range(rank)]
-            pieces = keep_primaries(pieces, held + [undecided(pieces)], rank)
-        except BaseException:
-            shutil.rmtree(stage_dir, ignore_errors=True)
-            raise
+    earlier = [_record(stage_dir, r) for r in range(rank)]   # read once: the index uses them
     t0 = time.perf_counter()
     try:
+        if earlier:
+            # a box an earlier rank already wrote (a Boxed replica) is written once, as in
+            # a distributed save, and only under the dtype and global shape that rank gave it
+            held = [[(p["name"], p["box"], p["dtype"], p["shape"]) for p in r["pieces"]]
+                    for r in earlier]
+            pieces = keep_primaries(pieces, held + [undecided(pieces)], rank)
         rec = _write_rank(stage_dir, pieces, rank, max_shard_bytes, digests)
         write_json_durable(os.path.join(stage_dir, f"rank-{rank:05d}.json"), rec)
     except OSError as e:
@@ -542,6 +540,6 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
     secs = time.perf_counter() - t0
     wrote = False
     if rank == world - 1:
-        recs = [_record(stage_dir, r) for r in range(world)]
+        recs = earlier + [_record(stage_dir, rank)]
         wrote = _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order)
     return SaveResult(out_dir, rank, tuple(rec["files"]), rec["bytes"], secs, rank == world - 1, wrote)
