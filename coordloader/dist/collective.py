@@ -1027,12 +1027,12 @@ def _cleanup(group: Group, seq: int, name: str) -> None:
 
 
 # What a collective backend says when a peer went away; gloo raises plain RuntimeErrors.
-_COMM_TEXT = ("connection closed by peer", "connection reset by peer", "timed out waiting",
-              "broken pipe", "gloo", "nccl", "connection refused")
-# of those, the texts that say only that a peer stopped answering
+# the texts of a collective broken because a peer stopped answering
 _PEER_LEFT_TEXT = ("connection closed by peer", "connection reset by peer", "timed out waiting",
                    "broken pipe", "socket closed", "caused pair closure",
                    "remote process exited", "communicator was aborted")
+# those, and any other failure of the backends themselves
+_COMM_TEXT = _PEER_LEFT_TEXT + ("gloo", "nccl", "connection refused")
 
 
 def _is_comm_failure(exc: BaseException) -> bool:
