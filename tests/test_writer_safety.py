@@ -296,3 +296,17 @@ def test_dump_rank_without_a_world_writes_in_any_rank_order(tmp_path):
     dump_rank(d, 1, t, plan_digest="x")
     dump_rank(d, 0, t, plan_digest="x")
     assert sorted(os.listdir(d)) == ["rank-00000.safetensors", "rank-00001.safetensors"]
+
+
+def test_another_ranks_file_unreadable_as_a_dump_is_named_so(tmp_path):
+    """A file in another rank's dump name that is no dump was shown with "plan digest
+    None", as if a dump had a digest of None."""
+    d = str(tmp_path / "dump")
+    os.makedirs(d)
+    open(dump_path(d, 0), "wb").write(b"not a dump")
+    with pytest.raises(SaveError) as ei:
+        dump_rank(d, 1, {"x": torch.ones(2)}, plan_digest="a" * 64, world=2)
+    assert ei.value.message == (
+        f"holds rank-00000.safetensors, a dump of another load (unreadable as a dump; this "
+        f"load's plan digest {'a' * 12}); choose another --dump DIR, or dump every rank of "
+        f"this load with --overwrite (overwrite=True), each rank replacing its own file")

@@ -52,8 +52,11 @@ def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: boo
         other = _other_plan(out_dir, rank, plan_digest)
         if other is not None:
             name, theirs = other
-            raise SaveError(f"holds {name}, a dump of another load (plan digest "
-                            f"{str(theirs)[:12]}, this load's {plan_digest[:12]}); choose "
+            # (a file that cannot be read as a dump has no digest to show)
+            whose = (f"unreadable as a dump; this load's plan digest {plan_digest[:12]}"
+                     if theirs is None else
+                     f"plan digest {theirs[:12]}, this load's {plan_digest[:12]}")
+            raise SaveError(f"holds {name}, a dump of another load ({whose}); choose "
                             f"another --dump DIR, or dump every rank of this load with "
                             f"--overwrite (overwrite=True), each rank replacing its own file",
                             file=out_dir, rank=rank)
