@@ -330,3 +330,25 @@ def test_consolidate_makes_room_for_the_source_files_it_holds_open(tmp_path):
     got = cl.load_detailed(str(tmp_path / "out"), Layout(), rank=0, verify="none",
                            replicate_unmatched=True).tensors
     assert all(torch.equal(got[f"t{i}"], torch.full((4,), float(i))) for i in range(n))
+
+
+def test_safetensors_engine_names_a_planned_tensor_the_checkpoint_lacks(tmp_path):
+    """The engine's count of the files it will hold open read each planned tensor's pieces
+    unguarded: a plan naming a tensor the checkpoint lacks raised a bare KeyError there,
+    before the reads that name it."""
+    import dataclasses
+
+    import torch
+    from safetensors.torch import save_file
+
+    import coordloader as cl
+    from coordloader.engines import select_engine
+    from coordloader.errors import LoadError
+    from coordloader.planning.model import RankPlan
+    save_file({"a": torch.arange(4.0)}, str(tmp_path / "model.safetensors"))
+    meta = cl.read_checkpoint(str(tmp_path))
+    rp = cl.make_plan(meta, cl.Layout(), replicate_unmatched=True).rank(0)
+    ghost = RankPlan(0, rp.coords, tuple(dataclasses.replace(s, name="ghost") for s in rp.tensors))
+    with pytest.raises(LoadError) as e:
+        select_engine("safetensors", "cpu").load_rank(meta, ghost, "cpu")
+    assert str(e.value) == "rank 0, tensor 'ghost': planned tensor is not in the checkpoint"

@@ -82,8 +82,8 @@ class SafetensorsEngine:
             # (at most: the files of the pieces of the rank's tensors, counted without the
             # box intersections the reads below make)
             stack.callback(descriptor_room(len({sp.file for ts in rank_plan.tensors
-                                                for sp in meta.tensors[ts.name].pieces
-                                                if ts.name in meta.tensors}), rank))
+                                                if ts.name in meta.tensors
+                                                for sp in meta.tensors[ts.name].pieces}), rank))
 
             def handle(fname: str):
                 h = handles.get(fname)
