@@ -19,18 +19,34 @@ box match.
 """
 from __future__ import annotations
 
-from itertools import compress
+from collections import Counter
+from itertools import compress, repeat
 from math import prod
+from operator import add, attrgetter, itemgetter, not_
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.tiling import tiling_problem
 from coordloader.errors import PlanError
 from coordloader.gcpause import gc_paused
-from coordloader.planning.model import Piece, copy_boxes, primary_boxes, share_of
+from coordloader.planning.model import (
+    Piece,
+    SharedSlices,
+    SliceColumns,
+    copy_boxes,
+    primary_boxes,
+    share_of,
+)
 from coordloader.planning.runs import RunList, groups_of
+from coordloader.planning.store import SliceStore
 
 Box = tuple
+_SHAPE = attrgetter("shape")
+_DTYPE = attrgetter("dtype")
+_PIECES = attrgetter("pieces")
+_FILE = attrgetter("file")
+_START = attrgetter("start")
+_END = attrgetter("end")
 
 
 def _as_box(p) -> Box:
@@ -168,7 +184,13 @@ def _validate_cover(plan, meta) -> None:
                 prim.setdefault(s.name, []).append((r, primary_boxes(s.pieces), id(s.pieces)))
             else:
                 reps.setdefault(s.name, []).append((r, s, id(s.pieces)))
+    store = _store_of(members) if not prim and not reps else None
+    proved = _proved_by_columns(store, members, tensors, plan.excluded) if store else set()
     for sh, ranks in members.values():
+        if proved:   # the slices of the tensors left, as objects
+            keep = list(map(not_, map(proved.__contains__, sh.slices.names)))
+            sh = SharedSlices(tuple(map(store.slice, compress(sh.slices.sids, keep))),
+                              tuple(compress(sh.tables, keep)), sh.replicas, sh.ranks)
         _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done, copies)
     # replicas whose pieces object is not shared with a primary need their boxes (the
     # others are matched by key and their slot is never read)
@@ -177,8 +199,99 @@ def _validate_cover(plan, meta) -> None:
         for i, (r, s, k) in enumerate(rs):
             if k not in keys:
                 rs[i] = (r, primary_boxes(s.pieces), ("rank", r))
-    _core(prim, reps, {n: t.shape for n, t in tensors.items()}, plan.excluded, PlanError,
-          copies.of_name)
+    shapes = ({n: t.shape for n, t in tensors.items()} if not proved else
+              {n: tensors[n].shape for n in tensors.keys() - proved})
+    _core(prim, reps, shapes, plan.excluded, PlanError, copies.of_name)
+
+
+def _store_of(members) -> SliceStore | None:
+    """The SliceStore every rank class's slices are columns of, or None."""
+    store = None
+    for sh, _ in members.values():
+        sl = sh.slices
+        if type(sl) is not SliceColumns or (store is not None and sl.store is not store):
+            return None
+        store = sl.store
+    return store
+
+
+def _proved_by_columns(store: SliceStore, members, tensors, excluded) -> set[str]:
+    """The tensors whose cover is proved on the store's columns, without a slice object:
+    each held whole by one primary (one rank; replicas only in its own class), as one run
+    over exactly its stored bytes. Their slices pass every check ``_check_slice`` makes,
+    and one whole box tiles a tensor. A block of slices that fails any of these checks,
+    and every other tensor, is left to the checks on slice objects (which name the
+    problem)."""
+    held: set = set()
+    for sh, _ in members.values():
+        held.update(sh.slices.sids)
+    if len(held) != len(store):   # slices no rank holds: not a plan the planner built
+        return set()
+    whole = [_whole_form(f) for f in store.forms]
+    names, form, runs = store.names, store.form, store.runs
+    good: set[str] = set()
+    for b in store.blocks:
+        lo, hi = b.start, b.stop
+        f = form[lo]
+        isz = whole[f]
+        if not isz or runs[lo] is not None or not _one_run_each(store, lo, hi, tensors, f, isz):
+            continue
+        good.update(names[lo:hi])
+    if not good:
+        return good
+    prim_names: list[str] = []
+    others: set[str] = set()   # held as a replica in a class without the primary, or twice
+    for sh, ranks in members.values():
+        zero = _zero_members(sh, ranks)
+        one = {k for k, z in zero.items() if len(z[0]) == 1}
+        rest = {k for k, z in zero.items() if len(z[0]) != 1}
+        sids = sh.slices.sids
+        prim_names += map(names.__getitem__, compress(sids, map(one.__contains__, sh.tables)))
+        if rest:
+            others.update(map(names.__getitem__, compress(sids, map(rest.__contains__, sh.tables))))
+    count = Counter(prim_names)
+    good.intersection_update(count)
+    good.difference_update(compress(count.keys(), map((1).__lt__, count.values())))
+    good.difference_update(others)
+    good.difference_update(excluded)
+    return good
+
+
+def _whole_form(f) -> int:
+    """Bytes per element when form ``f`` holds its tensor whole in one primary piece
+    (the pieces check passes and the box tiles the tensor), else 0."""
+    if len(f.pieces) != 1 or f.local_shape != f.global_shape:
+        return 0
+    p = f.pieces[0]
+    gs = f.global_shape
+    if p.copy or p.src != tuple((0, g) for g in gs) or p.dst != (0,) * len(gs):
+        return 0
+    if tiling_problem((p.src,), gs) is not None:
+        return 0
+    return itemsize(f.dtype)
+
+
+def _one_run_each(store, lo, hi, tensors, f, isz) -> bool:
+    """Whether sids ``lo:hi`` (one run each, form ``f``) name checkpoint tensors of the
+    form's shape and dtype stored in one piece, and each run reads exactly that piece."""
+    n = hi - lo
+    fm = store.forms[f]
+    infos = list(map(tensors.get, store.names[lo:hi]))
+    if not all(infos):   # a name not in the checkpoint (TensorInfo is always true)
+        return False
+    if (list(map(_SHAPE, infos)).count(fm.global_shape) != n
+            or list(map(_DTYPE, infos)).count(fm.dtype) != n):
+        return False
+    src = list(map(_PIECES, infos))
+    if list(map(len, src)).count(1) != n:
+        return False
+    p0 = list(map(itemgetter(0), src))
+    nbytes = prod(fm.global_shape) * isz
+    starts = store.starts[lo:hi]
+    return (store.lengths[lo:hi].count(nbytes) == n
+            and list(map(_FILE, p0)) == store.files[lo:hi]
+            and list(map(_START, p0)) == starts
+            and list(map(_END, p0)) == list(map(add, starts, repeat(nbytes))))
 
 
 class _Copies(NamedTuple):
@@ -211,16 +324,7 @@ def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done,
     the members whose replica id is 0 hold the primaries, and one member with another id
     stands for the replicas (they share the primary's pieces, so one match proves all;
     none is needed when the class holds the primary itself)."""
-    zero: dict = {}   # replica table -> (members holding replica 0, the other members)
-    for k in set(sh.tables):
-        rep = sh.replicas[k]
-        held = [(r, rep[r]) for r in ranks]
-        missing = [r for r, i in held if i < 0]
-        if missing:
-            s = sh.slices[sh.tables.index(k)]
-            raise PlanError("rank class lists a slice its member does not hold",
-                            tensor=s.name, rank=missing[0])
-        zero[k] = ([r for r, i in held if i == 0], [r for r, i in held if i != 0])
+    zero = _zero_members(sh, ranks)
     with_prims = {k for k, z in zero.items() if z[0]}
     if with_prims:
         boxes_of: dict = {}   # id(pieces) -> their source boxes (pieces objects are shared)
@@ -249,6 +353,22 @@ def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done,
         # a class of replicas alone must be matched against the primaries of other classes
         if others and not prims:
             reps.setdefault(s.name, []).append((others[0], s, id(s.pieces)))
+
+
+def _zero_members(sh, ranks) -> dict:
+    """Per replica table of rank class ``sh`` (members ``ranks``): (the members holding
+    replica 0, the other members); raises if a member holds none."""
+    zero: dict = {}
+    for k in set(sh.tables):
+        rep = sh.replicas[k]
+        held = [(r, rep[r]) for r in ranks]
+        missing = [r for r, i in held if i < 0]
+        if missing:
+            s = sh.slices[sh.tables.index(k)]
+            raise PlanError("rank class lists a slice its member does not hold",
+                            tensor=s.name, rank=missing[0])
+        zero[k] = ([r for r, i in held if i == 0], [r for r, i in held if i != 0])
+    return zero
 
 
 def _check_slice(s, tensors, ranges, rank, pieces_ok=None) -> None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
+from itertools import compress
 from math import prod
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
@@ -173,13 +175,63 @@ class LoadGroupMode(str, Enum):
     FILTERED = "filtered"   # each rank reads only its own tensors (tensor_filter)
 
 
+class Form(NamedTuple):
+    """The fields a slice shares with the other slices of its layer family's class (all
+    but its name and byte runs)."""
+    dtype: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    strategy: str
+
+
+class SliceColumns(Sequence):
+    """A rank class's slices (replica 0, name order) as sids of a SliceStore
+    (``planning.store``): a sequence of TensorSlice whose items are built on first use."""
+
+    __slots__ = ("store", "sids")
+
+    def __init__(self, store, sids: tuple[int, ...]):
+        self.store = store
+        self.sids = sids
+
+    def __len__(self) -> int:
+        return len(self.sids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(map(self.store.slice, self.sids[i]))
+        return self.store.slice(self.sids[i])
+
+    def __iter__(self):
+        return map(self.store.slice, self.sids)
+
+    @property
+    def names(self) -> list[str]:
+        return list(map(self.store.names.__getitem__, self.sids))
+
+    def __eq__(self, other):
+        if isinstance(other, SliceColumns) and other.store is self.store:
+            return self.sids == other.sids
+        if isinstance(other, (tuple, SliceColumns)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self):
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"SliceColumns({len(self.sids)} slices)"
+
+
 @dataclass(frozen=True)
 class SharedSlices:
     """What every rank of a *rank class* holds alike: ranks whose coordinates give the same
     slices (DP replicas, and any other symmetry the planner finds) share one of these, and
     only their replica ids differ. The planner builds each once, so planning, the digest
     and cover validation cost by distinct ranks, not by world size."""
-    slices: tuple[TensorSlice, ...]       # replica-0 form of each slice, sorted by name
+    # replica-0 form of each slice, sorted by name (SliceColumns from the planner)
+    slices: Sequence[TensorSlice]
     tables: tuple[int, ...]               # per slice: the replica table giving its replica id
     replicas: tuple[tuple[int, ...], ...]  # replicas[table][rank] (-1: not held); plan-wide
     ranks: tuple[int, ...]                # the ranks of the class, ascending
@@ -416,12 +468,15 @@ class _Rows:
         # the encoding of the fields between file and runs, which the slices of one class
         # of a layer family share: (id(pieces), dtype, shapes, strategy) -> their repr
         self.middle_of: dict = {}
+        # id(SliceStore) -> (per sid its table number or -1, per form its middle part)
+        self.sid_rows: dict = {}
 
     def __call__(self, slices) -> bytes:
         """Little-endian int64 table numbers of ``slices``."""
         import array
-        number, row_of, pieces_of, middle_of = (self.number, self.row_of, self.pieces_of,
-                                                self.middle_of)
+        if type(slices) is SliceColumns:
+            return self._columns(slices)
+        number, row_of = self.number, self.row_of
         rows = array.array("q")
         for t in slices:
             b = t.base
@@ -438,27 +493,8 @@ class _Rows:
                 gs, ls = d["global_shape"], d["local_shape"]
                 if type(gs) is not tuple or type(ls) is not tuple:   # a slice built by hand
                     gs, ls = tuple(gs), tuple(ls)
-                mk = (id(pcs), d["dtype"], gs, ls, d["strategy"])
-                mid = middle_of.get(mk)
-                if mid is None:
-                    pk = pieces_of.get(id(pcs))
-                    if pk is None:
-                        # a copy piece adds a third item; every other piece encodes
-                        # as before the field existed
-                        pk = pieces_of[id(pcs)] = tuple(
-                            (tuple(map(tuple, p.src)), tuple(p.dst)) + ((True,) if p.copy else ())
-                            for p in pcs)
-                    mid = middle_of[mk] = ", ".join(map(repr, (
-                        d["dtype"], gs, ls, d["strategy"], pk)))
-                runs = d["byte_runs"]
-                groups = getattr(runs, "groups", None)
-                if groups is not None and len(groups) == 1 and groups[0][4] == 1:
-                    # one run (a whole tensor): _runs_key's one group, written out
-                    f, o, ln, dst = groups[0][:4]
-                    rk = f"(({f!r}, {o!r}, {ln!r}, {dst!r}, 1, 0, 0),)"
-                else:
-                    rk = repr(_runs_key(runs))
-                enc = f"({d['name']!r}, {d['file']!r}, {mid}, {rk})".encode()
+                mid = self._middle(pcs, d["dtype"], gs, ls, d["strategy"])
+                enc = f"({d['name']!r}, {d['file']!r}, {mid}, {_runs_repr(d['byte_runs'])})".encode()
                 k = number.get(enc)
                 if k is None:
                     k = number[enc] = len(number)
@@ -468,3 +504,76 @@ class _Rows:
         if sys.byteorder != "little":
             rows.byteswap()
         return rows.tobytes()
+
+    def _middle(self, pcs, dtype, gs, ls, strategy) -> str:
+        mk = (id(pcs), dtype, gs, ls, strategy)
+        mid = self.middle_of.get(mk)
+        if mid is None:
+            pk = self.pieces_of.get(id(pcs))
+            if pk is None:
+                # a copy piece adds a third item; every other piece encodes as before the
+                # field existed
+                pk = self.pieces_of[id(pcs)] = tuple(
+                    (tuple(map(tuple, p.src)), tuple(p.dst)) + ((True,) if p.copy else ())
+                    for p in pcs)
+            mid = self.middle_of[mk] = ", ".join(map(repr, (dtype, gs, ls, strategy, pk)))
+        return mid
+
+    def _columns(self, sc: SliceColumns) -> bytes:
+        """``__call__`` for a rank class held as SliceColumns: each sid of its store is
+        encoded once, as the slice object it stands for would be, from the columns."""
+        import array
+        store = sc.store
+        got = self.sid_rows.get(id(store))
+        if got is None:   # the store lives in the plan meanwhile: its id is stable
+            got = self.sid_rows[id(store)] = (
+                [-1] * len(store),
+                [self._middle(f.pieces, f.dtype, f.global_shape, f.local_shape, f.strategy)
+                 for f in store.forms])
+        rows, mids = got
+        new = list(compress(sc.sids, map((0).__gt__, map(rows.__getitem__, sc.sids))))
+        if new:
+            files = list(map(store.files.__getitem__, new))
+            encs = list(map(str.encode, map(
+                _ONE_RUN_ROW.format, map(store.names.__getitem__, new), files,
+                map(mids.__getitem__, map(store.form.__getitem__, new)), files,
+                map(store.starts.__getitem__, new), map(store.lengths.__getitem__, new))))
+            runs = store.runs
+            for i, sid in enumerate(new):
+                if runs[sid] is not None:   # not one run: written as a slice's are
+                    encs[i] = (f"({store.names[sid]!r}, {store.files[sid]!r}, {mids[store.form[sid]]}, "
+                               f"{_runs_repr(runs[sid])})").encode()
+            number = self.number
+            first = len(number)
+            if any(map(number.__contains__, encs)) or len(set(encs)) != len(encs):
+                ks = []
+                for enc in encs:   # numbered by first appearance, as __call__ does
+                    k = number.get(enc)
+                    if k is None:
+                        k = number[enc] = len(number)
+                        self.table.update(enc)
+                    ks.append(k)
+            else:
+                ks = range(first, first + len(encs))
+                number.update(zip(encs, ks))
+                self.table.update(b"".join(encs))
+            for sid, k in zip(new, ks):
+                rows[sid] = k
+        out = array.array("q", map(rows.__getitem__, sc.sids))
+        if sys.byteorder != "little":
+            out.byteswap()
+        return out.tobytes()
+
+
+# a slice of one run (a whole tensor): its row as __call__ writes it -- name, file, the
+# middle fields, and _runs_key's one group (file, offset, length, dest 0, count 1, no strides)
+_ONE_RUN_ROW = "({!r}, {!r}, {}, (({!r}, {}, {}, 0, 1, 0, 0),))"
+
+
+def _runs_repr(runs) -> str:
+    """repr(_runs_key(runs)), written out for one run (a whole tensor)."""
+    groups = getattr(runs, "groups", None)
+    if groups is not None and len(groups) == 1 and groups[0][4] == 1:
+        f, o, ln, dst = groups[0][:4]
+        return f"(({f!r}, {o!r}, {ln!r}, {dst!r}, 1, 0, 0),)"
+    return repr(_runs_key(runs))

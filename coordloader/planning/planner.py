@@ -16,23 +16,24 @@ from __future__ import annotations
 import re
 import warnings
 from collections import Counter
-from itertools import groupby, repeat
+from itertools import compress, repeat
 from math import prod
-from operator import add, attrgetter, itemgetter, mul, sub
+from operator import add, attrgetter, is_not, itemgetter, mul, sub
 from typing import Any, Mapping, NamedTuple
 
 from coordloader.checkpoint.dtypes import itemsize
-from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, check_extents
+from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, check_extents, full_box
 from coordloader.errors import PlanError
 from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout
 from coordloader.planning.model import (
+    Form,
     LoadGroup,
     Plan,
     RankPlan,
     SharedRankPlan,
     SharedSlices,
-    TensorSlice,
+    SliceColumns,
     share_of,
 )
 from coordloader.planning.placement import SCALE_SUFFIX, Layers, Placer
@@ -41,6 +42,7 @@ from coordloader.planning.rules import Rule, RuleSet, make_rule, resolve_rules
 from coordloader.planning.rules.presets import MTP_PREFIX, missing_config_error
 from coordloader.planning.rules.ruleset import digit_templates
 from coordloader.planning.runs import slice_runs
+from coordloader.planning.store import SliceStore
 from coordloader.planning.strategies import EXPERT_ID_REGEX
 from coordloader.text import MAX_NAME_CHARS, clip
 
@@ -50,6 +52,9 @@ _NAME = attrgetter("name")
 _SHAPE = attrgetter("shape")
 _DTYPE = attrgetter("dtype")
 _REPLICATE = make_rule("*", "replicate", source="replicate_unmatched")
+# a family key's head: the names' layer index start, rule, shape, dtype, stage (or "s" for
+# a block scale, whose weight's key says its stage)
+_KEY_HEAD = "{}|{}|{!r}|{}|{}|"
 
 
 
@@ -78,12 +83,19 @@ def build_plan(meta: CheckpointMeta, layout: Layout, rules: Any = None, *,
         return _Planner(meta, layout, ruleset, replicate_unmatched).run()
 
 
+class Family(NamedTuple):
+    """Tensors placed alike (``_Planner._family_keys``), placed once: a layer family, or
+    one tensor on its own. Same shape and dtype throughout."""
+    names: list[str]         # its tensors, in name order
+    classes: list            # per class: (local shape, pieces)
+    table: int               # replica table index
+    strategy: str
+
+
 class Placed(NamedTuple):
     """What pass 1 of the planner found."""
     excluded: list[str]      # tensors left out on purpose (MTP layers), in name order
-    # per placed tensor, in name order: (name, classes, replica table index, strategy); a
-    # plain tuple, unpacked in pass 2's loop over ~100 k tensors
-    todo: list[tuple[str, list, int, str]]
+    families: list[Family]   # in the order of their first names
     tables: list             # replica table index -> rank groups of its classes
 
 
@@ -126,7 +138,7 @@ class _Planner:
         placed = self._place_all(names, placer, keys)
         if left_out:
             placed = placed._replace(excluded=sorted(placed.excluded + left_out))
-        return self._assemble(placed)
+        return self._assemble(placed, names)
 
     def _find_layers(self, groups: dict[str, list[str]]) -> tuple[Layers, dict[str, tuple[int, int]]]:
         """The layer of each layer tensor, the number of layers and each layer's stage,
@@ -217,30 +229,34 @@ class _Planner:
         return match
 
     def _place_all(self, names: list[str], placer: Placer, keys: dict) -> Placed:
-        """Pass 1: each tensor's classes and rank groups; a replica table per distinct
-        rank-groups object (selectors repeat, so there are few). A tensor of a layer is
-        placed once for its family (``keys``): DeepSeek-V3's 92 k tensors are 1.6 k
-        families."""
-        excluded = []
-        todo = []
+        """Pass 1: each family's classes and rank groups (a tensor without a family key is
+        a family of its own), placed through its first name; a replica table per distinct
+        rank-groups object (selectors repeat, so there are few). DeepSeek-V3's 92 k
+        tensors are 1.6 k families."""
+        members_of: dict = {}      # family key -> its names
+        heads = []                 # (first name, family key or None), in name order
+        get = keys.get
+        for n in names:
+            key = get(n)
+            if key is None:
+                heads.append((n, None))
+                continue
+            m = members_of.get(key)
+            if m is None:
+                members_of[key] = [n]
+                heads.append((n, key))
+            else:
+                m.append(n)
+        excluded: list[str] = []
+        families = []
         table_of: dict[int, int] = {}
         tables: list = []          # rank groups per table
         dedupe_memo: dict = {}
-        placed: dict = {}          # family key -> (classes, table) or None (excluded)
-        for n, key in zip(names, map(keys.get, names)):
-            if key is not None:
-                got = placed.get(key, placed)
-                if got is not placed:
-                    if got is None:
-                        excluded.append(n)
-                    else:
-                        todo.append((n, *got))
-                    continue
+        for n, key in heads:
+            members = [n] if key is None else members_of[key]
             pl = placer.place(n)
             if pl is None:
-                excluded.append(n)
-                if key is not None:
-                    placed[key] = None
+                excluded += members
                 continue
             stages, selector, classes, strategy = pl
             classes, groups = dedupe(classes, self.rank_groups(stages, selector, len(classes)),
@@ -249,10 +265,9 @@ class _Planner:
             if k is None:
                 k = table_of[id(groups)] = len(tables)
                 tables.append(groups)
-            todo.append((n, classes, k, strategy))
-            if key is not None:
-                placed[key] = (classes, k, strategy)
-        return Placed(excluded, todo, tables)
+            families.append(Family(members, classes, k, strategy))
+        excluded.sort()
+        return Placed(excluded, families, tables)
 
     def _family_keys(self, groups: dict[str, list[str]], spans: dict[str, tuple[int, int]],
                      placer: Placer, layers: Layers) -> dict:
@@ -267,8 +282,9 @@ class _Planner:
         stage. Not so for a user's expert ``id_regex`` (it may read the layer's digits).
         A block scale follows its weight: its key joins its weight's (a rule may single
         out one layer's weight; a weight placed on its own places its scale on its own).
-        Keys are built a digit template at a time, as columns; a template whose names
-        match different rules (a rule that reads digits) is placed name by name."""
+        Keys are built a digit template at a time, as columns, each one string (cheap to
+        hash; a block scale's pairs it with its weight's); a template whose names match
+        different rules (a rule that reads digits) is placed name by name."""
         match = placer.match
         tensors = self.meta.tensors
         layer_of, nl, stage_of = layers.layer_of, layers.num_layers, layers.stage_of
@@ -278,7 +294,8 @@ class _Planner:
             members = groups[t]
             found = list(map(match.__getitem__, members))
             rule, params = found[0]
-            if any(f[0] is not rule for f in found):
+            rules = list(map(id, map(itemgetter(0), found)))
+            if rules.count(id(rule)) != len(rules):
                 continue
             strategy = rule.strategy
             if strategy == "expert" and params["id_regex"] != EXPERT_ID_REGEX:
@@ -288,56 +305,129 @@ class _Planner:
                     scales.append((t, rule))
                 continue
             infos = list(map(tensors.__getitem__, members))
-            keys.update(zip(members, zip(
-                map(itemgetter(slice(0, a)), members), map(itemgetter(slice(b, None)), members),
-                repeat(id(rule)), map(_SHAPE, infos), map(_DTYPE, infos),
-                # -1: past num_hidden_layers (MTP layers)
-                [stage_of[li] if li < nl else -1 for li in map(layer_of.__getitem__, members)])))
+            shapes = list(map(_SHAPE, infos))
+            dtypes = list(map(_DTYPE, infos))
+            # -1: past num_hidden_layers (MTP layers)
+            stages = [stage_of[li] if li < nl else -1 for li in map(layer_of.__getitem__, members)]
+            pre = map(itemgetter(slice(0, a)), members)
+            post = map(itemgetter(slice(b, None)), members)
+            # one string per name, cheap to hash: rule, shape, dtype and stage, then the
+            # name around its layer index (``a`` fixes where the two parts meet)
+            if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):
+                head_of = {st: _KEY_HEAD.format(a, id(rule), shapes[0], dtypes[0], st)
+                           for st in set(stages)}
+                heads = map(head_of.__getitem__, stages)
+            else:
+                heads = map(_KEY_HEAD.format, repeat(a), repeat(id(rule)), shapes, dtypes, stages)
+            keys.update(zip(members, map(add, map(add, heads, pre), post)))
         cut = itemgetter(slice(0, -len(SCALE_SUFFIX)))
         for t, rule in scales:
             a, b = spans[t]
             members = groups[t]
             wkeys = list(map(keys.get, map(cut, members)))
+            if None in wkeys:   # a weight placed on its own: so is its scale
+                held = list(map(is_not, wkeys, repeat(None)))
+                members = list(compress(members, held))
+                wkeys = list(compress(wkeys, held))
+                if not members:
+                    continue
             infos = list(map(tensors.__getitem__, members))
-            keys.update((n, (n[:a], n[b:], id(rule), ti.shape, ti.dtype, wk[-1], wk))
-                        for n, ti, wk in zip(members, infos, wkeys) if wk is not None)
+            shapes = list(map(_SHAPE, infos))
+            dtypes = list(map(_DTYPE, infos))
+            pre = map(itemgetter(slice(0, a)), members)
+            post = map(itemgetter(slice(b, None)), members)
+            # the weight's key holds its stage
+            if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):
+                heads = repeat(_KEY_HEAD.format(a, id(rule), shapes[0], dtypes[0], "s"))
+            else:
+                heads = map(_KEY_HEAD.format, repeat(a), repeat(id(rule)), shapes, dtypes,
+                            repeat("s"))
+            keys.update(zip(members, zip(map(add, map(add, heads, pre), post), wkeys)))
         return keys
 
-    def _assemble(self, placed: Placed) -> Plan:
-        """Pass 2: one slice per (tensor, class), appended to each rank class holding it;
-        the ranks of a rank class share one SharedSlices."""
-        excluded, todo, tables = placed
+    def _assemble(self, placed: Placed, names: list[str]) -> Plan:
+        """Pass 2: one slice per (tensor, class), written a family class at a time as
+        columns (SliceStore) and listed by each rank class holding it; each rank class's
+        slices are put in name order, and its ranks share one SharedSlices."""
+        excluded, families, tables = placed
         rc_of, rc_ranks, holders, replicas = rank_classes(self.world, tables)
-        slots: list[list[TensorSlice]] = [[] for _ in rc_ranks]
-        slot_tables: list[list[int]] = [[] for _ in rc_ranks]
+        n_rc = len(rc_ranks)
+        store = SliceStore()
+        # per rank class: its sids, their names' places in ``names`` and replica tables
+        sids: list[list[int]] = [[] for _ in range(n_rc)]
+        places: list[list[int]] = [[] for _ in range(n_rc)]
+        slot_tables: list[list[int]] = [[] for _ in range(n_rc)]
+        place_of = dict(zip(names, range(len(names))))
         meta, L = self.meta, self.L
         tensors = meta.tensors
         isz_of: dict[str, int] = {}
         full_boxes: dict = {}
-        for n, classes, k, strategy in todo:
-            t = tensors[n]
-            isz = isz_of.get(t.dtype)
+        form_of: dict = {}   # (dtype, shape, local shape, id(pieces), strategy) -> form
+        for members, classes, k, strategy in families:
+            infos = list(map(tensors.__getitem__, members))
+            t0 = infos[0]
+            shape, dtype = t0.shape, t0.dtype
+            isz = isz_of.get(dtype)
             if isz is None:
-                isz = isz_of[t.dtype] = itemsize(t.dtype)
+                isz = isz_of[dtype] = itemsize(dtype)
             groups = tables[k]
+            at = None
             for c, (lshape, pieces) in enumerate(classes):
-                ranks = groups[c]
-                if not ranks:
+                if not groups[c]:
                     continue
-                runs = slice_runs(t, pieces, lshape, isz, full_boxes)
-                f = runs.groups[0][0] if runs.groups else t.file
-                # the primary copy; every rank class holding class c shares this object,
-                # and a rank holding it as replica i > 0 gets base.replica_of(i)
-                base = TensorSlice.build(n, f, t.dtype, t.shape, lshape, pieces, 0, runs,
-                                         strategy)
+                fk = (dtype, shape, lshape, id(pieces), strategy)
+                f = form_of.get(fk)
+                if f is None:
+                    f = form_of[fk] = len(store.forms)
+                    store.forms.append(Form(dtype, shape, lshape, pieces, strategy))
+                one = _whole_runs(infos, pieces, lshape, full_boxes)
+                if one is not None:
+                    got = store.add(members, f, *one)
+                else:
+                    runs = [slice_runs(t, pieces, lshape, isz, full_boxes) for t in infos]
+                    got = store.add(members, f, [r.groups[0][0] if r.groups else t.file
+                                                 for r, t in zip(runs, infos)], runs)
+                if at is None:
+                    at = list(map(place_of.__getitem__, members))
                 for rc in holders[k][c]:
-                    slots[rc].append(base)
-                    slot_tables[rc].append(k)
-        shares = [SharedSlices(tuple(slots[i]), tuple(slot_tables[i]), replicas, rc_ranks[i])
-                  for i in range(len(rc_ranks))]
+                    sids[rc] += got
+                    places[rc] += at
+                    slot_tables[rc] += repeat(k, len(members))
+        shares = []
+        for i in range(n_rc):
+            order = sorted(range(len(places[i])), key=places[i].__getitem__)
+            shares.append(SharedSlices(SliceColumns(store, tuple(map(sids[i].__getitem__, order))),
+                                       tuple(map(slot_tables[i].__getitem__, order)),
+                                       replicas, rc_ranks[i]))
         rank_plans = tuple(SharedRankPlan.make(r, L.coords(r).as_dict(), shares[rc_of[r]])
                            for r in range(self.world))
         return Plan(L, meta.fingerprint(), rank_plans, tuple(excluded), load_groups(L, rank_plans, meta))
+
+
+_PIECES = attrgetter("pieces")
+_FILE = attrgetter("file")
+_START = attrgetter("start")
+_END = attrgetter("end")
+_BOX = attrgetter("box")
+
+
+def _whole_runs(infos: list[TensorInfo], pieces, lshape, full_boxes: dict):
+    """(files, None, starts, lengths) of one class of a family when it holds each tensor
+    whole and each is stored as one piece: one run per tensor, as columns; else None."""
+    shape = infos[0].shape
+    full = full_boxes.get(shape)
+    if full is None:
+        full = full_boxes[shape] = full_box(shape)
+    if len(pieces) != 1 or lshape != shape or pieces[0].src != full:
+        return None
+    src = list(map(_PIECES, infos))
+    if not all(map((1).__eq__, map(len, src))):
+        return None
+    p0 = list(map(itemgetter(0), src))
+    if not all(map(full.__eq__, map(_BOX, p0))):
+        return None
+    starts = list(map(_START, p0))
+    return list(map(_FILE, p0)), None, starts, list(map(sub, map(_END, p0), starts))
 
 
 # -- load groups (instanttensor engine cost model) -------------------------------------------
@@ -358,26 +448,28 @@ class _StoredParts(NamedTuple):
 
 
 def _stored_parts(meta: CheckpointMeta) -> _StoredParts:
-    rows = []
-    multi = []
-    for t in meta.tensors.values():
-        (multi if len(t.pieces) > 1 else rows).append(t)
-    # a plain checkpoint's tensors have one piece each: their columns are built in C
-    p0 = list(map(itemgetter(0), map(attrgetter("pieces"), rows)))
-    parts = list(zip(map(attrgetter("file"), p0), map(attrgetter("name"), rows),
-                     map(sub, map(attrgetter("end"), p0), map(attrgetter("start"), p0))))
+    infos = list(meta.tensors.values())
+    src = list(map(_PIECES, infos))
+    if all(map((1).__eq__, map(len, src))):   # a plain checkpoint: columns built in C
+        rows, multi = infos, []
+    else:
+        rows = [t for t, p in zip(infos, src) if len(p) == 1]
+        multi = [t for t, p in zip(infos, src) if len(p) > 1]
+        src = list(map(_PIECES, rows))
+    p0 = list(map(itemgetter(0), src))
+    parts = list(zip(map(_FILE, p0), map(_NAME, rows), map(sub, map(_END, p0), map(_START, p0))))
     for t in multi:
         tb: dict[str, int] = {}
         for sp in t.pieces:
             tb[sp.file] = tb.get(sp.file, 0) + sp.end - sp.start
         parts.extend((f, t.name, b) for f, b in tb.items())
     parts.sort(key=itemgetter(0))   # stable; already in file order for a plain checkpoint
+    count = Counter(map(itemgetter(0), parts))
     spans: dict[str, tuple[int, int]] = {}
     lo = 0
-    for f, grp in groupby(map(itemgetter(0), parts)):
-        n = sum(1 for _ in grp)
-        spans[f] = (lo, lo + n)
-        lo += n
+    for f in sorted(count):
+        spans[f] = (lo, lo + count[f])
+        lo += count[f]
     return _StoredParts(list(map(itemgetter(1), parts)), list(map(itemgetter(2), parts)), spans)
 
 
@@ -399,7 +491,8 @@ def load_groups(L: Layout, rank_plans: tuple[RankPlan, ...], meta: CheckpointMet
             held.setdefault(id(src), [src, 0])[1] += 1
         by_weight: dict[int, Counter] = {}
         for src, m in held.values():
-            by_weight.setdefault(m, Counter()).update(map(_NAME, src))
+            by_weight.setdefault(m, Counter()).update(
+                src.names if type(src) is SliceColumns else map(_NAME, src))
         count = None   # per part: slices held of its tensor, over the representative ranks
         for m, cnt in by_weight.items():
             c = map(cnt.get, parts.names, repeat(0))

@@ -1,0 +1,73 @@
+"""The primary slices of a plan as columns (``SliceStore``): what the planner writes, and
+cover and the digest read, without a Python object per slice."""
+from __future__ import annotations
+
+from itertools import repeat
+
+from coordloader.planning.model import Form, TensorSlice
+from coordloader.planning.runs import RunList
+
+
+class SliceStore:
+    """The primary slices of a plan as columns, indexed by slice id (sid): the planner
+    writes a family's slices a column at a time, and cover and the digest read them so,
+    without a Python object per slice. ``slice(sid)`` builds the TensorSlice (replica 0)
+    on first use and keeps it, so every rank class holding a sid holds one object.
+
+    A slice's byte runs are ``runs[sid]``, or, where that is None, the one run of
+    ``lengths[sid]`` bytes at ``starts[sid]`` of ``files[sid]`` into byte 0 (a whole
+    tensor stored in one piece: most slices of an expert-parallel plan)."""
+
+    __slots__ = ("names", "forms", "form", "files", "runs", "starts", "lengths", "blocks",
+                 "_built")
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.forms: list[Form] = []
+        self.form: list[int] = []        # sid -> index into forms
+        self.files: list[str] = []       # sid -> TensorSlice.file
+        self.runs: list = []             # sid -> its RunList, or None (one run)
+        self.starts: list[int] = []      # sid -> the one run's offset (0 where runs is set)
+        self.lengths: list[int] = []     # sid -> the one run's length (0 where runs is set)
+        self.blocks: list[range] = []    # the sids of each add(): one form, runs alike
+        self._built: list = []
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def add(self, names: list[str], form: int, files: list[str], runs: list | None,
+            starts: list[int] | None = None, lengths: list[int] | None = None) -> range:
+        """Append the slices of ``names`` (one form), their runs given as RunLists
+        (``runs``) or as one run each (``starts``, ``lengths``); -> their sids."""
+        n = len(names)
+        first = len(self.names)
+        self.names += names
+        self.form += repeat(form, n)
+        self.files += files
+        if runs is None:
+            self.runs += repeat(None, n)
+            self.starts += starts
+            self.lengths += lengths
+        else:
+            self.runs += runs
+            self.starts += repeat(0, n)
+            self.lengths += repeat(0, n)
+        self._built += repeat(None, n)
+        got = range(first, first + n)
+        self.blocks.append(got)
+        return got
+
+    def run_list(self, sid: int):
+        rl = self.runs[sid]
+        if rl is None:
+            rl = RunList.single(self.files[sid], self.starts[sid], self.lengths[sid])
+        return rl
+
+    def slice(self, sid: int) -> TensorSlice:
+        s = self._built[sid]
+        if s is None:
+            f = self.forms[self.form[sid]]
+            s = self._built[sid] = TensorSlice.build(
+                self.names[sid], self.files[sid], f.dtype, f.global_shape, f.local_shape,
+                f.pieces, 0, self.run_list(sid), f.strategy)
+        return s

@@ -1,0 +1,153 @@
+"""A plan's slices as columns (SliceStore): cover proves most tensors on the columns, and
+a wrong value in any column it reads is still found and named as on slice objects; the
+digest read from the columns equals the digest of the same slices as objects."""
+import dataclasses
+
+import pytest
+
+from coordloader.api import make_plan
+from coordloader.errors import PlanError
+from coordloader.layout import Layout
+from coordloader.planning import cover
+from coordloader.planning.model import Plan, SharedRankPlan, SliceColumns, share_of
+from coordloader.planning.planner import meta_from_specs
+from coordloader.synth.archs import arch_tensors
+
+LAYOUT = Layout(tp=2, ep=2, dp=3, pp=2)
+EXPERT = "model.layers.1.mlp.experts.1.up_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def meta():
+    cfg, specs = arch_tensors("deepseek_v3", "tiny")
+    return meta_from_specs(cfg, specs, files=3)
+
+
+@pytest.fixture
+def plan(meta):
+    return make_plan(meta, LAYOUT)   # fresh per test: the tests write into its store
+
+
+def store_of(plan):
+    return share_of(plan.ranks[0]).slices.store
+
+
+def proved(plan, meta):
+    members = {}
+    for rp in plan.ranks:
+        sh = share_of(rp)
+        members.setdefault(id(sh), (sh, []))[1].append(rp.rank)
+    return cover._proved_by_columns(store_of(plan), members, meta.tensors, plan.excluded)
+
+
+def sid_of(plan, name):
+    return store_of(plan).names.index(name)
+
+
+def holder(plan, name):
+    return next(rp.rank for rp in plan.ranks if name in rp.by_name())
+
+
+def test_cover_proves_whole_tensors_on_the_columns(plan, meta):
+    got = proved(plan, meta)
+    experts = {n for n in meta.tensors if ".experts." in n and n not in plan.excluded}
+    # every routed expert (weights and block scales) is held whole by one primary
+    assert experts and got == experts
+    cover.validate_cover(plan, meta)
+
+
+def test_a_run_moved_off_its_tensors_bytes_is_found(plan, meta):
+    st = store_of(plan)
+    sid = sid_of(plan, EXPERT)
+    assert st.runs[sid] is None   # one run, held in the columns only
+    st.starts[sid] += 1
+    with pytest.raises(PlanError, match="lies outside the tensor's bytes") as ei:
+        cover.validate_cover(plan, meta)
+    assert (ei.value.tensor, ei.value.rank) == (EXPERT, holder(plan, EXPERT))
+
+
+def test_a_run_of_the_wrong_length_is_found(plan, meta):
+    st = store_of(plan)
+    st.lengths[sid_of(plan, EXPERT)] -= 2
+    with pytest.raises(PlanError, match="byte runs add up to") as ei:
+        cover.validate_cover(plan, meta)
+    assert ei.value.tensor == EXPERT
+
+
+def test_a_name_the_checkpoint_lacks_is_found(plan, meta):
+    st = store_of(plan)
+    st.names[sid_of(plan, EXPERT)] = "model.layers.1.mlp.experts.9.up_proj.weight"
+    with pytest.raises(PlanError, match="not in the checkpoint") as ei:
+        cover.validate_cover(plan, meta)
+    assert ei.value.tensor == "model.layers.1.mlp.experts.9.up_proj.weight"
+
+
+def test_a_form_of_the_wrong_shape_is_found(plan, meta):
+    st = store_of(plan)
+    f = st.form[sid_of(plan, EXPERT)]
+    gs = st.forms[f].global_shape
+    st.forms[f] = st.forms[f]._replace(global_shape=(gs[0] + 1,) + gs[1:])
+    with pytest.raises(PlanError, match="slice says"):
+        cover.validate_cover(plan, meta)
+
+
+def test_an_excluded_tensor_held_is_found(plan, meta):
+    bad = dataclasses.replace(plan, excluded=plan.excluded + (EXPERT,))
+    with pytest.raises(PlanError, match="excluded from the plan but a rank holds it") as ei:
+        cover.validate_cover(bad, meta)
+    assert ei.value.tensor == EXPERT
+
+
+def test_two_primaries_of_a_whole_tensor_are_found(plan, meta):
+    # the dp replicas of the expert's holder: make a second one replica 0
+    r = holder(plan, EXPERT)
+    sh = share_of(plan.rank(r))
+    k = sh.tables[[s.name for s in sh.slices].index(EXPERT)]
+    second = sh.ranks[1]
+    replicas = list(sh.replicas)
+    replicas[k] = tuple(0 if q == second else i for q, i in enumerate(replicas[k]))
+    new = {}
+    ranks = []
+    for rp in plan.ranks:
+        s = share_of(rp)
+        if id(s) not in new:
+            new[id(s)] = dataclasses.replace(s, replicas=tuple(replicas))
+        ranks.append(SharedRankPlan.make(rp.rank, rp.coords, new[id(s)]))
+    bad = Plan(plan.layout, plan.fingerprint, tuple(ranks), plan.excluded, plan.load_groups)
+    with pytest.raises(PlanError, match="duplicated primary") as ei:
+        cover.validate_cover(bad, meta)
+    assert ei.value.rank == second
+
+
+def test_a_slice_no_rank_class_lists_leaves_the_columns(plan, meta):
+    # a sid dropped from its class: the store holds a slice no rank holds, so nothing is
+    # proved on the columns and the tensor is found unheld
+    r = holder(plan, EXPERT)
+    sh = share_of(plan.rank(r))
+    i = sh.slices.sids.index(sid_of(plan, EXPERT))
+    cut = dataclasses.replace(sh, slices=SliceColumns(sh.slices.store, sh.slices.sids[:i] + sh.slices.sids[i + 1:]),
+                              tables=sh.tables[:i] + sh.tables[i + 1:])
+    ranks = tuple(SharedRankPlan.make(rp.rank, rp.coords, cut) if share_of(rp) is sh else rp
+                  for rp in plan.ranks)
+    bad = Plan(plan.layout, plan.fingerprint, ranks, plan.excluded, plan.load_groups)
+    assert proved(bad, meta) == set()
+    with pytest.raises(PlanError, match="no rank holds this tensor") as ei:
+        cover.validate_cover(bad, meta)
+    assert ei.value.tensor == EXPERT
+
+
+def test_one_object_per_slice_across_rank_classes(plan):
+    norm = "model.layers.0.input_layernorm.weight"   # replicated: every class lists it
+    got = {id(rp.by_name()[norm].base or rp.by_name()[norm]) for rp in plan.ranks[:6]}
+    assert len(got) == 1
+
+
+def test_digest_of_columns_equals_digest_of_objects(plan):
+    # one class's slices as objects, the others as columns: the digest must not move
+    sh = share_of(plan.ranks[0])
+    objs = dataclasses.replace(sh, slices=tuple(sh.slices))
+    ranks = tuple(SharedRankPlan.make(rp.rank, rp.coords, objs) if share_of(rp) is sh else rp
+                  for rp in plan.ranks)
+    mixed = Plan(plan.layout, plan.fingerprint, ranks, plan.excluded, plan.load_groups)
+    assert type(sh.slices) is SliceColumns
+    assert mixed.digest() == plan.digest()
