@@ -299,3 +299,27 @@ def test_digit_blind_accepts_what_ignores_digits_only():
         assert _digit_blind(rx), rx
     for rx in (r"layers\.3\.", r"[1-5]", r"[^5]", r"(a)\1", r"(?:a|b1)", r"[0-8]"):
         assert not _digit_blind(rx), rx
+
+
+def test_config_naming_more_experts_than_the_names_hold_is_refused():
+    from coordloader.synth.archs import arch_tensors
+    cfg, specs = arch_tensors("qwen3_moe", "tiny")   # experts 0..15: ids of one and two digits
+    with pytest.raises(PlanError, match=r"names hold expert ids 0\.\.15 only"):
+        make_plan(meta_from_specs(dict(cfg, num_experts=17), specs), Layout(tp=2, ep=2))
+    make_plan(meta_from_specs(dict(cfg, num_experts=16), specs), Layout(tp=2, ep=2))
+
+
+def test_expert_ids_of_a_left_out_mtp_layer_count():
+    # the names hold expert 8 only in the MTP layer, which the plan leaves out: it is still
+    # an expert id of the checkpoint, as it always was
+    from coordloader.synth.archs import arch_tensors
+    cfg, specs = arch_tensors("deepseek_v3", "tiny")   # routed experts 0..7; layer 2 is MTP
+    nl = cfg["num_hidden_layers"]
+    extra = [(n.replace(".experts.7.", ".experts.8."), dt, sh) for n, dt, sh in specs
+             if n.startswith(f"model.layers.{nl}.mlp.experts.7.")]
+    assert extra
+    meta = meta_from_specs(dict(cfg, n_routed_experts=9), specs + extra)
+    plan = make_plan(meta, Layout(tp=1))
+    assert extra[0][0] in plan.excluded
+    with pytest.raises(PlanError, match=r"names hold expert ids 0\.\.8 only"):
+        make_plan(meta_from_specs(dict(cfg, n_routed_experts=10), specs + extra), Layout(tp=1))

@@ -7,7 +7,8 @@ rule of every tensor are known."""
 from __future__ import annotations
 
 import re
-from typing import Mapping, NamedTuple
+from operator import itemgetter
+from typing import Callable, Mapping, NamedTuple
 
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, full_box
 from coordloader.errors import PlanError
@@ -38,9 +39,18 @@ def chunk_ranges(n: int, parts: int, uneven: bool, what: str) -> list[tuple[int,
     return [(min(i * c, n), min(i * c + c, n)) for i in range(parts)]
 
 
+LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The layer index in a tensor's name, or None for a tensor of no layer."""
+    m = LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
 class Layers(NamedTuple):
     """The checkpoint's layers as the planner found them."""
-    layer_of: dict[str, int]   # tensor name -> layer index (tensors of a layer only)
+    layer_of: Callable[[str], int | None]   # tensor name -> layer index (layer_index)
     num_layers: int            # config.json's num_hidden_layers (MTP layers are past it)
     stage_of: list[int]        # layer index -> pipeline stage
 
@@ -52,7 +62,8 @@ class Placer:
 
     def __init__(self, meta: CheckpointMeta, layout: Layout, config: Mapping,
                  match: Mapping[str, tuple[Rule, dict]], layers: Layers, tied: bool,
-                 mtp_prefix: str | None = None):
+                 mtp_prefix: str | None = None,
+                 templates: Mapping[str, list[str]] | None = None, untemplated=()):
         self.meta = meta
         self.L = layout
         self.config = config
@@ -67,6 +78,8 @@ class Placer:
         self._owners: dict = {}
         self._id_res: dict[str, re.Pattern] = {}
         self._num_experts: int | None = None
+        # digit template -> its names, and the names of no template (planner's groups)
+        self._templates, self._untemplated = templates, untemplated
         self._checked_E: set[int] = set()
         self._config_E = num_experts_of(config)
         self._wcache: dict = {}
@@ -90,7 +103,7 @@ class Placer:
         if self.mtp_prefix and n.startswith(self.mtp_prefix):
             return (pp - 1,)   # the planner left them out unless include_mtp
         st = params.get("stage")
-        li = self.layer_of.get(n)
+        li = self.layer_of(n)
         if li is not None and st in (None, "layer"):
             if li >= self.num_layers:
                 return (pp - 1,) if self.L.include_mtp else None
@@ -192,13 +205,7 @@ class Placer:
         if self._num_experts is None:
             # the largest expert id in the names + 1; one scan of all names joined (a
             # search per name cost more than the rest of the expert placements together)
-            names = self.meta.tensors
-            joined = "\n".join(names)
-            if joined.count("\n") == max(len(names) - 1, 0):   # no name holds a newline
-                ids = set(EXPERT_LINE_RE.findall(joined))
-            else:
-                ids = {m.group(1) for m in map(EXPERT_RE.search, names) if m}
-            self._num_experts = max(map(int, ids), default=-1) + 1
+            self._num_experts = self._largest_expert_id() + 1
         if E is None:
             E = self._num_experts
         elif self._num_experts and E > self._num_experts:
@@ -213,6 +220,28 @@ class Placer:
                 raise self.err(e.message, t.name) from None
             self._checked_E.add(E)
         return E
+
+    def _largest_expert_id(self) -> int:
+        """The largest expert id in the checkpoint's names (EXPERT_RE, every match), -1
+        for none. EXPERT_RE has no digit literal, so it matches a digit template where it
+        matches each of its names, and the largest id of a match is the largest of its
+        digit strings (of one width in a template); the names outside the templates are
+        scanned joined."""
+        names = self.meta.tensors
+        groups, rest = self._templates, self._untemplated
+        if groups is None or sum(map(len, groups.values())) + len(rest) != len(names):
+            groups, rest = {}, names
+        top = -1
+        for t, members in groups.items():
+            for m in EXPERT_RE.finditer(t):
+                a, b = m.span(1)
+                top = max(top, int(max(map(itemgetter(slice(a, b)), members))))
+        joined = "\n".join(rest)
+        if joined.count("\n") == max(len(rest) - 1, 0):   # no name holds a newline
+            ids = EXPERT_LINE_RE.findall(joined)
+        else:
+            ids = [m.group(1) for n in rest for m in EXPERT_RE.finditer(n)]
+        return max(top, max(map(int, ids), default=-1))
 
     def expert_owners(self, e: int, E: int) -> tuple[int, ...]:
         """``L.owners_of(e, E)``, memoised: asked once per expert tensor."""

@@ -13,7 +13,6 @@ one SharedSlices: cost grows with the distinct slices, not with the world size.
 """
 from __future__ import annotations
 
-import re
 import warnings
 from collections import Counter
 from itertools import compress, repeat
@@ -36,7 +35,7 @@ from coordloader.planning.model import (
     SliceColumns,
     share_of,
 )
-from coordloader.planning.placement import SCALE_SUFFIX, Layers, Placer
+from coordloader.planning.placement import LAYER_RE, SCALE_SUFFIX, Layers, Placer, layer_index
 from coordloader.planning.rankgroups import RankGroups, dedupe, rank_classes
 from coordloader.planning.rules import Rule, RuleSet, make_rule, resolve_rules
 from coordloader.planning.rules.presets import MTP_PREFIX, missing_config_error
@@ -45,8 +44,6 @@ from coordloader.planning.runs import slice_runs
 from coordloader.planning.store import SliceStore
 from coordloader.planning.strategies import EXPERT_ID_REGEX
 from coordloader.text import MAX_NAME_CHARS, clip
-
-LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 
 _NAME = attrgetter("name")
 _SHAPE = attrgetter("shape")
@@ -133,7 +130,8 @@ class _Planner:
         tied = self._tied()
         # match rules first: unmatched names fail before any work
         match = self._match_rules(names, templates)
-        placer = Placer(self.meta, self.L, self.config, match, layers, tied, mtp)
+        placer = Placer(self.meta, self.L, self.config, match, layers, tied, mtp, groups,
+                        left_out)
         keys = self._family_keys(groups, spans, placer, layers)
         placed = self._place_all(names, placer, keys)
         if left_out:
@@ -141,20 +139,21 @@ class _Planner:
         return self._assemble(placed, names)
 
     def _find_layers(self, groups: dict[str, list[str]]) -> tuple[Layers, dict[str, tuple[int, int]]]:
-        """The layer of each layer tensor, the number of layers and each layer's stage,
-        checking config.json's num_hidden_layers against the names and the layout; and per
-        digit template of layer tensors the [start, stop) of the layer index in its names.
-        LAYER_RE has no digit literal, so it matches a template where it matches each of
-        its names: the index is found once per template and cut from each name."""
-        layer_of: dict[str, int] = {}
+        """The number of layers and each layer's stage, checking config.json's
+        num_hidden_layers against the names and the layout; and per digit template of layer
+        tensors the [start, stop) of the layer index in its names. LAYER_RE has no digit
+        literal, so it matches a template where it matches each of its names: the index is
+        found once per template, and its largest value is the largest of the digit strings
+        (of one width in a template)."""
         spans: dict[str, tuple[int, int]] = {}
         search = LAYER_RE.search
+        max_layer = -1
         for t, members in groups.items():
             m = search(t)
             if m:
                 a, b = spans[t] = m.span(1)
-                layer_of.update(zip(members, map(int, map(itemgetter(slice(a, b)), members))))
-        max_layer = max(layer_of.values(), default=-1)
+                max_layer = max(max_layer, int(max(map(itemgetter(slice(a, b)), members))))
+        layer_of = bool(spans)   # any layer tensor
         nl = self.config.get("num_hidden_layers")
         if nl is None and not layer_of:
             nl = 0
@@ -185,7 +184,7 @@ class _Planner:
                     stage_of[li] = s
         elif self.L.pp > 1 and layer_of:
             raise PlanError(f"layout: pp={self.L.pp} but config.json says num_hidden_layers=0")
-        return Layers(layer_of, nl, stage_of), spans
+        return Layers(layer_index, nl, stage_of), spans
 
     def _tied(self) -> bool:
         """Whether the input embedding is also the lm_head (the last stage reads it too)."""
@@ -287,7 +286,8 @@ class _Planner:
         different rules (a rule that reads digits) is placed name by name."""
         match = placer.match
         tensors = self.meta.tensors
-        layer_of, nl, stage_of = layers.layer_of, layers.num_layers, layers.stage_of
+        nl, stage_of = layers.num_layers, layers.stage_of
+        one_stage = self.L.pp == 1
         keys: dict = {}
         scales = []
         for t, (a, b) in spans.items():
@@ -307,19 +307,21 @@ class _Planner:
             infos = list(map(tensors.__getitem__, members))
             shapes = list(map(_SHAPE, infos))
             dtypes = list(map(_DTYPE, infos))
-            # -1: past num_hidden_layers (MTP layers)
-            stages = [stage_of[li] if li < nl else -1 for li in map(layer_of.__getitem__, members)]
-            pre = map(itemgetter(slice(0, a)), members)
-            post = map(itemgetter(slice(b, None)), members)
+            digits = list(map(itemgetter(slice(a, b)), members))
+            if one_stage and int(max(digits)) < nl:
+                stages = repeat(0)   # every name's
+            else:   # -1: past num_hidden_layers (MTP layers)
+                stages = [stage_of[li] if li < nl else -1 for li in map(int, digits)]
             # one string per name, cheap to hash: rule, shape, dtype and stage, then the
             # name around its layer index (``a`` fixes where the two parts meet)
             if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):
                 head_of = {st: _KEY_HEAD.format(a, id(rule), shapes[0], dtypes[0], st)
-                           for st in set(stages)}
-                heads = map(head_of.__getitem__, stages)
+                           for st in ((0,) if type(stages) is repeat else set(stages))}
+                heads = (repeat(head_of[0]) if type(stages) is repeat else
+                         map(head_of.__getitem__, stages))
             else:
                 heads = map(_KEY_HEAD.format, repeat(a), repeat(id(rule)), shapes, dtypes, stages)
-            keys.update(zip(members, map(add, map(add, heads, pre), post)))
+            keys.update(zip(members, _join_keys(heads, t, a, b, members)))
         cut = itemgetter(slice(0, -len(SCALE_SUFFIX)))
         for t, rule in scales:
             a, b = spans[t]
@@ -334,15 +336,13 @@ class _Planner:
             infos = list(map(tensors.__getitem__, members))
             shapes = list(map(_SHAPE, infos))
             dtypes = list(map(_DTYPE, infos))
-            pre = map(itemgetter(slice(0, a)), members)
-            post = map(itemgetter(slice(b, None)), members)
             # the weight's key holds its stage
             if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):
                 heads = repeat(_KEY_HEAD.format(a, id(rule), shapes[0], dtypes[0], "s"))
             else:
                 heads = map(_KEY_HEAD.format, repeat(a), repeat(id(rule)), shapes, dtypes,
                             repeat("s"))
-            keys.update(zip(members, zip(map(add, map(add, heads, pre), post), wkeys)))
+            keys.update(zip(members, zip(_join_keys(heads, t, a, b, members), wkeys)))
         return keys
 
     def _assemble(self, placed: Placed, names: list[str]) -> Plan:
@@ -402,6 +402,15 @@ class _Planner:
         rank_plans = tuple(SharedRankPlan.make(r, L.coords(r).as_dict(), shares[rc_of[r]])
                            for r in range(self.world))
         return Plan(L, meta.fingerprint(), rank_plans, tuple(excluded), load_groups(L, rank_plans, meta))
+
+
+def _join_keys(heads, template: str, a: int, b: int, members: list[str]):
+    """Each head + the name before its layer index + the name after it. A part without
+    digits in the template is the same in every name: taken once."""
+    n0 = members[0]
+    pre = repeat(n0[:a]) if "0" not in template[:a] else map(itemgetter(slice(0, a)), members)
+    post = repeat(n0[b:]) if "0" not in template[b:] else map(itemgetter(slice(b, None)), members)
+    return map(add, map(add, heads, pre), post)
 
 
 _PIECES = attrgetter("pieces")
