@@ -25,6 +25,8 @@ from math import prod
 from operator import add, attrgetter, itemgetter, not_
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
+import numpy as np
+
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.tiling import tiling_problem
 from coordloader.errors import PlanError
@@ -222,10 +224,10 @@ def _proved_by_columns(store: SliceStore, members, tensors, excluded) -> set[str
     and one whole box tiles a tensor. A block of slices that fails any of these checks,
     and every other tensor, is left to the checks on slice objects (which name the
     problem)."""
-    held: set = set()
+    held = np.zeros(len(store), dtype=bool)
     for sh, _ in members.values():
-        held.update(sh.slices.sids)
-    if len(held) != len(store):   # slices no rank holds: not a plan the planner built
+        held[np.array(sh.slices.sids, dtype=np.intp)] = True
+    if not held.all():   # slices no rank holds: not a plan the planner built
         return set()
     whole = [_whole_form(f) for f in store.forms]
     names, form, runs = store.names, store.form, store.runs
@@ -273,7 +275,8 @@ def _whole_form(f) -> int:
 
 def _one_run_each(store, lo, hi, tensors, f, isz) -> bool:
     """Whether sids ``lo:hi`` (one run each, form ``f``) name checkpoint tensors of the
-    form's shape and dtype stored in one piece, and each run reads exactly that piece."""
+    form's shape and dtype, and each run reads exactly all the bytes of the tensor's first
+    stored piece, which are all its bytes."""
     n = hi - lo
     fm = store.forms[f]
     infos = list(map(tensors.get, store.names[lo:hi]))
@@ -282,10 +285,9 @@ def _one_run_each(store, lo, hi, tensors, f, isz) -> bool:
     if (list(map(_SHAPE, infos)).count(fm.global_shape) != n
             or list(map(_DTYPE, infos)).count(fm.dtype) != n):
         return False
-    src = list(map(_PIECES, infos))
-    if list(map(len, src)).count(1) != n:
-        return False
-    p0 = list(map(itemgetter(0), src))
+    # (a tensor stored in several pieces fails below: its first piece's bytes are not all
+    # of its bytes, or the others hold none and the run lies in the first, as it must)
+    p0 = list(map(itemgetter(0), map(_PIECES, infos)))
     nbytes = prod(fm.global_shape) * isz
     starts = store.starts[lo:hi]
     return (store.lengths[lo:hi].count(nbytes) == n
