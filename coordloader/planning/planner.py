@@ -288,15 +288,16 @@ class _Planner:
         tensors = self.meta.tensors
         nl, stage_of = layers.num_layers, layers.stage_of
         one_stage = self.L.pp == 1
+        blind = self.rules.digit_blind   # a template's names match one rule
         keys: dict = {}
         scales = []
         for t, (a, b) in spans.items():
             members = groups[t]
-            found = list(map(match.__getitem__, members))
-            rule, params = found[0]
-            rules = list(map(id, map(itemgetter(0), found)))
-            if rules.count(id(rule)) != len(rules):
-                continue
+            rule, params = match[members[0]]
+            if not blind:   # a rule that reads digits may match some names only
+                rules = list(map(id, map(itemgetter(0), map(match.__getitem__, members))))
+                if rules.count(id(rule)) != len(rules):
+                    continue
             strategy = rule.strategy
             if strategy == "expert" and params["id_regex"] != EXPERT_ID_REGEX:
                 continue

@@ -206,14 +206,20 @@ class RuleSet:
         (``_digit_blind``), names equal up to their digits match alike, so each distinct
         *digit template* (``digit_templates``; given when the caller has them) is matched
         once: DeepSeek-V3's 92 k names are a few hundred templates."""
-        if self._digit_blind is None:
-            self._digit_blind = all(_digit_blind(r.regex_text) for r in self.rules)
-        if not self._digit_blind:
+        if not self.digit_blind:
             return list(map(self.match, names))
         if templates is None:
             templates = digit_templates(names)
         found = {t: self.match(t) for t in set(templates)}
         return list(map(found.__getitem__, templates))
+
+    @property
+    def digit_blind(self) -> bool:
+        """Whether no rule can tell one ASCII digit from another: then names of one digit
+        template match one rule."""
+        if self._digit_blind is None:
+            self._digit_blind = all(_digit_blind(r.regex_text) for r in self.rules)
+        return self._digit_blind
 
     def match(self, name: str) -> int | None:
         """Index of the first rule matching ``name``, or None."""
