@@ -20,6 +20,8 @@ from math import prod
 from operator import add, attrgetter, is_not, itemgetter, mul, sub
 from typing import Any, Mapping, NamedTuple
 
+import numpy as np
+
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, check_extents, full_box
 from coordloader.errors import PlanError
@@ -396,10 +398,12 @@ class _Planner:
                     slot_tables[rc] += repeat(k, len(members))
         shares = []
         for i in range(n_rc):
-            order = sorted(range(len(places[i])), key=places[i].__getitem__)
-            shares.append(SharedSlices(SliceColumns(store, tuple(map(sids[i].__getitem__, order))),
-                                       tuple(map(slot_tables[i].__getitem__, order)),
-                                       replicas, rc_ranks[i]))
+            # name order (places are distinct: one slice per tensor in a rank class)
+            order = np.argsort(np.array(places[i], dtype=np.intp), kind="stable")
+            shares.append(SharedSlices(
+                SliceColumns(store, tuple(np.array(sids[i], dtype=np.intp)[order].tolist())),
+                tuple(np.array(slot_tables[i], dtype=np.intp)[order].tolist()),
+                replicas, rc_ranks[i]))
         rank_plans = tuple(SharedRankPlan.make(r, L.coords(r).as_dict(), shares[rc_of[r]])
                            for r in range(self.world))
         return Plan(L, meta.fingerprint(), rank_plans, tuple(excluded), load_groups(L, rank_plans, meta))
