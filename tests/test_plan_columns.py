@@ -151,3 +151,15 @@ def test_digest_of_columns_equals_digest_of_objects(plan):
     mixed = Plan(plan.layout, plan.fingerprint, ranks, plan.excluded, plan.load_groups)
     assert type(sh.slices) is SliceColumns
     assert mixed.digest() == plan.digest()
+
+
+def test_bench_counts_from_the_columns_equal_the_objects(plan):
+    from coordloader.bench.plan_bench import plan_counts
+    from coordloader.planning.model import RankPlan
+    flat = Plan(plan.layout, plan.fingerprint,
+                tuple(RankPlan(rp.rank, dict(rp.coords), tuple(rp.tensors)) for rp in plan.ranks),
+                plan.excluded, plan.load_groups)
+    got, want = plan_counts(plan), plan_counts(flat)
+    assert want["byte_runs"] > want["slices"]   # some slices have several runs
+    assert {k: got[k] for k in ("slices", "pieces", "byte_runs")} == \
+        {k: want[k] for k in ("slices", "pieces", "byte_runs")}

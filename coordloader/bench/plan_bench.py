@@ -48,7 +48,7 @@ def layout_kw(kind: str, world: int, num_experts: int | None) -> dict:
 def plan_counts(plan) -> dict:
     """Slices, pieces and byte runs over all ranks, and the rank classes (a rank class's
     slices are counted once per member, not built per member)."""
-    from coordloader.planning.model import share_of
+    from coordloader.planning.model import SliceColumns, share_of
     per: dict = {}   # id(slices) -> [slices, members]
     for rp in plan.ranks:
         sh = share_of(rp)
@@ -57,6 +57,11 @@ def plan_counts(plan) -> dict:
     slices = pieces = runs = 0
     for src, m in per.values():
         slices += m * len(src)
+        if type(src) is SliceColumns:   # read from the columns: no slice object built
+            st = src.store
+            pieces += m * sum(len(st.forms[st.form[i]].pieces) for i in src.sids)
+            runs += m * sum(1 if st.runs[i] is None else len(st.runs[i]) for i in src.sids)
+            continue
         pieces += m * sum(len(ts.pieces) for ts in src)
         runs += m * sum(len(ts.byte_runs) for ts in src)
     return {"slices": slices, "pieces": pieces, "byte_runs": runs, "rank_classes": len(per)}
