@@ -1,6 +1,7 @@
 """A plan's slices as columns (SliceStore): cover proves most tensors on the columns, and
 a wrong value in any column it reads is still found and named as on slice objects; the
 digest read from the columns equals the digest of the same slices as objects."""
+import copy
 import dataclasses
 
 import pytest
@@ -9,7 +10,7 @@ from coordloader.api import make_plan
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning import cover
-from coordloader.planning.model import Plan, SharedRankPlan, SliceColumns, share_of
+from coordloader.planning.model import Plan, RankPlan, SharedRankPlan, SliceColumns, share_of
 from coordloader.planning.planner import meta_from_specs
 from coordloader.synth.archs import arch_tensors
 
@@ -44,6 +45,28 @@ def sid_of(plan, name):
     return store_of(plan).names.index(name)
 
 
+def with_column(plan, column, sid, value):
+    """``plan`` over a copy of its store whose ``column`` holds ``value`` at ``sid`` (the
+    store itself is frozen: a built slice and its columns never disagree)."""
+    st = store_of(plan)
+    new = copy.copy(st)
+    col = list(getattr(st, column))
+    col[sid] = value
+    object.__setattr__(new, column, tuple(col))
+    object.__setattr__(new, "_built", [None] * len(st))
+    return over_store(plan, new)
+
+
+def over_store(plan, store):
+    shares, ranks = {}, []
+    for rp in plan.ranks:
+        sh = share_of(rp)
+        if id(sh) not in shares:
+            shares[id(sh)] = dataclasses.replace(sh, slices=SliceColumns(store, sh.slices.sids))
+        ranks.append(SharedRankPlan.make(rp.rank, rp.coords, shares[id(sh)]))
+    return Plan(plan.layout, plan.fingerprint, tuple(ranks), plan.excluded, plan.load_groups)
+
+
 def holder(plan, name):
     return next(rp.rank for rp in plan.ranks if name in rp.by_name())
 
@@ -56,39 +79,47 @@ def test_cover_proves_whole_tensors_on_the_columns(plan, meta):
     cover.validate_cover(plan, meta)
 
 
+def test_the_store_is_frozen(plan):
+    st = store_of(plan)
+    with pytest.raises(AttributeError, match="frozen"):
+        st.starts = ()
+    with pytest.raises(TypeError):
+        st.starts[0] = 1   # a tuple
+
+
 def test_a_run_moved_off_its_tensors_bytes_is_found(plan, meta):
     st = store_of(plan)
     sid = sid_of(plan, EXPERT)
     assert st.runs[sid] is None   # one run, held in the columns only
-    st.starts[sid] += 1
+    bad = with_column(plan, "starts", sid, st.starts[sid] + 1)
     with pytest.raises(PlanError, match="lies outside the tensor's bytes") as ei:
-        cover.validate_cover(plan, meta)
+        cover.validate_cover(bad, meta)
     assert (ei.value.tensor, ei.value.rank) == (EXPERT, holder(plan, EXPERT))
 
 
 def test_a_run_of_the_wrong_length_is_found(plan, meta):
-    st = store_of(plan)
-    st.lengths[sid_of(plan, EXPERT)] -= 2
+    sid = sid_of(plan, EXPERT)
+    bad = with_column(plan, "lengths", sid, store_of(plan).lengths[sid] - 2)
     with pytest.raises(PlanError, match="byte runs add up to") as ei:
-        cover.validate_cover(plan, meta)
+        cover.validate_cover(bad, meta)
     assert ei.value.tensor == EXPERT
 
 
 def test_a_name_the_checkpoint_lacks_is_found(plan, meta):
-    st = store_of(plan)
-    st.names[sid_of(plan, EXPERT)] = "model.layers.1.mlp.experts.9.up_proj.weight"
+    other = "model.layers.1.mlp.experts.9.up_proj.weight"
+    bad = with_column(plan, "names", sid_of(plan, EXPERT), other)
     with pytest.raises(PlanError, match="not in the checkpoint") as ei:
-        cover.validate_cover(plan, meta)
-    assert ei.value.tensor == "model.layers.1.mlp.experts.9.up_proj.weight"
+        cover.validate_cover(bad, meta)
+    assert ei.value.tensor == other
 
 
 def test_a_form_of_the_wrong_shape_is_found(plan, meta):
     st = store_of(plan)
     f = st.form[sid_of(plan, EXPERT)]
     gs = st.forms[f].global_shape
-    st.forms[f] = st.forms[f]._replace(global_shape=(gs[0] + 1,) + gs[1:])
+    bad = with_column(plan, "forms", f, st.forms[f]._replace(global_shape=(gs[0] + 1,) + gs[1:]))
     with pytest.raises(PlanError, match="slice says"):
-        cover.validate_cover(plan, meta)
+        cover.validate_cover(bad, meta)
 
 
 def test_an_excluded_tensor_held_is_found(plan, meta):
@@ -125,7 +156,8 @@ def test_a_slice_no_rank_class_lists_leaves_the_columns(plan, meta):
     r = holder(plan, EXPERT)
     sh = share_of(plan.rank(r))
     i = sh.slices.sids.index(sid_of(plan, EXPERT))
-    cut = dataclasses.replace(sh, slices=SliceColumns(sh.slices.store, sh.slices.sids[:i] + sh.slices.sids[i + 1:]),
+    sids = sh.slices.sids[:i] + sh.slices.sids[i + 1:]
+    cut = dataclasses.replace(sh, slices=SliceColumns(sh.slices.store, sids),
                               tables=sh.tables[:i] + sh.tables[i + 1:])
     ranks = tuple(SharedRankPlan.make(rp.rank, rp.coords, cut) if share_of(rp) is sh else rp
                   for rp in plan.ranks)
@@ -155,7 +187,6 @@ def test_digest_of_columns_equals_digest_of_objects(plan):
 
 def test_bench_counts_from_the_columns_equal_the_objects(plan):
     from coordloader.bench.plan_bench import plan_counts
-    from coordloader.planning.model import RankPlan
     flat = Plan(plan.layout, plan.fingerprint,
                 tuple(RankPlan(rp.rank, dict(rp.coords), tuple(rp.tensors)) for rp in plan.ranks),
                 plan.excluded, plan.load_groups)

@@ -291,9 +291,9 @@ def _one_run_each(store, lo, hi, tensors, f, isz) -> bool:
     nbytes = prod(fm.global_shape) * isz
     starts = store.starts[lo:hi]
     return (store.lengths[lo:hi].count(nbytes) == n
-            and list(map(_FILE, p0)) == store.files[lo:hi]
-            and list(map(_START, p0)) == starts
-            and list(map(_END, p0)) == list(map(add, starts, repeat(nbytes))))
+            and tuple(map(_FILE, p0)) == tuple(store.files[lo:hi])
+            and tuple(map(_START, p0)) == tuple(starts)
+            and tuple(map(_END, p0)) == tuple(map(add, starts, repeat(nbytes))))
 
 
 class _Copies(NamedTuple):

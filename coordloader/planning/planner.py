@@ -396,6 +396,7 @@ class _Planner:
                     sids[rc] += got
                     places[rc] += at
                     slot_tables[rc] += repeat(k, len(members))
+        store.freeze()
         shares = []
         for i in range(n_rc):
             # name order (places are distinct: one slice per tensor in a rank class)

@@ -16,10 +16,14 @@ class SliceStore:
 
     A slice's byte runs are ``runs[sid]``, or, where that is None, the one run of
     ``lengths[sid]`` bytes at ``starts[sid]`` of ``files[sid]`` into byte 0 (a whole
-    tensor stored in one piece: most slices of an expert-parallel plan)."""
+    tensor stored in one piece: most slices of an expert-parallel plan).
+
+    A store is filled by the planner, then frozen (``freeze``): its columns become tuples
+    and its attributes read-only, so a slice built from it and the columns that cover and
+    the digest read can never disagree."""
 
     __slots__ = ("names", "forms", "form", "files", "runs", "starts", "lengths", "blocks",
-                 "_built")
+                 "_built", "_frozen")
 
     def __init__(self):
         self.names: list[str] = []
@@ -34,6 +38,19 @@ class SliceStore:
 
     def __len__(self) -> int:
         return len(self.names)
+
+    def __setattr__(self, name: str, value) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"a frozen SliceStore's {name} cannot be set")
+        object.__setattr__(self, name, value)
+
+    _COLUMNS = ("names", "forms", "form", "files", "runs", "starts", "lengths", "blocks")
+
+    def freeze(self) -> None:
+        """Make every column a tuple and the store read-only (the built-slice cache aside)."""
+        for name in self._COLUMNS:
+            setattr(self, name, tuple(getattr(self, name)))
+        self._frozen = True
 
     def add(self, names: list[str], form: int, files: list[str], runs: list | None,
             starts: list[int] | None = None, lengths: list[int] | None = None) -> range:
@@ -64,6 +81,7 @@ class SliceStore:
         return rl
 
     def slice(self, sid: int) -> TensorSlice:
+        """The slice ``sid`` (replica 0), built on first use and kept."""
         s = self._built[sid]
         if s is None:
             f = self.forms[self.form[sid]]
