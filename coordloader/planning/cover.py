@@ -29,7 +29,7 @@ import numpy as np
 
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.tiling import tiling_problem
-from coordloader.errors import PlanError
+from coordloader.errors import CheckpointError, PlanError
 from coordloader.gcpause import gc_paused
 from coordloader.planning.model import (
     Piece,
@@ -201,8 +201,9 @@ def _validate_cover(plan, meta) -> None:
         for i, (r, s, k) in enumerate(rs):
             if k not in keys:
                 rs[i] = (r, primary_boxes(s.pieces), ("rank", r))
+    # in the checkpoint's order, as without the columns: the first problem found is the same
     shapes = ({n: t.shape for n, t in tensors.items()} if not proved else
-              {n: tensors[n].shape for n in tensors.keys() - proved})
+              {n: tensors[n].shape for n in filter((tensors.keys() - proved).__contains__, tensors)})
     _core(prim, reps, shapes, plan.excluded, PlanError, copies.of_name)
 
 
@@ -236,7 +237,8 @@ def _proved_by_columns(store: SliceStore, members, tensors, excluded) -> set[str
         lo, hi = b.start, b.stop
         f = form[lo]
         isz = whole[f]
-        if not isz or runs[lo] is not None or not _one_run_each(store, lo, hi, tensors, f, isz):
+        if (not isz or form[lo:hi].count(f) != hi - lo or runs[lo:hi].count(None) != hi - lo
+                or not _one_run_each(store, lo, hi, tensors, f, isz)):
             continue
         good.update(names[lo:hi])
     if not good:
@@ -244,7 +246,10 @@ def _proved_by_columns(store: SliceStore, members, tensors, excluded) -> set[str
     prim_names: list[str] = []
     others: set[str] = set()   # held as a replica in a class without the primary, or twice
     for sh, ranks in members.values():
-        zero = _zero_members(sh, ranks)
+        try:
+            zero = _zero_members(sh, ranks)
+        except PlanError:   # raised by the object checks, in their order
+            return set()
         one = {k for k, z in zero.items() if len(z[0]) == 1}
         rest = {k for k, z in zero.items() if len(z[0]) != 1}
         sids = sh.slices.sids
@@ -270,7 +275,10 @@ def _whole_form(f) -> int:
         return 0
     if tiling_problem((p.src,), gs) is not None:
         return 0
-    return itemsize(f.dtype)
+    try:
+        return itemsize(f.dtype)
+    except CheckpointError:   # the object checks name the slice
+        return 0
 
 
 def _one_run_each(store, lo, hi, tensors, f, isz) -> bool:
@@ -285,9 +293,12 @@ def _one_run_each(store, lo, hi, tensors, f, isz) -> bool:
     if (list(map(_SHAPE, infos)).count(fm.global_shape) != n
             or list(map(_DTYPE, infos)).count(fm.dtype) != n):
         return False
+    src = list(map(_PIECES, infos))
+    if not all(src):   # a tensor of no stored piece
+        return False
     # (a tensor stored in several pieces fails below: its first piece's bytes are not all
     # of its bytes, or the others hold none and the run lies in the first, as it must)
-    p0 = list(map(itemgetter(0), map(_PIECES, infos)))
+    p0 = list(map(itemgetter(0), src))
     nbytes = prod(fm.global_shape) * isz
     starts = store.starts[lo:hi]
     return (store.lengths[lo:hi].count(nbytes) == n
