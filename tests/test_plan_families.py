@@ -1,11 +1,13 @@
 """Layer families: the planner places the same tensor of different layers once, and the plan
 is what placing every tensor on its own gives, slice for slice, where a rule singles out
 one layer, a block scale follows such a weight, or an expert id pattern reads the layer."""
+import dataclasses
 import warnings
 
 import pytest
 
 from coordloader.api import make_plan
+from coordloader.errors import CheckpointError
 from coordloader.layout import Layout
 from coordloader.planning import planner as planner_mod
 from coordloader.planning.cover import validate_cover
@@ -93,3 +95,15 @@ def test_a_block_scale_follows_a_weight_whose_expert_id_pattern_reads_the_layer(
         w = f"model.layers.{layer}.mlp.experts.0.gate_proj.weight"
         for n in (w, w + "_scale_inv"):
             assert [rp.rank for rp in plan.ranks if n in rp.by_name()] == [layer % 4], n
+
+
+def test_a_bar_in_a_dtype_does_not_join_two_families():
+    # family keys are strings: a dtype holding the key's separator must not make two
+    # tensors' keys equal (the second would be planned with the first one's dtype)
+    base = meta_from_specs(None, [("h.x|0|m.h.3.h..h..w", "BF16", (4,)),
+                                  ("m.h..h..h.5.w", "BF16", (4,))])
+    t = base.tensors["m.h..h..h.5.w"]
+    odd = dataclasses.replace(base, tensors={**base.tensors,
+                                             t.name: dataclasses.replace(t, dtype="BF16|0|h.x")})
+    with pytest.raises(CheckpointError, match="unknown dtype"):
+        make_plan(odd, Layout(tp=1), replicate_unmatched=True)

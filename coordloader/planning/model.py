@@ -567,7 +567,7 @@ class _Rows:
 
 # a slice of one run (a whole tensor): its row as __call__ writes it -- name, file, the
 # middle fields, and _runs_key's one group (file, offset, length, dest 0, count 1, no strides)
-_ONE_RUN_ROW = "({!r}, {!r}, {}, (({!r}, {}, {}, 0, 1, 0, 0),))"
+_ONE_RUN_ROW = "({!r}, {!r}, {}, (({!r}, {!r}, {!r}, 0, 1, 0, 0),))"
 
 
 def _runs_repr(runs) -> str:

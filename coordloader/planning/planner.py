@@ -53,7 +53,7 @@ _DTYPE = attrgetter("dtype")
 _REPLICATE = make_rule("*", "replicate", source="replicate_unmatched")
 # a family key's head: the names' layer index start, rule, shape, dtype, stage (or "s" for
 # a block scale, whose weight's key says its stage)
-_KEY_HEAD = "{}|{}|{!r}|{}|{}|"
+_KEY_HEAD = "{}|{}|{!r}|{!r}|{}|"
 
 
 
