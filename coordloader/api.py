@@ -12,10 +12,8 @@ from coordloader.checkpoint.reader import (
     MAX_CONFIG,
     MAX_JSON_FILE,
     checkpoint_path,
-    parse_strict_json,
     read_checkpoint,
-    read_small_file,
-    refuse_dense_json,
+    read_json_document,
 )
 from coordloader.errors import CheckpointError, PlanError
 from coordloader.layout import Layout
@@ -29,12 +27,9 @@ def read_json_file(path: str, what: str, limit: int = MAX_JSON_FILE) -> Any:
     """The JSON document in ``path``; a PlanError naming ``what`` and the file otherwise."""
     try:
         # a regular file, opened without blocking: a FIFO given as --rules waited forever
-        data = read_small_file(path, path, what, limit)
-        refuse_dense_json(data, path, what)
+        return read_json_document(path, path, what, limit)
     except CheckpointError as e:
         raise PlanError(f"cannot read {what} {path}: {e.message}") from None
-    try:
-        return parse_strict_json(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise PlanError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except ValueError as e:   # bad syntax, a duplicate key, NaN

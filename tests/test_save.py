@@ -1133,3 +1133,46 @@ def test_a_max_shard_bytes_written_as_a_float_of_an_integer_is_taken(tmp_path):
          max_shard_bytes=8.0)   # 8 bytes: one tensor per file, as 8 would give
     assert sorted(n for n in os.listdir(tmp_path / "ck") if n.endswith(".coordloader-shard")) \
         == ["rank-00000-part-00000.coordloader-shard", "rank-00000-part-00001.coordloader-shard"]
+
+
+_FIFO_IN_OUT_DIR = r'''
+import os, sys, signal
+import torch
+from coordloader.handoff.save import save
+from coordloader.errors import CoordloaderError
+out, name, overwrite = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+os.makedirs(out, exist_ok=True)
+os.mkfifo(os.path.join(out, name))
+class Blocked(BaseException):
+    pass
+def fire(*_):
+    raise Blocked
+signal.signal(signal.SIGALRM, fire)
+signal.alarm(20)                             # imports done: the save itself must not block
+cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 0, "num_attention_heads": 1}
+try:
+    save(out, {"model.embed_tokens.weight": torch.ones(4, 4)}, config=cfg, overwrite=overwrite)
+    print("SAVED", sorted(os.listdir(out)))
+except CoordloaderError as e:
+    print(type(e).__name__ + ": " + str(e))
+except Blocked:
+    print("BLOCKED")
+'''
+
+
+@pytest.mark.parametrize("name,overwrite,want", [
+    ("model.safetensors.index.json", "0", "SaveError: rank 0, file {out}: a checkpoint already "
+                                          "exists here; pass overwrite=True"),
+    ("model.safetensors.index.json", "1", "SAVED ['config.json', 'coordloader-index.json'"),
+    ("coordloader-publishing.json", "0", "SaveError: file {out}: the publish marker "
+                                         "coordloader-publishing.json is unreadable (file "
+                                         "coordloader-publishing.json: is a FIFO"),
+], ids=["index-refused", "index-overwritten", "marker"])
+def test_a_fifo_in_the_output_directory_never_blocks_a_save(tmp_path, name, overwrite, want):
+    # save looks at the index and the publish marker already there: a FIFO under either
+    # name blocked the save's open() for ever
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-c", _FIFO_IN_OUT_DIR, str(out), name, overwrite],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().startswith(want.format(out=out)), p.stdout

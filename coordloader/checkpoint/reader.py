@@ -310,6 +310,18 @@ def read_small_file(path: str, name: str, what: str, limit: int = MAX_JSON_FILE)
         os.close(fd)
 
 
+def read_json_document(path: str, name: str, what: str, limit: int = MAX_JSON_FILE) -> Any:
+    """The JSON document of a small side file a user or a save hands in (a rule file, the
+    manifest, a save's index or publish marker): read without ever blocking
+    (``read_small_file``), refused before parsing when dense (``refuse_dense_json``), and
+    parsed strictly (``parse_strict_json``). CheckpointError for the file itself;
+    ValueError (UnicodeDecodeError for bytes that are not UTF-8) or RecursionError for its
+    text, which the caller names in its own words."""
+    raw = read_small_file(path, name, what, limit)
+    refuse_dense_json(raw, name, what)
+    return parse_strict_json(raw)
+
+
 def _read_json_file(path: str, name: str, decoder: json.JSONDecoder, what: str,
                     limit: int = MAX_JSON_FILE) -> dict:
     return _parse_json(read_small_file(path, name, what, limit), decoder, name, what)

@@ -28,7 +28,7 @@ from coordloader.checkpoint.fileio import OpenFiles, pread_into, write_file_atom
 from coordloader.checkpoint.formats import MANIFEST_NAME
 from coordloader.checkpoint.identity import data_sample_sha256
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
-from coordloader.checkpoint.reader import parse_strict_json, read_small_file, refuse_dense_json
+from coordloader.checkpoint.reader import read_json_document
 from coordloader.errors import CheckpointError, VerifyError
 from coordloader.text import MAX_NAME_CHARS, clip
 
@@ -253,12 +253,14 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         return None
     try:
         # never blocks: a FIFO, a device or a directory in its place is refused
-        raw = read_small_file(path, path, "manifest")
-        refuse_dense_json(raw, path, "manifest")
+        doc = read_json_document(path, path, "manifest")
     except CheckpointError as e:
         raise VerifyError(f"cannot read the manifest: {e.message}", file=path) from None
+    except ValueError as e:
+        raise VerifyError(f"malformed manifest: {e}", file=path) from None
+    except RecursionError:
+        raise VerifyError("malformed manifest: JSON nested too deeply", file=path) from None
     try:
-        doc = parse_strict_json(raw)
         if doc.get("format") != "coordloader.manifest" or doc.get("version") != VERSION:
             raise ValueError(f"not a version-{VERSION} coordloader manifest")
         tensors = {n: TensorDigest(str(t["dtype"]), _shape(t["shape"]), _digest_value(t["digest"]))
