@@ -1176,3 +1176,36 @@ def test_a_fifo_in_the_output_directory_never_blocks_a_save(tmp_path, name, over
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip().startswith(want.format(out=out)), p.stdout
+
+
+def test_overwrite_removes_the_shards_of_an_index_the_reader_would_refuse(tmp_path):
+    # the old index is read to find the files a save over it removes: a duplicate key the
+    # strict reader refuses must not leave the old model's shards beside the new one
+    out = tmp_path / "ck"
+    out.mkdir()
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for n in shards:
+        (out / n).write_bytes(b"old weights")
+    (out / HF_INDEX).write_text(
+        '{"metadata": {"total_size": 1}, "metadata": {"total_size": 2}, "weight_map": '
+        + json.dumps({"a": shards[0], "b": shards[1]}) + "}")
+    save(out, {"model.embed_tokens.weight": torch.ones(4, 4)}, config=CFG, overwrite=True)
+    left = set(os.listdir(out))
+    assert not left & set(shards) and HF_INDEX not in left, left
+
+
+def test_an_io_error_reading_the_publish_marker_is_a_save_error(tmp_path, monkeypatch):
+    from coordloader.checkpoint import reader
+    from coordloader.handoff.publish import PUBLISH_MARKER
+    out = tmp_path / "ck"
+    out.mkdir()
+    (out / PUBLISH_MARKER).write_text("{}")
+    real = reader._pread_exact
+
+    def eio(fd, n, off, name):
+        if name == PUBLISH_MARKER:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, n, off, name)
+    monkeypatch.setattr(reader, "_pread_exact", eio)
+    with pytest.raises(SaveError, match="publish marker .* is unreadable .*Input/output error"):
+        save(out, {"model.embed_tokens.weight": torch.ones(4, 4)}, config=CFG)

@@ -125,14 +125,15 @@ def _plain(names) -> frozenset[str]:
 def _index_files(path: str) -> set[str]:
     """File names an index (HF, v1 or v2 sharded) refers to; empty if it is unreadable."""
     try:
-        # never blocks: a FIFO under an index's name hung the save that looked at it
-        d = read_json_document(path, os.path.basename(path), "index")
+        # never blocks: a FIFO under an index's name hung the save that looked at it. Parsed
+        # leniently, as before: this only finds the old files a save over them removes
+        d = json.loads(read_small_file(path, os.path.basename(path), "index"))
         names = {v for v in (d.get("weight_map") or {}).values()}
         section = d.get("coordloader") if "coordloader" in d else d
         for t in ((section or {}).get("tensors") or {}).values():
             names |= {p.get("file") for p in t.get("pieces", [])}
         return names
-    except (CheckpointError, ValueError, RecursionError, AttributeError, TypeError):
+    except (CheckpointError, OSError, ValueError, RecursionError, AttributeError, TypeError):
         return set()  # an unreadable old index: only its own name is known
 
 
@@ -324,7 +325,7 @@ def _read_marker(out_dir: str) -> PublishRecord | None:
         d = read_json_document(path, PUBLISH_MARKER, "the publish marker")   # never blocks
         rec = PublishRecord(str(d["stage"]), tuple(map(str, d["files"])),
                             tuple(map(str, d["remove"])), tuple(map(str, d["old_entries"])))
-    except (CheckpointError, ValueError, RecursionError, KeyError, TypeError) as e:
+    except (CheckpointError, OSError, ValueError, RecursionError, KeyError, TypeError) as e:
         raise SaveError(f"the publish marker {PUBLISH_MARKER} is unreadable ({e}); the directory "
                         f"mixes two checkpoints: save again into a fresh directory",
                         file=out_dir) from e
