@@ -318,3 +318,22 @@ def test_the_first_problem_named_does_not_depend_on_the_hash_seed(tmp_path):
         assert p.returncode == 0, p.stderr[-2000:]
         got.add(p.stdout.strip())
     assert len(got) == 1 and got != {""}, got
+
+
+
+def test_a_plan_pickled_or_copied_keeps_its_columns_frozen_and_its_digest(plan, meta):
+    import pickle
+    d = plan.digest()
+    for other in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan)):
+        assert other.digest() == d
+        cover.validate_cover(other, meta)
+        assert [rp.tensors for rp in other.ranks] == [rp.tensors for rp in plan.ranks]
+        with pytest.raises(AttributeError, match="frozen"):
+            store_of(other).names = ()
+
+
+
+def test_a_rank_classs_slice_ids_cannot_be_set(plan):
+    sc = share_of(plan.ranks[0]).slices
+    with pytest.raises(AttributeError, match="read-only"):
+        sc.sids = sc.sids[::-1]

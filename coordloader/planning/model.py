@@ -192,8 +192,16 @@ class SliceColumns(Sequence):
     __slots__ = ("store", "sids")
 
     def __init__(self, store, sids: tuple[int, ...]):
-        self.store = store
-        self.sids = sids
+        object.__setattr__(self, "store", store)
+        object.__setattr__(self, "sids", tuple(sids))
+
+    def __setattr__(self, name: str, value) -> None:
+        # read-only: a rank's slices are built from these once, and cover and the digest
+        # read them again
+        raise AttributeError(f"SliceColumns is read-only: {name} cannot be set")
+
+    def __reduce__(self):
+        return SliceColumns, (self.store, self.sids)
 
     def __len__(self) -> int:
         return len(self.sids)

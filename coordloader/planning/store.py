@@ -19,8 +19,8 @@ class SliceStore:
     tensor stored in one piece: most slices of an expert-parallel plan).
 
     A store is filled by the planner, then frozen (``freeze``): its columns become tuples
-    and its attributes read-only, so a slice built from it and the columns that cover and
-    the digest read can never disagree."""
+    and its attributes read-only, so that a slice built from it and the columns that
+    cover and the digest read agree (the cache of built slices, ``_built``, is private)."""
 
     __slots__ = ("names", "forms", "form", "files", "runs", "starts", "lengths", "blocks",
                  "_built", "_frozen")
@@ -48,9 +48,21 @@ class SliceStore:
 
     def freeze(self) -> None:
         """Make every column a tuple and the store read-only (the built-slice cache aside)."""
+        if getattr(self, "_frozen", False):
+            return
         for name in self._COLUMNS:
             setattr(self, name, tuple(getattr(self, name)))
         self._frozen = True
+
+    def __getstate__(self) -> dict:
+        return {name: getattr(self, name) for name in self._COLUMNS + ("_frozen",)}
+
+    def __setstate__(self, state: dict) -> None:
+        # restored past __setattr__, whatever order the state comes in; built slices are
+        # not carried (a copy builds its own)
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_built", [None] * len(self.names))
 
     def add(self, names: list[str], form: int, files: list[str], runs: list | None,
             starts: list[int] | None = None, lengths: list[int] | None = None) -> range:
