@@ -273,14 +273,15 @@ def test_a_tensor_of_no_stored_piece_is_named_by_the_slice_check(plan, meta):
     assert ei.value.tensor == EXPERT
 
 
-@pytest.mark.slow   # six interpreters
-def test_the_first_problem_named_does_not_depend_on_the_hash_seed(tmp_path):
-    # the odd tp rank's class holds its row-parallel slices as replicas only: cover
-    # names the first such tensor in checkpoint order, whatever order a set of names
-    # iterates in, as it did before the columns
+@pytest.mark.slow   # six interpreters per case
+@pytest.mark.parametrize("how", ["replicas-only", "excluded-but-held"])
+def test_the_first_problem_named_does_not_depend_on_the_hash_seed(tmp_path, how):
+    # several tensors with a problem: cover names the first in a fixed order, whatever
+    # order a set of names iterates in. replicas-only: the odd tp rank's class holds its
+    # row-parallel slices as replicas; excluded-but-held: five held tensors excluded.
     script = tmp_path / "seed.py"
     script.write_text(
-        "import dataclasses\n"
+        "import dataclasses, sys\n"
         "from coordloader.api import make_plan\n"
         "from coordloader.errors import PlanError\n"
         "from coordloader.layout import Layout\n"
@@ -291,19 +292,24 @@ def test_the_first_problem_named_does_not_depend_on_the_hash_seed(tmp_path):
         "cfg, specs = arch_tensors('deepseek_v3', 'tiny')\n"
         "meta = meta_from_specs(cfg, specs, files=3)\n"
         "plan = make_plan(meta, Layout(tp=2, ep=2, dp=3, pp=2))\n"
-        "sh = share_of(plan.ranks[1])\n"
-        "k = sh.tables[[s.name for s in sh.slices].index("
+        "if sys.argv[1] == 'excluded-but-held':\n"
+        "    held = [n for n in meta.tensors if n not in plan.excluded][:5]\n"
+        "    bad = dataclasses.replace(plan, excluded=plan.excluded + tuple(held))\n"
+        "else:\n"
+        "    sh = share_of(plan.ranks[1])\n"
+        "    k = sh.tables[[s.name for s in sh.slices].index("
         "'model.layers.0.self_attn.o_proj.weight')]\n"
-        "rep = list(sh.replicas)\n"
-        "rep[k] = tuple(i + 1 if i >= 0 and r % 2 == 1 else i for r, i in enumerate(rep[k]))\n"
-        "new = {}\n"
-        "ranks = []\n"
-        "for rp in plan.ranks:\n"
-        "    s = share_of(rp)\n"
-        "    if id(s) not in new:\n"
-        "        new[id(s)] = dataclasses.replace(s, replicas=tuple(rep))\n"
-        "    ranks.append(SharedRankPlan.make(rp.rank, rp.coords, new[id(s)]))\n"
-        "bad = Plan(plan.layout, plan.fingerprint, tuple(ranks), plan.excluded, plan.load_groups)\n"
+        "    rep = list(sh.replicas)\n"
+        "    rep[k] = tuple(i + 1 if i >= 0 and r % 2 == 1 else i for r, i in enumerate(rep[k]))\n"
+        "    new = {}\n"
+        "    ranks = []\n"
+        "    for rp in plan.ranks:\n"
+        "        s = share_of(rp)\n"
+        "        if id(s) not in new:\n"
+        "            new[id(s)] = dataclasses.replace(s, replicas=tuple(rep))\n"
+        "        ranks.append(SharedRankPlan.make(rp.rank, rp.coords, new[id(s)]))\n"
+        "    bad = Plan(plan.layout, plan.fingerprint, tuple(ranks), plan.excluded,\n"
+        "               plan.load_groups)\n"
         "try:\n"
         "    cover.validate_cover(bad, meta)\n"
         "except PlanError as e:\n"
@@ -313,12 +319,11 @@ def test_the_first_problem_named_does_not_depend_on_the_hash_seed(tmp_path):
     import sys
     got = set()
     for seed in ("1", "2", "3", "4", "5", "6"):
-        p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+        p = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
                            timeout=120, env={**os.environ, "PYTHONHASHSEED": seed})
         assert p.returncode == 0, p.stderr[-2000:]
         got.add(p.stdout.strip())
     assert len(got) == 1 and got != {""}, got
-
 
 
 def test_a_plan_pickled_or_copied_keeps_its_columns_frozen_and_its_digest(plan, meta):
@@ -332,8 +337,30 @@ def test_a_plan_pickled_or_copied_keeps_its_columns_frozen_and_its_digest(plan, 
             store_of(other).names = ()
 
 
-
 def test_a_rank_classs_slice_ids_cannot_be_set(plan):
     sc = share_of(plan.ranks[0]).slices
     with pytest.raises(AttributeError, match="read-only"):
         sc.sids = sc.sids[::-1]
+
+
+def test_a_slice_problem_is_named_before_a_later_class_missing_a_member(plan, meta):
+    # the object checks visit the rank classes in rank order: rank 0's class's bad run is
+    # found before a later class's member that holds nothing of a table
+    sid = sid_of(plan, EXPERT)
+    bad = with_column(plan, "starts", sid, store_of(plan).starts[sid] + 1)
+    r = holder(plan, EXPERT)
+    late = share_of(bad.rank(max(rp.rank for rp in bad.ranks)))
+    assert late is not share_of(bad.rank(r))
+    k = late.tables[0]
+    replicas = list(late.replicas)
+    replicas[k] = tuple(-1 if q == late.ranks[-1] else i for q, i in enumerate(replicas[k]))
+    new, ranks = {}, []
+    for rp in bad.ranks:
+        s = share_of(rp)
+        if id(s) not in new:
+            new[id(s)] = dataclasses.replace(s, replicas=tuple(replicas))
+        ranks.append(SharedRankPlan.make(rp.rank, rp.coords, new[id(s)]))
+    both = Plan(bad.layout, bad.fingerprint, tuple(ranks), bad.excluded, bad.load_groups)
+    with pytest.raises(PlanError, match="lies outside the tensor's bytes") as ei:
+        cover.validate_cover(both, meta)
+    assert ei.value.tensor == EXPERT

@@ -20,7 +20,7 @@ box match.
 from __future__ import annotations
 
 from collections import Counter
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from math import prod
 from operator import add, attrgetter, itemgetter, not_
 from typing import Iterable, Mapping, NamedTuple, Sequence
@@ -64,7 +64,8 @@ def _core(prim: Mapping[str, list], reps: Mapping[str, list], shapes: Mapping[st
     excluded = set(excluded)
     copies = copies or {}
     tiled: set = set()
-    for name in prim.keys() | reps.keys() | copies.keys():
+    # in a fixed order (not a set's): the first problem named is the same in every process
+    for name in dict.fromkeys(chain(prim, reps, copies)):
         if name not in shapes:
             r = (prim.get(name) or reps.get(name) or copies.get(name))[0][0]
             raise err("tensor is not in the checkpoint", tensor=name, rank=r)
@@ -296,14 +297,15 @@ def _one_run_each(store, lo, hi, tensors, f, isz) -> bool:
     src = list(map(_PIECES, infos))
     if not all(src):   # a tensor of no stored piece
         return False
-    # (a tensor stored in several pieces fails below: its first piece's bytes are not all
-    # of its bytes, or the others hold none and the run lies in the first, as it must)
+    # a tensor stored in several pieces passes only when its first piece holds all its
+    # bytes (the others hold none), and then its run lies in that piece as the object
+    # check asks
     p0 = list(map(itemgetter(0), src))
     nbytes = prod(fm.global_shape) * isz
     starts = store.starts[lo:hi]
     return (store.lengths[lo:hi].count(nbytes) == n
-            and tuple(map(_FILE, p0)) == tuple(store.files[lo:hi])
-            and tuple(map(_START, p0)) == tuple(starts)
+            and tuple(map(_FILE, p0)) == store.files[lo:hi]   # the columns are tuples
+            and tuple(map(_START, p0)) == starts
             and tuple(map(_END, p0)) == tuple(map(add, starts, repeat(nbytes))))
 
 
