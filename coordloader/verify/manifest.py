@@ -269,8 +269,6 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         samples = _samples(doc, meta)
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
         raise VerifyError(f"malformed manifest: {e}", file=path) from None
-    except RecursionError:
-        raise VerifyError("malformed manifest: JSON nested too deeply", file=path) from None
     if doc.get("algorithm") != ALGORITHM:
         # a well-formed manifest of another coordloader version: its digests are not
         # comparable, and recomputing them is the fix
