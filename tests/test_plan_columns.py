@@ -59,11 +59,24 @@ def with_column(plan, column, sid, value):
 
 
 def over_store(plan, store):
+    return with_shares(plan, lambda sh: dataclasses.replace(
+        sh, slices=SliceColumns(store, sh.slices.sids)))
+
+
+def with_replicas(plan, table, fix):
+    """``plan`` with replica table ``table`` rewritten by ``fix`` (rank, id) -> id."""
+    replicas = list(share_of(plan.ranks[0]).replicas)
+    replicas[table] = tuple(fix(q, i) for q, i in enumerate(replicas[table]))
+    return with_shares(plan, lambda sh: dataclasses.replace(sh, replicas=tuple(replicas)))
+
+
+def with_shares(plan, change):
+    """``plan`` with each rank class's SharedSlices replaced by ``change(share)``."""
     shares, ranks = {}, []
     for rp in plan.ranks:
         sh = share_of(rp)
         if id(sh) not in shares:
-            shares[id(sh)] = dataclasses.replace(sh, slices=SliceColumns(store, sh.slices.sids))
+            shares[id(sh)] = change(sh)
         ranks.append(SharedRankPlan.make(rp.rank, rp.coords, shares[id(sh)]))
     return Plan(plan.layout, plan.fingerprint, tuple(ranks), plan.excluded, plan.load_groups)
 
@@ -180,16 +193,7 @@ def test_two_primaries_of_a_whole_tensor_are_found(plan, meta):
     sh = share_of(plan.rank(r))
     k = sh.tables[[s.name for s in sh.slices].index(EXPERT)]
     second = sh.ranks[1]
-    replicas = list(sh.replicas)
-    replicas[k] = tuple(0 if q == second else i for q, i in enumerate(replicas[k]))
-    new = {}
-    ranks = []
-    for rp in plan.ranks:
-        s = share_of(rp)
-        if id(s) not in new:
-            new[id(s)] = dataclasses.replace(s, replicas=tuple(replicas))
-        ranks.append(SharedRankPlan.make(rp.rank, rp.coords, new[id(s)]))
-    bad = Plan(plan.layout, plan.fingerprint, tuple(ranks), plan.excluded, plan.load_groups)
+    bad = with_replicas(plan, k, lambda q, i: 0 if q == second else i)
     with pytest.raises(PlanError, match="duplicated primary") as ei:
         cover.validate_cover(bad, meta)
     assert ei.value.rank == second
@@ -204,9 +208,7 @@ def test_a_slice_no_rank_class_lists_leaves_the_columns(plan, meta):
     sids = sh.slices.sids[:i] + sh.slices.sids[i + 1:]
     cut = dataclasses.replace(sh, slices=SliceColumns(sh.slices.store, sids),
                               tables=sh.tables[:i] + sh.tables[i + 1:])
-    ranks = tuple(SharedRankPlan.make(rp.rank, rp.coords, cut) if share_of(rp) is sh else rp
-                  for rp in plan.ranks)
-    bad = Plan(plan.layout, plan.fingerprint, ranks, plan.excluded, plan.load_groups)
+    bad = with_shares(plan, lambda s: cut if s is sh else s)
     assert proved(bad, meta) == set()
     with pytest.raises(PlanError, match="no rank holds this tensor") as ei:
         cover.validate_cover(bad, meta)
@@ -223,9 +225,7 @@ def test_digest_of_columns_equals_digest_of_objects(plan):
     # one class's slices as objects, the others as columns: the digest must not move
     sh = share_of(plan.ranks[0])
     objs = dataclasses.replace(sh, slices=tuple(sh.slices))
-    ranks = tuple(SharedRankPlan.make(rp.rank, rp.coords, objs) if share_of(rp) is sh else rp
-                  for rp in plan.ranks)
-    mixed = Plan(plan.layout, plan.fingerprint, ranks, plan.excluded, plan.load_groups)
+    mixed = with_shares(plan, lambda s: objs if s is sh else s)
     assert type(sh.slices) is SliceColumns
     assert mixed.digest() == plan.digest()
 
@@ -351,16 +351,7 @@ def test_a_slice_problem_is_named_before_a_later_class_missing_a_member(plan, me
     r = holder(plan, EXPERT)
     late = share_of(bad.rank(max(rp.rank for rp in bad.ranks)))
     assert late is not share_of(bad.rank(r))
-    k = late.tables[0]
-    replicas = list(late.replicas)
-    replicas[k] = tuple(-1 if q == late.ranks[-1] else i for q, i in enumerate(replicas[k]))
-    new, ranks = {}, []
-    for rp in bad.ranks:
-        s = share_of(rp)
-        if id(s) not in new:
-            new[id(s)] = dataclasses.replace(s, replicas=tuple(replicas))
-        ranks.append(SharedRankPlan.make(rp.rank, rp.coords, new[id(s)]))
-    both = Plan(bad.layout, bad.fingerprint, tuple(ranks), bad.excluded, bad.load_groups)
+    both = with_replicas(bad, late.tables[0], lambda q, i: -1 if q == late.ranks[-1] else i)
     with pytest.raises(PlanError, match="lies outside the tensor's bytes") as ei:
         cover.validate_cover(both, meta)
     assert ei.value.tensor == EXPERT
