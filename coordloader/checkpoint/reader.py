@@ -189,7 +189,8 @@ def parse_strict_json(text: str | bytes) -> Any:
 
 def refuse_dense_json(raw: bytes, file: str, what: str) -> None:
     """CheckpointError for a JSON text over 1 MiB made mostly of arrays and objects, before
-    it is parsed (every JSON file coordloader reads goes through this)."""
+    it is parsed (every JSON file coordloader reads that it did not just write itself goes
+    through this)."""
     if len(raw) > _DENSE_FROM:
         n = raw.count(b"[") + raw.count(b"{")
         if n > len(raw) // _BYTES_PER_CONTAINER:

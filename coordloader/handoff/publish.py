@@ -123,17 +123,26 @@ def _plain(names) -> frozenset[str]:
 
 
 def _index_files(path: str) -> set[str]:
-    """File names an index (HF, v1 or v2 sharded) refers to; empty if it is unreadable."""
+    """File names an index (HF, v1 or v2 sharded) refers to; empty if it is no index (not
+    a regular file, over the size bound, dense, not JSON). SaveError for an I/O error: a
+    save that went on would leave the old index's files beside the new checkpoint."""
+    name = os.path.basename(path)
     try:
-        # never blocks: a FIFO under an index's name hung the save that looked at it. Parsed
-        # leniently, as before: this only finds the old files a save over them removes
-        d = json.loads(read_small_file(path, os.path.basename(path), "index"))
+        # never blocks (a FIFO under an index's name hung the save that looked at it), nor
+        # takes many times the file's size in memory; parsed leniently, as before: this
+        # only finds the old files a save over them removes
+        raw = read_small_file(path, name, "index")
+        refuse_dense_json(raw, name, "index")
+        d = json.loads(raw)
         names = {v for v in (d.get("weight_map") or {}).values()}
         section = d.get("coordloader") if "coordloader" in d else d
         for t in ((section or {}).get("tensors") or {}).values():
             names |= {p.get("file") for p in t.get("pieces", [])}
         return names
-    except (CheckpointError, OSError, ValueError, RecursionError, AttributeError, TypeError):
+    except OSError as e:
+        raise os_error(e, path, None, "reading the existing index to find the files the "
+                                      "save replaces") from e
+    except (CheckpointError, ValueError, RecursionError, AttributeError, TypeError):
         return set()  # an unreadable old index: only its own name is known
 
 
