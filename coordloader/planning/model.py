@@ -200,6 +200,9 @@ class SliceColumns(Sequence):
         # read them again
         raise AttributeError(f"SliceColumns is read-only: {name} cannot be set")
 
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"SliceColumns is read-only: {name} cannot be deleted")
+
     def __reduce__(self):
         return SliceColumns, (self.store, self.sids)
 

@@ -54,8 +54,15 @@ class SliceStore:
             setattr(self, name, tuple(getattr(self, name)))
         self._frozen = True
 
+    def __delattr__(self, name: str) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"a frozen SliceStore's {name} cannot be deleted")
+        object.__delattr__(self, name)
+
     def __getstate__(self) -> dict:
-        return {name: getattr(self, name) for name in self._COLUMNS + ("_frozen",)}
+        state = {name: getattr(self, name) for name in self._COLUMNS}
+        state["_frozen"] = getattr(self, "_frozen", False)
+        return state
 
     def __setstate__(self, state: dict) -> None:
         # restored past __setattr__, whatever order the state comes in; built slices are
