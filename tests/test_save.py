@@ -1194,38 +1194,36 @@ def test_overwrite_removes_the_shards_of_an_index_the_reader_would_refuse(tmp_pa
     assert not left & set(shards) and HF_INDEX not in left, left
 
 
+def eio_reading(monkeypatch, file_name):
+    """Every read of ``file_name`` through the reader fails with EIO."""
+    from coordloader.checkpoint import reader
+    real = reader._pread_exact
+
+    def eio(fd, n, off, name):
+        if name == file_name:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, n, off, name)
+    monkeypatch.setattr(reader, "_pread_exact", eio)
+
+
 def test_an_io_error_reading_the_old_index_is_a_save_error(tmp_path, monkeypatch):
     # going on would leave the old index's shards beside the new checkpoint
-    from coordloader.checkpoint import reader
     out = tmp_path / "ck"
     out.mkdir()
     shard = "model-00001-of-00001.safetensors"
     (out / shard).write_bytes(b"old weights")
     (out / HF_INDEX).write_text(json.dumps({"weight_map": {"a": shard}}))
-    real = reader._pread_exact
-
-    def eio(fd, n, off, name):
-        if name == HF_INDEX:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, n, off, name)
-    monkeypatch.setattr(reader, "_pread_exact", eio)
+    eio_reading(monkeypatch, HF_INDEX)
     with pytest.raises(SaveError, match="reading the existing index .* failed: Input/output"):
         save(out, {"model.embed_tokens.weight": torch.ones(4, 4)}, config=CFG, overwrite=True)
     assert (out / shard).read_bytes() == b"old weights" and (out / HF_INDEX).exists()
 
 
 def test_an_io_error_reading_the_publish_marker_is_a_save_error(tmp_path, monkeypatch):
-    from coordloader.checkpoint import reader
     from coordloader.handoff.publish import PUBLISH_MARKER
     out = tmp_path / "ck"
     out.mkdir()
     (out / PUBLISH_MARKER).write_text("{}")
-    real = reader._pread_exact
-
-    def eio(fd, n, off, name):
-        if name == PUBLISH_MARKER:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, n, off, name)
-    monkeypatch.setattr(reader, "_pread_exact", eio)
+    eio_reading(monkeypatch, PUBLISH_MARKER)
     with pytest.raises(SaveError, match="publish marker .* is unreadable .*Input/output error"):
         save(out, {"model.embed_tokens.weight": torch.ones(4, 4)}, config=CFG)
