@@ -1227,3 +1227,20 @@ def test_an_io_error_reading_the_publish_marker_is_a_save_error(tmp_path, monkey
     eio_reading(monkeypatch, PUBLISH_MARKER)
     with pytest.raises(SaveError, match="publish marker .* is unreadable .*Input/output error"):
         save(out, {"model.embed_tokens.weight": torch.ones(4, 4)}, config=CFG)
+
+
+def test_an_unreadable_earlier_record_ends_a_local_save_naming_it(tmp_path):
+    # rank 1 reads rank 0's record: a truncated one is a SaveError naming the file and the
+    # rank reading it, and the staging directory goes (it was left, with a bare
+    # JSONDecodeError)
+    plan, locs, _ = make_plan_and_locals()
+    out = tmp_path / "ck"
+    save(out, locs[0], plan, rank=0, config=CFG)
+    stage = next(n for n in os.listdir(out) if n.startswith(".coordloader-staging"))
+    rec = out / stage / "rank-00000.json"
+    rec.write_text(rec.read_text()[:20])
+    with pytest.raises(SaveError, match=r"rank 0's record of this local-mode save is not valid "
+                                        r"JSON") as ei:
+        save(out, locs[1], plan, rank=1, config=CFG)
+    assert ei.value.rank == 1 and ei.value.file == str(rec)
+    assert not any(n.startswith(".coordloader-staging") for n in os.listdir(out))

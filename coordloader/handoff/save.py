@@ -466,10 +466,18 @@ def _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order) -> boo
         raise
 
 
-def _record(stage_dir: str, rank: int) -> dict:
-    """What rank ``rank`` of a local-mode save wrote (its ``rank-*.json``)."""
-    with open(os.path.join(stage_dir, f"rank-{rank:05d}.json")) as f:
-        return json.load(f)
+def _record(stage_dir: str, rank: int, reader: int) -> dict:
+    """What rank ``rank`` of a local-mode save wrote (its ``rank-*.json``), read by rank
+    ``reader``; SaveError naming the file when it cannot be read back."""
+    path = os.path.join(stage_dir, f"rank-{rank:05d}.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise os_error(e, path, reader, f"reading rank {rank}'s record") from e
+    except ValueError as e:
+        raise SaveError(f"rank {rank}'s record of this local-mode save is not valid JSON "
+                        f"({e}); save every rank again", file=path, rank=reader) from None
 
 
 def _group_hint(rank: int) -> str:
@@ -520,9 +528,9 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
             raise SaveError(f"local-mode save: call save() for ranks in order 0..{world - 1}; ranks "
                             f"{missing} have not been saved into this staging directory"
                             f"{_group_hint(rank)}", file=stage_dir, rank=rank)
-    earlier = [_record(stage_dir, r) for r in range(rank)]   # read once: the index uses them
     t0 = time.perf_counter()
     try:
+        earlier = [_record(stage_dir, r, rank) for r in range(rank)]   # once: the index uses them
         if earlier:
             # a box an earlier rank already wrote (a Boxed replica) is written once, as in
             # a distributed save, and only under the dtype and global shape that rank gave it
@@ -540,6 +548,10 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
     secs = time.perf_counter() - t0
     wrote = False
     if rank == world - 1:
-        recs = earlier + [_record(stage_dir, rank)]
+        try:
+            recs = earlier + [_record(stage_dir, rank, rank)]
+        except BaseException:
+            shutil.rmtree(stage_dir, ignore_errors=True)
+            raise
         wrote = _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order)
     return SaveResult(out_dir, rank, tuple(rec["files"]), rec["bytes"], secs, rank == world - 1, wrote)
