@@ -1219,6 +1219,25 @@ def test_an_io_error_reading_the_old_index_is_a_save_error(tmp_path, monkeypatch
     assert (out / shard).read_bytes() == b"old weights" and (out / HF_INDEX).exists()
 
 
+def test_an_io_error_opening_the_old_index_is_a_save_error(tmp_path, monkeypatch):
+    # open and stat errors reach the save as a CheckpointError's cause, not as a pread's
+    out = tmp_path / "ck"
+    out.mkdir()
+    shard = "model-00001-of-00001.safetensors"
+    (out / shard).write_bytes(b"old weights")
+    (out / HF_INDEX).write_text(json.dumps({"weight_map": {"a": shard}}))
+    real = os.open
+
+    def eio(path, *a, **kw):
+        if str(path).endswith(HF_INDEX):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, *a, **kw)
+    monkeypatch.setattr(os, "open", eio)
+    with pytest.raises(SaveError, match="reading the existing index .* failed: Input/output"):
+        save(out, {"model.embed_tokens.weight": torch.ones(4, 4)}, config=CFG, overwrite=True)
+    assert (out / shard).read_bytes() == b"old weights" and (out / HF_INDEX).exists()
+
+
 def test_an_io_error_reading_the_publish_marker_is_a_save_error(tmp_path, monkeypatch):
     from coordloader.handoff.publish import PUBLISH_MARKER
     out = tmp_path / "ck"

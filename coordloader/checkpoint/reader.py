@@ -263,15 +263,15 @@ def open_regular(path: str, name: str) -> tuple[int, os.stat_result]:
             raise CheckpointError("symlink points to a missing file; expected a regular file",
                                   file=name) from None
         raise CheckpointError("file does not exist", file=name) from None
-    except OSError as e:
-        raise CheckpointError(f"cannot stat file: {e.strerror}", file=name) from None
+    except OSError as e:   # the OSError kept as the cause: a writer tells I/O errors apart
+        raise CheckpointError(f"cannot stat file: {e.strerror}", file=name) from e
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointError(f"is {_kind(st.st_mode)}; expected a regular file", file=name)
     try:
         # O_NONBLOCK: belt and braces in case the path is swapped for a FIFO after stat.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
-        raise CheckpointError(f"cannot open file: {e.strerror}", file=name) from None
+        raise CheckpointError(f"cannot open file: {e.strerror}", file=name) from e
     try:
         st2 = os.fstat(fd)
         if not stat.S_ISREG(st2.st_mode) or (st2.st_ino, st2.st_dev) != (st.st_ino, st.st_dev):

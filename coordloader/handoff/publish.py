@@ -139,10 +139,15 @@ def _index_files(path: str) -> set[str]:
         for t in ((section or {}).get("tensors") or {}).values():
             names |= {p.get("file") for p in t.get("pieces", [])}
         return names
-    except OSError as e:
-        raise os_error(e, path, None, "reading the existing index to find the files the "
-                                      "save replaces") from e
-    except (CheckpointError, ValueError, RecursionError, AttributeError, TypeError):
+    except (OSError, CheckpointError) as e:
+        # an I/O error (open and stat ones come as a CheckpointError's cause) stops the
+        # save; a file that is no index is only an old entry
+        cause = e if isinstance(e, OSError) else e.__cause__
+        if isinstance(cause, OSError):
+            raise os_error(cause, path, None, "reading the existing index to find the files "
+                                              "the save replaces") from e
+        return set()
+    except (ValueError, RecursionError, AttributeError, TypeError):
         return set()  # an unreadable old index: only its own name is known
 
 
