@@ -352,3 +352,22 @@ def test_safetensors_engine_names_a_planned_tensor_the_checkpoint_lacks(tmp_path
     with pytest.raises(LoadError) as e:
         select_engine("safetensors", "cpu").load_rank(meta, ghost, "cpu")
     assert str(e.value) == "rank 0, tensor 'ghost': planned tensor is not in the checkpoint"
+
+
+def test_the_safetensors_engine_asks_room_for_the_files_it_reads(tmp_path, monkeypatch):
+    # a saved checkpoint whose tensors are split over shard files: rank 0 reads 6 of the 11
+    # files its tensors are stored in (the count of every file of every piece asked
+    # room for them all, and could refuse a load that fits)
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.engines import needed_keys
+    from coordloader.engines import safetensors_engine as se
+
+    from test_save import make_plan_and_locals, save_local
+    plan, locs, _ = make_plan_and_locals()
+    save_local(tmp_path / "ck", plan, locs, max_shard_bytes=40)
+    meta = read_checkpoint(str(tmp_path / "ck"))
+    asked = []
+    monkeypatch.setattr(se, "descriptor_room", lambda files, rank: asked.append(files) or (lambda: None))
+    se.SafetensorsEngine().load_rank(meta, plan.rank(0), "cpu")
+    stored = {sp.file for ts in plan.rank(0).tensors for sp in meta.tensors[ts.name].pieces}
+    assert asked == [len(needed_keys(meta, plan.rank(0)))] and asked[0] < len(stored)

@@ -553,6 +553,26 @@ def needed_keys(meta: CheckpointMeta, rank_plan: RankPlan) -> dict[str, set[str]
     return need
 
 
+def needed_files(meta: CheckpointMeta, rank_plan: RankPlan) -> set[str]:
+    """The files of ``needed_keys`` (a bound for the descriptors a load holds), without its
+    box intersections where a tensor is stored in one piece: a slice holding any piece of
+    such a tensor reads that file."""
+    files: set[str] = set()
+    tensors = meta.tensors
+    for ts in rank_plan.tensors:
+        info = tensors.get(ts.name)
+        if info is None or not ts.pieces:
+            continue
+        if len(info.pieces) == 1:
+            files.add(info.pieces[0].file)
+            continue
+        for sp in info.pieces:
+            if sp.file not in files and any(intersect(pc.src, sp.box) is not None
+                                            for pc in ts.pieces):
+                files.add(sp.file)
+    return files
+
+
 def slice_nbytes(ts: TensorSlice) -> int:
     return ts.local_numel * dtypes.itemsize(ts.dtype)
 

@@ -39,6 +39,7 @@ from coordloader.engines import (
     fd_path,
     host_out,
     intersect,
+    needed_files,
     open_checked,
     refuse_moved,
     refuse_replaced,
@@ -79,11 +80,7 @@ class SafetensorsEngine:
             # file -> (checked descriptor, its fstat as checked), held for the load
             checked: dict[str, tuple[int, os.stat_result]] = {}
             # safe_open keeps no descriptor of its own: one per file is this engine's
-            # (at most: the files of the pieces of the rank's tensors, counted without the
-            # box intersections the reads below make)
-            stack.callback(descriptor_room(len({sp.file for ts in rank_plan.tensors
-                                                if ts.name in meta.tensors
-                                                for sp in meta.tensors[ts.name].pieces}), rank))
+            stack.callback(descriptor_room(len(needed_files(meta, rank_plan)), rank))
 
             def handle(fname: str):
                 h = handles.get(fname)
