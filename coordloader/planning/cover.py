@@ -28,6 +28,7 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from coordloader.checkpoint.dtypes import itemsize
+from coordloader.checkpoint.metadata import full_box
 from coordloader.checkpoint.tiling import tiling_problem
 from coordloader.errors import CheckpointError, PlanError
 from coordloader.gcpause import gc_paused
@@ -272,7 +273,7 @@ def _whole_form(f) -> int:
         return 0
     p = f.pieces[0]
     gs = f.global_shape
-    if p.copy or p.src != tuple((0, g) for g in gs) or p.dst != (0,) * len(gs):
+    if p.copy or p.src != full_box(gs) or p.dst != (0,) * len(gs):
         return 0
     if tiling_problem((p.src,), gs) is not None:
         return 0

@@ -155,22 +155,22 @@ class _Planner:
             if m:
                 a, b = spans[t] = m.span(1)
                 max_layer = max(max_layer, int(max(map(itemgetter(slice(a, b)), members))))
-        layer_of = bool(spans)   # any layer tensor
+        any_layer = bool(spans)
         nl = self.config.get("num_hidden_layers")
-        if nl is None and not layer_of:
+        if nl is None and not any_layer:
             nl = 0
         if nl is None:
             nl = max_layer + 1
         if isinstance(nl, bool) or not isinstance(nl, int) or nl < 0:
             raise PlanError(f"config.json: num_hidden_layers must be a non-negative integer, got "
                             f"{clip(repr(nl), MAX_NAME_CHARS)}")
-        if layer_of and nl > max_layer + 1:
+        if any_layer and nl > max_layer + 1:
             # checked before stage_of, which is proportional to nl
             raise PlanError(f"config.json: num_hidden_layers={nl} but the checkpoint's tensor "
                             f"names hold layers 0..{max_layer} only; expected at most "
                             f"{max_layer + 1}")
         mtp = self.config.get("num_nextn_predict_layers") or 0
-        if layer_of and max_layer + 1 > nl + (mtp if type(mtp) is int and mtp > 0 else 0):
+        if any_layer and max_layer + 1 > nl + (mtp if type(mtp) is int and mtp > 0 else 0):
             # layers past num_hidden_layers are left out as multi-token-prediction layers;
             # without num_nextn_predict_layers saying so, that would drop real layers
             raise PlanError(f"config.json: num_hidden_layers={nl} (num_nextn_predict_layers="
@@ -179,12 +179,12 @@ class _Planner:
                             f"past num_hidden_layers are only left out as MTP layers when "
                             f"num_nextn_predict_layers covers them)")
         # no layer tensors: nothing reads stage_of, but the layout checks (pp vs layers) hold
-        stage_of = [0] * nl if layer_of else []
+        stage_of = [0] * nl if any_layer else []
         if nl:
             for s, rg in enumerate(self.L.stage_layers(nl)):
-                for li in rg if layer_of else ():
+                for li in rg if any_layer else ():
                     stage_of[li] = s
-        elif self.L.pp > 1 and layer_of:
+        elif self.L.pp > 1 and any_layer:
             raise PlanError(f"layout: pp={self.L.pp} but config.json says num_hidden_layers=0")
         return Layers(layer_index, nl, stage_of), spans
 

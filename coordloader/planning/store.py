@@ -26,6 +26,7 @@ class SliceStore:
                  "_built", "_frozen")
 
     def __init__(self):
+        object.__setattr__(self, "_frozen", False)
         self.names: list[str] = []
         self.forms: list[Form] = []
         self.form: list[int] = []        # sid -> index into forms
@@ -40,7 +41,7 @@ class SliceStore:
         return len(self.names)
 
     def __setattr__(self, name: str, value) -> None:
-        if getattr(self, "_frozen", False):
+        if self._frozen:
             raise AttributeError(f"a frozen SliceStore's {name} cannot be set")
         object.__setattr__(self, name, value)
 
@@ -48,21 +49,19 @@ class SliceStore:
 
     def freeze(self) -> None:
         """Make every column a tuple and the store read-only (the built-slice cache aside)."""
-        if getattr(self, "_frozen", False):
+        if self._frozen:
             return
         for name in self._COLUMNS:
             setattr(self, name, tuple(getattr(self, name)))
         self._frozen = True
 
     def __delattr__(self, name: str) -> None:
-        if getattr(self, "_frozen", False):
+        if self._frozen:
             raise AttributeError(f"a frozen SliceStore's {name} cannot be deleted")
         object.__delattr__(self, name)
 
     def __getstate__(self) -> dict:
-        state = {name: getattr(self, name) for name in self._COLUMNS}
-        state["_frozen"] = getattr(self, "_frozen", False)
-        return state
+        return {name: getattr(self, name) for name in self._COLUMNS + ("_frozen",)}
 
     def __setstate__(self, state: dict) -> None:
         # restored past __setattr__, whatever order the state comes in; built slices are
