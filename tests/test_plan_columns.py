@@ -373,3 +373,11 @@ def test_a_slice_problem_is_named_before_a_later_class_missing_a_member(plan, me
     with pytest.raises(PlanError, match="lies outside the tensor's bytes") as ei:
         cover.validate_cover(both, meta)
     assert ei.value.tensor == EXPERT
+
+
+def test_a_short_column_is_refused_not_shifted():
+    from coordloader.planning.store import SliceStore
+    st = SliceStore()
+    with pytest.raises(PlanError, match=r"slice columns of \[2, 1, 2\] entries for 2 tensors") as ei:
+        st.add(["a", "b"], 0, ["f", "f"], None, [8], [4, 4])
+    assert ei.value.tensor == "a" and len(st) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from itertools import repeat
 
+from coordloader.errors import PlanError
 from coordloader.planning.model import Form, TensorSlice
 from coordloader.planning.runs import RunList
 
@@ -75,6 +76,11 @@ class SliceStore:
         """Append the slices of ``names`` (one form), their runs given as RunLists
         (``runs``) or as one run each (``starts``, ``lengths``); -> their sids."""
         n = len(names)
+        cols = (files, runs) if runs is not None else (files, starts, lengths)
+        if any(len(c) != n for c in cols):
+            # a short column would shift every later slice's file and offset, unnoticed
+            raise PlanError(f"slice columns of {[len(c) for c in cols]} entries for {n} "
+                            f"tensors", tensor=names[0] if names else None)
         first = len(self.names)
         self.names += names
         self.form += repeat(form, n)
