@@ -189,8 +189,7 @@ def test_an_excluded_tensor_held_is_found(plan, meta):
 
 def test_two_primaries_of_a_whole_tensor_are_found(plan, meta):
     # the dp replicas of the expert's holder: make a second one replica 0
-    r = holder(plan, EXPERT)
-    sh = share_of(plan.rank(r))
+    sh = share_of(plan.rank(holder(plan, EXPERT)))
     k = sh.tables[[s.name for s in sh.slices].index(EXPERT)]
     second = sh.ranks[1]
     bad = with_replicas(plan, k, lambda q, i: 0 if q == second else i)
@@ -202,8 +201,7 @@ def test_two_primaries_of_a_whole_tensor_are_found(plan, meta):
 def test_a_slice_no_rank_class_lists_leaves_the_columns(plan, meta):
     # a sid dropped from its class: the store holds a slice no rank holds, so nothing is
     # proved on the columns and the tensor is found unheld
-    r = holder(plan, EXPERT)
-    sh = share_of(plan.rank(r))
+    sh = share_of(plan.rank(holder(plan, EXPERT)))
     i = sh.slices.sids.index(sid_of(plan, EXPERT))
     sids = sh.slices.sids[:i] + sh.slices.sids[i + 1:]
     cut = dataclasses.replace(sh, slices=SliceColumns(sh.slices.store, sids),

@@ -1206,26 +1206,33 @@ def eio_reading(monkeypatch, file_name):
     monkeypatch.setattr(reader, "_pread_exact", eio)
 
 
-def test_an_io_error_reading_the_old_index_is_a_save_error(tmp_path, monkeypatch):
-    # going on would leave the old index's shards beside the new checkpoint
+def old_hf_checkpoint(tmp_path):
+    """An HF checkpoint's index and its one shard in ``tmp_path/ck``."""
     out = tmp_path / "ck"
     out.mkdir()
     shard = "model-00001-of-00001.safetensors"
     (out / shard).write_bytes(b"old weights")
     (out / HF_INDEX).write_text(json.dumps({"weight_map": {"a": shard}}))
-    eio_reading(monkeypatch, HF_INDEX)
+    return out, shard
+
+
+def refused_keeping(out, shard):
+    """A save over ``out`` refused for an I/O error on its index, the old files kept."""
     with pytest.raises(SaveError, match="reading the existing index .* failed: Input/output"):
         save(out, {"model.embed_tokens.weight": torch.ones(4, 4)}, config=CFG, overwrite=True)
     assert (out / shard).read_bytes() == b"old weights" and (out / HF_INDEX).exists()
 
 
+def test_an_io_error_reading_the_old_index_is_a_save_error(tmp_path, monkeypatch):
+    # going on would leave the old index's shards beside the new checkpoint
+    out, shard = old_hf_checkpoint(tmp_path)
+    eio_reading(monkeypatch, HF_INDEX)
+    refused_keeping(out, shard)
+
+
 def test_an_io_error_opening_the_old_index_is_a_save_error(tmp_path, monkeypatch):
     # open and stat errors reach the save as a CheckpointError's cause, not as a pread's
-    out = tmp_path / "ck"
-    out.mkdir()
-    shard = "model-00001-of-00001.safetensors"
-    (out / shard).write_bytes(b"old weights")
-    (out / HF_INDEX).write_text(json.dumps({"weight_map": {"a": shard}}))
+    out, shard = old_hf_checkpoint(tmp_path)
     real = os.open
 
     def eio(path, *a, **kw):
@@ -1233,9 +1240,7 @@ def test_an_io_error_opening_the_old_index_is_a_save_error(tmp_path, monkeypatch
             raise OSError(errno.EIO, "Input/output error")
         return real(path, *a, **kw)
     monkeypatch.setattr(os, "open", eio)
-    with pytest.raises(SaveError, match="reading the existing index .* failed: Input/output"):
-        save(out, {"model.embed_tokens.weight": torch.ones(4, 4)}, config=CFG, overwrite=True)
-    assert (out / shard).read_bytes() == b"old weights" and (out / HF_INDEX).exists()
+    refused_keeping(out, shard)
 
 
 def test_an_io_error_reading_the_publish_marker_is_a_save_error(tmp_path, monkeypatch):
