@@ -14,10 +14,9 @@ one SharedSlices: cost grows with the distinct slices, not with the world size.
 from __future__ import annotations
 
 import warnings
-from collections import Counter
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from math import prod
-from operator import add, attrgetter, is_not, itemgetter, mul, sub
+from operator import add, attrgetter, is_not, itemgetter, sub
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
@@ -31,11 +30,9 @@ from coordloader.planning.model import (
     Form,
     LoadGroup,
     Plan,
-    RankPlan,
     SharedRankPlan,
     SharedSlices,
     SliceColumns,
-    share_of,
 )
 from coordloader.planning.placement import LAYER_RE, SCALE_SUFFIX, Layers, Placer, layer_index
 from coordloader.planning.rankgroups import RankGroups, dedupe, rank_classes
@@ -108,7 +105,8 @@ class _Planner:
         self.world = layout.world_size
         if layout.tp > 1:
             # checked before RankGroups' per-rank table, which is proportional to tp
-            big = max((max(t.shape) for t in meta.tensors.values() if t.shape), default=0)
+            # over the distinct shapes (a few hundred), gathered in C
+            big = max(map(max, filter(None, set(map(_SHAPE, meta.tensors.values())))), default=0)
             if layout.tp > big:
                 raise PlanError(f"layout: tp={layout.tp} exceeds the largest dim of any tensor "
                                 f"of the checkpoint ({big}): no tensor can be split that many ways")
@@ -365,6 +363,7 @@ class _Planner:
         tensors = meta.tensors
         isz_of: dict[str, int] = {}
         full_boxes: dict = {}
+        held: list[tuple[int, ...]] = []   # per block of the store: its rank classes
         form_of: dict = {}   # (dtype, shape, local shape, id(pieces), strategy) -> form
         for members, classes, k, strategy in families:
             infos = list(map(tensors.__getitem__, members))
@@ -392,6 +391,7 @@ class _Planner:
                                                  for r, t in zip(runs, infos)], runs)
                 if at is None:
                     at = list(map(place_of.__getitem__, members))
+                held.append(holders[k][c])
                 for rc in holders[k][c]:
                     sids[rc] += got
                     places[rc] += at
@@ -407,7 +407,8 @@ class _Planner:
                 replicas, rc_ranks[i]))
         rank_plans = tuple(SharedRankPlan.make(r, L.coords(r).as_dict(), shares[rc_of[r]])
                            for r in range(self.world))
-        return Plan(L, meta.fingerprint(), rank_plans, tuple(excluded), load_groups(L, rank_plans, meta))
+        groups = load_groups(L, meta, store, held, rc_of, n_rc)
+        return Plan(L, meta.fingerprint(), rank_plans, tuple(excluded), groups)
 
 
 def _join_keys(heads, template: str, a: int, b: int, members: list[str]):
@@ -454,79 +455,83 @@ def _whole_runs(infos: list[TensorInfo], pieces, lshape, full_boxes: dict):
 STORAGE_TO_NET = 0.1
 
 
-class _StoredParts(NamedTuple):
-    """Each tensor's stored bytes per file, as parallel columns ordered by file: a file's
-    parts are ``names[lo:hi]`` for its ``(lo, hi)`` in ``spans``."""
-    names: list[str]
-    nbytes: list[int]
-    spans: dict[str, tuple[int, int]]
-
-
-def _stored_parts(meta: CheckpointMeta) -> _StoredParts:
-    infos = list(meta.tensors.values())
-    src = list(map(_PIECES, infos))
-    if all(map((1).__eq__, map(len, src))):   # a plain checkpoint: columns built in C
-        rows, multi = infos, []
-    else:
-        rows = [t for t, p in zip(infos, src) if len(p) == 1]
-        multi = [t for t, p in zip(infos, src) if len(p) > 1]
-        src = list(map(_PIECES, rows))
-    p0 = list(map(itemgetter(0), src))
-    parts = list(zip(map(_FILE, p0), map(_NAME, rows), map(sub, map(_END, p0), map(_START, p0))))
-    for t in multi:
-        tb: dict[str, int] = {}
-        for sp in t.pieces:
-            tb[sp.file] = tb.get(sp.file, 0) + sp.end - sp.start
-        parts.extend((f, t.name, b) for f, b in tb.items())
-    parts.sort(key=itemgetter(0))   # stable; already in file order for a plain checkpoint
-    count = Counter(map(itemgetter(0), parts))
-    spans: dict[str, tuple[int, int]] = {}
-    lo = 0
-    for f in sorted(count):
-        spans[f] = (lo, lo + count[f])
-        lo += count[f]
-    return _StoredParts(list(map(itemgetter(1), parts)), list(map(itemgetter(2), parts)), spans)
-
-
-def load_groups(L: Layout, rank_plans: tuple[RankPlan, ...], meta: CheckpointMeta) -> tuple[LoadGroup, ...]:
+def load_groups(L: Layout, meta: CheckpointMeta, store: SliceStore,
+                holders_of: list[tuple[int, ...]], rank_class: list[int],
+                n_rc: int) -> tuple[LoadGroup, ...]:
+    """The load groups of a plan whose slices are ``store``'s, block ``b`` held by the rank
+    classes ``holders_of[b]``, rank ``r`` in ``rank_class[r]``. A file's bytes needed by a
+    stage are the stored bytes there of the tensors its representative ranks hold, times
+    the slices of each they hold; its size is its data bytes, which its tensors' stored
+    bytes tile exactly (the reader checks it). Counted per (block, file) in C, then
+    weighted per stage by the representative ranks of the rank classes holding each
+    block."""
+    files = [f.name for f in meta.files]
+    index = dict(zip(files, range(len(files))))
+    nf, nb = len(files), len(store.blocks)
+    size = [f.size - f.data_start for f in meta.files]
+    blocks, runs = store.blocks, store.runs
+    one = [b for b in range(nb) if runs[blocks[b].start] is None]
+    # per (block, file): the stored bytes of its tensors there, and how many of them have
+    # a part there (a tensor of no bytes still makes its file needed)
+    need = np.zeros(nb * nf, dtype=np.int64)
+    count = np.zeros(nb * nf, dtype=np.int64)
+    try:
+        if one:
+            # a block of one run each holds its tensors whole, each stored as that one run
+            spans = [blocks[b] for b in one]
+            fid = np.fromiter(map(index.__getitem__, chain.from_iterable(
+                map(store.files.__getitem__, map(_as_slice, spans)))), dtype=np.int64)
+            key = np.repeat(np.array(one, dtype=np.int64) * nf, list(map(len, spans))) + fid
+            nbytes = np.fromiter(chain.from_iterable(map(store.lengths.__getitem__,
+                                                         map(_as_slice, spans))), dtype=np.int64)
+            need += np.rint(np.bincount(key, weights=nbytes, minlength=nb * nf)).astype(np.int64)
+            count += np.bincount(key, minlength=nb * nf)
+        parts: dict[int, int] = {}   # the other blocks': (block, file) key -> stored bytes
+        tensors = meta.tensors
+        for b in sorted(set(range(nb)).difference(one)):
+            for name in store.names[_as_slice(blocks[b])]:
+                for sp in tensors[name].pieces:
+                    k = b * nf + index[sp.file]
+                    got = parts.get(k)
+                    if got is None:
+                        count[k] += 1
+                    parts[k] = (got or 0) + sp.end - sp.start
+    except KeyError as e:
+        raise PlanError(f"a tensor is stored in {e.args[0]!r}, which is not among the "
+                        f"checkpoint's files") from None
+    if parts:
+        need[list(parts)] += list(parts.values())
+    need, count = need.reshape(nb, nf), count.reshape(nb, nf)
+    holders = np.zeros((nb, n_rc), dtype=np.int64)
+    holders[np.repeat(np.arange(nb), list(map(len, holders_of))),
+            np.fromiter(chain.from_iterable(holders_of), dtype=np.intp)] = 1
     S = L.tp * L.dp
-    parts = _stored_parts(meta)
     out = []
     for s in range(L.pp):
         ranks = tuple(range(s * S, (s + 1) * S))
         # representative ranks: one DP replica unless experts span DP
         reps = ranks if L.ep_spans_dp else ranks[:L.tp]
-        # the ranks of a rank class hold the same tensors: count each distinct slice list
-        # once, weighted by the representative ranks holding it, by name (a file's bytes
-        # needed are its tensors' bytes times the slices held of each)
-        held: dict = {}   # id(slices) -> [slices, representative ranks holding them]
-        for r in reps:
-            sh = share_of(rank_plans[r])
-            src = rank_plans[r].tensors if sh is None else sh.slices
-            held.setdefault(id(src), [src, 0])[1] += 1
-        by_weight: dict[int, Counter] = {}
-        for src, m in held.values():
-            by_weight.setdefault(m, Counter()).update(
-                src.names if type(src) is SliceColumns else map(_NAME, src))
-        count = None   # per part: slices held of its tensor, over the representative ranks
-        for m, cnt in by_weight.items():
-            c = map(cnt.get, parts.names, repeat(0))
-            c = list(c if m == 1 else map(mul, c, repeat(m)))
-            count = c if count is None else list(map(add, count, c))
-        need = list(map(mul, count, parts.nbytes))
+        m = np.bincount([rank_class[r] for r in reps], minlength=n_rc).astype(np.int64)
+        w = holders @ m   # per block: the representative ranks holding it
+        on = np.flatnonzero(w)   # (a stage's ranks hold a few of the blocks)
+        got, cnt = (w[on] @ need[on]).tolist(), (w[on] @ count[on]).tolist()
         grp, filt = [], []
-        for f in sorted(parts.spans):
-            lo, hi = parts.spans[f]
-            if not any(count[lo:hi]):
+        for f in range(nf):
+            if not cnt[f]:
                 continue
-            size = sum(parts.nbytes[lo:hi])
-            frac = (sum(need[lo:hi]) / len(reps)) / size if size else 1.0
-            (filt if frac < 1 / len(ranks) + STORAGE_TO_NET else grp).append(f)
+            frac = (got[f] / len(reps)) / size[f] if size[f] else 1.0
+            (filt if frac < 1 / len(ranks) + STORAGE_TO_NET else grp).append(files[f])
         if grp:
             out.append(LoadGroup(tuple(grp), ranks, "group"))
         if filt:
             out.append(LoadGroup(tuple(filt), ranks, "filtered"))
     return tuple(out)
+
+
+def _as_slice(r: range) -> slice:
+    return slice(r.start, r.stop)
+
+
 
 
 def meta_from_specs(config: Mapping | None, specs, *, files: int = 1,
