@@ -24,8 +24,8 @@ def dsv3():
 def plan_alone(monkeypatch, meta, layout, rules=None):
     """The plan with every tensor placed on its own (no family shares a placement)."""
     with monkeypatch.context() as m:
-        m.setattr(planner_mod._Planner, "_family_keys",
-                  lambda self, groups, spans, placer, layers: {})
+        m.setattr(planner_mod._Planner, "_families",
+                  lambda self, names, *rest: [[i] for i in range(len(names))])
         return make_plan(meta, layout, rules)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from itertools import chain, compress, repeat
 from math import prod
-from operator import add, attrgetter, is_not, itemgetter, sub
+from operator import add, attrgetter, itemgetter, sub
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
@@ -80,9 +80,10 @@ def build_plan(meta: CheckpointMeta, layout: Layout, rules: Any = None, *,
 
 
 class Family(NamedTuple):
-    """Tensors placed alike (``_Planner._family_keys``), placed once: a layer family, or
+    """Tensors placed alike (``_Planner._families``), placed once: a layer family, or
     one tensor on its own. Same shape and dtype throughout."""
     names: list[str]         # its tensors, in name order
+    places: list[int]        # their places in the plan's names
     classes: list            # per class: (local shape, pieces)
     table: int               # replica table index
     strategy: str
@@ -123,20 +124,23 @@ class _Planner:
             if left_out:
                 names = [n for n in names if not n.startswith(mtp)]
         templates = digit_templates(names)
-        groups: dict[str, list[str]] = {}   # digit template -> its names, in name order
-        for n, t in zip(names, templates):
-            groups.setdefault(t, []).append(n)
+        places: dict[str, list[int]] = {}   # digit template -> its names' places in names
+        for i, t in enumerate(templates):
+            places.setdefault(t, []).append(i)
+        # digit template -> its names, in name order
+        groups = {t: list(map(names.__getitem__, p)) for t, p in places.items()}
         layers, spans = self._find_layers(groups)
         tied = self._tied()
         # match rules first: unmatched names fail before any work
         match = self._match_rules(names, templates)
         placer = Placer(self.meta, self.L, self.config, match, layers, tied, mtp, groups,
                         left_out)
-        keys = self._family_keys(groups, spans, placer, layers)
-        placed = self._place_all(names, placer, keys)
+        infos = list(map(self.meta.tensors.__getitem__, names))
+        families = self._families(names, infos, groups, places, spans, placer, layers)
+        placed = self._place_all(names, placer, families)
         if left_out:
             placed = placed._replace(excluded=sorted(placed.excluded + left_out))
-        return self._assemble(placed, names)
+        return self._assemble(placed, names, infos)
 
     def _find_layers(self, groups: dict[str, list[str]]) -> tuple[Layers, dict[str, tuple[int, int]]]:
         """The number of layers and each layer's stage, checking config.json's
@@ -227,33 +231,18 @@ class _Planner:
                               f"matches no tensor of the checkpoint", stacklevel=4)
         return match
 
-    def _place_all(self, names: list[str], placer: Placer, keys: dict) -> Placed:
-        """Pass 1: each family's classes and rank groups (a tensor without a family key is
-        a family of its own), placed through its first name; a replica table per distinct
-        rank-groups object (selectors repeat, so there are few). DeepSeek-V3's 92 k
-        tensors are 1.6 k families."""
-        members_of: dict = {}      # family key -> its names
-        heads = []                 # (first name, family key or None), in name order
-        get = keys.get
-        for n in names:
-            key = get(n)
-            if key is None:
-                heads.append((n, None))
-                continue
-            m = members_of.get(key)
-            if m is None:
-                members_of[key] = [n]
-                heads.append((n, key))
-            else:
-                m.append(n)
+    def _place_all(self, names: list[str], placer: Placer, families: list[list[int]]) -> Placed:
+        """Pass 1: each family's classes and rank groups, placed through its first name; a
+        replica table per distinct rank-groups object (selectors repeat, so there are
+        few). DeepSeek-V3's 92 k tensors are 1.6 k families."""
         excluded: list[str] = []
-        families = []
+        placed = []
         table_of: dict[int, int] = {}
         tables: list = []          # rank groups per table
         dedupe_memo: dict = {}
-        for n, key in heads:
-            members = [n] if key is None else members_of[key]
-            pl = placer.place(n)
+        for at in families:
+            members = list(map(names.__getitem__, at))
+            pl = placer.place(members[0])
             if pl is None:
                 excluded += members
                 continue
@@ -264,32 +253,32 @@ class _Planner:
             if k is None:
                 k = table_of[id(groups)] = len(tables)
                 tables.append(groups)
-            families.append(Family(members, classes, k, strategy))
+            placed.append(Family(members, at, classes, k, strategy))
         excluded.sort()
-        return Placed(excluded, families, tables)
+        return Placed(excluded, placed, tables)
 
-    def _family_keys(self, groups: dict[str, list[str]], spans: dict[str, tuple[int, int]],
-                     placer: Placer, layers: Layers) -> dict:
-        """Tensor name -> a key equal for tensors whose placement is the same; names
-        without one are placed on their own.
+    def _families(self, names: list[str], infos: list[TensorInfo], groups: dict[str, list[str]],
+                  places: dict[str, list[int]], spans: dict[str, tuple[int, int]],
+                  placer: Placer, layers: Layers) -> list[list[int]]:
+        """The tensors placed alike, as their places in ``names`` (ascending), in the
+        order of their first places; a name of no family is one on its own.
 
         A placement reads the tensor's rule, shape and name, and the stage of its layer;
         the name only around the layer index (strategies match "embed", "gate_up" and the
         default expert id pattern, none of which spans a layer's digits). So the same
         tensor of different layers in one stage, matched by the same rule, is placed
-        alike: the key is the name around its layer index, the rule, shape, dtype and
-        stage. Not so for a user's expert ``id_regex`` (it may read the layer's digits).
-        A block scale follows its weight: its key joins its weight's (a rule may single
-        out one layer's weight; a weight placed on its own places its scale on its own).
-        Keys are built a digit template at a time, as columns, each one string (cheap to
-        hash; a block scale's pairs it with its weight's); a template whose names match
-        different rules (a rule that reads digits) is placed name by name."""
+        alike: a family's key is the name around its layer index, the rule, shape, dtype
+        and stage. Not so for a user's expert ``id_regex`` (it may read the layer's
+        digits). A block scale follows its weight: its family is its weight's family
+        and its own rule, shape and dtype (a rule may single out one layer's weight; a
+        weight placed on its own places its scale on its own). Families are found a
+        digit template at a time (``_by_key``); a template whose names match different
+        rules (a rule that reads digits) is placed name by name."""
         match = placer.match
-        tensors = self.meta.tensors
         nl, stage_of = layers.num_layers, layers.stage_of
         one_stage = self.L.pp == 1
         blind = self.rules.digit_blind   # a template's names match one rule
-        keys: dict = {}
+        parts: dict = {}   # family key -> the places of its members, a list per template
         scales = []
         for t, (a, b) in spans.items():
             members = groups[t]
@@ -305,48 +294,81 @@ class _Planner:
                 if not params.get("weight") and t.endswith(SCALE_SUFFIX):
                     scales.append((t, rule))
                 continue
-            infos = list(map(tensors.__getitem__, members))
-            shapes = list(map(_SHAPE, infos))
-            dtypes = list(map(_DTYPE, infos))
+            at = places[t]
+            tinfos = list(map(infos.__getitem__, at))
+            shapes = list(map(_SHAPE, tinfos))
+            dtypes = list(map(_DTYPE, tinfos))
             digits = list(map(itemgetter(slice(a, b)), members))
             if one_stage and int(max(digits)) < nl:
-                stages = repeat(0)   # every name's
+                stages = None   # every name's is 0
             else:   # -1: past num_hidden_layers (MTP layers)
                 stages = [stage_of[li] if li < nl else -1 for li in map(int, digits)]
-            # one string per name, cheap to hash: rule, shape, dtype and stage, then the
-            # name around its layer index (``a`` fixes where the two parts meet)
+            rest = _name_rest(t, a, b, members)
             if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):
-                head_of = {st: _KEY_HEAD.format(a, id(rule), shapes[0], dtypes[0], st)
-                           for st in ((0,) if type(stages) is repeat else set(stages))}
-                heads = (repeat(head_of[0]) if type(stages) is repeat else
-                         map(head_of.__getitem__, stages))
-            else:
-                heads = map(_KEY_HEAD.format, repeat(a), repeat(id(rule)), shapes, dtypes, stages)
-            keys.update(zip(members, _join_keys(heads, t, a, b, members)))
-        cut = itemgetter(slice(0, -len(SCALE_SUFFIX)))
-        for t, rule in scales:
-            a, b = spans[t]
-            members = groups[t]
-            wkeys = list(map(keys.get, map(cut, members)))
-            if None in wkeys:   # a weight placed on its own: so is its scale
-                held = list(map(is_not, wkeys, repeat(None)))
-                members = list(compress(members, held))
-                wkeys = list(compress(wkeys, held))
-                if not members:
+                if stages is None:
+                    _by_key(parts, _KEY_HEAD.format(a, id(rule), shapes[0], dtypes[0], 0), rest, at)
                     continue
-            infos = list(map(tensors.__getitem__, members))
-            shapes = list(map(_SHAPE, infos))
-            dtypes = list(map(_DTYPE, infos))
-            # the weight's key holds its stage
-            if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):
-                heads = repeat(_KEY_HEAD.format(a, id(rule), shapes[0], dtypes[0], "s"))
+                head_of = {st: _KEY_HEAD.format(a, id(rule), shapes[0], dtypes[0], st)
+                           for st in set(stages)}
+                heads = list(map(head_of.__getitem__, stages))
             else:
-                heads = map(_KEY_HEAD.format, repeat(a), repeat(id(rule)), shapes, dtypes,
-                            repeat("s"))
-            keys.update(zip(members, zip(_join_keys(heads, t, a, b, members), wkeys)))
-        return keys
+                heads = list(map(_KEY_HEAD.format, repeat(a), repeat(id(rule)), shapes, dtypes,
+                                 stages or repeat(0)))
+            _by_key(parts, None, list(map(add, heads, rest)) if type(rest) is list else
+                    list(map(add, heads, repeat(rest))), at)
+        families = [p[0] if len(p) == 1 else sorted(chain.from_iterable(p))
+                    for p in parts.values()]
+        if scales:
+            families += self._scale_families(names, infos, groups, places, spans, scales,
+                                             families)
+        held = np.zeros(len(names), dtype=bool)
+        if families:
+            held[np.fromiter(chain.from_iterable(families), dtype=np.intp)] = True
+        families += [[i] for i in np.flatnonzero(~held).tolist()]
+        families.sort(key=itemgetter(0))
+        return families
 
-    def _assemble(self, placed: Placed, names: list[str]) -> Plan:
+    def _scale_families(self, names, infos, groups, places, spans, scales, families) -> list:
+        """The families of block scales (``_families``): those of one weight family and
+        one rule, shape and dtype; a scale whose weight has no family has none."""
+        family_of = np.full(len(names), -1, dtype=np.intp)   # place -> its family
+        for f, at in enumerate(families):
+            family_of[at] = f
+        place_of = None
+        cut = itemgetter(slice(0, -len(SCALE_SUFFIX)))
+        parts: dict = {}
+        for t, rule in scales:
+            a, _ = spans[t]
+            members = groups[t]
+            weights = list(map(cut, members))
+            wt = t[:-len(SCALE_SUFFIX)]
+            if groups.get(wt) == weights:   # the weights are a template's names, in order
+                wat = places[wt]
+            else:
+                if place_of is None:
+                            wat = list(map(place_of.get, weights, repeat(-1)))
+            at = places[t]
+            # -1: a weight placed on its own, or not planned
+            wfam = np.where(np.array(wat) >= 0, family_of[wat], -1).tolist()
+            if -1 in wfam:   # then its scale is placed on its own
+                keep = list(map((-1).__ne__, wfam))
+                at, wfam = list(compress(at, keep)), list(compress(wfam, keep))
+                if not at:
+                    continue
+            tinfos = list(map(infos.__getitem__, at))
+            shapes = list(map(_SHAPE, tinfos))
+            dtypes = list(map(_DTYPE, tinfos))
+            # the weight's family holds its stage and the name around its layer index
+            if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):
+                keys = list(zip(repeat(_KEY_HEAD.format(a, id(rule), shapes[0], dtypes[0], "s")),
+                                wfam))
+            else:
+                keys = list(zip(map(_KEY_HEAD.format, repeat(a), repeat(id(rule)), shapes, dtypes,
+                                    repeat("s")), wfam))
+            _by_key(parts, None, keys, at)
+        return [p[0] if len(p) == 1 else sorted(chain.from_iterable(p)) for p in parts.values()]
+
+    def _assemble(self, placed: Placed, names: list[str], infos: list[TensorInfo]) -> Plan:
         """Pass 2: one slice per (tensor, class), written a family class at a time as
         columns (SliceStore) and listed by each rank class holding it; each rank class's
         slices are put in name order, and its ranks share one SharedSlices."""
@@ -358,22 +380,19 @@ class _Planner:
         sids: list[list[int]] = [[] for _ in range(n_rc)]
         places: list[list[int]] = [[] for _ in range(n_rc)]
         slot_tables: list[list[int]] = [[] for _ in range(n_rc)]
-        place_of = dict(zip(names, range(len(names))))
         meta, L = self.meta, self.L
-        tensors = meta.tensors
         isz_of: dict[str, int] = {}
         full_boxes: dict = {}
         held: list[tuple[int, ...]] = []   # per block of the store: its rank classes
         form_of: dict = {}   # (dtype, shape, local shape, id(pieces), strategy) -> form
-        for members, classes, k, strategy in families:
-            infos = list(map(tensors.__getitem__, members))
-            t0 = infos[0]
+        for members, at, classes, k, strategy in families:
+            finfos = list(map(infos.__getitem__, at))
+            t0 = finfos[0]
             shape, dtype = t0.shape, t0.dtype
             isz = isz_of.get(dtype)
             if isz is None:
                 isz = isz_of[dtype] = itemsize(dtype)
             groups = tables[k]
-            at = None
             for c, (lshape, pieces) in enumerate(classes):
                 if not groups[c]:
                     continue
@@ -382,15 +401,13 @@ class _Planner:
                 if f is None:
                     f = form_of[fk] = len(store.forms)
                     store.forms.append(Form(dtype, shape, lshape, pieces, strategy))
-                one = _whole_runs(infos, pieces, lshape, full_boxes)
+                one = _whole_runs(finfos, pieces, lshape, full_boxes)
                 if one is not None:
                     got = store.add(members, f, *one)
                 else:
-                    runs = [slice_runs(t, pieces, lshape, isz, full_boxes) for t in infos]
+                    runs = [slice_runs(t, pieces, lshape, isz, full_boxes) for t in finfos]
                     got = store.add(members, f, [r.groups[0][0] if r.groups else t.file
-                                                 for r, t in zip(runs, infos)], runs)
-                if at is None:
-                    at = list(map(place_of.__getitem__, members))
+                                                 for r, t in zip(runs, finfos)], runs)
                 held.append(holders[k][c])
                 for rc in holders[k][c]:
                     sids[rc] += got
@@ -411,13 +428,46 @@ class _Planner:
         return Plan(L, meta.fingerprint(), rank_plans, tuple(excluded), groups)
 
 
-def _join_keys(heads, template: str, a: int, b: int, members: list[str]):
-    """Each head + the name before its layer index + the name after it. A part without
-    digits in the template is the same in every name: taken once."""
+def _name_rest(template: str, a: int, b: int, members: list[str]):
+    """Each name without its layer index (``[a, b)``): the part before it + the part after
+    it; one string for all when neither part holds digits in the template."""
     n0 = members[0]
-    pre = repeat(n0[:a]) if "0" not in template[:a] else map(itemgetter(slice(0, a)), members)
-    post = repeat(n0[b:]) if "0" not in template[b:] else map(itemgetter(slice(b, None)), members)
-    return map(add, map(add, heads, pre), post)
+    pre = n0[:a] if "0" not in template[:a] else list(map(itemgetter(slice(0, a)), members))
+    post = n0[b:] if "0" not in template[b:] else list(map(itemgetter(slice(b, None)), members))
+    if type(pre) is str and type(post) is str:
+        return pre + post
+    return list(map(add, repeat(pre) if type(pre) is str else pre,
+                    repeat(post) if type(post) is str else post))
+
+
+def _by_key(parts: dict, head: str | None, keys, at: list[int]) -> None:
+    """Add the places ``at`` to ``parts`` (family key -> lists of places) under their
+    ``keys`` (head + key, when a head is given; one key for all when ``keys`` is a
+    string). A template's names come in order of their digits, so their keys most often
+    repeat with a period (the experts of each layer): then the groups are strided slices,
+    found in C; else a dict groups them."""
+    if type(keys) is not list:
+        parts.setdefault(keys if head is None else head + keys, []).append(at)
+        return
+    n = len(keys)
+    try:
+        k = keys.index(keys[0], 1)
+    except ValueError:
+        k = n
+    period = keys[:k]
+    if n % k == 0 and keys[k:] == keys[:n - k] and len(set(period)) == k:
+        for j, key in enumerate(period):
+            parts.setdefault(key if head is None else head + key, []).append(at[j::k])
+        return
+    grouped: dict = {}
+    for key, i in zip(keys, at):
+        got = grouped.get(key)
+        if got is None:
+            grouped[key] = [i]
+        else:
+            got.append(i)
+    for key, got in grouped.items():
+        parts.setdefault(key if head is None else head + key, []).append(got)
 
 
 _PIECES = attrgetter("pieces")
