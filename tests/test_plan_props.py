@@ -1,6 +1,7 @@
 """Property tests: random layouts x random small architectures."""
 import collections
 import pickle
+from itertools import chain
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -151,3 +152,40 @@ def _check_plan(a, lkw) -> str:
     assert make_plan(meta, L).digest() == d
     assert pickle.loads(pickle.dumps(plan)).digest() == d
     return "valid"
+
+
+@st.composite
+def keyed_places(draw):
+    """Keys of a template's names in name order: runs that repeat a period of distinct keys
+    (each layer's experts, a run per stage), with odd keys between, and their places."""
+    keys, repeats = [], False
+    for _ in range(draw(st.integers(1, 4))):
+        period = draw(st.lists(st.sampled_from("abcdefg"), min_size=1, max_size=5, unique=True))
+        times = draw(st.integers(1, 4))
+        keys += period * times
+        repeats |= times > 1
+        keys += draw(st.lists(st.sampled_from("abcxyz"), max_size=3))
+    places = sorted(draw(st.sets(st.integers(0, 10_000), min_size=len(keys), max_size=len(keys))))
+    return keys, places, repeats
+
+
+def test_family_grouping_is_grouping_by_key():
+    """``_by_key`` (strided slices over periodic runs, a dict for the rest) puts each
+    place under its own key, each once, in ascending order within a group."""
+    from coordloader.planning.planner import _by_key
+    reached = collections.Counter()
+
+    def check(case):
+        keys, places, repeats = case
+        parts: dict = {}
+        _by_key(parts, "h", keys, places)
+        got = {k: sorted(chain.from_iterable(v)) for k, v in parts.items()}
+        want: dict = {}
+        for k, i in zip(keys, places):
+            want.setdefault(("h", k), []).append(i)
+        assert got == want
+        assert all(g == sorted(g) for v in parts.values() for g in v)
+        reached["a period repeats" if repeats else "other"] += 1
+
+    settings(deadline=None, max_examples=EXAMPLES, database=None)(given(keyed_places())(check))()
+    assert reached["a period repeats"] >= EXAMPLES // 2, reached

@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from itertools import chain, compress, repeat
 from math import prod
-from operator import add, attrgetter, itemgetter, sub
+from operator import add, attrgetter, eq, itemgetter, sub
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
@@ -302,7 +302,11 @@ class _Planner:
             if one_stage and int(max(digits)) < nl:
                 stages = None   # every name's is 0
             else:   # -1: past num_hidden_layers (MTP layers)
-                stages = [stage_of[li] if li < nl else -1 for li in map(int, digits)]
+                stage_at = {}   # per layer's digits (a template holds a few layers)
+                for d in set(digits):
+                    li = int(d)
+                    stage_at[d] = stage_of[li] if li < nl else -1
+                stages = list(map(stage_at.__getitem__, digits))
             rest = _name_rest(t, a, b, members)
             if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):
                 if stages is None:
@@ -314,8 +318,8 @@ class _Planner:
             else:
                 heads = list(map(_KEY_HEAD.format, repeat(a), repeat(id(rule)), shapes, dtypes,
                                  stages or repeat(0)))
-            _by_key(parts, None, list(map(add, heads, rest)) if type(rest) is list else
-                    list(map(add, heads, repeat(rest))), at)
+            _by_key(parts, None, list(zip(heads, rest if type(rest) is list else repeat(rest))),
+                    at)
         families = [p[0] if len(p) == 1 else sorted(chain.from_iterable(p))
                     for p in parts.values()]
         if scales:
@@ -332,8 +336,8 @@ class _Planner:
         """The families of block scales (``_families``): those of one weight family and
         one rule, shape and dtype; a scale whose weight has no family has none."""
         family_of = np.full(len(names), -1, dtype=np.intp)   # place -> its family
-        for f, at in enumerate(families):
-            family_of[at] = f
+        family_of[np.fromiter(chain.from_iterable(families), dtype=np.intp)] = np.repeat(
+            np.arange(len(families)), list(map(len, families)))
         place_of = None
         cut = itemgetter(slice(0, -len(SCALE_SUFFIX)))
         parts: dict = {}
@@ -442,32 +446,43 @@ def _name_rest(template: str, a: int, b: int, members: list[str]):
 
 def _by_key(parts: dict, head: str | None, keys, at: list[int]) -> None:
     """Add the places ``at`` to ``parts`` (family key -> lists of places) under their
-    ``keys`` (head + key, when a head is given; one key for all when ``keys`` is a
+    ``keys`` ((head, key) when a head is given; one key for all when ``keys`` is a
     string). A template's names come in order of their digits, so their keys most often
-    repeat with a period (the experts of each layer): then the groups are strided slices,
-    found in C; else a dict groups them."""
+    repeat with a period (the experts of each layer) over runs of names (the layers of a
+    stage): such a run's groups are strided slices, found in C. The rest is grouped by a
+    dict."""
     if type(keys) is not list:
-        parts.setdefault(keys if head is None else head + keys, []).append(at)
+        parts.setdefault(keys if head is None else (head, keys), []).append(at)
         return
-    n = len(keys)
-    try:
-        k = keys.index(keys[0], 1)
-    except ValueError:
-        k = n
-    period = keys[:k]
-    if n % k == 0 and keys[k:] == keys[:n - k] and len(set(period)) == k:
-        for j, key in enumerate(period):
-            parts.setdefault(key if head is None else head + key, []).append(at[j::k])
-        return
+    lo, n = 0, len(keys)
+    for _ in range(_PERIODIC_RUNS):
+        if lo == n:
+            return
+        try:
+            k = keys.index(keys[lo], lo + 1) - lo
+        except ValueError:
+            k = n - lo
+        # the longest run from lo where keys[i] == keys[i - k]: in it, the key at i is the
+        # one at lo + (i - lo) % k (a key twice in a period gets two slices: both its own)
+        same = list(map(eq, keys[lo + k:], keys[lo:n - k]))
+        hi = lo + k + (same.index(False) if False in same else len(same))
+        for j, key in enumerate(keys[lo:lo + k]):
+            parts.setdefault(key if head is None else (head, key), []).append(at[lo + j:hi:k])
+        lo = hi
     grouped: dict = {}
-    for key, i in zip(keys, at):
+    for key, i in zip(keys[lo:], at[lo:]):
         got = grouped.get(key)
         if got is None:
             grouped[key] = [i]
         else:
             got.append(i)
     for key, got in grouped.items():
-        parts.setdefault(key if head is None else head + key, []).append(got)
+        parts.setdefault(key if head is None else (head, key), []).append(got)
+
+
+# periodic runs _by_key looks for before it groups the rest by a dict: a run per stage
+# of a template's layers (and one for its MTP layers) takes one each
+_PERIODIC_RUNS = 64
 
 
 _PIECES = attrgetter("pieces")
