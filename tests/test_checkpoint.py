@@ -804,6 +804,70 @@ def test_assembled_records_equal_init_built(tmp_path):
             t.name = "x"
 
 
+def _table_fields(table) -> list:
+    return [v.tolist() if hasattr(v, "tolist") else v for v in table]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_the_readers_tensor_table_is_the_records(tiny_checkpoint, arch):
+    # the reader builds a plain checkpoint's table from the headers; a copy of the
+    # metadata builds its own from the records: the planner and cover may read either
+    import dataclasses
+    meta = read_checkpoint(tiny_checkpoint(arch))
+    table = meta.table()
+    assert table.names == list(meta.tensors)
+    fresh = dataclasses.replace(meta)
+    assert fresh.table() is not table
+    assert _table_fields(fresh.table()) == _table_fields(table)
+    row = table.names.index(next(n for n in table.names if n.endswith("scale_inv") or
+                                 ".experts." in n))
+    t = meta.tensors[table.names[row]]
+    assert (table.shapes[table.shape[row]], table.dtypes[table.dtype[row]]) == (t.shape, t.dtype)
+    assert (meta.files[table.file[row]].name, table.start[row], table.end[row]) == (
+        t.pieces[0].file, t.pieces[0].start, t.pieces[0].end)
+    assert table.whole.all()
+    with pytest.raises(ValueError, match="read-only"):
+        table.start[row] = 0
+
+
+def test_a_checkpoints_tensors_are_read_only(tmp_path):
+    import copy
+    sharded_ok(tmp_path)
+    meta = read_checkpoint(str(tmp_path))
+    name = next(iter(meta.tensors))
+    for change in (lambda m: m.__setitem__("x", m[name]), lambda m: m.__delitem__(name),
+                   lambda m: m.pop(name), lambda m: m.update(x=m[name]), lambda m: m.clear(),
+                   lambda m: m.setdefault("x", m[name]), lambda m: m.popitem()):
+        with pytest.raises(TypeError, match="read-only"):
+            change(meta.tensors)
+    assert list(meta.tensors) == meta.table().names
+    for other in (pickle.loads(pickle.dumps(meta)), copy.deepcopy(meta)):
+        assert other == meta and type(other.tensors) is type(meta.tensors)
+        with pytest.raises(TypeError, match="read-only"):
+            other.tensors["x"] = other.tensors[name]
+    # metadata built by hand holds its tensors read-only too, apart from the caller's dict
+    mine = dict(meta.tensors)
+    built = CheckpointMeta(meta.root, meta.files, mine)
+    mine.pop(name)
+    assert name in built.tensors and built.table().names == list(meta.tensors)
+
+
+def test_a_table_of_records_marks_what_is_not_one_whole_piece():
+    from coordloader.checkpoint.metadata import with_table
+    a = SourcePiece("a.safetensors", ((0, 2), (0, 4)), 72, 104, "x@a")
+    b = SourcePiece("b.safetensors", ((2, 4), (0, 4)), 72, 104, "x@b")
+    y = SourcePiece("gone.safetensors", ((0, 4),), 72, 88, "y")
+    files = (FileInfo("a.safetensors", 104, 64, "0" * 64), FileInfo("b.safetensors", 104, 64, "1" * 64))
+    meta = CheckpointMeta("<memory>", files, {
+        "x": TensorInfo("x", "F32", (4, 4), (a, b)), "y": TensorInfo("y", "F32", (4,), (y,)),
+        "z": TensorInfo("z", "F32", (0,), ())})
+    table = meta.table()
+    assert table.whole.tolist() == [False, False, False]
+    assert table.file.tolist() == [0, -1, -1] and table.start.tolist() == [72, 72, 0]
+    with pytest.raises(CheckpointError, match="a tensor table given to metadata that has one"):
+        with_table(meta, table)
+
+
 def test_header_entries_share_equal_shapes_and_dtypes(tmp_path):
     # equal shapes / dtypes of one file are one object each (a smaller gather pickle);
     # the values, and what the pickled headers assemble to, are unchanged

@@ -12,7 +12,9 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from math import prod
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
+
+import numpy as np
 
 from coordloader.errors import CheckpointError
 
@@ -88,18 +90,107 @@ class TensorInfo:
         return len(self.pieces) == 1 and self.pieces[0].box == full_box(self.shape)
 
 
+class TensorMap(dict):
+    """A checkpoint's tensors by name, read-only: what the planner and cover read of them
+    as columns (``TensorTable``) cannot drift from the records."""
+    __slots__ = ()
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("a checkpoint's tensors are read-only; expected a new CheckpointMeta "
+                        "(dataclasses.replace(meta, tensors=...)) for other tensors")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+    def __reduce__(self):
+        return TensorMap, (dict(self),)
+
+
+class TensorTable(NamedTuple):
+    """A checkpoint's tensors as columns, in ``CheckpointMeta.tensors``' order, so that the
+    planner and cover read a field of all 92 k tensors of DeepSeek-V3 in C. The first
+    stored piece's file, start and end; ``whole``: the tensor is stored as that one piece,
+    over its whole box (the others are read from their records). Arrays are read-only."""
+    names: list[str]
+    shapes: tuple[tuple[int, ...], ...]   # the distinct shapes
+    shape: np.ndarray                     # index into shapes
+    dtypes: tuple[str, ...]               # the distinct dtypes
+    dtype: np.ndarray                     # index into dtypes
+    file: np.ndarray                      # index into CheckpointMeta.files; -1: none
+    start: np.ndarray
+    end: np.ndarray
+    whole: np.ndarray
+
+
+def tensor_table(names: list[str], shapes: list, dtypes: list[str], files: list,
+                 starts: list[int], ends: list[int], whole: list[bool] | None) -> TensorTable:
+    """The table of columns given per tensor (``files`` as indexes; ``whole`` None when
+    every tensor is stored whole in one piece)."""
+    n = len(names)
+    shape_of = dict.fromkeys(shapes)
+    shape_of.update(zip(shape_of, range(len(shape_of))))
+    dtype_of = dict.fromkeys(dtypes)
+    dtype_of.update(zip(dtype_of, range(len(dtype_of))))
+    cols = (np.fromiter(map(shape_of.__getitem__, shapes), dtype=np.int32, count=n),
+            np.fromiter(map(dtype_of.__getitem__, dtypes), dtype=np.int32, count=n),
+            np.array(files, dtype=np.int32).reshape(n),
+            np.fromiter(starts, dtype=np.int64, count=n), np.fromiter(ends, dtype=np.int64, count=n),
+            np.ones(n, dtype=bool) if whole is None else np.array(whole, dtype=bool).reshape(n))
+    for c in cols:
+        c.flags.writeable = False
+    return TensorTable(names, tuple(shape_of), cols[0], tuple(dtype_of), *cols[1:])
+
+
+def with_table(meta: CheckpointMeta, table: TensorTable) -> CheckpointMeta:
+    """``meta`` holding ``table``, which the reader built from the very headers it built the
+    records from (cheaper than ``_table_of_records``)."""
+    if meta._table or len(table.names) != len(meta.tensors):
+        raise CheckpointError("a tensor table given to metadata that has one, or of another "
+                              "length", file=meta.root)
+    meta._table.append(table)
+    return meta
+
+
+def _table_of_records(meta: CheckpointMeta) -> TensorTable:
+    """The table of ``meta``'s tensor records (the reader builds it from the headers)."""
+    infos = list(meta.tensors.values())
+    index = {f.name: i for i, f in enumerate(meta.files)}
+    files, starts, ends, whole = [], [], [], []
+    for t in infos:
+        p = t.pieces[0] if t.pieces else None
+        files.append(-1 if p is None else index.get(p.file, -1))
+        starts.append(0 if p is None else p.start)
+        ends.append(0 if p is None else p.end)
+        whole.append(len(t.pieces) == 1 and p.box == full_box(t.shape) and files[-1] >= 0)
+    return tensor_table(list(meta.tensors), [t.shape for t in infos], [t.dtype for t in infos],
+                        files, starts, ends, whole)
+
+
 @dataclass(frozen=True)
 class CheckpointMeta:
     root: str                              # absolute checkpoint directory
     files: tuple[FileInfo, ...]            # sorted by name
-    tensors: Mapping[str, TensorInfo]      # insertion order: file, then offset
+    tensors: Mapping[str, TensorInfo]      # insertion order: file, then offset; read-only
     config: Mapping | None = None          # parsed config.json, if present
     source_layout: Mapping | None = None   # coordloader sharded format: saving layout
     # torch DCP's per-rank output records no global shapes: each is the extent of the
     # pieces present, so one missing last-rank file shrinks tensors instead of leaving gaps
     shapes_from_extents: bool = False
-    # fingerprint cache; init=False so dataclasses.replace() does not carry it over
+    # fingerprint and table caches; init=False so dataclasses.replace() does not carry them
+    # over
     _fp: list = field(default_factory=list, init=False, repr=False, compare=False)
+    _table: list = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if type(self.tensors) is not TensorMap:
+            object.__setattr__(self, "tensors", TensorMap(self.tensors))
+
+    def table(self) -> TensorTable:
+        """The tensors as columns (``TensorTable``): built by the reader from the headers,
+        else from the records on first use."""
+        if not self._table:
+            self._table.append(_table_of_records(self))
+        return self._table[0]
 
     def fingerprint(self) -> str:
         """sha256 over file names, sizes and header hashes: changes whenever any

@@ -30,10 +30,12 @@ import stat
 import sys
 from dataclasses import dataclass
 from hashlib import sha256
-from itertools import repeat
+from itertools import chain, repeat
 from math import prod
 from operator import itemgetter
 from typing import Any, Iterable, NamedTuple
+
+import numpy as np
 
 from coordloader.checkpoint.dtypes import SUPPORTED, itemsize
 from coordloader.checkpoint.formats import (
@@ -59,10 +61,13 @@ from coordloader.checkpoint.metadata import (
     FileInfo,
     SourcePiece,
     TensorInfo,
+    TensorTable,
     box_numel,
     box_shape,
     full_box,
     piece_key,
+    tensor_table,
+    with_table,
 )
 from coordloader.checkpoint.tiling import TilingKind, tiling_problem
 from coordloader.errors import CheckpointError
@@ -911,10 +916,25 @@ def assemble(root: str, discovery: Discovery, headers: Iterable[FileHeader]) -> 
             extents = True
         else:
             tensors = _assemble_plain(discovery, by_file, names)
-            layout = None
+            meta = CheckpointMeta(root=discovery.root, files=files, tensors=tensors,
+                                  config=discovery.config)
+            return with_table(meta, _plain_table(by_file, names))
     return CheckpointMeta(root=discovery.root, files=files, tensors=tensors,
                           config=discovery.config, source_layout=layout,
                           shapes_from_extents=extents)
+
+
+def _plain_table(by_file, names) -> TensorTable:
+    """The tensor table of a plain checkpoint, from its headers' entries in the records'
+    order (file, then offset; ``_assemble_plain``): every tensor is one whole piece."""
+    entries = [by_file[f].entries for f in names]
+    col = chain.from_iterable
+    return tensor_table(list(col(map(itemgetter(0), e) for e in entries)),
+                        list(col(map(itemgetter(2), e) for e in entries)),
+                        list(col(map(itemgetter(1), e) for e in entries)),
+                        np.repeat(np.arange(len(names)), list(map(len, entries))),
+                        col(map(itemgetter(3), e) for e in entries),
+                        col(map(itemgetter(4), e) for e in entries), None)
 
 
 def _dcp_info(header: FileHeader) -> str | None:
