@@ -350,7 +350,7 @@ def test_a_store_not_yet_frozen_copies_and_pickles():
 
     from coordloader.planning.store import SliceStore
     st = SliceStore()
-    st.add(["a"], 0, ["f"], None, [8], [4])
+    st.add(["a"], [0], 0, ["f"], None, [8], [4])
     for other in (copy.copy(st), copy.deepcopy(st), pickle.loads(pickle.dumps(st))):
         assert other.names == ["a"] and other.starts == [8]
         other.names = ["b"]   # still open to the planner
@@ -376,6 +376,7 @@ def test_a_slice_problem_is_named_before_a_later_class_missing_a_member(plan, me
 def test_a_short_column_is_refused_not_shifted():
     from coordloader.planning.store import SliceStore
     st = SliceStore()
-    with pytest.raises(PlanError, match=r"slice columns of \[2, 1, 2\] entries for 2 tensors") as ei:
-        st.add(["a", "b"], 0, ["f", "f"], None, [8], [4, 4])
+    with pytest.raises(PlanError, match=r"slice columns of \[2, 2, 1, 2\] entries for 2 "
+                                        r"tensors") as ei:
+        st.add(["a", "b"], [0, 1], 0, ["f", "f"], None, [8], [4, 4])
     assert ei.value.tensor == "a" and len(st) == 0

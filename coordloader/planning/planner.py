@@ -14,9 +14,9 @@ one SharedSlices: cost grows with the distinct slices, not with the world size.
 from __future__ import annotations
 
 import warnings
-from itertools import chain, compress, repeat
+from itertools import accumulate, chain, compress, repeat
 from math import prod
-from operator import add, attrgetter, eq, itemgetter, sub
+from operator import add, attrgetter, eq, itemgetter
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
@@ -44,9 +44,6 @@ from coordloader.planning.store import SliceStore
 from coordloader.planning.strategies import EXPERT_ID_REGEX
 from coordloader.text import MAX_NAME_CHARS, clip
 
-_NAME = attrgetter("name")
-_SHAPE = attrgetter("shape")
-_DTYPE = attrgetter("dtype")
 _REPLICATE = make_rule("*", "replicate", source="replicate_unmatched")
 # a family key's head: the names' layer index start, rule, shape, dtype, stage (or "s" for
 # a block scale, whose weight's key says its stage)
@@ -104,10 +101,10 @@ class _Planner:
         self.replicate_unmatched = replicate_unmatched
         self.config = dict(meta.config or {})
         self.world = layout.world_size
+        self.table = meta.table()
         if layout.tp > 1:
             # checked before RankGroups' per-rank table, which is proportional to tp
-            # over the distinct shapes (a few hundred), gathered in C
-            big = max(map(max, filter(None, set(map(_SHAPE, meta.tensors.values())))), default=0)
+            big = max(map(max, filter(None, self.table.shapes)), default=0)
             if layout.tp > big:
                 raise PlanError(f"layout: tp={layout.tp} exceeds the largest dim of any tensor "
                                 f"of the checkpoint ({big}): no tensor can be split that many ways")
@@ -116,13 +113,17 @@ class _Planner:
 
     # -- driver --------------------------------------------------------------
     def run(self) -> Plan:
-        names = sorted(self.meta.tensors)
+        rows = self.table.names
+        row = sorted(range(len(rows)), key=rows.__getitem__)   # place -> its table row
+        names = list(map(rows.__getitem__, row))
         mtp = MTP_PREFIX.get(self.rules.preset)
         left_out = []   # MTP draft tensors under a prefix: left out before rule matching
         if mtp and not self.L.include_mtp:
             left_out = [n for n in names if n.startswith(mtp)]
             if left_out:
-                names = [n for n in names if not n.startswith(mtp)]
+                kept = [not n.startswith(mtp) for n in names]
+                names, row = list(compress(names, kept)), list(compress(row, kept))
+        self.row = np.array(row, dtype=np.intp)
         templates = digit_templates(names)
         places: dict[str, list[int]] = {}   # digit template -> its names' places in names
         for i, t in enumerate(templates):
@@ -135,12 +136,11 @@ class _Planner:
         match = self._match_rules(names, templates)
         placer = Placer(self.meta, self.L, self.config, match, layers, tied, mtp, groups,
                         left_out)
-        infos = list(map(self.meta.tensors.__getitem__, names))
-        families = self._families(names, infos, groups, places, spans, placer, layers)
+        families = self._families(names, groups, places, spans, placer, layers)
         placed = self._place_all(names, placer, families)
         if left_out:
             placed = placed._replace(excluded=sorted(placed.excluded + left_out))
-        return self._assemble(placed, names, infos)
+        return self._assemble(placed)
 
     def _find_layers(self, groups: dict[str, list[str]]) -> tuple[Layers, dict[str, tuple[int, int]]]:
         """The number of layers and each layer's stage, checking config.json's
@@ -257,7 +257,7 @@ class _Planner:
         excluded.sort()
         return Placed(excluded, placed, tables)
 
-    def _families(self, names: list[str], infos: list[TensorInfo], groups: dict[str, list[str]],
+    def _families(self, names: list[str], groups: dict[str, list[str]],
                   places: dict[str, list[int]], spans: dict[str, tuple[int, int]],
                   placer: Placer, layers: Layers) -> list[list[int]]:
         """The tensors placed alike, as their places in ``names`` (ascending), in the
@@ -295,9 +295,7 @@ class _Planner:
                     scales.append((t, rule))
                 continue
             at = places[t]
-            tinfos = list(map(infos.__getitem__, at))
-            shapes = list(map(_SHAPE, tinfos))
-            dtypes = list(map(_DTYPE, tinfos))
+            shapes, dtypes = self._shapes_dtypes(at)
             digits = list(map(itemgetter(slice(a, b)), members))
             if one_stage and int(max(digits)) < nl:
                 stages = None   # every name's is 0
@@ -308,11 +306,11 @@ class _Planner:
                     stage_at[d] = stage_of[li] if li < nl else -1
                 stages = list(map(stage_at.__getitem__, digits))
             rest = _name_rest(t, a, b, members)
-            if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):
+            if type(shapes) is not list:   # one shape and dtype
                 if stages is None:
-                    _by_key(parts, _KEY_HEAD.format(a, id(rule), shapes[0], dtypes[0], 0), rest, at)
+                    _by_key(parts, _KEY_HEAD.format(a, id(rule), shapes, dtypes, 0), rest, at)
                     continue
-                head_of = {st: _KEY_HEAD.format(a, id(rule), shapes[0], dtypes[0], st)
+                head_of = {st: _KEY_HEAD.format(a, id(rule), shapes, dtypes, st)
                            for st in set(stages)}
                 heads = list(map(head_of.__getitem__, stages))
             else:
@@ -323,8 +321,7 @@ class _Planner:
         families = [p[0] if len(p) == 1 else sorted(chain.from_iterable(p))
                     for p in parts.values()]
         if scales:
-            families += self._scale_families(names, infos, groups, places, spans, scales,
-                                             families)
+            families += self._scale_families(names, groups, places, spans, scales, families)
         held = np.zeros(len(names), dtype=bool)
         if families:
             held[np.fromiter(chain.from_iterable(families), dtype=np.intp)] = True
@@ -332,7 +329,18 @@ class _Planner:
         families.sort(key=itemgetter(0))
         return families
 
-    def _scale_families(self, names, infos, groups, places, spans, scales, families) -> list:
+    def _shapes_dtypes(self, at: list[int]) -> tuple:
+        """The shape and dtype of the tensors at places ``at`` when they share them, else
+        a list of each one's."""
+        t = self.table
+        rows = self.row[at]
+        shape, dtype = t.shape[rows], t.dtype[rows]
+        if (shape == shape[0]).all() and (dtype == dtype[0]).all():
+            return t.shapes[shape[0]], t.dtypes[dtype[0]]
+        return (list(map(t.shapes.__getitem__, shape.tolist())),
+                list(map(t.dtypes.__getitem__, dtype.tolist())))
+
+    def _scale_families(self, names, groups, places, spans, scales, families) -> list:
         """The families of block scales (``_families``): those of one weight family and
         one rule, shape and dtype; a scale whose weight has no family has none."""
         family_of = np.full(len(names), -1, dtype=np.intp)   # place -> its family
@@ -359,20 +367,17 @@ class _Planner:
                 at, wfam = list(compress(at, keep)), list(compress(wfam, keep))
                 if not at:
                     continue
-            tinfos = list(map(infos.__getitem__, at))
-            shapes = list(map(_SHAPE, tinfos))
-            dtypes = list(map(_DTYPE, tinfos))
+            shapes, dtypes = self._shapes_dtypes(at)
             # the weight's family holds its stage and the name around its layer index
-            if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):
-                keys = list(zip(repeat(_KEY_HEAD.format(a, id(rule), shapes[0], dtypes[0], "s")),
-                                wfam))
+            if type(shapes) is not list:
+                keys = list(zip(repeat(_KEY_HEAD.format(a, id(rule), shapes, dtypes, "s")), wfam))
             else:
                 keys = list(zip(map(_KEY_HEAD.format, repeat(a), repeat(id(rule)), shapes, dtypes,
                                     repeat("s")), wfam))
             _by_key(parts, None, keys, at)
         return [p[0] if len(p) == 1 else sorted(chain.from_iterable(p)) for p in parts.values()]
 
-    def _assemble(self, placed: Placed, names: list[str], infos: list[TensorInfo]) -> Plan:
+    def _assemble(self, placed: Placed) -> Plan:
         """Pass 2: one slice per (tensor, class), written a family class at a time as
         columns (SliceStore) and listed by each rank class holding it; each rank class's
         slices are put in name order, and its ranks share one SharedSlices."""
@@ -385,17 +390,20 @@ class _Planner:
         places: list[list[int]] = [[] for _ in range(n_rc)]
         slot_tables: list[list[int]] = [[] for _ in range(n_rc)]
         meta, L = self.meta, self.L
+        cols = _family_columns(self.table, self.row, families, meta.files)
         isz_of: dict[str, int] = {}
         full_boxes: dict = {}
         held: list[tuple[int, ...]] = []   # per block of the store: its rank classes
         form_of: dict = {}   # (dtype, shape, local shape, id(pieces), strategy) -> form
-        for members, at, classes, k, strategy in families:
-            finfos = list(map(infos.__getitem__, at))
-            t0 = finfos[0]
-            shape, dtype = t0.shape, t0.dtype
+        for j, (members, at, classes, k, strategy) in enumerate(families):
+            lo, hi = cols.bounds[j], cols.bounds[j + 1]
+            shape, dtype = cols.shapes[j], cols.dtypes[j]
             isz = isz_of.get(dtype)
             if isz is None:
                 isz = isz_of[dtype] = itemsize(dtype)
+            full = full_boxes.get(shape)
+            if full is None:
+                full = full_boxes[shape] = full_box(shape)
             groups = tables[k]
             for c, (lshape, pieces) in enumerate(classes):
                 if not groups[c]:
@@ -405,13 +413,17 @@ class _Planner:
                 if f is None:
                     f = form_of[fk] = len(store.forms)
                     store.forms.append(Form(dtype, shape, lshape, pieces, strategy))
-                one = _whole_runs(finfos, pieces, lshape, full_boxes)
-                if one is not None:
-                    got = store.add(members, f, *one)
+                rows = cols.rows[lo:hi]
+                if (cols.whole[j] and len(pieces) == 1 and lshape == shape
+                        and pieces[0].src == full):
+                    # each tensor whole, stored as one piece: one run each, as columns
+                    got = store.add(members, rows, f, cols.files[lo:hi], None,
+                                    cols.starts[lo:hi], cols.lengths[lo:hi])
                 else:
-                    runs = [slice_runs(t, pieces, lshape, isz, full_boxes) for t in finfos]
-                    got = store.add(members, f, [r.groups[0][0] if r.groups else t.file
-                                                 for r, t in zip(runs, finfos)], runs)
+                    infos = list(map(meta.tensors.__getitem__, members))
+                    runs = [slice_runs(t, pieces, lshape, isz, full_boxes) for t in infos]
+                    got = store.add(members, rows, f, [r.groups[0][0] if r.groups else t.file
+                                                       for r, t in zip(runs, infos)], runs)
                 held.append(holders[k][c])
                 for rc in holders[k][c]:
                     sids[rc] += got
@@ -430,6 +442,40 @@ class _Planner:
                            for r in range(self.world))
         groups = load_groups(L, meta, store, held, rc_of, n_rc)
         return Plan(L, meta.fingerprint(), rank_plans, tuple(excluded), groups)
+
+
+class _FamilyColumns(NamedTuple):
+    """The table's columns for the families' tensors, families one after another (family
+    ``j``'s are ``[bounds[j], bounds[j + 1])``)."""
+    bounds: list[int]
+    rows: list[int]          # table rows
+    shapes: list             # per family: its tensors' shape
+    dtypes: list[str]        # ... and dtype
+    whole: list[bool]        # per family: every tensor stored whole in one piece
+    files: list              # the first stored piece's file name
+    starts: list[int]        # ... start
+    lengths: list[int]       # ... length
+
+
+def _family_columns(table, row: np.ndarray, families: list[Family], files) -> _FamilyColumns:
+    sizes = list(map(len, map(_PLACES, families)))
+    bounds = [0]
+    bounds += accumulate(sizes)
+    rows = row[np.fromiter(chain.from_iterable(map(_PLACES, families)), dtype=np.intp,
+                           count=bounds[-1])]
+    first = rows[bounds[:-1]]
+    whole = (np.logical_and.reduceat(table.whole[rows], bounds[:-1]).tolist()
+             if families else [])
+    names = np.array([f.name for f in files] + [None], dtype=object)   # -1: no file
+    start = table.start[rows]
+    return _FamilyColumns(bounds, rows.tolist(),
+                          list(map(table.shapes.__getitem__, table.shape[first].tolist())),
+                          list(map(table.dtypes.__getitem__, table.dtype[first].tolist())),
+                          whole, names[table.file[rows]].tolist(), start.tolist(),
+                          (table.end[rows] - start).tolist())
+
+
+_PLACES = attrgetter("places")
 
 
 def _name_rest(template: str, a: int, b: int, members: list[str]):
@@ -483,32 +529,6 @@ def _by_key(parts: dict, head: str | None, keys, at: list[int]) -> None:
 # periodic runs _by_key looks for before it groups the rest by a dict: a run per stage
 # of a template's layers (and one for its MTP layers) takes one each
 _PERIODIC_RUNS = 64
-
-
-_PIECES = attrgetter("pieces")
-_FILE = attrgetter("file")
-_START = attrgetter("start")
-_END = attrgetter("end")
-_BOX = attrgetter("box")
-
-
-def _whole_runs(infos: list[TensorInfo], pieces, lshape, full_boxes: dict):
-    """(files, None, starts, lengths) of one class of a family when it holds each tensor
-    whole and each is stored as one piece: one run per tensor, as columns; else None."""
-    shape = infos[0].shape
-    full = full_boxes.get(shape)
-    if full is None:
-        full = full_boxes[shape] = full_box(shape)
-    if len(pieces) != 1 or lshape != shape or pieces[0].src != full:
-        return None
-    src = list(map(_PIECES, infos))
-    if not all(map((1).__eq__, map(len, src))):
-        return None
-    p0 = list(map(itemgetter(0), src))
-    if not all(map(full.__eq__, map(_BOX, p0))):
-        return None
-    starts = list(map(_START, p0))
-    return list(map(_FILE, p0)), None, starts, list(map(sub, map(_END, p0), starts))
 
 
 # -- load groups (instanttensor engine cost model) -------------------------------------------

@@ -23,12 +23,13 @@ class SliceStore:
     and its attributes read-only, so that a slice built from it and the columns that
     cover and the digest read agree (the cache of built slices, ``_built``, is private)."""
 
-    __slots__ = ("names", "forms", "form", "files", "runs", "starts", "lengths", "blocks",
-                 "_built", "_frozen")
+    __slots__ = ("names", "tensor", "forms", "form", "files", "runs", "starts", "lengths",
+                 "blocks", "_built", "_frozen")
 
     def __init__(self):
         object.__setattr__(self, "_frozen", False)
         self.names: list[str] = []
+        self.tensor: list[int] = []      # sid -> its tensor's row in the checkpoint's table
         self.forms: list[Form] = []
         self.form: list[int] = []        # sid -> index into forms
         self.files: list[str] = []       # sid -> TensorSlice.file
@@ -46,7 +47,8 @@ class SliceStore:
             raise AttributeError(f"a frozen SliceStore's {name} cannot be set")
         object.__setattr__(self, name, value)
 
-    _COLUMNS = ("names", "forms", "form", "files", "runs", "starts", "lengths", "blocks")
+    _COLUMNS = ("names", "tensor", "forms", "form", "files", "runs", "starts", "lengths",
+                "blocks")
 
     def freeze(self) -> None:
         """Make every column a tuple and the store read-only (the built-slice cache aside)."""
@@ -71,18 +73,21 @@ class SliceStore:
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_built", [None] * len(self.names))
 
-    def add(self, names: list[str], form: int, files: list[str], runs: list | None,
-            starts: list[int] | None = None, lengths: list[int] | None = None) -> range:
-        """Append the slices of ``names`` (one form), their runs given as RunLists
-        (``runs``) or as one run each (``starts``, ``lengths``); -> their sids."""
+    def add(self, names: list[str], tensor: list[int], form: int, files: list[str],
+            runs: list | None, starts: list[int] | None = None,
+            lengths: list[int] | None = None) -> range:
+        """Append the slices of ``names`` (one form; ``tensor``: their rows in the
+        checkpoint's ``TensorTable``), their runs given as RunLists (``runs``) or as one
+        run each (``starts``, ``lengths``); -> their sids."""
         n = len(names)
-        cols = (files, runs) if runs is not None else (files, starts, lengths)
+        cols = (tensor, files) + ((runs,) if runs is not None else (starts, lengths))
         if any(len(c) != n for c in cols):
             # a short column would shift every later slice's file and offset, unnoticed
             raise PlanError(f"slice columns of {[len(c) for c in cols]} entries for {n} "
                             f"tensors", tensor=names[0] if names else None)
         first = len(self.names)
         self.names += names
+        self.tensor += tensor
         self.form += repeat(form, n)
         self.files += files
         if runs is None:
