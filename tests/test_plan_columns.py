@@ -3,6 +3,7 @@ a wrong value in any column it reads is still found and named as on slice object
 digest read from the columns equals the digest of the same slices as objects."""
 import copy
 import dataclasses
+from itertools import compress
 
 import numpy as np
 import pytest
@@ -39,7 +40,8 @@ def proved(plan, meta):
     for rp in plan.ranks:
         sh = share_of(rp)
         members.setdefault(id(sh), (sh, []))[1].append(rp.rank)
-    return cover._proved_by_columns(store_of(plan), members, meta.tensors, plan.excluded)
+    got = cover._proved_by_columns(store_of(plan), members, meta, plan.excluded)
+    return set() if got is None else set(compress(got.table.names, got.rows.tolist()))
 
 
 def sid_of(plan, name):
@@ -125,6 +127,50 @@ def test_a_name_the_checkpoint_lacks_is_found(plan, meta):
     with pytest.raises(PlanError, match="not in the checkpoint") as ei:
         cover.validate_cover(bad, meta)
     assert ei.value.tensor == other
+
+
+@pytest.mark.parametrize("row", ["another tensor's", -1, "past the table"])
+def test_a_slice_naming_another_row_is_checked_by_name(plan, meta, row):
+    # the store's table row of a slice only points the column proof at its tensor: a row
+    # of another tensor, or none, leaves that slice to the object checks, which read it by
+    # name (a valid slice passes; a bad one is named)
+    st = store_of(plan)
+    sid = sid_of(plan, EXPERT)
+    table = meta.table()
+    other = "model.layers.1.mlp.experts.0.up_proj.weight"
+    value = {"another tensor's": table.names.index(other), -1: -1,
+             "past the table": len(table.names)}[row]
+    assert st.tensor[sid] == table.names.index(EXPERT) != value
+    odd = with_column(plan, "tensor", sid, value)
+    assert EXPERT not in proved(odd, meta) and other in proved(odd, meta)
+    cover.validate_cover(odd, meta)
+    moved = with_column(odd, "starts", sid, st.starts[sid] + 1)
+    with pytest.raises(PlanError, match="lies outside the tensor's bytes") as ei:
+        cover.validate_cover(moved, meta)
+    assert ei.value.tensor == EXPERT
+
+
+def test_a_tensor_of_two_slices_is_not_proved_on_either(plan, meta):
+    # a second slice of a proved tensor, under another slice's name and row: neither is
+    # proved on the columns, and the object checks find the duplicate
+    st = store_of(plan)
+    sid = sid_of(plan, EXPERT)
+    twin = sid_of(plan, "model.layers.1.mlp.experts.0.up_proj.weight")
+    bad = plan
+    for column in ("names", "tensor", "files", "starts", "lengths", "form"):
+        bad = with_column(bad, column, twin, getattr(st, column)[sid])
+    assert EXPERT not in proved(bad, meta)
+    with pytest.raises(PlanError, match="no rank holds this tensor") as ei:
+        cover.validate_cover(bad, meta)
+    assert ei.value.tensor == "model.layers.1.mlp.experts.0.up_proj.weight"
+    # with the twin's own tensor excluded, the duplicate is what is left to name
+    from coordloader.planning.model import Plan
+    odd = Plan(bad.layout, bad.fingerprint, bad.ranks,
+               tuple(sorted(bad.excluded + ("model.layers.1.mlp.experts.0.up_proj.weight",))),
+               bad.load_groups)
+    with pytest.raises(PlanError, match="duplicated primary") as ei:
+        cover.validate_cover(odd, meta)
+    assert ei.value.tensor == EXPERT
 
 
 def test_a_form_of_the_wrong_shape_is_found(plan, meta):

@@ -19,10 +19,9 @@ box match.
 """
 from __future__ import annotations
 
-from collections import Counter
 from itertools import chain, compress, repeat
 from math import prod
-from operator import add, attrgetter, itemgetter, not_
+from operator import attrgetter, eq, is_
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -189,10 +188,11 @@ def _validate_cover(plan, meta) -> None:
             else:
                 reps.setdefault(s.name, []).append((r, s, id(s.pieces)))
     store = _store_of(members) if not prim and not reps else None
-    proved = _proved_by_columns(store, members, tensors, plan.excluded) if store else set()
+    proved = _proved_by_columns(store, members, meta, plan.excluded) if store else None
     for sh, ranks in members.values():
-        if proved:   # the slices of the tensors left, as objects
-            keep = list(map(not_, map(proved.__contains__, sh.slices.names)))
+        if proved is not None:   # the slices of the tensors left, as objects
+            sids = np.array(sh.slices.sids, dtype=np.intp)
+            keep = (~proved.sids[sids]).tolist()
             sh = SharedSlices(tuple(map(store.slice, compress(sh.slices.sids, keep))),
                               tuple(compress(sh.tables, keep)), sh.replicas, sh.ranks)
         _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done, copies)
@@ -204,8 +204,8 @@ def _validate_cover(plan, meta) -> None:
             if k not in keys:
                 rs[i] = (r, primary_boxes(s.pieces), ("rank", r))
     # in the checkpoint's order, as without the columns: the first problem found is the same
-    shapes = ({n: t.shape for n, t in tensors.items()} if not proved else
-              {n: tensors[n].shape for n in filter((tensors.keys() - proved).__contains__, tensors)})
+    shapes = ({n: t.shape for n, t in tensors.items()} if proved is None else
+              {n: tensors[n].shape for n in compress(proved.table.names, (~proved.rows).tolist())})
     _core(prim, reps, shapes, plan.excluded, PlanError, copies.of_name)
 
 
@@ -220,50 +220,94 @@ def _store_of(members) -> SliceStore | None:
     return store
 
 
-def _proved_by_columns(store: SliceStore, members, tensors, excluded) -> set[str]:
-    """The tensors whose cover is proved on the store's columns, without a slice object:
-    each held whole by one primary (one rank; replicas only in its own class), as one run
-    over exactly its stored bytes. Their slices pass every check ``_check_slice`` makes,
-    and one whole box tiles a tensor. A block of slices that fails any of these checks,
-    and every other tensor, is left to the checks on slice objects (which name the
-    problem)."""
-    held = np.zeros(len(store), dtype=bool)
+class _Proved(NamedTuple):
+    """What ``_proved_by_columns`` proved: per sid of the store, and per row of the
+    checkpoint's table (its tensor is covered)."""
+    sids: np.ndarray
+    rows: np.ndarray
+    table: object
+
+
+def _proved_by_columns(store: SliceStore, members, meta, excluded) -> _Proved | None:
+    """The slices and tensors whose cover is proved on the store's columns and the
+    checkpoint's table (``TensorTable``), without an object: each tensor held whole by
+    one primary (one rank; replicas only in its own class), stored as one whole piece,
+    as one run over exactly its bytes. Their slices pass every check ``_check_slice``
+    makes, and one whole box tiles a tensor. Any other slice, and every other tensor, is
+    left to the checks on slice objects (which name the problem). None when the plan is
+    not one the planner built (a slice no rank holds)."""
+    n = len(store)
+    held = np.zeros(n, dtype=bool)
     for sh, _ in members.values():
         held[np.array(sh.slices.sids, dtype=np.intp)] = True
-    if not held.all():   # slices no rank holds: not a plan the planner built
-        return set()
-    whole = [_whole_form(f) for f in store.forms]
-    names, form, runs = store.names, store.form, store.runs
-    good: set[str] = set()
-    for b in store.blocks:
-        lo, hi = b.start, b.stop
-        f = form[lo]
-        isz = whole[f]
-        if (not isz or form[lo:hi].count(f) != hi - lo or runs[lo:hi].count(None) != hi - lo
-                or not _one_run_each(store, lo, hi, tensors, f, isz)):
-            continue
-        good.update(names[lo:hi])
-    if not good:
-        return good
-    prim_names: list[str] = []
-    others: set[str] = set()   # held as a replica in a class without the primary, or twice
+    if not held.all():
+        return None
+    table = meta.table()
+    rows = len(table.names)
+    # per form: its tensors' shape and dtype in the table, and bytes (0: not held whole)
+    shape_of = dict(zip(table.shapes, range(len(table.shapes))))
+    dtype_of = dict(zip(table.dtypes, range(len(table.dtypes))))
+    forms = store.forms
+    isz = list(map(_whole_form, forms))
+    f_shape = np.array([shape_of.get(f.global_shape, -1) for f in forms], dtype=np.int64)
+    f_dtype = np.array([dtype_of.get(f.dtype, -1) for f in forms], dtype=np.int64)
+    f_bytes = np.array([prod(f.global_shape) * b if b else -1 for f, b in zip(forms, isz)],
+                       dtype=np.int64)
+    form = np.fromiter(store.form, dtype=np.intp, count=n)
+    if n and not (0 <= form.min() and form.max() < len(forms)):
+        return None
+    # each sid's row: the one it names if that row holds its tensor's name, else found by
+    # name (-1: a name the checkpoint lacks)
+    row = np.fromiter(store.tensor, dtype=np.int64, count=n)
+    bad = (row < 0) | (row >= rows)
+    at = np.where(bad, 0, row).tolist()
+    same = np.fromiter(map(eq, map(table.names.__getitem__, at), store.names), dtype=bool,
+                       count=n) if rows else np.zeros(n, dtype=bool)
+    same &= ~bad
+    if not same.all():
+        by_name = dict(zip(table.names, range(rows)))
+        for i in np.flatnonzero(~same).tolist():
+            row[i] = by_name.get(store.names[i], -1)
+    ok = (same & np.fromiter(map(is_, store.runs, repeat(None)), dtype=bool, count=n)
+          & (f_bytes[form] > 0))
+    r = np.where(ok, row, 0)
+    files = dict(zip((f.name for f in meta.files), range(len(meta.files))))
+    starts = np.fromiter(store.starts, dtype=np.int64, count=n)
+    nbytes = f_bytes[form]
+    ok &= ((table.shape[r] == f_shape[form]) & (table.dtype[r] == f_dtype[form])
+           & table.whole[r]
+           & (table.file[r] == np.fromiter(map(files.get, store.files, repeat(-1)),
+                                           dtype=np.int64, count=n))
+           & (np.fromiter(store.lengths, dtype=np.int64, count=n) == nbytes)
+           & (table.start[r] == starts) & (table.end[r] == starts + nbytes))
+    if not ok.any():
+        return None
+    # per tensor (row): primary slices held, over every class; held as a replica in a
+    # class without the primary
+    primaries = np.zeros(rows, dtype=np.int64)
+    others = np.zeros(rows, dtype=bool)
+    real = row >= 0
     for sh, ranks in members.values():
         try:
             zero = _zero_members(sh, ranks)
         except PlanError:   # raised by the object checks, in their order
-            return set()
-        one = {k for k, z in zero.items() if len(z[0]) == 1}
-        rest = {k for k, z in zero.items() if len(z[0]) != 1}
-        sids = sh.slices.sids
-        prim_names += map(names.__getitem__, compress(sids, map(one.__contains__, sh.tables)))
-        if rest:
-            others.update(map(names.__getitem__, compress(sids, map(rest.__contains__, sh.tables))))
-    count = Counter(prim_names)
-    good.intersection_update(count)
-    good.difference_update(compress(count.keys(), map((1).__lt__, count.values())))
-    good.difference_update(others)
-    good.difference_update(excluded)
-    return good
+            return None
+        one = np.array([k for k, z in zero.items() if len(z[0]) == 1], dtype=np.int64)
+        sids = np.array(sh.slices.sids, dtype=np.intp)
+        single = np.isin(np.array(sh.tables, dtype=np.int64), one)
+        r1 = row[sids[single]]
+        np.add.at(primaries, r1[r1 >= 0], 1)
+        r2 = row[sids[~single]]
+        others[r2[r2 >= 0]] = True
+    good = np.zeros(rows, dtype=bool)
+    good[row[ok]] = True
+    # a tensor of one proved slice and no other
+    slices = np.bincount(row[real], minlength=rows)
+    good &= (primaries == 1) & ~others & (slices == 1)
+    if excluded:
+        gone = set(excluded)
+        good &= ~np.fromiter(map(gone.__contains__, table.names), dtype=bool, count=rows)
+    return _Proved(ok & good[r], good, table)
 
 
 def _whole_form(f) -> int:
@@ -281,33 +325,6 @@ def _whole_form(f) -> int:
         return itemsize(f.dtype)
     except CheckpointError:   # the object checks name the slice
         return 0
-
-
-def _one_run_each(store, lo, hi, tensors, f, isz) -> bool:
-    """Whether sids ``lo:hi`` (one run each, form ``f``) name checkpoint tensors of the
-    form's shape and dtype, and each run reads exactly all the bytes of the tensor's first
-    stored piece, which are all its bytes."""
-    n = hi - lo
-    fm = store.forms[f]
-    infos = list(map(tensors.get, store.names[lo:hi]))
-    if not all(infos):   # a name not in the checkpoint (TensorInfo is always true)
-        return False
-    if (list(map(_SHAPE, infos)).count(fm.global_shape) != n
-            or list(map(_DTYPE, infos)).count(fm.dtype) != n):
-        return False
-    src = list(map(_PIECES, infos))
-    if not all(src):   # a tensor of no stored piece
-        return False
-    # a tensor stored in several pieces passes only when its first piece holds all its
-    # bytes (the others hold none), and then its run lies in that piece as the object
-    # check asks
-    p0 = list(map(itemgetter(0), src))
-    nbytes = prod(fm.global_shape) * isz
-    starts = store.starts[lo:hi]
-    return (store.lengths[lo:hi].count(nbytes) == n
-            and tuple(map(_FILE, p0)) == store.files[lo:hi]   # the columns are tuples
-            and tuple(map(_START, p0)) == starts
-            and tuple(map(_END, p0)) == tuple(map(add, starts, repeat(nbytes))))
 
 
 class _Copies(NamedTuple):
