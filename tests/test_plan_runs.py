@@ -167,3 +167,26 @@ def test_plan_digest_rows_are_the_repr_of_each_slices_fields():
                   t.strategy, tuple((tuple(map(tuple, p.src)), tuple(p.dst)) for p in t.pieces),
                   _runs_key(t.byte_runs))).encode() for t in slices]
     assert list(rows.number) == want
+
+
+def test_a_familys_runs_are_each_tensors_own():
+    # the planner works out a split family's runs for its first tensor and moves them to
+    # each other tensor's bytes: every slice's runs are what its own record gives
+    from coordloader.api import make_plan
+    from coordloader.checkpoint.dtypes import itemsize
+    from coordloader.layout import Layout
+    from coordloader.planning.model import share_of
+    from coordloader.planning.planner import meta_from_specs
+    from coordloader.planning.runs import slice_runs
+    from coordloader.synth.archs import arch_tensors
+    cfg, specs = arch_tensors("deepseek_v3", "tiny")
+    meta = meta_from_specs(cfg, specs, files=3)
+    store = share_of(make_plan(meta, Layout(tp=4, pp=2)).ranks[0]).slices.store
+    split = [i for i, r in enumerate(store.runs) if r is not None]
+    assert len({store.names[i] for i in split}) > 20
+    for i in split:
+        f = store.forms[store.form[i]]
+        want = slice_runs(meta.tensors[store.names[i]], f.pieces, f.local_shape, itemsize(f.dtype))
+        got = store.runs[i]
+        assert (got.groups, len(got), got.total_bytes, list(got)) == (
+            want.groups, len(want), want.total_bytes, list(want)), store.names[i]

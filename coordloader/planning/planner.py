@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from itertools import accumulate, chain, compress, repeat
 from math import prod
-from operator import add, attrgetter, eq, itemgetter
+from operator import add, attrgetter, eq, itemgetter, sub
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
@@ -419,6 +419,12 @@ class _Planner:
                     # each tensor whole, stored as one piece: one run each, as columns
                     got = store.add(members, rows, f, cols.files[lo:hi], None,
                                     cols.starts[lo:hi], cols.lengths[lo:hi])
+                elif cols.whole[j]:
+                    # the same runs at each tensor's place: worked out for the first one
+                    rl = slice_runs(meta.tensors[members[0]], pieces, lshape, isz, full_boxes)
+                    files, starts = cols.files[lo:hi], cols.starts[lo:hi]
+                    got = store.add(members, rows, f, files,
+                                    list(map(rl.moved, files, map(sub, starts, repeat(starts[0])))))
                 else:
                     infos = list(map(meta.tensors.__getitem__, members))
                     runs = [slice_runs(t, pieces, lshape, isz, full_boxes) for t in infos]

@@ -58,6 +58,19 @@ class RunList(Sequence):
         self._hash = None
         self._cum = None
 
+    def moved(self, file: str, delta: int) -> "RunList":
+        """These runs read from ``file``, ``delta`` bytes further on: the runs of the same
+        slice of a tensor of the same shape stored whole elsewhere (runs are merged by the
+        offsets' differences, which a move keeps)."""
+        rl = RunList.__new__(RunList)
+        rl.groups = tuple([RunGroup(file, g[1] + delta, g[2], g[3], g[4], g[5], g[6])
+                           for g in self.groups])
+        rl._n = self._n
+        rl._total = self._total
+        rl._hash = None
+        rl._cum = self._cum
+        return rl
+
     @staticmethod
     def single(file: str, offset: int, length: int) -> "RunList":
         """One run of ``length`` bytes at ``offset`` of ``file`` into byte 0: a whole
