@@ -7,6 +7,7 @@ rule of every tensor are known."""
 from __future__ import annotations
 
 import re
+from itertools import chain
 from operator import itemgetter
 from typing import Callable, Mapping, NamedTuple
 
@@ -73,7 +74,13 @@ class Placer:
         self.tied = tied                # the lm_head reads the input embedding
         self.mtp_prefix = mtp_prefix    # names of MTP draft tensors (MTP_PREFIX)
         self._placed: dict[str, tuple] = {}
-        self._scaled = {n[:-len(SCALE_SUFFIX)] for n in meta.tensors if n.endswith(SCALE_SUFFIX)}
+        # the weights that have a block scale (whose placement the scale looks up again);
+        # SCALE_SUFFIX holds no digit, so a template ends with it where its names do
+        cut = itemgetter(slice(0, -len(SCALE_SUFFIX)))
+        self._scaled = (set(chain.from_iterable(map(cut, members) for t, members
+                                                in templates.items() if t.endswith(SCALE_SUFFIX)))
+                        if templates is not None else
+                        {cut(n) for n in meta.tensors if n.endswith(SCALE_SUFFIX)})
         self._scale_memo: dict = {}
         self._owners: dict = {}
         self._id_res: dict[str, re.Pattern] = {}
