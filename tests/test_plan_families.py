@@ -107,3 +107,20 @@ def test_a_bar_in_a_dtype_does_not_join_two_families():
                                              t.name: dataclasses.replace(t, dtype="BF16|0|h.x")})
     with pytest.raises(CheckpointError, match="unknown dtype"):
         make_plan(odd, Layout(tp=1), replicate_unmatched=True)
+
+
+def test_rules_looked_up_by_template_hold_the_planned_names_only():
+    # without a rule that reads digits, a name's rule is its digit template's; names left
+    # out under a prefix (MTP) are not planned: not in the mapping, as with a dict
+    from coordloader.planning.planner import _ByTemplate
+    from coordloader.planning.rules.ruleset import digit_template
+    tensors = {n: None for n in ("model.layers.3.w", "model.layers.12.w", "mtp.layers.0.w")}
+    planned = ["model.layers.12.w", "model.layers.3.w"]
+    rule = ("r", {})
+    m = _ByTemplate({digit_template(n): rule for n in planned}, planned, tensors, "mtp.")
+    assert m["model.layers.3.w"] is rule and m["model.layers.12.w"] is rule
+    assert "mtp.layers.0.w" not in m and "model.layers.4.w" not in m and 3 not in m
+    for name in ("mtp.layers.0.w", "model.layers.4.w"):
+        with pytest.raises(KeyError):
+            m[name]
+    assert list(m) == planned and len(m) == 2 and dict(m) == {n: rule for n in planned}

@@ -38,7 +38,7 @@ from coordloader.planning.placement import LAYER_RE, SCALE_SUFFIX, Layers, Place
 from coordloader.planning.rankgroups import RankGroups, dedupe, rank_classes
 from coordloader.planning.rules import Rule, RuleSet, make_rule, resolve_rules
 from coordloader.planning.rules.presets import MTP_PREFIX, missing_config_error
-from coordloader.planning.rules.ruleset import digit_templates
+from coordloader.planning.rules.ruleset import digit_template, digit_templates
 from coordloader.planning.runs import slice_runs
 from coordloader.planning.store import SliceStore
 from coordloader.planning.strategies import EXPERT_ID_REGEX
@@ -74,6 +74,32 @@ def build_plan(meta: CheckpointMeta, layout: Layout, rules: Any = None, *,
     # the cyclic GC would rescan them over and over (it was a third of planning time).
     with gc_paused():
         return _Planner(meta, layout, ruleset, replicate_unmatched).run()
+
+
+class _ByTemplate(Mapping):
+    """Tensor name -> (its rule, the rule's params) for the planned names, when no rule
+    reads digits: one entry per digit template, read through the name's template (a dict
+    of every name cost more than the rest of rule matching)."""
+
+    def __init__(self, of_template: dict, names: list[str], tensors: Mapping,
+                 left_out: str | None):
+        self._of, self._names, self._tensors, self._left_out = of_template, names, tensors, left_out
+
+    def __contains__(self, name) -> bool:
+        # the planned names: the checkpoint's, less those left out under a prefix (MTP)
+        return (type(name) is str and name in self._tensors
+                and not (self._left_out is not None and name.startswith(self._left_out)))
+
+    def __getitem__(self, name: str) -> tuple[Rule, dict]:
+        if name not in self:
+            raise KeyError(name)
+        return self._of[digit_template(name)]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 class Family(NamedTuple):
@@ -133,7 +159,7 @@ class _Planner:
         layers, spans = self._find_layers(groups)
         tied = self._tied()
         # match rules first: unmatched names fail before any work
-        match = self._match_rules(names, templates)
+        match = self._match_rules(names, places, mtp if left_out else None)
         placer = Placer(self.meta, self.L, self.config, match, layers, tied, mtp, groups,
                         left_out)
         families = self._families(names, groups, places, spans, placer, layers)
@@ -198,20 +224,29 @@ class _Planner:
                             f"{clip(repr(tie), MAX_NAME_CHARS)}")
         return bool(self.rules.preset != "bert" and tie and "lm_head.weight" not in self.meta.tensors)
 
-    def _match_rules(self, names: list[str], templates: list[str]) -> dict[str, tuple[Rule, dict]]:
+    def _match_rules(self, names: list[str], places: dict[str, list[int]],
+                     left_out: str | None) -> Mapping[str, tuple[Rule, dict]]:
         """Tensor name -> (its rule, the rule's params); raises naming the unmatched tensors,
-        warns of user rules that match nothing."""
-        found = self.rules.match_all(names, templates)
-        hits = set(found)
-        unmatched = []
-        if None in hits:
-            hits.discard(None)
-            unmatched = [n for n, i in zip(names, found) if i is None]
-            if self.replicate_unmatched:
-                unmatched = []
-        pair = dict(enumerate(zip(self.rules.rules, self._rule_params)))
+        warns of user rules that match nothing. When no rule reads digits, each digit
+        template is matched once, and a name's rule is its template's (``_ByTemplate``)."""
+        rules = self.rules
+        pair = dict(enumerate(zip(rules.rules, self._rule_params)))
         pair[None] = (_REPLICATE, {})
-        match = dict(zip(names, map(pair.__getitem__, found)))
+        if rules.digit_blind:
+            found = {t: rules.match(t) for t in places}
+            hits = set(found.values())
+            unmatched = ([names[i] for i in sorted(chain.from_iterable(
+                places[t] for t, k in found.items() if k is None))] if None in hits else [])
+            match = _ByTemplate({t: pair[k] for t, k in found.items()}, names, self.meta.tensors,
+                                left_out)
+        else:
+            found = list(map(rules.match, names))
+            hits = set(found)
+            unmatched = [n for n, k in zip(names, found) if k is None] if None in hits else []
+            match = dict(zip(names, map(pair.__getitem__, found)))
+        hits.discard(None)
+        if self.replicate_unmatched:
+            unmatched = []
         if unmatched and not self.meta.config and self.rules.preset is None:
             raise missing_config_error(None, tensor=unmatched[0])
         if unmatched:

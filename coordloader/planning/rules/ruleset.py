@@ -93,13 +93,18 @@ def rule_from_dict(d: Any, source: str, index: int) -> Rule:
 _DIGITS_AS_ZERO = str.maketrans("123456789", "000000000")
 
 
+def digit_template(name: str) -> str:
+    """``name`` with every ASCII digit read as 0 (``digit_templates`` of one name)."""
+    return name.translate(_DIGITS_AS_ZERO)
+
+
 def digit_templates(names: Sequence[str]) -> list[str]:
     """Each name with every ASCII digit read as 0: names of one template differ only in
     their digits, which sit at the same positions with the same run lengths."""
     joined = "\n".join(names).translate(_DIGITS_AS_ZERO)
     if joined.count("\n") == max(len(names) - 1, 0):   # no name holds a newline
         return joined.split("\n") if names else []
-    return [n.translate(_DIGITS_AS_ZERO) for n in names]
+    return list(map(digit_template, names))
 
 
 _DIGIT_CODES = range(ord("0"), ord("9") + 1)
