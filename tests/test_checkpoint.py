@@ -841,10 +841,15 @@ def test_a_checkpoints_tensors_are_read_only(tmp_path):
         with pytest.raises(TypeError, match="read-only"):
             change(meta.tensors)
     assert list(meta.tensors) == meta.table().names
+    with pytest.raises(TypeError, match="read-only"):
+        meta.tensors.__init__(x=meta.tensors[name])
     for other in (pickle.loads(pickle.dumps(meta)), copy.deepcopy(meta)):
         assert other == meta and type(other.tensors) is type(meta.tensors)
         with pytest.raises(TypeError, match="read-only"):
             other.tensors["x"] = other.tensors[name]
+        with pytest.raises(ValueError, match="read-only"):
+            other.table().start[0] = 1
+        assert other.table().names == meta.table().names
     # metadata built by hand holds its tensors read-only too, apart from the caller's dict
     mine = dict(meta.tensors)
     built = CheckpointMeta(meta.root, meta.files, mine)
@@ -864,8 +869,28 @@ def test_a_table_of_records_marks_what_is_not_one_whole_piece():
     table = meta.table()
     assert table.whole.tolist() == [False, False, False]
     assert table.file.tolist() == [0, -1, -1] and table.start.tolist() == [72, 72, 0]
-    with pytest.raises(CheckpointError, match="a tensor table given to metadata that has one"):
+    with pytest.raises(ValueError, match="a tensor table for metadata that has one"):
         with_table(meta, table)
+    fresh = CheckpointMeta("<memory>", files, dict(reversed(meta.tensors.items())))
+    with pytest.raises(ValueError, match="or of other tensors"):
+        with_table(fresh, table)   # the same tensors in another order
+
+
+def test_a_table_of_records_leaves_out_offsets_it_cannot_hold():
+    # a hand-built record whose offsets do not fit (or run backwards) is not whole in the
+    # table: the planner and cover then read its record; a shape that is no tuple is named
+    import dataclasses
+    big = SourcePiece("a.safetensors", ((0, 4),), 2 ** 63 - 10, 2 ** 64, "x")
+    back = SourcePiece("a.safetensors", ((0, 4),), 88, 72, "y")
+    files = (FileInfo("a.safetensors", 104, 64, "0" * 64),)
+    meta = CheckpointMeta("<memory>", files, {"x": TensorInfo("x", "F32", (4,), (big,)),
+                                              "y": TensorInfo("y", "F32", (4,), (back,))})
+    table = meta.table()
+    assert table.whole.tolist() == [False, False] and table.file.tolist() == [-1, -1]
+    odd = dataclasses.replace(meta, tensors={"y": TensorInfo("y", "F32", [4], (back,))})
+    with pytest.raises(CheckpointError, match=r"shape \[4\] is no tuple") as ei:
+        odd.table()
+    assert ei.value.tensor == "y"
 
 
 def test_header_entries_share_equal_shapes_and_dtypes(tmp_path):

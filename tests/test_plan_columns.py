@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from coordloader.api import make_plan
+from coordloader.checkpoint.metadata import CheckpointMeta
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning import cover
@@ -41,7 +42,7 @@ def proved(plan, meta):
         sh = share_of(rp)
         members.setdefault(id(sh), (sh, []))[1].append(rp.rank)
     got = cover._proved_by_columns(store_of(plan), members, meta, plan.excluded)
-    return set() if got is None else set(compress(got.table.names, got.rows.tolist()))
+    return set() if got is None else set(compress(got.table.names, got.tensors.tolist()))
 
 
 def sid_of(plan, name):
@@ -171,6 +172,44 @@ def test_a_tensor_of_two_slices_is_not_proved_on_either(plan, meta):
     with pytest.raises(PlanError, match="duplicated primary") as ei:
         cover.validate_cover(odd, meta)
     assert ei.value.tensor == EXPERT
+
+
+@pytest.mark.parametrize("column, change, message", [
+    ("starts", lambda v: v + 0.5, "lies outside the tensor's bytes"),
+    ("lengths", lambda v: v + 0.5, "byte runs add up to"),
+    ("starts", lambda v: 2 ** 64, "lies outside the tensor's bytes"),
+    ("lengths", lambda v: 2 ** 64, "byte runs add up to"),
+    ("files", lambda v: [v], "lies outside the tensor's bytes"),
+])
+def test_a_column_value_that_is_no_integer_run_is_named(plan, meta, column, change, message):
+    # a fraction would be cut off by a conversion to int64, and 2**64 would not fit: the
+    # column proof gives such a plan up, and the object checks name the slice
+    sid = sid_of(plan, EXPERT)
+    bad = with_column(plan, column, sid, change(getattr(store_of(plan), column)[sid]))
+    with pytest.raises(PlanError, match=message) as ei:
+        cover.validate_cover(bad, meta)
+    assert (ei.value.tensor, ei.value.rank) == (EXPERT, holder(plan, EXPERT))
+
+
+@pytest.mark.parametrize("value", [None, "x", 2 ** 64, 7.0])
+def test_a_row_that_is_no_integer_leaves_the_checks_to_the_objects(plan, meta, value):
+    sid = sid_of(plan, EXPERT)
+    odd = with_column(plan, "tensor", sid, value)
+    assert proved(odd, meta) == set()
+    cover.validate_cover(odd, meta)
+
+
+def test_a_form_index_that_is_no_integer_is_not_proved(plan, meta):
+    sid = sid_of(plan, EXPERT)
+    odd = with_column(plan, "form", sid, float(store_of(plan).form[sid]))
+    assert proved(odd, meta) == set()
+
+
+def test_metadata_of_no_tensors_names_the_first_held(plan, meta):
+    empty = CheckpointMeta(meta.root, meta.files, {})
+    with pytest.raises(PlanError, match="tensor is not in the checkpoint") as ei:
+        cover.validate_cover(plan, empty)
+    assert ei.value.tensor == "model.embed_tokens.weight"
 
 
 def test_a_form_of_the_wrong_shape_is_found(plan, meta):

@@ -12,7 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from math import prod
-from typing import Mapping, NamedTuple, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -93,7 +93,13 @@ class TensorInfo:
 class TensorMap(dict):
     """A checkpoint's tensors by name, read-only: what the planner and cover read of them
     as columns (``TensorTable``) cannot drift from the records."""
-    __slots__ = ()
+    __slots__ = ("_sealed",)
+
+    def __init__(self, *args, **kwargs):
+        if getattr(self, "_sealed", False):
+            self._read_only()
+        super().__init__(*args, **kwargs)
+        self._sealed = True
 
     def _read_only(self, *args, **kwargs):
         raise TypeError("a checkpoint's tensors are read-only; expected a new CheckpointMeta "
@@ -122,15 +128,15 @@ class TensorTable(NamedTuple):
     whole: np.ndarray
 
 
-def tensor_table(names: list[str], shapes: list, dtypes: list[str], files: list,
-                 starts: list[int], ends: list[int], whole: list[bool] | None) -> TensorTable:
-    """The table of columns given per tensor (``files`` as indexes; ``whole`` None when
-    every tensor is stored whole in one piece)."""
+def tensor_table(names: list[str], shapes: list[tuple[int, ...]], dtypes: list[str],
+                 files: Iterable[int], starts: Iterable[int], ends: Iterable[int],
+                 whole: list[bool] | None) -> TensorTable:
+    """The table of columns given per tensor (``files`` as indexes into the checkpoint's
+    files; ``whole`` None when every tensor is stored whole in one piece). Each start and
+    end is an integer, 0 <= start <= end < 2**63 (what the reader checks of a header)."""
     n = len(names)
-    shape_of = dict.fromkeys(shapes)
-    shape_of.update(zip(shape_of, range(len(shape_of))))
-    dtype_of = dict.fromkeys(dtypes)
-    dtype_of.update(zip(dtype_of, range(len(dtype_of))))
+    shape_of = {s: i for i, s in enumerate(dict.fromkeys(shapes))}
+    dtype_of = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}
     cols = (np.fromiter(map(shape_of.__getitem__, shapes), dtype=np.int32, count=n),
             np.fromiter(map(dtype_of.__getitem__, dtypes), dtype=np.int32, count=n),
             np.array(files, dtype=np.int32).reshape(n),
@@ -144,24 +150,31 @@ def tensor_table(names: list[str], shapes: list, dtypes: list[str], files: list,
 def with_table(meta: CheckpointMeta, table: TensorTable) -> CheckpointMeta:
     """``meta`` holding ``table``, which the reader built from the very headers it built the
     records from (cheaper than ``_table_of_records``)."""
-    if meta._table or len(table.names) != len(meta.tensors):
-        raise CheckpointError("a tensor table given to metadata that has one, or of another "
-                              "length", file=meta.root)
+    if meta._table or table.names != list(meta.tensors):
+        raise ValueError("a tensor table for metadata that has one, or of other tensors")
     meta._table.append(table)
     return meta
 
 
 def _table_of_records(meta: CheckpointMeta) -> TensorTable:
-    """The table of ``meta``'s tensor records (the reader builds it from the headers)."""
+    """The table of ``meta``'s tensor records (the reader builds it from the headers). A
+    first piece whose offsets are no integers with 0 <= start <= end < 2**63 is left out
+    (file -1): the records' own checks name it."""
     infos = list(meta.tensors.values())
     index = {f.name: i for i, f in enumerate(meta.files)}
     files, starts, ends, whole = [], [], [], []
     for t in infos:
+        if type(t.shape) is not tuple or not all(type(d) is int and d >= 0 for d in t.shape):
+            raise CheckpointError(f"shape {t.shape!r} is no tuple of non-negative integers",
+                                  file=t.pieces[0].file if t.pieces else None, tensor=t.name)
         p = t.pieces[0] if t.pieces else None
-        files.append(-1 if p is None else index.get(p.file, -1))
-        starts.append(0 if p is None else p.start)
-        ends.append(0 if p is None else p.end)
-        whole.append(len(t.pieces) == 1 and p.box == full_box(t.shape) and files[-1] >= 0)
+        fits = (p is not None and type(p.start) is int and type(p.end) is int
+                and 0 <= p.start <= p.end < 2 ** 63)
+        files.append(index.get(p.file, -1) if fits else -1)
+        starts.append(p.start if fits else 0)
+        ends.append(p.end if fits else 0)
+        whole.append(fits and len(t.pieces) == 1 and p.box == full_box(t.shape)
+                     and files[-1] >= 0)
     return tensor_table(list(meta.tensors), [t.shape for t in infos], [t.dtype for t in infos],
                         files, starts, ends, whole)
 
@@ -184,6 +197,14 @@ class CheckpointMeta:
     def __post_init__(self):
         if type(self.tensors) is not TensorMap:
             object.__setattr__(self, "tensors", TensorMap(self.tensors))
+
+    def __setstate__(self, state: dict) -> None:
+        # a copy or unpickled metadata keeps its table, read-only as the original's
+        self.__dict__.update(state)
+        for table in self._table:
+            for column in table:
+                if isinstance(column, np.ndarray):
+                    column.flags.writeable = False
 
     def table(self) -> TensorTable:
         """The tensors as columns (``TensorTable``): built by the reader from the headers,

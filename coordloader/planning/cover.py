@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from itertools import chain, compress, repeat
 from math import prod
-from operator import attrgetter, eq, is_
+from operator import eq, index, is_
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from coordloader.checkpoint.dtypes import itemsize
-from coordloader.checkpoint.metadata import full_box
+from coordloader.checkpoint.metadata import TensorTable, full_box
 from coordloader.checkpoint.tiling import tiling_problem
 from coordloader.errors import CheckpointError, PlanError
 from coordloader.gcpause import gc_paused
@@ -43,12 +43,6 @@ from coordloader.planning.runs import RunList, groups_of
 from coordloader.planning.store import SliceStore
 
 Box = tuple
-_SHAPE = attrgetter("shape")
-_DTYPE = attrgetter("dtype")
-_PIECES = attrgetter("pieces")
-_FILE = attrgetter("file")
-_START = attrgetter("start")
-_END = attrgetter("end")
 
 
 def _as_box(p) -> Box:
@@ -205,7 +199,7 @@ def _validate_cover(plan, meta) -> None:
                 rs[i] = (r, primary_boxes(s.pieces), ("rank", r))
     # in the checkpoint's order, as without the columns: the first problem found is the same
     shapes = ({n: t.shape for n, t in tensors.items()} if proved is None else
-              {n: tensors[n].shape for n in compress(proved.table.names, (~proved.rows).tolist())})
+              {n: tensors[n].shape for n in compress(proved.table.names, (~proved.tensors).tolist())})
     _core(prim, reps, shapes, plan.excluded, PlanError, copies.of_name)
 
 
@@ -224,8 +218,8 @@ class _Proved(NamedTuple):
     """What ``_proved_by_columns`` proved: per sid of the store, and per row of the
     checkpoint's table (its tensor is covered)."""
     sids: np.ndarray
-    rows: np.ndarray
-    table: object
+    tensors: np.ndarray
+    table: TensorTable
 
 
 def _proved_by_columns(store: SliceStore, members, meta, excluded) -> _Proved | None:
@@ -235,58 +229,31 @@ def _proved_by_columns(store: SliceStore, members, meta, excluded) -> _Proved | 
     as one run over exactly its bytes. Their slices pass every check ``_check_slice``
     makes, and one whole box tiles a tensor. Any other slice, and every other tensor, is
     left to the checks on slice objects (which name the problem). None when the plan is
-    not one the planner built (a slice no rank holds)."""
+    not one the planner built (a slice no rank holds, a column value that is no integer),
+    or the metadata has no table."""
     n = len(store)
     held = np.zeros(n, dtype=bool)
     for sh, _ in members.values():
         held[np.array(sh.slices.sids, dtype=np.intp)] = True
     if not held.all():
         return None
-    table = meta.table()
-    rows = len(table.names)
-    # per form: its tensors' shape and dtype in the table, and bytes (0: not held whole)
-    shape_of = dict(zip(table.shapes, range(len(table.shapes))))
-    dtype_of = dict(zip(table.dtypes, range(len(table.dtypes))))
-    forms = store.forms
-    isz = list(map(_whole_form, forms))
-    f_shape = np.array([shape_of.get(f.global_shape, -1) for f in forms], dtype=np.int64)
-    f_dtype = np.array([dtype_of.get(f.dtype, -1) for f in forms], dtype=np.int64)
-    f_bytes = np.array([prod(f.global_shape) * b if b else -1 for f, b in zip(forms, isz)],
-                       dtype=np.int64)
-    form = np.fromiter(store.form, dtype=np.intp, count=n)
-    if n and not (0 <= form.min() and form.max() < len(forms)):
+    try:
+        table = meta.table()
+        rows = len(table.names)
+        if not rows:
+            return None
+        got = _slices_proved(store, table, meta.files)
+    except (CheckpointError, TypeError, ValueError, OverflowError):
+        # records the table cannot hold, or columns of no integers: the object checks
+        # name the problem
         return None
-    # each sid's row: the one it names if that row holds its tensor's name, else found by
-    # name (-1: a name the checkpoint lacks)
-    row = np.fromiter(store.tensor, dtype=np.int64, count=n)
-    bad = (row < 0) | (row >= rows)
-    at = np.where(bad, 0, row).tolist()
-    same = np.fromiter(map(eq, map(table.names.__getitem__, at), store.names), dtype=bool,
-                       count=n) if rows else np.zeros(n, dtype=bool)
-    same &= ~bad
-    if not same.all():
-        by_name = dict(zip(table.names, range(rows)))
-        for i in np.flatnonzero(~same).tolist():
-            row[i] = by_name.get(store.names[i], -1)
-    ok = (same & np.fromiter(map(is_, store.runs, repeat(None)), dtype=bool, count=n)
-          & (f_bytes[form] > 0))
-    r = np.where(ok, row, 0)
-    files = dict(zip((f.name for f in meta.files), range(len(meta.files))))
-    starts = np.fromiter(store.starts, dtype=np.int64, count=n)
-    nbytes = f_bytes[form]
-    ok &= ((table.shape[r] == f_shape[form]) & (table.dtype[r] == f_dtype[form])
-           & table.whole[r]
-           & (table.file[r] == np.fromiter(map(files.get, store.files, repeat(-1)),
-                                           dtype=np.int64, count=n))
-           & (np.fromiter(store.lengths, dtype=np.int64, count=n) == nbytes)
-           & (table.start[r] == starts) & (table.end[r] == starts + nbytes))
-    if not ok.any():
+    if got is None:
         return None
+    ok, row = got
     # per tensor (row): primary slices held, over every class; held as a replica in a
     # class without the primary
     primaries = np.zeros(rows, dtype=np.int64)
     others = np.zeros(rows, dtype=bool)
-    real = row >= 0
     for sh, ranks in members.values():
         try:
             zero = _zero_members(sh, ranks)
@@ -302,12 +269,63 @@ def _proved_by_columns(store: SliceStore, members, meta, excluded) -> _Proved | 
     good = np.zeros(rows, dtype=bool)
     good[row[ok]] = True
     # a tensor of one proved slice and no other
-    slices = np.bincount(row[real], minlength=rows)
+    slices = np.bincount(row[row >= 0], minlength=rows)
     good &= (primaries == 1) & ~others & (slices == 1)
     if excluded:
         gone = set(excluded)
         good &= ~np.fromiter(map(gone.__contains__, table.names), dtype=bool, count=rows)
-    return _Proved(ok & good[r], good, table)
+    ok &= good[np.where(ok, row, 0)]
+    return _Proved(ok, good, table)
+
+
+def _slices_proved(store: SliceStore, table: TensorTable, files) -> tuple | None:
+    """(per sid: a whole tensor's one run, checked against the table; per sid: its
+    tensor's table row, -1 for a name the checkpoint lacks), or None for a form index out
+    of range. A value that is no integer (or does not fit 64 bits) raises: the caller then
+    proves nothing."""
+    n, forms = len(store), store.forms
+    form = _ints(store.form, n)
+    if n and not (0 <= form.min() and form.max() < len(forms)):
+        return None
+    # per form: its tensors' shape and dtype ids in the table, and their bytes (-1: a form
+    # that does not hold its tensor whole in one primary piece)
+    shape_of = dict(zip(table.shapes, range(len(table.shapes))))
+    dtype_of = dict(zip(table.dtypes, range(len(table.dtypes))))
+    f_shape = np.array([shape_of.get(f.global_shape, -1) for f in forms], dtype=np.int64)
+    f_dtype = np.array([dtype_of.get(f.dtype, -1) for f in forms], dtype=np.int64)
+    nbytes = [prod(f.global_shape) * b if b else -1 for f, b in zip(forms, map(_whole_form, forms))]
+    f_bytes = np.array([b if b < 2 ** 63 else -1 for b in nbytes], dtype=np.int64)
+    # each sid's row: the one it names if that row holds its tensor's name, else found by
+    # name (-1: a name the checkpoint lacks)
+    rows = len(table.names)
+    row = _ints(store.tensor, n)
+    bad = (row < 0) | (row >= rows)
+    same = np.fromiter(map(eq, map(table.names.__getitem__, np.where(bad, 0, row).tolist()),
+                           store.names), dtype=bool, count=n)
+    same &= ~bad
+    if not same.all():
+        by_name = dict(zip(table.names, range(rows)))
+        for i in np.flatnonzero(~same).tolist():
+            row[i] = by_name.get(store.names[i], -1)
+    ok = (same & np.fromiter(map(is_, store.runs, repeat(None)), dtype=bool, count=n)
+          & (f_bytes[form] > 0))
+    at = np.flatnonzero(ok)
+    r, f = row[at], form[at]
+    index = dict(zip((fi.name for fi in files), range(len(files))))
+    file = np.fromiter(map(index.get, store.files, repeat(-1)), dtype=np.int64, count=n)
+    length = f_bytes[f]
+    # the table's start <= end < 2**63 (its records are checked): no sum that could wrap
+    ok[at] = ((table.shape[r] == f_shape[f]) & (table.dtype[r] == f_dtype[f]) & table.whole[r]
+              & (table.file[r] == file[at]) & (_ints(store.lengths, n)[at] == length)
+              & (table.start[r] == _ints(store.starts, n)[at])
+              & (table.end[r] - table.start[r] == length))
+    return ok, row
+
+
+def _ints(column, n: int) -> np.ndarray:
+    """``column`` as int64; TypeError for a value that is no integer (bools count, as in
+    the object checks), OverflowError for one that does not fit."""
+    return np.fromiter(map(index, column), dtype=np.int64, count=n)
 
 
 def _whole_form(f) -> int:
