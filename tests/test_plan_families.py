@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from coordloader.api import make_plan
-from coordloader.errors import CheckpointError
+from coordloader.errors import CheckpointError, PlanError
 from coordloader.layout import Layout
 from coordloader.planning import planner as planner_mod
 from coordloader.planning.cover import validate_cover
@@ -124,3 +124,20 @@ def test_rules_looked_up_by_template_hold_the_planned_names_only():
         with pytest.raises(KeyError):
             m[name]
     assert list(m) == planned and len(m) == 2 and dict(m) == {n: rule for n in planned}
+
+
+def test_scales_of_some_weights_only_follow_them(monkeypatch, dsv3):
+    # a block-scale template whose weights are not one template's names (some weights
+    # left unquantised, some scales without their weight): each scale still joins its own
+    # weight's family, as placing every tensor on its own gives
+    names = sorted(n for n in dsv3.tensors if n.endswith("_scale_inv") and ".layers.2." in n)
+    dropped = {n for i, n in enumerate(names) if i % 3 == 0}
+    some = dataclasses.replace(dsv3, tensors={n: t for n, t in dsv3.tensors.items()
+                                              if n not in dropped})
+    same_as_alone(monkeypatch, some, Layout(tp=2, ep=2, pp=2))
+    orphan = names[1][:-len("_scale_inv")]
+    lone = dataclasses.replace(dsv3, tensors={n: t for n, t in dsv3.tensors.items()
+                                              if n != orphan})
+    with pytest.raises(PlanError, match="block scale without its weight") as ei:
+        make_plan(lone, Layout(tp=2, ep=2, pp=2))
+    assert ei.value.tensor == names[1]

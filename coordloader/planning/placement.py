@@ -20,6 +20,8 @@ from coordloader.planning.strategies import EXPERT_ID_REGEX, STRATEGIES, Everyon
 
 # a block scale's default weight: its own name without this suffix
 SCALE_SUFFIX = "_scale_inv"
+# a block scale's name (or digit template) -> its default weight's
+scaled_weight = itemgetter(slice(0, -len(SCALE_SUFFIX)))
 EXPERT_RE = re.compile(EXPERT_ID_REGEX)
 # EXPERT_RE over names joined by newlines (when no name holds one)
 EXPERT_LINE_RE = re.compile(EXPERT_ID_REGEX, re.MULTILINE)
@@ -76,11 +78,10 @@ class Placer:
         self._placed: dict[str, tuple] = {}
         # the weights that have a block scale (whose placement the scale looks up again);
         # SCALE_SUFFIX holds no digit, so a template ends with it where its names do
-        cut = itemgetter(slice(0, -len(SCALE_SUFFIX)))
-        self._scaled = (set(chain.from_iterable(map(cut, members) for t, members
+        self._scaled = (set(chain.from_iterable(map(scaled_weight, members) for t, members
                                                 in templates.items() if t.endswith(SCALE_SUFFIX)))
                         if templates is not None else
-                        {cut(n) for n in meta.tensors if n.endswith(SCALE_SUFFIX)})
+                        {scaled_weight(n) for n in meta.tensors if n.endswith(SCALE_SUFFIX)})
         self._scale_memo: dict = {}
         self._owners: dict = {}
         self._id_res: dict[str, re.Pattern] = {}
@@ -294,7 +295,7 @@ class Placer:
     @staticmethod
     def scale_weight(n: str, p) -> str | None:
         """The weight whose placement the block scale ``n`` (rule params ``p``) follows."""
-        return p.get("weight") or (n[:-len(SCALE_SUFFIX)] if n.endswith(SCALE_SUFFIX) else None)
+        return p.get("weight") or (scaled_weight(n) if n.endswith(SCALE_SUFFIX) else None)
 
     def scale(self, t: TensorInfo, p):
         n = t.name

@@ -34,7 +34,14 @@ from coordloader.planning.model import (
     SharedSlices,
     SliceColumns,
 )
-from coordloader.planning.placement import LAYER_RE, SCALE_SUFFIX, Layers, Placer, layer_index
+from coordloader.planning.placement import (
+    LAYER_RE,
+    SCALE_SUFFIX,
+    Layers,
+    Placer,
+    layer_index,
+    scaled_weight,
+)
 from coordloader.planning.rankgroups import RankGroups, dedupe, rank_classes
 from coordloader.planning.rules import Rule, RuleSet, make_rule, resolve_rules
 from coordloader.planning.rules.presets import MTP_PREFIX, missing_config_error
@@ -48,9 +55,6 @@ _REPLICATE = make_rule("*", "replicate", source="replicate_unmatched")
 # a family key's head: the names' layer index start, rule, shape, dtype, stage (or "s" for
 # a block scale, whose weight's key says its stage)
 _KEY_HEAD = "{}|{}|{!r}|{!r}|{}|"
-
-
-
 
 
 def build_plan(meta: CheckpointMeta, layout: Layout, rules: Any = None, *,
@@ -357,10 +361,10 @@ class _Planner:
                     for p in parts.values()]
         if scales:
             families += self._scale_families(names, groups, places, spans, scales, families)
-        held = np.zeros(len(names), dtype=bool)
+        in_family = np.zeros(len(names), dtype=bool)
         if families:
-            held[np.fromiter(chain.from_iterable(families), dtype=np.intp)] = True
-        families += [[i] for i in np.flatnonzero(~held).tolist()]
+            in_family[np.fromiter(chain.from_iterable(families), dtype=np.intp)] = True
+        families += [[i] for i in np.flatnonzero(~in_family).tolist()]
         families.sort(key=itemgetter(0))
         return families
 
@@ -382,18 +386,18 @@ class _Planner:
         family_of[np.fromiter(chain.from_iterable(families), dtype=np.intp)] = np.repeat(
             np.arange(len(families)), list(map(len, families)))
         place_of = None
-        cut = itemgetter(slice(0, -len(SCALE_SUFFIX)))
         parts: dict = {}
         for t, rule in scales:
             a, _ = spans[t]
             members = groups[t]
-            weights = list(map(cut, members))
-            wt = t[:-len(SCALE_SUFFIX)]
+            weights = list(map(scaled_weight, members))
+            wt = scaled_weight(t)
             if groups.get(wt) == weights:   # the weights are a template's names, in order
                 wat = places[wt]
-            else:
+            else:   # some weights have no scale, or some scales no weight
                 if place_of is None:
-                            wat = list(map(place_of.get, weights, repeat(-1)))
+                    place_of = dict(zip(names, range(len(names))))
+                wat = list(map(place_of.get, weights, repeat(-1)))
             at = places[t]
             # -1: a weight placed on its own, or not planned
             wfam = np.where(np.array(wat) >= 0, family_of[wat], -1).tolist()
@@ -531,13 +535,19 @@ def _name_rest(template: str, a: int, b: int, members: list[str]):
                     repeat(post) if type(post) is str else post))
 
 
+# periodic runs _by_key looks for before it groups the rest by a dict: a run per stage
+# of a template's layers (and one for its MTP layers) takes one each
+_PERIODIC_RUNS = 64
+
+
 def _by_key(parts: dict, head: str | None, keys, at: list[int]) -> None:
     """Add the places ``at`` to ``parts`` (family key -> lists of places) under their
     ``keys`` ((head, key) when a head is given; one key for all when ``keys`` is a
     string). A template's names come in order of their digits, so their keys most often
     repeat with a period (the experts of each layer) over runs of names (the layers of a
-    stage): such a run's groups are strided slices, found in C. The rest is grouped by a
-    dict."""
+    stage): such a run's groups are strided slices of its places, found by comparing the
+    keys with themselves a period on, with no step per name in Python. The rest is
+    grouped by a dict."""
     if type(keys) is not list:
         parts.setdefault(keys if head is None else (head, keys), []).append(at)
         return
@@ -567,10 +577,6 @@ def _by_key(parts: dict, head: str | None, keys, at: list[int]) -> None:
         parts.setdefault(key if head is None else (head, key), []).append(got)
 
 
-# periodic runs _by_key looks for before it groups the rest by a dict: a run per stage
-# of a template's layers (and one for its MTP layers) takes one each
-_PERIODIC_RUNS = 64
-
 
 # -- load groups (instanttensor engine cost model) -------------------------------------------
 # Group mode reads each file once across the stage's ranks and all-gathers it: per rank
@@ -587,47 +593,38 @@ def load_groups(L: Layout, meta: CheckpointMeta, store: SliceStore,
     """The load groups of a plan whose slices are ``store``'s, block ``b`` held by the rank
     classes ``holders_of[b]``, rank ``r`` in ``rank_class[r]``. A file's bytes needed by a
     stage are the stored bytes there of the tensors its representative ranks hold, times
-    the slices of each they hold; its size is its data bytes, which its tensors' stored
-    bytes tile exactly (the reader checks it). Counted per (block, file) in C, then
-    weighted per stage by the representative ranks of the rank classes holding each
-    block."""
-    files = [f.name for f in meta.files]
-    index = dict(zip(files, range(len(files))))
+    the slices of each they hold; its size, the stored bytes of all its tensors. Counted
+    per (block, file) with numpy, then weighted per stage by the representative ranks of
+    the rank classes holding each block."""
+    files, size, index = _stored_files(meta)
     nf, nb = len(files), len(store.blocks)
-    size = [f.size - f.data_start for f in meta.files]
     blocks, runs = store.blocks, store.runs
     one = [b for b in range(nb) if runs[blocks[b].start] is None]
-    # per (block, file): the stored bytes of its tensors there, and how many of them have
-    # a part there (a tensor of no bytes still makes its file needed)
+    # per (block, file): the stored bytes of its tensors there, and whether one of them
+    # has a part there (a tensor of no bytes still makes its file needed)
     need = np.zeros(nb * nf, dtype=np.int64)
-    count = np.zeros(nb * nf, dtype=np.int64)
-    try:
-        if one:
-            # a block of one run each holds its tensors whole, each stored as that one run
-            spans = [blocks[b] for b in one]
-            fid = np.fromiter(map(index.__getitem__, chain.from_iterable(
-                map(store.files.__getitem__, map(_as_slice, spans)))), dtype=np.int64)
-            key = np.repeat(np.array(one, dtype=np.int64) * nf, list(map(len, spans))) + fid
-            nbytes = np.fromiter(chain.from_iterable(map(store.lengths.__getitem__,
-                                                         map(_as_slice, spans))), dtype=np.int64)
-            need += np.rint(np.bincount(key, weights=nbytes, minlength=nb * nf)).astype(np.int64)
-            count += np.bincount(key, minlength=nb * nf)
-        parts: dict[int, int] = {}   # the other blocks': (block, file) key -> stored bytes
-        tensors = meta.tensors
-        for b in sorted(set(range(nb)).difference(one)):
-            for name in store.names[_as_slice(blocks[b])]:
-                for sp in tensors[name].pieces:
-                    k = b * nf + index[sp.file]
-                    got = parts.get(k)
-                    if got is None:
-                        count[k] += 1
-                    parts[k] = (got or 0) + sp.end - sp.start
-    except KeyError as e:
-        raise PlanError(f"a tensor is stored in {e.args[0]!r}, which is not among the "
-                        f"checkpoint's files") from None
+    there = np.zeros(nb * nf, dtype=bool)
+    if one:
+        # a block of one run each holds its tensors whole, each stored as that one run
+        spans = [blocks[b] for b in one]
+        fid = np.fromiter(map(index.__getitem__, chain.from_iterable(
+            map(store.files.__getitem__, map(_as_slice, spans)))), dtype=np.int64)
+        key = np.repeat(np.array(one, dtype=np.int64) * nf, list(map(len, spans))) + fid
+        nbytes = np.fromiter(chain.from_iterable(map(store.lengths.__getitem__,
+                                                     map(_as_slice, spans))), dtype=np.int64)
+        need += np.rint(np.bincount(key, weights=nbytes, minlength=nb * nf)).astype(np.int64)
+        there[key] = True
+    parts: dict[int, int] = {}   # the other blocks', from their records: key -> bytes
+    tensors = meta.tensors
+    for b in sorted(set(range(nb)).difference(one)):
+        for name in store.names[_as_slice(blocks[b])]:
+            for sp in tensors[name].pieces:
+                k = b * nf + index[sp.file]
+                parts[k] = parts.get(k, 0) + sp.end - sp.start
     if parts:
         need[list(parts)] += list(parts.values())
-    need, count = need.reshape(nb, nf), count.reshape(nb, nf)
+        there[list(parts)] = True
+    need, there = need.reshape(nb, nf), there.reshape(nb, nf).astype(np.int64)
     holders = np.zeros((nb, n_rc), dtype=np.int64)
     holders[np.repeat(np.arange(nb), list(map(len, holders_of))),
             np.fromiter(chain.from_iterable(holders_of), dtype=np.intp)] = 1
@@ -640,10 +637,10 @@ def load_groups(L: Layout, meta: CheckpointMeta, store: SliceStore,
         m = np.bincount([rank_class[r] for r in reps], minlength=n_rc).astype(np.int64)
         w = holders @ m   # per block: the representative ranks holding it
         on = np.flatnonzero(w)   # (a stage's ranks hold a few of the blocks)
-        got, cnt = (w[on] @ need[on]).tolist(), (w[on] @ count[on]).tolist()
+        got, held = (w[on] @ need[on]).tolist(), (w[on] @ there[on]).tolist()
         grp, filt = [], []
         for f in range(nf):
-            if not cnt[f]:
+            if not held[f]:
                 continue
             frac = (got[f] / len(reps)) / size[f] if size[f] else 1.0
             (filt if frac < 1 / len(ranks) + STORAGE_TO_NET else grp).append(files[f])
@@ -652,6 +649,23 @@ def load_groups(L: Layout, meta: CheckpointMeta, store: SliceStore,
         if filt:
             out.append(LoadGroup(tuple(filt), ranks, "filtered"))
     return tuple(out)
+
+
+def _stored_files(meta: CheckpointMeta) -> tuple[list[str], list[int], dict[str, int]]:
+    """The files that store a part of some tensor, by name; the bytes of all the parts
+    each stores; each one's index. Whole tensors from the table, the others from their
+    records."""
+    table = meta.table()
+    whole = table.whole
+    ids = table.file[whole]
+    got = np.rint(np.bincount(ids, weights=(table.end - table.start)[whole],
+                              minlength=len(meta.files))).astype(np.int64).tolist()
+    size = {meta.files[i].name: got[i] for i in np.unique(ids).tolist()}
+    for row in np.flatnonzero(~whole).tolist():
+        for sp in meta.tensors[table.names[row]].pieces:
+            size[sp.file] = size.get(sp.file, 0) + sp.end - sp.start
+    files = sorted(size)
+    return files, [size[f] for f in files], dict(zip(files, range(len(files))))
 
 
 def _as_slice(r: range) -> slice:
