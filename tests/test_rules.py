@@ -323,3 +323,22 @@ def test_expert_ids_of_a_left_out_mtp_layer_count():
     assert extra[0][0] in plan.excluded
     with pytest.raises(PlanError, match=r"names hold expert ids 0\.\.8 only"):
         make_plan(meta_from_specs(dict(cfg, n_routed_experts=10), specs + extra), Layout(tp=1))
+
+
+def test_a_digit_template_reads_every_ascii_digit_as_0_and_nothing_else():
+    # one name's template is a bytes translation of its UTF-8 form; a list's, one string
+    # translation: both read the ten ASCII digits as 0 and leave every other character,
+    # non-ASCII digits and lone surrogates included
+    from hypothesis import given, settings
+
+    from coordloader.planning.rules.ruleset import digit_template, digit_templates
+    table = {ord(c): "0" for c in "123456789"}
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.text(st.characters(blacklist_characters="\n"), max_size=12) |
+                    st.sampled_from(["layers.17.mlp", "ñ٣.9", "a\ud800b1", "x9y"]), max_size=6))
+    def check(names):
+        want = [n.translate(table) for n in names]
+        assert list(map(digit_template, names)) == want == digit_templates(names)
+
+    check()

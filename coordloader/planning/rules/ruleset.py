@@ -90,18 +90,24 @@ def rule_from_dict(d: Any, source: str, index: int) -> Rule:
                      source=source, where=f"{where} ({d['pattern']!r})")
 
 
-_DIGITS_AS_ZERO = str.maketrans("123456789", "000000000")
+# ASCII digits read as 0: str.translate is fast on one long (ASCII) string but pays a
+# mapping lookup per call on a name, which a bytes translation of its UTF-8 form does not
+# (no other character's UTF-8 bytes fall in the ASCII range)
+_DIGITS = "123456789"
+_AS_ZERO = str.maketrans(_DIGITS, "0" * len(_DIGITS))
+_AS_ZERO_BYTES = bytes.maketrans(_DIGITS.encode(), b"0" * len(_DIGITS))
 
 
 def digit_template(name: str) -> str:
     """``name`` with every ASCII digit read as 0 (``digit_templates`` of one name)."""
-    return name.translate(_DIGITS_AS_ZERO)
+    return (name.encode("utf-8", "surrogatepass").translate(_AS_ZERO_BYTES)
+            .decode("utf-8", "surrogatepass"))
 
 
 def digit_templates(names: Sequence[str]) -> list[str]:
     """Each name with every ASCII digit read as 0: names of one template differ only in
     their digits, which sit at the same positions with the same run lengths."""
-    joined = "\n".join(names).translate(_DIGITS_AS_ZERO)
+    joined = "\n".join(names).translate(_AS_ZERO)
     if joined.count("\n") == max(len(names) - 1, 0):   # no name holds a newline
         return joined.split("\n") if names else []
     return list(map(digit_template, names))
