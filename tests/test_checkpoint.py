@@ -888,7 +888,7 @@ def test_a_table_of_records_leaves_out_offsets_it_cannot_hold():
     table = meta.table()
     assert table.whole.tolist() == [False, False] and table.file.tolist() == [-1, -1]
     odd = dataclasses.replace(meta, tensors={"y": TensorInfo("y", "F32", [4], (back,))})
-    with pytest.raises(CheckpointError, match=r"shape \[4\] is no tuple") as ei:
+    with pytest.raises(CheckpointError, match=r"shape \[4\] is a list; expected a tuple") as ei:
         odd.table()
     assert ei.value.tensor == "y"
 

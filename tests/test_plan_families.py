@@ -141,3 +141,23 @@ def test_scales_of_some_weights_only_follow_them(monkeypatch, dsv3):
     with pytest.raises(PlanError, match="block scale without its weight") as ei:
         make_plan(lone, Layout(tp=2, ep=2, pp=2))
     assert ei.value.tensor == names[1]
+
+
+def test_names_and_shapes_of_builtin_subclasses_plan_as_before():
+    # names that are str subclasses (numpy's, from an array) and shapes that are tuple
+    # subclasses (torch.Size) plan as plain ones do
+    import numpy as np
+    import torch
+    cfg, specs = arch_tensors("llama", "tiny")
+    plain = make_plan(meta_from_specs(cfg, specs), Layout(tp=2))
+    odd = meta_from_specs(cfg, [(np.str_(n), d, s) for n, d, s in specs])
+    named = make_plan(odd, Layout(tp=2))
+    validate_cover(named, odd)
+    assert ([(t.name, t.pieces) for t in named.rank(1).tensors]
+            == [(t.name, t.pieces) for t in plain.rank(1).tensors])
+    meta = meta_from_specs(cfg, specs)
+    sized = dataclasses.replace(meta, tensors={n: dataclasses.replace(t, shape=torch.Size(t.shape))
+                                               for n, t in meta.tensors.items()})
+    plan = make_plan(sized, Layout(tp=2))
+    validate_cover(plan, sized)
+    assert len(plan.rank(0).tensors) == len(plain.rank(0).tensors)

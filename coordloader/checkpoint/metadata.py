@@ -164,9 +164,10 @@ def _table_of_records(meta: CheckpointMeta) -> TensorTable:
     index = {f.name: i for i, f in enumerate(meta.files)}
     files, starts, ends, whole = [], [], [], []
     for t in infos:
-        if type(t.shape) is not tuple or not all(type(d) is int and d >= 0 for d in t.shape):
-            raise CheckpointError(f"shape {t.shape!r} is no tuple of non-negative integers",
-                                  file=t.pieces[0].file if t.pieces else None, tensor=t.name)
+        if not isinstance(t.shape, tuple):   # the table's shape ids key on it
+            raise CheckpointError(f"shape {t.shape!r} is a {type(t.shape).__name__}; expected "
+                                  f"a tuple", file=t.pieces[0].file if t.pieces else None,
+                                  tensor=t.name)
         p = t.pieces[0] if t.pieces else None
         fits = (p is not None and type(p.start) is int and type(p.end) is int
                 and 0 <= p.start <= p.end < 2 ** 63)

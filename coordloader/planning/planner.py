@@ -91,7 +91,7 @@ class _ByTemplate(Mapping):
 
     def __contains__(self, name) -> bool:
         # the planned names: the checkpoint's, less those left out under a prefix (MTP)
-        return (type(name) is str and name in self._tensors
+        return (isinstance(name, str) and name in self._tensors
                 and not (self._left_out is not None and name.startswith(self._left_out)))
 
     def __getitem__(self, name: str) -> tuple[Rule, dict]:
