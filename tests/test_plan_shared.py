@@ -148,3 +148,13 @@ def test_deepseek_v3_full_digest_golden(dsv3_full, kw, digest):
     plan = make_plan(dsv3_full, Layout(**kw))
     assert plan.digest() == digest
     validate_cover(plan, dsv3_full)
+
+
+def test_a_plan_of_no_tensors_has_a_digest():
+    # no tensor, so no replica table to gather the ranks' replica ids from: the digest
+    # still names the layout's ranks (it raised ValueError from a reshape)
+    empty = meta_from_specs({"num_hidden_layers": 0}, [])
+    one, two = (make_plan(empty, Layout(dp=n)) for n in (1, 2))
+    validate_cover(two, empty)
+    assert one.digest() == make_plan(empty, Layout(dp=1)).digest() != two.digest()
+    assert len(two.ranks) == 2 and not two.rank(1).tensors

@@ -441,8 +441,10 @@ def _plan_digest(plan: "Plan") -> str:
             if got is None:
                 R = tables.get(id(sh.replicas))
                 if R is None:
-                    R = tables[id(sh.replicas)] = np.array(sh.replicas, dtype="<i8").reshape(
-                        len(sh.replicas), -1)
+                    # (a plan of no tensors has no table: reshape cannot infer its width)
+                    R = tables[id(sh.replicas)] = (
+                        np.array(sh.replicas, dtype="<i8").reshape(len(sh.replicas), -1)
+                        if sh.replicas else np.zeros((0, plan.world_size), dtype="<i8"))
                 got = shared_rows[id(sh)] = (rows_of(sh.slices), R,
                                              np.array(sh.tables, dtype=np.intp))
             rows, R, idx = got
