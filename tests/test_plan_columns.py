@@ -41,7 +41,8 @@ def proved(plan, meta):
     for rp in plan.ranks:
         sh = share_of(rp)
         members.setdefault(id(sh), (sh, []))[1].append(rp.rank)
-    got = cover._proved_by_columns(store_of(plan), members, meta, plan.excluded)
+    arrays = {k: np.array(sh.slices.sids, dtype=np.intp) for k, (sh, _) in members.items()}
+    got = cover._proved_by_columns(store_of(plan), members, arrays, meta, plan.excluded)
     return set() if got is None else set(compress(got.table.names, got.tensors.tolist()))
 
 

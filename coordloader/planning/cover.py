@@ -182,11 +182,13 @@ def _validate_cover(plan, meta) -> None:
             else:
                 reps.setdefault(s.name, []).append((r, s, id(s.pieces)))
     store = _store_of(members) if not prim and not reps else None
-    proved = _proved_by_columns(store, members, meta, plan.excluded) if store else None
-    for sh, ranks in members.values():
+    # each rank class's sids as an array, once for both the column proof and the rest
+    arrays = ({k: np.array(sh.slices.sids, dtype=np.intp) for k, (sh, _) in members.items()}
+              if store else {})
+    proved = _proved_by_columns(store, members, arrays, meta, plan.excluded) if store else None
+    for k, (sh, ranks) in members.items():
         if proved is not None:   # the slices of the tensors left, as objects
-            sids = np.array(sh.slices.sids, dtype=np.intp)
-            keep = (~proved.sids[sids]).tolist()
+            keep = (~proved.sids[arrays[k]]).tolist()
             sh = SharedSlices(tuple(map(store.slice, compress(sh.slices.sids, keep))),
                               tuple(compress(sh.tables, keep)), sh.replicas, sh.ranks)
         _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done, copies)
@@ -222,7 +224,7 @@ class _Proved(NamedTuple):
     table: TensorTable
 
 
-def _proved_by_columns(store: SliceStore, members, meta, excluded) -> _Proved | None:
+def _proved_by_columns(store: SliceStore, members, arrays, meta, excluded) -> _Proved | None:
     """The slices and tensors whose cover is proved on the store's columns and the
     checkpoint's table (``TensorTable``), without an object: each tensor held whole by
     one primary (one rank; replicas only in its own class), stored as one whole piece,
@@ -230,11 +232,12 @@ def _proved_by_columns(store: SliceStore, members, meta, excluded) -> _Proved | 
     makes, and one whole box tiles a tensor. Any other slice, and every other tensor, is
     left to the checks on slice objects (which name the problem). None when the plan is
     not one the planner built (a slice no rank holds, a column value that is no integer),
-    or the metadata has no table."""
+    or the metadata has no table. ``arrays``: per rank class (keyed as ``members``), its
+    sids as an array."""
     n = len(store)
     held = np.zeros(n, dtype=bool)
-    for sh, _ in members.values():
-        held[np.array(sh.slices.sids, dtype=np.intp)] = True
+    for sids in arrays.values():
+        held[sids] = True
     if not held.all():
         return None
     try:
@@ -254,13 +257,13 @@ def _proved_by_columns(store: SliceStore, members, meta, excluded) -> _Proved | 
     # class without the primary
     primaries = np.zeros(rows, dtype=np.int64)
     others = np.zeros(rows, dtype=bool)
-    for sh, ranks in members.values():
+    for key, (sh, ranks) in members.items():
         try:
             zero = _zero_members(sh, ranks)
         except PlanError:   # raised by the object checks, in their order
             return None
         one = np.array([k for k, z in zero.items() if len(z[0]) == 1], dtype=np.int64)
-        sids = np.array(sh.slices.sids, dtype=np.intp)
+        sids = arrays[key]
         single = np.isin(np.array(sh.tables, dtype=np.int64), one)
         r1 = row[sids[single]]
         np.add.at(primaries, r1[r1 >= 0], 1)
