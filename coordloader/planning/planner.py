@@ -244,7 +244,7 @@ class _Planner:
             match = _ByTemplate({t: pair[k] for t, k in found.items()}, names, self.meta.tensors,
                                 left_out)
         else:
-            found = list(map(rules.match, names))
+            found = rules.match_all(names)   # name by name: a rule reads digits
             hits = set(found)
             unmatched = [n for n, k in zip(names, found) if k is None] if None in hits else []
             match = dict(zip(names, map(pair.__getitem__, found)))
