@@ -804,6 +804,56 @@ def test_assembled_records_equal_init_built(tmp_path):
             t.name = "x"
 
 
+
+def _records_alive() -> int:
+    import gc
+    gc.collect()
+    return sum(type(o) is TensorInfo for o in gc.get_objects())
+
+
+def test_reading_a_checkpoint_makes_each_record_when_it_is_first_read(tiny_checkpoint):
+    # every rank assembles every tensor's metadata; a load reads the records of the tensors
+    # its rank holds: the others are never made
+    import threading
+    path = tiny_checkpoint("deepseek_v3")
+    before = _records_alive()
+    meta = read_checkpoint(path)
+    names = list(meta.tensors)
+    assert len(names) > 50 and _records_alive() == before
+    assert len(meta.tensors) == len(names) and names[3] in meta.tensors
+    assert "absent" not in meta.tensors and meta.tensors.get("absent", 7) == 7
+    with pytest.raises(KeyError):
+        meta.tensors["absent"]
+    assert meta.table().names == names and _records_alive() == before
+    # made in any order, from two threads, each record is the one __init__ gives; a third
+    # of them left unmade
+    got: dict = {}
+    threads = [threading.Thread(target=lambda part: got.update(
+        (n, meta.tensors[n]) for n in part), args=(names[k::3][::-1],)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert _records_alive() == before + len(got)
+    for n, t in got.items():
+        p = t.pieces[0]
+        want = TensorInfo(n, t.dtype, t.shape, (SourcePiece(p.file, p.box, p.start, p.end, n),))
+        assert t == want and repr(t) == repr(want) and meta.tensors.get(n) is t
+        row = names.index(n)
+        table = meta.table()
+        assert (p.file, p.start, p.end, t.shape, t.dtype) == (
+            meta.files[table.file[row]].name, table.start[row], table.end[row],
+            table.shapes[table.shape[row]], table.dtypes[table.dtype[row]])
+    del want
+    # reading them all makes the rest, in the tensors' order, keeping those made before
+    values = list(meta.tensors.values())
+    assert [t.name for t in values] == names and _records_alive() == before + len(names)
+    assert all(values[names.index(n)] is t for n, t in got.items())
+    assert [n for n, _ in meta.tensors.items()] == names
+    eager = CheckpointMeta(meta.root, meta.files, dict(zip(names, values)), meta.config)
+    assert read_checkpoint(path) == meta == eager and read_checkpoint(path).tensors == eager.tensors
+    assert pickle.loads(pickle.dumps(read_checkpoint(path))) == meta
+
 def _table_fields(table) -> list:
     return [v.tolist() if hasattr(v, "tolist") else v for v in table]
 

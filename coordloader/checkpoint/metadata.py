@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from math import prod
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from coordloader.errors import CheckpointError
+from coordloader.gcpause import gc_paused
 
 Box = tuple[tuple[int, int], ...]  # one [start, stop) pair per dim
 
@@ -90,16 +92,46 @@ class TensorInfo:
         return len(self.pieces) == 1 and self.pieces[0].box == full_box(self.shape)
 
 
-class TensorMap(dict):
+_UNMADE = object()
+
+
+def _field_setters(cls) -> tuple:
+    """The slot setters of a frozen slotted dataclass, in field order."""
+    return tuple(cls.__dict__[f.name].__set__ for f in fields(cls))
+
+
+_PIECE_SETTERS = _field_setters(SourcePiece)
+_RECORD_SETTERS = _field_setters(TensorInfo)
+
+
+class TensorMap(Mapping):
     """A checkpoint's tensors by name, read-only: what the planner and cover read of them
-    as columns (``TensorTable``) cannot drift from the records."""
-    __slots__ = ("_sealed",)
+    as columns (``TensorTable``) cannot drift from the records.
+
+    A plain checkpoint's records are made from its header entries when first read
+    (``of_entries``): every rank assembles the metadata of all 92 k tensors of
+    DeepSeek-V3, while a load reads the records of the tensors its rank holds. Records
+    are immutable; reading all of them (``values``, ``items``, equality, pickling) makes
+    the rest at once, in the tensors' order."""
+    __slots__ = ("_rows", "_made", "_entries", "_files", "_boxes", "_sealed")
 
     def __init__(self, *args, **kwargs):
         if getattr(self, "_sealed", False):
             self._read_only()
-        super().__init__(*args, **kwargs)
+        self._made = dict(*args, **kwargs)
+        self._rows = self._made     # name -> row, for the made-on-read records
+        self._entries = None        # while some records are unmade: the header entries
+        self._files = self._boxes = None
         self._sealed = True
+
+    @classmethod
+    def of_entries(cls, rows: dict[str, int], entries: list, files: list[str]) -> TensorMap:
+        """The records of header entries ``(key, dtype, shape, start, end)`` stored whole
+        each, in file ``files[row]``, named by their keys (``rows``: key -> row, in the
+        tensors' order), made when first read."""
+        m = cls()
+        m._rows, m._entries, m._files, m._boxes = rows, entries, files, {}
+        return m
 
     def _read_only(self, *args, **kwargs):
         raise TypeError("a checkpoint's tensors are read-only; expected a new CheckpointMeta "
@@ -108,8 +140,85 @@ class TensorMap(dict):
     __setitem__ = __delitem__ = __ior__ = _read_only
     clear = pop = popitem = setdefault = update = _read_only
 
+    def __getitem__(self, name: str) -> TensorInfo:
+        t = self._made.get(name, _UNMADE)
+        if t is _UNMADE:
+            if self._entries is None:
+                raise KeyError(name)
+            t = self._made.setdefault(name, self._make(self._rows[name]))
+        return t
+
+    def get(self, name, default=None):
+        t = self._made.get(name, _UNMADE)
+        if t is _UNMADE:
+            if self._entries is None or name not in self._rows:
+                return default
+            t = self._made.setdefault(name, self._make(self._rows[name]))
+        return t
+
+    def __contains__(self, name) -> bool:
+        return name in self._rows
+
+    def __iter__(self):
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def keys(self):
+        return self._rows.keys()
+
+    def values(self):
+        return self._all().values()
+
+    def items(self):
+        return self._all().items()
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, TensorMap):
+            other = other._all()
+        return self._all() == other if isinstance(other, Mapping) else NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
     def __reduce__(self):
-        return TensorMap, (dict(self),)
+        return TensorMap, (self._all(),)
+
+    def _make(self, row: int, new=object.__new__, piece=_PIECE_SETTERS,
+              record=_RECORD_SETTERS) -> TensorInfo:
+        """The record of table row ``row``: TensorInfo(key, dtype, shape, (SourcePiece(file,
+        box, start, end, key),)) through the slotted records' setters (no __init__ frame,
+        no object.__setattr__ per field)."""
+        key, dtype, shape, start, end = self._entries[row]
+        box = self._boxes.get(shape)
+        if box is None:
+            box = self._boxes[shape] = full_box(shape)
+        p = new(SourcePiece)
+        piece[0](p, self._files[row])
+        piece[1](p, box)
+        piece[2](p, start)
+        piece[3](p, end)
+        piece[4](p, key)
+        t = new(TensorInfo)
+        record[0](t, key)
+        record[1](t, dtype)
+        record[2](t, shape)
+        record[3](t, (p,))
+        return t
+
+    def _all(self) -> dict[str, TensorInfo]:
+        """Every record, in the tensors' order, keeping those made before."""
+        if self._entries is None:
+            return self._made
+        made, make = self._made, self._make
+        with gc_paused():   # ~180 k objects, all kept: no collection would free any
+            out = {key: made.get(key) or make(row) for key, row in self._rows.items()}
+        self._made = out
+        self._entries = self._files = self._boxes = None
+        return out
 
 
 class TensorTable(NamedTuple):

@@ -22,7 +22,6 @@ and every rank calls ``assemble``. ``read_checkpoint`` does all three in one pro
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -30,7 +29,7 @@ import stat
 import sys
 from dataclasses import dataclass
 from hashlib import sha256
-from itertools import chain, repeat
+from itertools import accumulate, chain, repeat
 from math import prod
 from operator import itemgetter
 from typing import Any, Iterable, NamedTuple
@@ -61,10 +60,10 @@ from coordloader.checkpoint.metadata import (
     FileInfo,
     SourcePiece,
     TensorInfo,
+    TensorMap,
     TensorTable,
     box_numel,
     box_shape,
-    full_box,
     piece_key,
     tensor_table,
     with_table,
@@ -915,26 +914,13 @@ def assemble(root: str, discovery: Discovery, headers: Iterable[FileHeader]) -> 
             layout = None
             extents = True
         else:
-            tensors = _assemble_plain(discovery, by_file, names)
+            tensors, table = _assemble_plain(discovery, by_file, names)
             meta = CheckpointMeta(root=discovery.root, files=files, tensors=tensors,
                                   config=discovery.config)
-            return with_table(meta, _plain_table(by_file, names))
+            return with_table(meta, table)
     return CheckpointMeta(root=discovery.root, files=files, tensors=tensors,
                           config=discovery.config, source_layout=layout,
                           shapes_from_extents=extents)
-
-
-def _plain_table(by_file, names) -> TensorTable:
-    """The tensor table of a plain checkpoint, from its headers' entries in the records'
-    order (file, then offset; ``_assemble_plain``): every tensor is one whole piece."""
-    entries = [by_file[f].entries for f in names]
-    col = chain.from_iterable
-    return tensor_table(list(col(map(itemgetter(0), e) for e in entries)),
-                        list(col(map(itemgetter(2), e) for e in entries)),
-                        list(col(map(itemgetter(1), e) for e in entries)),
-                        np.repeat(np.arange(len(names)), list(map(len, entries))),
-                        col(map(itemgetter(3), e) for e in entries),
-                        col(map(itemgetter(4), e) for e in entries), None)
 
 
 def _dcp_info(header: FileHeader) -> str | None:
@@ -1057,49 +1043,40 @@ def _refuse_coordloader_pieces(fname: str, header: FileHeader) -> None:
                                   f"shards on their own", file=fname)
 
 
-def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInfo]:
-    tensors: dict[str, TensorInfo] = {}
+def _assemble_plain(discovery: Discovery, by_file, names) -> tuple[TensorMap, TensorTable]:
+    """A plain checkpoint's tensors (records made when first read) and their table, both
+    from the headers' entries: every rank assembles all ~92k tensors of DeepSeek-V3, so
+    the checks here run in C over all of them at once."""
     wm = discovery.weight_map
     idx = discovery.index_file
-    boxes: dict[tuple, tuple] = {}  # shapes repeat (experts, layers): share the box tuples
-    stored: dict[str, str] = {}     # tensor -> its file, compared with the index in one go
-    # Every rank builds all ~92k records of DeepSeek-V3 here, so the loop holds nothing but
-    # their construction: the slot setters of the frozen records (no __init__ frame, no
-    # object.__setattr__ per field; tests/test_checkpoint.py compares the records with
-    # __init__-built ones). The duplicate and index checks run in C after each file.
-    new = object.__new__
-    p_file, p_box, p_start, p_end, p_key = _field_setters(SourcePiece)
-    t_name, t_dtype, t_shape, t_pieces = _field_setters(TensorInfo)
-    count = 0
-    for i, fname in enumerate(names):
+    counts = [len(by_file[f].entries) for f in names]
+    entries = list(chain.from_iterable(by_file[f].entries for f in names))
+    files = list(chain.from_iterable(map(repeat, names, counts)))
+    keys = list(map(itemgetter(0), entries))
+    rows = dict(zip(keys, range(len(keys))))
+    # the files up to the first that stores a tensor again (an earlier file's, or one its
+    # own header lists twice), each checked in turn as it is reached
+    upto = len(names)
+    twice = len(rows) != len(keys)
+    if twice:
+        seen: set[str] = set()
+        for upto, (fname, n) in enumerate(zip(names, accumulate(counts)), 1):
+            seen.update(map(itemgetter(0), by_file[fname].entries))
+            if len(seen) != n:
+                break
+    for fname in names[:upto]:
         _refuse_coordloader_pieces(fname, by_file[fname])
-        entries = by_file[fname].entries
-        for key, dtype, shape, start, end in entries:
-            box = boxes.get(shape)
-            if box is None:
-                box = boxes[shape] = full_box(shape)
-            p = new(SourcePiece)
-            p_file(p, fname)
-            p_box(p, box)
-            p_start(p, start)
-            p_end(p, end)
-            p_key(p, key)
-            t = new(TensorInfo)
-            t_name(t, key)
-            t_dtype(t, dtype)
-            t_shape(t, shape)
-            t_pieces(t, (p,))
-            tensors[key] = t
-        count += len(entries)
-        if len(tensors) != count:
-            _refuse_stored_twice(by_file, names[:i + 1])
-        if wm is not None:
-            stored.update(zip(map(itemgetter(0), entries), repeat(fname)))
-    if wm is None or stored == wm:
-        return tensors
+    if twice:
+        _refuse_stored_twice(by_file, names[:upto])
+    table = tensor_table(keys, list(map(itemgetter(2), entries)),
+                         list(map(itemgetter(1), entries)),
+                         np.repeat(np.arange(len(names)), counts),
+                         map(itemgetter(3), entries), map(itemgetter(4), entries), None)
+    tensors = TensorMap.of_entries(rows, entries, files)
+    if wm is None or dict(zip(keys, files)) == wm:
+        return tensors, table
     # After the duplicate check, so a tensor stored twice is reported as such.
-    for key, t in tensors.items():
-        fname = t.pieces[0].file
+    for key, fname in zip(keys, files):
         listed = wm.get(key)
         if listed != fname:
             if listed is None:
@@ -1107,12 +1084,12 @@ def _assemble_plain(discovery: Discovery, by_file, names) -> dict[str, TensorInf
                                       file=fname, tensor=key)
             raise CheckpointError(f"tensor is in the file but the index {idx!r} maps it "
                                   f"to {listed!r}", file=fname, tensor=key)
-    if len(tensors) != len(wm):
+    if len(keys) != len(wm):
         for key, fname in wm.items():
-            if key not in tensors:
+            if key not in rows:
                 raise CheckpointError(f"the index {idx!r} lists the tensor in this file but "
                                       f"the file does not contain it", file=fname, tensor=key)
-    return tensors
+    return tensors, table
 
 
 def _refuse_stored_twice(by_file, names) -> None:
@@ -1221,8 +1198,3 @@ def read_checkpoint(root: str) -> CheckpointMeta:
     with gc_paused():  # one pause for the whole read, not one per file
         disc = discover(root)
         return assemble(root, disc, [read_file_header(disc.root, f) for f in disc.files])
-
-
-def _field_setters(cls) -> tuple:
-    """The slot setters of a frozen slotted dataclass, in field order."""
-    return tuple(cls.__dict__[f.name].__set__ for f in dataclasses.fields(cls))
