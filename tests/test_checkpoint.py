@@ -804,7 +804,6 @@ def test_assembled_records_equal_init_built(tmp_path):
             t.name = "x"
 
 
-
 def _records_alive() -> int:
     import gc
     gc.collect()
@@ -853,6 +852,49 @@ def test_reading_a_checkpoint_makes_each_record_when_it_is_first_read(tiny_check
     eager = CheckpointMeta(meta.root, meta.files, dict(zip(names, values)), meta.config)
     assert read_checkpoint(path) == meta == eager and read_checkpoint(path).tensors == eager.tensors
     assert pickle.loads(pickle.dumps(read_checkpoint(path))) == meta
+
+
+def test_records_read_from_threads_while_another_reads_them_all_are_each_made_once():
+    # a record is made once whatever the threads: two reading names one by one (get and
+    # []), two every record at once; none is missed, None, or made twice
+    import sys
+    import threading
+
+    from coordloader.checkpoint.metadata import TensorMap
+    n = 4000
+    entries = [(f"t{i}", "F32", (i % 7, 3), 8 * i, 8 * i + (i % 7) * 12) for i in range(n)]
+    names = [e[0] for e in entries]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for _ in range(20):
+            tm = TensorMap.of_entries(dict(zip(names, range(n))), entries, ["a.safetensors"] * n)
+            got: dict = {}
+            errors: list = []
+
+            def one_by_one(part, how):
+                try:
+                    got.update((k, tm.get(k) if how == "get" else tm[k]) for k in part)
+                except Exception as e:   # reported below, with the others'
+                    errors.append(repr(e))
+
+            def all_at_once():
+                try:
+                    assert [t.name for t in tm.values()] == names
+                except Exception as e:
+                    errors.append(repr(e))
+            threads = [threading.Thread(target=one_by_one, args=(names[0::2], "get")),
+                       threading.Thread(target=one_by_one, args=(names[1::2], "[]")),
+                       threading.Thread(target=all_at_once), threading.Thread(target=all_at_once)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors
+            assert all(got[k] is tm[k] and got[k].name == k for k in names)
+    finally:
+        sys.setswitchinterval(interval)
+
 
 def _table_fields(table) -> list:
     return [v.tolist() if hasattr(v, "tolist") else v for v in table]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from math import prod
@@ -110,18 +111,20 @@ class TensorMap(Mapping):
 
     A plain checkpoint's records are made from its header entries when first read
     (``of_entries``): every rank assembles the metadata of all 92 k tensors of
-    DeepSeek-V3, while a load reads the records of the tensors its rank holds. Records
-    are immutable; reading all of them (``values``, ``items``, equality, pickling) makes
-    the rest at once, in the tensors' order."""
-    __slots__ = ("_rows", "_made", "_entries", "_files", "_boxes", "_sealed")
+    DeepSeek-V3, while a load reads the records of the tensors it reads. Reading all of
+    them (``values``, ``items``, equality, pickling) makes the rest at once, in the
+    tensors' order. Safe to read from several threads: each record is made once, under
+    a lock, and every reader gets that one."""
+    __slots__ = ("_rows", "_made", "_entries", "_files", "_boxes", "_lock", "_sealed")
 
     def __init__(self, *args, **kwargs):
         if getattr(self, "_sealed", False):
             self._read_only()
         self._made = dict(*args, **kwargs)
         self._rows = self._made     # name -> row, for the made-on-read records
-        self._entries = None        # while some records are unmade: the header entries
-        self._files = self._boxes = None
+        # while some records are unmade: the header entries, their files, the shared
+        # boxes, and the lock they are made under (None: built from records)
+        self._entries = self._files = self._boxes = self._lock = None
         self._sealed = True
 
     @classmethod
@@ -131,6 +134,7 @@ class TensorMap(Mapping):
         tensors' order), made when first read."""
         m = cls()
         m._rows, m._entries, m._files, m._boxes = rows, entries, files, {}
+        m._lock = threading.Lock()
         return m
 
     def _read_only(self, *args, **kwargs):
@@ -143,17 +147,17 @@ class TensorMap(Mapping):
     def __getitem__(self, name: str) -> TensorInfo:
         t = self._made.get(name, _UNMADE)
         if t is _UNMADE:
-            if self._entries is None:
+            t = self._unmade(name)
+            if t is _UNMADE:
                 raise KeyError(name)
-            t = self._made.setdefault(name, self._make(self._rows[name]))
         return t
 
     def get(self, name, default=None):
         t = self._made.get(name, _UNMADE)
         if t is _UNMADE:
-            if self._entries is None or name not in self._rows:
+            t = self._unmade(name)
+            if t is _UNMADE:
                 return default
-            t = self._made.setdefault(name, self._make(self._rows[name]))
         return t
 
     def __contains__(self, name) -> bool:
@@ -187,38 +191,63 @@ class TensorMap(Mapping):
     def __reduce__(self):
         return TensorMap, (self._all(),)
 
-    def _make(self, row: int, new=object.__new__, piece=_PIECE_SETTERS,
-              record=_RECORD_SETTERS) -> TensorInfo:
-        """The record of table row ``row``: TensorInfo(key, dtype, shape, (SourcePiece(file,
-        box, start, end, key),)) through the slotted records' setters (no __init__ frame,
-        no object.__setattr__ per field)."""
-        key, dtype, shape, start, end = self._entries[row]
-        box = self._boxes.get(shape)
-        if box is None:
-            box = self._boxes[shape] = full_box(shape)
-        p = new(SourcePiece)
-        piece[0](p, self._files[row])
-        piece[1](p, box)
-        piece[2](p, start)
-        piece[3](p, end)
-        piece[4](p, key)
-        t = new(TensorInfo)
-        record[0](t, key)
-        record[1](t, dtype)
-        record[2](t, shape)
-        record[3](t, (p,))
+    def _unmade(self, name):
+        """The record of ``name``, made now if it is one of the header entries; _UNMADE
+        for a name the checkpoint lacks. Checked again under the lock: another thread
+        may have made it, or all of them (``_all``), since ``_made`` was read."""
+        if self._lock is None:
+            return _UNMADE
+        with self._lock:
+            t = self._made.get(name, _UNMADE)
+            if t is _UNMADE and self._entries is not None:
+                row = self._rows.get(name)
+                if row is not None:
+                    t = self._made[name] = self._make((row,))[0]
         return t
+
+    def _make(self, rows: Iterable[int]) -> list[TensorInfo]:
+        """The records of ``rows`` (under the lock): TensorInfo(key, dtype, shape,
+        (SourcePiece(file, box, start, end, key),)) each, through the slotted records'
+        setters (no __init__ frame, no object.__setattr__ per field)."""
+        new, entries, files, boxes = object.__new__, self._entries, self._files, self._boxes
+        p_file, p_box, p_start, p_end, p_key = _PIECE_SETTERS
+        t_name, t_dtype, t_shape, t_pieces = _RECORD_SETTERS
+        out = []
+        for row in rows:
+            key, dtype, shape, start, end = entries[row]
+            box = boxes.get(shape)
+            if box is None:
+                box = boxes[shape] = full_box(shape)
+            p = new(SourcePiece)
+            p_file(p, files[row])
+            p_box(p, box)
+            p_start(p, start)
+            p_end(p, end)
+            p_key(p, key)
+            t = new(TensorInfo)
+            t_name(t, key)
+            t_dtype(t, dtype)
+            t_shape(t, shape)
+            t_pieces(t, (p,))
+            out.append(t)
+        return out
 
     def _all(self) -> dict[str, TensorInfo]:
         """Every record, in the tensors' order, keeping those made before."""
-        if self._entries is None:
-            return self._made
-        made, make = self._made, self._make
-        with gc_paused():   # ~180 k objects, all kept: no collection would free any
-            out = {key: made.get(key) or make(row) for key, row in self._rows.items()}
-        self._made = out
-        self._entries = self._files = self._boxes = None
-        return out
+        if self._entries is not None:
+            with self._lock:
+                if self._entries is not None:
+                    made, rows = self._made, self._rows
+                    unmade = [k for k in rows if k not in made] if made else list(rows)
+                    with gc_paused():   # ~180 k objects, all kept: nothing to collect
+                        out = dict(zip(unmade, self._make(map(rows.__getitem__, unmade))))
+                    if made:   # those made before, kept, in the tensors' order
+                        out.update(made)
+                        out = {k: out[k] for k in rows}
+                    # the full dict first: a reader that sees no entries finds it
+                    self._made = out
+                    self._entries = self._files = self._boxes = None
+        return self._made
 
 
 class TensorTable(NamedTuple):
