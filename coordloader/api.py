@@ -7,7 +7,7 @@ import difflib
 import os
 from typing import Any, Mapping
 
-from coordloader.checkpoint.metadata import CheckpointMeta
+from coordloader.checkpoint.metadata import CheckpointMeta, with_table
 from coordloader.checkpoint.reader import (
     MAX_CONFIG,
     MAX_JSON_FILE,
@@ -70,9 +70,12 @@ def read_config(config: Any) -> dict | None:
 
 
 def with_config(meta: CheckpointMeta, config: Any) -> CheckpointMeta:
-    """``meta`` planned with ``config`` in place of its own config.json (when given)."""
+    """``meta`` planned with ``config`` in place of its own config.json (when given), with
+    the table of its tensors (the same tensors: a table built again from their records
+    would make every record)."""
     doc = read_config(config)
-    return meta if doc is None else dataclasses.replace(meta, config=doc)
+    return meta if doc is None else with_table(dataclasses.replace(meta, config=doc),
+                                               meta.table())
 
 
 def make_plan(checkpoint: str | CheckpointMeta, layout: Layout, rules: Any = None, *,

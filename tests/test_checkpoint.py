@@ -854,6 +854,21 @@ def test_reading_a_checkpoint_makes_each_record_when_it_is_first_read(tiny_check
     assert pickle.loads(pickle.dumps(read_checkpoint(path))) == meta
 
 
+def test_planning_with_a_config_given_reads_the_tensor_table_not_every_record(tiny_checkpoint):
+    # make_plan(config=...) plans metadata with another config: the same tensors, so the
+    # same table, not one built again from every record
+    from coordloader.api import make_plan, with_config
+    from coordloader.layout import Layout
+    path = tiny_checkpoint("deepseek_v3")
+    before = _records_alive()
+    meta = read_checkpoint(path)
+    config = dict(meta.config, note="given")
+    assert with_config(meta, config).table() is meta.table()
+    plan = make_plan(meta, Layout(tp=2, ep=2), config=config)
+    assert plan.digest() == make_plan(meta, Layout(tp=2, ep=2)).digest()
+    assert _records_alive() - before < len(meta.tensors)
+
+
 def test_records_read_from_threads_while_another_reads_them_all_are_each_made_once():
     # a record is made once whatever the threads: two reading names one by one (get and
     # []), two every record at once; none is missed, None, or made twice
