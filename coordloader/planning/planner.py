@@ -614,16 +614,31 @@ def load_groups(L: Layout, meta: CheckpointMeta, store: SliceStore,
                                                      map(_as_slice, spans))), dtype=np.int64)
         need += np.rint(np.bincount(key, weights=nbytes, minlength=nb * nf)).astype(np.int64)
         there[key] = True
-    parts: dict[int, int] = {}   # the other blocks', from their records: key -> bytes
-    tensors = meta.tensors
-    for b in sorted(set(range(nb)).difference(one)):
-        for name in store.names[_as_slice(blocks[b])]:
-            for sp in tensors[name].pieces:
+    other = sorted(set(range(nb)).difference(one))
+    if other:
+        # the other blocks' tensors: those stored whole in one piece from the table (the
+        # store's tensor column is the planner's own table row), the rest from their
+        # records
+        table = meta.table()
+        spans = [blocks[b] for b in other]
+        row = np.fromiter(chain.from_iterable(map(store.tensor.__getitem__, map(_as_slice, spans))),
+                          dtype=np.intp)
+        block = np.repeat(np.array(other, dtype=np.int64), list(map(len, spans)))
+        whole = table.whole[row]
+        stored = np.array([index.get(f.name, -1) for f in meta.files], dtype=np.int64)
+        r = row[whole]
+        key = block[whole] * nf + stored[table.file[r]]
+        np.add.at(need, key, table.end[r] - table.start[r])
+        there[key] = True
+        parts: dict[int, int] = {}   # key -> bytes
+        tensors = meta.tensors
+        for b, at in zip(block[~whole].tolist(), row[~whole].tolist()):
+            for sp in tensors[table.names[at]].pieces:
                 k = b * nf + index[sp.file]
                 parts[k] = parts.get(k, 0) + sp.end - sp.start
-    if parts:
-        need[list(parts)] += list(parts.values())
-        there[list(parts)] = True
+        if parts:
+            need[list(parts)] += list(parts.values())
+            there[list(parts)] = True
     need, there = need.reshape(nb, nf), there.reshape(nb, nf).astype(np.int64)
     holders = np.zeros((nb, n_rc), dtype=np.int64)
     holders[np.repeat(np.arange(nb), list(map(len, holders_of))),
