@@ -869,6 +869,26 @@ def test_planning_with_a_config_given_reads_the_tensor_table_not_every_record(ti
     assert _records_alive() - before < len(meta.tensors)
 
 
+def test_planning_places_tensors_by_name_and_shape_without_their_records(tiny_checkpoint):
+    # placement reads a tensor's name and shape, the load groups a whole tensor's one
+    # stored piece from the table: the planner makes the records of the first tensor of
+    # each family split into several runs only, and plans as with every record made
+    from coordloader.api import make_plan
+    from coordloader.layout import Layout
+    path = tiny_checkpoint("deepseek_v3")
+    before = _records_alive()
+    meta = read_checkpoint(path)
+    layout = Layout(tp=2, ep=2, pp=2)
+    plan = make_plan(meta, layout)
+    assert _records_alive() - before < len(meta.tensors) // 4
+    eager = read_checkpoint(path)
+    list(eager.tensors.values())
+    assert make_plan(eager, layout).digest() == plan.digest()
+    assert meta.tensors.shape(names := next(iter(meta.tensors))) == eager.tensors[names].shape
+    with pytest.raises(KeyError):
+        meta.tensors.shape("absent")
+
+
 def test_records_read_from_threads_while_another_reads_them_all_are_each_made_once():
     # a record is made once whatever the threads: two reading names one by one (get and
     # []), two every record at once; none is missed, None, or made twice

@@ -160,6 +160,14 @@ class TensorMap(Mapping):
                 return default
         return t
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``, without making its record (the planner places
+        thousands of tensors by name and shape); KeyError for a name it lacks."""
+        entries = self._entries   # a list never changed: only the attribute is cleared
+        if entries is None:
+            return self[name].shape
+        return entries[self._rows[name]][2]
+
     def __contains__(self, name) -> bool:
         return name in self._rows
 

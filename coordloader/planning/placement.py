@@ -11,12 +11,18 @@ from itertools import chain
 from operator import itemgetter
 from typing import Callable, Mapping, NamedTuple
 
-from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, full_box
+from coordloader.checkpoint.metadata import CheckpointMeta, full_box
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning.model import Piece
 from coordloader.planning.rules import Rule, num_experts_of
-from coordloader.planning.strategies import EXPERT_ID_REGEX, STRATEGIES, Everyone, dim_classes
+from coordloader.planning.strategies import (
+    EXPERT_ID_REGEX,
+    STRATEGIES,
+    Everyone,
+    TensorShape,
+    dim_classes,
+)
 
 # a block scale's default weight: its own name without this suffix
 SCALE_SUFFIX = "_scale_inv"
@@ -138,7 +144,7 @@ class Placer:
         if got is not None or n in self._placed:
             return got
         rule, params = self.match[n]
-        t = self.meta.tensors[n]
+        t = TensorShape(n, self.meta.tensors.shape(n))
         strategy = rule.strategy
         if STRATEGIES[strategy].place is None:   # a block scale: follows its weight
             res = self.scale(t, params)
@@ -154,7 +160,7 @@ class Placer:
             self._placed[n] = res
         return res
 
-    def whole(self, t: TensorInfo):
+    def whole(self, t: TensorShape):
         # classes depend only on the shape: share them (and their Piece objects) across the
         # thousands of same-shaped tensors (experts)
         c = self._wcache.get(t.shape)
@@ -163,7 +169,7 @@ class Placer:
                                                           (0,) * len(t.shape)),))]
         return _EVERYONE, c
 
-    def split_dim(self, t: TensorInfo, dim: int, parts: int, what: str):
+    def split_dim(self, t: TensorShape, dim: int, parts: int, what: str):
         """Classes of an even (or chunked) split of ``dim`` into ``parts`` (shared per shape)."""
         key = (t.shape, dim, parts)
         c = self._scache.get(key)
@@ -171,14 +177,14 @@ class Placer:
             c = self._scache[key] = self._split_dim_new(t, dim, parts, what)
         return c
 
-    def chunks(self, t: TensorInfo, n: int, parts: int, what: str) -> list[tuple[int, int]]:
+    def chunks(self, t: TensorShape, n: int, parts: int, what: str) -> list[tuple[int, int]]:
         """``chunk_ranges`` of ``n`` into ``parts``, its error naming the tensor and layout."""
         try:
             return chunk_ranges(n, parts, self.L.allow_uneven, what)
         except PlanError as e:
             raise self.err(e.message, t.name) from None
 
-    def _split_dim_new(self, t: TensorInfo, dim: int, parts: int, what: str):
+    def _split_dim_new(self, t: TensorShape, dim: int, parts: int, what: str):
         if dim >= len(t.shape):
             raise self.err(f"split dim {dim} out of range for shape {list(t.shape)}", t.name)
         return dim_classes(t.shape, dim, self.chunks(t, t.shape[dim], parts,
@@ -204,7 +210,7 @@ class Placer:
         rep = tp // heads
         return tuple(t // rep for t in range(tp)), [(h * hd, (h + 1) * hd) for h in range(heads)]
 
-    def experts_count(self, t: TensorInfo, p) -> int:
+    def experts_count(self, t: TensorShape, p) -> int:
         E = p.get("num_experts")
         if E is None:
             E = self._config_E
@@ -259,7 +265,7 @@ class Placer:
             o = self._owners[k] = self.L.owners_of(e, E)
         return o
 
-    def packed_ranges(self, t: TensorInfo, tdim: int, size: int, p, what: str):
+    def packed_ranges(self, t: TensorShape, tdim: int, size: int, p, what: str):
         """Per moe_tp rank, the [start, stop) ranges of dim ``tdim`` (of ``size``) it holds,
         in local order, as the rule declares the packing inside each expert:
         ``num_blocks`` equal blocks (gate and up halves: each block split on its own, the
@@ -297,7 +303,7 @@ class Placer:
         """The weight whose placement the block scale ``n`` (rule params ``p``) follows."""
         return p.get("weight") or (scaled_weight(n) if n.endswith(SCALE_SUFFIX) else None)
 
-    def scale(self, t: TensorInfo, p):
+    def scale(self, t: TensorShape, p):
         n = t.name
         wname = self.scale_weight(n, p)
         if wname is None or wname not in self.meta.tensors:
@@ -310,7 +316,7 @@ class Placer:
         if wp is None:
             return None
         stages, selector, wclasses, _ = wp
-        w = self.meta.tensors[wname]
+        w = TensorShape(wname, self.meta.tensors.shape(wname))
         # the scale's classes follow from the weight's classes and the two shapes: shared,
         # like the weight's, across the same-shaped tensors of a rule. The memo holds the
         # weight's classes and the params it is keyed by: a weight named by a rule's
@@ -322,7 +328,7 @@ class Placer:
             got = self._scale_memo[key] = (wclasses, p, self._scale_classes(t, p, w, wclasses))
         return stages, selector, got[2], "scale"
 
-    def _scale_classes(self, t: TensorInfo, p, w: TensorInfo, wclasses):
+    def _scale_classes(self, t: TensorShape, p, w: TensorShape, wclasses):
         n, wname = t.name, w.name
         nd = len(w.shape)
         if len(t.shape) != nd:

@@ -18,7 +18,6 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Protocol
 
-from coordloader.checkpoint.metadata import TensorInfo
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning.model import Piece
@@ -59,24 +58,31 @@ Selector = Everyone | ByTp | ByExpertOwner | ByExpertSet
 Classes = list[tuple[tuple[int, ...], tuple[Piece, ...]]]
 
 
+class TensorShape(NamedTuple):
+    """What a placement reads of a tensor: its name and global shape (from the header
+    entries, without making the tensor's record)."""
+    name: str
+    shape: tuple[int, ...]
+
+
 class PlacementContext(Protocol):
     """What a placement reads of the planner: the layout, and helpers that share classes
     across same-shaped tensors and name the tensor and layout in their errors."""
     L: Layout
 
     def err(self, msg: str, name: str) -> PlanError: ...
-    def whole(self, t: TensorInfo) -> tuple[Selector, Classes]: ...
-    def split_dim(self, t: TensorInfo, dim: int, parts: int, what: str) -> Classes: ...
-    def chunks(self, t: TensorInfo, n: int, parts: int, what: str) -> list[tuple[int, int]]: ...
+    def whole(self, t: TensorShape) -> tuple[Selector, Classes]: ...
+    def split_dim(self, t: TensorShape, dim: int, parts: int, what: str) -> Classes: ...
+    def chunks(self, t: TensorShape, n: int, parts: int, what: str) -> list[tuple[int, int]]: ...
     def head_split(self, n_size: int, heads: int, kv: bool, name: str, what: str): ...
-    def experts_count(self, t: TensorInfo, p: Mapping) -> int: ...
+    def experts_count(self, t: TensorShape, p: Mapping) -> int: ...
     def expert_owners(self, e: int, E: int) -> tuple[int, ...]: ...
-    def packed_ranges(self, t: TensorInfo, tdim: int, size: int, p: Mapping, what: str): ...
+    def packed_ranges(self, t: TensorShape, tdim: int, size: int, p: Mapping, what: str): ...
     def compiled(self, pattern: str) -> re.Pattern: ...
     def config_num_experts(self) -> int | None: ...
 
 
-Placement = Callable[[PlacementContext, TensorInfo, Mapping], tuple[Selector, Classes]]
+Placement = Callable[[PlacementContext, TensorShape, Mapping], tuple[Selector, Classes]]
 
 
 @dataclass(frozen=True)
@@ -91,17 +97,17 @@ class Strategy:
 
 # -- placements -----------------------------------------------------------------------
 
-def _place_replicate(ctx: PlacementContext, t: TensorInfo, p: Mapping):
+def _place_replicate(ctx: PlacementContext, t: TensorShape, p: Mapping):
     return ctx.whole(t)
 
-def _place_colwise(ctx: PlacementContext, t: TensorInfo, p: Mapping, dim=None):
+def _place_colwise(ctx: PlacementContext, t: TensorShape, p: Mapping, dim=None):
     dim = p.get("dim", 0) if dim is None else dim
     if not t.shape or ctx.L.tp == 1 or (p.get("shared_expert") and ctx.L.sequence_parallel_moe):
         return ctx.whole(t)
     classes = ctx.split_dim(t, dim, ctx.L.tp, f"split over tp={ctx.L.tp}")
     return ByTp(tuple(range(ctx.L.tp))), classes
 
-def _place_rowwise(ctx: PlacementContext, t: TensorInfo, p: Mapping):
+def _place_rowwise(ctx: PlacementContext, t: TensorShape, p: Mapping):
     dim = p.get("dim", 1)
     if len(t.shape) <= dim:
         if len(t.shape) <= 1:     # the bias of a row-parallel layer is replicated
@@ -112,7 +118,7 @@ def _place_rowwise(ctx: PlacementContext, t: TensorInfo, p: Mapping):
                       f"a 1-D bias is held whole)", t.name)
     return _place_colwise(ctx, t, p, dim)
 
-def _place_vocab(ctx: PlacementContext, t: TensorInfo, p: Mapping):
+def _place_vocab(ctx: PlacementContext, t: TensorShape, p: Mapping):
     if not t.shape:
         raise ctx.err("vocab strategy needs a tensor with a row dim", t.name)
     V, pad, tp = t.shape[0], p["pad_to"], ctx.L.tp
@@ -129,7 +135,7 @@ def _place_vocab(ctx: PlacementContext, t: TensorInfo, p: Mapping):
         return Everyone(), classes
     return ByTp(tuple(range(tp))), classes
 
-def _place_heads(ctx: PlacementContext, t: TensorInfo, p: Mapping):
+def _place_heads(ctx: PlacementContext, t: TensorShape, p: Mapping):
     dim = p.get("dim", 0)
     if dim >= len(t.shape):
         raise ctx.err(f"heads split dim {dim} out of range for shape {list(t.shape)}", t.name)
@@ -139,7 +145,7 @@ def _place_heads(ctx: PlacementContext, t: TensorInfo, p: Mapping):
         return ctx.whole(t)
     return ByTp(g), dim_classes(t.shape, dim, rngs)
 
-def _place_packed(ctx: PlacementContext, t: TensorInfo, p: Mapping):
+def _place_packed(ctx: PlacementContext, t: TensorShape, p: Mapping):
     dim = p.get("dim", 0)
     if dim >= len(t.shape):
         raise ctx.err(f"packed split dim {dim} out of range for shape {list(t.shape)}", t.name)
@@ -217,7 +223,7 @@ def mark_copies(classes) -> list:
         out.append(c)
     return out if marked else classes
 
-def _place_expert(ctx: PlacementContext, t: TensorInfo, p: Mapping):
+def _place_expert(ctx: PlacementContext, t: TensorShape, p: Mapping):
     rx = ctx.compiled(p["id_regex"])
     m = rx.search(t.name)
     dim = p.get("dim")
@@ -323,7 +329,7 @@ def packed_dim_classes(shape, dim: int, per_class) -> list:
     return classes
 
 
-def _is_packed(t: TensorInfo, p) -> bool:
+def _is_packed(t: TensorShape, p) -> bool:
     """Whether an expert tensor's split goes through the packed ranges (declared packing,
     or a gate_up name that must be refused without one)."""
     return bool(p.get("num_blocks") or p.get("interleaved") or p.get("split_unit")
