@@ -931,6 +931,72 @@ def test_records_read_from_threads_while_another_reads_them_all_are_each_made_on
         sys.setswitchinterval(interval)
 
 
+
+
+def _lazy_map(n: int):
+    from coordloader.checkpoint.metadata import TensorMap
+    entries = [(f"t{i}", "F32", (i % 7, 3), 8 * i, 8 * i + (i % 7) * 12) for i in range(n)]
+    names = [e[0] for e in entries]
+    return TensorMap.of_entries(dict(zip(names, range(n))), entries, ["a.safetensors"] * n), names
+
+
+def test_a_child_forked_while_a_thread_reads_every_record_reads_them_too():
+    # nothing a thread holds while it makes records can be left held in a forked child
+    import signal
+    import threading
+    import time
+    for _ in range(5):
+        tm, names = _lazy_map(60_000)
+        t = threading.Thread(target=lambda: list(tm.values()))
+        t.start()
+        time.sleep(0.005)
+        pid = os.fork()
+        if pid == 0:   # the child: every record, or exit 1
+            try:
+                ok = [tm[k].name for k in names] == names and len(list(tm.values())) == len(names)
+            finally:
+                os._exit(0 if ok else 1)
+        t.join()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child did not finish reading the records in 20 s")
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_collector_callback_may_read_records_while_they_are_made():
+    # a __del__ or gc callback reading the map while this thread makes a record of it
+    import gc
+    import threading
+    tm, names = _lazy_map(3000)
+    seen: list = []
+
+    def callback(phase, info):
+        if phase == "start":
+            seen.append(tm.get(names[-1 - len(seen) % len(names)]))
+    threshold = gc.get_threshold()
+
+    def read():
+        gc.callbacks.append(callback)
+        gc.set_threshold(1)
+        try:
+            for k in names:
+                assert tm[k].name == k
+        finally:
+            gc.set_threshold(*threshold)
+            gc.callbacks.remove(callback)
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "reading the records deadlocked in a collector callback"
+    assert seen and all(r is tm[r.name] for r in seen)
+
 def _table_fields(table) -> list:
     return [v.tolist() if hasattr(v, "tolist") else v for v in table]
 

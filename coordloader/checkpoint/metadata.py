@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from math import prod
@@ -105,6 +105,16 @@ _PIECE_SETTERS = _field_setters(SourcePiece)
 _RECORD_SETTERS = _field_setters(TensorInfo)
 
 
+class _Source(NamedTuple):
+    """What a ``TensorMap``'s unmade records are made from: the header entries ``(key,
+    dtype, shape, start, end)`` by row, each one's file, its row by name, and the boxes
+    shared per shape. Never changed once made: a reader holds it whole."""
+    entries: list
+    files: list[str]
+    rows: dict[str, int]
+    boxes: dict
+
+
 class TensorMap(Mapping):
     """A checkpoint's tensors by name, read-only: what the planner and cover read of them
     as columns (``TensorTable``) cannot drift from the records.
@@ -113,18 +123,16 @@ class TensorMap(Mapping):
     (``of_entries``): every rank assembles the metadata of all 92 k tensors of
     DeepSeek-V3, while a load reads the records of the tensors it reads. Reading all of
     them (``values``, ``items``, equality, pickling) makes the rest at once, in the
-    tensors' order. Safe to read from several threads: each record is made once, under
-    a lock, and every reader gets that one."""
-    __slots__ = ("_rows", "_made", "_entries", "_files", "_boxes", "_lock", "_sealed")
+    tensors' order. Safe to read from several threads, in a forked child and from a
+    collector callback: no lock, each record is published with one ``dict.setdefault``,
+    so every reader gets the first one made."""
+    __slots__ = ("_rows", "_made", "_source", "_sealed")
 
     def __init__(self, *args, **kwargs):
         if getattr(self, "_sealed", False):
             self._read_only()
-        self._made = dict(*args, **kwargs)
-        self._rows = self._made     # name -> row, for the made-on-read records
-        # while some records are unmade: the header entries, their files, the shared
-        # boxes, and the lock they are made under (None: built from records)
-        self._entries = self._files = self._boxes = self._lock = None
+        self._made = self._rows = dict(*args, **kwargs)
+        self._source = None         # while some records are unmade: their _Source
         self._sealed = True
 
     @classmethod
@@ -133,8 +141,7 @@ class TensorMap(Mapping):
         each, in file ``files[row]``, named by their keys (``rows``: key -> row, in the
         tensors' order), made when first read."""
         m = cls()
-        m._rows, m._entries, m._files, m._boxes = rows, entries, files, {}
-        m._lock = threading.Lock()
+        m._rows, m._made, m._source = rows, {}, _Source(entries, files, rows, {})
         return m
 
     def _read_only(self, *args, **kwargs):
@@ -145,28 +152,31 @@ class TensorMap(Mapping):
     clear = pop = popitem = setdefault = update = _read_only
 
     def __getitem__(self, name: str) -> TensorInfo:
+        # the source first: once it is gone (_all), every record is in _made
+        src = self._source
         t = self._made.get(name, _UNMADE)
         if t is _UNMADE:
-            t = self._unmade(name)
-            if t is _UNMADE:
+            row = None if src is None else src.rows.get(name)
+            if row is None:
                 raise KeyError(name)
+            t = self._made.setdefault(name, _make(src, (row,))[0])
         return t
 
     def get(self, name, default=None):
+        src = self._source
         t = self._made.get(name, _UNMADE)
         if t is _UNMADE:
-            t = self._unmade(name)
-            if t is _UNMADE:
+            row = None if src is None else src.rows.get(name)
+            if row is None:
                 return default
+            t = self._made.setdefault(name, _make(src, (row,))[0])
         return t
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name``, without making its record (the planner places
         thousands of tensors by name and shape); KeyError for a name it lacks."""
-        entries = self._entries   # a list never changed: only the attribute is cleared
-        if entries is None:
-            return self[name].shape
-        return entries[self._rows[name]][2]
+        src = self._source
+        return self[name].shape if src is None else src.entries[src.rows[name]][2]
 
     def __contains__(self, name) -> bool:
         return name in self._rows
@@ -199,63 +209,50 @@ class TensorMap(Mapping):
     def __reduce__(self):
         return TensorMap, (self._all(),)
 
-    def _unmade(self, name):
-        """The record of ``name``, made now if it is one of the header entries; _UNMADE
-        for a name the checkpoint lacks. Checked again under the lock: another thread
-        may have made it, or all of them (``_all``), since ``_made`` was read."""
-        if self._lock is None:
-            return _UNMADE
-        with self._lock:
-            t = self._made.get(name, _UNMADE)
-            if t is _UNMADE and self._entries is not None:
-                row = self._rows.get(name)
-                if row is not None:
-                    t = self._made[name] = self._make((row,))[0]
-        return t
-
-    def _make(self, rows: Iterable[int]) -> list[TensorInfo]:
-        """The records of ``rows`` (under the lock): TensorInfo(key, dtype, shape,
-        (SourcePiece(file, box, start, end, key),)) each, through the slotted records'
-        setters (no __init__ frame, no object.__setattr__ per field)."""
-        new, entries, files, boxes = object.__new__, self._entries, self._files, self._boxes
-        p_file, p_box, p_start, p_end, p_key = _PIECE_SETTERS
-        t_name, t_dtype, t_shape, t_pieces = _RECORD_SETTERS
-        out = []
-        for row in rows:
-            key, dtype, shape, start, end = entries[row]
-            box = boxes.get(shape)
-            if box is None:
-                box = boxes[shape] = full_box(shape)
-            p = new(SourcePiece)
-            p_file(p, files[row])
-            p_box(p, box)
-            p_start(p, start)
-            p_end(p, end)
-            p_key(p, key)
-            t = new(TensorInfo)
-            t_name(t, key)
-            t_dtype(t, dtype)
-            t_shape(t, shape)
-            t_pieces(t, (p,))
-            out.append(t)
+    def _all(self) -> dict[str, TensorInfo]:
+        """Every record, in the tensors' order: the unmade ones made at once, each
+        published as a single read would be (another thread's, made first, is kept)."""
+        src = self._source
+        if src is None:
+            return self._made
+        made, rows = self._made, src.rows
+        unmade = [k for k in rows if k not in made] if made else list(rows)
+        with gc_paused():   # ~180 k objects, all kept: nothing to collect
+            deque(map(made.setdefault, unmade, _make(src, map(rows.__getitem__, unmade))), 0)
+            out = dict(zip(rows, map(made.__getitem__, rows)))
+        # every record is in made before the source goes: a reader that finds no source
+        # finds its record (in made, or in out once it is published)
+        self._made = self._rows = out
+        self._source = None
         return out
 
-    def _all(self) -> dict[str, TensorInfo]:
-        """Every record, in the tensors' order, keeping those made before."""
-        if self._entries is not None:
-            with self._lock:
-                if self._entries is not None:
-                    made, rows = self._made, self._rows
-                    unmade = [k for k in rows if k not in made] if made else list(rows)
-                    with gc_paused():   # ~180 k objects, all kept: nothing to collect
-                        out = dict(zip(unmade, self._make(map(rows.__getitem__, unmade))))
-                    if made:   # those made before, kept, in the tensors' order
-                        out.update(made)
-                        out = {k: out[k] for k in rows}
-                    # the full dict first: a reader that sees no entries finds it
-                    self._made = out
-                    self._entries = self._files = self._boxes = None
-        return self._made
+
+def _make(src: _Source, rows: Iterable[int]) -> list[TensorInfo]:
+    """The records of ``rows``: TensorInfo(key, dtype, shape, (SourcePiece(file, box,
+    start, end, key),)) each, through the slotted records' setters (no __init__ frame, no
+    object.__setattr__ per field)."""
+    new, entries, files, boxes = object.__new__, src.entries, src.files, src.boxes
+    p_file, p_box, p_start, p_end, p_key = _PIECE_SETTERS
+    t_name, t_dtype, t_shape, t_pieces = _RECORD_SETTERS
+    out = []
+    for row in rows:
+        key, dtype, shape, start, end = entries[row]
+        box = boxes.get(shape)
+        if box is None:
+            box = boxes.setdefault(shape, full_box(shape))
+        p = new(SourcePiece)
+        p_file(p, files[row])
+        p_box(p, box)
+        p_start(p, start)
+        p_end(p, end)
+        p_key(p, key)
+        t = new(TensorInfo)
+        t_name(t, key)
+        t_dtype(t, dtype)
+        t_shape(t, shape)
+        t_pieces(t, (p,))
+        out.append(t)
+    return out
 
 
 class TensorTable(NamedTuple):
