@@ -2,12 +2,11 @@
 (the checkpoint's headers, a rule file), then hand plain data to `planning`."""
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
 from typing import Any, Mapping
 
-from coordloader.checkpoint.metadata import CheckpointMeta, with_table
+from coordloader.checkpoint.metadata import CheckpointMeta, with_other_config
 from coordloader.checkpoint.reader import (
     MAX_CONFIG,
     MAX_JSON_FILE,
@@ -70,12 +69,9 @@ def read_config(config: Any) -> dict | None:
 
 
 def with_config(meta: CheckpointMeta, config: Any) -> CheckpointMeta:
-    """``meta`` planned with ``config`` in place of its own config.json (when given), with
-    the table of its tensors (the same tensors: a table built again from their records
-    would make every record)."""
+    """``meta`` planned with ``config`` in place of its own config.json (when given)."""
     doc = read_config(config)
-    return meta if doc is None else with_table(dataclasses.replace(meta, config=doc),
-                                               meta.table())
+    return meta if doc is None else with_other_config(meta, doc)
 
 
 def make_plan(checkpoint: str | CheckpointMeta, layout: Layout, rules: Any = None, *,

@@ -867,6 +867,17 @@ def test_planning_with_a_config_given_reads_the_tensor_table_not_every_record(ti
     plan = make_plan(meta, Layout(tp=2, ep=2), config=config)
     assert plan.digest() == make_plan(meta, Layout(tp=2, ep=2)).digest()
     assert _records_alive() - before < len(meta.tensors)
+    # metadata without a table gets none early: a bad layout or rule set is still the
+    # error named first, as without a config
+    from coordloader.errors import PlanError
+    odd = CheckpointMeta(meta.root, meta.files, {"w": TensorInfo(
+        "w", "BF16", [4, 4], (SourcePiece(meta.files[0].name, ((0, 4), (0, 4)), 100, 132, "w"),))})
+    for args in ((odd, "tp=2"), (odd, Layout(), "no-such-rules")):
+        with pytest.raises(PlanError) as plain:
+            make_plan(*args)
+        with pytest.raises(PlanError) as given:
+            make_plan(*args, config=config)
+        assert str(given.value) == str(plain.value)
 
 
 def test_planning_places_tensors_by_name_and_shape_without_their_records(tiny_checkpoint):

@@ -8,6 +8,7 @@ pieces the same way in both cases, so resharding needs no special path.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections import deque
@@ -297,6 +298,14 @@ def with_table(meta: CheckpointMeta, table: TensorTable) -> CheckpointMeta:
         raise ValueError("a tensor table for metadata that has one, or of other tensors")
     meta._table.append(table)
     return meta
+
+
+def with_other_config(meta: CheckpointMeta, config: Mapping | None) -> CheckpointMeta:
+    """``meta`` with ``config`` as its config.json: the same tensors, so the table it has,
+    if any (one built again from the records would make every record)."""
+    out = dataclasses.replace(meta, config=config)
+    out._table.extend(meta._table)
+    return out
 
 
 def _table_of_records(meta: CheckpointMeta) -> TensorTable:
