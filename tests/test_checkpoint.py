@@ -24,7 +24,7 @@ from coordloader.checkpoint.reader import (
     read_checkpoint,
     read_file_header,
 )
-from coordloader.errors import CheckpointError
+from coordloader.errors import CheckpointError, VerifyError
 
 from stfiles import (
     hard_timeout,
@@ -943,6 +943,30 @@ def test_records_read_from_threads_while_another_reads_them_all_are_each_made_on
 
 
 
+
+def test_reading_a_manifest_compares_the_table_not_every_record(tiny_checkpoint, tmp_path):
+    # every rank of a --verify digest load reads the manifest: its dtypes and shapes are
+    # compared with the table's, so the ranks make only the records they read
+    import shutil
+
+    from coordloader.verify import manifest as mf
+    root = str(tmp_path / "ckpt")
+    shutil.copytree(tiny_checkpoint("deepseek_v3"), root)
+    mf.write_manifest(read_checkpoint(root))
+    before = _records_alive()
+    meta = read_checkpoint(root)
+    man = mf.load_manifest(root, meta, required=True)
+    assert _records_alive() == before and len(man.tensors) == len(meta.tensors)
+    # a mismatch is still named, with the checkpoint's dtype and shape
+    name = next(n for n in meta.tensors if len(meta.tensors.shape(n)) == 2)
+    doc = json.load(open(mf.manifest_path(root)))
+    doc["tensors"][name]["shape"] = [1, 1]
+    with open(mf.manifest_path(root), "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(VerifyError, match=r"manifest records \w+\[1, 1\], checkpoint has "
+                                          + meta.tensors[name].dtype) as e:
+        mf.load_manifest(root, read_checkpoint(root), required=True)
+    assert e.value.tensor == name and str(list(meta.tensors[name].shape)) in str(e.value)
 
 def _lazy_map(n: int):
     from coordloader.checkpoint.metadata import TensorMap

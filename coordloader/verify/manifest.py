@@ -279,14 +279,27 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         raise VerifyError(f"stale manifest: the checkpoint changed since it was written "
                           f"({_staleness(doc, meta)}); regenerate it with "
                           f"`python -m coordloader.manifest {root}`", file=path)
+    recorded = _recorded(meta)
     missing = sorted(set(meta.tensors) - set(tensors))
     extra = sorted(set(tensors) - set(meta.tensors))
     if missing or extra:
         raise VerifyError(f"manifest does not match the checkpoint's tensors (missing {missing[:5]}, "
                           f"unexpected {extra[:5]})", file=path)
     for n, t in tensors.items():
-        info = meta.tensors[n]
-        if t.dtype != info.dtype or t.shape != tuple(info.shape):
+        dtype, shape = recorded(n)
+        if t.dtype != dtype or t.shape != tuple(shape):
             raise VerifyError(f"manifest records {t.dtype}{list(t.shape)}, checkpoint has "
-                              f"{info.dtype}{list(info.shape)}", file=path, tensor=n)
+                              f"{dtype}{list(shape)}", file=path, tensor=n)
     return Manifest(path, fp, doc["algorithm"], tensors, meta.root, samples)
+
+
+def _recorded(meta: CheckpointMeta):
+    """name -> (dtype, shape) of ``meta``'s tensors: from the table (without making every
+    record), else from the records."""
+    try:
+        table = meta.table()
+    except CheckpointError:   # records a table cannot hold: their own fields
+        return lambda n: (meta.tensors[n].dtype, meta.tensors[n].shape)
+    row = dict(zip(table.names, range(len(table.names))))
+    dtype, shape = table.dtype.tolist(), table.shape.tolist()
+    return lambda n: (table.dtypes[dtype[row[n]]], table.shapes[shape[row[n]]])
