@@ -18,7 +18,25 @@ scan). Cycles among them are still collected, by the next full collection. Measu
 from __future__ import annotations
 
 import gc
+import os
+import threading
 from contextlib import contextmanager
+
+# the threads inside an outermost pause of an enabled collector
+_pausing: set[int] = set()
+
+
+def _after_fork_in_child() -> None:
+    # only the forking thread lives on in the child: the pauses of the others would never
+    # end, and their collector would stay off for good
+    me = threading.get_ident()
+    if _pausing - {me}:
+        _pausing.intersection_update({me})
+        if not _pausing:
+            gc.enable()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextmanager
@@ -31,10 +49,13 @@ def gc_paused():
     would undo it)."""
     was = gc.isenabled()
     gc.disable()
+    if was:
+        _pausing.add(threading.get_ident())
     try:
         yield
     finally:
         if was:
+            _pausing.discard(threading.get_ident())
             promote_young()
             gc.enable()
 

@@ -285,6 +285,32 @@ def test_gc_pause_leaves_no_young_scan_behind_and_respects_frozen_objects():
     del kept, more
 
 
+
+def test_a_child_forked_while_another_thread_pauses_the_collector_has_it_running():
+    """Only the forking thread lives on in a child: a pause another thread was in would
+    never end there, leaving the child's collector off for good."""
+    import threading
+
+    from coordloader.gcpause import gc_paused
+    inside, leave = threading.Event(), threading.Event()
+
+    def pause():
+        with gc_paused():
+            inside.set()
+            leave.wait(30)
+    t = threading.Thread(target=pause)
+    t.start()
+    try:
+        assert inside.wait(30) and not gc.isenabled()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        leave.set()
+        t.join()
+    assert os.waitstatus_to_exitcode(status) == 0 and gc.isenabled()
+
 def test_descriptor_room_of_overlapping_loads_is_put_back_by_the_last():
     """Two loads in one process: the first to finish put the soft limit back under the
     one still running, whose next opens failed 'Too many open files'; put back out of
