@@ -1085,6 +1085,25 @@ def test_a_checkpoints_tensors_are_read_only(tmp_path):
     assert name in built.tensors and built.table().names == list(meta.tensors)
 
 
+
+def test_a_record_listed_under_another_name_is_refused(tmp_path):
+    # the planner places a tensor by its key and reads its records by name: a record
+    # under another key (an expert's id renamed) planned experts onto the wrong owners
+    import dataclasses
+    sharded_ok(tmp_path)
+    meta = read_checkpoint(str(tmp_path))
+    a, b = list(meta.tensors)[:2]
+    swapped = {**meta.tensors, a: meta.tensors[b], b: meta.tensors[a]}
+    with pytest.raises(CheckpointError) as e:
+        dataclasses.replace(meta, tensors=swapped)
+    assert e.value.tensor == a and str(e.value) == (
+        f"tensor {a!r}: the record of tensor {b!r} is listed under {a!r}; expected each "
+        f"tensor's record under its own name")
+    renamed = {n: dataclasses.replace(t, name="x." + n) for n, t in meta.tensors.items()}
+    with pytest.raises(CheckpointError, match="is listed under"):
+        CheckpointMeta(meta.root, meta.files, renamed)
+    assert dataclasses.replace(meta, tensors=dict(meta.tensors.items())) == meta
+
 def test_a_table_of_records_marks_what_is_not_one_whole_piece():
     from coordloader.checkpoint.metadata import with_table
     a = SourcePiece("a.safetensors", ((0, 2), (0, 4)), 72, 104, "x@a")

@@ -14,7 +14,9 @@ import json
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from itertools import compress, repeat
 from math import prod
+from operator import ne
 from typing import NamedTuple
 
 import numpy as np
@@ -132,7 +134,15 @@ class TensorMap(Mapping):
     def __init__(self, *args, **kwargs):
         if getattr(self, "_sealed", False):
             self._read_only()
-        self._made = self._rows = dict(*args, **kwargs)
+        made = dict(*args, **kwargs)
+        # each record under its own name: the planner places a tensor by its key, other
+        # readers by the record's name
+        named = map(getattr, made.values(), repeat("name"), made)
+        for key in compress(made, map(ne, made, named)):
+            raise CheckpointError(f"the record of tensor {made[key].name!r} is listed under "
+                                  f"{key!r}; expected each tensor's record under its own "
+                                  f"name", tensor=key)
+        self._made = self._rows = made
         self._source = None         # while some records are unmade: their _Source
         self._sealed = True
 
