@@ -967,6 +967,19 @@ def test_reading_a_manifest_compares_the_table_not_every_record(tiny_checkpoint,
                                           + meta.tensors[name].dtype) as e:
         mf.load_manifest(root, read_checkpoint(root), required=True)
     assert e.value.tensor == name and str(list(meta.tensors[name].shape)) in str(e.value)
+    # records no table can hold (built by hand) are compared one by one, after the check
+    # of the names, as before
+    import dataclasses
+    mf.write_manifest(meta)
+    t = meta.tensors[name]
+    odd = dataclasses.replace(meta, tensors={**meta.tensors, name: dataclasses.replace(
+        t, dtype=[t.dtype])})
+    with pytest.raises(VerifyError, match=r"checkpoint has \['") as e:
+        mf.load_manifest(root, odd, required=True)
+    assert e.value.tensor == name
+    fewer = dataclasses.replace(odd, tensors={n: r for n, r in odd.tensors.items() if n != name})
+    with pytest.raises(VerifyError, match="manifest does not match the checkpoint's tensors"):
+        mf.load_manifest(root, fewer, required=True)
 
 def _lazy_map(n: int):
     from coordloader.checkpoint.metadata import TensorMap

@@ -279,12 +279,12 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         raise VerifyError(f"stale manifest: the checkpoint changed since it was written "
                           f"({_staleness(doc, meta)}); regenerate it with "
                           f"`python -m coordloader.manifest {root}`", file=path)
-    recorded = _recorded(meta)
     missing = sorted(set(meta.tensors) - set(tensors))
     extra = sorted(set(tensors) - set(meta.tensors))
     if missing or extra:
         raise VerifyError(f"manifest does not match the checkpoint's tensors (missing {missing[:5]}, "
                           f"unexpected {extra[:5]})", file=path)
+    recorded = _recorded(meta)
     for n, t in tensors.items():
         dtype, shape = recorded(n)
         if t.dtype != dtype or t.shape != tuple(shape):
@@ -298,7 +298,8 @@ def _recorded(meta: CheckpointMeta):
     record), else from the records."""
     try:
         table = meta.table()
-    except CheckpointError:   # records a table cannot hold: their own fields
+    except (CheckpointError, TypeError, ValueError, AttributeError):
+        # records built by hand that a table cannot hold: their own fields
         return lambda n: (meta.tensors[n].dtype, meta.tensors[n].shape)
     row = dict(zip(table.names, range(len(table.names))))
     dtype, shape = table.dtype.tolist(), table.shape.tolist()
