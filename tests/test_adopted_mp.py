@@ -624,7 +624,11 @@ try:
 except coordloader.CoordloaderError as e:
     outcome = type(e).__name__ + " " + " ".join(str(e).split())
 print("RESULT", f"{time.monotonic() - t0:.1f}", outcome, flush=True)
-time.sleep(8)
+# alive (rank 0 hosting the store) until both ranks are through their load, or 8 s
+open(f"late.done-{rank}", "w").close()
+end = time.monotonic() + 8
+while time.monotonic() < end and not all(os.path.exists(f"late.done-{q}") for q in (0, 1)):
+    time.sleep(0.05)
 os._exit(0)
 '''
 
@@ -644,7 +648,9 @@ def test_a_rank_arriving_after_the_others_gave_up_does_not_pass(tmp_path, ckpt):
 def _phase_script(world: int, timeout: float, phase: str, delay: str, linger: str) -> str:
     """A ``world``-rank script: each rank adopts the default group (``timeout``), sleeps
     ``delay`` (an expression of ``rank``), runs one phase named ``phase`` (an expression)
-    and prints ``RESULT <seconds> <outcome>``; it exits after ``linger`` seconds."""
+    and prints ``RESULT <seconds> <outcome>``; it stays alive (rank 0 hosting the store)
+    for ``linger`` seconds, or until every rank has closed its group, if sooner: no rank
+    needs another after that."""
     return f'''
 import os, sys, time
 from datetime import timedelta
@@ -662,7 +668,11 @@ except coll.CollectiveError as e:
     outcome = " ".join(str(e).split())
 print("RESULT", f"{{time.monotonic() - t0:.1f}}", outcome, flush=True)
 g.close()
-time.sleep({linger})
+done = os.path.basename(__file__) + ".closed-{{}}"
+open(done.format(rank), "w").close()
+end = time.monotonic() + ({linger})
+while time.monotonic() < end and not all(os.path.exists(done.format(q)) for q in range({world})):
+    time.sleep(0.05)
 os._exit(0)
 '''
 
