@@ -163,17 +163,13 @@ class TensorMap(Mapping):
     clear = pop = popitem = setdefault = update = _read_only
 
     def __getitem__(self, name: str) -> TensorInfo:
-        # the source first: once it is gone (_all), every record is in _made
-        src = self._source
-        t = self._made.get(name, _UNMADE)
+        t = self.get(name, _UNMADE)
         if t is _UNMADE:
-            row = None if src is None else src.rows.get(name)
-            if row is None:
-                raise KeyError(name)
-            t = self._made.setdefault(name, _make(src, (row,))[0])
+            raise KeyError(name)
         return t
 
     def get(self, name, default=None):
+        # the source first: once it is gone (_all), every record is in _made
         src = self._source
         t = self._made.get(name, _UNMADE)
         if t is _UNMADE:
