@@ -900,21 +900,23 @@ def test_planning_places_tensors_by_name_and_shape_without_their_records(tiny_ch
         meta.tensors.shape("absent")
 
 
+def _lazy_map(n: int):
+    from coordloader.checkpoint.metadata import TensorMap
+    entries = [(f"t{i}", "F32", (i % 7, 3), 8 * i, 8 * i + (i % 7) * 12) for i in range(n)]
+    names = [e[0] for e in entries]
+    return TensorMap.of_entries(dict(zip(names, range(n))), entries, ["a.safetensors"] * n), names
+
+
 def test_records_read_from_threads_while_another_reads_them_all_are_each_made_once():
     # a record is made once whatever the threads: two reading names one by one (get and
     # []), two every record at once; none is missed, None, or made twice
     import sys
     import threading
-
-    from coordloader.checkpoint.metadata import TensorMap
-    n = 4000
-    entries = [(f"t{i}", "F32", (i % 7, 3), 8 * i, 8 * i + (i % 7) * 12) for i in range(n)]
-    names = [e[0] for e in entries]
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:
         for _ in range(20):
-            tm = TensorMap.of_entries(dict(zip(names, range(n))), entries, ["a.safetensors"] * n)
+            tm, names = _lazy_map(4000)
             got: dict = {}
             errors: list = []
 
@@ -980,13 +982,6 @@ def test_reading_a_manifest_compares_the_table_not_every_record(tiny_checkpoint,
     fewer = dataclasses.replace(odd, tensors={n: r for n, r in odd.tensors.items() if n != name})
     with pytest.raises(VerifyError, match="manifest does not match the checkpoint's tensors"):
         mf.load_manifest(root, fewer, required=True)
-
-def _lazy_map(n: int):
-    from coordloader.checkpoint.metadata import TensorMap
-    entries = [(f"t{i}", "F32", (i % 7, 3), 8 * i, 8 * i + (i % 7) * 12) for i in range(n)]
-    names = [e[0] for e in entries]
-    return TensorMap.of_entries(dict(zip(names, range(n))), entries, ["a.safetensors"] * n), names
-
 
 def test_a_child_forked_while_a_thread_reads_every_record_reads_them_too():
     # nothing a thread holds while it makes records can be left held in a forked child
