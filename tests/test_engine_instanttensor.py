@@ -788,3 +788,77 @@ def test_a_rank_failing_before_the_first_collective_stops_every_rank_by_name(ckp
                         "package: libcudart.so.13 (config)")
     assert r0[4][1] == r1[4][1] == "ok"
     assert all(t < PREPARE_TIMEOUT_S / 2 for _, _, t in r0 + r1), (r0, r1)
+
+
+def _records_alive() -> int:
+    import gc
+
+    from coordloader.checkpoint.metadata import TensorInfo
+    gc.collect()
+    return sum(type(o) is TensorInfo for o in gc.get_objects())
+
+
+def test_a_plain_checkpoint_streams_without_a_record_of_every_tensor(tiny_checkpoint,
+                                                                      fake_cuda):
+    """Each rank streams every tensor of its group's files and checks each against the
+    metadata: the engine made the record of every tensor of the checkpoint for that
+    (92 k on DeepSeek-V3), most of them other ranks'. A plain checkpoint's tensors are
+    checked against their header entries; each rank makes the records of its own."""
+    from safetensors.torch import load_file
+
+    import coordloader as cl
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.layout import Layout
+    root = tiny_checkpoint("qwen3_moe")
+    full = {}
+    for f in sorted(os.listdir(root)):
+        if f.endswith(".safetensors"):
+            full.update(load_file(os.path.join(root, f)))
+    layout = Layout(ep=2, tp=2)
+    for rank in range(layout.world_size):
+        meta = read_checkpoint(root)
+        plan = cl.make_plan(meta, layout)
+        before = _records_alive()
+        got, stats = select_engine("instanttensor", "cuda:0", plan=plan).load_rank(
+            meta, plan.rank(rank), "cuda:0")
+        made = _records_alive() - before
+        _check(got, plan.rank(rank), full)
+        assert stats.extra["bytes_streamed"] == meta.total_bytes   # every tensor streamed past
+        experts = sum(".experts." in n for n in meta.tensors)
+        # the rank's own records: not those of the other rank's half of the experts
+        assert experts > 20 and made <= len(meta.tensors) - experts // 2
+        assert CALLS[-1]["tensor_filter"] is None
+
+
+def test_a_plain_checkpoints_streamed_tensor_of_another_dtype_is_refused(tiny_checkpoint,
+                                                                       fake_cuda, monkeypatch):
+    """The checks against a plain checkpoint's header entries are the checks against its
+    records: a yielded tensor of another dtype (same shape and size) is refused naming
+    the file and tensor, as it was."""
+    import coordloader as cl
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.layout import Layout
+    root = tiny_checkpoint("qwen3_moe")
+    meta = read_checkpoint(root)
+    plan = cl.make_plan(meta, Layout(ep=2, tp=2))
+    # the first tensor streamed: the first file's, by offset
+    first = min(meta.files, key=lambda f: f.name).name
+    name, info = min(((n, t) for n, t in meta.tensors.items() if t.pieces[0].file == first),
+                     key=lambda nt: nt[1].pieces[0].start)
+    assert info.dtype == "BF16"
+    meta = read_checkpoint(root)   # records unmade again
+
+    class Retyped(FakeSafeOpen):   # BF16 bytes yielded as F16
+        def tensors(self):
+            for k, t in super().tensors():
+                yield k, (t.view(torch.float16) if t.dtype == torch.bfloat16 else t)
+
+    monkeypatch.setattr(ite, "_safe_open", lambda: Retyped)
+    with pytest.raises(LoadError) as e:
+        select_engine("instanttensor", "cuda:0", plan=plan).load_rank(meta, plan.rank(1),
+                                                                       "cuda:0")
+    assert str(e.value) == (
+        f"rank 1, file {first}, tensor {name!r}: instanttensor yielded key {name!r} as "
+        f"torch.float16 {list(info.shape)}; the checkpoint metadata has it in this file as "
+        f"torch.bfloat16 {list(info.shape)} (file changed, or the stream attributed to the "
+        f"wrong file?)")

@@ -185,6 +185,15 @@ class TensorMap(Mapping):
         src = self._source
         return self[name].shape if src is None else src.entries[src.rows[name]][2]
 
+    def header_entries(self) -> tuple[list, list[str]] | None:
+        """The header entries ``(key, dtype, shape, start, end)`` by row and each one's
+        file, each a tensor stored whole under its own name, while this map makes its
+        records when first read (a plain checkpoint's); None for a map of records.
+        Reading them makes no record: a reader of every tensor's dtype and shape (the
+        instanttensor engine checks each streamed tensor) need not make 92 k of them."""
+        src = self._source
+        return None if src is None else (src.entries, src.files)
+
     def __contains__(self, name) -> bool:
         return name in self._rows
 

@@ -27,12 +27,13 @@ import inspect
 import os
 import threading
 import time
+from operator import itemgetter
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
 from coordloader.checkpoint import dtypes
-from coordloader.checkpoint.metadata import CheckpointMeta, box_shape
+from coordloader.checkpoint.metadata import CheckpointMeta, TensorMap, box_shape, full_box
 from coordloader.checkpoint.reader import parse_strict_json
 from coordloader.engines import (
     LoadStats,
@@ -46,6 +47,7 @@ from coordloader.engines import (
     slice_nbytes,
 )
 from coordloader.errors import CoordloaderError, LoadError
+from coordloader.gcpause import gc_paused
 from coordloader.planning.model import LoadGroup, LoadGroupMode, Plan, RankPlan
 from coordloader.text import format_ranges
 
@@ -270,6 +272,38 @@ def _key_files(files: Sequence[str], keys: Sequence[str] | None,
     return where, sorted(shared)
 
 
+def _stored_pieces(meta: CheckpointMeta) -> tuple[dict, dict]:
+    """(file, key) -> (tensor name, dtype, box) of every stored piece (keys are unique
+    within a file only), and per file its (start, key) pairs in the order of their bytes:
+    what each streamed tensor is attributed to and checked against. A plain checkpoint's
+    from its header entries, with no record made (a rank streams every tensor of its
+    group's files, most of them other ranks')."""
+    got = meta.tensors.header_entries() if isinstance(meta.tensors, TensorMap) else None
+    starts: dict[str, list[tuple[int, str]]] = {}
+    with gc_paused():   # ~300 k tuples, all kept: nothing to collect
+        if got is None:
+            keymap: dict[tuple[str, str], tuple] = {}
+            for info in meta.tensors.values():
+                for sp in info.pieces:
+                    keymap[(sp.file, sp.key)] = (info.name, info.dtype, sp.box)
+                    starts.setdefault(sp.file, []).append((sp.start, sp.key))
+        else:
+            entries, files = got
+            keys = list(map(itemgetter(0), entries))
+            shapes = list(map(itemgetter(2), entries))
+            boxes = {s: full_box(s) for s in set(shapes)}
+            keymap = dict(zip(zip(files, keys), zip(keys, map(itemgetter(1), entries),
+                                                    map(boxes.__getitem__, shapes))))
+            for f, at, k in zip(files, map(itemgetter(3), entries), keys):
+                p = starts.get(f)
+                if p is None:
+                    starts[f] = [(at, k)]
+                else:
+                    p.append((at, k))
+        # sorted file by file (tuples: no key function per entry)
+        return keymap, {f: sorted(p) for f, p in starts.items()}
+
+
 class _StageGroups:
     """The process groups ``_stage_group`` made, by global ranks, and the default group
     they were made in (a sentinel before the first)."""
@@ -476,16 +510,7 @@ class InstantTensorEngine:
                 raise LoadError("planned tensor is not in the checkpoint", tensor=ts.name, rank=rank)
             tensors[ts.name] = allocate(ts, alloc_dev, out, rank=rank)
             held += slice_nbytes(ts)
-        # (file, key) -> (tensor, source piece): keys are unique within a file only
-        keymap: dict[tuple[str, str], tuple] = {}
-        starts: dict[str, list[tuple[int, str]]] = {}
-        for info in meta.tensors.values():
-            for sp in info.pieces:
-                keymap[(sp.file, sp.key)] = (info, sp)
-                starts.setdefault(sp.file, []).append((sp.start, sp.key))
-        # per file its (start, key) in the order of their bytes, sorted file by file
-        # (tuples: no key function per entry)
-        file_keys = {f: sorted(p) for f, p in starts.items()}
+        keymap, file_keys = _stored_pieces(meta)
         need = needed_keys(meta, rank_plan)
         keys = self._group_keys(groups, world)
         calls = open_calls(groups, keys, rank, need)
@@ -563,8 +588,8 @@ class InstantTensorEngine:
                     raise LoadError(f"instanttensor yielded key {key!r}, which the "
                                     f"checkpoint metadata does not list in this file "
                                     f"(file changed?)", file=fname, rank=rank)
-                info, sp = ent
-                want = (dtypes.torch_dtype(info.dtype), box_shape(sp.box))
+                name, dtype, box = ent
+                want = (dtypes.torch_dtype(dtype), box_shape(box))
                 if (t.dtype, tuple(t.shape)) != want:
                     # same element count is not enough: a piece of another file
                     # or layout would be copied in as this one's
@@ -572,16 +597,16 @@ class InstantTensorEngine:
                                     f"{list(t.shape)}; the checkpoint metadata has it "
                                     f"in this file as {want[0]} {list(want[1])} (file "
                                     f"changed, or the stream attributed to the wrong "
-                                    f"file?)", file=fname, tensor=info.name, rank=rank)
+                                    f"file?)", file=fname, tensor=name, rank=rank)
                 nb = t.numel() * t.element_size()
                 st.streamed += nb
                 st.share += nb // gsize
-                ts = slices.get(info.name)
+                ts = slices.get(name)
                 if ts is None:
                     continue  # another rank's tensor: dropped as it streams past
-                dst = tensors[info.name]
+                dst = tensors[name]
                 for pc in ts.pieces:
-                    copy_overlap(dst, pc.src, pc.dst, t, sp.box)
+                    copy_overlap(dst, pc.src, pc.dst, t, box)
                 st.seen.add((fname, key))
                 if progress is not None:
                     progress(nb)
