@@ -32,10 +32,12 @@ def _moe_model():
     return model
 
 
-def _dcp_worker(rank, port, src, out_fsdp, out_tp, cl_fsdp, cl_tp, cl_moe):
+def _dcp_worker(rank, port, src, out_fsdp, out_tp, cl_fsdp, cl_tp, cl_moe, out_full,
+                out_every):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
@@ -55,6 +57,13 @@ def _dcp_worker(rank, port, src, out_fsdp, out_tp, cl_fsdp, cl_tp, cl_moe):
         fully_shard(model, mesh=mesh)
         dcp.save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(
             out_fsdp, save_distributed=True))
+        # without save_distributed (HuggingFaceStorageWriter's default): rank 0's full
+        # state dict, written with an index; and every rank's pieces, which go to the same
+        # file names on every rank (torch's index still sums every rank's bytes)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+        dcp.save(full, storage_writer=HuggingFaceStorageWriter(out_full))
+        dcp.save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(out_every))
         # the same DTensor state through coordloader.save, with no plan
         cl.save(cl_fsdp, model.state_dict(), config=src)
         # TP: q/k/v/gate/up Shard(0), o/down Shard(1), the rest plain replicated tensors
@@ -83,9 +92,10 @@ def _dcp_worker(rank, port, src, out_fsdp, out_tp, cl_fsdp, cl_tp, cl_moe):
 def dcp_out(tmp_path_factory):
     base = tmp_path_factory.mktemp("dcp")
     src = write_llama(str(base / "src"), dtype=torch.float32)
-    outs = {k: str(base / k) for k in ("fsdp2", "tp", "cl-fsdp2", "cl-tp", "cl-moe")}
+    outs = {k: str(base / k) for k in ("fsdp2", "tp", "cl-fsdp2", "cl-tp", "cl-moe", "full",
+                                       "every")}
     spawn_and_wait(_dcp_worker, (free_port(), src, outs["fsdp2"], outs["tp"], outs["cl-fsdp2"],
-                                 outs["cl-tp"], outs["cl-moe"]), 2,
+                                 outs["cl-tp"], outs["cl-moe"], outs["full"], outs["every"]), 2,
                    "DCP HF save from 2 gloo ranks", hard_s=150)
     return src, outs, base
 
@@ -206,6 +216,68 @@ def test_dcp_shards_beside_an_index_are_refused(dcp_out, tmp_path):
                             f"({first}, ...), which hold pieces of tensors and come without an "
                             f"index; expected an index of whole tensors, or DCP's shards alone "
                             f"in their directory")
+
+
+def test_dcp_full_state_saved_without_save_distributed_loads_byte_exact(dcp_out):
+    """HuggingFaceStorageWriter's default (no save_distributed) writes rank 0's full state
+    dict as model-00001-of-00001.safetensors, marked DCP_SHARDING_INFO (offsets 0), with
+    an index: it was refused as per-rank shards beside an index."""
+    src, outs, _ = dcp_out
+    assert sorted(os.listdir(outs["full"])) == ["model-00001-of-00001.safetensors",
+                                                "model.safetensors.index.json"]
+    layout = Layout(tp=2)
+    for r in range(2):
+        got = cl.load(outs["full"], layout, rank=r, config=src, verify="full")
+        want = cl.load(src, layout, rank=r)
+        assert got.keys() == want.keys(), r
+        for n in want:
+            assert torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)), (r, n)
+
+
+def _every_rank_file_as_left(outs, tmp_path, rank_file: int) -> str:
+    """The output of every rank saving its pieces without save_distributed, as torch
+    leaves it when rank ``rank_file``'s write lands last: that rank's pieces under the one
+    file name, beside torch's own index (which sums every rank's bytes)."""
+    import shutil
+    d = tmp_path / f"every{rank_file}"
+    os.makedirs(d)
+    shutil.copy(os.path.join(outs["every"], "model.safetensors.index.json"), d)
+    shards = sorted(os.listdir(outs["fsdp2"]))   # the same pieces, one file per rank
+    shutil.copy(os.path.join(outs["fsdp2"], shards[rank_file]),
+                d / "model-00001-of-00001.safetensors")
+    return str(d)
+
+
+def test_every_ranks_pieces_saved_without_save_distributed_are_refused(dcp_out, tmp_path):
+    """Without save_distributed every rank writes its pieces to the same file names, so
+    the file holds whichever rank's write landed last: rank 0's pieces sit at offset 0
+    and would load as whole tensors of half the size; rank 1's name their offsets. Both
+    are refused: torch's index counts every rank's bytes, and lists whole tensors."""
+    _, outs, _ = dcp_out
+    with pytest.raises(CheckpointError):   # whichever write landed last here
+        cl.read_checkpoint(outs["every"])
+    idx = json.load(open(os.path.join(outs["every"], "model.safetensors.index.json")))
+    held = cl.read_checkpoint(outs["fsdp2"]).total_bytes
+    with pytest.raises(CheckpointError) as e:
+        cl.read_checkpoint(_every_rank_file_as_left(outs, tmp_path, 0))
+    assert idx["metadata"]["total_size"] == held
+    assert str(e.value).startswith(
+        f"file model.safetensors.index.json: gives total_size {held} bytes, but its files "
+        f"hold ")
+    assert str(e.value).endswith(
+        "bytes of tensors: torch DCP sums every rank's bytes into it, and without "
+        "save_distributed every rank writes the same file names (one rank's overwrote "
+        "another's); expected a state dict saved from one rank, or save_distributed=True "
+        "output")
+    with pytest.raises(CheckpointError) as e:
+        cl.read_checkpoint(_every_rank_file_as_left(outs, tmp_path, 1))
+    assert "places the tensor at offsets [" in str(e.value)
+    assert str(e.value).endswith(
+        "but the index 'model.safetensors.index.json' beside it lists whole tensors: torch "
+        "DCP writes an index when it saves without save_distributed, where every rank writes "
+        "the same file names and one rank's pieces overwrite another's; expected whole "
+        "tensors (a state dict saved from one rank), or save_distributed=True output "
+        "(per-rank files, no index)")
 
 
 @pytest.mark.parametrize("kind", ["cl-fsdp2", "cl-tp"])

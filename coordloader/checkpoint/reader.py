@@ -109,6 +109,7 @@ class Discovery:
     weight_map: dict[str, str] | None = None
     coordloader: dict | None = None             # validated "coordloader" index section
     config: dict | None = None                  # parsed config.json
+    total_size: int | None = None               # the index's metadata.total_size, if an int
 
 
 @dataclass(frozen=True)
@@ -826,8 +827,11 @@ def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
         if not os.path.lexists(os.path.join(d, fname)):
             raise CheckpointError(f"the index lists file {fname!r} which does not exist in the "
                                   f"checkpoint directory", file=index_name)
+    md = idx.get("metadata")
+    total = md.get("total_size") if type(md) is dict else None
     return Discovery(root=d, files=tuple(sorted(files)), kind="index", index_file=index_name,
-                     weight_map=wm, coordloader=section, config=config)
+                     weight_map=wm, coordloader=section, config=config,
+                     total_size=total if type(total) is int else None)
 
 
 def _is_box(box, ndim: int) -> bool:
@@ -902,15 +906,20 @@ def assemble(root: str, discovery: Discovery, headers: Iterable[FileHeader]) -> 
             tensors = _assemble_sharded(discovery, by_file, names)
             layout = discovery.coordloader.get("layout")
         elif _dcp_files(by_file, names):
-            if discovery.index_file is not None:
+            idx = discovery.index_file
+            shards = [n for n in names if DCP_SHARD_RE.match(n)]
+            if idx is not None and shards:
                 # torch DCP's per-rank output has no index: one beside it is not of this
                 # save, and reading only the files it names would drop pieces
-                raise CheckpointError(f"names torch DCP per-rank shards ({names[0]}, ...), which "
+                raise CheckpointError(f"names torch DCP per-rank shards ({shards[0]}, ...), which "
                                       f"hold pieces of tensors and come without an index; "
                                       f"expected an index of whole tensors, or DCP's shards "
-                                      f"alone in their directory", file=discovery.index_file)
-            _check_dcp_numbering(discovery.root, names)
-            tensors = _assemble_dcp(by_file, names)
+                                      f"alone in their directory", file=idx)
+            if idx is None:
+                _check_dcp_numbering(discovery.root, names)
+            tensors = _assemble_dcp(by_file, names, idx)
+            if idx is not None:
+                _check_dcp_index(discovery, tensors)
             layout = None
             extents = True
         else:
@@ -983,12 +992,14 @@ def _check_dcp_numbering(root: str, names) -> None:
                               f"shard-*.safetensors file", file=root)
 
 
-def _assemble_dcp(by_file, names) -> dict[str, TensorInfo]:
+def _assemble_dcp(by_file, names, index: str | None = None) -> dict[str, TensorInfo]:
     """torch DCP ``HuggingFaceStorageWriter(save_distributed=True)`` output: every file
     holds one rank's pieces under the tensors' own names, and its ``__metadata__``
     ``DCP_SHARDING_INFO`` gives each piece's ``saved_offsets`` in the global tensor. DCP
     records no global shape: it is the extent of the pieces, which must tile it exactly
-    once (the checks of coordloader's own sharded format)."""
+    once (the checks of coordloader's own sharded format). Saved without
+    ``save_distributed``, DCP writes an index (``index``) and every tensor must be whole,
+    at offset 0: every rank writes the same file names then."""
     found: dict[str, list] = {}   # name -> [(dtype, box, SourcePiece)]
     for fname in names:
         info = _parse_json(_dcp_info(by_file[fname]).encode(), _INDEX_DECODER, fname,
@@ -1003,6 +1014,14 @@ def _assemble_dcp(by_file, names) -> dict[str, TensorInfo]:
                 raise CheckpointError(f"{DCP_SHARDING_INFO} gives the tensor {str(spec)[:80]}; "
                                       f"expected {{\"{DCP_SAVED_OFFSETS}\": [{len(shape)} "
                                       f"non-negative integers]}}", file=fname, tensor=key)
+            if index is not None and any(offs):
+                raise CheckpointError(
+                    f"{DCP_SHARDING_INFO} places the tensor at offsets {offs}, but the index "
+                    f"{index!r} beside it lists whole tensors: torch DCP writes an index when "
+                    f"it saves without save_distributed, where every rank writes the same file "
+                    f"names and one rank's pieces overwrite another's; expected whole tensors "
+                    f"(a state dict saved from one rank), or save_distributed=True output "
+                    f"(per-rank files, no index)", file=fname, tensor=key)
             box = tuple((o, o + s) for o, s in zip(offs, shape))
             found.setdefault(key, []).append((dtype, box, SourcePiece(fname, box, start, end,
                                                                       key)))
@@ -1031,6 +1050,45 @@ def _assemble_dcp(by_file, names) -> dict[str, TensorInfo]:
         order.append((first, name, TensorInfo(name, parts[0][0], shape, tuple(pieces))))
     order.sort(key=lambda t: t[0])
     return {name: t for _, name, t in order}
+
+
+def _check_dcp_index(discovery: Discovery, tensors: dict[str, TensorInfo]) -> None:
+    """The index torch DCP writes beside a save without save_distributed, against the
+    whole tensors its files hold: each listed under its file, and its total_size the bytes
+    they hold. torch sums every rank's bytes into it, so a rank's file overwritten by
+    another's (the same names on every rank) shows there."""
+    keys = list(tensors)
+    _check_weight_map(discovery.weight_map, discovery.index_file, keys,
+                      [t.pieces[0].file for t in tensors.values()], tensors)
+    total = discovery.total_size
+    held = sum(p.end - p.start for t in tensors.values() for p in t.pieces)
+    if total is not None and total != held:
+        raise CheckpointError(f"gives total_size {total} bytes, but its files hold {held} "
+                              f"bytes of tensors: torch DCP sums every rank's bytes into it, "
+                              f"and without save_distributed every rank writes the same file "
+                              f"names (one rank's overwrote another's); expected a state dict "
+                              f"saved from one rank, or save_distributed=True output",
+                              file=discovery.index_file)
+
+
+def _check_weight_map(wm: dict[str, str], idx: str, keys: list[str], files: list[str],
+                      stored) -> None:
+    """Each stored tensor ``keys[i]`` (in file ``files[i]``) listed under its file in the
+    index ``idx``'s weight_map ``wm``, and each tensor listed there stored (``stored``: a
+    container of the stored names)."""
+    for key, fname in zip(keys, files):
+        listed = wm.get(key)
+        if listed != fname:
+            if listed is None:
+                raise CheckpointError(f"tensor is in the file but not in the index {idx!r}",
+                                      file=fname, tensor=key)
+            raise CheckpointError(f"tensor is in the file but the index {idx!r} maps it "
+                                  f"to {listed!r}", file=fname, tensor=key)
+    if len(keys) != len(wm):
+        for key, fname in wm.items():
+            if key not in stored:
+                raise CheckpointError(f"the index {idx!r} lists the tensor in this file but "
+                                      f"the file does not contain it", file=fname, tensor=key)
 
 
 def _refuse_coordloader_pieces(fname: str, header: FileHeader) -> None:
@@ -1073,22 +1131,9 @@ def _assemble_plain(discovery: Discovery, by_file, names) -> tuple[TensorMap, Te
                          np.repeat(np.arange(len(names)), counts),
                          map(itemgetter(3), entries), map(itemgetter(4), entries), None)
     tensors = TensorMap.of_entries(rows, entries, files)
-    if wm is None or dict(zip(keys, files)) == wm:
-        return tensors, table
-    # After the duplicate check, so a tensor stored twice is reported as such.
-    for key, fname in zip(keys, files):
-        listed = wm.get(key)
-        if listed != fname:
-            if listed is None:
-                raise CheckpointError(f"tensor is in the file but not in the index {idx!r}",
-                                      file=fname, tensor=key)
-            raise CheckpointError(f"tensor is in the file but the index {idx!r} maps it "
-                                  f"to {listed!r}", file=fname, tensor=key)
-    if len(keys) != len(wm):
-        for key, fname in wm.items():
-            if key not in rows:
-                raise CheckpointError(f"the index {idx!r} lists the tensor in this file but "
-                                      f"the file does not contain it", file=fname, tensor=key)
+    if wm is not None and dict(zip(keys, files)) != wm:
+        # after the duplicate check, so a tensor stored twice is reported as such
+        _check_weight_map(wm, idx, keys, files, rows)
     return tensors, table
 
 
