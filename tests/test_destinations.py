@@ -423,3 +423,35 @@ def test_an_entry_holding_no_tensor_that_a_checkpoint_tensor_maps_to(ab, held):
     kind = type(value).__name__
     assert str(e.value) == (f"rank 0, tensor 'b': target 'b' is a {kind}, not a torch.Tensor; "
                             f"expected a tensor to load into")
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+@pytest.mark.parametrize("api", ["out", "load_into"])
+@pytest.mark.parametrize("how", ["freed", "shrunk", "freed-view"])
+def test_a_destination_whose_memory_was_freed_or_shrunk_is_refused(ab, engine, api, how):
+    """FSDP frees a resharded parameter's memory with ``untyped_storage().resize_(0)``,
+    keeping its shape: every check passed, the cpu engine read into a private buffer
+    (data pointer 0) and reported the target loaded, a shrunk one was written past its
+    end (heap corruption), and the safetensors engine and a view's copy crashed the
+    process. Refused before any read, naming it."""
+    a = torch.full((4,), -1.0)
+    if how == "freed-view":   # every other element of a [4, 2]: filled through a copy
+        base = torch.zeros(4, 2)
+        b = base[:, 0]
+        base.untyped_storage().resize_(0)
+        have, need = 0, 28
+    else:
+        b = torch.zeros(4)
+        have, need = (8, 16) if how == "shrunk" else (0, 16)
+        b.untyped_storage().resize_(have)
+    with pytest.raises(LoadError) as e:
+        if api == "out":
+            cl.load_detailed(ab, Layout(), out={"a": a, "b": b}, engine=engine, **ONE)
+        else:
+            cl.load_into({"a": a, "b": b}, ab, Layout(), engine=engine, **ONE)
+    what = "destination" if api == "out" else "target"
+    assert str(e.value) == (f"rank 0, tensor 'b': {what} 'b' holds {have} bytes of memory, "
+                            f"but its shape [4] (torch.float32) at storage offset 0 needs "
+                            f"{need} (its storage was freed or resized, as FSDP frees a "
+                            f"resharded parameter's); expected memory that holds the tensor")
+    assert a.tolist() == [-1.0] * 4   # refused before any read: nothing written

@@ -252,12 +252,25 @@ def check_disjoint(dests, rank: int | None, what: str = "destination") -> None:
         require_tensor(t, what, name, rank)
         if t.numel() == 0 or t.device.type == "meta":
             continue
+        lo, hi = _extent(t)
+        if not wraps_other_tensors(t):
+            # memory freed or shrunk under a tensor that keeps its shape (FSDP frees a
+            # parameter's storage with resize_(0)): the reads went to a private buffer
+            # (data pointer 0) or past the end of the allocation, and the load returned
+            st = t.untyped_storage()
+            base, have = st.data_ptr(), st.nbytes()
+            if lo < base or hi > base + have:
+                raise LoadError(f"{what} {name!r} holds {have} bytes of memory, but its "
+                                f"shape {list(t.shape)} ({t.dtype}) at storage offset "
+                                f"{t.storage_offset()} needs {hi - base} (its storage was "
+                                f"freed or resized, as FSDP frees a resharded parameter's); "
+                                f"expected memory that holds the tensor", tensor=name,
+                                rank=rank)
         overlap = torch._debug_has_internal_overlap(t)   # 0 no, 1 yes, 2 too hard to tell
         if overlap == 1 or (overlap == 2 and _self_overlaps(t)):
             raise LoadError(f"{what} has elements that share memory (an expanded or "
                             f"overlapping view); it needs memory of its own", tensor=name,
                             rank=rank)
-        lo, hi = _extent(t)
         spans.append((str(t.device), lo, hi, name, t))
     spans.sort(key=lambda x: x[:3])
     active: list = []
