@@ -423,15 +423,19 @@ def load(ckpt, layout: Layout, *, group=None, rank: int | None = None, device=No
 @dataclass
 class LoadIntoResult:
     loaded: list          # target names filled
-    skipped: list         # checkpoint tensors the name map dropped
+    skipped: list         # checkpoint tensors not loaded: dropped by the name map, of a
+                          # module's computed (non-persistent) buffer, or with no target
     not_loaded: list      # target entries no checkpoint tensor filled
     stats: LoadStats | None = None
 
 
 def _target_dict(target, rank: int | None = None) -> dict[str, torch.Tensor]:
     if isinstance(target, torch.nn.Module):
+        # what its state_dict holds: a non-persistent buffer is computed by the module
+        # (rotary tables), and from_pretrained never loads one
+        computed = _computed_buffers(target)
         d = dict(target.named_parameters())
-        d.update(dict(target.named_buffers()))
+        d.update((n, b) for n, b in target.named_buffers() if n not in computed)
         return d
     if isinstance(target, Mapping):
         # entries no checkpoint tensor fills may be anything (TransformerEngine's
@@ -439,6 +443,12 @@ def _target_dict(target, rank: int | None = None) -> dict[str, torch.Tensor]:
         return dict(target)
     raise LoadError(f"load_into needs a torch.nn.Module or a mapping of tensors, got "
                     f"{type(target).__name__}", rank=rank)
+
+
+def _computed_buffers(module: torch.nn.Module) -> frozenset[str]:
+    """The names of ``module``'s non-persistent buffers, as ``named_buffers`` gives them."""
+    return frozenset(f"{prefix}.{b}" if prefix else b for prefix, m in module.named_modules()
+                     for b in m._non_persistent_buffers_set)
 
 
 class _DirectDests:
@@ -856,16 +866,21 @@ class _Targets:
         else:
             self.given = lambda n: n
         if isinstance(target, torch.nn.Module):
-            # a module's parameters (its buffers are often computed: rotary tables), less
-            # what transformers itself does not expect from a checkpoint: parameters it
-            # leaves out of its saves (sinusoidal tables) and those it lets be missing
+            # what its state_dict holds (its parameters and persistent buffers: a missing
+            # router bias keeps its stale value), less what transformers itself does not
+            # expect from a checkpoint: entries it leaves out of its saves (sinusoidal
+            # tables) and those it lets be missing. Its non-persistent buffers are
+            # computed: a checkpoint tensor of that name is skipped, as from_pretrained
+            # skips it
+            self.computed = _computed_buffers(target)
             skip_saved = set(getattr(target, "_keys_to_ignore_on_save", None) or ())
             skip_missing = [re.compile(p) for p in
                             getattr(target, "_keys_to_ignore_on_load_missing", None) or ()]
-            self.required = tuple(n for n, p in target.named_parameters()
+            self.required = tuple(n for n, p in self.dests.items()
                                   if p.numel() and n not in skip_saved
                                   and not any(r.search(n) for r in skip_missing))
         else:   # every entry of a mapping
+            self.computed = frozenset()
             self.required = tuple(n for n, t in self.dests.items()
                                   if not isinstance(t, torch.Tensor) or t.numel())
         self.placement: _Placement | None = None
@@ -888,10 +903,11 @@ class _Targets:
             raise LoadError(f"name_map gave {clip(repr(tgt), MAX_NAME_CHARS)} for this "
                             f"checkpoint tensor; expected a target name (a str) or None",
                             tensor=name, rank=self.rank)
-        if tgt is None or self.conv.rename is None or self.fits(tgt, name):
-            return tgt
-        renamed = self.conv.rename(tgt)
-        return renamed if self.fits(renamed, name) else tgt
+        if tgt is not None and self.conv.rename is not None and not self.fits(tgt, name):
+            renamed = self.conv.rename(tgt)
+            if self.fits(renamed, name) or renamed in self.computed:
+                tgt = renamed
+        return None if tgt in self.computed else tgt
 
 
 def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = True,

@@ -271,12 +271,12 @@ def test_strict_refuses_a_target_no_tensor_fills(ab, as_module):
     """A target the checkpoint has no tensor for (a DCP save that lost a rank's file takes
     whole tensors with it) kept what it held, listed in not_loaded only: the model looked
     loaded. Under strict it is refused before any read; strict=False loads the rest. A
-    module's buffers (rotary tables are computed) are not required."""
+    module's non-persistent buffers (rotary tables are computed) are not required."""
     a, c = torch.full((4,), -1.0), torch.full((3,), -1.0)
     if as_module:
         target = torch.nn.Module()
         target.a, target.c = torch.nn.Parameter(a), torch.nn.Parameter(c)
-        target.register_buffer("inv_freq", torch.zeros(2))
+        target.register_buffer("inv_freq", torch.zeros(2), persistent=False)
     else:
         target = {"a": a, "c": c}
     with pytest.raises(LoadError) as e:
@@ -455,3 +455,33 @@ def test_a_destination_whose_memory_was_freed_or_shrunk_is_refused(ab, engine, a
                             f"{need} (its storage was freed or resized, as FSDP frees a "
                             f"resharded parameter's); expected memory that holds the tensor")
     assert a.tolist() == [-1.0] * 4   # refused before any read: nothing written
+
+
+def test_a_modules_buffers_load_as_its_state_dict_holds_them(tmp_path):
+    """Every buffer was a target: a non-persistent one (computed by the module, a rotary
+    table; from_pretrained never loads one) was overwritten by a checkpoint tensor of its
+    name, and a persistent one (DeepSeek-V3's router e_score_correction_bias) missing
+    from the checkpoint kept its stale value under strict, listed in not_loaded only."""
+    save_file({"w": torch.arange(4.0), "bias": torch.full((2,), 7.0),
+               "table": torch.full((3,), 9.0)}, str(tmp_path / "model.safetensors"))
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4))
+            self.register_buffer("bias", torch.full((2,), 123.0))
+            self.register_buffer("table", torch.arange(3.0), persistent=False)
+
+    m = M()
+    got = cl.load_into(m, str(tmp_path), Layout(), **ONE)
+    assert sorted(got.loaded) == ["bias", "w"] and got.skipped == ["table"]
+    assert got.not_loaded == []
+    assert m.table.tolist() == [0.0, 1.0, 2.0] and m.bias.tolist() == [7.0, 7.0]
+    save_file({"w": torch.arange(4.0)}, str(tmp_path / "model.safetensors"))
+    m = M()
+    with pytest.raises(LoadError) as e:
+        cl.load_into(m, str(tmp_path), Layout(), **ONE)
+    assert str(e.value).startswith("rank 0: no checkpoint tensor of this rank fills the "
+                                   "target 'bias': the checkpoint lacks it")
+    got = cl.load_into(m, str(tmp_path), Layout(), strict=False, **ONE)
+    assert got.loaded == ["w"] and got.not_loaded == ["bias"]

@@ -1538,3 +1538,48 @@ def test_mistral_without_num_key_value_heads_loads_vllms_kv_heads(tmp_path):
             assert torch.equal(got[name], qkv_heads(full[name], 8, c_, kv=True)), (rank, name)
         name = "model.layers.0.self_attn.q_proj.weight"
         assert torch.equal(got[name], qkv_heads(full[name], 32, c_, kv=False)), rank
+
+
+def _rewritten(path: Path, out: Path, change) -> str:
+    """``path``'s checkpoint as one file, its tensors changed by ``change(tensors)``."""
+    import shutil
+
+    from safetensors.torch import save_file
+    out.mkdir()
+    shutil.copy(path / "config.json", out / "config.json")
+    tensors = _full_tensors(path)
+    change(tensors)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+def test_load_into_leaves_computed_buffers_and_requires_persistent_ones(hf_checkpoint,
+                                                                        tmp_path):
+    """A checkpoint holding a tensor named as a module's non-persistent buffer (a rotary
+    table, which the module computes and from_pretrained never loads) overwrote it, and
+    the model's outputs differed from from_pretrained's. A persistent buffer the
+    checkpoint lacks (glm4_moe's router e_score_correction_bias) kept its stale value
+    under strict, listed in not_loaded only."""
+    from transformers import AutoModelForCausalLM
+    whole = [{"pattern": n, "strategy": "replicate"} for n in ("*embed_tokens.weight", "lm_head.weight")]
+    src = hf_checkpoint("glm4_moe")
+    inv = "model.rotary_emb.inv_freq"
+
+    def doubled(t):
+        t[inv] = AutoModelForCausalLM.from_pretrained(str(src)).model.rotary_emb.inv_freq * 2
+    path = _rewritten(src, tmp_path / "inv", doubled)
+    want = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(5)
+    model = _glm4_moe_model()
+    res = cl.load_into(model, path, cl.Layout(), rank=0, rules=whole)
+    assert inv in res.skipped and inv not in res.loaded
+    assert torch.equal(model.model.rotary_emb.inv_freq, want.model.rotary_emb.inv_freq)
+    assert_same_state(model, want.state_dict())
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    path = _rewritten(src, tmp_path / "nobias", lambda t: t.pop(bias))
+    with pytest.raises(cl.LoadError) as e:
+        cl.load_into(_glm4_moe_model(), path, cl.Layout(), rank=0, rules=whole)
+    assert str(e.value).startswith(f"rank 0: no checkpoint tensor of this rank fills the "
+                                   f"target {bias!r}")
+    res = cl.load_into(_glm4_moe_model(), path, cl.Layout(), rank=0, rules=whole, strict=False)
+    assert res.not_loaded == [bias]
