@@ -862,3 +862,38 @@ def test_a_plain_checkpoints_streamed_tensor_of_another_dtype_is_refused(tiny_ch
         f"torch.float16 {list(info.shape)}; the checkpoint metadata has it in this file as "
         f"torch.bfloat16 {list(info.shape)} (file changed, or the stream attributed to the "
         f"wrong file?)")
+
+
+def test_a_stream_that_leaves_out_a_file_is_refused_not_attributed_to_it(tmp_path, fake_cuda,
+                                                                         monkeypatch):
+    """DCP's per-rank files split evenly hold the same keys with the same shapes: a stream
+    that left out the first file (its ``filename`` listing both) had the second file's
+    tensors checked and attributed position by position as the first file's, and the load
+    returned rows 4-8 of ``w`` as rows 0-4. The stream must end where the metadata does."""
+    from safetensors.torch import save_file
+    w = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    v = torch.arange(100, 108, dtype=torch.int32).reshape(4, 2)
+    rows = {"w": ((0, 4), (4, 8)), "v": ((0, 2), (2, 4))}
+    full = {"w": w, "v": v}
+    for r, fname in enumerate(DCP_FILES):
+        info = {k: {"saved_offsets": [rows[k][r][0], 0]} for k in full}
+        save_file({k: full[k][slice(*rows[k][r])].contiguous() for k in full},
+                  str(tmp_path / fname), metadata={"DCP_SHARDING_INFO": json.dumps(info)})
+    from coordloader.checkpoint.reader import read_checkpoint
+    meta = read_checkpoint(str(tmp_path))
+    pieces = [(((0, 4), (0, 6)), (0, 0))]
+    rp = RankPlan(0, {}, (slice_of(meta, "w", pieces),))
+
+    class LeavesOutAFile(FakeSafeOpen):   # filename lists both; the first never streams
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.items = [it for it in self.items if it[0] != self.filename[0]]
+
+    assert _refusal(monkeypatch, LeavesOutAFile, meta, rp) == (
+        f"rank 0, file {DCP_FILES[1]}: instanttensor's stream ended after 2 of the 4 "
+        f"tensor(s) the checkpoint metadata lists in {DCP_FILES[0]} and others, before key "
+        f"'w' of this file (the stream skipped tensors, or the file changed?)")
+    monkeypatch.setattr(ite, "_safe_open", lambda: FakeSafeOpen)
+    got, _ = select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
+        meta, rp, "cuda:0")
+    assert torch.equal(got["w"], w[0:4])

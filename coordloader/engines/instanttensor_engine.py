@@ -561,7 +561,9 @@ class InstantTensorEngine:
                         f"of them (torch DCP's per-rank files): which file a streamed "
                         f"tensor comes from cannot be told; use --engine cpu",
                         rank=rank)
+            yielded = 0
             for i, (key, t) in enumerate(f.tensors()):
+                yielded = i + 1
                 if streams is not None and i >= len(streams):
                     raise LoadError(f"instanttensor yielded key {key!r} after the "
                                     f"{len(streams)} tensor(s) the checkpoint metadata "
@@ -610,3 +612,13 @@ class InstantTensorEngine:
                 st.seen.add((fname, key))
                 if progress is not None:
                     progress(nb)
+            if streams is not None and yielded < len(streams):
+                # the next file's keys and shapes can line up with the ones expected (DCP's
+                # per-rank files): a stream that left out a file had its tensors attributed
+                # to that file, checked and copied in as its rows
+                fname, want, _ = streams[yielded]
+                raise LoadError(f"instanttensor's stream ended after {yielded} of the "
+                                f"{len(streams)} tensor(s) the checkpoint metadata lists in "
+                                f"{files[0]}{' and others' if len(files) > 1 else ''}, "
+                                f"before key {want!r} of this file (the stream skipped "
+                                f"tensors, or the file changed?)", file=fname, rank=rank)
