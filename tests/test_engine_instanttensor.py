@@ -87,7 +87,14 @@ class FakeSafeOpen:
                 n = int.from_bytes(fh.read(8), "little")
                 hdr = json.loads(fh.read(n))
             hdr.pop("__metadata__", None)
-            for k, v in sorted(hdr.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if not hdr:   # as the real read_safetensors_metadata refuses a file of none
+                raise ValueError(f"Invalid safetensors file {f!r}: no tensor metadata found")
+            ordered = sorted(hdr.items(), key=lambda kv: kv[1]["data_offsets"][0])
+            # the real one requires each tensor to end where the next (in this order) starts
+            if any(a[1]["data_offsets"][1] != b[1]["data_offsets"][0]
+                   for a, b in zip(ordered, ordered[1:])):
+                raise ValueError("Safetensors data offsets must be contiguous")
+            for k, v in ordered:
                 if keep(k):
                     self.items.append((f, k, v, 8 + n))
         self.copy = copy
@@ -584,6 +591,9 @@ def test_the_fake_orders_a_files_tensors_as_real_instanttensor_does():
             in src)
     assert ('sorted(hdr.items(), key=lambda kv: kv[1]["data_offsets"][0])'
             in inspect.getsource(FakeSafeOpen.__init__))
+    # and refuses what the fake refuses: a file of no tensor, offsets not contiguous
+    assert "Safetensors data offsets must be contiguous" in src
+    assert "no tensor metadata found" in inspect.getsource(inspect.getmodule(instanttensor.safe_open))
 
 
 def test_the_load_device_is_current_while_instanttensor_streams(ckpt, fake_cuda):
@@ -897,3 +907,24 @@ def test_a_stream_that_leaves_out_a_file_is_refused_not_attributed_to_it(tmp_pat
     got, _ = select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
         meta, rp, "cuda:0")
     assert torch.equal(got["w"], w[0:4])
+
+
+def test_a_file_of_no_tensor_is_left_out_of_the_default_group(tmp_path, fake_cuda):
+    """A plan without load groups was streamed as one group of every file, and
+    instanttensor refuses a file that holds no tensor (``no tensor metadata found``),
+    which the reader and the cpu engine accept as a shard of the checkpoint."""
+    from safetensors.torch import save_file
+
+    import coordloader as cl
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.layout import Layout
+    w = torch.arange(12.0).reshape(3, 4)
+    save_file({"w": w}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    meta = read_checkpoint(str(tmp_path))
+    assert len(meta.files) == 2
+    rp = cl.make_plan(meta, Layout(), replicate_unmatched=True).rank(0)
+    got, _ = select_engine("instanttensor", "cuda:0", plan=_plan(meta, [rp])).load_rank(
+        meta, rp, "cuda:0")
+    assert torch.equal(got["w"], w)
+    assert [c["files"] for c in CALLS] == [["model-00001-of-00002.safetensors"]]

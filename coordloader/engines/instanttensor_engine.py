@@ -171,7 +171,7 @@ def open_calls(groups: Sequence[LoadGroup], process_groups: Sequence[Any], rank:
     calls: list[OpenCall] = []
     covered: set[str] = set()
     for g, pg in zip(groups, process_groups):
-        if rank not in g.ranks:
+        if rank not in g.ranks or not g.files:
             continue
         covered.update(g.files)
         if g.mode == LoadGroupMode.GROUP:
@@ -364,11 +364,14 @@ class InstantTensorEngine:
             self.tuning, self._config_error = {}, e
 
     # -- load groups ---------------------------------------------------------------
-    def load_groups(self, meta: CheckpointMeta) -> tuple[LoadGroup, ...]:
+    def load_groups(self, meta: CheckpointMeta, stored) -> tuple[LoadGroup, ...]:
+        """The plan's load groups, else one group of every file that stores a tensor
+        (``stored``: those files): instanttensor refuses a file that holds none, and the
+        planner's groups leave such files out."""
         if self.plan is not None and self.plan.load_groups:
             return tuple(self.plan.load_groups)
         world = self.plan.world_size if self.plan is not None else 1
-        files = tuple(f.name for f in meta.files)
+        files = tuple(f.name for f in meta.files if f.name in stored)
         return (LoadGroup(files=files, ranks=tuple(range(world)), mode="group"),)
 
     def _group_keys(self, groups: Sequence[LoadGroup], world: int) -> list:
@@ -491,7 +494,8 @@ class InstantTensorEngine:
         groups as plan ranks, ``_group_keys``), and every file of every call checked on a
         descriptor ``checked`` holds open until the load ends."""
         rank = rank_plan.rank
-        groups = self.load_groups(meta)
+        keymap, file_keys = _stored_pieces(meta)
+        groups = self.load_groups(meta, file_keys)
         known_files = {f.name for f in meta.files}
         for g in groups:
             bad = [f for f in g.files if f not in known_files]
@@ -510,7 +514,6 @@ class InstantTensorEngine:
                 raise LoadError("planned tensor is not in the checkpoint", tensor=ts.name, rank=rank)
             tensors[ts.name] = allocate(ts, alloc_dev, out, rank=rank)
             held += slice_nbytes(ts)
-        keymap, file_keys = _stored_pieces(meta)
         need = needed_keys(meta, rank_plan)
         keys = self._group_keys(groups, world)
         calls = open_calls(groups, keys, rank, need)
