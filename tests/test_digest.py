@@ -98,14 +98,18 @@ def piece_sum(t, parts, chunk=None):
 
 
 def reference(t: torch.Tensor) -> int:
-    """The documented definition, in plain Python."""
-    shape = tuple(t.shape)
-    C = shape[-1]
-    w = t.element_size() * 8
+    """The documented definition, in plain Python: 8-byte elements as their 32-bit halves,
+    the low half at column 2c, the high half at 2c + 1 of a last dim twice as long."""
+    width = t.element_size()
+    bits = bits_of(t.contiguous())
+    C = (tuple(t.shape) or (1,))[-1]
+    if width == 8:
+        width, C = 4, 2 * C
+        bits = [h for u in bits for h in (u & 0xFFFFFFFF, u >> 32)]
     tot = 0
-    for i, u in enumerate(bits_of(t.contiguous())):
-        v = u ^ (u >> 32) if w == 64 else u - 2 * (u & int.from_bytes(b"\x80" * (w // 8), "little"))
-        tot += hash_weight_py(i // C, SEED_ROW) * col_weight_py(i % C, t.element_size()) * v
+    for i, u in enumerate(bits):
+        v = u - 2 * (u & int.from_bytes(b"\x80" * width, "little"))
+        tot += hash_weight_py(i // C, SEED_ROW) * col_weight_py(i % C, width) * v
     return tot & MASK64
 
 
@@ -420,8 +424,9 @@ def test_kernel_refuses_bad_arguments():
     # the second row alone: one leading dim of extent 1, and no leading dims at all
     assert rows(x[1].data_ptr(), 4, (1, 4), (16,), colw.data_ptr(), roww[1:].data_ptr()) == \
         rows(x[1].data_ptr(), 4, (4,), (), colw.data_ptr(), roww[1:].data_ptr())
-    with pytest.raises(ValueError, match="width 3 is not 1, 2, 4 or 8"):
-        rows(t.data_ptr(), 3, (2, 4), (16,), w.data_ptr(), w.data_ptr())
+    for width in (3, 8):   # 8-byte elements come as their 4-byte halves
+        with pytest.raises(ValueError, match=f"width {width} is not 1, 2 or 4"):
+            rows(t.data_ptr(), width, (2, 4), (16,), w.data_ptr(), w.data_ptr())
     with pytest.raises(ValueError, match="one stride per leading dim"):
         rows(t.data_ptr(), 4, (2, 4), (), w.data_ptr(), w.data_ptr())
     with pytest.raises(ValueError, match="more than 64 dims"):
@@ -580,3 +585,42 @@ def test_a_wrapper_subclass_without_storage_is_refused_not_read_at_address_0(rou
     # an empty one holds nothing to read: digest 0, as any empty tensor
     e0 = two_tensor.TwoTensor(torch.empty(0, 8), torch.empty(0, 8))
     assert digest(e0, ((0, 0), (0, 8)), (0, 8), route=route) == 0
+
+
+@pytest.mark.parametrize("route", list(Route), ids=lambda r: r.name)
+@pytest.mark.parametrize("dt", [torch.float64, torch.int64, torch.uint64], ids=str)
+def test_no_pattern_of_8_byte_changes_cancels_by_construction(route, dt):
+    """8-byte elements were valued x ^ (x >>> 32): flipping bits 63 and 31 of an element
+    moved that by exactly 2^63, and w * 2^63 = 2^63 mod 2^64 for every odd weight, so two
+    such changes anywhere (two near sign flips of F64 values, on one rank or two) left
+    the digest as it was. Each 32-bit half now has a weight of its own."""
+    g = torch.Generator().manual_seed(7)
+    t = torch.randint(-2**62, 2**62, (6, 5), dtype=torch.int64, generator=g).view(dt)
+    box, shape = full_box((6, 5)), (6, 5)
+    bad = t.clone().view(torch.int64)
+    flip = torch.tensor(-0x7FFFFFFF80000000, dtype=torch.int64)   # bits 63 and 31
+    bad[0, 1] ^= flip
+    bad[4, 3] ^= flip
+    assert digest(bad.view(dt), box, shape, route=route) != digest(t, box, shape, route=route)
+    # and a sign flip of two F64 values, the case the x ^ (x >>> 32) mix was for
+    neg = t.clone().view(torch.int64)
+    neg[2, 2] ^= torch.tensor(-2**63, dtype=torch.int64)
+    neg[5, 0] ^= torch.tensor(-2**63, dtype=torch.int64)
+    assert digest(neg.view(dt), box, shape, route=route) != digest(t, box, shape, route=route)
+
+
+@pytest.mark.parametrize("route", list(Route), ids=lambda r: r.name)
+def test_an_8_byte_tensor_digests_as_its_4_byte_halves(route):
+    """The definition: an 8-byte tensor of last dim C is the 4-byte tensor of last dim 2C
+    holding each element's low half at column 2c, its high half at 2c + 1; a transposed
+    view (columns not packed) digests as its copy."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.randint(-2**63, 2**63 - 1, (4, 6), dtype=torch.int64, generator=g).view(torch.float64)
+    halves = torch.stack([t.view(torch.int64) & 0xFFFFFFFF, (t.view(torch.int64) >> 32) & 0xFFFFFFFF],
+                         dim=-1).reshape(4, 12).to(torch.int64).to(torch.int32)
+    box = ((1, 3), (2, 5))
+    want = digest(sub(halves, ((1, 3), (4, 10))).contiguous(), ((1, 3), (4, 10)), (4, 12))
+    assert digest(sub(t, box), box, (4, 6), route=route) == want
+    tt = t.t().contiguous().t()   # the same values, columns strided
+    assert tt.stride(-1) != 1
+    assert digest(sub(tt, box), box, (4, 6), route=route) == want

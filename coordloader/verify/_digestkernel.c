@@ -7,7 +7,8 @@
  * box: `sizes` are the box's extents (leading dims..., columns), `strides` the leading dims'
  * strides in bytes; the columns of a row are contiguous elements of `width` bytes. Rows are
  * numbered row-major over the leading dims, as `roww` is. v is the digest's element value:
- * little-endian bytes read as signed (widths 1, 2, 4), x ^ (x >>> 32) for width 8. colw and
+ * little-endian bytes read as signed (widths 1, 2, 4; 8-byte elements come as their 4-byte
+ * halves). colw and
  * roww hold the weights as uint64 (the hashes are computed once, in Python/torch, so the
  * definition lives in one place); this file only multiplies and adds, in wrapping uint64
  * arithmetic, which is arithmetic mod 2^64.
@@ -65,17 +66,6 @@ static inline uint64_t seg4(const void *p_, int64_t n, const uint64_t *w) {
     return a;
 }
 
-static inline uint64_t seg8(const void *p_, int64_t n, const uint64_t *w) {
-    const uint8_t *p = (const uint8_t *)p_;
-    uint64_t a = 0;
-    for (int64_t j = 0; j < n; j++) {
-        uint64_t u;
-        memcpy(&u, p + 8 * j, 8);
-        a += w[j] * (u ^ (u >> 32));
-    }
-    return a;
-}
-
 /* One loop nest per width, so the width switch and the clone dispatch happen once per
  * call, not once per row (a model's (1024, 128) BF16 slices have 256-byte rows). */
 #define DIGEST_ROWS(SEG, ELEM)                                                              \
@@ -105,8 +95,7 @@ CLONES static uint64_t digest_rows(const uint8_t *base, int width, int nlead,
     switch (width) {
     case 1: DIGEST_ROWS(seg1, 1) break;
     case 2: DIGEST_ROWS(seg2, 2) break;
-    case 4: DIGEST_ROWS(seg4, 4) break;
-    default: DIGEST_ROWS(seg8, 8) break;
+    default: DIGEST_ROWS(seg4, 4) break;
     }
     return acc;
 }
@@ -140,8 +129,8 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "KiOOKK", &ptr, &width, &sizes_o, &strides_o, &colw, &roww))
         return NULL;
-    if (width != 1 && width != 2 && width != 4 && width != 8) {
-        PyErr_Format(PyExc_ValueError, "element width %d is not 1, 2, 4 or 8", width);
+    if (width != 1 && width != 2 && width != 4) {
+        PyErr_Format(PyExc_ValueError, "element width %d is not 1, 2 or 4", width);
         return NULL;
     }
     if (read_i64s(sizes_o, "sizes", sizes, &nsizes) || read_i64s(strides_o, "strides", strides, &nstrides))

@@ -56,9 +56,10 @@ def digest(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int], *
     """Digest of ``tensor`` holding the box ``global_box`` of a tensor of ``global_shape``.
 
     Returns a uint64 as a Python int. Extra memory is bounded regardless of the tensor's
-    size: ``chunk_elems`` int64 elements (two buffers for 64-bit dtypes) on the torch
-    routes, weight vectors of at most KERNEL_MAX_WEIGHTS entries on the compiled kernel's;
-    the tensor may be non-contiguous (a view into a local tensor)."""
+    size: two buffers of ``chunk_elems`` int64 elements on the torch routes, weight vectors
+    of at most KERNEL_MAX_WEIGHTS entries on the compiled kernel's; the tensor may be
+    non-contiguous (a view into a local tensor), except that an 8-byte tensor whose
+    columns are not packed (a transposed view) is copied first."""
     return _digest_many_prepared([_prepare(tensor, global_box, global_shape)], chunk_elems, 1,
                                  False, Route(route))[0]
 

@@ -10,10 +10,14 @@
   matrix product computes from the data as it lies in memory, so the CPU path digests a
   tensor without copying or re-biasing it (see "CPU fast path"). ``v`` is injective (a
   balanced base-256 number is zero only when every digit is), and ``|v(u)| < 2^(8*width)``,
-  so the arguments below hold as for the raw bits. For 64-bit elements ``v`` is the
-  bijection ``x ^ (x >>> 32)``. Without it, two 64-bit values differing only in the top bit
-  (+0.0 / -0.0 in F64, 0 / -2^63 in I64) would differ by 2^63, and since two odd weights
-  always differ by an even number, swapping them would cancel out mod 2^64.
+  so the arguments below hold as for the raw bits.
+* 8-byte elements (F64, I64, U64) are digested as their two 32-bit halves: the tensor of
+  last dim ``C`` is read as the 4-byte tensor of last dim ``2C`` holding each element's low
+  half (of its value, whatever the machine's byte order) at column ``2c`` and its high half
+  at ``2c + 1``, and digested as that one. No one-to-one ``v`` over all 64 bits can be
+  used: some change moves it by 2^63, and ``w * 2^63 = 2^63`` mod 2^64 for every odd
+  ``w``, so two such changes anywhere cancel out (with ``v = x ^ (x >>> 32)``, flipping
+  bits 63 and 31 of any two elements did: two near sign flips of F64 values).
 * ``w(e)`` depends only on the element's position in the *global* tensor: with ``C`` the
   global last dimension, ``r = i // C`` (the row, i.e. all leading dims flattened) and
   ``c = i % C`` for global linear index ``i``, ``w = hr(r) * hc(c)``, where ``hr`` and ``hc``
@@ -50,8 +54,9 @@ import torch
 from coordloader.checkpoint.metadata import Box
 
 MASK64 = (1 << 64) - 1
-# recorded in manifests; bump if the math changes (v3: signed-byte element values)
-ALGORITHM = "coordloader-rowcol-splitmix64-v3"
+# recorded in manifests; bump if the math changes (v3: signed-byte element values; v4:
+# 8-byte elements as their 4-byte halves)
+ALGORITHM = "coordloader-rowcol-splitmix64-v4"
 
 # Default chunk sizes (elements per int64 work buffer). On CPU, 1M-element chunks measured
 # best (BF16 8192x8192, 2 cores: 64K -> ~1 GB/s, 256K -> ~2 GB/s, 1M -> 2.3-3.5 GB/s,

@@ -6,7 +6,6 @@ from math import prod
 
 import torch
 
-from coordloader.checkpoint.dtypes import _BITS_VIEW
 from coordloader.checkpoint.metadata import Box
 from coordloader.errors import VerifyError
 from coordloader.verify.digest.definition import MASK64, PAIRED
@@ -76,7 +75,7 @@ def _kernel_selftest() -> str | None:
         g = torch.Generator().manual_seed(0x5EED)
         # 8224 bytes a row: 1028 to 8224 columns, over one 1024-column block at every width
         base = torch.randint(-2**31, 2**31, (2, 4, 2056), dtype=torch.int32, generator=g)
-        for dt in (torch.int8, torch.int16, torch.int32, torch.int64):
+        for dt in (torch.int8, torch.int16, torch.int32):   # 8-byte elements come as halves
             full = base.view(dt)                         # same bytes, elements of this width
             shape = tuple(full.shape)
             cols = shape[-1]
@@ -97,7 +96,7 @@ KERNEL_MAX_DIMS = 64
 def _kernel_fits(bits: torch.Tensor) -> bool:
     """The kernel takes CPU tensors whose rows are contiguous runs of elements (``_prepare``
     has already refused or resolved every tensor whose memory is not its values)."""
-    return (bits.device.type == "cpu" and bits.element_size() in _BITS_VIEW
+    return (bits.device.type == "cpu" and bits.element_size() in (1, 2, 4)
             and bits.dim() <= KERNEL_MAX_DIMS and (bits.stride(-1) == 1 or bits.shape[-1] <= 1))
 
 

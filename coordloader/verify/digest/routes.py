@@ -114,13 +114,8 @@ class _Accumulator:
             if width in _ZERO_EXT:
                 x &= _ZERO_EXT[width]
         t = _work_buffer(self.device, x.numel(), 1)[:x.numel()].view(x.shape)
-        if width == 8:
-            torch.bitwise_right_shift(x, 32, out=t)
-            t &= 0xFFFFFFFF
-            x ^= t
-        else:
-            torch.bitwise_and(x, _SIGN_BITS[width], out=t)
-            x.sub_(t, alpha=2)
+        torch.bitwise_and(x, _SIGN_BITS[width], out=t)
+        x.sub_(t, alpha=2)
 
     def add(self, bits: torch.Tensor, sub: Box) -> None:
         """Add the digest of ``bits`` (integer view, shape == box_shape(sub))."""
@@ -225,7 +220,24 @@ def _prepare(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int])
         raise VerifyError(f"digest: box {[list(p) for p in box]} does not fit global shape {list(shape)}")
     if tensor.shape != tuple(b - a for a, b in box):
         raise VerifyError(f"digest: tensor shape {list(tensor.shape)} != box shape {list(box_shape(box))}")
+    if tensor.element_size() == 8:
+        shape, box, tensor = _halves(shape, box, tensor)
     return shape, box, tensor
+
+
+def _halves(shape: tuple[int, ...], box: Box, tensor: torch.Tensor):
+    """An 8-byte tensor as its 32-bit halves (``definition``): the 4-byte tensor of last dim
+    2C holding each element's low half at column 2c and its high half at 2c + 1."""
+    if tensor.stride(-1) != 1:
+        # a view as 4-byte elements needs packed columns (a size-1 dim's stride is moot)
+        tensor = (tensor.contiguous() if tensor.shape[-1] > 1 else
+                  tensor.as_strided(tensor.shape, tensor.stride()[:-1] + (1,),
+                                    tensor.storage_offset()))
+    halves = int_view(tensor).view(torch.int32)
+    if not _LITTLE:   # memory holds the high half first: the definition reads numbers
+        halves = halves.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    (a, b) = box[-1]
+    return shape[:-1] + (2 * shape[-1],), box[:-1] + ((2 * a, 2 * b),), halves
 
 
 
