@@ -431,11 +431,8 @@ class LoadIntoResult:
 
 def _target_dict(target, rank: int | None = None) -> dict[str, torch.Tensor]:
     if isinstance(target, torch.nn.Module):
-        # what its state_dict holds: a non-persistent buffer is computed by the module
-        # (rotary tables), and from_pretrained never loads one
-        computed = _computed_buffers(target)
         d = dict(target.named_parameters())
-        d.update((n, b) for n, b in target.named_buffers() if n not in computed)
+        d.update(dict(target.named_buffers()))
         return d
     if isinstance(target, Mapping):
         # entries no checkpoint tensor fills may be anything (TransformerEngine's
@@ -445,10 +442,24 @@ def _target_dict(target, rank: int | None = None) -> dict[str, torch.Tensor]:
                     f"{type(target).__name__}", rank=rank)
 
 
-def _computed_buffers(module: torch.nn.Module) -> frozenset[str]:
-    """The names of ``module``'s non-persistent buffers, as ``named_buffers`` gives them."""
-    return frozenset(f"{prefix}.{b}" if prefix else b for prefix, m in module.named_modules()
-                     for b in m._non_persistent_buffers_set)
+class _Buffers(NamedTuple):
+    """A module's buffers as loading them goes: ``computed``, its non-persistent ones
+    (rotary tables: the module computes them, its state_dict leaves them out, and
+    from_pretrained never loads one), under every name a shared submodule has; and
+    ``optional``, the persistent ones torch's own ``load_state_dict(strict=True)`` lets
+    a checkpoint leave out (a norm's ``num_batches_tracked``, which it fills itself)."""
+    computed: frozenset[str]
+    optional: frozenset[str]
+
+
+def _module_buffers(module: torch.nn.Module) -> _Buffers:
+    computed, optional = set(), set()
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        at = f"{prefix}." if prefix else ""
+        computed.update(at + b for b in m._non_persistent_buffers_set)
+        if isinstance(m, torch.nn.modules.batchnorm._NormBase):
+            optional.add(at + "num_batches_tracked")
+    return _Buffers(frozenset(computed), frozenset(optional))
 
 
 class _DirectDests:
@@ -867,13 +878,15 @@ class _Targets:
             self.given = lambda n: n
         if isinstance(target, torch.nn.Module):
             # what its state_dict holds (its parameters and persistent buffers: a missing
-            # router bias keeps its stale value), less what transformers itself does not
-            # expect from a checkpoint: entries it leaves out of its saves (sinusoidal
-            # tables) and those it lets be missing. Its non-persistent buffers are
-            # computed: a checkpoint tensor of that name is skipped, as from_pretrained
-            # skips it
-            self.computed = _computed_buffers(target)
+            # router bias keeps its stale value), less what torch and transformers do not
+            # expect from a checkpoint: a norm's num_batches_tracked, entries transformers
+            # leaves out of its saves (sinusoidal tables) and those it lets be missing.
+            # Its non-persistent buffers are computed: a checkpoint tensor of that name is
+            # skipped, as from_pretrained skips it (a name_map naming one fills it)
+            buffers = _module_buffers(target)
+            self.computed = buffers.computed
             skip_saved = set(getattr(target, "_keys_to_ignore_on_save", None) or ())
+            skip_saved |= buffers.computed | buffers.optional
             skip_missing = [re.compile(p) for p in
                             getattr(target, "_keys_to_ignore_on_load_missing", None) or ()]
             self.required = tuple(n for n, p in self.dests.items()
@@ -903,11 +916,13 @@ class _Targets:
             raise LoadError(f"name_map gave {clip(repr(tgt), MAX_NAME_CHARS)} for this "
                             f"checkpoint tensor; expected a target name (a str) or None",
                             tensor=name, rank=self.rank)
+        mapped = tgt != name   # by the caller: followed to a computed buffer too
         if tgt is not None and self.conv.rename is not None and not self.fits(tgt, name):
             renamed = self.conv.rename(tgt)
-            if self.fits(renamed, name) or renamed in self.computed:
+            if self.fits(renamed, name):
                 tgt = renamed
-        return None if tgt in self.computed else tgt
+        # a computed buffer of the checkpoint's own name (or transformers' renaming of it)
+        return None if tgt in self.computed and not mapped else tgt
 
 
 def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = True,
@@ -916,8 +931,12 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
 
     ``name_map``: a mapping or a callable from checkpoint name to target name (None drops
     the tensor). Shapes and dtypes must match exactly (a clear ``LoadError`` names both).
-    With ``strict``, a checkpoint tensor of this rank with no target entry is an error, and
-    so is a target no checkpoint tensor of this rank fills (a module's parameters, every
+    A module's targets are its parameters and buffers; a checkpoint tensor named as one of
+    its non-persistent buffers (computed by the module, as rotary tables are) is skipped,
+    as from_pretrained skips it, unless ``name_map`` maps a name to it. With ``strict``, a
+    checkpoint tensor of this rank with no target entry is an error, and so is a target no
+    checkpoint tensor of this rank fills (a module's parameters and persistent buffers,
+    less a norm's ``num_batches_tracked`` and what transformers lets be missing; every
     entry of a mapping).
     A transformers model whose parameters fuse several checkpoint tensors (transformers 5
     MoE experts: per-expert gate/up -> ``mlp.experts.gate_up_proj``) is filled through
@@ -961,7 +980,8 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
             loaded.append(key[2])
     filled = set(loaded)
     return LoadIntoResult(loaded, pl.skipped,
-                          sorted(k for k in dests if k not in filled and k not in pl.aliases),
+                          sorted(k for k in dests if k not in filled and k not in pl.aliases
+                                 and k not in made[0].computed),
                           res.stats)
 
 

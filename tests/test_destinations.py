@@ -485,3 +485,29 @@ def test_a_modules_buffers_load_as_its_state_dict_holds_them(tmp_path):
                                    "target 'bias': the checkpoint lacks it")
     got = cl.load_into(m, str(tmp_path), Layout(), strict=False, **ONE)
     assert got.loaded == ["w"] and got.not_loaded == ["bias"]
+
+
+def test_buffers_as_torch_and_the_caller_name_them(tmp_path):
+    """A name_map naming a computed buffer fills it (the caller's mapping, not a
+    checkpoint name that happens to match); a shared submodule's computed buffer is
+    skipped under every name it has; a norm's num_batches_tracked may be missing under
+    strict, as torch's own load_state_dict(strict=True) lets it be."""
+    save_file({"rope": torch.full((3,), 9.0), "b.table": torch.full((3,), 5.0),
+               "n.weight": torch.full((2,), 2.0), "n.bias": torch.zeros(2),
+               "n.running_mean": torch.ones(2), "n.running_var": torch.ones(2)},
+              str(tmp_path / "model.safetensors"))
+
+    class Rope(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.arange(3.0), persistent=False)
+
+    m = torch.nn.Module()
+    m.a = m.b = Rope()   # one submodule under two names
+    m.n = torch.nn.BatchNorm1d(2)
+    got = cl.load_into(m, str(tmp_path), Layout(), name_map={"rope": "a.table"}, **ONE)
+    assert m.a.table.tolist() == [9.0, 9.0, 9.0] and "a.table" in got.loaded
+    assert got.skipped == ["b.table"] and got.not_loaded == ["n.num_batches_tracked"]
+    assert m.n.weight.tolist() == [2.0, 2.0]
+    torch.nn.BatchNorm1d(2).load_state_dict(   # torch's own strict load agrees
+        {k: v for k, v in m.n.state_dict().items() if k != "num_batches_tracked"}, strict=True)
