@@ -254,12 +254,14 @@ def test_every_ranks_pieces_saved_without_save_distributed_are_refused(dcp_out, 
     and would load as whole tensors of half the size; rank 1's name their offsets. Both
     are refused: torch's index counts every rank's bytes, and lists whole tensors."""
     _, outs, _ = dcp_out
-    with pytest.raises(CheckpointError):   # whichever write landed last here
-        cl.read_checkpoint(outs["every"])
+    with pytest.raises(CheckpointError, match=r"(DCP_SHARDING_INFO places the tensor at "
+                                               r"offsets|gives total_size \d+ bytes, but)"):
+        cl.read_checkpoint(outs["every"])   # whichever write landed last here
     idx = json.load(open(os.path.join(outs["every"], "model.safetensors.index.json")))
     held = cl.read_checkpoint(outs["fsdp2"]).total_bytes
+    rank0 = _every_rank_file_as_left(outs, tmp_path, 0)
     with pytest.raises(CheckpointError) as e:
-        cl.read_checkpoint(_every_rank_file_as_left(outs, tmp_path, 0))
+        cl.read_checkpoint(rank0)
     assert idx["metadata"]["total_size"] == held
     assert str(e.value).startswith(
         f"file model.safetensors.index.json: gives total_size {held} bytes, but its files "
@@ -269,6 +271,13 @@ def test_every_ranks_pieces_saved_without_save_distributed_are_refused(dcp_out, 
         "save_distributed every rank writes the same file names (one rank's overwrote "
         "another's); expected a state dict saved from one rank, or save_distributed=True "
         "output")
+    # an index whose total_size was lost (edited, re-serialised) cannot tell them apart
+    for total in (None, float(held), str(held)):
+        doc = dict(idx, metadata={} if total is None else {"total_size": total})
+        with open(os.path.join(rank0, "model.safetensors.index.json"), "w") as f:
+            json.dump(doc, f)
+        with pytest.raises(CheckpointError, match="gives no integer metadata.total_size"):
+            cl.read_checkpoint(rank0)
     with pytest.raises(CheckpointError) as e:
         cl.read_checkpoint(_every_rank_file_as_left(outs, tmp_path, 1))
     assert "places the tensor at offsets [" in str(e.value)

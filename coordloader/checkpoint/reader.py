@@ -1061,8 +1061,15 @@ def _check_dcp_index(discovery: Discovery, tensors: dict[str, TensorInfo]) -> No
     _check_weight_map(discovery.weight_map, discovery.index_file, keys,
                       [t.pieces[0].file for t in tensors.values()], tensors)
     total = discovery.total_size
+    if total is None:
+        raise CheckpointError("gives no integer metadata.total_size: torch DCP writes there the "
+                              "bytes every rank saved, the one record that tells a state dict "
+                              "saved from one rank from a file another rank's write overwrote "
+                              "(every rank writes the same file names without "
+                              "save_distributed); expected the index torch wrote",
+                              file=discovery.index_file)
     held = sum(p.end - p.start for t in tensors.values() for p in t.pieces)
-    if total is not None and total != held:
+    if total != held:
         raise CheckpointError(f"gives total_size {total} bytes, but its files hold {held} "
                               f"bytes of tensors: torch DCP sums every rank's bytes into it, "
                               f"and without save_distributed every rank writes the same file "
