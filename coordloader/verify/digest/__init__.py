@@ -42,7 +42,7 @@ class Route(str, Enum):
     failed its self-test), else the int8 product, else the int64 gemv; on an accelerator
     the elementwise multiply + sum. The others force one (tests and benchmarks); items a
     forced route cannot take (a kernel route given a tensor the kernel refuses, an int8
-    route given a width it has no product for) take the int64 path."""
+    route off the CPU or on a big-endian host) take the int64 path."""
     AUTO = "auto"
     KERNEL = "kernel"           # the compiled loop (coordloader/verify/_digestkernel.c)
     INT8 = "int8"               # int8 products against byte weights

@@ -41,8 +41,9 @@ Because the digest is a sum over elements with weights fixed by global position,
 digests of disjoint boxes that tile a tensor add up (mod 2^64) to the whole tensor's digest:
 ``combine`` is that sum. Everything runs as torch int64 ops on the tensor's own device
 (int64 wrapping arithmetic is arithmetic mod 2^64), in bounded chunks. On CPU, elements
-of 1, 2 or 4 bytes take an exact int8 matrix-product route to the same value (see "CPU
-fast path" below; ``digest_many`` batches a rank's pieces through it).
+of every width (8-byte ones as their halves) take an exact int8 matrix-product route to
+the same value (see "CPU fast path" in ``routes``; ``digest_many`` batches a rank's
+pieces through it).
 """
 from __future__ import annotations
 

@@ -228,12 +228,7 @@ def _prepare(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int])
 def _halves(shape: tuple[int, ...], box: Box, tensor: torch.Tensor):
     """An 8-byte tensor as its 32-bit halves (``definition``): the 4-byte tensor of last dim
     2C holding each element's low half at column 2c and its high half at 2c + 1."""
-    if tensor.stride(-1) != 1:
-        # a view as 4-byte elements needs packed columns (a size-1 dim's stride is moot)
-        tensor = (tensor.contiguous() if tensor.shape[-1] > 1 else
-                  tensor.as_strided(tensor.shape, tensor.stride()[:-1] + (1,),
-                                    tensor.storage_offset()))
-    halves = int_view(tensor).view(torch.int32)
+    halves = int_view(_packed_columns(tensor)).view(torch.int32)
     if not _LITTLE:   # memory holds the high half first: the definition reads numbers
         halves = halves.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     (a, b) = box[-1]
@@ -302,7 +297,7 @@ def piece_view(tensor: torch.Tensor, p, i: int = 0) -> torch.Tensor:
 # orientation with the row weights as the left operand, hr limbs (8 x rows) @ data, was
 # measured too: its 8 x K output costs more than it saves unless rows >> K.)
 #
-# 8-byte elements (mixed by x ^ (x >>> 32), not linear in the bytes), accelerators and
+# 8-byte elements take it as their 4-byte halves (``_prepare``); accelerators and
 # big-endian hosts keep the int64 path. torch._int_mm is private API: it is self-tested
 # once on extreme inputs and the int64 path is used if it is missing or inexact.
 
@@ -413,17 +408,20 @@ def _byte_buffer(n: int) -> torch.Tensor:
     return buf[:n]
 
 
+def _packed_columns(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with stride 1 along its last dim, as a view as narrower elements needs (a copy
+    only when its columns are apart)."""
+    if t.stride(-1) == 1:
+        return t
+    # a last dim of size 1 may have any stride, which contiguous() keeps (the tensor counts
+    # as contiguous); its one column is at offset 0 whatever the stride says
+    return (t.as_strided(t.shape, t.stride()[:-1] + (1,), t.storage_offset())
+            if t.shape[-1] <= 1 else t.contiguous())
+
+
 def _as_bytes(part: torch.Tensor) -> torch.Tensor:
     """``part`` (integer view) as int8 with the last dim in bytes (a view when it can be)."""
-    if part.dtype != torch.int8:
-        if part.stride(-1) != 1:
-            # a last dim of size 1 may have any stride, which contiguous() keeps (the tensor
-            # counts as contiguous) and a view as bytes refuses; its one column is at
-            # offset 0 whatever the stride says
-            part = (part.as_strided(part.shape, part.stride()[:-1] + (1,), part.storage_offset())
-                    if part.shape[-1] <= 1 else part.contiguous())
-        part = part.view(torch.int8)
-    return part
+    return part if part.dtype == torch.int8 else _packed_columns(part).view(torch.int8)
 
 
 def _as_matrix(part: torch.Tensor) -> torch.Tensor | None:
