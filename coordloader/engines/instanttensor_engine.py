@@ -538,12 +538,14 @@ class InstantTensorEngine:
         kwargs = dict(self.tuning)
         if keys is not None:
             kwargs.update(tensor_filter=keys, tensor_name_match_mode="exact")
+        named = files[0] + (" and others" if len(files) > 1 else "")   # for messages
+        listed = ", ".join(files[:4]) + (f", and {len(files) - 4} more" if len(files) > 4
+                                         else "")
         with _instanttensor_errors(f"instanttensor.safe_open failed on {len(files)} file(s) "
-                                   f"({files[0]}{', ...' if len(files) > 1 else ''})", rank):
+                                   f"({listed})", rank):
             handle = opener(list(paths), framework="pt", device=dev.index, process_group=pg,
                             copy=False, **kwargs)
-        with _instanttensor_errors(f"instanttensor failed while streaming {files[0]}"
-                                   f"{' and others' if len(files) > 1 else ''}", rank), \
+        with _instanttensor_errors(f"instanttensor failed while streaming {named}", rank), \
                 handle as f:
             # which file each yielded tensor comes from: its position in the file
             # order the handle streams; without that order, its key where each key
@@ -570,9 +572,7 @@ class InstantTensorEngine:
                 if streams is not None and i >= len(streams):
                     raise LoadError(f"instanttensor yielded key {key!r} after the "
                                     f"{len(streams)} tensor(s) the checkpoint metadata "
-                                    f"lists in {files[0]}"
-                                    f"{' and others' if len(files) > 1 else ''} "
-                                    f"(file changed?)", rank=rank)
+                                    f"lists in {named} (file changed?)", rank=rank)
                 if streams is not None:
                     fname, want, _ = streams[i]
                     if key != want and not _take_tied(streams, i, key):
@@ -622,6 +622,5 @@ class InstantTensorEngine:
                 fname, want, _ = streams[yielded]
                 raise LoadError(f"instanttensor's stream ended after {yielded} of the "
                                 f"{len(streams)} tensor(s) the checkpoint metadata lists in "
-                                f"{files[0]}{' and others' if len(files) > 1 else ''}, "
-                                f"before key {want!r} of this file (the stream skipped "
+                                f"{named}, before key {want!r} of this file (the stream skipped "
                                 f"tensors, or the file changed?)", file=fname, rank=rank)
