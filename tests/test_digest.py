@@ -589,7 +589,7 @@ def test_a_wrapper_subclass_without_storage_is_refused_not_read_at_address_0(rou
 
 @pytest.mark.parametrize("route", list(Route), ids=lambda r: r.name)
 @pytest.mark.parametrize("dt", [torch.float64, torch.int64, torch.uint64], ids=str)
-def test_no_pattern_of_8_byte_changes_cancels_by_construction(route, dt):
+def test_two_8_byte_elements_flipped_in_bits_63_and_31_change_the_digest(route, dt):
     """8-byte elements were valued x ^ (x >>> 32): flipping bits 63 and 31 of an element
     moved that by exactly 2^63, and w * 2^63 = 2^63 mod 2^64 for every odd weight, so two
     such changes anywhere (two near sign flips of F64 values, on one rank or two) left
