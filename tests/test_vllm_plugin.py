@@ -37,6 +37,7 @@ def test_options_default_and_known_keys():
     ({"timeout": True}, "timeout (seconds a rank waits"),
     ({"timeout": float("nan")}, "timeout must be a finite number of seconds above 0"),
     ({"timeout": 0}, "timeout must be a finite number of seconds above 0"),
+    ({"timeout": 10**400}, "timeout must be a finite number of seconds above 0"),
     ({"loader_config": "[1]"}, "loader_config (engine options"),
     ([("engine", "cpu")], "must be a JSON object, got list"),
 ])

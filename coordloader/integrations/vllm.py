@@ -18,7 +18,6 @@ vLLM's worker processes see it too. Options come through
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 import time
@@ -72,10 +71,10 @@ class LoaderOptions:
             # take yet; host reads + vLLM's own copy to the device are correct everywhere
             raise ConfigError(f"--model-loader-extra-config: engine {extra['engine']!r} is not "
                               f"available under vLLM; use auto or cpu")
-        t = extra.get("timeout")
-        if t is not None and not (math.isfinite(t) and t > 0):
-            raise ConfigError(f"--model-loader-extra-config: timeout must be a finite number of "
-                              f"seconds above 0, got {t!r}")
+        from coordloader.dist.collective import timeout_problem
+        problem = timeout_problem(extra.get("timeout"))
+        if problem:
+            raise ConfigError(f"--model-loader-extra-config: {problem}")
         opts = dict(extra)
         opts["engine"] = "cpu"
         return LoaderOptions(**opts)
