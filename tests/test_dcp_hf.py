@@ -254,9 +254,12 @@ def test_every_ranks_pieces_saved_without_save_distributed_are_refused(dcp_out, 
     and would load as whole tensors of half the size; rank 1's name their offsets. Both
     are refused: torch's index counts every rank's bytes, and lists whole tensors."""
     _, outs, _ = dcp_out
-    with pytest.raises(CheckpointError, match=r"(DCP_SHARDING_INFO places the tensor at "
-                                               r"offsets|gives total_size \d+ bytes, but)"):
-        cl.read_checkpoint(outs["every"])   # whichever write landed last here
+    # torch's real output: the ranks' writes race, leaving one rank's pieces or a torn
+    # file (its data shorter than its size, a header of one rank over another's bytes):
+    # which refusal names it depends on the race; the two files a race leaves whole are
+    # built below and their refusals pinned
+    with pytest.raises(CheckpointError):
+        cl.read_checkpoint(outs["every"])
     idx = json.load(open(os.path.join(outs["every"], "model.safetensors.index.json")))
     held = cl.read_checkpoint(outs["fsdp2"]).total_bytes
     rank0 = _every_rank_file_as_left(outs, tmp_path, 0)
