@@ -310,3 +310,28 @@ def test_another_ranks_file_unreadable_as_a_dump_is_named_so(tmp_path):
         f"holds rank-00000.safetensors, a dump of another load (unreadable as a dump; this "
         f"load's plan digest {'a' * 12}); choose another --dump DIR, or dump every rank of "
         f"this load with --overwrite (overwrite=True), each rank replacing its own file")
+
+
+def test_a_dump_is_refused_as_a_checkpoint(tmp_path, tiny):
+    """A --dump directory holds each rank's local tensors under the checkpoint's names:
+    read as a checkpoint (load, consolidate), rank 0's file gave 106 of the tiny
+    checkpoint's tensors at half their shape, exit 0, and a consolidate of it passed
+    verify full. Each dump file says it is one (its rank and plan digest)."""
+    from coordloader.errors import CheckpointError
+    d = str(tmp_path / "d")
+    plan = make_plan(tiny, Layout(tp=2))
+    for r in range(2):
+        dump_rank(d, r, cl.load(tiny, Layout(tp=2), rank=r), plan_digest=plan.digest())
+    want = ("file rank-00000.safetensors: is coordloader's --dump of rank 0's local tensors, "
+            "each this rank's slice of a checkpoint tensor under its name, not a checkpoint; "
+            "load or consolidate the checkpoint it was loaded from (compare a dump with a "
+            "load, or read it with a safetensors reader)")
+    for read in (lambda: read_checkpoint(d), lambda: read_checkpoint(dump_path(d, 0)),
+                 lambda: cl.consolidate(d, str(tmp_path / "out"), config=tiny)):
+        with pytest.raises(CheckpointError) as e:
+            read()
+        assert str(e.value) == want
+    assert not os.path.exists(tmp_path / "out")
+    os.remove(dump_path(d, 1))   # one rank's file alone
+    with pytest.raises(CheckpointError, match="is coordloader's --dump of rank 0's"):
+        cl.load(d, Layout(), rank=0)

@@ -27,6 +27,11 @@ SHARDED_VERSION = 2
 V1_VERSION = 1
 V1_SHARD_RE = re.compile(r"model-rank-\d{5}-part-\d{5}\.safetensors\Z")
 
+# --dump DIR: one rank's local tensors (its slices, under the checkpoint's names) per file,
+# these keys in its __metadata__
+DUMP_PLAN_DIGEST = "coordloader.plan_digest"
+DUMP_RANK = "coordloader.rank"
+
 # torch DCP's HuggingFaceStorageWriter(save_distributed=True): one file per rank, plain
 # tensor names, each piece's offsets in the file's __metadata__ under this key (no index,
 # no global shapes)

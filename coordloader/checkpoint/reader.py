@@ -42,6 +42,8 @@ from coordloader.checkpoint.formats import (
     DCP_SAVED_OFFSETS,
     DCP_SHARD_RE,
     DCP_SHARDING_INFO,
+    DUMP_PLAN_DIGEST,
+    DUMP_RANK,
     HF_INDEX_SUFFIX,
     HF_SINGLE,
     MANIFEST_NAME,
@@ -1099,8 +1101,18 @@ def _check_weight_map(wm: dict[str, str], idx: str, keys: list[str], files: list
 
 
 def _refuse_coordloader_pieces(fname: str, header: FileHeader) -> None:
-    """A shard of a coordloader save read without its index (renamed, copied out, or left
-    by a crash): its keys ``name@a:b`` are pieces, never tensors of their own."""
+    """A file coordloader wrote that holds parts of tensors under their names: a shard of a
+    coordloader save read without its index (renamed, copied out, or left by a crash),
+    whose keys ``name@a:b`` are pieces, never tensors of their own; or one rank's
+    ``--dump`` file, whose tensors are that rank's slices (a tp=2 rank's embedding is half
+    of it), read as whole tensors of that shape."""
+    md = dict(header.info.metadata)
+    if DUMP_PLAN_DIGEST in md and DUMP_RANK in md:
+        raise CheckpointError(f"is coordloader's --dump of rank {md[DUMP_RANK][:20]}'s local "
+                              f"tensors, each this rank's slice of a checkpoint tensor under "
+                              f"its name, not a checkpoint; load or consolidate the checkpoint "
+                              f"it was loaded from (compare a dump with a load, or read it "
+                              f"with a safetensors reader)", file=fname)
     for k, v in header.info.metadata:
         if "@" in k and v.startswith("{") and '"box"' in v:
             raise CheckpointError(f"holds piece {k[:120]!r} of a coordloader sharded save; read "

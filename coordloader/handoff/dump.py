@@ -12,6 +12,7 @@ import torch
 
 from coordloader.checkpoint import dtypes
 from coordloader.checkpoint.fileio import write_safetensors
+from coordloader.checkpoint.formats import DUMP_PLAN_DIGEST, DUMP_RANK
 from coordloader.errors import SaveError
 
 DUMP_NAME_RE = re.compile(r"rank-(\d{5,})\.safetensors")
@@ -83,8 +84,7 @@ def _other_plan(out_dir: str, rank: int, plan_digest: str) -> tuple[str, str | N
         if m is None or int(m.group(1)) == rank or not os.path.isfile(os.path.join(out_dir, n)):
             continue   # (what squats on another rank's name is that rank's to refuse)
         try:
-            theirs = dict(read_file_header(out_dir, n).info.metadata).get(
-                "coordloader.plan_digest")
+            theirs = dict(read_file_header(out_dir, n).info.metadata).get(DUMP_PLAN_DIGEST)
         except CheckpointError:
             theirs = None
         if theirs != plan_digest:
@@ -123,7 +123,7 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
         t = tensors[name]
         # the writer takes each tensor to host memory as it writes it (one at a time)
         entries.append((name, dtypes.from_torch(t.dtype), list(t.shape), t))
-    meta = {"format": "pt", "coordloader.plan_digest": plan_digest, "coordloader.rank": str(rank)}
+    meta = {"format": "pt", DUMP_PLAN_DIGEST: plan_digest, DUMP_RANK: str(rank)}
     if layout is not None:
         meta["coordloader.layout"] = json.dumps(layout, sort_keys=True)
     if coords is not None:
