@@ -8,6 +8,7 @@ claims, nor pair one rank's dump with the other's summary gather (gloo text afte
 --timeout, a different line per rank)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -43,12 +44,17 @@ def _run2(tmp, ckpt, extra: dict[int, list[str]]):
     ({0: ["--verify", "full"], 1: ["--verify", "shapes"]},
      "verify: rank 0 'full', rank 1 'shapes'"),
     ({0: ["--verify", "none"]}, "verify: rank 0 'none', rank 1 'shapes'"),
-    ({1: ["--dump", "DUMP"]}, "--dump: rank 0 False, rank 1 True"),
+    ({1: ["--dump", "DUMP"]}, "--dump: rank 0 None, rank 1 'DUMP'"),
+    # (was: both exit 0, each directory holding one rank's file of the dump)
+    ({0: ["--dump", "DUMP"], 1: ["--dump", "DUMP2"]}, "--dump: rank 0 'DUMP', rank 1 'DUMP2'"),
     ({1: ["--engine", "safetensors"]}, "engine: rank 0 'cpu', rank 1 'safetensors'"),
-], ids=["verify-full-vs-shapes", "verify-none-on-one", "dump-on-one", "engine"])
+], ids=["verify-full-vs-shapes", "verify-none-on-one", "dump-on-one", "dump-elsewhere",
+        "engine"])
 def test_ranks_with_different_options_stop_before_loading(tiny_qwen3_moe, tmp_path, extra, want):
-    extra = {r: [str(tmp_path / "dump") if a == "DUMP" else a for a in args]
-             for r, args in extra.items()}
+    dirs = {"DUMP": str(tmp_path / "dump"), "DUMP2": str(tmp_path / "dump2")}
+    extra = {r: [dirs.get(a, a) for a in args] for r, args in extra.items()}
+    for k, v in dirs.items():
+        want = want.replace(f"'{k}'", repr(v))
     out = _run2(tmp_path, tiny_qwen3_moe, extra)
     lines = set()
     for r, (rc, err, _) in out.items():
@@ -58,7 +64,7 @@ def test_ranks_with_different_options_stop_before_loading(tiny_qwen3_moe, tmp_pa
             in line and want in line, line
         lines.add(line.split(": ", 2)[2])
     assert len(lines) == 1, lines   # every rank prints the same message
-    assert not (tmp_path / "dump").exists()   # stopped before any tensor I/O or dump
+    assert not any(os.path.exists(v) for v in dirs.values())   # before any tensor I/O or dump
 
 
 def test_options_that_are_not_hashable_are_compared(monkeypatch):

@@ -168,8 +168,10 @@ def _run(args) -> int:
                             replicate_unmatched=args.replicate_unmatched, timeout=args.timeout,
                             config=args.config,
                             # the phases after load: a rank that dumps and one that does
-                            # not would pair the dump with the summary's gather
-                            agree={"--dump": bool(args.dump)})
+                            # not would pair the dump with the summary's gather, and ranks
+                            # dumping into different directories split one dump over them
+                            agree={"--dump": os.path.abspath(args.dump) if args.dump
+                                   else None})
         mine = dict(res.stats.to_dict(), rank=res.rank, phases=res.phases,
                     coords=dict(res.rank_plan.coords), experts=experts_held(res.rank_plan))
         if res.verify_report is not None:
