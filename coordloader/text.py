@@ -56,10 +56,11 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {clip(message)}\n")
 
 
-def positive_number(unit: str, maximum: float | None = None) -> Callable[[str], float]:
-    """An argparse type: a finite number of ``unit`` above 0 (and at most ``maximum``).
-    Zero, negative, nan, inf and huge values would otherwise reach the code as a bare
-    error or be clamped into something else."""
+def positive_number(unit: str, maximum: float | None = None,
+                    minimum: float | None = None) -> Callable[[str], float]:
+    """An argparse type: a finite number of ``unit`` above 0 (and at most ``maximum``, at
+    least ``minimum``). Zero, negative, nan, inf and huge values would otherwise reach the
+    code as a bare error or be clamped into something else."""
     def parse(text: str) -> float:
         shown = clip(repr(text), MAX_NAME_CHARS)
         try:
@@ -71,6 +72,8 @@ def positive_number(unit: str, maximum: float | None = None) -> Callable[[str], 
                                              f"greater than 0")
         if maximum is not None and v > maximum:
             raise argparse.ArgumentTypeError(f"{shown}: expected at most {maximum:g} {unit}")
+        if minimum is not None and v < minimum:
+            raise argparse.ArgumentTypeError(f"{shown}: expected at least {minimum:g} {unit}")
         return v
     return parse
 

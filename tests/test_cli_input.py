@@ -18,6 +18,16 @@ def test_timeout_must_be_positive_and_finite(bad, capsys):
     assert "--timeout" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("bad", ["1e-300", "1e-6", "0.0005", "0.05"])
+def test_a_timeout_below_what_the_store_takes_is_a_usage_error(bad, capsys):
+    """A sub-millisecond --timeout reached the store as a deadline of 0 ms: rank 0 aborted
+    in C++ (exit 134, a backtrace), naming its own store as a foreign listener."""
+    with pytest.raises(SystemExit) as ei:
+        build_parser().parse_args(["ckpt", "--timeout", bad])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "--timeout" in err and "at least 0.1 seconds" in err, err
+
+
 def test_timeout_accepts_seconds():
     assert build_parser().parse_args(["ckpt", "--timeout", "2.5"]).timeout == 2.5
 

@@ -35,9 +35,9 @@ def test_options_default_and_known_keys():
     ({1: 2}, "unknown key(s) 1 for load format 'coordloader'; known: engine"),
     ({"timeout": "10"}, "timeout (seconds a rank waits"),
     ({"timeout": True}, "timeout (seconds a rank waits"),
-    ({"timeout": float("nan")}, "timeout must be a finite number of seconds above 0"),
-    ({"timeout": 0}, "timeout must be a finite number of seconds above 0"),
-    ({"timeout": 10**400}, "timeout must be a finite number of seconds above 0"),
+    ({"timeout": float("nan")}, "timeout must be a finite number of seconds from 0.1 to"),
+    ({"timeout": 0}, "timeout must be a finite number of seconds from 0.1 to"),
+    ({"timeout": 10**400}, "timeout must be a finite number of seconds from 0.1 to"),
     ({"loader_config": "[1]"}, "loader_config (engine options"),
     ([("engine", "cpu")], "must be a JSON object, got list"),
 ])

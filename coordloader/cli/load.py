@@ -24,7 +24,7 @@ from coordloader.text import ArgumentParser, positive_number
 
 # a timeout of 0, negative, nan, inf or past a week would reach the store as a C++ error
 # with a backtrace
-seconds = positive_number("seconds", collective.MAX_TIMEOUT_S)
+seconds = positive_number("seconds", collective.MAX_TIMEOUT_S, collective.MIN_TIMEOUT_S)
 
 
 def json_object(text: str) -> dict:

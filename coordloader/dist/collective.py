@@ -101,6 +101,9 @@ DEFAULT_TIMEOUT_S = 300.0
 # the largest timeout taken: the store turns a deadline past what time_t holds into a C++
 # abort (--timeout 1e10), and no collective needs a week
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# the smallest: the store rounds a deadline to whole milliseconds, and one of 0 ms aborts
+# in C++ (a backtrace, exit 134) from the thread a stopped store is left to
+MIN_TIMEOUT_S = 0.1
 DEFAULT_GRACE_S = 5.0
 _NAMESPACES: dict[str, int] = {}   # per-store-identity counter; same order on every rank
 
@@ -264,8 +267,8 @@ def timeout_problem(timeout_s) -> str | None:
         return None
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         return f"timeout must be a number of seconds, got {type(timeout_s).__name__}"
-    if not 0 < timeout_s <= MAX_TIMEOUT_S:
-        return (f"timeout must be a finite number of seconds above 0 and at most "
+    if not MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S:
+        return (f"timeout must be a finite number of seconds from {MIN_TIMEOUT_S:g} to "
                 f"{MAX_TIMEOUT_S:g}, got {timeout_s!r}")
     return None
 
