@@ -300,6 +300,16 @@ DCP_FILES = ("shard-00001-model-00001-of-00001.safetensors",
              "shard-00002-model-00001-of-00001.safetensors")
 
 
+def write_dcp_files(root, full: dict[str, torch.Tensor], rows: dict) -> None:
+    """torch DCP's per-rank files of ``full``'s tensors: file ``r`` of DCP_FILES holds rows
+    ``rows[name][r]`` of each, under the tensor's own name, its offsets in
+    DCP_SHARDING_INFO."""
+    for r, fname in enumerate(DCP_FILES):
+        info = {k: {"saved_offsets": [rows[k][r][0], 0]} for k in full}
+        save_file({k: full[k][slice(*rows[k][r])].contiguous() for k in full},
+                  str(root / fname), metadata={"DCP_SHARDING_INFO": json.dumps(info)})
+
+
 def dcp_ckpt(tmp_path) -> tuple[CheckpointMeta, dict[str, torch.Tensor]]:
     """torch DCP's HF output (``HuggingFaceStorageWriter(save_distributed=True)``): one file
     per rank, each rank's piece stored under the tensor's own name, so both files hold a
@@ -309,10 +319,7 @@ def dcp_ckpt(tmp_path) -> tuple[CheckpointMeta, dict[str, torch.Tensor]]:
     v = torch.arange(100, 106, dtype=torch.int32).reshape(3, 2)
     rows = {"w": ((0, 4), (4, 8)), "v": ((0, 2), (2, 3))}
     full = {"w": w, "v": v}
-    for r, fname in enumerate(DCP_FILES):
-        info = {k: {"saved_offsets": [rows[k][r][0], 0]} for k in full}
-        save_file({k: full[k][slice(*rows[k][r])].contiguous() for k in full},
-                  str(tmp_path / fname), metadata={"DCP_SHARDING_INFO": json.dumps(info)})
+    write_dcp_files(tmp_path, full, rows)
     meta = meta_of(str(tmp_path), list(DCP_FILES), sharded={
         k: (dt, tuple(full[k].shape), [(f, k, [rows[k][r], (0, full[k].shape[1])])
                                        for r, f in enumerate(DCP_FILES)])

@@ -880,15 +880,10 @@ def test_a_stream_that_leaves_out_a_file_is_refused_not_attributed_to_it(tmp_pat
     that left out the first file (its ``filename`` listing both) had the second file's
     tensors checked and attributed position by position as the first file's, and the load
     returned rows 4-8 of ``w`` as rows 0-4. The stream must end where the metadata does."""
-    from safetensors.torch import save_file
+    from test_engine_cpu import write_dcp_files
     w = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
     v = torch.arange(100, 108, dtype=torch.int32).reshape(4, 2)
-    rows = {"w": ((0, 4), (4, 8)), "v": ((0, 2), (2, 4))}
-    full = {"w": w, "v": v}
-    for r, fname in enumerate(DCP_FILES):
-        info = {k: {"saved_offsets": [rows[k][r][0], 0]} for k in full}
-        save_file({k: full[k][slice(*rows[k][r])].contiguous() for k in full},
-                  str(tmp_path / fname), metadata={"DCP_SHARDING_INFO": json.dumps(info)})
+    write_dcp_files(tmp_path, {"w": w, "v": v}, {"w": ((0, 4), (4, 8)), "v": ((0, 2), (2, 4))})
     from coordloader.checkpoint.reader import read_checkpoint
     meta = read_checkpoint(str(tmp_path))
     pieces = [(((0, 4), (0, 6)), (0, 0))]
