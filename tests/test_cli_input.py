@@ -203,8 +203,10 @@ def test_loader_config_keys_are_checked_under_every_engine(tmp_path, monkeypatch
     assert _exit_code(main, argv + ['{"chunk_size": 5}']) == 0
 
 
-def test_dump_onto_a_file_is_refused_before_the_load(tmp_path, monkeypatch, capsys):
-    """--dump FILE ran the whole load and failed only then, creating the directory."""
+def test_dump_onto_a_file_or_report_onto_a_directory_is_refused_before_the_load(
+        tmp_path, monkeypatch, capsys):
+    """--dump FILE (and --report DIR) ran the whole load and failed only then, the dump
+    creating the directory."""
     import coordloader.cli.load as load_cli
     from coordloader.synth import synthesize
     _no_torchrun_env(monkeypatch)
@@ -219,6 +221,10 @@ def test_dump_onto_a_file_is_refused_before_the_load(tmp_path, monkeypatch, caps
     assert (f"ConfigError: file {target}: --dump {target} exists and is not a directory"
             in capsys.readouterr().err)
     assert target.read_text() == "x"
+    # --report onto a directory: the whole load, then "write failed: Is a directory"
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--report", str(tmp_path)]) == 1
+    assert (f"ConfigError: file {tmp_path}: --report {tmp_path} is a directory; choose a "
+            f"file path" in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("flag", ["--max-shard-size", "--block-mib"])

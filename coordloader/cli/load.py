@@ -143,6 +143,9 @@ def _check_arguments(args, group) -> Layout:
         # found when the dump is written, it cost the whole load first
         raise ConfigError(f"--dump {args.dump} exists and is not a directory; choose a "
                           f"directory", file=args.dump)
+    if args.report and os.path.isdir(args.report):
+        raise ConfigError(f"--report {args.report} is a directory; choose a file path",
+                          file=args.report)
     if group is not None:
         if group.world != layout.world_size:
             raise LoadError(f"launched with {group.world} ranks but the layout ({layout}) "
