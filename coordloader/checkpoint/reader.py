@@ -1100,7 +1100,7 @@ def _check_weight_map(wm: dict[str, str], idx: str, keys: list[str], files: list
                                       f"the file does not contain it", file=fname, tensor=key)
 
 
-def _refuse_coordloader_pieces(fname: str, header: FileHeader) -> None:
+def _refuse_coordloader_parts(fname: str, header: FileHeader) -> None:
     """A file coordloader wrote that holds parts of tensors under their names: a shard of a
     coordloader save read without its index (renamed, copied out, or left by a crash),
     whose keys ``name@a:b`` are pieces, never tensors of their own; or one rank's
@@ -1142,7 +1142,7 @@ def _assemble_plain(discovery: Discovery, by_file, names) -> tuple[TensorMap, Te
             if len(seen) != n:
                 break
     for fname in names[:upto]:
-        _refuse_coordloader_pieces(fname, by_file[fname])
+        _refuse_coordloader_parts(fname, by_file[fname])
     if twice:
         _refuse_stored_twice(by_file, names[:upto])
     table = tensor_table(keys, list(map(itemgetter(2), entries)),
