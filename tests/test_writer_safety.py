@@ -335,3 +335,22 @@ def test_a_dump_is_refused_as_a_checkpoint(tmp_path, tiny):
     os.remove(dump_path(d, 1))   # one rank's file alone
     with pytest.raises(CheckpointError, match="is coordloader's --dump of rank 0's"):
         cl.load(d, Layout(), rank=0)
+
+
+def test_save_refuses_an_index_readers_would_refuse_and_keeps_the_old_one(tmp_path, monkeypatch):
+    # A save of many pieces could publish an index over the readers' size cap: the old
+    # checkpoint replaced by one that no reader opens. Shown at a small cap.
+    from coordloader.handoff import publish
+    out = tmp_path / "ck"
+    cl.save(str(out), {"w": torch.arange(4.0)}, config={"model_type": "toy"})
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr(publish, "MAX_JSON_FILE", 4096)
+    many = {f"layer{i:03d}.weight": torch.full((2,), float(i)) for i in range(100)}
+    with pytest.raises(SaveError, match=r"file .*/coordloader-index\.json: this file would be "
+                       r"\d+ bytes, over the 4096 bytes readers accept for it; nothing was "
+                       r"published"):
+        cl.save(str(out), many, config={"model_type": "toy"}, overwrite=True, digests=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    monkeypatch.undo()
+    got = read_checkpoint(str(out))
+    assert list(got.tensors) == ["w"]

@@ -44,6 +44,7 @@ from coordloader.checkpoint.formats import (
 )
 from coordloader.checkpoint.reader import (
     MAX_CONFIG,
+    MAX_JSON_FILE,
     PICKLE_SUFFIXES,
     parse_strict_json,
     read_json_document,
@@ -103,8 +104,17 @@ def write_bytes_durable(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def write_json_durable(path: str, obj: Any) -> None:
-    write_bytes_durable(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+def write_json_durable(path: str, obj: Any, *, capped: bool = True) -> None:
+    """Write a JSON side file into staging. ``capped`` (a file that readers open: index,
+    manifest): SaveError when it is over the size they accept, since published it would
+    replace the previous checkpoint with one that no reader opens."""
+    data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
+    if capped and len(data) > MAX_JSON_FILE:
+        raise SaveError(f"this file would be {len(data)} bytes, over the {MAX_JSON_FILE} bytes "
+                        f"readers accept for it; nothing was published (the previous "
+                        f"checkpoint, if any, is untouched): save fewer pieces (fewer ranks "
+                        f"per tensor, or consolidate first)", file=path)
+    write_bytes_durable(path, data)
 
 
 # ---------------------------------------------------------------- what is already there

@@ -538,7 +538,8 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
                     for r in earlier]
             pieces = keep_primaries(pieces, held + [undecided(pieces)], rank)
         rec = _write_rank(stage_dir, pieces, rank, max_shard_bytes, digests)
-        write_json_durable(os.path.join(stage_dir, f"rank-{rank:05d}.json"), rec)
+        write_json_durable(os.path.join(stage_dir, f"rank-{rank:05d}.json"), rec,
+                           capped=False)   # read back by this save only
     except OSError as e:
         shutil.rmtree(stage_dir, ignore_errors=True)
         raise os_error(e, stage_dir, rank, "writing the rank record") from e
