@@ -16,10 +16,12 @@ from hypothesis import strategies as st
 
 from coordloader.api import make_plan
 from coordloader.checkpoint.formats import SHARD_SUFFIX, SHARDED_INDEX
+from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.dist.collective import free_port
 from coordloader.errors import PlanError
 from coordloader.handoff.save import save
 from coordloader.layout import Layout
+from coordloader.planning.cover import validate_cover
 from coordloader.loader import load
 from coordloader.synth import synthesize
 
@@ -41,6 +43,8 @@ TARGET_LAYOUTS = [Layout(), Layout(tp=2), Layout(tp=4, ep=2), Layout(pp=2, tp=2)
 
 
 def assert_same_load(src: str, resharded: str, layout: Layout, **kw) -> None:
+    # the plan of the resharded checkpoint passes the cover check (`coordloader.plan` runs it)
+    validate_cover(make_plan(resharded, layout), read_checkpoint(resharded))
     for r in range(layout.world_size):
         want = load(src, layout, rank=r, **kw)
         got = load(resharded, layout, rank=r, **kw)

@@ -464,9 +464,7 @@ def _check_slice(s, tensors, ranges, rank, pieces_ok=None) -> None:
     else:
         rg = ranges.get(s.name)
         if rg is None:
-            rg = ranges[s.name] = {}
-            for sp in src:
-                rg.setdefault(sp.file, []).append((sp.start, sp.end))
+            rg = ranges[s.name] = _file_spans(src)
     for g in groups:
         f, o, ln, d, c, _, _ = g
         if c == 1:   # the common case, kept free of method calls: this runs per group
@@ -488,6 +486,24 @@ def _check_slice(s, tensors, ranges, rank, pieces_ok=None) -> None:
         if dlo < 0 or dhi > lbytes:
             raise PlanError(f"byte run to dest {d}+{ln} lies outside the local tensor ({lbytes} "
                             f"bytes)", tensor=s.name, rank=rank)
+
+
+def _file_spans(pieces) -> dict:
+    """file -> the tensor's byte spans in it, pieces back to back joined: the planner
+    merges a run across two stored pieces that lie back to back in a file (one read)."""
+    by_file: dict = {}
+    for sp in pieces:
+        by_file.setdefault(sp.file, []).append((sp.start, sp.end))
+    for f, spans in by_file.items():
+        spans.sort()
+        joined = [spans[0]]
+        for a, b in spans[1:]:
+            if a == joined[-1][1]:
+                joined[-1] = (joined[-1][0], b)
+            else:
+                joined.append((a, b))
+        by_file[f] = joined
+    return by_file
 
 
 def _check_pieces(s, t, ls, rank) -> int:
