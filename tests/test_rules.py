@@ -248,6 +248,26 @@ def test_stage_layer_on_a_name_without_a_layer_is_refused():
     assert "model.final.weight" in make_plan(meta, Layout(pp=1), rules).ranks[0].by_name()
 
 
+
+@pytest.mark.parametrize("stage", [None, "layer", "first", "last", "all"])
+def test_an_mtp_layer_stays_out_whatever_stage_a_rule_gives_it(stage):
+    """A stage given by a rule brought an MTP layer back into the plan without include_mtp."""
+    from coordloader.synth.archs import arch_tensors
+    cfg, specs = arch_tensors("deepseek_v3", "tiny")
+    meta = meta_from_specs(cfg, specs)
+    n = f"model.layers.{cfg['num_hidden_layers']}.eh_proj.weight"
+    assert n in meta.tensors
+    params = {} if stage is None else {"stage": stage}
+    rules = {"rules": [{"pattern": "*.eh_proj.weight", "strategy": "replicate", "params": params}]}
+    plan = make_plan(meta, Layout(tp=2, pp=2), rules)
+    assert n in plan.excluded
+    assert not any(n in rp.by_name() for rp in plan.ranks)
+    # with include_mtp the rule's stage is followed ('layer' and none: the last stage)
+    plan = make_plan(meta, Layout(tp=2, pp=2, include_mtp=True), rules)
+    held = sorted({plan.layout.coords(r).pp for r in range(plan.world_size)
+                   if n in plan.rank(r).by_name()})
+    assert held == {"first": [0], "all": [0, 1]}.get(stage, [1])
+
 # ---- digit templates: match_all matches each distinct name-with-digits-as-0 once
 
 _ATOMS = [r"a", r"\.", r"1", r"0", r"[0-9]", r"[1-5]", r"\d", r"\D", r"\w", r".", r"[^.]",

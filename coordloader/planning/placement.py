@@ -118,10 +118,10 @@ class Placer:
             return (pp - 1,)   # the planner left them out unless include_mtp
         st = params.get("stage")
         li = self.layer_of(n)
+        if li is not None and li >= self.num_layers and not self.L.include_mtp:
+            return None   # an MTP layer, whatever stage a rule gives it
         if li is not None and st in (None, "layer"):
-            if li >= self.num_layers:
-                return (pp - 1,) if self.L.include_mtp else None
-            return (self.stage_of[li],)
+            return (pp - 1,) if li >= self.num_layers else (self.stage_of[li],)
         if st == "all":
             return tuple(range(pp))
         if st == "layer":
