@@ -233,6 +233,25 @@ def test_a_rowwise_dim_past_a_matrixs_rank_is_refused_not_replicated():
     assert held["model.layers.0.self_attn.o_proj.bias"].local_shape == (8,)
 
 
+
+@pytest.mark.parametrize("lay", [Layout(tp=2), Layout(tp=2, ep=2), Layout(tp=1)],
+                         ids=["moe_tp2", "ep2", "one"])
+@pytest.mark.parametrize("name,shape,msg", [
+    ("model.layers.0.mlp.experts.down_proj", (4, 8, 4), "for fused shape [4, 8, 4]"),
+    ("model.layers.0.mlp.experts.3.down_proj.weight", (8, 4), "for shape [8, 4]")])
+def test_an_expert_split_dim_past_the_shape_is_refused_at_every_layout(lay, name, shape, msg):
+    """The dim was checked only where moe_tp > 1; elsewhere a bare IndexError (fused) or a
+    rule passing at one layout and refused at another (per expert)."""
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "num_attention_heads": 2,
+           "num_key_value_heads": 2, "num_hidden_layers": 1, "num_experts": 4,
+           "tie_word_embeddings": True}
+    meta = meta_from_specs(cfg, [(name, "BF16", shape)])
+    rules = {"rules": [{"pattern": "*.experts.*", "strategy": "expert", "params": {"dim": 2}}]}
+    with pytest.raises(PlanError) as e:
+        make_plan(meta, lay, rules)
+    assert e.value.tensor == name
+    assert f"expert split dim 2 out of range {msg}" in str(e.value)
+
 def test_stage_layer_on_a_name_without_a_layer_is_refused():
     """stage 'layer' on a tensor outside the layers sent it to the last stage unasked."""
     specs = [s for s in SPECS if "proj" in s[0] and "gate_up" not in s[0]] + [

@@ -240,11 +240,13 @@ def _place_expert(ctx: PlacementContext, t: TensorShape, p: Mapping):
         owners = ctx.expert_owners(e, E)
         if not owners:
             raise ctx.err(f"expert {e} has no owner in the expert placement", t.name)
+        # the dim is checked at every layout: a rule that only fails where moe_tp > 1
+        # would pass its tests at one layout and fail at another
+        if dim is not None and t.shape and dim >= len(t.shape):
+            raise ctx.err(f"expert split dim {dim} out of range for shape {list(t.shape)}", t.name)
         if dim is None or L.moe_tp == 1 or not t.shape:
             _, classes = ctx.whole(t)
             return ByExpertOwner(owners, False), classes
-        if dim >= len(t.shape):
-            raise ctx.err(f"expert split dim {dim} out of range for shape {list(t.shape)}", t.name)
         if _is_packed(t, p):
             classes = packed_dim_classes(t.shape, dim, ctx.packed_ranges(
                 t, dim, t.shape[dim], p, f"expert split of dim {dim} (shape {list(t.shape)})"))
@@ -269,11 +271,11 @@ def _place_expert(ctx: PlacementContext, t: TensorShape, p: Mapping):
                                     f"different expert sets; a fused expert tensor can only be "
                                     f"replicated as a whole set", t.name)
                 seen.setdefault(e, q)
+    if dim is not None and dim + 1 >= len(t.shape):
+        raise ctx.err(f"expert split dim {dim} out of range for fused shape "
+                        f"{list(t.shape)}", t.name)
     split = dim is not None and L.moe_tp > 1
     if split:
-        if dim + 1 >= len(t.shape):
-            raise ctx.err(f"expert split dim {dim} out of range for fused shape "
-                            f"{list(t.shape)}", t.name)
         rngs = ctx.packed_ranges(t, dim + 1, t.shape[dim + 1], p,
                                    f"fused expert split of dim {dim + 1} (shape "
                                    f"{list(t.shape)})")
