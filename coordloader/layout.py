@@ -75,6 +75,12 @@ class Layout:
                                 f"ep rank (ep={self.ep})")
             if any(e < 0 for ids in m for e in ids):
                 raise PlanError("layout: explicit expert map holds a negative expert id")
+            for q, ids in enumerate(m):
+                if len(set(ids)) != len(ids):
+                    # a fused expert tensor would hold it twice, per-expert tensors once
+                    dup = next(e for e in ids if ids.count(e) > 1)
+                    raise PlanError(f"layout: explicit expert map lists expert {dup} twice on "
+                                    f"ep rank {q} ({list(ids)}); a replica goes on another ep rank")
         elif self.expert_placement not in ("linear", "round_robin"):
             raise PlanError(f"layout: expert_placement must be 'linear', 'round_robin' or an explicit "
                             f"map, got {self.expert_placement!r}")

@@ -72,6 +72,9 @@ def test_expert_checks():
     (dict(tp=2, ep=2, expert_placement=[[True, False], [2, 3]]),
      "layout: an explicit expert map is a list of integer expert ids per ep rank, got "
      "[[True, False], [2, 3]]"),
+    (dict(tp=2, ep=2, expert_placement=[[0, 0, 1], [2]]),
+     "layout: explicit expert map lists expert 0 twice on ep rank 0 ([0, 0, 1]); a replica "
+     "goes on another ep rank"),
     (dict(pp=2, pp_layers="11"),
      "layout: pp_layers must be a list of integer layer counts, got '11'"),
 ])
