@@ -246,7 +246,10 @@ class CpuEngine:
                                    [(base + d + pos, n)] if base else []))
                 pos += n
             return ln
-        kind = Strided.SPAN if ss >= ln and ds >= ln and ss - ln < _PAGE else Strided.ROWS
+        # a row longer than span_bytes is read straight into the tensor: through the bounce
+        # buffer it would grow that buffer to the row, per thread, and copy the row twice
+        kind = (Strided.SPAN if ds >= ln and ln <= ss <= self.span_bytes and ss - ln < _PAGE
+                else Strided.ROWS)
         # SPAN: rows in chunks of about span_bytes of file span; ROWS: chunk_bytes read
         per = max(1, self.span_bytes // ss if kind is Strided.SPAN else cb // ln)
         buf = u8 if kind is Strided.SPAN else mv
