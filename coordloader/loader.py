@@ -397,6 +397,13 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
         finally:
             if bar is not None:
                 bar.close()
+            if out is not None:
+                # written in place behind autograd's back (preadv, numpy): a graph that
+                # saved a destination's old value must refuse to backpropagate through
+                # the new one, as it does after copy_; a failed load wrote some of them too
+                filled = [out[ts.name] for ts in rank_plan.tensors if ts.name in out]
+                torch.autograd.graph.increment_version(
+                    [t for t in filled if isinstance(t, torch.Tensor)])
         phases["load"] = time.perf_counter() - t
 
         t = time.perf_counter()

@@ -164,6 +164,23 @@ def test_out_parameters_requiring_grad_are_filled(tmp_path, engine):
 
 
 @pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+@pytest.mark.parametrize("how", ["load_into", "out"])
+def test_a_graph_that_saved_a_target_refuses_to_backpropagate_after_the_load(ab, engine, how):
+    """The cpu engine writes a destination with preadv and numpy, behind autograd's back:
+    a graph built on the old weight backpropagated through the new bytes (x.grad [[100,
+    100]] where the graph saw 1s), while copy_ (the safetensors engine) is refused."""
+    w = torch.nn.Parameter(torch.ones(4))
+    x = torch.ones(4, requires_grad=True)
+    y = (x * w).sum()
+    if how == "load_into":
+        cl.load_into({"b": w}, ab, Layout(), engine=engine, strict=False, **ONE)
+    else:
+        cl.load_detailed(ab, Layout(), engine=engine, out={"b": w}, **ONE)
+    assert w.tolist() == [100.0, 101.0, 102.0, 103.0]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
 @pytest.mark.parametrize("bad", ["shape", "dtype", "missing", "meta", "two-for-one", "sparse",
                                  "csr", "nested"])
 def test_a_refused_target_leaves_every_target_unwritten(ab, engine, bad):
