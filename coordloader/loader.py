@@ -316,7 +316,8 @@ def _load_device(engine: str, device, rank: int | None = None) -> torch.device:
                                "would hold the checkpoint's bytes; load onto cpu or cuda")
         elif dev.type != "cpu":
             torch.empty(0, device=dev)
-    except (RuntimeError, TypeError, AssertionError, ValueError) as e:
+    # ImportError: a backend name torch knows but has no module for ('privateuseone')
+    except (RuntimeError, TypeError, AssertionError, ValueError, ImportError) as e:
         raise LoadError(f"device {device!r} is not usable here: {e}", rank=rank) from None
     return dev
 

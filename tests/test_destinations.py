@@ -127,7 +127,7 @@ def test_interleaved_targets_that_do_not_share_memory_load(ab):
 
 
 @pytest.mark.parametrize("engine", ["cpu", "safetensors"])
-@pytest.mark.parametrize("device", ["banana", "xpu:3", "meta"]
+@pytest.mark.parametrize("device", ["banana", "xpu:3", "meta", "privateuseone"]
                          + ([] if torch.cuda.is_available() else ["cuda", "cuda:0"]))
 def test_unusable_device_is_a_load_error(ab, engine, device):
     """A device this machine lacks failed after the whole rank was read, with torch's
