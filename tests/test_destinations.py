@@ -528,3 +528,12 @@ def test_buffers_as_torch_and_the_caller_name_them(tmp_path):
     assert m.n.weight.tolist() == [2.0, 2.0]
     torch.nn.BatchNorm1d(2).load_state_dict(   # torch's own strict load agrees
         {k: v for k, v in m.n.state_dict().items() if k != "num_batches_tracked"}, strict=True)
+
+
+@pytest.mark.parametrize("out", [["a"], "a", 5])
+def test_out_that_is_no_mapping_is_a_load_error(ab, out):
+    """out= a list, a str or an int raised a bare TypeError from the engine."""
+    with pytest.raises(LoadError) as e:
+        cl.load_detailed(ab, Layout(), out=out, **ONE)
+    assert str(e.value) == (f"rank 0: out= must be a mapping of checkpoint name to tensor, "
+                            f"got {type(out).__name__}")
