@@ -169,6 +169,23 @@ def test_refuses_existing_checkpoint_and_overwrite_replaces(tmp_path):
     assert_equal_ckpt(out, full)
 
 
+@pytest.mark.parametrize("key, msg", [
+    (0, "rank 0: a state dict key is the int 0; expected a tensor name (a str)"),
+    ("bad\ud800name", "rank 0, tensor 'bad\\ud800name': tensor name holds a lone surrogate "
+                       "(\\ud800-\\udfff), which is not UTF-8; expected a UTF-8 name")])
+def test_a_key_no_reader_takes_as_a_name_is_refused_before_the_old_checkpoint_goes(
+        tmp_path, key, msg):
+    """A lone surrogate in a name was published (the old checkpoint replaced by one every
+    reader refuses); an int key failed with a bare TypeError (a CollectiveError on ranks)."""
+    out = tmp_path / "ck"
+    save(out, {"ok": torch.ones(2)}, config={"model_type": "toy"})
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SaveError) as e:
+        save(out, {"ok": torch.ones(2), key: torch.zeros(3)}, config={"model_type": "toy"},
+             overwrite=True, digests=False)
+    assert str(e.value) == msg
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
 def test_bad_inputs_name_tensor_and_rank(tmp_path):
     plan, locs, _ = make_plan_and_locals()
     bad = dict(locs[1])

@@ -484,18 +484,18 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 def _refuse_surrogates(hdr: dict, metadata, file: str) -> None:
     for k in hdr:
-        if _not_utf8(k):
+        if not_utf8(k):
             raise CheckpointError("tensor name holds a lone surrogate (a \\ud800-\\udfff "
                                   "escape), which is not UTF-8; expected a UTF-8 name",
                                   file=file, tensor=k)
     for k, v in metadata:
-        if _not_utf8(k) or _not_utf8(v):
+        if not_utf8(k) or not_utf8(v):
             raise CheckpointError(f"__metadata__ entry {k!r} holds a lone surrogate (a "
                                   f"\\ud800-\\udfff escape), which is not UTF-8; expected "
                                   f"UTF-8 strings", file=file)
 
 
-def _not_utf8(s: str) -> bool:
+def not_utf8(s: str) -> bool:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:

@@ -23,8 +23,10 @@ import torch
 
 from coordloader.checkpoint.dtypes import from_torch, itemsize
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape, piece_key
+from coordloader.checkpoint.reader import not_utf8
 from coordloader.engines import layout_kind, uninitialized, wraps_other_tensors
 from coordloader.errors import CoordloaderError, SaveError
+from coordloader.text import MAX_NAME_CHARS, clip
 
 
 class Boxed(NamedTuple):
@@ -170,6 +172,18 @@ def _piece(name, data, gshape, box, dst, decided) -> PieceOut:
                     box_numel(box) * itemsize(dt), view, decided)
 
 
+def _check_name(name, rank: int) -> None:
+    """A state dict key every reader takes as a tensor name: written, any other would be
+    refused by the readers only after the save had replaced the previous checkpoint."""
+    if type(name) is not str:
+        raise SaveError(f"a state dict key is the {type(name).__name__} "
+                        f"{clip(repr(name), MAX_NAME_CHARS)}; expected a tensor name (a str)",
+                        rank=rank)
+    if not_utf8(name):
+        raise SaveError("tensor name holds a lone surrogate (\\ud800-\\udfff), which is not "
+                        "UTF-8; expected a UTF-8 name", tensor=name, rank=rank)
+
+
 def collect_pieces(tensors, rank_plan, rank: int) -> list[PieceOut]:
     """Every piece this rank holds, from the plan's slices (plain tensors), the
     placements (DTensors) or the boxes given (``Boxed``); a plain tensor without a plan
@@ -188,6 +202,7 @@ def collect_pieces(tensors, rank_plan, rank: int) -> list[PieceOut]:
             raise SaveError("the plan gives this rank a primary slice of the tensor, but it is "
                             "missing from the tensors passed to save()", tensor=ts.name, rank=rank)
     for name, v in tensors.items():
+        _check_name(name, rank)
         if _is_dtensor(v):
             gshape, boxes, primary = dtensor_boxes(name, v, rank)
             ts = planned.get(name)
