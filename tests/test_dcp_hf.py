@@ -532,6 +532,34 @@ def test_dcp_extent_check_agrees_with_every_presets_own_shapes(family, cfg):
     assert checked or family in ("bert", "phi3"), family
 
 
+def test_dcp_extent_check_leaves_a_vision_tower_under_a_flat_config_alone():
+    """The Hub's Qwen2.5-VL config.json states the text model's sizes at its top level:
+    the vision tower's mlp (intermediate 24) was compared with the text model's 64 and a
+    whole DCP save refused as missing a rank's file. The text model is still compared."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from coordloader.checkpoint import metadata as md
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=128),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
+                           out_hidden_size=32))
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(cfg)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    nested = cfg.to_dict()
+    flat = {**nested["text_config"], **{k: v for k, v in nested.items() if k != "text_config"}}
+
+    def meta(sh, doc):
+        return md.CheckpointMeta(root="/x", files=(), config=doc, shapes_from_extents=True,
+                                 tensors={n: md.TensorInfo(n, "F32", s, ()) for n, s in sh.items()})
+    vision = "model.visual.blocks.0.mlp.down_proj.weight"
+    assert shapes[vision] == (16, 24)
+    assert md.extent_mismatch(meta(shapes, flat)) is None
+    text = "model.language_model.layers.0.mlp.down_proj.weight"
+    short = dict(shapes, **{text: (32, 32)})
+    assert md.extent_mismatch(meta(short, flat)) == (text, "intermediate_size", 64, 32, 1)
+
 @pytest.mark.parametrize("family, cfg", [(f, c) for f, c in _tiny_models()
                                          if f in ("qwen3_moe", "deepseek_v3", "qwen2_moe",
                                                   "gpt_oss", "llama4", "qwen3_next")],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -465,6 +466,11 @@ _CONFIG_DIMS = (
     (".experts.gate_up_proj", 0, _experts), (".experts.down_proj", 0, _experts),
 )
 _CONFIG_SUFFIXES = tuple(row[0] for row in _CONFIG_DIMS)
+# a vision or audio tower's tensors (Qwen2.5-VL's model.visual.blocks.N.mlp.*): config.json
+# sizes them in a sub-config (vision_config), also where it states the text model's sizes
+# at its top level, as the Hub's flat VLM configs do
+_TOWER = re.compile(r"(?:^|\.)(?:visual|vision\w*|audio\w*|image_\w*|multi_modal_projector|"
+                    r"mm_projector)\.")
 
 
 def extent_mismatch(meta: CheckpointMeta, config: Mapping | None = None
@@ -491,7 +497,8 @@ def config_sized_mismatch(shapes: Mapping[str, Sequence[int]], config: Mapping |
             if key == "vocab_size" and suffix == "lm_head.weight" and "draft_vocab_size" in config:
                 key = "draft_vocab_size"
             want = config.get(key)
-            if name.endswith(suffix) and type(want) is int and shape and shape[0] != want:
+            if (name.endswith(suffix) and type(want) is int and shape and shape[0] != want
+                    and not _TOWER.search(name)):
                 return name, key, want, shape[0], 0
     return None
 
@@ -508,7 +515,7 @@ def config_mismatch(shapes: Mapping[str, Sequence[int]], config: Mapping | None
     if bad is not None:
         return bad
     for name, shape in shapes.items():
-        if not name.endswith(_CONFIG_SUFFIXES):   # one C-level test for most names
+        if not name.endswith(_CONFIG_SUFFIXES) or _TOWER.search(name):   # C-level first
             continue
         for suffix, dim, size in _CONFIG_DIMS:
             if name.endswith(suffix) and len(shape) > dim:
