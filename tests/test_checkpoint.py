@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import socket
 import struct
 import tracemalloc
@@ -13,6 +14,7 @@ from hashlib import sha256
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from coordloader.checkpoint import reader as ck
 from coordloader.checkpoint.metadata import CheckpointMeta, FileInfo, SourcePiece, TensorInfo
@@ -1381,3 +1383,100 @@ def test_make_plan_takes_a_pathlib_path_as_load_does(tmp_path):
     from coordloader.layout import Layout
     write_sharded(tmp_path, {"model-00001-of-00001.safetensors": GOOD}, index=False)
     assert cl.make_plan(tmp_path, Layout(), replicate_unmatched=True).world_size == 1
+
+
+# -- two checkpoints in one directory: transformers, vLLM and an index choose differently
+
+def _hf_pair(tmp_path, first: str, then: str):
+    """transformers' save_pretrained of two models into one directory ('single' or
+    'sharded' each), as a training script saving over an earlier save does."""
+    from hfmodels import write_llama
+    d = str(tmp_path / "ck")
+    for seed, how in ((1, first), (2, then)):
+        write_llama(d, seed=seed, shard_size="1GB" if how == "single" else "150KB")
+    return d
+
+
+def test_a_sharded_save_beside_model_safetensors_is_refused(tmp_path):
+    """transformers keeps model.safetensors when it saves sharded over it: transformers
+    then reads model.safetensors, vLLM and coordloader the index's files (silently)."""
+    d = _hf_pair(tmp_path, "single", "sharded")
+    assert {"model.safetensors", "model.safetensors.index.json"} <= set(os.listdir(d))
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(d)
+    assert re.fullmatch(r"file model\.safetensors\.index\.json: lists \d+ file\(s\) \(model-00001-"
+                        r"of-\d+\.safetensors, \.\.\.\) beside model\.safetensors: two "
+                        r"checkpoints, which readers choose between differently \(transformers "
+                        r"reads model\.safetensors, vLLM the index's files\); expected one "
+                        r"checkpoint per directory: remove the stale one", str(e.value)), str(e.value)
+
+
+def test_a_stale_index_beside_model_safetensors_is_named_stale(tmp_path):
+    """transformers saving unsharded over a sharded save removes the shards, not the index:
+    the refusal said only that the index lists a file that does not exist."""
+    d = _hf_pair(tmp_path, "sharded", "single")
+    assert not [n for n in os.listdir(d) if n.startswith("model-")]
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(d)
+    assert re.fullmatch(r"file model\.safetensors\.index\.json: lists files that are not here "
+                        r"\(model-00001-of-\d+\.safetensors, \.\.\.\) beside model\.safetensors, "
+                        r"which transformers reads: a stale index of an earlier sharded save\? "
+                        r"expected one checkpoint per directory: remove the index if "
+                        r"model\.safetensors is the checkpoint", str(e.value)), str(e.value)
+    os.remove(os.path.join(d, "model.safetensors.index.json"))
+    assert len(read_checkpoint(d).tensors) == 21
+
+
+def test_model_safetensors_beside_a_coordloader_save_is_refused(tmp_path):
+    """A script's save_pretrained into a directory holding a coordloader save: the old
+    save was loaded, transformers read the new model.safetensors."""
+    import coordloader as cl
+    from hfmodels import write_llama
+    src = write_llama(str(tmp_path / "src"), seed=1)
+    d = str(tmp_path / "ck")
+    cl.save(d, cl.load(src, cl.Layout(), rank=0), config=src)
+    write_llama(d, seed=2, shard_size="1GB")
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(d)
+    assert str(e.value) == (f"file {d}: holds both a coordloader sharded save "
+                            f"(coordloader-index.json) and model.safetensors: two checkpoints, "
+                            f"which readers choose between differently (transformers reads "
+                            f"model.safetensors); expected one checkpoint per directory: "
+                            f"remove the stale one")
+
+
+def test_an_index_leaving_out_a_file_of_its_set_is_refused(tmp_path):
+    """An index naming only model-00001-of-0000N loaded that file's tensors as the model
+    (14 of 21, no lm_head); the set's other files were in the directory."""
+    from hfmodels import write_llama
+    d = write_llama(str(tmp_path / "ck"))
+    p = os.path.join(d, "model.safetensors.index.json")
+    idx = json.load(open(p))
+    files = sorted(set(idx["weight_map"].values()))
+    assert len(files) >= 2
+    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if v == files[0]}
+    json.dump(idx, open(p, "w"))
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(d)
+    n = len(files)
+    assert str(e.value) == (f"file model.safetensors.index.json: lists 1 of the {n} files of "
+                            f"its numbered set but not {files[1]}, which is in the directory: "
+                            f"the tensors of {files[1]} would be left out; expected every file "
+                            f"of the set in the weight_map (an index edited or cut short?)")
+
+
+def test_a_numbered_set_beside_another_file_without_an_index_is_refused(tmp_path):
+    """Mistral's consolidated.safetensors beside numbered shards, no index: both read as
+    one checkpoint (each tensor twice, under two naming schemes)."""
+    from hfmodels import write_llama
+    d = write_llama(str(tmp_path / "ck"))
+    os.remove(os.path.join(d, "model.safetensors.index.json"))
+    save_file({"layers.0.attention.wk.weight": torch.zeros(2)},
+              os.path.join(d, "consolidated.safetensors"))
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(d)
+    assert re.fullmatch(rf"file {re.escape(d)}: holds the numbered set model-00001-of-\d+"
+                        r"\.safetensors, \.\.\. and consolidated\.safetensors but no index: "
+                        r"which files make the checkpoint cannot be told; expected an index "
+                        r"\(model\.safetensors\.index\.json\) or one checkpoint per directory",
+                        str(e.value)), str(e.value)

@@ -664,6 +664,11 @@ def discover(root: str) -> Discovery:
             raise CheckpointError(f"holds both a coordloader sharded index ({SHARDED_INDEX}) and "
                                   f"a safetensors index {indexes[0]}; expected one checkpoint "
                                   f"per directory", file=path)
+        if SINGLE_FILE in names:
+            raise CheckpointError(f"holds both a coordloader sharded save ({SHARDED_INDEX}) and "
+                                  f"{SINGLE_FILE}: two checkpoints, which readers choose between "
+                                  f"differently (transformers reads {SINGLE_FILE}); expected one "
+                                  f"checkpoint per directory: remove the stale one", file=path)
         return _discover_sharded(path, config)
     if indexes:
         if len(indexes) > 1:
@@ -671,7 +676,7 @@ def discover(root: str) -> Discovery:
                 raise CheckpointError(f"several safetensors indexes {indexes[:5]}; expected one "
                                       f"(or model{INDEX_SUFFIX})", file=path)
             indexes = ["model" + INDEX_SUFFIX]
-        return _discover_index(path, indexes[0], config)
+        return _discover_index(path, indexes[0], config, beside_single=SINGLE_FILE in names)
     if SINGLE_FILE in names:
         return Discovery(root=path, files=(SINGLE_FILE,), kind="single", config=config)
     shards = tuple(n for n in names if n.endswith(".safetensors"))
@@ -685,12 +690,26 @@ def discover(root: str) -> Discovery:
                               f"these shards cannot be read on their own", file=path)
     if shards:
         _check_numbered_sets(path, shards)
+        _check_loose_beside_set(path, shards)
         return Discovery(root=path, files=shards, kind="directory", config=config)
     pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES) or n.endswith(".bin.index.json")]
     if pickles:
         _refuse_pickle(pickles[0])
     raise CheckpointError("no .safetensors files and no model.safetensors.index.json found "
                           "(expected a safetensors checkpoint directory)", file=path)
+
+
+def _check_loose_beside_set(path: str, shards: tuple[str, ...]) -> None:
+    """Without an index, a numbered set is a checkpoint of its own: another .safetensors
+    file beside it (Mistral's consolidated.safetensors, an adapter) would be read as part
+    of it, each tensor twice or a stranger among them."""
+    numbered = [n for n in shards if NUMBERED_SHARD_RE.match(n) and not DCP_SHARD_RE.match(n)]
+    other = [n for n in shards if not NUMBERED_SHARD_RE.match(n)]
+    if numbered and other:
+        raise CheckpointError(f"holds the numbered set {numbered[0]}, ... and {other[0]} but "
+                              f"no index: which files make the checkpoint cannot be told; "
+                              f"expected an index (model.safetensors.index.json) or one "
+                              f"checkpoint per directory", file=path)
 
 
 def _check_numbered_sets(path: str, shards: tuple[str, ...]) -> None:
@@ -805,7 +824,8 @@ def _weight_map_files(wm: dict, index_name: str) -> set[str]:
     return files
 
 
-def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
+def _discover_index(d: str, index_name: str, config: dict | None,
+                    beside_single: bool = False) -> Discovery:
     with gc_paused():
         idx = _read_json_file(os.path.join(d, index_name), index_name, _INDEX_DECODER, "index",
                               MAX_HF_INDEX)
@@ -825,15 +845,58 @@ def _discover_index(d: str, index_name: str, config: dict | None) -> Discovery:
     if not files:
         raise CheckpointError("the index lists no files (empty weight_map); expected tensor "
                               "name -> file name entries", file=index_name)
+    if beside_single and files != {SINGLE_FILE}:
+        _refuse_index_beside_single(d, index_name, files)
     for fname in sorted(files):
         if not os.path.lexists(os.path.join(d, fname)):
             raise CheckpointError(f"the index lists file {fname!r} which does not exist in the "
                                   f"checkpoint directory", file=index_name)
+    _check_index_sets(d, index_name, files)
     md = idx.get("metadata")
     total = md.get("total_size") if type(md) is dict else None
     return Discovery(root=d, files=tuple(sorted(files)), kind="index", index_file=index_name,
                      weight_map=wm, coordloader=section, config=config,
                      total_size=total if type(total) is int else None)
+
+
+def _refuse_index_beside_single(d: str, index_name: str, files: set[str]) -> None:
+    """model.safetensors beside an index of other files: two checkpoints (a save of one
+    kind over the other), which transformers (model.safetensors first) and vLLM (the
+    index's files) choose between differently."""
+    other = sorted(files - {SINGLE_FILE})
+    here = [f for f in other if os.path.lexists(os.path.join(d, f))]
+    if not here:   # what transformers leaves when it saves unsharded over a sharded save
+        raise CheckpointError(f"lists files that are not here ({other[0]}, ...) beside "
+                              f"{SINGLE_FILE}, which transformers reads: a stale index of an "
+                              f"earlier sharded save? expected one checkpoint per directory: "
+                              f"remove the index if {SINGLE_FILE} is the checkpoint",
+                              file=index_name)
+    raise CheckpointError(f"lists {len(other)} file(s) ({other[0]}, ...) beside {SINGLE_FILE}: "
+                          f"two checkpoints, which readers choose between differently "
+                          f"(transformers reads {SINGLE_FILE}, vLLM the index's files); "
+                          f"expected one checkpoint per directory: remove the stale one",
+                          file=index_name)
+
+
+def _check_index_sets(d: str, index_name: str, files: set[str]) -> None:
+    """An index naming some files of a numbered set (``model-00001-of-00002``) but not
+    another file of that set that is in the directory leaves that file's tensors out."""
+    sets: dict[tuple[str, str], set[int]] = {}
+    for f in files:
+        m = None if DCP_SHARD_RE.match(f) else NUMBERED_SHARD_RE.match(f)
+        if m:
+            sets.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
+    if not sets:
+        return
+    for n in sorted(os.listdir(d)):
+        m = None if n in files or DCP_SHARD_RE.match(n) else NUMBERED_SHARD_RE.match(n)
+        if m and (m.group(1), m.group(3)) in sets:
+            listed = sets[m.group(1), m.group(3)]
+            raise CheckpointError(f"lists {len(listed)} of the {int(m.group(3))} files of its "
+                                  f"numbered set but not {n}, which is in the directory: the "
+                                  f"tensors of {n} would be left out; expected every file of "
+                                  f"the set in the weight_map (an index edited or cut short?)",
+                                  file=index_name)
 
 
 def _is_box(box, ndim: int) -> bool:
