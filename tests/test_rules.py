@@ -252,6 +252,32 @@ def test_an_expert_split_dim_past_the_shape_is_refused_at_every_layout(lay, name
     assert e.value.tensor == name
     assert f"expert split dim 2 out of range {msg}" in str(e.value)
 
+
+@pytest.mark.parametrize("lay", [Layout(tp=4), Layout()], ids=["tp4", "tp1"])
+@pytest.mark.parametrize("cfg_kv", [4, 2])
+def test_a_config_of_other_head_counts_than_the_tensors_is_refused(lay, cfg_kv):
+    """A config.json of another model (num_key_value_heads 4 where k_proj holds 2 heads of
+    8 rows) had tp=4 cut k_proj into four half-heads, silently; transformers refuses the
+    size. Refused at every layout."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_attention_heads": 4,
+           "num_key_value_heads": cfg_kv, "num_hidden_layers": 1, "tie_word_embeddings": True}
+    k = "model.layers.0.self_attn.k_proj.weight"
+    specs = [("model.embed_tokens.weight", "BF16", (64, 32)),
+             ("model.layers.0.self_attn.q_proj.weight", "BF16", (32, 32)),
+             (k, "BF16", (16, 32)), ("model.layers.0.self_attn.v_proj.weight", "BF16", (16, 32)),
+             ("model.layers.0.self_attn.o_proj.weight", "BF16", (32, 32))]
+    meta = meta_from_specs(cfg, specs)
+    if cfg_kv == 2:
+        got = make_plan(meta, lay).rank(1 % lay.world_size).by_name()[k]
+        assert got.pieces[0].src[0] == (0, 8 if lay.tp == 4 else 16)   # whole heads of 8 rows
+        return
+    with pytest.raises(PlanError) as e:
+        make_plan(meta, lay)
+    assert e.value.tensor == k
+    assert str(e.value) == (f"tensor {k!r}: heads split of dim 0: size 16 is not num_heads=4 "
+                            f"times head_dim=8 (32); expected the config.json of this "
+                            f"checkpoint (layout {lay})")
+
 def test_stage_layer_on_a_name_without_a_layer_is_refused():
     """stage 'layer' on a tensor outside the layers sent it to the last stage unasked."""
     specs = [s for s in SPECS if "proj" in s[0] and "gate_up" not in s[0]] + [

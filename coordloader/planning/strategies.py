@@ -139,6 +139,13 @@ def _place_heads(ctx: PlacementContext, t: TensorShape, p: Mapping):
     dim = p.get("dim", 0)
     if dim >= len(t.shape):
         raise ctx.err(f"heads split dim {dim} out of range for shape {list(t.shape)}", t.name)
+    hd = p.get("head_dim")
+    if hd is not None and t.shape[dim] != p["num_heads"] * hd:
+        # checked at every layout: num_heads from the config.json of another model (other
+        # K/V heads) would otherwise cut heads apart wherever tp splits them
+        raise ctx.err(f"heads split of dim {dim}: size {t.shape[dim]} is not num_heads="
+                      f"{p['num_heads']} times head_dim={hd} ({p['num_heads'] * hd}); expected "
+                      f"the config.json of this checkpoint", t.name)
     g, rngs = ctx.head_split(t.shape[dim], p["num_heads"], p["kv"], t.name,
                                f"heads split of dim {dim} (shape {list(t.shape)})")
     if len(rngs) == 1:
@@ -379,6 +386,8 @@ def _check_heads(p: dict, where: str) -> None:
     if "num_heads" not in p:
         raise PlanError(f"{where}: strategy 'heads' needs param 'num_heads'")
     _pos_int(p, "num_heads", where)
+    if "head_dim" in p:
+        _pos_int(p, "head_dim", where)
     _bool(p, "kv", where)
 
 
@@ -455,7 +464,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("rowwise", frozenset({"dim", "stage", "shared_expert"}), _check_split,
              _place_rowwise),
     Strategy("vocab", frozenset({"pad_to", "stage"}), _check_vocab, _place_vocab),
-    Strategy("heads", frozenset({"num_heads", "kv", "dim", "stage"}), _check_heads, _place_heads),
+    Strategy("heads", frozenset({"num_heads", "head_dim", "kv", "dim", "stage"}), _check_heads,
+             _place_heads),
     Strategy("packed", frozenset({"dim", "blocks", "num_blocks", "heads", "kv", "stage"}),
              _check_packed, _place_packed),
     Strategy("expert", frozenset({"num_experts", "dim", "id_regex", "num_blocks", "interleaved",

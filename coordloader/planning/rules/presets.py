@@ -188,10 +188,18 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
         rules += _phi3(config, R, need(heads, "num_attention_heads"),
                        need(kv_heads, "num_key_value_heads"))
     else:
+        # rows per head, as transformers' attention reads them (head_dim, else hidden_size
+        # over the heads); Qwen3-Next's q_proj holds each head's query and output gate
+        hd = _cfg_int(config, "head_dim", preset=name)
+        if hd is None and heads and _cfg_int(config, "hidden_size", preset=name):
+            hd = config["hidden_size"] // heads
+        q_hd = {} if hd is None else {"head_dim": hd * (2 if name == "qwen3_next" else 1)}
+        kv_hd = {} if hd is None else {"head_dim": hd}
         rules += [
-            R(r".*\.self_attn\.q_proj\.(weight|bias)", "heads", num_heads=need(heads, "num_attention_heads")),
+            R(r".*\.self_attn\.q_proj\.(weight|bias)", "heads",
+              num_heads=need(heads, "num_attention_heads"), **q_hd),
             R(r".*\.self_attn\.[kv]_proj\.(weight|bias)", "heads",
-              num_heads=need(kv_heads, "num_key_value_heads"), kv=True),
+              num_heads=need(kv_heads, "num_key_value_heads"), kv=True, **kv_hd),
             R(r".*\.self_attn\.o_proj\.(weight|bias)", "rowwise"),
         ]
     # gemma3 (text), as vLLM's gemma3.py: Llama's split (QKVParallelLinear, merged gate/up,
