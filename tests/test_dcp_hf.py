@@ -738,3 +738,32 @@ def test_dcp_output_with_shard_gaps_and_uneven_file_sets_loads(dcp3_out):
             for n in want:
                 assert torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)), \
                     (kind, r, n)
+
+
+@pytest.mark.parametrize("other", ["index", "single"])
+def test_dcp_shards_beside_another_checkpoint_are_refused(dcp_out, tmp_path, other):
+    """torch DCP's per-rank shards beside model.safetensors, or beside an index that names
+    none of them: the other checkpoint was loaded and the shards ignored, no word."""
+    import shutil
+
+    from safetensors.torch import save_file
+    _, outs, _ = dcp_out
+    d = tmp_path / "both"
+    shutil.copytree(outs["fsdp2"], d)
+    shard = sorted(os.listdir(d))[0]
+    save_file({"w": torch.zeros(2)}, str(d / "model.safetensors"))
+    if other == "index":
+        os.rename(d / "model.safetensors", d / "model-00001-of-00001.safetensors")
+        (d / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(CheckpointError) as e:
+        cl.read_checkpoint(str(d))
+    if other == "index":
+        assert str(e.value) == (f"file model.safetensors.index.json: lists none of the torch "
+                                f"DCP per-rank shards beside it ({shard}, ...): two "
+                                f"checkpoints; expected one checkpoint per directory: remove "
+                                f"the stale one")
+    else:
+        assert str(e.value) == (f"file {d}: holds model.safetensors and torch DCP per-rank "
+                                f"shards ({shard}, ...): two checkpoints; expected one "
+                                f"checkpoint per directory: remove the stale one")

@@ -678,6 +678,11 @@ def discover(root: str) -> Discovery:
             indexes = ["model" + INDEX_SUFFIX]
         return _discover_index(path, indexes[0], config, beside_single=SINGLE_FILE in names)
     if SINGLE_FILE in names:
+        dcp = [n for n in names if DCP_SHARD_RE.match(n)]
+        if dcp:
+            raise CheckpointError(f"holds {SINGLE_FILE} and torch DCP per-rank shards ({dcp[0]}, "
+                                  f"...): two checkpoints; expected one checkpoint per "
+                                  f"directory: remove the stale one", file=path)
         return Discovery(root=path, files=(SINGLE_FILE,), kind="single", config=config)
     shards = tuple(n for n in names if n.endswith(".safetensors"))
     loose = [n for n in names if V1_SHARD_RE.match(n) or n.endswith(SHARD_SUFFIX)]
@@ -851,7 +856,7 @@ def _discover_index(d: str, index_name: str, config: dict | None,
         if not os.path.lexists(os.path.join(d, fname)):
             raise CheckpointError(f"the index lists file {fname!r} which does not exist in the "
                                   f"checkpoint directory", file=index_name)
-    _check_index_sets(d, index_name, files)
+    _check_unlisted(d, index_name, files)
     md = idx.get("metadata")
     total = md.get("total_size") if type(md) is dict else None
     return Discovery(root=d, files=tuple(sorted(files)), kind="index", index_file=index_name,
@@ -878,18 +883,25 @@ def _refuse_index_beside_single(d: str, index_name: str, files: set[str]) -> Non
                           file=index_name)
 
 
-def _check_index_sets(d: str, index_name: str, files: set[str]) -> None:
-    """An index naming some files of a numbered set (``model-00001-of-00002``) but not
-    another file of that set that is in the directory leaves that file's tensors out."""
+def _check_unlisted(d: str, index_name: str, files: set[str]) -> None:
+    """Files in the directory the index leaves out that belong to a checkpoint: another
+    file of a numbered set (``model-00001-of-00002``) the index names some of, whose
+    tensors would be left out; torch DCP per-rank shards, another checkpoint."""
     sets: dict[tuple[str, str], set[int]] = {}
+    names_dcp = False   # an index naming DCP shards is refused as such, once read
     for f in files:
         m = None if DCP_SHARD_RE.match(f) else NUMBERED_SHARD_RE.match(f)
         if m:
             sets.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
-    if not sets:
-        return
+        names_dcp = names_dcp or m is None and DCP_SHARD_RE.match(f) is not None
     for n in sorted(os.listdir(d)):
-        m = None if n in files or DCP_SHARD_RE.match(n) else NUMBERED_SHARD_RE.match(n)
+        if n in files:
+            continue
+        if DCP_SHARD_RE.match(n) and not names_dcp:
+            raise CheckpointError(f"lists none of the torch DCP per-rank shards beside it ({n}, "
+                                  f"...): two checkpoints; expected one checkpoint per "
+                                  f"directory: remove the stale one", file=index_name)
+        m = NUMBERED_SHARD_RE.match(n)
         if m and (m.group(1), m.group(3)) in sets:
             listed = sets[m.group(1), m.group(3)]
             raise CheckpointError(f"lists {len(listed)} of the {int(m.group(3))} files of its "
