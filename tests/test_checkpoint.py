@@ -1408,7 +1408,11 @@ def test_a_sharded_save_beside_model_safetensors_is_refused(tmp_path):
                         r"of-\d+\.safetensors, \.\.\.\) beside model\.safetensors: two "
                         r"checkpoints, which readers choose between differently \(transformers "
                         r"reads model\.safetensors, vLLM the index's files\); expected one "
-                        r"checkpoint per directory: remove the stale one", str(e.value)), str(e.value)
+                        r"checkpoint per directory: remove the stale one, or pass the path of the "
+                        r"index or file to load", str(e.value)), str(e.value)
+    # the path of either loads it
+    assert list(read_checkpoint(os.path.join(d, "model.safetensors")).tensors)
+    assert read_checkpoint(os.path.join(d, "model.safetensors.index.json")).files
 
 
 def test_a_stale_index_beside_model_safetensors_is_named_stale(tmp_path):
@@ -1442,7 +1446,8 @@ def test_model_safetensors_beside_a_coordloader_save_is_refused(tmp_path):
                             f"(coordloader-index.json) and model.safetensors: two checkpoints, "
                             f"which readers choose between differently (transformers reads "
                             f"model.safetensors); expected one checkpoint per directory: "
-                            f"remove the stale one")
+                            f"remove the stale one, or pass the path of the index or file "
+                            f"to load")
 
 
 def test_an_index_leaving_out_a_file_of_its_set_is_refused(tmp_path):

@@ -668,7 +668,8 @@ def discover(root: str) -> Discovery:
             raise CheckpointError(f"holds both a coordloader sharded save ({SHARDED_INDEX}) and "
                                   f"{SINGLE_FILE}: two checkpoints, which readers choose between "
                                   f"differently (transformers reads {SINGLE_FILE}); expected one "
-                                  f"checkpoint per directory: remove the stale one", file=path)
+                                  f"checkpoint per directory: remove the stale one, or pass the path of "
+                                  f"the index or file to load", file=path)
         return _discover_sharded(path, config)
     if indexes:
         if len(indexes) > 1:
@@ -879,8 +880,8 @@ def _refuse_index_beside_single(d: str, index_name: str, files: set[str]) -> Non
     raise CheckpointError(f"lists {len(other)} file(s) ({other[0]}, ...) beside {SINGLE_FILE}: "
                           f"two checkpoints, which readers choose between differently "
                           f"(transformers reads {SINGLE_FILE}, vLLM the index's files); "
-                          f"expected one checkpoint per directory: remove the stale one",
-                          file=index_name)
+                          f"expected one checkpoint per directory: remove the stale one, or "
+                          f"pass the path of the index or file to load", file=index_name)
 
 
 def _check_unlisted(d: str, index_name: str, files: set[str]) -> None:
