@@ -767,3 +767,23 @@ def test_dcp_shards_beside_another_checkpoint_are_refused(dcp_out, tmp_path, oth
         assert str(e.value) == (f"file {d}: holds model.safetensors and torch DCP per-rank "
                                 f"shards ({shard}, ...): two checkpoints; expected one "
                                 f"checkpoint per directory: remove the stale one")
+
+
+
+def test_dcp_extent_check_takes_the_classes_default_kv_heads():
+    """A Mistral config.json without num_key_value_heads (transformers' default 8): the
+    extent check took num_attention_heads (32) and refused a whole DCP save's k_proj."""
+    from coordloader.checkpoint import metadata as md
+    cfg = {"model_type": "mistral", "hidden_size": 128, "num_attention_heads": 32,
+           "head_dim": 4, "intermediate_size": 128}
+    shapes = {"model.layers.0.self_attn.q_proj.weight": (128, 128),
+              "model.layers.0.self_attn.k_proj.weight": (32, 128),
+              "model.layers.0.self_attn.v_proj.weight": (32, 128)}
+
+    def meta(sh):
+        return md.CheckpointMeta(root="/x", files=(), config=cfg, shapes_from_extents=True,
+                                 tensors={n: md.TensorInfo(n, "F32", s, ()) for n, s in sh.items()})
+    assert md.extent_mismatch(meta(shapes)) is None
+    short = dict(shapes, **{"model.layers.0.self_attn.k_proj.weight": (16, 128)})
+    assert md.extent_mismatch(meta(short)) == ("model.layers.0.self_attn.k_proj.weight",
+                                        "num_key_value_heads*head_dim", 32, 16, 0)

@@ -258,16 +258,17 @@ def test_an_expert_split_dim_past_the_shape_is_refused_at_every_layout(lay, name
 def test_a_config_of_other_head_counts_than_the_tensors_is_refused(lay, cfg_kv):
     """A config.json of another model (num_key_value_heads 4 where k_proj holds 2 heads of
     8 rows) had tp=4 cut k_proj into four half-heads, silently; transformers refuses the
-    size. Refused at every layout."""
-    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_attention_heads": 4,
-           "num_key_value_heads": cfg_kv, "num_hidden_layers": 1, "tie_word_embeddings": True}
+    size. Refused wherever tp splits the heads."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+           "num_attention_heads": 4, "num_key_value_heads": cfg_kv, "num_hidden_layers": 1,
+           "tie_word_embeddings": True}
     k = "model.layers.0.self_attn.k_proj.weight"
     specs = [("model.embed_tokens.weight", "BF16", (64, 32)),
              ("model.layers.0.self_attn.q_proj.weight", "BF16", (32, 32)),
              (k, "BF16", (16, 32)), ("model.layers.0.self_attn.v_proj.weight", "BF16", (16, 32)),
              ("model.layers.0.self_attn.o_proj.weight", "BF16", (32, 32))]
     meta = meta_from_specs(cfg, specs)
-    if cfg_kv == 2:
+    if cfg_kv == 2 or lay.tp == 1:   # held whole at tp=1: no head is cut
         got = make_plan(meta, lay).rank(1 % lay.world_size).by_name()[k]
         assert got.pieces[0].src[0] == (0, 8 if lay.tp == 4 else 16)   # whole heads of 8 rows
         return
@@ -277,6 +278,31 @@ def test_a_config_of_other_head_counts_than_the_tensors_is_refused(lay, cfg_kv):
     assert str(e.value) == (f"tensor {k!r}: heads split of dim 0: size 16 is not num_heads=4 "
                             f"times head_dim=8 (32); expected the config.json of this "
                             f"checkpoint (layout {lay})")
+
+
+@pytest.mark.parametrize("case", ["qwen3-default-head-dim", "vision-tower"])
+def test_the_heads_size_check_leaves_sizes_config_json_does_not_fix_alone(case):
+    """A qwen3 config.json without head_dim (transformers' default 128, not hidden_size /
+    heads) and a vision tower under a flat config: their heads are not config.json's
+    text heads times hidden_size / heads, and were refused once they were compared."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+           "tie_word_embeddings": True}
+    pre = "model.layers.0.self_attn."
+    rows = {"q": 64, "k": 32, "v": 32}
+    if case == "qwen3-default-head-dim":
+        cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+        rows = {"q": 512, "k": 256, "v": 256}
+    else:
+        pre = "vision_model.encoder.layers.0.self_attn."
+        rows = {"q": 48, "k": 48, "v": 48}
+    specs = [("model.embed_tokens.weight", "BF16", (64, 64))] + [
+        (f"{pre}{x}_proj.weight", "BF16", (r, 64)) for x, r in rows.items()] + [
+        (f"{pre}o_proj.weight", "BF16", (64, rows["q"]))]
+    meta = meta_from_specs(cfg, specs)
+    rules = None if case != "vision-tower" else "llama"
+    k = make_plan(meta, Layout(tp=2), rules).rank(1).by_name()[f"{pre}k_proj.weight"]
+    assert k.pieces[0].src[0] == (rows["k"] // 2, rows["k"])
 
 def test_stage_layer_on_a_name_without_a_layer_is_refused():
     """stage 'layer' on a tensor outside the layers sent it to the last stage unasked."""

@@ -415,6 +415,43 @@ def _cfg_int(cfg: Mapping, key: str) -> int | None:
     return v if type(v) is int and v > 0 else None
 
 
+# transformers' own num_key_value_heads where config.json leaves it out, by model_type:
+# vLLM reads the config through transformers, so a preset that took num_attention_heads
+# instead would split K/V heads of another size than vLLM (silently: the pieces still
+# tile). Model types not listed default to num_attention_heads, as LlamaConfig does.
+# An explicit null is num_attention_heads, as those classes read it. tests/test_presets_hf.py
+# compares both with the installed transformers.
+KV_HEADS_DEFAULT = {"mistral": 8, "mixtral": 8, "qwen2": 32, "qwen2_moe": 16, "qwen3": 32,
+                    "qwen3_moe": 4, "gemma3_text": 4, "glm4_moe": 8, "gpt_oss": 8,
+                    "llama4_text": 8, "qwen3_next": 2, "deepseek_v3": 128}
+
+
+def kv_heads_default(config: Mapping, heads: int | None) -> int | None:
+    """num_key_value_heads of a config.json without it (see ``KV_HEADS_DEFAULT``). An
+    explicit null is another matter: transformers' classes read it as
+    num_attention_heads."""
+    mt = config.get("model_type")
+    if "num_key_value_heads" in config or not isinstance(mt, str):
+        return heads
+    return KV_HEADS_DEFAULT.get(mt, heads)
+
+
+# model types whose config class takes a head_dim left out (or null) as hidden_size //
+# num_attention_heads; others default to a constant of their own, and only a head_dim
+# config.json states is known
+HEAD_DIM_FROM_HIDDEN = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe"})
+
+
+def config_head_dim(config: Mapping) -> int | None:
+    """The rows each attention head holds, where config.json fixes them: its head_dim, or
+    hidden_size // num_attention_heads for ``HEAD_DIM_FROM_HIDDEN``; else None."""
+    hd = _cfg_int(config, "head_dim")
+    if hd is None and config.get("model_type") in HEAD_DIM_FROM_HIDDEN:
+        H, hidden = _cfg_int(config, "num_attention_heads"), _cfg_int(config, "hidden_size")
+        hd = hidden // H if H and hidden else None
+    return hd
+
+
 def _heads(cfg: Mapping, key: str, gated: bool = False) -> tuple[str, int] | None:
     """(label, size) of ``key`` heads times head_dim (llama-style attention only: MLA
     configs size their projections otherwise). ``gated``: q_proj, which Qwen3-Next's
@@ -426,10 +463,8 @@ def _heads(cfg: Mapping, key: str, gated: bool = False) -> tuple[str, int] | Non
         return (got[0] + "*2", got[1] * 2) if got else None
     n, H = _cfg_int(cfg, key), _cfg_int(cfg, "num_attention_heads")
     if key == "num_key_value_heads" and n is None:
-        n, key = H, "num_attention_heads"
-    hd = _cfg_int(cfg, "head_dim")
-    if hd is None and H and _cfg_int(cfg, "hidden_size"):
-        hd = cfg["hidden_size"] // H
+        n = kv_heads_default(cfg, H)   # the class default, as the presets read it
+    hd = config_head_dim(cfg)
     return (f"{key}*head_dim", n * hd) if n and hd else None
 
 
@@ -466,11 +501,18 @@ _CONFIG_DIMS = (
     (".experts.gate_up_proj", 0, _experts), (".experts.down_proj", 0, _experts),
 )
 _CONFIG_SUFFIXES = tuple(row[0] for row in _CONFIG_DIMS)
-# a vision or audio tower's tensors (Qwen2.5-VL's model.visual.blocks.N.mlp.*): config.json
+# a vision or audio tower's tensors (Qwen2.5-VL's model.visual.blocks.N.mlp.*, MiniCPM-V's
+# vpm.*): config.json
 # sizes them in a sub-config (vision_config), also where it states the text model's sizes
 # at its top level, as the Hub's flat VLM configs do
 _TOWER = re.compile(r"(?:^|\.)(?:visual|vision\w*|audio\w*|image_\w*|multi_modal_projector|"
-                    r"mm_projector)\.")
+                    r"mm_projector|vpm|vit)\.")
+
+
+def is_tower(name: str) -> bool:
+    """A vision or audio tower's tensor (``_TOWER``): config.json's text sizes and head
+    counts are not its own."""
+    return _TOWER.search(name) is not None
 
 
 def extent_mismatch(meta: CheckpointMeta, config: Mapping | None = None
@@ -498,7 +540,7 @@ def config_sized_mismatch(shapes: Mapping[str, Sequence[int]], config: Mapping |
                 key = "draft_vocab_size"
             want = config.get(key)
             if (name.endswith(suffix) and type(want) is int and shape and shape[0] != want
-                    and not _TOWER.search(name)):
+                    and not is_tower(name)):
                 return name, key, want, shape[0], 0
     return None
 
@@ -515,7 +557,7 @@ def config_mismatch(shapes: Mapping[str, Sequence[int]], config: Mapping | None
     if bad is not None:
         return bad
     for name, shape in shapes.items():
-        if not name.endswith(_CONFIG_SUFFIXES) or _TOWER.search(name):   # C-level first
+        if not name.endswith(_CONFIG_SUFFIXES) or is_tower(name):   # C-level first
             continue
         for suffix, dim, size in _CONFIG_DIMS:
             if name.endswith(suffix) and len(shape) > dim:

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Protocol
 
+from coordloader.checkpoint.metadata import is_tower
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning.model import Piece
@@ -139,17 +140,17 @@ def _place_heads(ctx: PlacementContext, t: TensorShape, p: Mapping):
     dim = p.get("dim", 0)
     if dim >= len(t.shape):
         raise ctx.err(f"heads split dim {dim} out of range for shape {list(t.shape)}", t.name)
-    hd = p.get("head_dim")
-    if hd is not None and t.shape[dim] != p["num_heads"] * hd:
-        # checked at every layout: num_heads from the config.json of another model (other
-        # K/V heads) would otherwise cut heads apart wherever tp splits them
-        raise ctx.err(f"heads split of dim {dim}: size {t.shape[dim]} is not num_heads="
-                      f"{p['num_heads']} times head_dim={hd} ({p['num_heads'] * hd}); expected "
-                      f"the config.json of this checkpoint", t.name)
     g, rngs = ctx.head_split(t.shape[dim], p["num_heads"], p["kv"], t.name,
                                f"heads split of dim {dim} (shape {list(t.shape)})")
     if len(rngs) == 1:
         return ctx.whole(t)
+    hd = p.get("head_dim")
+    if hd is not None and t.shape[dim] != p["num_heads"] * hd and not is_tower(t.name):
+        # num_heads from the config.json of another model (other K/V heads) would cut
+        # heads apart; a vision tower's heads are not the text model's
+        raise ctx.err(f"heads split of dim {dim}: size {t.shape[dim]} is not num_heads="
+                      f"{p['num_heads']} times head_dim={hd} ({p['num_heads'] * hd}); expected "
+                      f"the config.json of this checkpoint", t.name)
     return ByTp(g), dim_classes(t.shape, dim, rngs)
 
 def _place_packed(ctx: PlacementContext, t: TensorShape, p: Mapping):

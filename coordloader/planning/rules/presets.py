@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from coordloader.checkpoint.metadata import EXPERT_COUNT_KEYS
+from coordloader.checkpoint.metadata import EXPERT_COUNT_KEYS, config_head_dim, kv_heads_default
 from coordloader.errors import PlanError
 from coordloader.planning.rules.ruleset import Rule, make_rule
 from coordloader.text import MAX_NAME_CHARS, clip
@@ -79,27 +79,6 @@ def _cfg_int(config: Mapping, *keys, default=None, preset: str = "") -> int | No
                                 f"{clip(repr(v), MAX_NAME_CHARS)} (preset {preset})")
             return v
     return default
-
-
-# transformers' own num_key_value_heads where config.json leaves it out, by model_type:
-# vLLM reads the config through transformers, so a preset that took num_attention_heads
-# instead would split K/V heads of another size than vLLM (silently: the pieces still
-# tile). Model types not listed default to num_attention_heads, as LlamaConfig does.
-# An explicit null is num_attention_heads, as those classes read it. tests/test_presets_hf.py
-# compares both with the installed transformers.
-KV_HEADS_DEFAULT = {"mistral": 8, "mixtral": 8, "qwen2": 32, "qwen2_moe": 16, "qwen3": 32,
-                    "qwen3_moe": 4, "gemma3_text": 4, "glm4_moe": 8, "gpt_oss": 8,
-                    "llama4_text": 8, "qwen3_next": 2, "deepseek_v3": 128}
-
-
-def kv_heads_default(config: Mapping, heads: int | None) -> int | None:
-    """num_key_value_heads of a config.json without it (see ``KV_HEADS_DEFAULT``). An
-    explicit null is another matter: transformers' classes read it as
-    num_attention_heads."""
-    mt = config.get("model_type")
-    if "num_key_value_heads" in config or not isinstance(mt, str):
-        return heads
-    return KV_HEADS_DEFAULT.get(mt, heads)
 
 
 def num_experts_of(config: Mapping | None) -> int | None:
@@ -188,11 +167,9 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
         rules += _phi3(config, R, need(heads, "num_attention_heads"),
                        need(kv_heads, "num_key_value_heads"))
     else:
-        # rows per head, as transformers' attention reads them (head_dim, else hidden_size
-        # over the heads); Qwen3-Next's q_proj holds each head's query and output gate
-        hd = _cfg_int(config, "head_dim", preset=name)
-        if hd is None and heads and _cfg_int(config, "hidden_size", preset=name):
-            hd = config["hidden_size"] // heads
+        # rows per head where config.json fixes them (a class default of its own is not
+        # assumed); Qwen3-Next's q_proj holds each head's query and output gate
+        hd = config_head_dim(config)
         q_hd = {} if hd is None else {"head_dim": hd * (2 if name == "qwen3_next" else 1)}
         kv_hd = {} if hd is None else {"head_dim": hd}
         rules += [
