@@ -1435,6 +1435,7 @@ def test_model_safetensors_beside_a_coordloader_save_is_refused(tmp_path):
     """A script's save_pretrained into a directory holding a coordloader save: the old
     save was loaded, transformers read the new model.safetensors."""
     import coordloader as cl
+
     from hfmodels import write_llama
     src = write_llama(str(tmp_path / "src"), seed=1)
     d = str(tmp_path / "ck")

@@ -21,8 +21,8 @@ from coordloader.dist.collective import free_port
 from coordloader.errors import PlanError
 from coordloader.handoff.save import save
 from coordloader.layout import Layout
-from coordloader.planning.cover import validate_cover
 from coordloader.loader import load
+from coordloader.planning.cover import validate_cover
 from coordloader.synth import synthesize
 
 from helpers import tensor_bits
