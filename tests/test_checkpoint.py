@@ -1486,3 +1486,15 @@ def test_a_numbered_set_beside_another_file_without_an_index_is_refused(tmp_path
                         r"which files make the checkpoint cannot be told; expected an index "
                         r"\(model\.safetensors\.index\.json\) or one checkpoint per directory",
                         str(e.value)), str(e.value)
+
+
+def test_an_index_naming_model_safetensors_and_more_is_one_checkpoint(tmp_path):
+    """An index naming model.safetensors beside another file (an MTP head kept apart) is one
+    checkpoint: it was refused as two."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    save_file({"a": torch.ones(2)}, str(d / "model.safetensors"))
+    save_file({"mtp.w": torch.zeros(2)}, str(d / "mtp.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"a": "model.safetensors", "mtp.w": "mtp.safetensors"}}))
+    assert sorted(read_checkpoint(str(d)).tensors) == ["a", "mtp.w"]

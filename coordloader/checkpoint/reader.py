@@ -851,7 +851,7 @@ def _discover_index(d: str, index_name: str, config: dict | None,
     if not files:
         raise CheckpointError("the index lists no files (empty weight_map); expected tensor "
                               "name -> file name entries", file=index_name)
-    if beside_single and files != {SINGLE_FILE}:
+    if beside_single and SINGLE_FILE not in files:   # an index naming it: one checkpoint
         _refuse_index_beside_single(d, index_name, files)
     for fname in sorted(files):
         if not os.path.lexists(os.path.join(d, fname)):
@@ -866,10 +866,10 @@ def _discover_index(d: str, index_name: str, config: dict | None,
 
 
 def _refuse_index_beside_single(d: str, index_name: str, files: set[str]) -> None:
-    """model.safetensors beside an index of other files: two checkpoints (a save of one
-    kind over the other), which transformers (model.safetensors first) and vLLM (the
+    """model.safetensors beside an index that does not name it: two checkpoints (a save of
+    one kind over the other), which transformers (model.safetensors first) and vLLM (the
     index's files) choose between differently."""
-    other = sorted(files - {SINGLE_FILE})
+    other = sorted(files)
     here = [f for f in other if os.path.lexists(os.path.join(d, f))]
     if not here:   # what transformers leaves when it saves unsharded over a sharded save
         raise CheckpointError(f"lists files that are not here ({other[0]}, ...) beside "
