@@ -362,7 +362,8 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
         device = _load_device(engine, device, rank)
         if prepare is not None:
             out = prepare(rank, device)
-        elif not (out is None or isinstance(out, Mapping)):
+        # a mapping in all but its type (nn.ParameterDict: it has keys) fills as one
+        elif not (out is None or isinstance(out, Mapping) or hasattr(out, "keys")):
             raise LoadError(f"out= must be a mapping of checkpoint name to tensor, got "
                             f"{type(out).__name__}", rank=rank)
         eng_name = resolve_engine_name(engine, device, group.pg if group is not None else None)

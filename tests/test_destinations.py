@@ -537,3 +537,11 @@ def test_out_that_is_no_mapping_is_a_load_error(ab, out):
         cl.load_detailed(ab, Layout(), out=out, **ONE)
     assert str(e.value) == (f"rank 0: out= must be a mapping of checkpoint name to tensor, "
                             f"got {type(out).__name__}")
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_out_as_a_parameter_dict_is_filled(ab, engine):
+    """nn.ParameterDict is a mapping in all but its type: refused once out= had to be one."""
+    pd = torch.nn.ParameterDict({"b": torch.nn.Parameter(torch.zeros(4))})
+    cl.load_detailed(ab, Layout(), engine=engine, out=pd, **ONE)
+    assert pd["b"].tolist() == [100.0, 101.0, 102.0, 103.0]
