@@ -348,9 +348,27 @@ def test_save_refuses_an_index_readers_would_refuse_and_keeps_the_old_one(tmp_pa
     many = {f"layer{i:03d}.weight": torch.full((2,), float(i)) for i in range(100)}
     with pytest.raises(SaveError, match=r"file .*/coordloader-index\.json: this file would be "
                        r"\d+ bytes, over the 4096 bytes readers accept for it; nothing was "
-                       r"published"):
+                       r"published \(the previous checkpoint, if any, is untouched\)\Z"):
         cl.save(str(out), many, config={"model_type": "toy"}, overwrite=True, digests=False)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     monkeypatch.undo()
     got = read_checkpoint(str(out))
     assert list(got.tensors) == ["w"]
+
+
+def test_consolidate_refuses_an_hf_index_over_the_readers_cap(tmp_path, monkeypatch, tiny):
+    """consolidate wrote an HF index under save's 256 MiB cap, where readers accept 64 MiB
+    for an HF index: published, then refused by every reader."""
+    from coordloader.checkpoint import reader
+    from coordloader.handoff import consolidate as cons
+    plan = make_plan(tiny, Layout(tp=2))
+    src = tmp_path / "saved"
+    for r in range(2):
+        cl.save(str(src), cl.load(tiny, Layout(tp=2), rank=r), plan, rank=r, config=tiny)
+    monkeypatch.setattr(cons, "MAX_HF_INDEX", 512)
+    monkeypatch.setattr(reader, "MAX_HF_INDEX", 512)
+    out = tmp_path / "hf"
+    with pytest.raises(SaveError, match=r"file .*/model\.safetensors\.index\.json: this file "
+                       r"would be \d+ bytes, over the 512 bytes readers accept for it"):
+        cl.consolidate(str(src), str(out), max_shard_bytes=100_000)
+    assert not out.exists() or not any(p.suffix == ".safetensors" for p in out.iterdir())

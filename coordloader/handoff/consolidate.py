@@ -39,6 +39,7 @@ from coordloader.checkpoint.fileio import OpenFiles, fsync_dir, pread_into, pwri
 from coordloader.checkpoint.formats import HF_INDEX, HF_INDEX_SUFFIX, SHARDED_INDEX
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shape, check_extents
 from coordloader.checkpoint.reader import (
+    MAX_HF_INDEX,
     MAX_JSON_FILE,
     open_regular,
     read_small_file,
@@ -441,7 +442,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
         if _carry_manifest(meta, stage_dir, names):
             extras.append(MANIFEST_NAME)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        write_json_durable(os.path.join(stage_dir, HF_INDEX), index)
+        write_json_durable(os.path.join(stage_dir, HF_INDEX), index, limit=MAX_HF_INDEX)
         fsync_dir(stage_dir)
         _recheck_sources(meta, described, copied)
         publish(out_dir, stage, names + extras, HF_INDEX)

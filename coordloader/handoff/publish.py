@@ -104,16 +104,18 @@ def write_bytes_durable(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def write_json_durable(path: str, obj: Any, *, capped: bool = True) -> None:
+def write_json_durable(path: str, obj: Any, *, capped: bool = True,
+                       limit: int | None = None) -> None:
     """Write a JSON side file into staging. ``capped`` (a file that readers open: index,
-    manifest): SaveError when it is over the size they accept, since published it would
-    replace the previous checkpoint with one that no reader opens."""
+    manifest): SaveError when it is over the size they accept for it (``limit``, else
+    ``MAX_JSON_FILE``), since published it would replace the previous checkpoint with one
+    that no reader opens."""
     data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
-    if capped and len(data) > MAX_JSON_FILE:
-        raise SaveError(f"this file would be {len(data)} bytes, over the {MAX_JSON_FILE} bytes "
-                        f"readers accept for it; nothing was published (the previous "
-                        f"checkpoint, if any, is untouched): save fewer pieces (fewer ranks "
-                        f"per tensor, or consolidate first)", file=path)
+    cap = MAX_JSON_FILE if limit is None else limit
+    if capped and len(data) > cap:
+        raise SaveError(f"this file would be {len(data)} bytes, over the {cap} bytes readers "
+                        f"accept for it; nothing was published (the previous checkpoint, if "
+                        f"any, is untouched)", file=path)
     write_bytes_durable(path, data)
 
 
