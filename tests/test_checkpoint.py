@@ -1471,21 +1471,27 @@ def test_an_index_leaving_out_a_file_of_its_set_is_refused(tmp_path):
                             f"of the set in the weight_map (an index edited or cut short?)")
 
 
-def test_a_numbered_set_beside_another_file_without_an_index_is_refused(tmp_path):
-    """Mistral's consolidated.safetensors beside numbered shards, no index: both read as
-    one checkpoint (each tensor twice, under two naming schemes)."""
+@pytest.mark.parametrize("stranger, kind", [
+    ("consolidated.safetensors", "a file of no numbered set"),
+    ("adapter-00001-of-00001.safetensors", "the numbered set adapter-*-of-00001")])
+def test_a_numbered_set_beside_another_file_without_an_index_is_refused(tmp_path, stranger,
+                                                                       kind):
+    """Mistral's consolidated.safetensors (or a second numbered set) beside numbered
+    shards, no index: both read as one checkpoint (each tensor twice, or a stranger's
+    tensors among the model's)."""
     from hfmodels import write_llama
     d = write_llama(str(tmp_path / "ck"))
     os.remove(os.path.join(d, "model.safetensors.index.json"))
-    save_file({"layers.0.attention.wk.weight": torch.zeros(2)},
-              os.path.join(d, "consolidated.safetensors"))
+    save_file({"layers.0.attention.wk.weight": torch.zeros(2)}, os.path.join(d, stranger))
     with pytest.raises(CheckpointError) as e:
         read_checkpoint(d)
-    assert re.fullmatch(rf"file {re.escape(d)}: holds the numbered set model-00001-of-\d+"
-                        r"\.safetensors, \.\.\. and consolidated\.safetensors but no index: "
-                        r"which files make the checkpoint cannot be told; expected an index "
-                        r"\(model\.safetensors\.index\.json\) or one checkpoint per directory",
-                        str(e.value)), str(e.value)
+    first, second = sorted([stranger, "model-00001-of-00006.safetensors"])
+    kinds = {stranger: kind, "model-00001-of-00006.safetensors":
+             "the numbered set model-*-of-00006"}
+    assert str(e.value) == (f"file {d}: holds {first} ({kinds[first]}) and {second} "
+                            f"({kinds[second]}) but no index: which files make the checkpoint "
+                            f"cannot be told; expected an index (model.safetensors.index.json) "
+                            f"or one checkpoint per directory")
 
 
 def test_an_index_naming_model_safetensors_and_more_is_one_checkpoint(tmp_path):

@@ -740,10 +740,11 @@ def test_dcp_output_with_shard_gaps_and_uneven_file_sets_loads(dcp3_out):
                     (kind, r, n)
 
 
-@pytest.mark.parametrize("other", ["index", "single"])
+@pytest.mark.parametrize("other", ["index", "single", "adapter"])
 def test_dcp_shards_beside_another_checkpoint_are_refused(dcp_out, tmp_path, other):
     """torch DCP's per-rank shards beside model.safetensors, or beside an index that names
-    none of them: the other checkpoint was loaded and the shards ignored, no word."""
+    none of them: the other checkpoint was loaded and the shards ignored, no word; beside
+    an adapter's file, the adapter's tensors loaded among the model's."""
     import shutil
 
     from safetensors.torch import save_file
@@ -752,6 +753,8 @@ def test_dcp_shards_beside_another_checkpoint_are_refused(dcp_out, tmp_path, oth
     shutil.copytree(outs["fsdp2"], d)
     shard = sorted(os.listdir(d))[0]
     save_file({"w": torch.zeros(2)}, str(d / "model.safetensors"))
+    if other == "adapter":
+        os.rename(d / "model.safetensors", d / "adapter_model.safetensors")
     if other == "index":
         os.rename(d / "model.safetensors", d / "model-00001-of-00001.safetensors")
         (d / "model.safetensors.index.json").write_text(json.dumps(
@@ -763,6 +766,12 @@ def test_dcp_shards_beside_another_checkpoint_are_refused(dcp_out, tmp_path, oth
                                 f"DCP per-rank shards beside it ({shard}, ...): two "
                                 f"checkpoints; expected one checkpoint per directory: remove "
                                 f"the stale one")
+    elif other == "adapter":
+        assert str(e.value) == (f"file {d}: holds adapter_model.safetensors (a file of no "
+                                f"numbered set) and {shard} (torch DCP shards) but no index: "
+                                f"which files make the checkpoint cannot be told; expected an "
+                                f"index (model.safetensors.index.json) or one checkpoint per "
+                                f"directory")
     else:
         assert str(e.value) == (f"file {d}: holds model.safetensors and torch DCP per-rank "
                                 f"shards ({shard}, ...): two checkpoints; expected one "

@@ -706,16 +706,23 @@ def discover(root: str) -> Discovery:
 
 
 def _check_loose_beside_set(path: str, shards: tuple[str, ...]) -> None:
-    """Without an index, a numbered set is a checkpoint of its own: another .safetensors
-    file beside it (Mistral's consolidated.safetensors, an adapter) would be read as part
-    of it, each tensor twice or a stranger among them."""
-    numbered = [n for n in shards if NUMBERED_SHARD_RE.match(n) and not DCP_SHARD_RE.match(n)]
-    other = [n for n in shards if not NUMBERED_SHARD_RE.match(n)]
-    if numbered and other:
-        raise CheckpointError(f"holds the numbered set {numbered[0]}, ... and {other[0]} but "
-                              f"no index: which files make the checkpoint cannot be told; "
-                              f"expected an index (model.safetensors.index.json) or one "
-                              f"checkpoint per directory", file=path)
+    """Without an index, a numbered set (or torch DCP's per-rank shards) is a checkpoint of
+    its own: another .safetensors file beside it (Mistral's consolidated.safetensors, an
+    adapter, a second set) would be read as part of it, each tensor twice or a stranger
+    among them. Loose files that are neither are one checkpoint together."""
+    groups: dict[str, str] = {}   # what the file belongs to -> its first file
+    for n in shards:
+        m = NUMBERED_SHARD_RE.match(n)
+        kind = ("torch DCP shards" if DCP_SHARD_RE.match(n) else
+                f"the numbered set {m.group(1)}-*-of-{m.group(3)}" if m else
+                "a file of no numbered set")
+        groups.setdefault(kind, n)
+    if len(groups) > 1:
+        (a, fa), (b, fb) = list(groups.items())[:2]
+        raise CheckpointError(f"holds {fa} ({a}) and {fb} ({b}) but no index: which files "
+                              f"make the checkpoint cannot be told; expected an index "
+                              f"(model.safetensors.index.json) or one checkpoint per directory",
+                              file=path)
 
 
 def _check_numbered_sets(path: str, shards: tuple[str, ...]) -> None:
