@@ -372,3 +372,42 @@ def test_consolidate_refuses_an_hf_index_over_the_readers_cap(tmp_path, monkeypa
                        r"would be \d+ bytes, over the 512 bytes readers accept for it"):
         cl.consolidate(str(src), str(out), max_shard_bytes=100_000)
     assert not out.exists() or not any(p.suffix == ".safetensors" for p in out.iterdir())
+
+
+@pytest.mark.parametrize("writer", ["save", "consolidate"])
+def test_a_failure_after_publishing_began_says_how_to_finish(tmp_path, monkeypatch, writer):
+    """ENOSPC once the publish marker was written said 'the previous state of the directory
+    is intact', while the old model.safetensors was already gone and every reader refused
+    the directory; it now says what readers say, and recover_save finishes the publish."""
+    from safetensors.torch import save_file
+    out = tmp_path / "out"
+    out.mkdir()
+    save_file({"w": torch.zeros(4, 4)}, str(out / "model.safetensors"))
+    (out / "config.json").write_text('{"model_type": "toy"}')
+    new = {"w": torch.ones(4, 4)}
+    if writer == "consolidate":
+        src = tmp_path / "src"
+        cl.save(str(src), new, config={"model_type": "toy"})
+    index = "coordloader-index.json" if writer == "save" else "model.safetensors.index.json"
+    real = os.replace
+
+    def replace(a, b, *k, **kw):
+        if os.path.basename(b) == index and "staging" in str(a):
+            raise OSError(errno.ENOSPC, "No space left on device", b)
+        return real(a, b, *k, **kw)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(SaveError) as e:
+        if writer == "save":
+            cl.save(str(out), new, config={"model_type": "toy"}, overwrite=True)
+        else:
+            cl.consolidate(str(src), str(out), overwrite=True)
+    what = "publishing the checkpoint" if writer == "save" else "consolidating"
+    assert f"{what} failed after publishing began (No space left on device): a save into " \
+           f"this directory was interrupted while publishing" in str(e.value), str(e.value)
+    assert f"coordloader.recover_save({str(out)!r})" in str(e.value)
+    assert "intact" not in str(e.value)
+    monkeypatch.undo()
+    assert cl.recover_save(str(out))
+    assert torch.equal(cl.load(str(out), Layout(), rank=0, rules=[
+        {"pattern": "*", "strategy": "replicate"}])["w"], new["w"])

@@ -56,6 +56,7 @@ from coordloader.handoff.publish import (
     output_dir,
     prepare_target,
     publish,
+    publish_error,
     publishing,
     resolve_config,
     stage_config,
@@ -447,7 +448,8 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
         _recheck_sources(meta, described, copied)
         publish(out_dir, stage, names + extras, HF_INDEX)
     except OSError as e:
-        raise os_error(e, getattr(e, "filename", None) or out_dir, None, "consolidating") from e
+        raise publish_error(e, out_dir, stage, getattr(e, "filename", None) or out_dir, None,
+                            "consolidating") from e
     finally:
         _close_all(srcs, described, room)
         # after the publish marker the stage holds the new files recover_save moves in

@@ -41,6 +41,7 @@ from coordloader.checkpoint.formats import (
     SHARDED_INDEX,
     STAGING_PREFIX,
     V1_SHARD_RE,
+    interrupted_message,
 )
 from coordloader.checkpoint.reader import (
     MAX_CONFIG,
@@ -79,6 +80,16 @@ def os_error(e: OSError, path: str, rank: int | None, what: str) -> SaveError:
     else:
         msg = f"{what} failed: {e.strerror or e}"
     return SaveError(msg, file=path, rank=rank)
+
+
+def publish_error(e: OSError, out_dir: str, stage: str, path: str, rank: int | None,
+                  what: str) -> SaveError:
+    """``os_error``, unless the publish of ``stage`` had begun: the previous checkpoint is
+    then partly replaced, and the error says what readers say and how to finish."""
+    if not publishing(out_dir, stage):
+        return os_error(e, path, rank, what)
+    return SaveError(f"{what} failed after publishing began ({e.strerror or e}): "
+                     f"{interrupted_message(out_dir)}", file=path, rank=rank)
 
 
 def writer_error(e: SaveError, path: str, rank: int | None, what: str) -> SaveError:

@@ -63,6 +63,7 @@ from coordloader.handoff.publish import (
     output_dir,
     prepare_target,
     publish,
+    publish_error,
     publishing,
     resolve_config,
     stage_config,
@@ -301,7 +302,8 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, cfg: ModelConf
         fsync_dir(stage_dir)
         publish(out_dir, stage, shard_files + small, SHARDED_INDEX)
     except OSError as e:
-        raise os_error(e, getattr(e, "filename", None) or ip, rank, "publishing the checkpoint") from e
+        raise publish_error(e, out_dir, stage, getattr(e, "filename", None) or ip, rank,
+                            "publishing the checkpoint") from e
     return wrote_manifest
 
 
