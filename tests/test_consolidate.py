@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import coordloader as cl
 from coordloader.api import make_plan
 from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.errors import SaveError
@@ -546,3 +547,18 @@ def test_companions_are_copied_from_the_files_opened_with_the_data(hf_race, monk
         consolidate(src, out, overwrite=True)
     assert copied["config.json"] == original
     assert _tree(out) == before
+
+
+def test_a_killed_writers_temporary_is_not_carried_as_a_companion(tmp_path):
+    """A write_manifest killed before its rename leaves coordloader.manifest.json.tmp.<pid>
+    (the next one does not remove it: its name carries the dead pid); consolidate copied it
+    into the new checkpoint as a companion."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    cl.save(str(src), {"w": torch.ones(4)}, config={"model_type": "toy"})
+    (src / "coordloader.manifest.json.tmp.448").write_text('{"half": ')
+    (src / "notes.tmp").write_text("scratch")
+    (src / "tokenizer.json").write_text("{}")
+    cl.consolidate(str(src), str(out))
+    names = set(os.listdir(out))
+    assert "tokenizer.json" in names
+    assert not {"coordloader.manifest.json.tmp.448", "notes.tmp"} & names, names

@@ -26,6 +26,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -471,6 +472,9 @@ def resolve_config(config: Any, rank: int | None) -> ModelConfig:
 # pytorch_model.bin loads the pretrained weights, not the saved ones).
 WEIGHT_SUFFIXES = PICKLE_SUFFIXES + (".h5", ".msgpack", ".gguf", ".bin.index.json",
                                      ".h5.index.json", ".msgpack.index.json", ".onnx")
+# a writer's temporary, left by a killed process (the manifest's carries its pid): half
+# written, never the checkpoint's
+_TEMPORARY = re.compile(r".*\.tmp(?:\.\d+)?\Z")
 
 
 def companion_files(src_dir: str, skip: set[str]) -> list[str]:
@@ -484,7 +488,7 @@ def companion_files(src_dir: str, skip: set[str]) -> list[str]:
                                                                 SHARDED_INDEX, HF_INDEX)
                 or entry.endswith((".safetensors", HF_INDEX_SUFFIX, SHARD_SUFFIX)
                                   + WEIGHT_SUFFIXES)
-                or not os.path.isfile(p)):
+                or _TEMPORARY.match(entry) or not os.path.isfile(p)):
             continue
         if os.path.getsize(p) > MAX_COMPANION_BYTES:
             continue
