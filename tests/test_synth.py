@@ -439,46 +439,9 @@ def test_refuses_non_empty_out_and_overwrites_on_request(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p != "o"]  # no temp dirs left behind
 
 
-def _two_renames(monkeypatch):
-    monkeypatch.setattr(synth, "_exchange", lambda a, b: False)
-
-
-def test_overwrite_swaps_out_in_one_step(tmp_path, monkeypatch):
-    """--overwrite moved OUT aside and the new one in by two renames: killed between them,
-    OUT was gone and both checkpoints hidden under the dead process's names. One exchange
-    now: no rename of OUT at all, and a file made in OUT just before it is put back."""
-    out = tmp_path / "o"
-    synth.synthesize(str(out), "llama", "tiny", seed=1)
-
-    def no_rename(a, b):
-        raise AssertionError(f"rename {a} -> {b}: OUT swapped in two steps")
-
-    monkeypatch.setattr(os, "rename", no_rename)
-    synth.synthesize(str(out), "llama", "tiny", seed=2, overwrite=True)
-    monkeypatch.undo()
-    want = synth.synthesize(str(tmp_path / "want"), "llama", "tiny", seed=2)
-    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == \
-        {n: (Path(want) / n).read_bytes() for n in os.listdir(want)}
-    shutil.rmtree(want)
-    assert [n for n in os.listdir(tmp_path) if n != "o"] == []
-    real = synth._exchange
-
-    def late_file(a, b):
-        (out / "notes.txt").write_text("mine")
-        return real(a, b)
-
-    monkeypatch.setattr(synth, "_exchange", late_file)
-    before = sorted(os.listdir(out))
-    with pytest.raises(SaveError, match="gained 'notes.txt'"):
-        synth.synthesize(str(out), "llama", "tiny", seed=3, overwrite=True)
-    assert sorted(os.listdir(out)) == sorted(before + ["notes.txt"])
-    assert [n for n in os.listdir(tmp_path) if n != "o"] == []
-
-
 def test_an_output_that_cannot_be_made_is_a_save_error(tmp_path, monkeypatch):
     """A parent that is a file failed with a bare FileExistsError; a failing move into
     place with an untyped OSError, the previous contents left aside."""
-    _two_renames(monkeypatch)   # the fallback where the system cannot swap in one step
     (tmp_path / "afile").write_text("x")
     with pytest.raises(SaveError) as e:
         synth.synthesize(str(tmp_path / "afile" / "sub"), "llama", "tiny")
@@ -562,7 +525,6 @@ def _hook_renames(monkeypatch, out, *, aside=None, swapped=None) -> list:
 def test_a_file_added_to_out_just_before_the_swap_is_kept(tmp_path, monkeypatch):
     """A file made in OUT between the last check and the move aside was deleted with the
     previous checkpoint: it is now found in the moved directory, and OUT is put back."""
-    _two_renames(monkeypatch)   # the fallback where the system cannot swap in one step
     out = tmp_path / "o"
     synth.synthesize(str(out), "llama", "tiny")
     before = sorted(os.listdir(out))
@@ -581,7 +543,6 @@ def test_a_file_written_into_the_replaced_out_after_the_swap_is_kept(tmp_path, m
     """A process whose working directory is OUT writes into the moved-aside directory: the
     file was deleted with it (rmtree). Only the checked checkpoint files are removed now,
     and the directory is kept, with a warning naming it, when anything else is left."""
-    _two_renames(monkeypatch)   # the fallback where the system cannot swap in one step
     out = tmp_path / "o"
     synth.synthesize(str(out), "llama", "tiny")
     moved = _hook_renames(monkeypatch, out, swapped=lambda old: Path(old, "late.txt").write_text(
@@ -600,7 +561,6 @@ def test_out_swapped_for_a_link_while_writing_deletes_nothing_behind_it(tmp_path
                                                                         monkeypatch):
     """OUT replaced by a symbolic link between the last check and the move aside: the
     removal then listed the link's target and deleted its checkpoint files."""
-    _two_renames(monkeypatch)   # the fallback where the system cannot swap in one step
     out, victim = tmp_path / "o", tmp_path / "victim"
     synth.synthesize(str(out), "llama", "tiny")
     synth.synthesize(str(victim), "llama", "tiny")
@@ -643,7 +603,6 @@ def test_a_symlink_out_is_refused(tmp_path):
 def test_fsync_makes_the_rename_into_out_durable(tmp_path, monkeypatch):
     """--fsync fsynced every file but not OUT's parent after the temp directory was renamed
     to OUT: a crash could still lose the whole checkpoint."""
-    _two_renames(monkeypatch)   # the fallback where the system cannot swap in one step
     events = []
     real_fsync, real_rename = os.fsync, os.rename
 

@@ -287,20 +287,23 @@ def _swap_in(work: str, out_dir: str, overwrite: bool, fsync: bool = False) -> N
         if not overwrite:  # something appeared in OUT while we were writing
             raise SaveError("output directory became non-empty while writing; nothing replaced",
                             file=out_dir)
-        if _exchange(work, out_dir):
-            # one step: a kill between two renames left OUT missing, both checkpoints hidden
-            _check_replaced(work, out_dir, lambda: _exchange(work, out_dir))
-            if fsync:
-                fsync_dir(os.path.dirname(out_dir))
-            _remove_replaced(work, out_dir)
-            return
         old = work + ".old"
         try:
             os.rename(out_dir, old)
         except OSError as e:
             raise SaveError(f"cannot move the previous contents aside: {e.strerror or e}; "
                             f"nothing replaced", file=out_dir) from None
-        _check_replaced(old, out_dir, lambda: _put_back(old, out_dir))
+        if os.path.islink(old):   # OUT was swapped for a link since the check
+            _put_back(old, out_dir)
+            raise SaveError("output path became a symbolic link while writing; nothing "
+                            "replaced", file=out_dir)
+        # and once more now that nothing can be added under OUT's name: a file created
+        # between the check and the rename is put back with the rest
+        foreign = _foreign_entry(old)
+        if foreign is not None:
+            _put_back(old, out_dir)
+            raise SaveError(f"output directory gained {foreign!r}, which is not a checkpoint "
+                            f"file, while writing; nothing replaced", file=out_dir)
     try:
         os.rename(work, out_dir)
     except OSError as e:
@@ -314,36 +317,6 @@ def _swap_in(work: str, out_dir: str, overwrite: bool, fsync: bool = False) -> N
         fsync_dir(os.path.dirname(out_dir))
     if old:
         _remove_replaced(old, out_dir)
-
-
-def _check_replaced(old: str, out_dir: str, undo) -> None:
-    """The previous OUT, now at ``old``, checked once nothing can be added under OUT's
-    name: a link swapped in for OUT, or a file created in it between the check and the
-    move, is put back (``undo``) with the rest, and nothing is replaced."""
-    if os.path.islink(old):   # OUT was swapped for a link since the check
-        undo()
-        raise SaveError("output path became a symbolic link while writing; nothing "
-                        "replaced", file=out_dir)
-    foreign = _foreign_entry(old)
-    if foreign is not None:
-        undo()
-        raise SaveError(f"output directory gained {foreign!r}, which is not a checkpoint "
-                        f"file, while writing; nothing replaced", file=out_dir)
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap paths ``a`` and ``b`` in one step (Linux renameat2 RENAME_EXCHANGE); False
-    where the system or its file system cannot, and nothing moved."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    return False
 
 
 def _remove_replaced(old: str, out_dir: str) -> None:
