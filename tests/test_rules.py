@@ -254,11 +254,11 @@ def test_an_expert_split_dim_past_the_shape_is_refused_at_every_layout(lay, name
 
 
 @pytest.mark.parametrize("lay", [Layout(tp=4), Layout()], ids=["tp4", "tp1"])
-@pytest.mark.parametrize("cfg_kv", [4, 2])
+@pytest.mark.parametrize("cfg_kv", [4, 2, 1])
 def test_a_config_of_other_head_counts_than_the_tensors_is_refused(lay, cfg_kv):
     """A config.json of another model (num_key_value_heads 4 where k_proj holds 2 heads of
-    8 rows) had tp=4 cut k_proj into four half-heads, silently; transformers refuses the
-    size. Refused wherever tp splits the heads."""
+    8 rows) had tp=4 cut k_proj into four half-heads, silently (with 1, every rank held
+    both heads as its one); transformers refuses the size. Refused wherever tp > 1."""
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
            "num_attention_heads": 4, "num_key_value_heads": cfg_kv, "num_hidden_layers": 1,
            "tie_word_embeddings": True}
@@ -275,9 +275,11 @@ def test_a_config_of_other_head_counts_than_the_tensors_is_refused(lay, cfg_kv):
     with pytest.raises(PlanError) as e:
         make_plan(meta, lay)
     assert e.value.tensor == k
-    assert str(e.value) == (f"tensor {k!r}: heads split of dim 0: size 16 is not num_heads=4 "
-                            f"times head_dim=8 (32); expected the config.json of this "
-                            f"checkpoint (layout {lay})")
+    # one K/V head of config.json's, replicated at tp=4: k_proj held whole (2 heads) where
+    # vLLM holds 8 rows
+    assert str(e.value) == (f"tensor {k!r}: heads split of dim 0: size 16 is not "
+                            f"num_heads={cfg_kv} times head_dim=8 ({cfg_kv * 8}); expected the "
+                            f"config.json of this checkpoint (layout {lay})")
 
 
 @pytest.mark.parametrize("case", ["qwen3-default-head-dim", "vision-tower"])

@@ -142,15 +142,17 @@ def _place_heads(ctx: PlacementContext, t: TensorShape, p: Mapping):
         raise ctx.err(f"heads split dim {dim} out of range for shape {list(t.shape)}", t.name)
     g, rngs = ctx.head_split(t.shape[dim], p["num_heads"], p["kv"], t.name,
                                f"heads split of dim {dim} (shape {list(t.shape)})")
-    if len(rngs) == 1:
-        return ctx.whole(t)
     hd = p.get("head_dim")
-    if hd is not None and t.shape[dim] != p["num_heads"] * hd and not is_tower(t.name):
-        # num_heads from the config.json of another model (other K/V heads) would cut
-        # heads apart; a vision tower's heads are not the text model's
+    if (hd is not None and ctx.L.tp > 1 and t.shape[dim] != p["num_heads"] * hd
+            and not is_tower(t.name)):
+        # num_heads from the config.json of another model (other K/V heads) would cut heads
+        # apart, or hold several where one is replicated; a vision tower's heads are not
+        # the text model's. Where tp is 1 every tensor is whole, whatever its heads
         raise ctx.err(f"heads split of dim {dim}: size {t.shape[dim]} is not num_heads="
                       f"{p['num_heads']} times head_dim={hd} ({p['num_heads'] * hd}); expected "
                       f"the config.json of this checkpoint", t.name)
+    if len(rngs) == 1:
+        return ctx.whole(t)
     return ByTp(g), dim_classes(t.shape, dim, rngs)
 
 def _place_packed(ctx: PlacementContext, t: TensorShape, p: Mapping):
