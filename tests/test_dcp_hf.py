@@ -769,9 +769,9 @@ def test_dcp_shards_beside_another_checkpoint_are_refused(dcp_out, tmp_path, oth
     elif other == "adapter":
         assert str(e.value) == (f"file {d}: holds adapter_model.safetensors (a file of no "
                                 f"numbered set) and {shard} (torch DCP shards) but no index: "
-                                f"which files make the checkpoint cannot be told; expected an "
-                                f"index (model.safetensors.index.json) or one checkpoint per "
-                                f"directory")
+                                f"which files make the checkpoint cannot be told; expected "
+                                f"torch DCP's shards alone in their directory: move the other "
+                                f"files out")
     else:
         assert str(e.value) == (f"file {d}: holds model.safetensors and torch DCP per-rank "
                                 f"shards ({shard}, ...): two checkpoints; expected one "

@@ -719,9 +719,12 @@ def _check_loose_beside_set(path: str, shards: tuple[str, ...]) -> None:
         groups.setdefault(kind, n)
     if len(groups) > 1:
         (a, fa), (b, fb) = list(groups.items())[:2]
+        # DCP's per-rank shards come without an index, and an index beside them is refused
+        want = ("torch DCP's shards alone in their directory: move the other files out"
+                if "torch DCP shards" in groups else
+                "an index (model.safetensors.index.json) or one checkpoint per directory")
         raise CheckpointError(f"holds {fa} ({a}) and {fb} ({b}) but no index: which files "
-                              f"make the checkpoint cannot be told; expected an index "
-                              f"(model.safetensors.index.json) or one checkpoint per directory",
+                              f"make the checkpoint cannot be told; expected {want}",
                               file=path)
 
 
