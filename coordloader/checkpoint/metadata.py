@@ -446,7 +446,8 @@ def config_head_dim(config: Mapping) -> int | None:
     """The rows each attention head holds, where config.json fixes them: its head_dim, or
     hidden_size // num_attention_heads for ``HEAD_DIM_FROM_HIDDEN``; else None."""
     hd = _cfg_int(config, "head_dim")
-    if hd is None and config.get("model_type") in HEAD_DIM_FROM_HIDDEN:
+    mt = config.get("model_type")
+    if hd is None and isinstance(mt, str) and mt in HEAD_DIM_FROM_HIDDEN:
         H, hidden = _cfg_int(config, "num_attention_heads"), _cfg_int(config, "hidden_size")
         hd = hidden // H if H and hidden else None
     return hd
