@@ -677,7 +677,7 @@ def discover(root: str) -> Discovery:
                 raise CheckpointError(f"several safetensors indexes {indexes[:5]}; expected one "
                                       f"(or model{INDEX_SUFFIX})", file=path)
             indexes = ["model" + INDEX_SUFFIX]
-        return _discover_index(path, indexes[0], config, beside_single=SINGLE_FILE in names)
+        return _discover_index(path, indexes[0], config, names)
     if SINGLE_FILE in names:
         dcp = [n for n in names if DCP_SHARD_RE.match(n)]
         if dcp:
@@ -841,7 +841,9 @@ def _weight_map_files(wm: dict, index_name: str) -> set[str]:
 
 
 def _discover_index(d: str, index_name: str, config: dict | None,
-                    beside_single: bool = False) -> Discovery:
+                    names: list[str] | None = None) -> Discovery:
+    """``names``: the directory's listing where the directory was named (the index's path
+    picks the index: then model.safetensors beside it is not another checkpoint)."""
     with gc_paused():
         idx = _read_json_file(os.path.join(d, index_name), index_name, _INDEX_DECODER, "index",
                               MAX_HF_INDEX)
@@ -861,13 +863,13 @@ def _discover_index(d: str, index_name: str, config: dict | None,
     if not files:
         raise CheckpointError("the index lists no files (empty weight_map); expected tensor "
                               "name -> file name entries", file=index_name)
-    if beside_single and SINGLE_FILE not in files:   # an index naming it: one checkpoint
-        _refuse_index_beside_single(d, index_name, files)
+    if names is not None and SINGLE_FILE in names and SINGLE_FILE not in files:
+        _refuse_index_beside_single(d, index_name, files)   # (naming it: one checkpoint)
     for fname in sorted(files):
         if not os.path.lexists(os.path.join(d, fname)):
             raise CheckpointError(f"the index lists file {fname!r} which does not exist in the "
                                   f"checkpoint directory", file=index_name)
-    _check_unlisted(d, index_name, files)
+    _check_unlisted(index_name, files, sorted(os.listdir(d)) if names is None else names)
     md = idx.get("metadata")
     total = md.get("total_size") if type(md) is dict else None
     return Discovery(root=d, files=tuple(sorted(files)), kind="index", index_file=index_name,
@@ -879,33 +881,34 @@ def _refuse_index_beside_single(d: str, index_name: str, files: set[str]) -> Non
     """model.safetensors beside an index that does not name it: two checkpoints (a save of
     one kind over the other), which transformers (model.safetensors first) and vLLM (the
     index's files) choose between differently."""
-    other = sorted(files)
-    here = [f for f in other if os.path.lexists(os.path.join(d, f))]
-    if not here:   # what transformers leaves when it saves unsharded over a sharded save
-        raise CheckpointError(f"lists files that are not here ({other[0]}, ...) beside "
+    listed = sorted(files)
+    # none here: what transformers leaves when it saves unsharded over a sharded save
+    if not any(os.path.lexists(os.path.join(d, f)) for f in listed):
+        raise CheckpointError(f"lists files that are not here ({listed[0]}, ...) beside "
                               f"{SINGLE_FILE}, which transformers reads: a stale index of an "
                               f"earlier sharded save? expected one checkpoint per directory: "
                               f"remove the index if {SINGLE_FILE} is the checkpoint",
                               file=index_name)
-    raise CheckpointError(f"lists {len(other)} file(s) ({other[0]}, ...) beside {SINGLE_FILE}: "
+    raise CheckpointError(f"lists {len(listed)} file(s) ({listed[0]}, ...) beside {SINGLE_FILE}: "
                           f"two checkpoints, which readers choose between differently "
                           f"(transformers reads {SINGLE_FILE}, vLLM the index's files); "
                           f"expected one checkpoint per directory: remove the stale one, or "
                           f"pass the path of the index or file to load", file=index_name)
 
 
-def _check_unlisted(d: str, index_name: str, files: set[str]) -> None:
-    """Files in the directory the index leaves out that belong to a checkpoint: another
-    file of a numbered set (``model-00001-of-00002``) the index names some of, whose
-    tensors would be left out; torch DCP per-rank shards, another checkpoint."""
+def _check_unlisted(index_name: str, files: set[str], names: list[str]) -> None:
+    """Files in the directory (``names``) the index leaves out that belong to a
+    checkpoint: another file of a numbered set (``model-00001-of-00002``) the index names
+    some of, whose tensors would be left out; torch DCP per-rank shards, another
+    checkpoint."""
     sets: dict[tuple[str, str], set[int]] = {}
     names_dcp = False   # an index naming DCP shards is refused as such, once read
     for f in files:
-        m = None if DCP_SHARD_RE.match(f) else NUMBERED_SHARD_RE.match(f)
-        if m:
+        if DCP_SHARD_RE.match(f):
+            names_dcp = True
+        elif m := NUMBERED_SHARD_RE.match(f):
             sets.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
-        names_dcp = names_dcp or m is None and DCP_SHARD_RE.match(f) is not None
-    for n in sorted(os.listdir(d)):
+    for n in names:
         if n in files:
             continue
         if DCP_SHARD_RE.match(n) and not names_dcp:
