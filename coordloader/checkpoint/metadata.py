@@ -503,9 +503,8 @@ _CONFIG_DIMS = (
 )
 _CONFIG_SUFFIXES = tuple(row[0] for row in _CONFIG_DIMS)
 # a vision or audio tower's tensors (Qwen2.5-VL's model.visual.blocks.N.mlp.*, MiniCPM-V's
-# vpm.*): config.json
-# sizes them in a sub-config (vision_config), also where it states the text model's sizes
-# at its top level, as the Hub's flat VLM configs do
+# vpm.*): config.json sizes them in a sub-config (vision_config), also where it states the
+# text model's sizes at its top level, as the Hub's flat VLM configs do
 _TOWER = re.compile(r"(?:^|\.)(?:visual|vision\w*|audio\w*|image_\w*|multi_modal_projector|"
                     r"mm_projector|vpm|vit)\.")
 
