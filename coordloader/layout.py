@@ -6,7 +6,7 @@ import numbers
 from dataclasses import dataclass
 from functools import cached_property
 
-from coordloader.errors import PlanError
+from coordloader.errors import CoordloaderError, PlanError
 from coordloader.text import clip
 
 
@@ -32,6 +32,16 @@ MAX_WORLD_SIZE = 1 << 16
 
 def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def as_rank(value, error: type[CoordloaderError]) -> int:
+    """A caller's ``rank=`` as an int; ``error`` for anything but an integer (numpy's is
+    one). ``int()`` would make 1.5 or True rank 1, and a float or str otherwise fails deep
+    in the load, after the reads."""
+    if not _is_int(value):
+        raise error(f"rank= must be an integer, got {clip(repr(value))} "
+                    f"({type(value).__name__})")
+    return int(value)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from coordloader.errors import (
     VerifyError,
 )
 from coordloader.gcpause import gc_paused
-from coordloader.layout import Layout
+from coordloader.layout import Layout, as_rank
 from coordloader.planning.model import RankPlan
 from coordloader.text import MAX_NAME_CHARS, clip, format_ranges
 from coordloader.verify.checks import MODES, verify_rank
@@ -99,6 +99,8 @@ def _resolve_group(group, rank, layout: Layout, stack: contextlib.ExitStack, tim
     if not isinstance(layout, Layout):
         raise PlanError(f"layout must be a coordloader.Layout, got {type(layout).__name__}")
     world_needed = layout.world_size
+    if rank is not None:
+        rank = as_rank(rank, LoadError)
     if handle is not None:
         g_rank, g_world = handle.rank, handle.world
         if rank is not None and rank != g_rank:

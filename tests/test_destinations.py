@@ -38,6 +38,31 @@ def test_load_into_refuses_targets_on_the_meta_device(ab, engine):
                             "module.to_empty(device=...))")
 
 
+@pytest.mark.parametrize("rank", [True, 1.0, 1.5, "1"], ids=repr)
+def test_a_rank_that_is_no_integer_is_refused_before_any_read(ab, tmp_path, monkeypatch, rank):
+    """rank=np.int64(1) loaded, then failed in verify with a bare TypeError; "1" and 1.0
+    failed deep in the load with bare TypeErrors; save(rank=1.5) saved rank 1's share."""
+    import os
+
+    import numpy as np
+    plan = cl.make_plan(ab, Layout(tp=2), replicate_unmatched=True)
+    want = cl.load_detailed(ab, Layout(tp=2), rank=1, replicate_unmatched=True).tensors
+    got = cl.load_detailed(ab, Layout(tp=2), rank=np.int64(1), replicate_unmatched=True).tensors
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    monkeypatch.setattr(os, "preadv", None)   # any read: a TypeError, not the message
+    msg = f"rank= must be an integer, got {rank!r} ({type(rank).__name__})"
+    for call in (lambda: cl.load_detailed(ab, Layout(tp=2), rank=rank, replicate_unmatched=True),
+                 lambda: cl.load_into({"a": torch.zeros(4), "b": torch.zeros(4)}, ab,
+                                      Layout(tp=2), rank=rank, replicate_unmatched=True)):
+        with pytest.raises(LoadError) as e:
+            call()
+        assert str(e.value) == msg
+    with pytest.raises(cl.SaveError) as e:
+        cl.save(str(tmp_path / "s"), {"a": torch.zeros(2)}, plan, rank=rank,
+                config={"model_type": "llama"})
+    assert str(e.value) == msg and not (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize("engine", ["cpu", "safetensors"])
 @pytest.mark.parametrize("how", ["overlapping", "same"])
 def test_out_destinations_sharing_memory_are_refused(ab, engine, how):

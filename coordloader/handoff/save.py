@@ -70,6 +70,7 @@ from coordloader.handoff.publish import (
     write_json_durable,
     writer_error,
 )
+from coordloader.layout import as_rank
 from coordloader.text import format_ranges
 from coordloader.verify.manifest import MANIFEST_NAME
 
@@ -348,7 +349,7 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan=N
         return save_distributed(out_dir, tensors, plan, group=group, rank=rank,
                                 max_shard_bytes=max_shard_bytes, overwrite=overwrite,
                                 config=config, digests=digests, timeout=timeout)
-    return save_local(out_dir, tensors, plan, rank=0 if rank is None else int(rank),
+    return save_local(out_dir, tensors, plan, rank=0 if rank is None else rank,
                       max_shard_bytes=max_shard_bytes, overwrite=overwrite, config=config,
                       digests=digests)
 
@@ -503,6 +504,7 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
     """One process saves every plan rank in turn (rank 0, 1, ..., world-1): the call for
     rank 0 starts a fresh save, the call for the last rank publishes it. Without a plan
     the world is this one call (whole tensors, or ``Boxed`` ones that tile alone)."""
+    rank = as_rank(rank, SaveError)
     out_dir = output_dir(out_dir, rank, usage=SAVE_USAGE)
     max_shard_bytes, = check_sizes(rank, max_shard_bytes=max_shard_bytes)
     world = plan.world_size if plan is not None else 1
