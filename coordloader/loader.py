@@ -54,7 +54,7 @@ from coordloader.errors import (
 )
 from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout, as_rank
-from coordloader.planning.model import RankPlan
+from coordloader.planning.model import RankPlan, TensorSlice
 from coordloader.text import MAX_NAME_CHARS, clip, format_ranges
 from coordloader.verify.checks import MODES, verify_rank
 from coordloader.verify.manifest import MANIFEST_NAME
@@ -706,12 +706,29 @@ def _fuse(fusion: _Fusion, parts: dict[int, dict[int | None, torch.Tensor]],
     return cur[0]
 
 
+def _padding_hint(s: TensorSlice, dst: torch.Tensor) -> str:
+    """Why a vocabulary table's slice has more rows than the target: a module of unpadded
+    rows (a transformers model) otherwise reads as the wrong checkpoint."""
+    if s.strategy != "vocab" or dst.dim() != len(s.local_shape) or dst.dim() == 0 \
+            or tuple(dst.shape[1:]) != tuple(s.local_shape[1:]) \
+            or dst.shape[0] >= s.local_shape[0]:
+        return ""
+    return (f" (the 'vocab' rule pads {list(s.global_shape)} to a multiple of its pad_to rows, "
+            f"as vLLM's vocabulary-parallel layers hold it; for a target of unpadded rows "
+            f"pass rules=[{{'pattern': {s.name!r}, 'strategy': 'vocab', 'params': "
+            f"{{'pad_to': 1}}}}])")
+
+
 def _refuse_meta(dst: torch.Tensor, tgt: str, name: str | None, rank: int) -> None:
     """A meta tensor has no memory: copying into it does nothing, so the target would be
-    reported loaded while it holds nothing."""
+    reported loaded while it holds nothing. ``to_empty`` is no way out: it leaves the
+    buffers a module computes at construction (rotary tables) uninitialised, and a load
+    does not fill them."""
     if dst.device.type == "meta":
         raise LoadError(f"target {tgt!r} is on the meta device and has no memory to load "
-                        f"into; materialize it first (e.g. module.to_empty(device=...))",
+                        f"into; build the module on the device to fill (e.g. under "
+                        f"`with torch.device('cpu'):`): module.to_empty() would leave the "
+                        f"buffers it computes itself (rotary tables) uninitialised",
                         tensor=name, rank=rank)
 
 
@@ -806,24 +823,34 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
         dt = torch_dtype(s.dtype)
         if tuple(dst.shape) != tuple(s.local_shape) or dst.dtype != dt:
             raise LoadError(f"target {tgt!r} is {dst.dtype} {list(dst.shape)}, this rank's "
-                            f"slice is {dt} {list(s.local_shape)}", tensor=name, rank=rank)
+                            f"slice is {dt} {list(s.local_shape)}{_padding_hint(s, dst)}",
+                            tensor=name, rank=rank)
         _refuse_meta(dst, tgt, name, rank)
         claim(tgt, name)
         copies.append((tgt, name, dst))
     fused_dst = {}
-    for key, parts in fused.items():
+    for key, parts in list(fused.items()):
         k, prefix, tgt = key
-        _check_fusion_parts(fusions[k], prefix, tgt, parts, rank)
-        dst = dests.get(tgt)
-        if dst is not None:   # named by one of the checkpoint tensors it fuses
-            require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}",
-                           next(iter(next(iter(parts.values())).values())), rank)
-            _refuse_wrapper(dst, tgt, None, rank)   # filled with a copy of the fusion
         fusion = fusions[k]
         starred = [p for i, p in parts.items() if fusion.experts[i] is not None]
         experts = sorted(starred[0]) if starred else []
         what = (f"experts {experts}" if starred else
                 "slices of " + ", ".join(prefix + n for n in fusion.source_names))
+        dst = dests.get(tgt)
+        if dst is None:   # as a plain tensor without a target
+            names = sorted(n for p in parts.values() for n in p.values())
+            if strict:
+                raise LoadError(f"no target entry {tgt!r}, into which transformers fuses this "
+                                f"rank's {what} (pass name_map= or strict=False)",
+                                tensor=names[0], rank=rank)
+            skipped.extend(names)
+            del fused[key]
+            continue
+        _check_fusion_parts(fusion, prefix, tgt, parts, rank)
+        # named by one of the checkpoint tensors it fuses
+        require_tensor(dst, f"target {clip(repr(tgt), MAX_NAME_CHARS)}",
+                       next(iter(next(iter(parts.values())).values())), rank)
+        _refuse_wrapper(dst, tgt, None, rank)   # filled with a copy of the fusion
         slots[key] = layout.local_order(rank_plan.coords.get("ep"), experts)
         try:   # the fusion itself, on meta tensors: the shape and dtype it gives
             t = _fuse(fusion, {i: {e: spec[n] for e, n in p.items()} for i, p in parts.items()},
@@ -833,10 +860,9 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
         except (RuntimeError, TypeError, ValueError) as e:
             raise LoadError(f"transformers fuses this rank's {what} into {tgt!r}, but they "
                             f"do not fuse: {' '.join(str(e).split())}", rank=rank) from None
-        if dst is None or tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
-            have = "no such entry" if dst is None else f"{dst.dtype} {list(dst.shape)}"
+        if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
             raise LoadError(f"transformers fuses these checkpoint tensors into {tgt!r} "
-                            f"({have}); this rank's {what} "
+                            f"({dst.dtype} {list(dst.shape)}); this rank's {what} "
                             f"fuse to {t.dtype} {list(t.shape)}", rank=rank)
         _refuse_meta(dst, tgt, None, rank)
         claim(tgt, f"{tgt} (fused)")
@@ -966,6 +992,9 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
     def prepare(rank: int, device: torch.device) -> _DirectDests:
         # once the group is adopted: a target or name_map refused on one rank alone
         # reaches the others at their first phase, and every rank's calls stay in step
+        if "out" in load_kw:   # the targets are the destinations; out= went unused
+            raise LoadError("load_into takes no out=: its target is where the tensors go",
+                            rank=rank)
         made.append(_Targets(target, name_map, rank))
         return _DirectDests(made[0].dests, made[0].map, device.type)
 

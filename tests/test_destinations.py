@@ -33,9 +33,13 @@ def test_load_into_refuses_targets_on_the_meta_device(ab, engine):
     target = {"a": torch.zeros(4), "b": torch.empty(4, device="meta")}
     with pytest.raises(LoadError) as e:
         cl.load_into(target, ab, Layout(), engine=engine, **ONE)
+    # to_empty(), the way out the message once gave, leaves a module's computed buffers
+    # (rotary inv_freq) as whatever memory held: a loaded model with garbage rotary tables
     assert str(e.value) == ("rank 0, tensor 'b': target 'b' is on the meta device and has no "
-                            "memory to load into; materialize it first (e.g. "
-                            "module.to_empty(device=...))")
+                            "memory to load into; build the module on the device to fill "
+                            "(e.g. under `with torch.device('cpu'):`): module.to_empty() "
+                            "would leave the buffers it computes itself (rotary tables) "
+                            "uninitialised")
 
 
 @pytest.mark.parametrize("rank", [True, 1.0, 1.5, "1"], ids=repr)
@@ -61,6 +65,16 @@ def test_a_rank_that_is_no_integer_is_refused_before_any_read(ab, tmp_path, monk
         cl.save(str(tmp_path / "s"), {"a": torch.zeros(2)}, plan, rank=rank,
                 config={"model_type": "llama"})
     assert str(e.value) == msg and not (tmp_path / "s").exists()
+
+
+def test_load_into_refuses_out(ab):
+    """out= was taken and ignored: the caller's tensors left as they were."""
+    other = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    target = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    with pytest.raises(LoadError) as e:
+        cl.load_into(target, ab, Layout(), out=other, **ONE)
+    assert str(e.value) == "rank 0: load_into takes no out=: its target is where the tensors go"
+    assert not any(t.any() for t in [*other.values(), *target.values()])
 
 
 @pytest.mark.parametrize("engine", ["cpu", "safetensors"])

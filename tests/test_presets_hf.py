@@ -1583,3 +1583,61 @@ def test_load_into_leaves_computed_buffers_and_requires_persistent_ones(hf_check
                                    f"target {bias!r}")
     res = cl.load_into(_glm4_moe_model(), path, cl.Layout(), rank=0, rules=whole, strict=False)
     assert res.not_loaded == [bias]
+
+
+def test_load_into_a_vocab_table_of_unpadded_rows_says_how(hf_checkpoint):
+    """A transformers model holds its vocabulary tables unpadded, the `vocab` rule pads
+    them as vLLM does: the refusal named a slice larger than the checkpoint's tensor, with
+    no word of padding; the rule it names now loads the model as from_pretrained does."""
+    from transformers import AutoModelForCausalLM
+    path = hf_checkpoint("qwen2_moe")
+    want = AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
+    model = _qwen2_moe_model()
+    rules = []
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):   # the plan's order
+        with pytest.raises(cl.LoadError) as e:
+            cl.load_into(model, str(path), cl.Layout(), rank=0, rules=rules)
+        assert str(e.value) == (
+            f"rank 0, tensor {name!r}: target {name!r} is torch.float32 [{VOCAB}, 32], this "
+            f"rank's slice is torch.float32 [128, 32] (the 'vocab' rule pads [{VOCAB}, 32] to "
+            f"a multiple of its pad_to rows, as vLLM's vocabulary-parallel layers hold it; "
+            f"for a target of unpadded rows pass rules=[{{'pattern': {name!r}, 'strategy': "
+            f"'vocab', 'params': {{'pad_to': 1}}}}])")
+        rules.append({"pattern": name, "strategy": "vocab", "params": {"pad_to": 1}})
+    cl.load_into(model, str(path), cl.Layout(), rank=0, rules=rules)
+    assert_same_state(model, want)
+
+
+def test_load_into_a_base_model_skips_or_maps_fused_experts_as_other_tensors(hf_checkpoint):
+    """A base model (no `model.` prefix) has no entry for the fused experts a CausalLM
+    checkpoint's tensors make: strict=False skipped every plain tensor but refused those
+    ("no such entry", naming no checkpoint tensor); strict names the missing entry, as for
+    a plain tensor, and a name_map dropping the prefix fills the base model."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeModel
+    path = hf_checkpoint("qwen2_moe")
+    names = sorted(_full_tensors(path))
+    want = AutoModelForCausalLM.from_pretrained(str(path)).model.state_dict()
+    base = Qwen2MoeModel(_qwen2_moe_model().config)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    whole = [{"pattern": n, "strategy": "replicate"} for n in ("*embed_tokens.weight", "lm_head.weight")]
+    res = cl.load_into(base, str(path), cl.Layout(), rank=0, rules=whole, strict=False)
+    assert res.loaded == [] and sorted(res.skipped) == names
+    assert all(torch.equal(v, before[k]) for k, v in base.state_dict().items())
+    with pytest.raises(cl.LoadError) as e:
+        cl.load_into(base, str(path), cl.Layout(), rank=0, rules=whole,
+                     name_map=lambda n: None if n == "lm_head.weight" else n)
+    assert str(e.value) == ("rank 0, tensor 'model.embed_tokens.weight': no target entry "
+                            "'model.embed_tokens.weight' for this checkpoint tensor (pass "
+                            "name_map= or strict=False)")
+    strip = {n: n.removeprefix("model.") for n in names if n.startswith("model.")}
+    with pytest.raises(cl.LoadError) as e:   # the plain tensors mapped, the experts not
+        cl.load_into(base, str(path), cl.Layout(), rank=0, rules=whole,
+                     name_map=lambda n: None if n == "lm_head.weight" else
+                     n if ".experts." in n else strip[n])
+    assert str(e.value) == ("rank 0, tensor 'model.layers.0.mlp.experts.0.down_proj.weight': "
+                            "no target entry 'model.layers.0.mlp.experts.down_proj', into "
+                            "which transformers fuses this rank's experts [0, 1, 2, 3] (pass "
+                            "name_map= or strict=False)")
+    cl.load_into(base, str(path), cl.Layout(), rank=0, rules=whole,
+                 name_map=lambda n: strip.get(n))
+    assert_same_state(base, want)
