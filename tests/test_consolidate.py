@@ -11,6 +11,7 @@ import tracemalloc
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import coordloader as cl
 from coordloader.api import make_plan
@@ -75,24 +76,44 @@ def test_cli_consolidate_is_byte_equal(tmp_path, arch, layout):
     assert {n: d.digest for n, d in m.tensors.items()} == {n: d.digest for n, d in mf.compute(meta).items()}
 
 
-def test_a_manifest_of_another_step_is_not_carried(tmp_path):
-    """The next step saved over a checkpoint, its old manifest kept (same headers): its
-    files' data samples differ from the manifest's record. Consolidate carried the old
-    digests over with the new files' samples, so the output's manifest looked current and
-    failed every tensor without saying why. It is not carried now."""
-    from safetensors.torch import save_file
-
+@pytest.mark.parametrize("where", ["sampled", "between-samples"])
+def test_a_source_whose_bytes_differ_from_its_manifest_is_refused(tmp_path, where):
+    """The source's bytes no longer those its manifest describes (the next training step
+    saved over with the same headers, or bit rot). Consolidate carried the old digests
+    where the manifest's 16 sampled blocks missed the change, so the output's manifest
+    failed every load without saying why; and where the samples caught it, dropped the
+    manifest silently, so a corrupt source's output verified clean. Each tensor copied is
+    now held against the manifest: refused, naming it, the output untouched."""
     from coordloader.verify import manifest as mf
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir()
-    step = [{f"w{i}": torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * s + i))
-             for i in range(3)} for s in range(2)]
-    save_file(step[0], str(src / "model.safetensors"))
+    # one 1 MiB tensor: the samples are 4 KiB blocks ~68 KiB apart, the first at byte 0
+    w = torch.randn(256, 1024, generator=torch.Generator().manual_seed(3))
+    save_file({"w": w}, str(src / "model.safetensors"))
     mf.write_manifest(read_checkpoint(str(src)))
-    save_file(step[1], str(src / "model.safetensors"))
-    assert mf.load_manifest(str(src), read_checkpoint(str(src))).data_changed()
-    consolidate(str(src), str(out))
-    assert not os.path.exists(out / mf.MANIFEST_NAME)
+    path = src / "model.safetensors"
+    data = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    off = data + (8 if where == "sampled" else 8192)
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x40]))
+    meta = read_checkpoint(str(src))
+    assert bool(mf.load_manifest(str(src), meta).data_changed()) == (where == "sampled")
+    with pytest.raises(SaveError) as e:
+        consolidate(str(src), str(out))
+    hint = (f"File model.safetensors holds other data than when the manifest was written "
+            f"(sampled blocks differ; headers and sizes are the same): the checkpoint was "
+            f"changed or saved again since (another training step?). If on purpose, the "
+            f"manifest is stale: regenerate it with `python -m coordloader.manifest {src}`; "
+            f"if not, the file is corrupt") if where == "sampled" else (
+            f"The checkpoint was changed since the manifest was written (if on purpose, "
+            f"regenerate it: `python -m coordloader.manifest {src}`), or the file is corrupt")
+    assert str(e.value) == (f"file model.safetensors, tensor 'w': the source's bytes of this "
+                            f"tensor differ from its manifest ({src / mf.MANIFEST_NAME}); "
+                            f"nothing written. " + hint)
+    assert not out.exists() or os.listdir(out) == []
     # the current manifest is carried, and verifies the output
     mf.write_manifest(read_checkpoint(str(src)))
     consolidate(str(src), str(out), overwrite=True)
@@ -303,7 +324,6 @@ def hf_race(tmp_path, monkeypatch):
     manifest) written by save A, an earlier consolidate of it in ``out`` (what a failing
     one must leave as it was), and ``after_opens(fn)``: run ``fn`` once the consolidate has
     opened and checked its sources, before it writes anything."""
-    from safetensors.torch import save_file
 
     import coordloader.handoff.consolidate as cons
     from coordloader.verify.manifest import write_manifest

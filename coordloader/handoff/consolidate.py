@@ -339,20 +339,53 @@ def _data_offsets(path: str) -> tuple[int, dict[str, tuple[int, int]]]:
     return 8 + n, {k: tuple(v["data_offsets"]) for k, v in head.items() if k != "__metadata__"}
 
 
-def _carry_manifest(meta: CheckpointMeta, stage_dir: str, names: list[str]) -> bool:
+def _source_manifest(meta: CheckpointMeta):
+    """The source's manifest where it is the manifest of these files (None where there is
+    none, or it is stale: of other headers)."""
     from coordloader.errors import VerifyError
     from coordloader.verify import manifest as mf
     try:
-        m = mf.load_manifest(meta.root, meta)
+        return mf.load_manifest(meta.root, meta)
     except VerifyError:
-        return False
-    # a manifest of another save of the same model (its files' data samples differ): the
-    # new manifest would record the new files' samples and pass as current
-    if m is None or m.data_changed():
-        return False
-    write_json_durable(os.path.join(stage_dir, MANIFEST_NAME),
-                        staged_manifest(stage_dir, names, dict(m.tensors)))
-    return True
+        return None
+
+
+class _Digests:
+    """The digest of each tensor as it is copied, summed over its row blocks, to hold
+    against the source's manifest: a manifest is carried only for the bytes it describes.
+    Its file fingerprint and 16 sampled blocks pass a file rewritten with other values
+    between the samples (another training step saved over), and a manifest dropped as
+    stale where the samples differ left a corrupt source's output verifying clean."""
+
+    def __init__(self, manifest):
+        self.manifest = manifest
+        self.got: dict[str, int] = {}
+
+    def add(self, t: TensorInfo, r0: int, block: np.ndarray) -> None:
+        import torch
+
+        from coordloader.checkpoint.dtypes import bits_dtype
+        from coordloader.verify.digest import digest
+        bits = torch.from_numpy(block.reshape(block.shape or (1,))).view(bits_dtype(t.dtype))
+        shape = tuple(t.shape) or (1,)   # a 0-d tensor as one element, as digest() takes it
+        box = ((r0, r0 + bits.shape[0]),) + tuple((0, n) for n in shape[1:])
+        self.got[t.name] = self.got.get(t.name, 0) + digest(bits, box, shape)
+
+    def check(self, meta: CheckpointMeta) -> None:
+        from coordloader.verify.digest import MASK64
+        for name in sorted(self.got):
+            want = self.manifest.get(name)
+            if want is None or want.digest == self.got[name] & MASK64:
+                continue
+            hint = self.manifest.changed_hint()
+            raise SaveError(
+                f"the source's bytes of this tensor differ from its manifest "
+                f"({self.manifest.path}); nothing written. "
+                + (hint[:1].upper() + hint[1:] if hint else
+                   f"The checkpoint was changed since the manifest was written (if on purpose, "
+                   f"regenerate it: `python -m coordloader.manifest {meta.root}`), or the file "
+                   f"is corrupt"),
+                file=meta.tensors[name].pieces[0].file, tensor=name)
 
 
 def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
@@ -399,6 +432,8 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
         raise
     stage_dir = os.path.join(out_dir, stage)
     try:
+        manifest = _source_manifest(meta)
+        digests = _Digests(manifest) if manifest is not None else None
         shards = _plan_shards(meta, max_shard_bytes)
         n = len(shards)
         names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -417,6 +452,8 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
                     begin = data_start + offs[t.name][0]
                     row_bytes = prod(t.shape[1:]) * itemsize(t.dtype) if t.shape else itemsize(t.dtype)
                     for r0, block in iter_row_blocks(t, srcs, block_bytes):
+                        if digests is not None:
+                            digests.add(t, r0, block)
                         if block.size:
                             flat = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
                             pwrite_all(fd, memoryview(flat),
@@ -437,10 +474,19 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
             copied[entry] = _copy_companion(described[entry][0], os.path.join(stage_dir, entry))
         if cfg is not None:
             extras = sorted(set(extras) | set(stage_config(stage_dir, cfg)))
-        # Content is unchanged, so the source's digests carry over: a manifest for the new
-        # files (their fingerprint) without re-reading anything. A stale source manifest
-        # (refused by load_manifest, or of other data) is simply not carried.
-        if _carry_manifest(meta, stage_dir, names):
+        # Content is unchanged, so the source's digests carry over, once held against the
+        # bytes copied: a manifest for the new files (their fingerprint). A stale source
+        # manifest (of other headers) is not carried.
+        if digests is not None:
+            try:
+                digests.check(meta)
+            except SaveError:
+                # a source saved over while this ran differs from the manifest too: that
+                # is what to say, where it is what happened
+                _recheck_sources(meta, described, copied)
+                raise
+            write_json_durable(os.path.join(stage_dir, MANIFEST_NAME),
+                               staged_manifest(stage_dir, names, dict(manifest.tensors)))
             extras.append(MANIFEST_NAME)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_json_durable(os.path.join(stage_dir, HF_INDEX), index, limit=MAX_HF_INDEX)
