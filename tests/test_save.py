@@ -820,6 +820,53 @@ def _rank_kw_worker(rank, port, out, q):
         dist.destroy_process_group()
 
 
+def _alone_worker(rank, port, out, q):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        norm = distribute_tensor(torch.arange(8.0), init_device_mesh("cpu", (2,)), [Replicate()])
+        off = distribute_tensor(torch.arange(4.0), DeviceMesh("cpu", [0]), [Replicate()])
+        if rank == 1:   # saves alone (local mode), as one process of a group may
+            emb = torch.arange(80.0).reshape(10, 8)
+            for name, state in (("replicated", {"emb": emb, "norm": norm}),
+                                ("off-mesh", {"emb": emb, "off": off})):
+                try:
+                    save(os.path.join(out, name), state, rank=0, config=CFG)
+                    q.put((name, "ok"))
+                except Exception as e:  # noqa: BLE001
+                    q.put((name, f"{type(e).__name__}: {e}"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
+def test_a_replicated_dtensor_saved_alone_off_coordinate_0_is_written(tmp_path):
+    """A process of a group saving alone (rank=0, local mode) holds every replicated
+    DTensor whole; off mesh coordinate 0 it wrote none, without a word (the replicas were
+    left to coordinate 0, which was not saving). A DTensor whose mesh leaves the process
+    out was dropped the same way."""
+    import torch.multiprocessing as mp
+    from safetensors import safe_open
+    q = mp.get_context("spawn").Queue()
+    spawn_and_wait(_alone_worker, (free_port(), str(tmp_path), q), 2, "save alone", hard_s=90)
+    res = dict(q.get(timeout=10) for _ in range(2))
+    assert res == {"replicated": "ok",
+                   "off-mesh": "SaveError: rank 0, tensor 'off': is a DTensor whose device mesh "
+                               "leaves this process out: it holds none of the tensor, and this "
+                               "save is its only writer; save it from a process of its mesh"}
+    meta = cl.read_checkpoint(str(tmp_path / "replicated"))
+    assert sorted(meta.tensors) == ["emb", "norm"]
+    got = cl.load(str(tmp_path / "replicated"), Layout(), rules=[{"pattern": "*", "strategy": "replicate"}])
+    assert torch.equal(got["norm"], torch.arange(8.0))
+    assert torch.equal(got["emb"], torch.arange(80.0).reshape(10, 8))
+    assert not (tmp_path / "off-mesh").exists() or not any(
+        n.endswith(".safetensors") for n in os.listdir(tmp_path / "off-mesh"))
+
+
 @pytest.mark.slow   # subprocesses, or long: the full suite runs it
 def test_every_rank_passing_its_own_rank_under_a_group_is_told_to_leave_it_out(tmp_path):
     """save(..., rank=dist.get_rank()) on every rank of a group runs one local-mode save

@@ -75,25 +75,29 @@ def _runs(idx: torch.Tensor) -> list[tuple[int, int, int]]:
     return out
 
 
-def dtensor_boxes(name: str, t, rank: int) -> tuple[tuple[int, ...], list[tuple[Box, tuple]], bool]:
-    """(global shape, [(global box, local offset)], primary) of a DTensor on this rank.
-    ``primary`` is False where a Replicate mesh dim has this rank off coordinate 0."""
+def dtensor_boxes(name: str, t, rank: int, alone: bool) -> tuple[tuple[int, ...], list[tuple[Box, tuple]]]:
+    """(global shape, [(global box, local offset)]) of a DTensor on this rank; no boxes
+    where the tensor's mesh leaves this rank out, refused when this rank saves ``alone``
+    (the tensor would be left out of the checkpoint). A box replicated over a mesh dim is
+    every replica's: the ranks holding it agree on one writer, as for plain tensors."""
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
     mesh, placements = t.device_mesh, t.placements
     gshape = tuple(t.shape)
     coord = mesh.get_coordinate()
     if coord is None:   # this rank is not in the tensor's mesh: it holds nothing
-        return gshape, [], False
+        if alone:
+            raise SaveError("is a DTensor whose device mesh leaves this process out: it holds "
+                            "none of the tensor, and this save is its only writer; save it "
+                            "from a process of its mesh", tensor=name, rank=rank)
+        return gshape, []
     idx = [torch.arange(n) for n in gshape]
-    primary = True
     for i, p in enumerate(placements):
         if isinstance(p, Partial):
             raise SaveError(f"is a DTensor with a Partial placement on mesh dim {i} (a pending "
                             f"reduction); reduce it first (redistribute to Shard/Replicate, or "
                             f"full_tensor())", tensor=name, rank=rank)
         if isinstance(p, Replicate):
-            primary = primary and coord[i] == 0
             continue
         if not isinstance(p, (Shard, _StridedShard)):
             raise SaveError(f"is a DTensor with placement {p!r} on mesh dim {i}; expected Shard, "
@@ -111,8 +115,8 @@ def dtensor_boxes(name: str, t, rank: int) -> tuple[tuple[int, ...], list[tuple[
                         f"placements give local shape {_fmt(local)} on this rank",
                         tensor=name, rank=rank)
     if 0 in gshape:   # no elements, so no runs to box: the empty tensor is one box
-        return gshape, [(tuple((0, n) for n in gshape), (0,) * len(gshape))], primary
-    return gshape, _product([_runs(x) for x in idx]), primary
+        return gshape, [(tuple((0, n) for n in gshape), (0,) * len(gshape))]
+    return gshape, _product([_runs(x) for x in idx])
 
 
 def _product(runs_per_dim: list[list[tuple[int, int, int]]]) -> list[tuple[Box, tuple]]:
@@ -184,10 +188,11 @@ def _check_name(name, rank: int) -> None:
                         "UTF-8; expected a UTF-8 name", tensor=name, rank=rank)
 
 
-def collect_pieces(tensors, rank_plan, rank: int) -> list[PieceOut]:
+def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[PieceOut]:
     """Every piece this rank holds, from the plan's slices (plain tensors), the
     placements (DTensors) or the boxes given (``Boxed``); a plain tensor without a plan
-    is whole. Vocab padding rows of a plan's slice are covered by no piece: never written."""
+    is whole. Vocab padding rows of a plan's slice are covered by no piece: never written.
+    ``alone``: no other process saves (local mode)."""
     from coordloader.checkpoint.dtypes import torch_dtype
     if isinstance(tensors, torch.nn.ParameterDict):   # a mapping in all but its type
         tensors = dict(tensors.items())
@@ -204,12 +209,12 @@ def collect_pieces(tensors, rank_plan, rank: int) -> list[PieceOut]:
     for name, v in tensors.items():
         _check_name(name, rank)
         if _is_dtensor(v):
-            gshape, boxes, primary = dtensor_boxes(name, v, rank)
+            gshape, boxes = dtensor_boxes(name, v, rank, alone)
             ts = planned.get(name)
             if ts is not None and tuple(ts.global_shape) != gshape:
                 raise SaveError(f"DTensor global shape {_fmt(gshape)} differs from the plan's "
                                 f"global shape {_fmt(ts.global_shape)}", tensor=name, rank=rank)
-            if primary:
+            if boxes:
                 local = _local(name, v.to_local(), rank, "the DTensor's local tensor ")
                 if 0 in gshape:   # the whole empty tensor, whatever this rank's share
                     local = local.new_empty(gshape)

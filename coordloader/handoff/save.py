@@ -517,7 +517,8 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
     stage_dir = os.path.join(out_dir, stage)
     try:  # refused before anything is written; a refused later rank ends the save
         cfg = resolve_config(config, rank)
-        pieces = collect_pieces(tensors, plan.rank(rank) if plan is not None else None, rank)
+        pieces = collect_pieces(tensors, plan.rank(rank) if plan is not None else None, rank,
+                                alone=True)
     except BaseException:
         if rank > 0:
             shutil.rmtree(stage_dir, ignore_errors=True)
