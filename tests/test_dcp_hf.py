@@ -479,6 +479,7 @@ def _tiny_models():
         DeepseekV3Config,
         LlamaConfig,
         MistralConfig,
+        OPTConfig,
         Qwen2Config,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -487,6 +488,10 @@ def _tiny_models():
                  num_attention_heads=4, num_key_value_heads=2)
     yield "llama", LlamaConfig(**small)
     yield "mistral", MistralConfig(**small, head_dim=None)
+    # OPT-350m's embeddings and head are word_embed_proj_dim wide, not hidden_size: a whole
+    # save of it was refused as short
+    yield "opt", OPTConfig(vocab_size=100, hidden_size=32, word_embed_proj_dim=16, ffn_dim=48,
+                           num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=False)
     yield "qwen2", Qwen2Config(**small)
     yield "qwen3", Qwen3Config(**small, head_dim=16)
     yield "qwen3_moe", Qwen3MoeConfig(**small, head_dim=16, moe_intermediate_size=16,

@@ -481,11 +481,16 @@ def _experts(cfg: Mapping) -> tuple[str, int] | None:
     return next(((k, cfg[k]) for k in EXPERT_COUNT_KEYS if _cfg_int(cfg, k)), None)
 
 
+def _embed_width(cfg: Mapping) -> tuple[str, int] | None:
+    # OPT's embeddings and head are word_embed_proj_dim wide, projected to hidden_size
+    return _key("word_embed_proj_dim")(cfg) or _key("hidden_size")(cfg)
+
+
 # The other dims config.json fixes, in particular the dims tensor parallelism shards (q/k/v
 # and gate/up on dim 0, o/down on dim 1): a missing rank's file shrinks those, not dim 0
 # of the tensors above. (name suffix, dim, cfg -> (label, size) or None)
 _CONFIG_DIMS = (
-    (".embed_tokens.weight", 1, _key("hidden_size")), ("lm_head.weight", 1, _key("hidden_size")),
+    (".embed_tokens.weight", 1, _embed_width), ("lm_head.weight", 1, _embed_width),
     ("self_attn.q_proj.weight", 0, lambda c: _heads(c, "num_attention_heads", True)),
     ("self_attn.q_proj.bias", 0, lambda c: _heads(c, "num_attention_heads", True)),
     ("self_attn.k_proj.weight", 0, lambda c: _heads(c, "num_key_value_heads")),
