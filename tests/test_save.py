@@ -186,6 +186,34 @@ def test_a_key_no_reader_takes_as_a_name_is_refused_before_the_old_checkpoint_go
     assert str(e.value) == msg
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
+def test_a_wrappers_state_dict_is_refused_naming_the_wrapper(tmp_path):
+    """torch.compile(model).state_dict() names every tensor '_orig_mod.…', a DDP module's
+    'module.…': saved as they were, from_pretrained of the checkpoint initialised every
+    weight at random (its table of unexpected keys the only sign)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2))
+    compiled = torch.compile(model).state_dict()
+    assert sorted(compiled) == ["_orig_mod.0.bias", "_orig_mod.0.weight", "_orig_mod.1.bias",
+                                "_orig_mod.1.weight"]
+    ddp = {"module." + k: v for k, v in model.state_dict().items()}
+    cases = {"compiled": (compiled, "rank 0, tensor '_orig_mod.0.weight': tensor name holds "
+                                    "'_orig_mod', a module torch.compile's wrapper adds: the "
+                                    "state dict is the wrapper's, not the model's; pass the "
+                                    "model's (torch.distributed.checkpoint.state_dict."
+                                    "get_model_state_dict(model) leaves wrappers out) or "
+                                    "rename the keys"),
+             "ddp": (ddp, "rank 0, tensor 'module.0.weight': every tensor name starts with "
+                          "'module.', the prefix DistributedDataParallel adds: the state dict "
+                          "is the wrapper's; pass model.module.state_dict() (or "
+                          "get_model_state_dict(model))")}
+    for name, (state, msg) in cases.items():
+        with pytest.raises(SaveError) as e:
+            save(tmp_path / name, state, config=CFG)
+        assert str(e.value) == msg
+        assert not (tmp_path / name).exists() or not os.listdir(tmp_path / name)
+    # a model whose own modules are named 'module' (not every name) saves
+    save(tmp_path / "own", {"module.w": torch.ones(2), "head.w": torch.ones(2)}, config=CFG)
+
+
 def test_bad_inputs_name_tensor_and_rank(tmp_path):
     plan, locs, _ = make_plan_and_locals()
     bad = dict(locs[1])

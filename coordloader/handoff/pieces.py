@@ -176,6 +176,33 @@ def _piece(name, data, gshape, box, dst, decided) -> PieceOut:
                     box_numel(box) * itemsize(dt), view, decided)
 
 
+# the module names torch's wrappers add to a state dict taken from the wrapper, not the
+# model: torch.compile's, FSDP1's and activation checkpointing's
+_WRAPPER_SEGMENTS = {"_orig_mod": "torch.compile's wrapper",
+                     "_fsdp_wrapped_module": "FSDP's wrapper",
+                     "_checkpoint_wrapped_module": "activation checkpointing's wrapper"}
+
+
+def _check_wrapper_names(names, rank: int) -> None:
+    """SaveError where the names are a wrapper's: the checkpoint would hold no name the
+    model has, and from_pretrained of it initialises every weight at random with a table
+    of unexpected keys, no error."""
+    names = list(names)
+    for name in names:
+        for seg in name.split("."):
+            if seg in _WRAPPER_SEGMENTS:
+                raise SaveError(f"tensor name holds {seg!r}, a module {_WRAPPER_SEGMENTS[seg]} "
+                                f"adds: the state dict is the wrapper's, not the model's; pass "
+                                f"the model's (torch.distributed.checkpoint.state_dict."
+                                f"get_model_state_dict(model) leaves wrappers out) or rename "
+                                f"the keys", tensor=name, rank=rank)
+    if names and all(n.startswith("module.") for n in names):
+        raise SaveError("every tensor name starts with 'module.', the prefix "
+                        "DistributedDataParallel adds: the state dict is the wrapper's; pass "
+                        "model.module.state_dict() (or get_model_state_dict(model))",
+                        tensor=names[0], rank=rank)
+
+
 def _check_name(name, rank: int) -> None:
     """A state dict key every reader takes as a tensor name: written, any other would be
     refused by the readers only after the save had replaced the previous checkpoint."""
@@ -200,6 +227,9 @@ def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[P
         hint = " (pass module.state_dict())" if isinstance(tensors, torch.nn.Module) else ""
         raise SaveError(f"save() needs a state dict, a mapping of names to tensors; got "
                         f"{type(tensors).__name__}{hint}", rank=rank)
+    for name in tensors:
+        _check_name(name, rank)
+    _check_wrapper_names(tensors, rank)
     out: list[PieceOut] = []
     planned = {ts.name: ts for ts in rank_plan.tensors} if rank_plan is not None else {}
     for ts in planned.values():
@@ -207,7 +237,6 @@ def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[P
             raise SaveError("the plan gives this rank a primary slice of the tensor, but it is "
                             "missing from the tensors passed to save()", tensor=ts.name, rank=rank)
     for name, v in tensors.items():
-        _check_name(name, rank)
         if _is_dtensor(v):
             gshape, boxes = dtensor_boxes(name, v, rank, alone)
             ts = planned.get(name)
