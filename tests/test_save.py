@@ -878,7 +878,6 @@ def test_a_replicated_dtensor_saved_alone_off_coordinate_0_is_written(tmp_path):
     left to coordinate 0, which was not saving). A DTensor whose mesh leaves the process
     out was dropped the same way."""
     import torch.multiprocessing as mp
-    from safetensors import safe_open
     q = mp.get_context("spawn").Queue()
     spawn_and_wait(_alone_worker, (free_port(), str(tmp_path), q), 2, "save alone", hard_s=90)
     res = dict(q.get(timeout=10) for _ in range(2))
