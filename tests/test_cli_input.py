@@ -344,3 +344,77 @@ def test_quiet_digest_without_a_manifest_still_says_what_was_not_proved(tmp_path
     assert main([ck, "--verify", "digest", "--quiet"]) == 0
     assert ("coordloader: verify digest: no manifest: checked replicas against primaries only"
             in capsys.readouterr().err)
+
+
+def test_an_output_onto_an_input_or_a_dump_file_is_refused_before_the_load(
+        tmp_path, monkeypatch, capsys):
+    """load --config my.json --report my.json (and plan --rules r.json --json r.json)
+    replaced the input with the output, exit 0, and the next run read a report as its
+    config; --report dd/rank-00001.safetensors beside --dump dd replaced that rank's dump
+    with the report, exit 0."""
+    import json
+
+    import coordloader.cli.load as load_cli
+    import coordloader.cli.plan as plan_cli
+    from coordloader.synth import synthesize
+    _no_torchrun_env(monkeypatch)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    cfg = tmp_path / "my.json"
+    cfg.write_text((tmp_path / "ck" / "config.json").read_text())
+    rules = tmp_path / "r.json"
+    rules.write_text(json.dumps({"mode": "extend", "rules": []}))
+    before = {p: p.read_bytes() for p in (cfg, rules)}
+
+    def load_detailed(*a, **k):
+        raise AssertionError("loaded before refusing the output")
+    monkeypatch.setattr(load_cli, "load_detailed", load_detailed)
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--config", str(cfg),
+                                      "--report", str(cfg)]) == 1
+    assert (f"ConfigError: file {cfg}: --report {cfg} is the --config file this command "
+            f"reads; write it elsewhere" in capsys.readouterr().err)
+    assert _exit_code(plan_cli.main, [ck, "--rules", str(rules), "--json", str(rules)]) == 1
+    assert (f"ConfigError: file {rules}: --json {rules} is the --rules file this command "
+            f"reads; write it elsewhere" in capsys.readouterr().err)
+    dump = tmp_path / "dd"
+    for report in (dump / "rank-00000.safetensors", dump):
+        assert _exit_code(load_cli.main, [ck, "--quiet", "--tp", "2", "--rank", "0", "--dump",
+                                          str(dump), "--report", str(report)]) == 1
+        assert (f"ConfigError: file {report}: --report {report} is in the --dump directory "
+                f"{dump}, whose files are the ranks' tensors; write it elsewhere"
+                in capsys.readouterr().err) or report == dump
+    assert {p: p.read_bytes() for p in (cfg, rules)} == before and not dump.exists()
+
+
+def test_rank_without_world_size_is_refused_by_the_load_command(tmp_path, monkeypatch, capsys):
+    """RANK=1 without WORLD_SIZE loaded alone as a world of one and exited 0 (the
+    documented refusal was init_group's, which the command never reached)."""
+    import coordloader.cli.load as load_cli
+    from coordloader.synth import synthesize
+    _no_torchrun_env(monkeypatch)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    monkeypatch.setenv("RANK", "1")
+    assert _exit_code(load_cli.main, [ck, "--quiet"]) == 1
+    assert capsys.readouterr().err == (
+        "coordloader: rank 1: environment variable RANK=1 is set but WORLD_SIZE is not; "
+        "expected both (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), or "
+        "neither for one process\n")
+
+
+def test_plan_writes_its_json_when_the_tables_reader_stops_early(tmp_path):
+    """`plan ck --json p.json | head -1`: the table came first, its broken pipe ended the
+    command, and p.json was never written."""
+    import json
+    import subprocess
+    import sys
+
+    from coordloader.synth import synthesize
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    out = tmp_path / "p.json"
+    r, w = os.pipe()
+    os.close(r)   # the reader gone before the first line: every write to stdout fails
+    try:
+        subprocess.run([sys.executable, "-m", "coordloader.plan", ck, "--tp", "2", "--json",
+                        str(out)], stdout=w, stderr=subprocess.DEVNULL, timeout=120)
+    finally:
+        os.close(w)
+    assert json.loads(out.read_text())["layout"]["tp"] == 2

@@ -57,3 +57,17 @@ def refuse_checkpoint_dir(out_dir: str | None, checkpoint: str, flag: str) -> No
     if os.path.realpath(out_dir) == os.path.realpath(root):
         raise ConfigError(f"{flag} {out_dir} is the checkpoint directory: its files would be "
                           f"read as part of the checkpoint; write it elsewhere", file=out_dir)
+
+
+def refuse_over_inputs(out: str | None, flag: str, args) -> None:
+    """ConfigError when the output file of ``flag`` is a file the command reads (its
+    ``--config``, ``--rules`` or ``--placement`` file): it was replaced by the output, and
+    the next run read a report as its config."""
+    if not out or out == "-":
+        return
+    target = os.path.realpath(out)
+    for in_flag in ("--config", "--rules", "--placement"):
+        path = getattr(args, in_flag[2:], None)
+        if isinstance(path, str) and os.path.isfile(path) and os.path.realpath(path) == target:
+            raise ConfigError(f"{flag} {out} is the {in_flag} file this command reads; write "
+                              f"it elsewhere", file=out)

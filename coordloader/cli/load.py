@@ -12,7 +12,11 @@ import torch
 
 from coordloader.checkpoint.fileio import write_file_atomic
 from coordloader.checkpoint.reader import parse_strict_json
-from coordloader.cli.common import refuse_checkpoint_dir, refuse_checkpoint_file
+from coordloader.cli.common import (
+    refuse_checkpoint_dir,
+    refuse_checkpoint_file,
+    refuse_over_inputs,
+)
 from coordloader.cli.plan import add_layout_args, experts_held, human, layout_from_args, ranges_str
 from coordloader.dist import collective
 from coordloader.engines import ENGINE_NAMES
@@ -128,8 +132,8 @@ def _init_from_env(args):
         raise LoadError("--device cuda asked for, but CUDA is not available here")
     local_rank = collective.env_int("LOCAL_RANK") or 0
     device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
-    if "WORLD_SIZE" not in os.environ:
-        return None, device
+    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+        return None, device   # one process; half of the pair is init_group's to refuse
     g = collective.init_group("nccl" if want_cuda else "gloo", timeout_s=args.timeout)
     return (g if g.world > 1 else None), device
 
@@ -139,6 +143,15 @@ def _check_arguments(args, group) -> Layout:
     layout = layout_from_args(args)
     refuse_checkpoint_file(args.report, args.checkpoint, "--report")
     refuse_checkpoint_dir(args.dump, args.checkpoint, "--dump")
+    refuse_over_inputs(args.report, "--report", args)
+    if args.report and args.dump and args.report != "-" and (
+            os.path.realpath(os.path.dirname(os.path.abspath(args.report)))
+            == os.path.realpath(args.dump)
+            or os.path.realpath(args.report) == os.path.realpath(args.dump)):
+        # a rank's dump file replaced by the report, exit 0
+        raise ConfigError(f"--report {args.report} is in the --dump directory {args.dump}, "
+                          f"whose files are the ranks' tensors; write it elsewhere",
+                          file=args.report)
     if args.dump and os.path.lexists(args.dump) and not os.path.isdir(args.dump):
         # found when the dump is written, it cost the whole load first
         raise ConfigError(f"--dump {args.dump} exists and is not a directory; choose a "

@@ -11,7 +11,7 @@ import sys
 from coordloader.api import make_plan, read_json_file
 from coordloader.checkpoint.fileio import write_file_atomic
 from coordloader.checkpoint.reader import parse_strict_json, read_checkpoint
-from coordloader.cli.common import refuse_checkpoint_file, run_command
+from coordloader.cli.common import refuse_checkpoint_file, refuse_over_inputs, run_command
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning.cover import validate_cover
@@ -187,21 +187,22 @@ def _run(args) -> int:
     if args.rank is not None and not 0 <= args.rank < layout.world_size:
         raise PlanError(f"--rank {args.rank} outside world of size {layout.world_size} ({layout})")
     refuse_checkpoint_file(args.json, args.checkpoint, "--json")
+    refuse_over_inputs(args.json, "--json", args)
     meta = read_checkpoint(args.checkpoint)
     plan = make_plan(meta, layout, args.rules, replicate_unmatched=args.replicate_unmatched,
                      config=args.config)
     validate_cover(plan, meta)
+    if args.json and args.json != "-":
+        # before the table: a reader of the table that stops early (| head) ended the
+        # command at the print, the plan file never written.
+        # temp file + rename: an interrupted write never leaves a torn plan file
+        write_file_atomic(args.json, json.dumps(plan.to_json()).encode(), fsync=False)
     # with the plan on stdout the table goes to stderr, so stdout parses as JSON alone
     print(format_plan_table(plan, rank=args.rank),
           file=sys.stderr if args.json == "-" else sys.stdout)
-    if args.json:
-        doc = plan.to_json()
-        if args.json == "-":
-            json.dump(doc, sys.stdout)
-            sys.stdout.write("\n")
-        else:
-            # temp file + rename: an interrupted write never leaves a torn plan file
-            write_file_atomic(args.json, json.dumps(doc).encode(), fsync=False)
+    if args.json == "-":
+        json.dump(plan.to_json(), sys.stdout)
+        sys.stdout.write("\n")
     return 0
 
 
