@@ -418,3 +418,41 @@ def test_plan_writes_its_json_when_the_tables_reader_stops_early(tmp_path):
     finally:
         os.close(w)
     assert json.loads(out.read_text())["layout"]["tp"] == 2
+
+
+def test_a_failed_load_writes_its_report_with_every_problem(tmp_path, monkeypatch, capsys):
+    """On a VerifyError no --report was written: the docs send users there for the
+    problems past the five the message names, and an earlier run's report stayed in its
+    place saying ok."""
+    import json
+    import struct
+
+    import coordloader.cli.load as load_cli
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.cli.manifest import main as manifest_main
+    from coordloader.synth import synthesize
+    _no_torchrun_env(monkeypatch)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    assert manifest_main(["--quiet", ck]) == 0
+    rep = tmp_path / "rep.json"
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--verify", "digest",
+                                      "--report", str(rep)]) == 0
+    assert json.loads(rep.read_text())["verify_report"]["ok"] is True
+    path = tmp_path / "ck" / "model.safetensors"
+    b = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", b[:8])[0]
+    for i in range(0, len(b) - 8 - n, 9000):   # a flipped bit in many tensors
+        b[8 + n + i] ^= 4
+    path.write_bytes(bytes(b))
+    capsys.readouterr()
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--verify", "digest",
+                                      "--report", str(rep)]) == 1
+    err = capsys.readouterr().err
+    got = json.loads(rep.read_text())
+    assert got["ok"] is False and got["layout"]["tp"] == 1
+    assert err.startswith("coordloader: rank 0: VerifyError: verify digest failed"), err
+    assert got["error"] == {"type": "VerifyError",
+                            "message": "rank 0: " + err.split("VerifyError: ", 1)[1].rstrip("\n")}
+    fails = got["verify_report"]["failures"]
+    assert len(fails) > 5 and err.endswith(f"... ({len(fails) - 5} more)\n")
+    assert {f["tensor"] for f in fails} - {None} <= set(read_checkpoint(ck).tensors)

@@ -20,7 +20,14 @@ from coordloader.cli.common import (
 from coordloader.cli.plan import add_layout_args, experts_held, human, layout_from_args, ranges_str
 from coordloader.dist import collective
 from coordloader.engines import ENGINE_NAMES
-from coordloader.errors import ConfigError, LoadError, SaveError
+from coordloader.errors import (
+    CollectiveError,
+    ConfigError,
+    CoordloaderError,
+    LoadError,
+    SaveError,
+    VerifyError,
+)
 from coordloader.handoff.dump import check_dump_target, dump_rank
 from coordloader.layout import Layout
 from coordloader.loader import VERIFY_MODES, load_detailed
@@ -170,92 +177,120 @@ def _check_arguments(args, group) -> Layout:
     return layout
 
 
+def _failure_report(args, layout: Layout, e: CoordloaderError) -> None:
+    """--report of a failed load: the error, and a verify failure's whole list of problems
+    (the message names five). Written over any earlier report, which would otherwise say
+    ``ok`` of a load that failed; a report that cannot be written leaves ``e`` to say what
+    failed."""
+    cause = e.local_error if isinstance(e, CollectiveError) else e
+    report = {"ok": False, "checkpoint": os.path.abspath(args.checkpoint),
+              "layout": layout.to_dict(), "verify": args.verify,
+              "error": {"type": type(e).__name__, "message": str(e)}}
+    if isinstance(cause, VerifyError) and cause.report:
+        report["verify_report"] = cause.report
+    try:
+        write_file_atomic(args.report, json.dumps(report, indent=2, sort_keys=True,
+                                                  default=str).encode())
+    except (CoordloaderError, OSError):
+        pass
+
+
 def _run(args) -> int:
     group, device = _init_from_env(args)
+    layout = None
     try:
         # in a phase: a rank refusing its own arguments (another --tp than the others, a
         # --report onto a checkpoint file) stopped before the group formed or outside
         # any phase, and the others waited out --timeout to call it absent or dead
         layout = collective.run_phase("arguments", _check_arguments, group, args, group)
-        rank0 = group is None or group.rank == 0
-        res = load_detailed(args.checkpoint, layout, group=group, rank=args.rank, device=device,
-                            engine=args.engine, verify=args.verify, rules=args.rules,
-                            progress=(not args.quiet) and rank0, loader_config=args.loader_config,
-                            replicate_unmatched=args.replicate_unmatched, timeout=args.timeout,
-                            config=args.config,
-                            # the phases after load: a rank that dumps and one that does
-                            # not would pair the dump with the summary's gather, and ranks
-                            # dumping into different directories split one dump over them
-                            agree={"--dump": os.path.abspath(args.dump) if args.dump
-                                   else None})
-        mine = dict(res.stats.to_dict(), rank=res.rank, phases=res.phases,
-                    coords=dict(res.rank_plan.coords), experts=experts_held(res.rank_plan))
-        if res.verify_report is not None:
-            mine["verify"] = {k: v for k, v in res.verify_report.items()
-                              if k in ("ok", "mode", "notes", "stats")}
-        if args.dump:
-            # every rank's refusal before any rank writes (after load_detailed has agreed
-            # that every rank dumps): one refused while another wrote left a dump of two loads
-            # another rank's file of another plan can only come from one process per rank
-            # (--rank): in a group every rank writes its own file in this very step. Checked
-            # here, once: dump_rank below is told not to again (alone=False)
-            collective.run_phase("dump-check", lambda: check_dump_target(
-                args.dump, res.rank, layout.world_size, args.overwrite,
-                res.plan.digest() if group is None else None), group)
-            mine["dump"] = collective.run_phase("dump", lambda: dump_rank(
-                args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
-                layout=layout.to_dict(), coords=dict(res.rank_plan.coords),
-                overwrite=args.overwrite, world=layout.world_size, alone=False), group)
-        # a phase like the others: a rank dying here is named, not a bare gloo timeout
-        per_rank = collective.run_phase("summary", lambda: collective.gather_object(group, mine), group)
-        def finish():
-            if not rank0:
-                return
-            rows, totals = summary_rows(per_rank)
-            # with the report on stdout the table goes to stderr, so stdout parses as JSON
-            # alone (as plan --json -)
-            out = sys.stderr if args.report == "-" else sys.stdout
-            if not args.quiet:
-                print(f"coordloader: {args.checkpoint} layout {layout} engine {res.stats.engine} "
-                      f"verify {args.verify} plan {res.plan.digest()[:12]}", file=out)
-                print(format_load_table(rows, totals), file=out, flush=True)
-                vr = res.verify_report or {}
-                if args.verify != "none" and vr:
-                    # the verdict is agreed (verify_rank gathers), so rank 0 speaks for all
-                    print(f"verify {args.verify}: passed on all {len(per_rank)} rank(s): "
-                          f"{', '.join(vr.get('checks', []))}", file=out, flush=True)
-                    for note in vr.get("notes", []):
-                        print(f"  note: {note}", file=out, flush=True)
-            vr = res.verify_report or {}
-            if (args.quiet and args.verify in ("digest", "full") and vr
-                    and "digest-manifest" not in vr.get("checks", [])):
-                # the content was not proved against the manifest: said even when quiet
-                print(f"coordloader: verify {args.verify}: {vr.get('manifest')}",
-                      file=sys.stderr, flush=True)
-            if args.report:
-                report = {"checkpoint": os.path.abspath(args.checkpoint),
-                          "layout": layout.to_dict(), "engine": res.stats.engine,
-                          "verify": args.verify, "plan_digest": res.plan.digest(),
-                          "verify_report": {k: v for k, v in (res.verify_report or {}).items()
-                                            if k in ("ok", "mode", "checks", "manifest", "notes")},
-                          "ranks": rows, "totals": totals}
-                if args.report == "-":
-                    sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
-                    sys.stdout.flush()
-                    return
-                try:
-                    write_file_atomic(args.report,
-                                      json.dumps(report, indent=2, sort_keys=True).encode())
-                except SaveError as e:
-                    raise LoadError(f"cannot write the report: {e.message}", file=args.report,
-                                    rank=0) from None
-
-        # inside a phase: a failure on rank 0 (unwritable report) reaches every rank
-        collective.run_phase("report", finish, group)
-        return 0
+        return _load(args, group, device, layout)
+    except CoordloaderError as e:
+        if (layout is not None and args.report and args.report != "-"
+                and (group is None or group.rank == 0)):
+            _failure_report(args, layout, e)
+        raise
     finally:
         if group is not None:
             group.close()
+
+
+def _load(args, group, device, layout: Layout) -> int:
+    rank0 = group is None or group.rank == 0
+    res = load_detailed(args.checkpoint, layout, group=group, rank=args.rank, device=device,
+                        engine=args.engine, verify=args.verify, rules=args.rules,
+                        progress=(not args.quiet) and rank0, loader_config=args.loader_config,
+                        replicate_unmatched=args.replicate_unmatched, timeout=args.timeout,
+                        config=args.config,
+                        # the phases after load: a rank that dumps and one that does
+                        # not would pair the dump with the summary's gather, and ranks
+                        # dumping into different directories split one dump over them
+                        agree={"--dump": os.path.abspath(args.dump) if args.dump
+                               else None})
+    mine = dict(res.stats.to_dict(), rank=res.rank, phases=res.phases,
+                coords=dict(res.rank_plan.coords), experts=experts_held(res.rank_plan))
+    if res.verify_report is not None:
+        mine["verify"] = {k: v for k, v in res.verify_report.items()
+                          if k in ("ok", "mode", "notes", "stats")}
+    if args.dump:
+        # every rank's refusal before any rank writes (after load_detailed has agreed
+        # that every rank dumps): one refused while another wrote left a dump of two loads
+        # another rank's file of another plan can only come from one process per rank
+        # (--rank): in a group every rank writes its own file in this very step. Checked
+        # here, once: dump_rank below is told not to again (alone=False)
+        collective.run_phase("dump-check", lambda: check_dump_target(
+            args.dump, res.rank, layout.world_size, args.overwrite,
+            res.plan.digest() if group is None else None), group)
+        mine["dump"] = collective.run_phase("dump", lambda: dump_rank(
+            args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
+            layout=layout.to_dict(), coords=dict(res.rank_plan.coords),
+            overwrite=args.overwrite, world=layout.world_size, alone=False), group)
+    # a phase like the others: a rank dying here is named, not a bare gloo timeout
+    per_rank = collective.run_phase("summary", lambda: collective.gather_object(group, mine), group)
+    def finish():
+        if not rank0:
+            return
+        rows, totals = summary_rows(per_rank)
+        # with the report on stdout the table goes to stderr, so stdout parses as JSON
+        # alone (as plan --json -)
+        out = sys.stderr if args.report == "-" else sys.stdout
+        if not args.quiet:
+            print(f"coordloader: {args.checkpoint} layout {layout} engine {res.stats.engine} "
+                  f"verify {args.verify} plan {res.plan.digest()[:12]}", file=out)
+            print(format_load_table(rows, totals), file=out, flush=True)
+            vr = res.verify_report or {}
+            if args.verify != "none" and vr:
+                # the verdict is agreed (verify_rank gathers), so rank 0 speaks for all
+                print(f"verify {args.verify}: passed on all {len(per_rank)} rank(s): "
+                      f"{', '.join(vr.get('checks', []))}", file=out, flush=True)
+                for note in vr.get("notes", []):
+                    print(f"  note: {note}", file=out, flush=True)
+        vr = res.verify_report or {}
+        if (args.quiet and args.verify in ("digest", "full") and vr
+                and "digest-manifest" not in vr.get("checks", [])):
+            # the content was not proved against the manifest: said even when quiet
+            print(f"coordloader: verify {args.verify}: {vr.get('manifest')}",
+                  file=sys.stderr, flush=True)
+        if args.report:
+            report = {"checkpoint": os.path.abspath(args.checkpoint),
+                      "layout": layout.to_dict(), "engine": res.stats.engine,
+                      "verify": args.verify, "plan_digest": res.plan.digest(),
+                      "verify_report": {k: v for k, v in (res.verify_report or {}).items()
+                                        if k in ("ok", "mode", "checks", "manifest", "notes")},
+                      "ranks": rows, "totals": totals}
+            if args.report == "-":
+                sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
+                sys.stdout.flush()
+                return
+            try:
+                write_file_atomic(args.report,
+                                  json.dumps(report, indent=2, sort_keys=True).encode())
+            except SaveError as e:
+                raise LoadError(f"cannot write the report: {e.message}", file=args.report,
+                                rank=0) from None
+
+    # inside a phase: a failure on rank 0 (unwritable report) reaches every rank
+    collective.run_phase("report", finish, group)
+    return 0
 
 
 def main(argv=None) -> int:
