@@ -456,3 +456,41 @@ def test_a_failed_load_writes_its_report_with_every_problem(tmp_path, monkeypatc
     fails = got["verify_report"]["failures"]
     assert len(fails) > 5 and err.endswith(f"... ({len(fails) - 5} more)\n")
     assert {f["tensor"] for f in fails} - {None} <= set(read_checkpoint(ck).tensors)
+
+
+def test_one_process_per_rank_dumps_of_other_data_are_refused(tmp_path, monkeypatch, capsys):
+    """`load A --rank 0 --dump D`, then `load B --rank 1 --dump D` where B has A's headers
+    and other data (the next training step saved over the path): the dump guard compared
+    plan digests only, and D held two checkpoints' slices, exit 0."""
+    import shutil
+    import struct
+
+    import coordloader.cli.load as load_cli
+    from coordloader.synth import synthesize
+    _no_torchrun_env(monkeypatch)
+    a = synthesize(str(tmp_path / "A"), "llama", "tiny")
+    b = str(tmp_path / "B")
+    shutil.copytree(a, b)
+    path = os.path.join(b, "model.safetensors")
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    n = struct.unpack("<Q", data[:8])[0]
+    for i in range(0, len(data) - 8 - n, 1000):
+        data[8 + n + i] ^= 0x10
+    with open(path, "wb") as f:
+        f.write(data)
+    d = tmp_path / "D"
+    assert _exit_code(load_cli.main, [a, "--quiet", "--tp", "2", "--rank", "0",
+                                      "--dump", str(d)]) == 0
+    capsys.readouterr()
+    assert _exit_code(load_cli.main, [b, "--quiet", "--tp", "2", "--rank", "1",
+                                      "--dump", str(d)]) == 1
+    assert capsys.readouterr().err == (
+        f"coordloader: rank 1: SaveError: file {d}: holds rank-00000.safetensors, a dump of "
+        f"another load (the same plan over other data: the sampled bytes of its checkpoint's "
+        f"files differ from this load's, a checkpoint of the same shapes or the files saved "
+        f"over since); choose another --dump DIR, or dump every rank of this load with "
+        f"--overwrite (overwrite=True), each rank replacing its own file\n")
+    assert sorted(os.listdir(d)) == ["rank-00000.safetensors"]
+    assert _exit_code(load_cli.main, [a, "--quiet", "--tp", "2", "--rank", "1",
+                                      "--dump", str(d)]) == 0

@@ -31,6 +31,8 @@ V1_SHARD_RE = re.compile(r"model-rank-\d{5}-part-\d{5}\.safetensors\Z")
 # these keys in its __metadata__
 DUMP_PLAN_DIGEST = "coordloader.plan_digest"
 DUMP_RANK = "coordloader.rank"
+# the identity (sizes, headers, sampled data blocks) of the checkpoint files a dump was loaded from
+DUMP_SOURCE = "coordloader.source"
 
 # torch DCP's HuggingFaceStorageWriter(save_distributed=True): one file per rank, plain
 # tensor names, each piece's offsets in the file's __metadata__ under this key (no index,

@@ -11,6 +11,7 @@ from typing import Mapping
 import torch
 
 from coordloader.checkpoint.fileio import write_file_atomic
+from coordloader.checkpoint.identity import checkpoint_identity
 from coordloader.checkpoint.reader import parse_strict_json
 from coordloader.cli.common import (
     refuse_checkpoint_dir,
@@ -237,13 +238,18 @@ def _load(args, group, device, layout: Layout) -> int:
         # another rank's file of another plan can only come from one process per rank
         # (--rank): in a group every rank writes its own file in this very step. Checked
         # here, once: dump_rank below is told not to again (alone=False)
+        # the files' identity as loaded (sampled data blocks too): one process per rank
+        # loading the next step saved over the same headers is another load
+        source = checkpoint_identity(res.meta.root, [f.name for f in res.meta.files],
+                                     read_from=res.meta.files).digest()
         collective.run_phase("dump-check", lambda: check_dump_target(
             args.dump, res.rank, layout.world_size, args.overwrite,
-            res.plan.digest() if group is None else None), group)
+            res.plan.digest() if group is None else None, source), group)
         mine["dump"] = collective.run_phase("dump", lambda: dump_rank(
             args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
             layout=layout.to_dict(), coords=dict(res.rank_plan.coords),
-            overwrite=args.overwrite, world=layout.world_size, alone=False), group)
+            overwrite=args.overwrite, world=layout.world_size, alone=False,
+            source=source), group)
     # a phase like the others: a rank dying here is named, not a bare gloo timeout
     per_rank = collective.run_phase("summary", lambda: collective.gather_object(group, mine), group)
     def finish():

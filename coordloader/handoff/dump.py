@@ -12,7 +12,7 @@ import torch
 
 from coordloader.checkpoint import dtypes
 from coordloader.checkpoint.fileio import write_safetensors
-from coordloader.checkpoint.formats import DUMP_PLAN_DIGEST, DUMP_RANK
+from coordloader.checkpoint.formats import DUMP_PLAN_DIGEST, DUMP_RANK, DUMP_SOURCE
 from coordloader.errors import SaveError
 
 DUMP_NAME_RE = re.compile(r"rank-(\d{5,})\.safetensors")
@@ -34,14 +34,16 @@ def stale_dumps(out_dir: str, world: int) -> list[str]:
 
 
 def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: bool,
-                      plan_digest: str | None = None) -> None:
+                      plan_digest: str | None = None, source: str | None = None) -> None:
     """The refusals of ``dump_rank``, checked on every rank before any rank writes (a phase
     of its own): a rank refused while another wrote left a dump of two loads. Rank 0 also
     refuses the files of ranks past ``world`` (left by a dump of another layout) unless
     ``overwrite``; ``dump_rank`` then removes them). ``world`` None: no such check.
     ``plan_digest`` (one process per rank dumping, ``--rank``): without ``overwrite``,
-    another rank's file there of another plan (another layout or checkpoint) is refused:
-    the directory would hold two loads' files."""
+    another rank's file there of another plan (another layout or checkpoint), or of
+    another ``source`` (the checkpoint's files' identity: the same headers holding other
+    data, as the next training step saved over them), is refused: the directory would
+    hold two loads' files."""
     path = dump_path(out_dir, rank)
     if os.path.isdir(path):
         raise SaveError("the dump target is a directory, not a file; remove it or choose "
@@ -50,13 +52,17 @@ def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: boo
         raise SaveError("a dump file already exists; pass --overwrite (overwrite=True) to "
                         "replace it", file=path, rank=rank)
     if plan_digest is not None and not overwrite:
-        other = _other_plan(out_dir, rank, plan_digest)
+        other = _other_load(out_dir, rank, plan_digest, source)
         if other is not None:
             name, theirs = other
             # (a file that cannot be read as a dump has no digest to show)
             whose = (f"unreadable as a dump; this load's plan digest {plan_digest[:12]}"
                      if theirs is None else
-                     f"plan digest {theirs[:12]}, this load's {plan_digest[:12]}")
+                     f"plan digest {theirs[:12]}, this load's {plan_digest[:12]}"
+                     if theirs != plan_digest else
+                     "the same plan over other data: the sampled bytes of its checkpoint's "
+                     "files differ from this load's, a checkpoint of the same shapes or the "
+                     "files saved over since")
             raise SaveError(f"holds {name}, a dump of another load ({whose}); choose "
                             f"another --dump DIR, or dump every rank of this load with "
                             f"--overwrite (overwrite=True), each rank replacing its own file",
@@ -69,10 +75,11 @@ def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: boo
                         file=out_dir, rank=rank)
 
 
-def _other_plan(out_dir: str, rank: int, plan_digest: str) -> tuple[str, str | None] | None:
+def _other_load(out_dir: str, rank: int, plan_digest: str, source: str | None
+                ) -> tuple[str, str | None] | None:
     """The first dump file of another rank in ``out_dir`` whose plan digest is not
-    ``plan_digest`` (a regular file that cannot be read as a dump counts: None for its
-    digest)."""
+    ``plan_digest``, or whose source is not ``source`` (when given), with its plan digest
+    (a regular file that cannot be read as a dump counts: None for its digest)."""
     from coordloader.checkpoint.reader import read_file_header
     from coordloader.errors import CheckpointError
     try:
@@ -84,17 +91,19 @@ def _other_plan(out_dir: str, rank: int, plan_digest: str) -> tuple[str, str | N
         if m is None or int(m.group(1)) == rank or not os.path.isfile(os.path.join(out_dir, n)):
             continue   # (what squats on another rank's name is that rank's to refuse)
         try:
-            theirs = dict(read_file_header(out_dir, n).info.metadata).get(DUMP_PLAN_DIGEST)
+            meta = dict(read_file_header(out_dir, n).info.metadata)
         except CheckpointError:
-            theirs = None
-        if theirs != plan_digest:
+            return n, None
+        theirs = meta.get(DUMP_PLAN_DIGEST)
+        if theirs != plan_digest or (source is not None and meta.get(DUMP_SOURCE) != source):
             return n, theirs
     return None
 
 
 def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
               plan_digest: str, layout: dict | None = None, coords: dict | None = None,
-              overwrite: bool = False, world: int | None = None, alone: bool = True) -> str:
+              overwrite: bool = False, world: int | None = None, alone: bool = True,
+              source: str | None = None) -> str:
     """Write one rank's tensors; returns the file path. Written atomically (temp file,
     fsync, rename, directory fsync) by ``safetensors_io.write_safetensors``: a reader
     (or a crash, or a full disk) sees the previous file or the new one, never a torn one.
@@ -102,11 +111,14 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
     ``world``: the ranks of the dump; rank 0 removes the files of ranks past it (with
     ``overwrite``; ``check_dump_target`` refuses them otherwise). ``alone``: this process
     dumps one rank by itself, so other ranks' files there must be of the same plan (in a
-    group every rank writes its own file at once: not checked, nor read world times)."""
+    group every rank writes its own file at once: not checked, nor read world times).
+    ``source``: the identity of the checkpoint's files it was loaded from, recorded and
+    (``alone``) compared with the other ranks' files."""
     path = dump_path(out_dir, rank)
     # Checked before any work so a refused dump costs nothing; the rename below is what
     # makes the replacement itself safe.
-    check_dump_target(out_dir, rank, world, overwrite, plan_digest if alone else None)
+    check_dump_target(out_dir, rank, world, overwrite, plan_digest if alone else None,
+                      source if alone else None)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -124,6 +136,8 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
         # the writer takes each tensor to host memory as it writes it (one at a time)
         entries.append((name, dtypes.from_torch(t.dtype), list(t.shape), t))
     meta = {"format": "pt", DUMP_PLAN_DIGEST: plan_digest, DUMP_RANK: str(rank)}
+    if source is not None:
+        meta[DUMP_SOURCE] = source
     if layout is not None:
         meta["coordloader.layout"] = json.dumps(layout, sort_keys=True)
     if coords is not None:
