@@ -100,6 +100,34 @@ def test_correct_load_passes_every_mode(setup):
     assert rep["stats"]["bytes_digested"] > 0
 
 
+def test_verify_rank_refuses_arguments_it_cannot_check_by(setup):
+    """A rank past the plan was a bare IndexError, a negative one checked the last
+    rank's plan and named it; a manifest path was a bare AttributeError, a list of tensors
+    a torch shape error reported as a verify failure, a bool rank a bare TypeError."""
+    import numpy as np
+    root, full, meta, man, plan, loaded = setup
+    for args, kw, msg in [
+            ((5,), {}, "rank=5 outside the plan's world of 2"),
+            ((-1,), {}, "rank=-1 outside the plan's world of 2"),
+            ((True,), {}, "verify_rank: unexpected positional argument True; expected this rank "
+                          "(an integer) or the mode (a str)"),
+            ((0,), {"manifest": os.path.join(root, "coordloader.manifest.json")},
+             "verify_rank: manifest must be a Manifest (verify.manifest.load_manifest), None "
+             "or False, got str"),
+            ((), {}, "verify_rank: a whole Plan needs this process's rank")]:
+        with pytest.raises(VerifyError) as e:
+            vf.verify_rank(loaded[0], plan, *args, mode="digest", meta=meta, **kw)
+        assert str(e.value) == msg
+    with pytest.raises(VerifyError) as e:
+        vf.verify_rank(list(loaded[0].values()), plan, 0, mode="digest", meta=meta)
+    assert str(e.value) == ("verify_rank: tensors must be a mapping of names to tensors, got "
+                            "list")
+    # a numpy integer is a rank: the rank whose tensors these are passes, the other not
+    assert vf.verify_rank(loaded[1], plan, np.int64(1), mode="digest", meta=meta)["ok"]
+    with pytest.raises(VerifyError):
+        vf.verify_rank(loaded[1], plan, np.int64(0), mode="digest", meta=meta)
+
+
 def test_flipped_byte_after_manifest_names_the_tensor(setup):
     root, full, meta, man, plan, loaded = setup
     path = os.path.join(root, "model.safetensors")

@@ -22,6 +22,7 @@ verdict and every rank raises ``VerifyError`` with the same report.
 """
 from __future__ import annotations
 
+import numbers
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,6 +37,8 @@ from coordloader.checkpoint.metadata import Box, box_numel, box_shape, full_box
 from coordloader.checkpoint.tiling import fmt_box, tiling_problem
 from coordloader.engines import intersect, narrow_box
 from coordloader.errors import CollectiveError, CoordloaderError, VerifyError
+from coordloader.layout import as_rank
+from coordloader.text import MAX_NAME_CHARS, clip
 from coordloader.verify.digest import (
     Route,
     combine,
@@ -46,7 +49,7 @@ from coordloader.verify.digest import (
     iter_subboxes,
     piece_view,
 )
-from coordloader.verify.manifest import load_manifest
+from coordloader.verify.manifest import Manifest, load_manifest
 
 
 class VerifyMode(str, Enum):
@@ -752,17 +755,29 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
     for a in args:
         if isinstance(a, str):
             mode = a
-        elif isinstance(a, int) and not isinstance(a, bool):
+        elif isinstance(a, numbers.Integral) and not isinstance(a, bool):
             rank = a
         else:
-            raise TypeError(f"verify_rank: unexpected positional argument {a!r}")
+            raise VerifyError(f"verify_rank: unexpected positional argument "
+                              f"{clip(repr(a), MAX_NAME_CHARS)}; expected this rank (an "
+                              f"integer) or the mode (a str)")
     mode = mode or "shapes"
     if mode not in MODES:
         raise VerifyError(f"unknown verify mode {mode!r}; expected one of {', '.join(MODES)}")
+    if not isinstance(tensors, Mapping):
+        raise VerifyError(f"verify_rank: tensors must be a mapping of names to tensors, got "
+                          f"{type(tensors).__name__}")
+    if not (manifest is None or manifest is False or isinstance(manifest, Manifest)):
+        raise VerifyError(f"verify_rank: manifest must be a Manifest (verify.manifest."
+                          f"load_manifest), None or False, got {type(manifest).__name__}")
     if hasattr(rank_plan, "ranks") and hasattr(rank_plan, "rank") and callable(rank_plan.rank):
         plan = rank_plan
         if rank is None:
-            raise TypeError("verify_rank: a whole Plan needs this process's rank")
+            raise VerifyError("verify_rank: a whole Plan needs this process's rank")
+        rank = as_rank(rank, VerifyError)
+        if not 0 <= rank < plan.world_size:
+            # a negative index was the last rank's plan, checked and named as that rank
+            raise VerifyError(f"rank={rank} outside the plan's world of {plan.world_size}")
         rank_plan = plan.rank(rank)
     if mode == "none":
         return {"ok": True, "mode": "none", "ranks": [rank_plan.rank], "checks": [], "notes": [],
