@@ -104,7 +104,8 @@ class Layout:
             object.__setattr__(self, "pp_layers", pl)
             if len(pl) != self.pp or any(x < 0 for x in pl):
                 raise PlanError(f"layout: pp_layers {list(pl)} must give a non-negative layer count "
-                                f"for each of the pp={self.pp} stages")
+                                f"for each of the pp={self.pp} stages (it gives {len(pl)} "
+                                f"count(s))")
         if self.ep > self.moe_group_size:
             hint = ("; experts spread over the TP x DP ranks (vLLM's --data-parallel-size "
                     "with --enable-expert-parallel) need ep_spans_dp=True"

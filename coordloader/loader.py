@@ -56,7 +56,7 @@ from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout, as_rank
 from coordloader.planning.model import RankPlan, TensorSlice
 from coordloader.text import MAX_NAME_CHARS, clip, format_ranges
-from coordloader.verify.checks import MODES, verify_rank
+from coordloader.verify.checks import MODES, digest_workers, verify_rank
 from coordloader.verify.manifest import MANIFEST_NAME
 
 VERIFY_MODES = MODES   # the command line and load() accept exactly verify's modes
@@ -361,6 +361,8 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
         if verify not in VERIFY_MODES:
             raise LoadError(f"unknown verify mode {verify!r}; expected one of "
                             f"{', '.join(VERIFY_MODES)}", rank=rank)
+        if verify in ("digest", "full"):
+            digest_workers()   # a bad setting is one, not a verify failure after the load
         device = _load_device(engine, device, rank)
         if prepare is not None:
             out = prepare(rank, device)

@@ -78,6 +78,21 @@ def positive_number(unit: str, maximum: float | None = None,
     return parse
 
 
+def positive_count(unit: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of ``unit`` >= 1 (0 or a negative count was taken
+    as some default, or as none)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{clip(repr(text), MAX_NAME_CHARS)}: expected a "
+                                             f"whole number of {unit} >= 1")
+        return n
+    return parse
+
+
 def positive_int_problem(name: str, value) -> str | None:
     """Why ``value``, given for the argument ``name`` (a size in bytes), is not a positive
     integer, or None. Compared with 0 unchecked, None or a string ("1GB") raised a bare

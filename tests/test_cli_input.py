@@ -494,3 +494,48 @@ def test_one_process_per_rank_dumps_of_other_data_are_refused(tmp_path, monkeypa
     assert sorted(os.listdir(d)) == ["rank-00000.safetensors"]
     assert _exit_code(load_cli.main, [a, "--quiet", "--tp", "2", "--rank", "1",
                                       "--dump", str(d)]) == 0
+
+
+def test_settings_found_only_after_the_load_are_refused_before_it(tmp_path, monkeypatch,
+                                                                   capsys):
+    """--report into a missing directory failed after the whole load and verify; a bad
+    COORDLOADER_DIGEST_THREADS was reported as a verify failure of the content; manifest
+    --jobs 0 or -3 was accepted; an empty --config was called missing from the checkpoint
+    directory; --pp-layers of another count than --pp was worded as a negative count."""
+    import coordloader.cli.load as load_cli
+    from coordloader.cli.manifest import main as manifest_main
+    from coordloader.cli.plan import main as plan_main
+    from coordloader.synth import synthesize
+    _no_torchrun_env(monkeypatch)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+
+    def load_detailed(*a, **k):
+        raise AssertionError("loaded before refusing")
+    monkeypatch.setattr(load_cli, "load_detailed", load_detailed)
+    report = tmp_path / "no-such-dir" / "r.json"
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--report", str(report)]) == 1
+    assert (f"ConfigError: file {report}: --report {report}: its directory does not exist"
+            in capsys.readouterr().err)
+    monkeypatch.undo()
+    _no_torchrun_env(monkeypatch)
+    monkeypatch.setenv("COORDLOADER_DIGEST_THREADS", "0")
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--verify", "digest"]) == 1
+    assert capsys.readouterr().err == (
+        "coordloader: rank 0: ConfigError: COORDLOADER_DIGEST_THREADS='0': expected a whole "
+        "number of threads >= 1 (or unset it for the default)\n")
+    monkeypatch.delenv("COORDLOADER_DIGEST_THREADS")
+    for jobs in ("0", "-3"):
+        with pytest.raises(SystemExit) as e:
+            manifest_main(["--jobs", jobs, ck])
+        assert e.value.code == 2
+        assert f"argument --jobs: {jobs!r}: expected a whole number of threads >= 1" in \
+            capsys.readouterr().err
+    assert not os.path.exists(os.path.join(ck, "coordloader.manifest.json"))
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    assert plan_main([ck, "--config", str(empty)]) == 1
+    assert ("the model config (config.json, or the one given with --config / config=) is "
+            "empty: the architecture preset is detected from it" in capsys.readouterr().err)
+    assert plan_main([ck, "--pp-layers", "1,1"]) == 1
+    assert ("layout: pp_layers [1, 1] must give a non-negative layer count for each of the "
+            "pp=1 stages (it gives 2 count(s))" in capsys.readouterr().err)

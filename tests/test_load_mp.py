@@ -211,6 +211,10 @@ def test_torchrun_entry_point_dump_and_report(ckpts, tmp_path):
     plan = make_plan(ck, Layout(tp=2))
     assert len(rep["ranks"]) == 2 and len(rep["plan_digest"]) == 64
     assert rep["totals"]["bytes_held"] == sum(r.bytes_held for r in plan.ranks)
+    # the verify stats are the group's, once: each rank's row once showed the group's sum
+    # as its own
+    assert rep["verify_report"]["stats"]["tensors"] == rep["totals"]["tensors"]
+    assert all("stats" not in r["verify"] for r in rep["ranks"])
     for r in range(2):
         path = dump / f"rank-{r:05d}.safetensors"
         rp = plan.rank(r)

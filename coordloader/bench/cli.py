@@ -13,7 +13,7 @@ from coordloader.bench import report
 from coordloader.bench.common import MIN_PAIRS, cached_checkpoint, machine_info
 from coordloader.bench.common import log_err as log
 from coordloader.errors import CoordloaderError
-from coordloader.text import MAX_NAME_CHARS, ArgumentParser, clip, positive_number
+from coordloader.text import ArgumentParser, positive_count, positive_number
 
 SECTIONS = ("load", "verify", "save", "plan")
 
@@ -64,16 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _ranks(text: str) -> int:
-    """argparse type: a rank count >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{clip(repr(text), MAX_NAME_CHARS)}: expected a whole "
-                                         f"number of ranks >= 1")
-    return n
+_ranks = positive_count("ranks")
 
 
 def _worlds(text: str) -> list[int]:

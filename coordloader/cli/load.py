@@ -167,6 +167,11 @@ def _check_arguments(args, group) -> Layout:
     if args.report and os.path.isdir(args.report):
         raise ConfigError(f"--report {args.report} is a directory; choose a file path",
                           file=args.report)
+    if args.report and args.report != "-" and not os.path.isdir(
+            os.path.dirname(os.path.abspath(args.report))):
+        # found when the report is written, it cost the whole load first
+        raise ConfigError(f"--report {args.report}: its directory does not exist",
+                          file=args.report)
     if group is not None:
         if group.world != layout.world_size:
             raise LoadError(f"launched with {group.world} ranks but the layout ({layout}) "
@@ -231,7 +236,7 @@ def _load(args, group, device, layout: Layout) -> int:
                 coords=dict(res.rank_plan.coords), experts=experts_held(res.rank_plan))
     if res.verify_report is not None:
         mine["verify"] = {k: v for k, v in res.verify_report.items()
-                          if k in ("ok", "mode", "notes", "stats")}
+                          if k in ("ok", "mode", "notes")}
     if args.dump:
         # every rank's refusal before any rank writes (after load_detailed has agreed
         # that every rank dumps): one refused while another wrote left a dump of two loads
@@ -280,8 +285,10 @@ def _load(args, group, device, layout: Layout) -> int:
             report = {"checkpoint": os.path.abspath(args.checkpoint),
                       "layout": layout.to_dict(), "engine": res.stats.engine,
                       "verify": args.verify, "plan_digest": res.plan.digest(),
+                      # the group's: the verify report sums every rank's stats
                       "verify_report": {k: v for k, v in (res.verify_report or {}).items()
-                                        if k in ("ok", "mode", "checks", "manifest", "notes")},
+                                        if k in ("ok", "mode", "checks", "manifest", "notes",
+                                                 "stats")},
                       "ranks": rows, "totals": totals}
             if args.report == "-":
                 sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")

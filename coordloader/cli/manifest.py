@@ -9,7 +9,7 @@ import torch
 from coordloader.checkpoint.reader import read_checkpoint
 from coordloader.cli.common import run_command
 from coordloader.errors import VerifyError
-from coordloader.text import ArgumentParser
+from coordloader.text import ArgumentParser, positive_count
 from coordloader.verify.manifest import compute, load_manifest, write_manifest
 
 
@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     ap.add_argument("ckpt", help="checkpoint directory")
     # the default is resolved when run, not here: docs/cli.md is generated from this parser
     # and must read the same on every machine
-    ap.add_argument("--jobs", type=int, default=None,
+    ap.add_argument("--jobs", type=positive_count("threads"), default=None,
                     help="worker threads, one tensor each (default: min(8, CPUs))")
     ap.add_argument("--check", action="store_true",
                     help="recompute and compare with the existing manifest instead of writing")

@@ -252,7 +252,7 @@ class _Planner:
         if self.replicate_unmatched:
             unmatched = []
         if unmatched and not self.meta.config and self.rules.preset is None:
-            raise missing_config_error(None, tensor=unmatched[0])
+            raise missing_config_error(None, tensor=unmatched[0], config=self.meta.config)
         if unmatched:
             more = (f" (and {len(unmatched) - 1} more: {', '.join(unmatched[1:4])}...)"
                     if len(unmatched) > 1 else "")

@@ -36,7 +36,7 @@ from coordloader.checkpoint.dtypes import from_torch, itemsize, torch_dtype
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape, full_box
 from coordloader.checkpoint.tiling import fmt_box, tiling_problem
 from coordloader.engines import intersect, narrow_box
-from coordloader.errors import CollectiveError, CoordloaderError, VerifyError
+from coordloader.errors import CollectiveError, ConfigError, CoordloaderError, VerifyError
 from coordloader.layout import as_rank
 from coordloader.text import MAX_NAME_CHARS, clip
 from coordloader.verify.digest import (
@@ -418,7 +418,7 @@ def digest_workers(cap: int | None = None) -> int:
         except ValueError:
             n = 0
         if n < 1:
-            raise VerifyError(f"COORDLOADER_DIGEST_THREADS={env!r}: expected a whole number of "
+            raise ConfigError(f"COORDLOADER_DIGEST_THREADS={env!r}: expected a whole number of "
                               "threads >= 1 (or unset it for the default)")
         return n
     try:

@@ -101,13 +101,18 @@ def block_of(config: Mapping | None) -> list[int]:
     return list(b)
 
 
-def missing_config_error(preset: str | None, tensor: str | None = None) -> PlanError:
-    """The one error for a checkpoint without config.json that needs one: which preset
-    (or that none could be detected), what it needs from the config, and the ways out."""
+def missing_config_error(preset: str | None, tensor: str | None = None,
+                         config: Mapping | None = None) -> PlanError:
+    """The one error for a checkpoint without config.json that needs one (or with an
+    empty one, ``config`` {}: its own or the one given): which preset (or that none could
+    be detected), what it needs from the config, and the ways out."""
     need = (f"preset {preset} needs its sizes" if preset else
             "the architecture preset is detected from it, and a preset needs its sizes")
+    what = ("config.json is missing from the checkpoint directory" if config is None else
+            "the model config (config.json, or the one given with --config / config=) is "
+            "empty")
     return PlanError(
-        f"config.json is missing from the checkpoint directory: {need} (num_attention_heads, "
+        f"{what}: {need} (num_attention_heads, "
         f"num_key_value_heads, num_hidden_layers, the expert count). Ways out: give the model's "
         f"config.json with --config FILE (config= in Python) or copy it into the checkpoint "
         f"directory; or --rules PRESET together with --config FILE holding the values the preset "
@@ -122,7 +127,7 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
     if not config:
         # every preset needs head counts from it; say so once, with the ways out, instead
         # of "config.json lacks num_attention_heads"
-        raise missing_config_error(name)
+        raise missing_config_error(name, config=config)
     src = f"preset:{name}"
 
     def R(pattern, strategy, **params):
