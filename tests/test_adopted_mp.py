@@ -484,9 +484,10 @@ def test_a_rank_that_never_beat_is_late_not_dead():
     assert coll._dead_ranks(g, [1, 2]) == [1]
 
 
-def test_boundary_wait_does_not_cut_short_for_a_rank_that_never_beat():
+def test_boundary_wait_does_not_cut_short_for_a_rank_that_never_beat(monkeypatch):
     # rank 1 never adopted the group (counter 0): rank 0 waits its whole timeout, it does
     # not give up after DEAD_AFTER_S as it would for a rank whose beat stopped
+    monkeypatch.setattr(coll, "DEAD_AFTER_S", 1.0)   # the same wait, scaled down
     store = _tcp_master()   # (HashStore.wait can hang past a fractional timeout)
     g = Group(rank=0, world=2, store=store, timeout_s=2 * coll.DEAD_AFTER_S + 1)
     g._hb_stop = threading.Event()

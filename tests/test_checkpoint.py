@@ -985,6 +985,7 @@ def test_reading_a_manifest_compares_the_table_not_every_record(tiny_checkpoint,
     with pytest.raises(VerifyError, match="manifest does not match the checkpoint's tensors"):
         mf.load_manifest(root, fewer, required=True)
 
+@pytest.mark.slow   # forked children
 def test_a_child_forked_while_a_thread_reads_every_record_reads_them_too():
     # nothing a thread holds while it makes records can be left held in a forked child
     import signal

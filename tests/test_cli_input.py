@@ -400,6 +400,7 @@ def test_rank_without_world_size_is_refused_by_the_load_command(tmp_path, monkey
         "neither for one process\n")
 
 
+@pytest.mark.slow   # a subprocess
 def test_plan_writes_its_json_when_the_tables_reader_stops_early(tmp_path):
     """`plan ck --json p.json | head -1`: the table came first, its broken pipe ended the
     command, and p.json was never written."""

@@ -80,6 +80,7 @@ def test_tp_beyond_every_tensor_dim_is_refused(tiny_qwen3_moe):
         cl.make_plan(meta, Layout(tp=2 * big))
 
 
+@pytest.mark.slow   # a subprocess
 def test_plan_cli_huge_tp_fails_fast(tiny_qwen3_moe):
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "coordloader.plan", tiny_qwen3_moe, "--tp",

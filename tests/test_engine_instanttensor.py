@@ -765,6 +765,7 @@ def _prepare_fails_worker(rank: int, port: int, meta, plan, out_dir: str):
 PREPARE_TIMEOUT_S = 30
 
 
+@pytest.mark.slow   # rank processes over gloo
 def test_a_rank_failing_before_the_first_collective_stops_every_rank_by_name(ckpt, tmp_path):
     """Rank 0 failed a rank-local step of the load (allocation out of CUDA memory, the
     check of a changed file, the import of instanttensor on a broken install, when the

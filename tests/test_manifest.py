@@ -285,6 +285,7 @@ def test_manifest_that_is_a_fifo_is_refused_without_blocking(tmp_path):
                             f"FIFO; expected a regular file")
 
 
+@pytest.mark.slow   # a subprocess
 def test_cli_writes_then_check_names_corrupted_tensor(tmp_path, capsys):
     ts = tensors_a()
     root = write_hf(tmp_path / "ck", ts, shards=1)

@@ -50,6 +50,7 @@ def test_json_write_failure_is_an_error_naming_the_file(ckpt, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]   # no temp file left
 
 
+@pytest.mark.slow   # a subprocess
 def test_json_to_stdout_is_only_json(ckpt):
     """`--json -` can be piped into a JSON parser: the table goes to stderr."""
     p = subprocess.run([sys.executable, "-m", "coordloader.plan", ckpt, "--tp", "2", "--ep", "2",
@@ -60,6 +61,7 @@ def test_json_to_stdout_is_only_json(ckpt):
     assert "world 2" in p.stderr
 
 
+@pytest.mark.slow   # a subprocess
 def test_invalid_layout_exit_code_no_traceback(ckpt):
     p = subprocess.run([sys.executable, "-m", "coordloader.plan", ckpt, "--tp", "4", "--ep", "3"],
                        capture_output=True, text=True, timeout=120)

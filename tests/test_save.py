@@ -1251,6 +1251,7 @@ except Blocked:
 '''
 
 
+@pytest.mark.slow   # a subprocess per case
 @pytest.mark.parametrize("name,overwrite,want", [
     ("model.safetensors.index.json", "0", "SaveError: rank 0, file {out}: a checkpoint already "
                                           "exists here; pass overwrite=True"),

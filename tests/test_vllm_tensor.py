@@ -111,6 +111,7 @@ def test_half_of_a_held_box_left_is_reported(llama):
     assert left[name].boxes == (((100, 128), (0, 128)),)
 
 
+@pytest.mark.slow   # 10000 fragments: seconds
 def test_unused_rows_are_reported_however_the_used_ones_fragment():
     """Box subtraction gives up past 4096 fragments; its None was read as "nothing left",
     so copying out every other row of 10000 passed the exact-fit check."""
@@ -952,6 +953,7 @@ def _chain_case(data) -> str:
     return "copied after zero_" if compared and zeroed else "copied" if compared else "refused"
 
 
+@pytest.mark.slow   # long property test
 def test_random_op_chains_with_zero_match_real_tensors():
     """Seeded chains of views, copies and zero_ on held tensors: what the copies read
     equals what the same ops give on a real tensor (zero_ through a copy once reached the
