@@ -6,7 +6,8 @@ Memory stays bounded whatever the tensor sizes: every output file is first creat
 final size with a hole for the data (``write_safetensors(..., sparse=True)``), then each
 tensor is assembled one *row block* (a range of dim 0) at a time from the source pieces
 that overlap it, read with ``preadv`` and written with ``pwrite`` into its region. At most
-one block plus one piece slab of it is in memory. Publishing is ``handoff/publish.py``'s:
+one block plus one piece slab of it is in memory (and the block before it, digested on a
+thread, where the source has a manifest to hold the copy against). Publishing is ``handoff/publish.py``'s:
 staging directory inside OUT, fsync, then the moves under a marker, index last.
 
 The source is read as the engines read a checkpoint: every source file is opened once,
@@ -29,6 +30,7 @@ import os
 import shutil
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
 
@@ -360,8 +362,21 @@ class _Digests:
     def __init__(self, manifest):
         self.manifest = manifest
         self.got: dict[str, int] = {}
+        # one block digested on a thread while the next is read and written (the kernel
+        # releases the GIL): one block more in memory at a time
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="consolidate-digest")
+        self._pending: Future | None = None
 
     def add(self, t: TensorInfo, r0: int, block: np.ndarray) -> None:
+        self._wait()
+        self._pending = self._pool.submit(self._digest, t, r0, block)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def _digest(self, t: TensorInfo, r0: int, block: np.ndarray) -> None:
         import torch
 
         from coordloader.checkpoint.dtypes import bits_dtype
@@ -371,8 +386,12 @@ class _Digests:
         box = ((r0, r0 + bits.shape[0]),) + tuple((0, n) for n in shape[1:])
         self.got[t.name] = self.got.get(t.name, 0) + digest(bits, box, shape)
 
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
     def check(self, meta: CheckpointMeta) -> None:
         from coordloader.verify.digest import MASK64
+        self._wait()
         for name in sorted(self.got):
             want = self.manifest.get(name)
             if want is None or want.digest == self.got[name] & MASK64:
@@ -431,6 +450,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
         _close_all(srcs, described, room)
         raise
     stage_dir = os.path.join(out_dir, stage)
+    digests = None
     try:
         manifest = _source_manifest(meta)
         digests = _Digests(manifest) if manifest is not None else None
@@ -497,6 +517,8 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
         raise publish_error(e, out_dir, stage, getattr(e, "filename", None) or out_dir, None,
                             "consolidating") from e
     finally:
+        if digests is not None:
+            digests.close()
         _close_all(srcs, described, room)
         # after the publish marker the stage holds the new files recover_save moves in
         if not publishing(out_dir, stage):
