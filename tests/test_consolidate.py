@@ -582,3 +582,31 @@ def test_a_killed_writers_temporary_is_not_carried_as_a_companion(tmp_path):
     names = set(os.listdir(out))
     assert "tokenizer.json" in names
     assert not {"coordloader.manifest.json.tmp.448", "notes.tmp"} & names, names
+
+
+def test_a_tensor_of_several_files_that_differs_is_named_with_the_file_that_changed(tmp_path):
+    """A tensor saved in pieces over two ranks' files, one byte of rank 1's piece flipped:
+    the refusal named rank 0's file (the first piece's), then said rank 1's had changed."""
+    from coordloader.checkpoint.formats import shard_name
+    src = synthesize(str(tmp_path / "src"), "llama", "tiny")
+    plan = make_plan(src, Layout(tp=2))
+    out = str(tmp_path / "saved")
+    for r in range(2):
+        save(out, load(src, Layout(tp=2), rank=r), plan, rank=r, config=src)
+    name = shard_name(1, 0)
+    path = os.path.join(out, name)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(n))
+    key = next(k for k in head if k.startswith("lm_head.weight"))
+    off = 8 + n + head[key]["data_offsets"][0]
+    with open(path, "r+b") as f:   # the file's first data bytes: a sampled block
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(SaveError) as e:
+        consolidate(out, str(tmp_path / "hf"))
+    assert (e.value.file, e.value.tensor) == (name, "lm_head.weight")
+    assert str(e.value).startswith(f"file {name}, tensor ")
+    assert f"File {name} holds other data than when the manifest was written" in str(e.value)

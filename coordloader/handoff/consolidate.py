@@ -380,11 +380,13 @@ class _Digests:
         import torch
 
         from coordloader.checkpoint.dtypes import bits_dtype
-        from coordloader.verify.digest import digest
+        from coordloader.verify.digest import digest, one_intra_op_thread
         bits = torch.from_numpy(block.reshape(block.shape or (1,))).view(bits_dtype(t.dtype))
         shape = tuple(t.shape) or (1,)   # a 0-d tensor as one element, as digest() takes it
         box = ((r0, r0 + bits.shape[0]),) + tuple((0, n) for n in shape[1:])
-        self.got[t.name] = self.got.get(t.name, 0) + digest(bits, box, shape)
+        with one_intra_op_thread():   # (the torch routes, without the compiled kernel)
+            d = digest(bits, box, shape)
+        self.got[t.name] = self.got.get(t.name, 0) + d
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -397,6 +399,10 @@ class _Digests:
             if want is None or want.digest == self.got[name] & MASK64:
                 continue
             hint = self.manifest.changed_hint()
+            # the file of the tensor's pieces whose samples show the change, else its only one
+            files = sorted({p.file for p in meta.tensors[name].pieces})
+            changed = set(self.manifest.data_changed())
+            file = next((f for f in files if f in changed), files[0] if len(files) == 1 else None)
             raise SaveError(
                 f"the source's bytes of this tensor differ from its manifest "
                 f"({self.manifest.path}); nothing written. "
@@ -404,7 +410,7 @@ class _Digests:
                    f"The checkpoint was changed since the manifest was written (if on purpose, "
                    f"regenerate it: `python -m coordloader.manifest {meta.root}`), or the file "
                    f"is corrupt"),
-                file=meta.tensors[name].pieces[0].file, tensor=name)
+                file=file, tensor=name)
 
 
 def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
