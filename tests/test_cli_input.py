@@ -375,14 +375,30 @@ def test_an_output_onto_an_input_or_a_dump_file_is_refused_before_the_load(
     assert _exit_code(plan_cli.main, [ck, "--rules", str(rules), "--json", str(rules)]) == 1
     assert (f"ConfigError: file {rules}: --json {rules} is the --rules file this command "
             f"reads; write it elsewhere" in capsys.readouterr().err)
+    # --config DIR reads DIR/config.json
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(cfg.read_text())
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--config", str(hf), "--report",
+                                      str(hf / "config.json")]) == 1
+    assert (f"--report {hf / 'config.json'} is the --config file this command reads"
+            in capsys.readouterr().err)
+    assert (hf / "config.json").read_text() == cfg.read_text()
     dump = tmp_path / "dd"
     for report in (dump / "rank-00000.safetensors", dump):
         assert _exit_code(load_cli.main, [ck, "--quiet", "--tp", "2", "--rank", "0", "--dump",
                                           str(dump), "--report", str(report)]) == 1
-        assert (f"ConfigError: file {report}: --report {report} is in the --dump directory "
-                f"{dump}, whose files are the ranks' tensors; write it elsewhere"
+        assert (f"ConfigError: file {report}: --report {report} is a file of the --dump "
+                f"directory {dump}, where the ranks' tensors go; write it elsewhere"
                 in capsys.readouterr().err) or report == dump
     assert {p: p.read_bytes() for p in (cfg, rules)} == before and not dump.exists()
+    # a report of another name beside the dump files is no dump file
+    monkeypatch.undo()
+    _no_torchrun_env(monkeypatch)
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--tp", "2", "--rank", "0", "--dump",
+                                      str(dump), "--report", str(dump / "report.json")]) == 0
+    assert sorted(os.listdir(dump)) == ["rank-00000.safetensors", "report.json"]
+    assert json.loads((dump / "report.json").read_text())["ok"] is True
 
 
 def test_rank_without_world_size_is_refused_by_the_load_command(tmp_path, monkeypatch, capsys):
@@ -540,3 +556,57 @@ def test_settings_found_only_after_the_load_are_refused_before_it(tmp_path, monk
     assert plan_main([ck, "--pp-layers", "1,1"]) == 1
     assert ("layout: pp_layers [1, 1] must give a non-negative layer count for each of the "
             "pp=1 stages (it gives 2 count(s))" in capsys.readouterr().err)
+
+
+def test_every_failed_load_writes_its_report_but_no_refused_report_path(tmp_path, monkeypatch,
+                                                                      capsys):
+    """A failure before the load (an argument refused, half of the rank environment) left
+    an earlier run's report saying ok; a report path refused itself is never written."""
+    import json
+
+    import coordloader.cli.load as load_cli
+    from coordloader.synth import synthesize
+    _no_torchrun_env(monkeypatch)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    rep = tmp_path / "rep.json"
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--report", str(rep)]) == 0
+    assert json.loads(rep.read_text())["ok"] is True
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, env, want in [
+            (["--dump", str(afile)], {}, "ConfigError"),
+            (["--pp-layers", "1,1"], {}, "PlanError"),
+            ([], {"RANK": "1"}, "CollectiveError")]:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert _exit_code(load_cli.main, [ck, "--quiet", "--report", str(rep), *argv]) == 1
+        capsys.readouterr()
+        got = json.loads(rep.read_text())
+        assert got["ok"] is False and got["error"]["type"] == want, got
+        _no_torchrun_env(monkeypatch)
+        rep.write_text('{"ok": true}')
+    cfg = tmp_path / "my.json"
+    cfg.write_text((tmp_path / "ck" / "config.json").read_text())
+    before = cfg.read_text()
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--config", str(cfg), "--pp-layers", "1,1",
+                                      "--report", str(cfg)]) == 1
+    assert cfg.read_text() == before
+
+
+def test_only_the_rank_writing_the_report_checks_its_path(tmp_path):
+    """Every rank refused a --report whose directory was missing where it ran, though only
+    rank 0 writes it (rank 1 on another node, another working directory)."""
+    import argparse
+
+    from coordloader.cli.load import _check_arguments, build_parser
+    from coordloader.errors import ConfigError
+    args = build_parser().parse_args([str(tmp_path), "--tp", "2", "--report",
+                                      str(tmp_path / "no-such-dir" / "r.json")])
+    for rank, refused in ((0, True), (1, False)):
+        group = argparse.Namespace(rank=rank, world=2)
+        try:
+            _check_arguments(args, group)
+            got = False
+        except ConfigError:
+            got = True
+        assert got == refused, rank

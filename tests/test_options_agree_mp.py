@@ -91,8 +91,9 @@ def test_options_that_are_not_hashable_are_compared(monkeypatch):
 @pytest.mark.parametrize("extra, want", [
     ({1: ["--tp", "1"]}, "rank 1: LoadError: launched with 2 ranks but the layout (tp=1 pp=1 "
                          "dp=1 ep=1) needs 1"),
-    ({1: ["--report", "CKPT/model.safetensors"]},
-     "rank 1: ConfigError: file CKPT/model.safetensors: --report CKPT/model.safetensors "
+    # (rank 0 writes the report, so rank 0 checks its path)
+    ({0: ["--report", "CKPT/model.safetensors"]},
+     "rank 0: ConfigError: file CKPT/model.safetensors: --report CKPT/model.safetensors "
      "would add model.safetensors to the checkpoint directory"),
 ], ids=["world-on-one", "report-onto-the-checkpoint-on-one"])
 def test_a_rank_refusing_its_arguments_is_named_at_once(tiny_qwen3_moe, tmp_path, extra, want):

@@ -68,6 +68,10 @@ def refuse_over_inputs(out: str | None, flag: str, args) -> None:
     target = os.path.realpath(out)
     for in_flag in ("--config", "--rules", "--placement"):
         path = getattr(args, in_flag[2:], None)
-        if isinstance(path, str) and os.path.isfile(path) and os.path.realpath(path) == target:
+        if not isinstance(path, str):
+            continue
+        if in_flag == "--config" and os.path.isdir(path):   # read as DIR/config.json
+            path = os.path.join(path, "config.json")
+        if os.path.isfile(path) and os.path.realpath(path) == target:
             raise ConfigError(f"{flag} {out} is the {in_flag} file this command reads; write "
                               f"it elsewhere", file=out)

@@ -29,7 +29,7 @@ from coordloader.errors import (
     SaveError,
     VerifyError,
 )
-from coordloader.handoff.dump import check_dump_target, dump_rank
+from coordloader.handoff.dump import DUMP_NAME_RE, check_dump_target, dump_rank
 from coordloader.layout import Layout
 from coordloader.loader import VERIFY_MODES, load_detailed
 from coordloader.text import ArgumentParser, positive_number
@@ -146,32 +146,52 @@ def _init_from_env(args):
     return (g if g.world > 1 else None), device
 
 
+def _check_report_path(args) -> None:
+    """ConfigError unless --report FILE may be written: not a file of the checkpoint, an
+    input of this command or a rank's dump file, not a directory, in a directory that
+    exists (found when the report is written, that cost the whole load first)."""
+    if not args.report or args.report == "-":
+        return
+    refuse_checkpoint_file(args.report, args.checkpoint, "--report")
+    refuse_over_inputs(args.report, "--report", args)
+    if args.dump and (os.path.realpath(args.report) == os.path.realpath(args.dump) or (
+            DUMP_NAME_RE.fullmatch(os.path.basename(args.report))
+            and os.path.realpath(os.path.dirname(os.path.abspath(args.report)))
+            == os.path.realpath(args.dump))):
+        # a rank's dump file replaced by the report, exit 0
+        raise ConfigError(f"--report {args.report} is a file of the --dump directory "
+                          f"{args.dump}, where the ranks' tensors go; write it elsewhere",
+                          file=args.report)
+    if os.path.isdir(args.report):
+        raise ConfigError(f"--report {args.report} is a directory; choose a file path",
+                          file=args.report)
+    parent = os.path.dirname(os.path.abspath(args.report))
+    if not os.path.isdir(parent) and not (
+            args.dump and os.path.realpath(parent) == os.path.realpath(args.dump)):
+        # (the dump directory is made before the report is written)
+        raise ConfigError(f"--report {args.report}: its directory does not exist",
+                          file=args.report)
+
+
+def _report_writable(args) -> bool:
+    """Whether a failed load may write --report (the path itself passed its checks)."""
+    try:
+        _check_report_path(args)
+    except CoordloaderError:
+        return False
+    return bool(args.report) and args.report != "-"
+
+
 def _check_arguments(args, group) -> Layout:
     """The layout the arguments give, after the refusals that need no checkpoint read."""
     layout = layout_from_args(args)
-    refuse_checkpoint_file(args.report, args.checkpoint, "--report")
     refuse_checkpoint_dir(args.dump, args.checkpoint, "--dump")
-    refuse_over_inputs(args.report, "--report", args)
-    if args.report and args.dump and args.report != "-" and (
-            os.path.realpath(os.path.dirname(os.path.abspath(args.report)))
-            == os.path.realpath(args.dump)
-            or os.path.realpath(args.report) == os.path.realpath(args.dump)):
-        # a rank's dump file replaced by the report, exit 0
-        raise ConfigError(f"--report {args.report} is in the --dump directory {args.dump}, "
-                          f"whose files are the ranks' tensors; write it elsewhere",
-                          file=args.report)
+    if group is None or group.rank == 0:   # the one rank that writes it, on its own node
+        _check_report_path(args)
     if args.dump and os.path.lexists(args.dump) and not os.path.isdir(args.dump):
         # found when the dump is written, it cost the whole load first
         raise ConfigError(f"--dump {args.dump} exists and is not a directory; choose a "
                           f"directory", file=args.dump)
-    if args.report and os.path.isdir(args.report):
-        raise ConfigError(f"--report {args.report} is a directory; choose a file path",
-                          file=args.report)
-    if args.report and args.report != "-" and not os.path.isdir(
-            os.path.dirname(os.path.abspath(args.report))):
-        # found when the report is written, it cost the whole load first
-        raise ConfigError(f"--report {args.report}: its directory does not exist",
-                          file=args.report)
     if group is not None:
         if group.world != layout.world_size:
             raise LoadError(f"launched with {group.world} ranks but the layout ({layout}) "
@@ -183,15 +203,15 @@ def _check_arguments(args, group) -> Layout:
     return layout
 
 
-def _failure_report(args, layout: Layout, e: CoordloaderError) -> None:
+def _failure_report(args, layout: Layout | None, e: BaseException) -> None:
     """--report of a failed load: the error, and a verify failure's whole list of problems
     (the message names five). Written over any earlier report, which would otherwise say
     ``ok`` of a load that failed; a report that cannot be written leaves ``e`` to say what
     failed."""
     cause = e.local_error if isinstance(e, CollectiveError) else e
     report = {"ok": False, "checkpoint": os.path.abspath(args.checkpoint),
-              "layout": layout.to_dict(), "verify": args.verify,
-              "error": {"type": type(e).__name__, "message": str(e)}}
+              "layout": layout.to_dict() if layout is not None else None,
+              "verify": args.verify, "error": {"type": type(e).__name__, "message": str(e)}}
     if isinstance(cause, VerifyError) and cause.report:
         report["verify_report"] = cause.report
     try:
@@ -202,17 +222,16 @@ def _failure_report(args, layout: Layout, e: CoordloaderError) -> None:
 
 
 def _run(args) -> int:
-    group, device = _init_from_env(args)
-    layout = None
+    group, layout = None, None
     try:
+        group, device = _init_from_env(args)
         # in a phase: a rank refusing its own arguments (another --tp than the others, a
         # --report onto a checkpoint file) stopped before the group formed or outside
         # any phase, and the others waited out --timeout to call it absent or dead
         layout = collective.run_phase("arguments", _check_arguments, group, args, group)
         return _load(args, group, device, layout)
-    except CoordloaderError as e:
-        if (layout is not None and args.report and args.report != "-"
-                and (group is None or group.rank == 0)):
+    except Exception as e:
+        if (group is None or group.rank == 0) and _report_writable(args):
             _failure_report(args, layout, e)
         raise
     finally:
@@ -282,7 +301,7 @@ def _load(args, group, device, layout: Layout) -> int:
             print(f"coordloader: verify {args.verify}: {vr.get('manifest')}",
                   file=sys.stderr, flush=True)
         if args.report:
-            report = {"checkpoint": os.path.abspath(args.checkpoint),
+            report = {"ok": True, "checkpoint": os.path.abspath(args.checkpoint),
                       "layout": layout.to_dict(), "engine": res.stats.engine,
                       "verify": args.verify, "plan_digest": res.plan.digest(),
                       # the group's: the verify report sums every rank's stats
