@@ -59,6 +59,11 @@ class FakeSafeOpen:
                  tensor_name_match_mode: Literal["exact", "glob", "regex"] = "glob"):
         if tensor_filter is not None and process_group is not None:
             raise ValueError("tensor_filter requires process_group=None")
+        size = getattr(process_group, "size", None)   # (tests' stand-in groups have none)
+        if callable(size) and size() == 1:
+            # the real one reads the world size from the communicator (LoaderManager::open)
+            raise RuntimeError("Internal error: A communicatior should not be provided if "
+                               "world_size == 1")
         if isinstance(filename, str):
             filename = [filename]
         filename.sort(reverse=self.ORDER != "sorted")  # the real one sorts the caller's list in place
@@ -86,7 +91,9 @@ class FakeSafeOpen:
             with open(f, "rb") as fh:
                 n = int.from_bytes(fh.read(8), "little")
                 hdr = json.loads(fh.read(n))
-            hdr.pop("__metadata__", None)
+            file_meta = hdr.pop("__metadata__", None)
+            if file_meta is not None and file_meta.get("format", "pt") != "pt":
+                raise ValueError("InstantTensor only supports pytorch format for now")
             if not hdr:   # as the real read_safetensors_metadata refuses a file of none
                 raise ValueError(f"Invalid safetensors file {f!r}: no tensor metadata found")
             ordered = sorted(hdr.items(), key=lambda kv: kv[1]["data_offsets"][0])
@@ -924,3 +931,57 @@ def test_a_file_of_no_tensor_is_left_out_of_the_default_group(tmp_path, fake_cud
         meta, rp, "cuda:0")
     assert torch.equal(got["w"], w)
     assert [c["files"] for c in CALLS] == [["model-00001-of-00002.safetensors"]]
+
+
+def test_the_bench_reads_alone_at_world_1(tmp_path, fake_cuda, monkeypatch):
+    import coordloader as cl
+    from coordloader.checkpoint import dtypes
+    from coordloader.checkpoint.reader import read_checkpoint
+    """bench's it_raw gave instanttensor its one-rank group, which the real package
+    refuses ("A communicatior should not be provided if world_size == 1"): the method
+    failed on every one-GPU machine, the GPU check script's whole bench step with it."""
+    import types
+
+    from coordloader.bench import methods
+    from coordloader.layout import Layout
+    from coordloader.synth import synthesize
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    meta = read_checkpoint(ck)
+    plan = cl.make_plan(meta, Layout())
+    ctx = methods.RankContext(ck, 0, 1, Layout(), meta, plan, plan.rank(0), device="cuda:0",
+                              group=types.SimpleNamespace(size=lambda: 1))
+    monkeypatch.setattr(instanttensor, "safe_open", FakeSafeOpen)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: None)
+    dsts = {ts.name: torch.empty(ts.local_shape, dtype=dtypes.torch_dtype(ts.dtype))
+            for ts in plan.rank(0).tensors}
+    got, _, _ = methods._it_raw_run(ctx, dsts)
+    from safetensors import safe_open
+    with safe_open(os.path.join(ck, "model.safetensors"), "pt") as f:
+        want = {k: f.get_tensor(k) for k in f.keys()}
+    assert got.keys() == want.keys()
+    for k in want:   # the vocab tables padded to 64 rows, zeros past the checkpoint's
+        assert torch.equal(got[k][:want[k].shape[0]], want[k]), k
+    assert [c["process_group"] for c in fake_cuda] == [None]
+
+
+def test_a_file_of_another_format_is_refused_before_any_read(tmp_path, fake_cuda):
+    """An MLX/TF/Flax export (__metadata__ format other than "pt") loads with the cpu
+    engine, but InstantTensor raises ValueError on it, on CUDA only, after the ranks had
+    agreed to stream."""
+    from safetensors.torch import save_file
+
+    import coordloader as cl
+    from coordloader.checkpoint.reader import read_checkpoint
+    save_file({"w": torch.arange(4.0)}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "mlx"})
+    meta = read_checkpoint(str(tmp_path))
+    plan = cl.make_plan(meta, cl.Layout(), replicate_unmatched=True)
+    assert torch.equal(cl.load_detailed(str(tmp_path), cl.Layout(), engine="cpu",
+                                        replicate_unmatched=True).tensors["w"], torch.arange(4.0))
+    with pytest.raises(LoadError) as e:
+        select_engine("instanttensor", "cuda:0", plan=plan).load_rank(meta, plan.rank(0),
+                                                                      "cuda:0")
+    assert str(e.value) == ("rank 0, file model.safetensors: its __metadata__ format is 'mlx'; "
+                            "InstantTensor loads only files of format 'pt': load with "
+                            "engine='cpu' (--engine cpu)")
+    assert fake_cuda == []

@@ -407,8 +407,11 @@ def _it_raw_run(ctx, dsts):
     wanted = ctx.rank_plan.by_name()
     dev = torch.device(ctx.device)
     read = 0
+    # a communicator of one rank is refused (RuntimeError: "A communicatior should not be
+    # provided if world_size == 1"): one rank reads alone
     with instanttensor.safe_open(ctx.files, framework="pt", device=dev.index or 0,
-                                 process_group=ctx.group, copy=False) as f:
+                                 process_group=ctx.group if ctx.world > 1 else None,
+                                 copy=False) as f:
         for name, t in f.tensors():
             read += t.numel() * t.element_size()
             ts = wanted.get(name)

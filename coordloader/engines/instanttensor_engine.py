@@ -49,7 +49,7 @@ from coordloader.engines import (
 from coordloader.errors import CoordloaderError, LoadError
 from coordloader.gcpause import gc_paused
 from coordloader.planning.model import LoadGroup, LoadGroupMode, Plan, RankPlan
-from coordloader.text import format_ranges
+from coordloader.text import MAX_NAME_CHARS, clip, format_ranges
 
 # Arguments the engine sets itself: overriding them would break correctness.
 FIXED_ARGS = ("filename", "framework", "device", "process_group", "copy")
@@ -347,6 +347,18 @@ class _Load:
         self.streamed = self.share = 0
 
 
+def _refuse_other_formats(meta: CheckpointMeta, rank: int) -> None:
+    """LoadError before any read where a file's __metadata__ names a format other than
+    "pt" (an MLX, TF, Flax or numpy export): InstantTensor raises ValueError on it, on
+    CUDA only, where the cpu engine loads it."""
+    for f in meta.files:
+        fmt = dict(f.metadata).get("format", "pt")
+        if fmt != "pt":
+            raise LoadError(f"its __metadata__ format is {clip(repr(fmt), MAX_NAME_CHARS)}; "
+                            f"InstantTensor loads only files of format 'pt': load with "
+                            f"engine='cpu' (--engine cpu)", file=f.name, rank=rank)
+
+
 class InstantTensorEngine:
     name = "instanttensor"
 
@@ -444,6 +456,7 @@ class InstantTensorEngine:
             try:
                 if self._config_error is not None:
                     raise self._config_error
+                _refuse_other_formats(meta, rank)
                 dev = check_device(device)
                 # the package imported here too: a node whose install is broken failed
                 # after the agreement, its peers left in safe_open's first collective
