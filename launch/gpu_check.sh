@@ -4,13 +4,15 @@
 #
 #   launch/gpu_check.sh OUT_DIR
 #
-# 1. installs what is missing (coordloader from this checkout with its test extras,
-#    instanttensor); 2. `pytest -m gpu`; 3. `bench load` rows it_raw / it_engine next to the
+# 1. tries to install what is missing (this checkout with its test extras, instanttensor;
+#    a lent machine may reach no package index: the steps then run with what is there, each
+#    from this checkout); 2. `pytest -m gpu` (tests/test_gpu.py); 3. `bench load` rows
+#    it_raw / it_engine next to the
 #    cpu engine on the same checkpoint and plan; 4. with 2+ GPUs, a 2-process NCCL load
 #    (torchrun, --verify digest against the manifest written first). Writes
 #    OUT_DIR/summary.txt (one line per step: ok, FAIL or skipped, with seconds) plus each
-#    step's log and JSON. Exit status: 0 all steps ok, 1 a step failed, 2 no CUDA device
-#    (nothing run), 3 the install failed.
+#    step's log and JSON. Exit status: 0 all steps ok, 1 a step (or the install) failed,
+#    2 no CUDA device (nothing run).
 #
 # Variables read (optional): PYTHON (default python), STEP_TIMEOUT (seconds per step,
 # default 150), BUDGET (seconds for all steps, default 450), REPEATS (bench repeats,
@@ -69,21 +71,22 @@ step() {
   fi
 }
 
-# 1. install what is missing (a lent machine may start bare)
-missing=$("$PYTHON" - <<'EOF'
-import importlib.util
-mods = ["coordloader", "instanttensor", "pytest", "hypothesis", "safetensors", "transformers"]
-print(" ".join(m for m in mods if importlib.util.find_spec(m) is None))
-EOF
-)
+# 1. install what is missing (a lent machine may start bare). coordloader itself runs from
+#    this checkout (every step runs `python -m` in it); what the steps import is checked
+#    from there too. An install that fails (no package index reachable) is noted and the
+#    steps run with what there is: each fails on its own if it lacks something.
+missing=$(cd "$REPO" && "$PYTHON" -c 'import importlib.util
+mods = ["instanttensor", "pytest", "safetensors", "numpy"]
+print(" ".join(m for m in mods if importlib.util.find_spec(m) is None))')
 if [[ -n "$missing" ]]; then
   echo "gpu_check: installing (missing: $missing)" >&2
-  if ! "$PYTHON" -m pip install -q -e "$REPO[test]" > "$OUT/install.log" 2>&1; then
-    echo "install FAIL (missing: $missing; see install.log)" >> "$SUMMARY"
-    echo "gpu_check: could not install $missing (see $OUT/install.log)" >&2
-    exit 3
+  if (cd "$REPO" && timeout --kill-after=10 120 "$PYTHON" -m pip install -q -e ".[test]") \
+      > "$OUT/install.log" 2>&1; then
+    echo "install ok (was missing: $missing)" >> "$SUMMARY"
+  else
+    echo "install FAIL (missing: $missing; see install.log): the steps run with what is there" >> "$SUMMARY"
+    FAILED=1
   fi
-  echo "install ok (was missing: $missing)" >> "$SUMMARY"
 fi
 "$PYTHON" - > "$OUT/env.json" <<'EOF'
 import json, torch
@@ -92,8 +95,9 @@ print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
 EOF
 
 # 2. the GPU tests
+# (the GPU tests' file alone: collecting the whole tree needs the CPU suite's extras)
 step pytest_gpu "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider \
-  --junitxml="$OUT/pytest_gpu.xml" tests
+  --junitxml="$OUT/pytest_gpu.xml" tests/test_gpu.py
 
 # 3. instanttensor (raw and engine) vs the cpu engine, same checkpoint and plan; one rank
 #    per GPU, so tp=1 on a single GPU

@@ -65,3 +65,32 @@ def test_nccl_step_reruns_and_writes_the_manifest_before_loading():
     assert manifest.startswith('"$PYTHON" -m coordloader.manifest ')
     assert manifest.split()[-1] == '"$CKPT"' and "--check" not in manifest
     assert load.startswith("launch/local.sh ") and "--verify digest" in load
+
+
+@pytest.mark.slow   # subprocesses, or long: the full suite runs it
+def test_a_failed_install_is_noted_and_the_steps_still_run(tmp_path):
+    """A lent machine reaches no package index: the install failing exited 3 before any
+    check, the GPU session spent. Run here with a PYTHON that reports one GPU, lacks
+    instanttensor and cannot install it: every step still runs (each failing or not on
+    its own) and the summary says the install failed."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        '  *device_count*) echo 1; exit 0;;\n'
+        '  *find_spec*) echo instanttensor; exit 0;;\n'
+        '  *"pip install"*) echo "no package index reachable" >&2; exit 1;;\n'
+        "esac\n"
+        f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=str(fake), STEP_TIMEOUT="40", BUDGET="100")
+    p = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True,
+                       timeout=240, env=env, cwd=tmp_path)
+    assert p.returncode == 1, p.stdout + p.stderr
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert lines[0] == ("install FAIL (missing: instanttensor; see install.log): the steps run "
+                        "with what is there"), lines
+    assert [ln.split()[0] for ln in lines[1:]] == ["pytest_gpu", "bench_it", "nccl_load",
+                                                   "total"], lines
+    assert "no package index reachable" in (out / "install.log").read_text()
