@@ -306,7 +306,10 @@ def test_save_copies_config_and_companion_files_and_records_the_preset(tmp_path)
     # weights in other formats stay behind: transformers would load a stale
     # pytorch_model.bin (the pretrained weights) in preference to the saved ones
     weights = ["pytorch_model.bin", "model.pt", "tf_model.h5", "flax_model.msgpack",
-               "pytorch_model.bin.index.json", "model.gguf"]
+               "pytorch_model.bin.index.json", "model.gguf",
+               # a TF1 checkpoint and numpy weights were carried along
+               "model.ckpt.index", "model.ckpt.data-00000-of-00001", "model.ckpt.meta",
+               "weights.npz"]
     for n in weights:
         (tmp_path / "src" / n).write_bytes(b"old weights")
     for r in range(2):

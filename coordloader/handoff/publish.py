@@ -471,7 +471,10 @@ def resolve_config(config: Any, rank: int | None) -> ModelConfig:
 # would sit beside the new weights, and transformers prefers some of them (a stale
 # pytorch_model.bin loads the pretrained weights, not the saved ones).
 WEIGHT_SUFFIXES = PICKLE_SUFFIXES + (".h5", ".msgpack", ".gguf", ".bin.index.json",
-                                     ".h5.index.json", ".msgpack.index.json", ".onnx")
+                                     ".h5.index.json", ".msgpack.index.json", ".onnx", ".npz",
+                                     ".npy")
+# a TensorFlow 1 checkpoint (transformers' model.ckpt.index, .data-00000-of-00001, .meta)
+_TF1_CHECKPOINT = re.compile(r".*\.ckpt(?:\.index|\.meta|\.data-\d+-of-\d+)?\Z")
 # a writer's temporary, left by a killed process (the manifest's carries its pid): half
 # written, never the checkpoint's
 _TEMPORARY = re.compile(r".*\.tmp(?:\.\d+)?\Z")
@@ -488,7 +491,8 @@ def companion_files(src_dir: str, skip: set[str]) -> list[str]:
                                                                 SHARDED_INDEX, HF_INDEX)
                 or entry.endswith((".safetensors", HF_INDEX_SUFFIX, SHARD_SUFFIX)
                                   + WEIGHT_SUFFIXES)
-                or _TEMPORARY.match(entry) or not os.path.isfile(p)):
+                or _TEMPORARY.match(entry) or _TF1_CHECKPOINT.match(entry)
+                or not os.path.isfile(p)):
             continue
         if os.path.getsize(p) > MAX_COMPANION_BYTES:
             continue
