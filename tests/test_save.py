@@ -214,6 +214,34 @@ def test_a_wrappers_state_dict_is_refused_naming_the_wrapper(tmp_path):
     save(tmp_path / "own", {"module.w": torch.ones(2), "head.w": torch.ones(2)}, config=CFG)
 
 
+@pytest.mark.parametrize("what", ["shape", "dtype", "missing"])
+def test_a_replica_of_another_shape_or_dtype_is_refused(tmp_path, what):
+    """A slice the plan gives a rank as a replica (rank 1's model.norm.weight at tp=2,
+    written by rank 0) was not looked at: another shape or dtype, the sign of another
+    state passed, saved without a word. One left out still saves: it is not written."""
+    from coordloader.synth import synthesize
+    src = synthesize(str(tmp_path / "src"), "llama", "tiny")
+    plan = cl.make_plan(src, Layout(tp=2))
+    name = "model.norm.weight"
+    assert plan.rank(1).by_name()[name].replica == 1
+    out = tmp_path / "out"
+    save(out, cl.load(src, Layout(tp=2), rank=0), plan, rank=0, config=src)
+    st = cl.load(src, Layout(tp=2), rank=1)
+    if what == "missing":
+        del st[name]
+        save(out, st, plan, rank=1, config=src)
+        assert torch.equal(cl.load(str(out), Layout())[name], cl.load(src, Layout())[name])
+        return
+    st[name] = torch.zeros(3, 7) if what == "shape" else st[name].float()
+    with pytest.raises(SaveError) as e:
+        save(out, st, plan, rank=1, config=src)
+    assert str(e.value) == {
+        "shape": f"rank 1, tensor '{name}': local shape [3, 7] differs from the plan's local "
+                 f"shape [128] (global shape [128])",
+        "dtype": f"rank 1, tensor '{name}': dtype torch.float32 differs from the checkpoint "
+                 f"dtype BF16 (torch.bfloat16); convert before saving"}[what]
+
+
 def test_bad_inputs_name_tensor_and_rank(tmp_path):
     plan, locs, _ = make_plan_and_locals()
     bad = dict(locs[1])

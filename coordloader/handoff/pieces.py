@@ -275,8 +275,8 @@ def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[P
             raise SaveError("is not in the plan's slices for this rank; pass it as a DTensor or a "
                             "coordloader Boxed tensor (or save without a plan)", tensor=name,
                             rank=rank)
-        if ts.replica != 0:
-            continue
+        # a replica (another rank's primary copy) is not written, but one of another shape
+        # or dtype is the wrong state passed all the same
         if tuple(t.shape) != tuple(ts.local_shape):
             raise SaveError(f"local shape {_fmt(t.shape)} differs from the plan's local shape "
                             f"{_fmt(ts.local_shape)} (global shape {_fmt(ts.global_shape)})",
@@ -285,6 +285,8 @@ def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[P
             raise SaveError(f"dtype {t.dtype} differs from the checkpoint dtype {ts.dtype} "
                             f"({torch_dtype(ts.dtype)}); convert before saving", tensor=name,
                             rank=rank)
+        if ts.replica != 0:
+            continue
         # a copy piece (Piece.copy) is another rank's primary: written once, by that rank
         out += [_piece(name, t, ts.global_shape, pc.src, pc.dst, True) for pc in ts.pieces
                 if not pc.copy]
