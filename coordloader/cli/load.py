@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "\"chunk_size\": 8388608, \"io_depth\": 64, \"buffer_size\": ...}'")
     e.add_argument("--verify", default="shapes", choices=VERIFY_MODES,
                    help="none, shapes (names/dtypes/shapes/zero padding; default), digest "
-                        "(content digests vs the manifest), full (re-read and compare bytes)")
+                        "(content digests vs the manifest; without one, replicas vs their "
+                        "primaries only, said in a note), full (re-read and compare bytes)")
     e.add_argument("--timeout", type=seconds, default=600.0, metavar="S",
                    help="bound on every collective, seconds (default 600)")
     e.add_argument("--rank", type=int, default=None,
