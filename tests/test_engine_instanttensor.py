@@ -985,3 +985,25 @@ def test_a_file_of_another_format_is_refused_before_any_read(tmp_path, fake_cuda
                             "InstantTensor loads only files of format 'pt': load with "
                             "engine='cpu' (--engine cpu)")
     assert fake_cuda == []
+
+
+@pytest.mark.parametrize("cfg, msg", [
+    ('{"io_depth": 2048}', "io_depth=2048: expected at most 1024 (instanttensor's MAX_IO_DEPTH)"),
+    ('{"chunk_size": "8M"}', "chunk_size='8M': expected a whole number"),
+    ('{"max_free_mem_usage": 0}', "max_free_mem_usage=0: expected a number with 0 < value <= 1"),
+    ('{"buffer_size": -1}', "buffer_size=-1: expected a whole number >= 1"),
+    ('{"concurrency": -1}', "concurrency=-1: expected a whole number >= 0"),
+    ('{"load_now": "no"}', "load_now='no': expected true or false")])
+def test_loader_config_values_instanttensor_refuses_are_refused_everywhere(tmp_path, cfg, msg):
+    """Option names were checked, values not: each of these passed on CPU and failed on
+    the GPU machine only (instanttensor's ValueError), and load_now "no" was taken as true."""
+    import coordloader as cl
+    from coordloader.synth import synthesize
+    assert instanttensor._impl.MAX_IO_DEPTH == 1024   # the bound the message names
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    with pytest.raises(LoadError) as e:
+        cl.load(ck, cl.Layout(), engine="cpu", loader_config=cfg)
+    assert str(e.value) == f"--loader-config: {msg}"
+    assert ite.parse_loader_config('{"io_depth": 64, "max_free_mem_usage": 0.8, '
+                                   '"concurrency": 0, "load_now": false}') == {
+        "io_depth": 64, "max_free_mem_usage": 0.8, "concurrency": 0, "load_now": False}

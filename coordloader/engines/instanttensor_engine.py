@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import os
+import sys
 import threading
 import time
 from operator import itemgetter
@@ -125,7 +127,36 @@ def parse_loader_config(cfg: str | Mapping | None) -> dict:
             out["backend"] = [conv(v) for v in b]
         else:
             out["backend"] = conv(b)
+    for k, v in out.items():
+        problem = _option_problem(k, v)
+        if problem:
+            raise LoadError(f"--loader-config: {k}={clip(repr(v), MAX_NAME_CHARS)}: {problem}")
     return out
+
+
+# what instanttensor.safe_open refuses of each option's value, on the GPU only (its own
+# bounds where it states them): checked before the load, under every engine
+_POSITIVE = ("buffer_size", "chunk_size", "io_depth")
+
+
+def _option_problem(key: str, v) -> str:
+    if v is None or key == "backend":
+        return ""
+    if key == "load_now":   # "no" is truthy: taken as load now
+        return "" if isinstance(v, bool) else "expected true or false"
+    if key == "max_free_mem_usage":
+        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+              and 0 < v <= 1)
+        return "" if ok else "expected a number with 0 < value <= 1"
+    if key in _POSITIVE + ("concurrency",):
+        if not isinstance(v, int) or isinstance(v, bool):
+            return "expected a whole number"
+        if v < (1 if key in _POSITIVE else 0):
+            return f"expected a whole number {'>= 1' if key in _POSITIVE else '>= 0'}"
+        limit = getattr(sys.modules.get("instanttensor._impl"), "MAX_IO_DEPTH", None)
+        if key == "io_depth" and isinstance(limit, int) and v > limit:
+            return f"expected at most {limit} (instanttensor's MAX_IO_DEPTH)"
+    return ""
 
 
 def check_loader_config(cfg: str | Mapping | None) -> None:
