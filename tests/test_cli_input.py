@@ -576,7 +576,7 @@ def test_every_failed_load_writes_its_report_but_no_refused_report_path(tmp_path
     for argv, env, want in [
             (["--dump", str(afile)], {}, "ConfigError"),
             (["--pp-layers", "1,1"], {}, "PlanError"),
-            ([], {"RANK": "1"}, "CollectiveError")]:
+            ([], {"WORLD_SIZE": "2"}, "CollectiveError")]:
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         assert _exit_code(load_cli.main, [ck, "--quiet", "--report", str(rep), *argv]) == 1
@@ -585,6 +585,20 @@ def test_every_failed_load_writes_its_report_but_no_refused_report_path(tmp_path
         assert got["ok"] is False and got["error"]["type"] == want, got
         _no_torchrun_env(monkeypatch)
         rep.write_text('{"ok": true}')
+    # another rank before the group formed leaves the report to rank 0 (every rank
+    # writing one path raced on its temporary file)
+    monkeypatch.setenv("RANK", "1")
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--report", str(rep)]) == 1
+    assert rep.read_text() == '{"ok": true}'
+    _no_torchrun_env(monkeypatch)
+    # Ctrl-C: a load that did not finish
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(load_cli, "load_detailed", interrupted)
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--report", str(rep)]) == 130
+    assert json.loads(rep.read_text())["error"]["type"] == "KeyboardInterrupt"
+    monkeypatch.undo()
+    _no_torchrun_env(monkeypatch)
     cfg = tmp_path / "my.json"
     cfg.write_text((tmp_path / "ck" / "config.json").read_text())
     before = cfg.read_text()

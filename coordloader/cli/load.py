@@ -231,8 +231,12 @@ def _run(args) -> int:
         # any phase, and the others waited out --timeout to call it absent or dead
         layout = collective.run_phase("arguments", _check_arguments, group, args, group)
         return _load(args, group, device, layout)
-    except Exception as e:
-        if (group is None or group.rank == 0) and _report_writable(args):
+    except BaseException as e:   # Ctrl-C too: an earlier report would still say ok
+        # rank 0 writes it; before the group formed, the process torchrun calls rank 0
+        # (every rank writing one path would race on its temporary file)
+        first = (group.rank == 0 if group is not None
+                 else os.environ.get("RANK", "0").strip() in ("", "0"))
+        if first and _report_writable(args):
             _failure_report(args, layout, e)
         raise
     finally:
