@@ -993,7 +993,10 @@ def test_a_file_of_another_format_is_refused_before_any_read(tmp_path, fake_cuda
     ('{"max_free_mem_usage": 0}', "max_free_mem_usage=0: expected a number with 0 < value <= 1"),
     ('{"buffer_size": -1}', "buffer_size=-1: expected a whole number >= 1"),
     ('{"concurrency": -1}', "concurrency=-1: expected a whole number >= 0"),
-    ('{"load_now": "no"}', "load_now='no': expected true or false")])
+    ('{"load_now": "no"}', "load_now='no': expected true or false"),
+    ('{"chunk_size": 1073741825}', "chunk_size=1073741825: expected at most 1073741824 bytes "
+                                   "once rounded up to whole pages (instanttensor's "
+                                   "MAX_CHUNK_SIZE)")])
 def test_loader_config_values_instanttensor_refuses_are_refused_everywhere(tmp_path, cfg, msg):
     """Option names were checked, values not: each of these passed on CPU and failed on
     the GPU machine only (instanttensor's ValueError), and load_now "no" was taken as true."""
@@ -1007,3 +1010,6 @@ def test_loader_config_values_instanttensor_refuses_are_refused_everywhere(tmp_p
     assert ite.parse_loader_config('{"io_depth": 64, "max_free_mem_usage": 0.8, '
                                    '"concurrency": 0, "load_now": false}') == {
         "io_depth": 64, "max_free_mem_usage": 0.8, "concurrency": 0, "load_now": False}
+    import numpy as np  # numpy numbers, which the package takes, from Python callers
+    cfg = {"io_depth": np.int64(8), "max_free_mem_usage": np.float32(0.5)}
+    assert ite.parse_loader_config(cfg) == cfg

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import numbers
 import os
 import sys
 import threading
@@ -145,17 +146,23 @@ def _option_problem(key: str, v) -> str:
     if key == "load_now":   # "no" is truthy: taken as load now
         return "" if isinstance(v, bool) else "expected true or false"
     if key == "max_free_mem_usage":
-        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        ok = (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
               and 0 < v <= 1)
         return "" if ok else "expected a number with 0 < value <= 1"
     if key in _POSITIVE + ("concurrency",):
-        if not isinstance(v, int) or isinstance(v, bool):
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool):
             return "expected a whole number"
         if v < (1 if key in _POSITIVE else 0):
             return f"expected a whole number {'>= 1' if key in _POSITIVE else '>= 0'}"
-        limit = getattr(sys.modules.get("instanttensor._impl"), "MAX_IO_DEPTH", None)
+        impl = sys.modules.get("instanttensor._impl")
+        limit = getattr(impl, "MAX_IO_DEPTH", None)
         if key == "io_depth" and isinstance(limit, int) and v > limit:
             return f"expected at most {limit} (instanttensor's MAX_IO_DEPTH)"
+        limit = getattr(impl, "MAX_CHUNK_SIZE", None)
+        page = os.sysconf("SC_PAGE_SIZE")
+        if key == "chunk_size" and isinstance(limit, int) and -(-v // page) * page > limit:
+            return (f"expected at most {limit} bytes once rounded up to whole pages "
+                    f"(instanttensor's MAX_CHUNK_SIZE)")
     return ""
 
 
