@@ -242,6 +242,29 @@ def test_a_replica_of_another_shape_or_dtype_is_refused(tmp_path, what):
                  f"dtype BF16 (torch.bfloat16); convert before saving"}[what]
 
 
+def test_a_boxed_tensor_under_a_plan_is_held_to_its_global_shape_and_dtype(tmp_path):
+    """handoff.md: a wrong shape or dtype of any slice passed is refused. A Boxed tensor
+    beside a plan's slices was held to neither: an fp32 norm (the plan: BF16) and a box of
+    global shape [100] (the plan: [128]) saved and reloaded as written."""
+    from coordloader.handoff.pieces import Boxed
+    from coordloader.synth import synthesize
+    src = synthesize(str(tmp_path / "src"), "llama", "tiny")
+    plan = cl.make_plan(src, Layout())
+    name = "model.norm.weight"
+    st = cl.load(src, Layout())
+    for value, msg in [
+            (Boxed(st[name].float(), (128,), (0,)),
+             "Boxed dtype torch.float32 differs from the checkpoint dtype BF16 "
+             "(torch.bfloat16); convert before saving"),
+            (Boxed(st[name][:100], (100,), (0,)),
+             "Boxed global shape [100] differs from the plan's global shape [128]")]:
+        with pytest.raises(SaveError) as e:
+            save(tmp_path / "out", dict(st, **{name: value}), plan, config=src)
+        assert str(e.value) == f"rank 0, tensor '{name}': {msg}"
+    save(tmp_path / "out", dict(st, **{name: Boxed(st[name], (128,), (0,))}), plan, config=src)
+    assert torch.equal(cl.load(str(tmp_path / "out"), Layout())[name], st[name])
+
+
 def test_bad_inputs_name_tensor_and_rank(tmp_path):
     plan, locs, _ = make_plan_and_locals()
     bad = dict(locs[1])
@@ -337,7 +360,7 @@ def test_save_copies_config_and_companion_files_and_records_the_preset(tmp_path)
                "pytorch_model.bin.index.json", "model.gguf",
                # a TF1 checkpoint and numpy weights were carried along
                "model.ckpt.index", "model.ckpt.data-00000-of-00001", "model.ckpt.meta",
-               "weights.npz"]
+               "model.ckpt-1000.index", "model.ckpt-1000.data-00000-of-00001", "weights.npz"]
     for n in weights:
         (tmp_path / "src" / n).write_bytes(b"old weights")
     for r in range(2):

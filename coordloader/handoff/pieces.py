@@ -215,6 +215,21 @@ def _check_name(name, rank: int) -> None:
                         "UTF-8; expected a UTF-8 name", tensor=name, rank=rank)
 
 
+def _check_planned(ts, what: str, gshape, dtype, name: str, rank: int) -> None:
+    """SaveError where a DTensor or Boxed tensor the plan also slices has another global
+    shape or dtype than the plan's (the checkpoint it was loaded from)."""
+    from coordloader.checkpoint.dtypes import torch_dtype
+    if ts is None:
+        return
+    if tuple(ts.global_shape) != tuple(gshape):
+        raise SaveError(f"{what} global shape {_fmt(gshape)} differs from the plan's global "
+                        f"shape {_fmt(ts.global_shape)}", tensor=name, rank=rank)
+    if dtype != torch_dtype(ts.dtype):
+        raise SaveError(f"{what} dtype {dtype} differs from the checkpoint dtype {ts.dtype} "
+                        f"({torch_dtype(ts.dtype)}); convert before saving", tensor=name,
+                        rank=rank)
+
+
 def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[PieceOut]:
     """Every piece this rank holds, from the plan's slices (plain tensors), the
     placements (DTensors) or the boxes given (``Boxed``); a plain tensor without a plan
@@ -239,10 +254,7 @@ def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[P
     for name, v in tensors.items():
         if _is_dtensor(v):
             gshape, boxes = dtensor_boxes(name, v, rank, alone)
-            ts = planned.get(name)
-            if ts is not None and tuple(ts.global_shape) != gshape:
-                raise SaveError(f"DTensor global shape {_fmt(gshape)} differs from the plan's "
-                                f"global shape {_fmt(ts.global_shape)}", tensor=name, rank=rank)
+            _check_planned(planned.get(name), "DTensor", gshape, v.dtype, name, rank)
             if boxes:
                 local = _local(name, v.to_local(), rank, "the DTensor's local tensor ")
                 if 0 in gshape:   # the whole empty tensor, whatever this rank's share
@@ -259,6 +271,7 @@ def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[P
                     o < 0 or o + s > g for o, s, g in zip(off, t.shape, gshape)):
                 raise SaveError(f"Boxed local shape {_fmt(t.shape)} at offset {_fmt(off)} does "
                                 f"not fit in the global shape {_fmt(gshape)}", tensor=name, rank=rank)
+            _check_planned(planned.get(name), "Boxed", gshape, t.dtype, name, rank)
             box = tuple((o, o + s) for o, s in zip(off, t.shape))
             out.append(_piece(name, t, gshape, box, (0,) * t.dim(), False))
             continue

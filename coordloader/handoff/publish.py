@@ -473,8 +473,9 @@ def resolve_config(config: Any, rank: int | None) -> ModelConfig:
 WEIGHT_SUFFIXES = PICKLE_SUFFIXES + (".h5", ".msgpack", ".gguf", ".bin.index.json",
                                      ".h5.index.json", ".msgpack.index.json", ".onnx", ".npz",
                                      ".npy")
-# a TensorFlow 1 checkpoint (transformers' model.ckpt.index, .data-00000-of-00001, .meta)
-_TF1_CHECKPOINT = re.compile(r".*\.ckpt(?:\.index|\.meta|\.data-\d+-of-\d+)?\Z")
+# a TensorFlow 1 checkpoint (transformers' model.ckpt.index, .data-00000-of-00001, .meta;
+# a training step's model.ckpt-1000.*)
+_TF1_CHECKPOINT = re.compile(r".*\.ckpt(?:-\d+)?(?:\.index|\.meta|\.data-\d+-of-\d+)?\Z")
 # a writer's temporary, left by a killed process (the manifest's carries its pid): half
 # written, never the checkpoint's
 _TEMPORARY = re.compile(r".*\.tmp(?:\.\d+)?\Z")
