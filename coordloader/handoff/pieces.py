@@ -216,16 +216,17 @@ def _check_name(name, rank: int) -> None:
 
 
 def _check_planned(ts, what: str, gshape, dtype, name: str, rank: int) -> None:
-    """SaveError where a DTensor or Boxed tensor the plan also slices has another global
-    shape or dtype than the plan's (the checkpoint it was loaded from)."""
+    """SaveError where a tensor the plan also slices has another global shape (``gshape``
+    None: not stated, a plain tensor's local shape is checked instead) or dtype than the
+    plan's (the checkpoint it was loaded from). ``what``: "DTensor ", "Boxed " or ""."""
     from coordloader.checkpoint.dtypes import torch_dtype
     if ts is None:
         return
-    if tuple(ts.global_shape) != tuple(gshape):
-        raise SaveError(f"{what} global shape {_fmt(gshape)} differs from the plan's global "
+    if gshape is not None and tuple(ts.global_shape) != tuple(gshape):
+        raise SaveError(f"{what}global shape {_fmt(gshape)} differs from the plan's global "
                         f"shape {_fmt(ts.global_shape)}", tensor=name, rank=rank)
     if dtype != torch_dtype(ts.dtype):
-        raise SaveError(f"{what} dtype {dtype} differs from the checkpoint dtype {ts.dtype} "
+        raise SaveError(f"{what}dtype {dtype} differs from the checkpoint dtype {ts.dtype} "
                         f"({torch_dtype(ts.dtype)}); convert before saving", tensor=name,
                         rank=rank)
 
@@ -235,7 +236,6 @@ def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[P
     placements (DTensors) or the boxes given (``Boxed``); a plain tensor without a plan
     is whole. Vocab padding rows of a plan's slice are covered by no piece: never written.
     ``alone``: no other process saves (local mode)."""
-    from coordloader.checkpoint.dtypes import torch_dtype
     if isinstance(tensors, torch.nn.ParameterDict):   # a mapping in all but its type
         tensors = dict(tensors.items())
     if not isinstance(tensors, Mapping):
@@ -254,7 +254,7 @@ def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[P
     for name, v in tensors.items():
         if _is_dtensor(v):
             gshape, boxes = dtensor_boxes(name, v, rank, alone)
-            _check_planned(planned.get(name), "DTensor", gshape, v.dtype, name, rank)
+            _check_planned(planned.get(name), "DTensor ", gshape, v.dtype, name, rank)
             if boxes:
                 local = _local(name, v.to_local(), rank, "the DTensor's local tensor ")
                 if 0 in gshape:   # the whole empty tensor, whatever this rank's share
@@ -271,7 +271,7 @@ def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[P
                     o < 0 or o + s > g for o, s, g in zip(off, t.shape, gshape)):
                 raise SaveError(f"Boxed local shape {_fmt(t.shape)} at offset {_fmt(off)} does "
                                 f"not fit in the global shape {_fmt(gshape)}", tensor=name, rank=rank)
-            _check_planned(planned.get(name), "Boxed", gshape, t.dtype, name, rank)
+            _check_planned(planned.get(name), "Boxed ", gshape, t.dtype, name, rank)
             box = tuple((o, o + s) for o, s in zip(off, t.shape))
             out.append(_piece(name, t, gshape, box, (0,) * t.dim(), False))
             continue
@@ -294,10 +294,7 @@ def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[P
             raise SaveError(f"local shape {_fmt(t.shape)} differs from the plan's local shape "
                             f"{_fmt(ts.local_shape)} (global shape {_fmt(ts.global_shape)})",
                             tensor=name, rank=rank)
-        if t.dtype != torch_dtype(ts.dtype):
-            raise SaveError(f"dtype {t.dtype} differs from the checkpoint dtype {ts.dtype} "
-                            f"({torch_dtype(ts.dtype)}); convert before saving", tensor=name,
-                            rank=rank)
+        _check_planned(ts, "", None, t.dtype, name, rank)
         if ts.replica != 0:
             continue
         # a copy piece (Piece.copy) is another rank's primary: written once, by that rank
