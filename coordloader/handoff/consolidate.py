@@ -398,10 +398,10 @@ class _Digests:
             want = self.manifest.get(name)
             if want is None or want.digest == self.got[name] & MASK64:
                 continue
-            hint = self.manifest.changed_hint()
+            changed = self.manifest.data_changed()   # (the samples read once)
+            hint = self.manifest.changed_hint(changed)
             # the file of the tensor's pieces whose samples show the change, else its only one
             files = sorted({p.file for p in meta.tensors[name].pieces})
-            changed = set(self.manifest.data_changed())
             file = next((f for f in files if f in changed), files[0] if len(files) == 1 else None)
             raise SaveError(
                 f"the source's bytes of this tensor differ from its manifest "

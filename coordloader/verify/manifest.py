@@ -77,10 +77,10 @@ class Manifest:
                 out.append(name)
         return tuple(out)
 
-    def changed_hint(self) -> str:
+    def changed_hint(self, changed: tuple[str, ...] | None = None) -> str:
         """Why digests may differ from this manifest other than a wrong load ("" if
-        nothing says so)."""
-        changed = self.data_changed()
+        nothing says so). ``changed``: ``data_changed()`` where the caller read it."""
+        changed = self.data_changed() if changed is None else changed
         if not changed:
             return ""
         more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
