@@ -216,10 +216,18 @@ def _failure_report(args, layout: Layout | None, e: BaseException) -> None:
     if isinstance(cause, VerifyError) and cause.report:
         report["verify_report"] = cause.report
     try:
-        write_file_atomic(args.report, json.dumps(report, indent=2, sort_keys=True,
-                                                  default=str).encode())
+        _write_report(args.report, report)
     except (CoordloaderError, OSError):
         pass
+
+
+def _write_report(path: str, report: dict) -> None:
+    """--report FILE, whole or not at all (a temporary renamed over it)."""
+    try:
+        write_file_atomic(path, json.dumps(report, indent=2, sort_keys=True,
+                                           default=str).encode())
+    except SaveError as e:
+        raise LoadError(f"cannot write the report: {e.message}", file=path, rank=0) from None
 
 
 def _run(args) -> int:
@@ -266,9 +274,9 @@ def _load(args, group, device, layout: Layout) -> int:
         # that every rank dumps): one refused while another wrote left a dump of two loads
         # another rank's file of another plan can only come from one process per rank
         # (--rank): in a group every rank writes its own file in this very step. Checked
-        # here, once: dump_rank below is told not to again (alone=False)
-        # the files' identity as loaded (sampled data blocks too): one process per rank
-        # loading the next step saved over the same headers is another load
+        # here, once: dump_rank below is told not to again (alone=False). With it, the
+        # files' identity (sampled data blocks too): one process per rank loading the
+        # next step saved over the same headers is another load
         source = checkpoint_identity(res.meta.root, [f.name for f in res.meta.files],
                                      read_from=res.meta.files).digest()
         collective.run_phase("dump-check", lambda: check_dump_target(
@@ -318,12 +326,7 @@ def _load(args, group, device, layout: Layout) -> int:
                 sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
                 sys.stdout.flush()
                 return
-            try:
-                write_file_atomic(args.report,
-                                  json.dumps(report, indent=2, sort_keys=True).encode())
-            except SaveError as e:
-                raise LoadError(f"cannot write the report: {e.message}", file=args.report,
-                                rank=0) from None
+            _write_report(args.report, report)
 
     # inside a phase: a failure on rank 0 (unwritable report) reaches every rank
     collective.run_phase("report", finish, group)
