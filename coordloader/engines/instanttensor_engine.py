@@ -27,7 +27,6 @@ import inspect
 import math
 import numbers
 import os
-import sys
 import threading
 import time
 from operator import itemgetter
@@ -129,7 +128,7 @@ def parse_loader_config(cfg: str | Mapping | None) -> dict:
         else:
             out["backend"] = conv(b)
     for k, v in out.items():
-        problem = _option_problem(k, v)
+        problem = _option_problem(k, v, getattr(it, "_impl", None))
         if problem:
             raise LoadError(f"--loader-config: {k}={clip(repr(v), MAX_NAME_CHARS)}: {problem}")
     return out
@@ -140,7 +139,9 @@ def parse_loader_config(cfg: str | Mapping | None) -> dict:
 _POSITIVE = ("buffer_size", "chunk_size", "io_depth")
 
 
-def _option_problem(key: str, v) -> str:
+def _option_problem(key: str, v, impl) -> str:
+    """Why instanttensor would refuse ``v`` for ``key`` ("" if it would not); ``impl``: its
+    ``_impl`` module, whose bounds it states."""
     if v is None or key == "backend":
         return ""
     if key == "load_now":   # "no" is truthy: taken as load now
@@ -154,15 +155,15 @@ def _option_problem(key: str, v) -> str:
             return "expected a whole number"
         if v < (1 if key in _POSITIVE else 0):
             return f"expected a whole number {'>= 1' if key in _POSITIVE else '>= 0'}"
-        impl = sys.modules.get("instanttensor._impl")
         limit = getattr(impl, "MAX_IO_DEPTH", None)
         if key == "io_depth" and isinstance(limit, int) and v > limit:
             return f"expected at most {limit} (instanttensor's MAX_IO_DEPTH)"
         limit = getattr(impl, "MAX_CHUNK_SIZE", None)
-        page = os.sysconf("SC_PAGE_SIZE")
-        if key == "chunk_size" and isinstance(limit, int) and -(-v // page) * page > limit:
-            return (f"expected at most {limit} bytes once rounded up to whole pages "
-                    f"(instanttensor's MAX_CHUNK_SIZE)")
+        if key == "chunk_size" and isinstance(limit, int):
+            page = os.sysconf("SC_PAGE_SIZE")
+            if -(-v // page) * page > limit:
+                return (f"expected at most {limit} bytes once rounded up to whole pages "
+                        f"(instanttensor's MAX_CHUNK_SIZE)")
     return ""
 
 
