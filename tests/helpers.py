@@ -59,3 +59,25 @@ def rank_line(err: str, rank: int, *, only: bool = False) -> str:
     if only:
         assert err.strip() == lines[0], f"rank {rank} stderr has more than the message:\n{err}"
     return lines[0]
+
+
+def flip_byte(path, offset: int, mask: int = 0x40) -> None:
+    """XOR the file's byte at ``offset`` with ``mask``: a corruption that keeps the file's
+    size and header (bit rot, a copy gone wrong)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
+def flip_data_bytes(path, every: int, mask: int) -> None:
+    """XOR one byte in every ``every`` of a safetensors file's data (past its header) with
+    ``mask``: a change in many tensors, headers and sizes the same."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    start = 8 + int.from_bytes(data[:8], "little")
+    for i in range(start, len(data), every):
+        data[i] ^= mask
+    with open(path, "wb") as f:
+        f.write(data)

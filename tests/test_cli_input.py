@@ -8,6 +8,8 @@ import pytest
 
 from coordloader.cli.load import build_parser
 
+from helpers import flip_data_bytes
+
 
 @pytest.mark.parametrize("bad", ["0", "-5", "nan", "inf", "-inf", "soon"])
 def test_timeout_must_be_positive_and_finite(bad, capsys):
@@ -442,7 +444,6 @@ def test_a_failed_load_writes_its_report_with_every_problem(tmp_path, monkeypatc
     problems past the five the message names, and an earlier run's report stayed in its
     place saying ok."""
     import json
-    import struct
 
     import coordloader.cli.load as load_cli
     from coordloader.checkpoint.reader import read_checkpoint
@@ -455,12 +456,7 @@ def test_a_failed_load_writes_its_report_with_every_problem(tmp_path, monkeypatc
     assert _exit_code(load_cli.main, [ck, "--quiet", "--verify", "digest",
                                       "--report", str(rep)]) == 0
     assert json.loads(rep.read_text())["verify_report"]["ok"] is True
-    path = tmp_path / "ck" / "model.safetensors"
-    b = bytearray(path.read_bytes())
-    n = struct.unpack("<Q", b[:8])[0]
-    for i in range(0, len(b) - 8 - n, 9000):   # a flipped bit in many tensors
-        b[8 + n + i] ^= 4
-    path.write_bytes(bytes(b))
+    flip_data_bytes(tmp_path / "ck" / "model.safetensors", 9000, 4)   # in many tensors
     capsys.readouterr()
     assert _exit_code(load_cli.main, [ck, "--quiet", "--verify", "digest",
                                       "--report", str(rep)]) == 1
@@ -480,7 +476,6 @@ def test_one_process_per_rank_dumps_of_other_data_are_refused(tmp_path, monkeypa
     and other data (the next training step saved over the path): the dump guard compared
     plan digests only, and D held two checkpoints' slices, exit 0."""
     import shutil
-    import struct
 
     import coordloader.cli.load as load_cli
     from coordloader.synth import synthesize
@@ -488,14 +483,7 @@ def test_one_process_per_rank_dumps_of_other_data_are_refused(tmp_path, monkeypa
     a = synthesize(str(tmp_path / "A"), "llama", "tiny")
     b = str(tmp_path / "B")
     shutil.copytree(a, b)
-    path = os.path.join(b, "model.safetensors")
-    with open(path, "rb") as f:
-        data = bytearray(f.read())
-    n = struct.unpack("<Q", data[:8])[0]
-    for i in range(0, len(data) - 8 - n, 1000):
-        data[8 + n + i] ^= 0x10
-    with open(path, "wb") as f:
-        f.write(data)
+    flip_data_bytes(os.path.join(b, "model.safetensors"), 1000, 0x10)
     d = tmp_path / "D"
     assert _exit_code(load_cli.main, [a, "--quiet", "--tp", "2", "--rank", "0",
                                       "--dump", str(d)]) == 0

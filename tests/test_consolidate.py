@@ -23,7 +23,7 @@ from coordloader.layout import Layout
 from coordloader.loader import load
 from coordloader.synth import synthesize
 
-from helpers import tensor_bits
+from helpers import flip_byte, tensor_bits
 
 
 def _hf_tensors(root):
@@ -93,12 +93,7 @@ def test_a_source_whose_bytes_differ_from_its_manifest_is_refused(tmp_path, wher
     mf.write_manifest(read_checkpoint(str(src)))
     path = src / "model.safetensors"
     data = 8 + int.from_bytes(path.read_bytes()[:8], "little")
-    off = data + (8 if where == "sampled" else 8192)
-    with open(path, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(path, data + (8 if where == "sampled" else 8192))
     meta = read_checkpoint(str(src))
     assert bool(mf.load_manifest(str(src), meta).data_changed()) == (where == "sampled")
     with pytest.raises(SaveError) as e:
@@ -594,17 +589,9 @@ def test_a_tensor_of_several_files_that_differs_is_named_with_the_file_that_chan
     for r in range(2):
         save(out, load(src, Layout(tp=2), rank=r), plan, rank=r, config=src)
     name = shard_name(1, 0)
-    path = os.path.join(out, name)
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        head = json.loads(f.read(n))
-    key = next(k for k in head if k.startswith("lm_head.weight"))
-    off = 8 + n + head[key]["data_offsets"][0]
-    with open(path, "r+b") as f:   # the file's first data bytes: a sampled block
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x40]))
+    piece = next(p for p in read_checkpoint(out).tensors["lm_head.weight"].pieces
+                 if p.file == name)
+    flip_byte(os.path.join(out, name), piece.start)   # the file's first data: a sampled block
     with pytest.raises(SaveError) as e:
         consolidate(out, str(tmp_path / "hf"))
     assert (e.value.file, e.value.tensor) == (name, "lm_head.weight")

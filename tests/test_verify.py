@@ -18,6 +18,8 @@ from coordloader.planning.model import Piece, Plan, RankPlan, TensorSlice
 from coordloader.verify import checks as vf
 from coordloader.verify.manifest import load_manifest, write_manifest
 
+from helpers import flip_byte
+
 
 def make_ckpt(root):
     g = torch.Generator().manual_seed(7)
@@ -133,12 +135,7 @@ def test_flipped_byte_after_manifest_names_the_tensor(setup):
     path = os.path.join(root, "model.safetensors")
     meta_w = meta.tensors["w_col"].pieces[0]
     # flip a byte inside w_col rows 4..8 (rank 1's slice): last row's first element
-    off = meta_w.start + (7 * 6) * 4 + 1
-    with open(path, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(path, meta_w.start + (7 * 6) * 4 + 1)
     meta2 = read_checkpoint(root)
     assert meta2.fingerprint() == meta.fingerprint()          # headers/sizes unchanged
     full2 = load_file(path)
@@ -209,11 +206,7 @@ def test_load_of_one_rank_without_a_group_refuses_a_flipped_byte_it_holds(tmp_pa
         got = cl.load(str(tmp_path), Layout(tp=2), rank=r, rules=rules, verify="digest")
         assert torch.equal(got["w"], w[2 * r:2 * r + 2])
     off = read_checkpoint(str(tmp_path)).tensors["w"].pieces[0].start + 2 * 4 * 4   # w[2, 0]
-    with open(tmp_path / "model.safetensors", "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(tmp_path / "model.safetensors", off)
     with pytest.raises(VerifyError) as e:
         cl.load(str(tmp_path), Layout(tp=2), rank=1, rules=rules, verify="digest")
     # the file's sampled data differs from the manifest's record: said first
@@ -251,12 +244,7 @@ def test_full_and_digest_re_read_dcp_pieces_under_their_stored_key(tmp_path):
         assert torch.equal(got["w"], w[4 * r:4 * r + 4])
     # the re-read is of the right bytes: a flipped byte of the second file is named there
     f2 = os.path.join(root, "shard-00002-model-00001-of-00001.safetensors")
-    off = read_checkpoint(root).tensors["w"].pieces[1].start + 4 * 4 + 4   # w[5, 1]
-    with open(f2, "r+b") as f:
-        f.seek(off)
-        b0 = f.read(1)[0]
-        f.seek(off)
-        f.write(bytes([b0 ^ 0x40]))
+    flip_byte(f2, read_checkpoint(root).tensors["w"].pieces[1].start + 4 * 4 + 4)   # w[5, 1]
     loaded = {"w": w.clone()}
     meta = read_checkpoint(root)
     plan = cl.make_plan(meta, Layout(tp=1), rules=rep)

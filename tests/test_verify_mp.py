@@ -13,19 +13,12 @@ import torch
 
 from coordloader.dist.collective import free_port
 
+from helpers import flip_byte
 from ranks import spawn_and_wait
 
 pytestmark = pytest.mark.slow   # rank processes over gloo
 
 WORLD = 2
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x21]))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +35,8 @@ def fixtures(tmp_path_factory):
     flipped = str(base / "flipped")
     shutil.copytree(ok, flipped)
     meta = read_checkpoint(flipped)
-    _flip(os.path.join(flipped, "model.safetensors"), meta.tensors["w_col"].pieces[0].start + 7 * 6 * 4 + 2)
+    flip_byte(os.path.join(flipped, "model.safetensors"),
+              meta.tensors["w_col"].pieces[0].start + 7 * 6 * 4 + 2, 0x21)
     # stale: the manifest claims a different size for the shard
     stale = str(base / "stale")
     shutil.copytree(ok, stale)
@@ -57,7 +51,7 @@ def fixtures(tmp_path_factory):
     write_manifest(smeta)
     target = next(n for n in smeta.tensors if ".experts.1.down_proj" in n)
     sp = smeta.tensors[target].pieces[0]
-    _flip(os.path.join(synth, sp.file), (sp.start + sp.end) // 2)
+    flip_byte(os.path.join(synth, sp.file), (sp.start + sp.end) // 2, 0x21)
     return {"ok": ok, "flipped": flipped, "stale": stale, "synth": synth, "synth_target": target}
 
 
