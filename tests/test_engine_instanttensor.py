@@ -934,15 +934,15 @@ def test_a_file_of_no_tensor_is_left_out_of_the_default_group(tmp_path, fake_cud
 
 
 def test_the_bench_reads_alone_at_world_1(tmp_path, fake_cuda, monkeypatch):
-    import coordloader as cl
-    from coordloader.checkpoint import dtypes
-    from coordloader.checkpoint.reader import read_checkpoint
     """bench's it_raw gave instanttensor its one-rank group, which the real package
     refuses ("A communicatior should not be provided if world_size == 1"): the method
     failed on every one-GPU machine, the GPU check script's whole bench step with it."""
     import types
 
+    import coordloader as cl
     from coordloader.bench import methods
+    from coordloader.checkpoint import dtypes
+    from coordloader.checkpoint.reader import read_checkpoint
     from coordloader.layout import Layout
     from coordloader.synth import synthesize
     ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")

@@ -212,6 +212,7 @@ def test_a_wrappers_state_dict_is_refused_naming_the_wrapper(tmp_path):
         assert not (tmp_path / name).exists() or not os.listdir(tmp_path / name)
     # a model whose own modules are named 'module' (not every name) saves
     save(tmp_path / "own", {"module.w": torch.ones(2), "head.w": torch.ones(2)}, config=CFG)
+    assert sorted(read_checkpoint(str(tmp_path / "own")).tensors) == ["head.w", "module.w"]
 
 
 @pytest.mark.parametrize("what", ["shape", "dtype", "missing"])
