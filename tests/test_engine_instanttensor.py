@@ -808,6 +808,75 @@ def test_a_rank_failing_before_the_first_collective_stops_every_rank_by_name(ckp
     assert all(t < PREPARE_TIMEOUT_S / 2 for _, _, t in r0 + r1), (r0, r1)
 
 
+class StreamingSafeOpen(FakeSafeOpen):
+    """``FakeSafeOpen`` whose stream, like the real one's in group mode, makes a collective
+    over ``process_group`` for every tensor (the real one all-gathers each chunk)."""
+    def __init__(self, *a, process_group=None, **k):
+        super().__init__(*a, process_group=process_group, **k)
+        self.group = process_group
+
+    def tensors(self):
+        import torch.distributed as dist
+        for item in super().tensors():
+            if self.group is not None:
+                dist.all_reduce(torch.ones(1), group=self.group)
+            yield item
+
+
+def _progress_fails_worker(rank: int, port: int, meta, plan, out_dir: str):
+    """A group-mode load over gloo whose progress callback raises on rank 0 at the
+    second tensor. Writes what the load raised on this rank, and when."""
+    import datetime
+
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=PREPARE_TIMEOUT_S))
+    seen = []
+
+    def progress(nbytes):
+        seen.append(nbytes)
+        if rank == 0 and len(seen) == 2:
+            raise OSError("the progress bar's terminal went away")
+
+    with faked_instanttensor(gloo_as_nccl=True), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ite, "_safe_open", lambda: StreamingSafeOpen)
+        t0 = time.monotonic()
+        try:
+            got, _ = select_engine("instanttensor", "cuda:0", plan=plan).load_rank(
+                meta, plan.rank(rank), "cuda:0", progress=progress)
+            result = ["ok", time.monotonic() - t0, sorted(got)]
+        except Exception as e:
+            result = [f"{type(e).__name__}: {e}", time.monotonic() - t0, None]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)   # (see _prepare_fails_worker)
+
+
+@pytest.mark.slow   # rank processes over gloo
+def test_a_rank_failing_mid_stream_drains_it_so_the_others_finish(ckpt, tmp_path):
+    """Rank 0's progress callback raised mid-stream: rank 0 left the stream, and rank 1
+    waited in the stream's next collective until the group's timeout (NCCL: a watchdog
+    crash). Rank 0 now drains the stream with the group and then raises its own error,
+    naming the key and callback's error; rank 1 finishes the stream at once."""
+    from coordloader.dist.collective import free_port
+
+    from ranks import spawn_and_wait
+    meta, _ = ckpt
+    plan = _plan(meta, plans_for(meta), [LoadGroup(("a.safetensors", "b.safetensors"), (0, 1),
+                                                   "group")])
+    spawn_and_wait(_progress_fails_worker, (free_port(), meta, plan, str(tmp_path)), 2,
+                   "2-rank load", hard_s=3 * PREPARE_TIMEOUT_S)
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0[0].startswith("LoadError: rank 0: taking key ") and r0[0].endswith(
+        "from instanttensor's stream failed: OSError: the progress bar's terminal went "
+        "away"), r0
+    assert r1[0] == "ok" and r1[2] == sorted(t.name for t in plan.rank(1).tensors), r1
+    assert r0[1] < PREPARE_TIMEOUT_S / 2 and r1[1] < PREPARE_TIMEOUT_S / 2, (r0, r1)
+
+
 def _records_alive() -> int:
     import gc
 

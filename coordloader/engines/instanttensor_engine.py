@@ -618,9 +618,9 @@ class InstantTensorEngine:
                         f"of them (torch DCP's per-rank files): which file a streamed "
                         f"tensor comes from cannot be told; use --engine cpu",
                         rank=rank)
-            yielded = 0
-            for i, (key, t) in enumerate(f.tensors()):
-                yielded = i + 1
+
+            def take(i: int, key: str, t: torch.Tensor) -> None:
+                """The ``i``-th streamed tensor checked, and copied where this rank holds it."""
                 if streams is not None and i >= len(streams):
                     raise LoadError(f"instanttensor yielded key {key!r} after the "
                                     f"{len(streams)} tensor(s) the checkpoint metadata "
@@ -660,13 +660,35 @@ class InstantTensorEngine:
                 st.share += nb // gsize
                 ts = slices.get(name)
                 if ts is None:
-                    continue  # another rank's tensor: dropped as it streams past
+                    return  # another rank's tensor: dropped as it streams past
                 dst = tensors[name]
                 for pc in ts.pieces:
                     copy_overlap(dst, pc.src, pc.dst, t, box)
                 st.seen.add((fname, key))
                 if progress is not None:
                     progress(nb)
+            yielded, failed = 0, None
+            for i, (key, t) in enumerate(f.tensors()):
+                yielded = i + 1
+                if failed is not None:
+                    continue   # drained: see below
+                try:
+                    take(i, key, t)
+                except Exception as e:
+                    if not isinstance(e, LoadError):   # a progress callback's, a copy's
+                        err = LoadError(f"taking key {key!r} of {named} from instanttensor's "
+                                        f"stream failed: {type(e).__name__}: {e}", rank=rank)
+                        err.__cause__ = e
+                        e = err
+                    if pg is None:
+                        raise e
+                    # the group's ranks read collectively: one leaving the stream left
+                    # the others in its all-gathers until the group's timeout (NCCL: a
+                    # watchdog crash). It drains the stream with them, then raises; the
+                    # others learn of it where the load agrees next.
+                    failed = e
+            if failed is not None:
+                raise failed
             if streams is not None and yielded < len(streams):
                 # the next file's keys and shapes can line up with the ones expected (DCP's
                 # per-rank files): a stream that left out a file had its tensors attributed
