@@ -4,7 +4,8 @@
 
 --start-file: written (with the time) once this rank is past its imports, before any group
 forms. --hang-phase: as that phase of load() starts, write --hang-file and sleep, so the
-test can kill a rank that is provably inside the phase.
+test can kill a rank that is provably inside the phase. --rename-phase: as that phase
+starts, rename --rename-from to --rename-to (a file gone from this rank's copy).
 """
 import os
 import sys
@@ -26,6 +27,11 @@ def main(argv):
                     f.write(repr(time.time()))
                 time.sleep(3600)
         loader.PHASE_HOOKS.append(hang)
+    if "--rename-phase" in opts:
+        def rename(name):
+            if name == opts["--rename-phase"]:
+                os.rename(opts["--rename-from"], opts["--rename-to"])
+        loader.PHASE_HOOKS.append(rename)
     if "--start-file" in opts:
         with open(opts["--start-file"], "w") as f:
             f.write(repr(time.time()))

@@ -22,13 +22,23 @@ from ranks import rank_env, run_ranks
 HARD = 60.0
 
 
-def _run2(tmp, ckpt, extra: dict[int, list[str]]):
+def _run2(tmp, ckpt, extra: dict[int, list[str]], env_of=None, hooks=None):
+    """Two ranks of the load; per rank: ``extra`` arguments, ``env_of`` variables, ``hooks``
+    (rank_driver.py options; a checkpoint of its own as ``--ckpt``)."""
     port = free_port()
 
     def start(r):
-        env = rank_env(port, r, 2, LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
+        env = rank_env(port, r, 2, LOCAL_RANK=str(r), OMP_NUM_THREADS="1",
+                       **(env_of or {}).get(r, {}))
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        cmd = [sys.executable, "-m", "coordloader.load", ckpt, "--tp", "2", "--engine", "cpu",
+        drive = list((hooks or {}).get(r, ()))
+        mine = ckpt
+        if "--ckpt" in drive:
+            i = drive.index("--ckpt")
+            mine = drive[i + 1]
+            del drive[i:i + 2]
+        cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "rank_driver.py"),
+               *drive, "--", mine, "--tp", "2", "--engine", "cpu",
                "--timeout", "30", "--quiet", *extra.get(r, [])]
         with open(tmp / f"err-{r}", "wb") as ef:
             return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
@@ -65,6 +75,47 @@ def test_ranks_with_different_options_stop_before_loading(tiny_qwen3_moe, tmp_pa
         lines.add(line.split(": ", 2)[2])
     assert len(lines) == 1, lines   # every rank prints the same message
     assert not any(os.path.exists(v) for v in dirs.values())   # before any tensor I/O or dump
+
+
+@pytest.mark.slow   # rank processes
+@pytest.mark.parametrize("bad", [0, 1], ids=["store-host", "other-rank"])
+def test_a_rank_refusing_outside_any_phase_is_named_by_every_rank_at_once(
+        tiny_qwen3_moe, tmp_path, bad):
+    """COORDLOADER_DIGEST_THREADS=0 on one rank, refused by a check the load makes before
+    its first phase: the others were never told. The other rank called it dead once its
+    heartbeat stopped; on the store host, the host first waited out --timeout (30 s) in
+    close() for the other rank. Every rank now names the refusal at its next boundary."""
+    out = _run2(tmp_path, tiny_qwen3_moe, {0: ["--verify", "digest"], 1: ["--verify", "digest"]},
+                env_of={bad: {"COORDLOADER_DIGEST_THREADS": "0"}})
+    why = ("ConfigError: COORDLOADER_DIGEST_THREADS='0': expected a whole number of threads "
+           ">= 1 (or unset it for the default)")
+    for r, (rc, err, took) in out.items():
+        assert rc == 1, (r, err)
+        line = rank_line(err, r, only=True)
+        assert line == (f"coordloader: rank {r}: {why}" if r == bad else
+                        f"coordloader: rank {r}: phase metadata-read: rank {bad}: {why}"), line
+        assert took < 25, (r, took, err)   # not the 30 s timeout
+
+
+@pytest.mark.slow   # rank processes
+def test_a_file_gone_from_one_ranks_copy_after_the_load_is_named_by_the_dump_check(
+        tiny_qwen3_moe, tmp_path):
+    """The source identity --dump records was read between two phases: rank 1's copy
+    losing a file after the load failed there, outside any phase, and rank 0 called rank 1
+    dead. It is read in the dump-check phase: both ranks name the file."""
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_qwen3_moe, copy)
+    name = sorted(f for f in os.listdir(copy) if f.endswith(".safetensors"))[0]
+    out = _run2(tmp_path, tiny_qwen3_moe, {r: ["--dump", str(tmp_path / "dump")] for r in (0, 1)},
+                hooks={1: ["--ckpt", str(copy), "--rename-phase", "verify", "--rename-from",
+                           str(copy / name), "--rename-to", str(tmp_path / "moved")]})
+    for r, (rc, err, _) in out.items():
+        assert rc == 1, (r, err)
+        assert rank_line(err, r, only=True) == (
+            f"coordloader: rank {r}: phase dump-check: rank 1: CheckpointError: file {name}: "
+            f"file does not exist"), err
+    assert not os.path.exists(tmp_path / "dump") or not os.listdir(tmp_path / "dump")
 
 
 def test_options_that_are_not_hashable_are_compared(monkeypatch):

@@ -240,6 +240,10 @@ def _run(args) -> int:
         layout = collective.run_phase("arguments", _check_arguments, group, args, group)
         return _load(args, group, device, layout)
     except BaseException as e:   # Ctrl-C too: an earlier report would still say ok
+        # outside any phase (a check load_detailed makes before its first, one between two):
+        # the others name it at their next boundary, not once they have waited out
+        # --timeout for this rank or called it dead
+        collective.leave_failed(group, e)
         # rank 0 writes it; before the group formed, the process torchrun calls rank 0
         # (every rank writing one path would race on its temporary file)
         first = (group.rank == 0 if group is not None
@@ -277,11 +281,14 @@ def _load(args, group, device, layout: Layout) -> int:
         # here, once: dump_rank below is told not to again (alone=False). With it, the
         # files' identity (sampled data blocks too): one process per rank loading the
         # next step saved over the same headers is another load
-        source = checkpoint_identity(res.meta.root, [f.name for f in res.meta.files],
-                                     read_from=res.meta.files).digest()
-        collective.run_phase("dump-check", lambda: check_dump_target(
-            args.dump, res.rank, layout.world_size, args.overwrite,
-            res.plan.digest() if group is None else None, source), group)
+        def check():
+            # (in the phase: a file gone from one rank's copy since the load is named there)
+            source = checkpoint_identity(res.meta.root, [f.name for f in res.meta.files],
+                                         read_from=res.meta.files).digest()
+            check_dump_target(args.dump, res.rank, layout.world_size, args.overwrite,
+                              res.plan.digest() if group is None else None, source)
+            return source
+        source = collective.run_phase("dump-check", check, group)
         mine["dump"] = collective.run_phase("dump", lambda: dump_rank(
             args.dump, res.rank, res.tensors, plan_digest=res.plan.digest(),
             layout=layout.to_dict(), coords=dict(res.rank_plan.coords),

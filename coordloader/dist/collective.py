@@ -39,6 +39,9 @@ API (all a phase needs)::
   ``group=None`` or world 1, ``fn`` just runs and its own exception propagates unchanged.
   Every rank must call the same phases in the same order (the collective
   discipline); a rank that is in a different phase is reported by name.
+- ``leave_failed(group, exc)``: an exception raised outside any phase, posted for the
+  others to name at their next boundary (the store's host waits, bounded, until they
+  have read it); call it before ``close()``.
 - ``Group.close()`` ends the group (the rank hosting the store waits, bounded, until the
   others are done with it) and destroys the process group it created.
 - ``exit_on_error()`` (context manager or decorator) for entry points: any exception
@@ -650,12 +653,8 @@ def adopted(group, timeout_s: float | None = None):
     except GeneratorExit:
         raise
     except BaseException as exc:
-        if not g._failed:
-            # raised here outside any phase (load refusing the group it was handed, say):
-            # the others learn why at their next boundary, rather than calling this rank
-            # dead once close() below stops its heartbeat
-            _post_leaving(g, exc)
-            g._failed = True   # close() waits for no one: the others have failed too
+        # raised here outside any phase (load refusing the group it was handed, say)
+        leave_failed(g, exc)
         raise
     finally:
         g.close()
@@ -744,6 +743,50 @@ def run_phase(name: str, fn: Callable, group: Group | None, *args, **kw):
     if local is not None and not isinstance(local, Exception):
         raise local  # KeyboardInterrupt / SystemExit: others were told, keep its meaning
     return value
+
+
+def leave_failed(group: Group | None, exc: BaseException) -> None:
+    """``exc`` ended this rank's part outside any phase (a check between two phases, the
+    caller's own code): posted as this rank's failure at the step the others reach next,
+    so they name it there rather than calling this rank dead once its heartbeat stops,
+    or waiting out the timeout for it; ``close()`` then waits for no one. The rank hosting
+    the store lingers until the others have read it (bounded): its exit would take the
+    store, and the cause, with it. A no-op after a failed phase (every rank knows)."""
+    if group is None or group.world <= 1 or group._failed or group._closed:
+        return
+    tag = str(group._seq)
+    _post_leaving(group, exc)
+    group._failed = True
+    if group.store_host:
+        _linger_for_readers(group, tag)
+
+
+def _linger_for_readers(group: Group, tag: str) -> None:
+    """Wait until every other rank has acknowledged step ``tag`` (or closed the group),
+    at most the group's timeout, and no longer once the ranks still missing have all
+    stopped beating (dead: they will never read it)."""
+    st = group.store
+    others = [r for r in range(group.world) if r != group.rank]
+    end = time.monotonic() + group.timeout_s
+    moved: dict[int, tuple[int, float]] = {}   # rank -> (beat count, when it last moved)
+    with contextlib.suppress(Exception):
+        while True:
+            waiting = [r for r in others
+                       if not st.check([f"ack/{tag}/{r}"]) and not st.check([f"close/{r}"])]
+            left = end - time.monotonic()
+            if not waiting or left <= 0:
+                return
+            beats = _heartbeats(group, waiting)
+            if beats is not None:
+                now = time.monotonic()
+                for r, c in beats.items():
+                    if r not in moved or moved[r][0] != c:
+                        moved[r] = (c, now)
+                if all(now - moved[r][1] >= DEAD_AFTER_S for r in waiting):
+                    return
+            with contextlib.suppress(Exception):
+                st.wait([f"ack/{tag}/{r}" for r in waiting],
+                        timedelta(seconds=min(left, 2 * HEARTBEAT_S)))
 
 
 def _post_leaving(group: Group, exc: BaseException) -> None:
