@@ -262,10 +262,10 @@ def test_a_rank_checked_alone_names_a_checkpoint_it_cannot_re_read(setup):
     os.rename(os.path.join(root, "model.safetensors"), os.path.join(root, "moved"))
     with pytest.raises(VerifyError) as e:
         vf.verify_rank(loaded[0], plan, "digest", meta=meta, manifest=man, rank=0)
-    assert {(f["tensor"], f["check"]) for f in e.value.report["failures"]} == {
-        ("embed", "digest"), ("w_col", "digest"), ("w_row", "digest")}
-    assert all("cannot re-read the rest of the tensor from the checkpoint"
-               in f["detail"] for f in e.value.report["failures"])
+    # one finding for the file, not one per tensor it stores
+    assert [(f["tensor"], f["check"], f["detail"]) for f in e.value.report["failures"]] == [
+        (None, "file", "model.safetensors: cannot re-read it, so the pieces it stores are not "
+                       "checked: cannot open: No such file or directory")]
 
 
 def test_rank_plan_form_alone_checks_one_share_not_the_whole(setup):
@@ -499,3 +499,39 @@ def test_bad_digest_threads_setting_is_one_finding(setup, monkeypatch, value):
     assert [(f["rank"], f["check"]) for f in rep["failures"]] == [(0, "error"), (1, "error")]
     monkeypatch.setenv("COORDLOADER_DIGEST_THREADS", "3")
     assert vf.verify_rank(loaded[0], plan, 0, mode="digest", meta=meta)["ok"]
+
+
+@pytest.mark.parametrize("change", ["rewritten", "truncated"])
+def test_full_mode_names_a_file_changed_since_the_load_not_the_loaded_bytes(
+        tmp_path, tiny_checkpoint, monkeypatch, change):
+    """A file changed after the load and before --verify full's re-read: the loaded
+    tensors were what the file held, yet they were reported as wrong ("holds bits 0xbcca,
+    checkpoint has 0xbccb"), or each tensor as a bare SafetensorError of the truncated
+    file. Now: one finding naming the file and how it changed."""
+    import shutil
+
+    import coordloader
+    from coordloader import loader
+
+    from helpers import flip_data_bytes
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint("llama"), ck)
+    name = sorted(f for f in os.listdir(ck) if f.endswith(".safetensors"))[0]
+    path = ck / name
+    os.chmod(path, 0o644)
+
+    def change_it(phase):
+        if phase == "verify":
+            if change == "rewritten":
+                flip_data_bytes(path, 7919, 1)
+            else:
+                os.truncate(path, os.path.getsize(path) // 2)
+    monkeypatch.setattr(loader, "PHASE_HOOKS", [change_it])
+    with pytest.raises(VerifyError) as ei:
+        coordloader.load(str(ck), Layout(tp=2), rank=1, verify="full")
+    problems = ei.value.report["failures"]
+    assert [(p["check"], p["detail"].split(": cannot re-read it, so ")[0])
+            for p in problems] == [("file", name)], problems
+    want = ("file changed after its header was read" if change == "rewritten"
+            else "its header was read when it had")
+    assert want in problems[0]["detail"], problems

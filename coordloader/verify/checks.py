@@ -35,7 +35,13 @@ import torch
 from coordloader.checkpoint.dtypes import from_torch, itemsize, torch_dtype
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape, full_box
 from coordloader.checkpoint.tiling import fmt_box, tiling_problem
-from coordloader.engines import intersect, narrow_box
+from coordloader.engines import (
+    fd_path,
+    intersect,
+    narrow_box,
+    open_checked,
+    refuse_replaced,
+)
 from coordloader.errors import CollectiveError, ConfigError, CoordloaderError, VerifyError
 from coordloader.layout import as_rank
 from coordloader.text import MAX_NAME_CHARS, clip
@@ -234,19 +240,53 @@ def _check_padding(t: torch.Tensor, ts) -> str | None:
     return None
 
 
+class _Unread(Exception):
+    """A piece whose file cannot be re-read as the one the load read (``_FullReader.changed``
+    says why, once per file)."""
+
+
 class _FullReader:
     """Re-reads checkpoint pieces through the HF safetensors library (independent of the
-    engines that did the load)."""
+    engines that did the load), each file checked first to be the one whose header the
+    plan was made from: a file changed since the load would otherwise be compared as the
+    loaded bytes being wrong."""
 
-    def __init__(self, meta):
+    def __init__(self, meta, rank: int | None = None):
         self.meta = meta
+        self.rank = rank
         self.handles: dict[str, Any] = {}
+        self.changed: dict[str, str] = {}   # file -> why it is not re-read
 
     def _open(self, file: str):
-        if file not in self.handles:
-            from safetensors import safe_open
-            self.handles[file] = safe_open(os.path.join(self.meta.root, file), framework="pt")
-        return self.handles[file]
+        h = self.handles.get(file)
+        if h is not None:
+            return h
+        if file in self.changed:
+            raise _Unread(file)
+        from safetensors import safe_open
+        info = next((f for f in self.meta.files if f.name == file), None)
+        path = os.path.join(self.meta.root, file)
+        try:
+            if info is None:
+                raise VerifyError("is not a file of the checkpoint's metadata", file=file)
+            fd, _ = open_checked(path, info, self.rank, during="the load and its verify")
+            try:
+                h = safe_open(fd_path(fd) or path, framework="pt")
+                if fd_path(fd) is None:
+                    refuse_replaced(path, fd, info, self.rank)
+            finally:
+                os.close(fd)
+        except CoordloaderError as e:
+            self.changed[file] = e.message
+            raise _Unread(file) from None
+        self.handles[file] = h
+        return h
+
+    def findings(self, rank: int | None) -> list[Finding]:
+        """One finding per file that could not be re-read (its pieces are not compared)."""
+        return [_finding(rank, "file", f"{f}: cannot re-read it, so the pieces it stores are "
+                                       f"not checked: {why}")
+                for f, why in sorted(self.changed.items())]
 
     def compare(self, name: str, local: torch.Tensor, piece) -> str | None:
         info = self.meta.tensors.get(name)
@@ -306,7 +346,7 @@ def rest_digests(tensors: Mapping[str, torch.Tensor], rank_plan, meta) -> tuple[
     the manifest holds one digest per whole tensor. -> ({name: [digest, ...]}, findings)."""
     out: dict[str, list[int]] = {}
     findings: list[Finding] = []
-    reader = _FullReader(meta)
+    reader = _FullReader(meta, rank_plan.rank)
     for ts in rank_plan.tensors:
         shape = tuple(ts.global_shape)
         if ts.name not in tensors or not shape or prod(shape) == 0:
@@ -318,6 +358,8 @@ def rest_digests(tensors: Mapping[str, torch.Tensor], rank_plan, meta) -> tuple[
             if gaps is None:
                 raise VerifyError("the rest of the tensor is too fragmented to re-read")
             out[ts.name] = [reader.digest_box(ts.name, g) for g in gaps]
+        except _Unread:   # its file's one finding, below
+            continue
         except CoordloaderError as e:
             findings.append(_finding(rank_plan.rank, "digest", f"cannot re-read the rest of the "
                                      f"tensor from the checkpoint: {e.message}", ts.name))
@@ -325,7 +367,7 @@ def rest_digests(tensors: Mapping[str, torch.Tensor], rank_plan, meta) -> tuple[
             findings.append(_finding(rank_plan.rank, "digest", f"cannot re-read the rest of the "
                                      f"tensor from the checkpoint: {type(e).__name__}: {e}",
                                      ts.name))
-    return out, findings
+    return out, findings + reader.findings(rank_plan.rank)
 
 
 def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, meta=None) -> Payload:
@@ -340,6 +382,7 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
     stats = {"tensors": 0, "bytes_digested": 0, "digest_s": 0.0, "bytes_compared": 0, "full_s": 0.0}
     want = rank_plan.by_name()
     jobs: list = []
+    full = None
     try:
         missing = sorted(set(want) - set(tensors))
         extra = sorted(set(tensors) - set(want))
@@ -347,7 +390,8 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
             findings.append(_finding(rank, "missing", "planned for this rank but not loaded", n))
         for n in extra:
             findings.append(_finding(rank, "unexpected", "loaded but not in this rank's plan", n))
-        full = _FullReader(meta) if level >= VerifyMode.FULL.level and meta is not None else None
+        full = (_FullReader(meta, rank) if level >= VerifyMode.FULL.level and meta is not None
+                else None)
         if level >= VerifyMode.FULL.level and meta is None:
             findings.append(_finding(rank, "full", "--verify full needs the checkpoint metadata"))
         for name, ts in want.items():
@@ -374,7 +418,10 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
                 if full is not None:
                     t0 = time.perf_counter()
                     for i, p in enumerate(ts.pieces):
-                        bad = full.compare(name, t, p)
+                        try:
+                            bad = full.compare(name, t, p)
+                        except _Unread:   # its file's one finding, below
+                            continue
                         if bad:
                             findings.append(_finding(rank, "bytes", bad, name, i, p.src))
                     stats["full_s"] += time.perf_counter() - t0
@@ -385,6 +432,8 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
                 findings.append(_finding(rank, "error", f"{type(e).__name__}: {e}", name))
     except Exception as e:  # noqa: BLE001
         findings.append(_finding(rank, "error", f"{type(e).__name__}: {e}"))
+    if full is not None:
+        findings += full.findings(rank)
     if jobs:
         # no more threads than torch's intra-op pool: a rank under torchrun or the bench owns
         # one core (OMP_NUM_THREADS=1)
