@@ -230,18 +230,9 @@ def _compare_plan_digests(plan, group, rank: int, identity: CheckpointIdentity |
         # a rank verifying in another mode (or not at all), or reading with an engine that
         # makes other collectives, would pass its phases with the others' data crossed
         # (or claim a check it never made on some ranks): stop before any tensor I/O
-        seen = [dict(o) for _, _, o in triples]
-        diffs = []
-        for key in sorted({k for d in seen for k in d}):
-            by: dict[str, list[int]] = {}
-            for r, d in enumerate(seen):
-                by.setdefault(repr(d.get(key)), []).append(r)
-            if len(by) > 1:
-                diffs.append(f"{key}: " + ", ".join(
-                    f"{'rank' if len(rs) == 1 else 'ranks'} {format_ranges(rs)} {v}"
-                    for v, rs in by.items()))
-        raise ConfigError(f"ranks disagree on their options ({'; '.join(diffs)}); give every "
-                          f"rank the same options", rank=rank)
+        diffs = collective.options_disagreement([dict(o) for _, _, o in triples])
+        raise ConfigError(f"ranks disagree on their options ({diffs}); give every rank the "
+                          f"same options", rank=rank)
     digests = [p for p, _, _ in triples]
     if len(set(digests)) > 1:
         by: dict[str, list[int]] = {}

@@ -693,6 +693,21 @@ def _dist_worker(rank, port, base, q):
                 q.put((out, rank, "ok", r.published))
             except Exception as e:  # noqa: BLE001
                 q.put((out, rank, type(e).__name__, str(e)))
+        # rank 1 given another out_dir (a node-local path), or digests=False; rank 1 not
+        # seeing rank 0's staging directory (out_dir not on a shared file system)
+        for case in ("outdir", "digests", "unseen"):
+            kw = {"digests": rank == 0} if case == "digests" else {}
+            out = os.path.join(base, case + ("-1" if case == "outdir" and rank == 1 else ""))
+            real_isdir = os.path.isdir
+            if case == "unseen" and rank == 1:
+                os.path.isdir = lambda p: ".coordloader-staging-" not in str(p) and real_isdir(p)
+            try:
+                r = save(out, dict(locs[rank]), plan, config=CFG, **kw)
+                q.put((case, rank, "ok", r.published))
+            except Exception as e:  # noqa: BLE001
+                q.put((case, rank, type(e).__name__, str(e)))
+            finally:
+                os.path.isdir = real_isdir
         # rank 1 never calls save: rank 0 must give up after timeout=, naming it
         if rank == 0:
             t = time.monotonic()
@@ -713,10 +728,29 @@ def test_distributed_save_and_error_agreement(tmp_path):
     q = mp.get_context("spawn").Queue()
     spawn_and_wait(_dist_worker, (free_port(), str(tmp_path), q), 2, "distributed save")
     res = {}
-    for _ in range(5):
+    for _ in range(11):
         r = q.get(timeout=10)
         res[r[:2]] = r[2:]
     plan, locs, full = make_plan_and_locals()
+    # options that must agree, and an out_dir rank 1 cannot see: refused in save-assign,
+    # nothing published (was: a bare "No such file or directory" of a shard file; with
+    # digests=False on rank 1 alone, a checkpoint published without its manifest)
+    base = str(tmp_path)
+    for case, why in (
+            ("outdir", f"ConfigError: ranks disagree on their save options (out_dir: rank 0 "
+                       f"{os.path.join(base, 'outdir')!r}, rank 1 "
+                       f"{os.path.join(base, 'outdir-1')!r}); give every rank the same options"),
+            ("digests", "ConfigError: ranks disagree on their save options (digests: rank 0 "
+                        "True, rank 1 False); give every rank the same options"),
+            ("unseen", "SaveError: rank 0's staging directory .coordloader-staging-")):
+        for r in (0, 1):
+            kind, msg = res[(case, r)]
+            assert kind == "CollectiveError" and msg.startswith(
+                f"phase save-assign: rank{'s 0,1' if case != 'unseen' else ' 1'}: "
+                f"{why}"), (case, r, msg)
+        assert not os.path.exists(tmp_path / case / SHARDED_INDEX)
+    assert "is not in out_dir" in res[("unseen", 0)][1] and "shared file system" in \
+        res[("unseen", 0)][1]
     assert res[("ok", 0)] == ("ok", True) and res[("ok", 1)] == ("ok", False)
     assert_equal_ckpt(tmp_path / "ok", full)
     ref = tmp_path / "ref"

@@ -1215,6 +1215,22 @@ def exit_on_error(fn: Callable | None = None, *, rank=None, usage_errors=(), too
     return wrapper
 
 
+def options_disagreement(seen) -> str:
+    """Each rank's options (``seen[r]``, a mapping), the ones that differ as "key: rank 0
+    v, ranks 1-3 w; ..." ('' when every rank's agree). Values are compared by repr (they
+    need not be hashable)."""
+    diffs = []
+    for key in sorted({k for d in seen for k in d}):
+        by: dict[str, list[int]] = {}
+        for r, d in enumerate(seen):
+            by.setdefault(repr(d.get(key)), []).append(r)
+        if len(by) > 1:
+            diffs.append(f"{key}: " + ", ".join(
+                f"{'rank' if len(rs) == 1 else 'ranks'} {format_ranges(rs)} {v}"
+                for v, rs in by.items()))
+    return "; ".join(diffs)
+
+
 def gather_object(group: "Group | None", value) -> list:
     """Every rank's ``value``, by rank (``all_gather_object`` over the group's process
     group); ``[value]`` without a group or in a world of one. Every rank must call it, so

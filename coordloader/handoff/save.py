@@ -49,7 +49,7 @@ from coordloader.checkpoint.formats import (
 from coordloader.checkpoint.metadata import box_numel, box_shape, config_mismatch
 from coordloader.checkpoint.tiling import TilingKind, fmt_box, tiling_problem
 from coordloader.engines import wraps_other_tensors
-from coordloader.errors import CollectiveError, CoordloaderError, SaveError
+from coordloader.errors import CollectiveError, ConfigError, CoordloaderError, SaveError
 from coordloader.handoff.pieces import (
     collect_pieces,
     disagreement,
@@ -402,7 +402,7 @@ def _absent_hint(g, e: CollectiveError) -> str:
 
 def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrite, config,
                       digests) -> SaveResult:
-    from coordloader.dist.collective import gather_object, run_phase
+    from coordloader.dist.collective import gather_object, options_disagreement, run_phase
     rank_, world = g.rank, g.world
     if rank is not None and rank != rank_:
         raise SaveError(f"rank={rank} given, but this process is rank {rank_} of the group", rank=rank_)
@@ -429,11 +429,25 @@ def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrit
     # (the agreement and the heartbeat), not reported as raw gloo text or a hang.
 
     def assign():
-        # rank 0's staging directory, and who holds which undecided box (written once, by
-        # the lowest rank holding it); the order of names in the checkpoint
-        held = gather_object(g, (stage, undecided(pieces)))
+        # rank 0's staging directory, who holds which undecided box (written once, by the
+        # lowest rank holding it), each rank's options; the order of names in the checkpoint
+        opts = {"out_dir": os.path.abspath(out_dir), "digests": bool(digests),
+                "overwrite": bool(overwrite)}
+        held = gather_object(g, (stage, undecided(pieces), opts))
+        diffs = options_disagreement([h[2] for h in held])
+        if diffs:
+            # out_dir: each rank wrote into its own directory + rank 0's stage name, which
+            # failed as a bare "No such file"; digests: a manifest left out without a word
+            raise ConfigError(f"ranks disagree on their save options ({diffs}); give every "
+                              f"rank the same options", rank=rank)
         names = gather_object(g, _ckpt_order(plan, tensors) if rank == 0 or plan is None
                               else [])
+        # after the phase's last collective: a rank refusing alone leaves none pending
+        if not os.path.isdir(os.path.join(out_dir, held[0][0])):
+            raise SaveError(f"rank 0's staging directory {held[0][0]} is not in out_dir "
+                            f"{out_dir} as this rank sees it: a distributed save writes into "
+                            f"one directory every rank sees (a shared file system); expected "
+                            f"out_dir there", rank=rank)
         return (held[0][0], keep_primaries(pieces, [h[1] for h in held], rank),
                 list(dict.fromkeys(n for part in names for n in part)))
     stage_here = stage
