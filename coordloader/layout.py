@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from coordloader.errors import CoordloaderError, PlanError
-from coordloader.text import clip
+from coordloader.text import MAX_NAME_CHARS, clip
 
 
 @dataclass(frozen=True)
@@ -255,4 +255,13 @@ class Layout:
         s = f"tp={self.tp} pp={self.pp} dp={self.dp} ep={self.ep}"
         if self.ep_spans_dp:
             s += " ep_spans_dp"
+        # the fields a refusal may come from, when not the default (a plan error printed
+        # the layout without the expert map that caused it)
+        if self.expert_placement != "linear":
+            p = self.expert_placement
+            shown = p if isinstance(p, str) else ",".join(
+                "[" + " ".join(map(str, q)) + "]" for q in p)
+            s += f" expert_placement={clip(shown, MAX_NAME_CHARS)}"
+        if self.pp_layers is not None:
+            s += " pp_layers=" + ",".join(map(str, self.pp_layers))
         return s

@@ -125,3 +125,29 @@ def test_local_order_is_experts_of_order_without_the_expert_count(placement):
         own = lay.experts_of(q, 4)
         assert lay.local_order(q, sorted(own)) == list(own)
         assert lay.local_order(q, sorted(own, reverse=True)) == list(own)
+
+
+def test_a_layouts_text_names_the_fields_a_refusal_may_come_from():
+    """A plan refusing an expert map printed the layout as "tp=2 pp=1 dp=1 ep=2", without
+    the map that caused it (nor pp_layers): the user could not tell which field to fix."""
+    assert str(Layout(tp=2, ep=2)) == "tp=2 pp=1 dp=1 ep=2"
+    assert str(Layout(tp=2, ep=2, expert_placement=((0, 1, 2), (2, 3)))) == \
+        "tp=2 pp=1 dp=1 ep=2 expert_placement=[0 1 2],[2 3]"
+    assert str(Layout(tp=2, pp=2, ep=2, expert_placement="round_robin", pp_layers=(1, 3))) == \
+        "tp=2 pp=2 dp=1 ep=2 expert_placement=round_robin pp_layers=1,3"
+    long = str(Layout(tp=2, ep=2, expert_placement=(tuple(range(128)), tuple(range(128, 256)))))
+    assert long.startswith("tp=2 pp=1 dp=1 ep=2 expert_placement=[0 1 2 ") and len(long) < 400
+
+
+def test_a_fused_expert_tensor_refusing_a_redundant_expert_names_the_map(tmp_path):
+    """transformers 5 / gpt-oss fused expert tensors take a redundant expert only where the
+    ep ranks holding it hold the same set (docs/layout.md): the refusal names the map."""
+    import coordloader as cl
+
+    from hfmodels import write_gpt_oss
+    ck = write_gpt_oss(str(tmp_path / "gpt"))
+    with pytest.raises(cl.PlanError) as ei:
+        cl.make_plan(ck, Layout(tp=2, ep=2, expert_placement=((0, 1, 2), (2, 3))))
+    assert ("expert 2 is placed on ep ranks 0 and 1 with different expert sets" in str(ei.value)
+            and "(layout tp=2 pp=1 dp=1 ep=2 expert_placement=[0 1 2],[2 3])" in str(ei.value)), \
+        str(ei.value)
