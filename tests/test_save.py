@@ -584,6 +584,63 @@ def test_consolidate_killed_at_every_publish_step(tmp_path):
             assert recover_save(out) and _state(out, old, full) == "new"
 
 
+def _config_dir(path, templates: dict) -> str:
+    """A config directory as transformers writes it: config.json, the default chat
+    template, and each other named one under additional_chat_templates/."""
+    import json
+    os.makedirs(path / "additional_chat_templates")
+    (path / "config.json").write_text(json.dumps(CFG))
+    (path / "chat_template.jinja").write_text("{{ messages }}")
+    for name, text in templates.items():
+        (path / "additional_chat_templates" / f"{name}.jinja").write_text(text)
+    return str(path)
+
+
+def _templates(out) -> dict:
+    d = out / "additional_chat_templates"
+    return {n: (d / n).read_text() for n in sorted(os.listdir(d))} if d.exists() else {}
+
+
+def test_named_chat_templates_travel_and_replace_the_old_ones_at_every_publish_step(tmp_path):
+    """transformers writes every named chat template but the default as
+    additional_chat_templates/NAME.jinja: save(config=DIR) and consolidate left that folder
+    behind, the output's tokenizer silently down to its default template (a tool-use prompt
+    rendered another way). Its files travel as companions, published under the marker
+    like the rest; an old checkpoint's templates go with it, at every step a kill can
+    interrupt."""
+    from coordloader.handoff.consolidate import consolidate
+    from coordloader.handoff.publish import recover_save
+    plan, locs, full = make_plan_and_locals()
+    new_cfg = _config_dir(tmp_path / "new-cfg", {"tool_use": "{{ tools }}"})
+    old_cfg = _config_dir(tmp_path / "old-cfg", {"old": "old", "tool_use": "old tools"})
+    out = tmp_path / "saved"
+    save_local(out, plan, locs, config=new_cfg)
+    assert _templates(out) == {"tool_use.jinja": "{{ tools }}"}
+    hf = tmp_path / "hf"
+    consolidate(str(out), str(hf))
+    assert _templates(hf) == {"tool_use.jinja": "{{ tools }}"}
+    assert (hf / "chat_template.jinja").read_text() == "{{ messages }}"
+    old = {n: t + 1 if t.is_floating_point() else t for n, t in full.items()}
+    steps = _publish_steps(lambda: save_local(tmp_path / "rec", plan, locs, config=new_cfg))
+    assert "moved additional_chat_templates/tool_use.jinja" in steps
+    for k, step in enumerate(steps):
+        out = tmp_path / f"k{k}"
+        save_local(out, plan, _bump(locs), config=old_cfg)
+        _kill_at(step, lambda: save_local(out, plan, locs, overwrite=True, config=new_cfg))
+        state = _state(out, old, full)
+        if state == "refused":
+            assert recover_save(out)
+            state = _state(out, old, full)
+        want = ({"old.jinja": "old", "tool_use.jinja": "old tools"} if state == "old"
+                else {"tool_use.jinja": "{{ tools }}"})
+        assert (state, _templates(out)) == ("old" if k == 0 else "new", want), step
+        assert not [n for n in os.listdir(out) if n.startswith(".coordloader")], step
+    # a new checkpoint bringing no named template removes the old ones and their folder
+    out = tmp_path / "k0"
+    save_local(out, plan, locs, overwrite=True)
+    assert not (out / "additional_chat_templates").exists()
+
+
 def test_consolidate_over_same_named_shards_removes_the_old_index_first(tmp_path):
     """Consolidating over an HF checkpoint with the same shard names kept its index in
     place while the new shards moved in: a reader that ignores the marker (transformers,

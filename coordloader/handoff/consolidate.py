@@ -54,6 +54,7 @@ from coordloader.handoff.publish import (
     MAX_COMPANION_BYTES,
     check_sizes,
     companion_files,
+    companion_path,
     os_error,
     output_dir,
     prepare_target,
@@ -62,6 +63,7 @@ from coordloader.handoff.publish import (
     publishing,
     resolve_config,
     stage_config,
+    sync_companion_dirs,
     write_json_durable,
     writer_error,
 )
@@ -497,7 +499,8 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
         extras = list(companions)
         copied = {}
         for entry in extras:
-            copied[entry] = _copy_companion(described[entry][0], os.path.join(stage_dir, entry))
+            copied[entry] = _copy_companion(described[entry][0], companion_path(stage_dir, entry))
+        sync_companion_dirs(stage_dir)
         if cfg is not None:
             extras = sorted(set(extras) | set(stage_config(stage_dir, cfg)))
         # Content is unchanged, so the source's digests carry over, once held against the

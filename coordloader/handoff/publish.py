@@ -22,6 +22,7 @@ either already moved or still staged), as does the next save into the directory.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -64,6 +65,10 @@ _test_hook: Callable[[str], None] | None = None
 # Companion files larger than this are not copied along (they are not tokenizer or config
 # files; a stray dataset next to a checkpoint must not be duplicated).
 MAX_COMPANION_BYTES = 64 * 2**20
+# Folders of small companion files a checkpoint directory holds: transformers writes each
+# named chat template but the default as additional_chat_templates/NAME.jinja. Their files
+# travel (and are published, and removed with an old checkpoint) as ``DIR/NAME``.
+COMPANION_DIRS = ("additional_chat_templates",)
 
 
 def _hook(step: str) -> None:
@@ -141,9 +146,27 @@ class Existing(NamedTuple):
 
 
 def _plain(names) -> frozenset[str]:
-    # never follow a name out of the directory
-    return frozenset(n for n in names if isinstance(n, str) and n and "/" not in n
-                     and "\\" not in n and n not in (".", ".."))
+    # never follow a name out of the directory: a plain name, or one inside a companion
+    # folder (``COMPANION_DIRS``)
+    return frozenset(n for n in names if isinstance(n, str) and _plain_name(n))
+
+
+def _plain_name(n: str) -> bool:
+    head, sep, tail = n.partition("/")
+    if sep:
+        return head in COMPANION_DIRS and _plain_name(tail) and "/" not in tail
+    return bool(n) and "\\" not in n and n not in (".", "..")
+
+
+def _companion_dir_files(root: str, names) -> set[str]:
+    """``DIR/NAME`` of every entry in the companion folders among ``names`` (a listing of
+    ``root``)."""
+    out: set[str] = set()
+    for d in COMPANION_DIRS:
+        p = os.path.join(root, d)
+        if d in names and os.path.isdir(p) and not os.path.islink(p):
+            out |= {f"{d}/{e}" for e in os.listdir(p)}
+    return out
 
 
 def _index_files(path: str) -> set[str]:
@@ -202,7 +225,9 @@ def existing_checkpoint(out_dir: str) -> Existing | None:
     # the config describes the model whose weights these are: left beside another
     # model's weights (a new checkpoint that brings none), it would be read as theirs
     files |= {MANIFEST_NAME, CONFIG_NAME} & names
-    return Existing(_plain(entries), _plain(files) & names)
+    # the named chat templates too (describing the model, as its config)
+    nested = _plain(_companion_dir_files(out_dir, names))
+    return Existing(_plain(entries), (_plain(files) & names) | nested)
 
 
 def output_dir(out_dir: Any, rank: int | None = None, *, usage: str = "") -> str:
@@ -313,12 +338,19 @@ def _roll_forward(out_dir: str, rec: PublishRecord) -> None:
         src, dst = os.path.join(stage_dir, f), os.path.join(out_dir, f)
         if os.path.lexists(src):
             if f == rec.files[-1]:
-                fsync_dir(out_dir)  # every other file's rename is durable before the entry's
+                # every other file's rename is durable before the entry's
+                sync_companion_dirs(out_dir)
+                fsync_dir(out_dir)
+            if "/" in f:
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
             os.replace(src, dst)
         _hook(f"moved {f}")
     fsync_dir(out_dir)
     for n in rec.remove:
         _unlink(os.path.join(out_dir, n))
+    for d in COMPANION_DIRS:   # a folder the old checkpoint's files alone were in
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(out_dir, d))
     shutil.rmtree(stage_dir, ignore_errors=True)
     fsync_dir(out_dir)
     _hook("old-files-removed")
@@ -498,7 +530,28 @@ def companion_files(src_dir: str, skip: set[str]) -> list[str]:
         if os.path.getsize(p) > MAX_COMPANION_BYTES:
             continue
         out.append(entry)
+    for n in sorted(_companion_dir_files(src_dir, os.listdir(src_dir))):
+        p = os.path.join(src_dir, n)
+        leaf = n.rsplit("/", 1)[1]
+        if (_plain_name(n) and not leaf.startswith(".") and not _TEMPORARY.match(leaf)
+                and os.path.isfile(p) and os.path.getsize(p) <= MAX_COMPANION_BYTES):
+            out.append(n)
     return out
+
+
+def companion_path(stage_dir: str, name: str) -> str:
+    """Where companion ``name`` goes in the stage (its folder made for a ``DIR/NAME``)."""
+    p = os.path.join(stage_dir, name)
+    if "/" in name:
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+    return p
+
+
+def sync_companion_dirs(root: str) -> None:
+    """fsync the companion folders in ``root`` (their entries' renames or creations)."""
+    for d in COMPANION_DIRS:
+        if os.path.isdir(os.path.join(root, d)):
+            fsync_dir(os.path.join(root, d))
 
 
 def stage_config(stage_dir: str, cfg: ModelConfig, skip: set[str] = frozenset()) -> list[str]:
@@ -511,11 +564,12 @@ def stage_config(stage_dir: str, cfg: ModelConfig, skip: set[str] = frozenset())
         written.append(CONFIG_NAME)
         if cfg.src_dir is not None:
             for n in companion_files(cfg.src_dir, set(skip) | {CONFIG_NAME}):
-                p = os.path.join(stage_dir, n)
+                p = companion_path(stage_dir, n)
                 shutil.copyfile(os.path.join(cfg.src_dir, n), p)
                 with open(p, "rb+") as f:
                     os.fsync(f.fileno())
                 written.append(n)
+            sync_companion_dirs(stage_dir)
     except OSError as e:
         raise os_error(e, p, None, "copying the config and companion files") from e
     return written
