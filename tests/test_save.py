@@ -641,6 +641,63 @@ def test_named_chat_templates_travel_and_replace_the_old_ones_at_every_publish_s
     assert not (out / "additional_chat_templates").exists()
 
 
+_HOLD_STAGE = """
+import sys, time
+from coordloader.handoff import publish as pub
+out, step = sys.argv[1], sys.argv[2]
+if step == "staged":
+    pub.prepare_target(out, False, None, "other-writer")
+else:   # a save paused in its publish, after the marker
+    import torch
+    import coordloader as cl
+    def hook(s):
+        if s == step:
+            print("ready", flush=True)
+            time.sleep(60)
+    pub._test_hook = hook
+    cl.save(out, {"w": torch.ones(4)}, config={"model_type": "toy"}, overwrite=True)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("step", ["staged", "marked"])
+def test_a_second_writer_into_a_directory_another_is_writing_is_refused(tmp_path, step):
+    """A consolidate started into a directory another one was still writing removed the
+    live one's staging directory as a killed save's leftover (the first then failed late,
+    naming only its own file), or finished the other's publish under way as an interrupted
+    one and then replaced it. A live writer holds a lock on its stage: the second is
+    refused, naming it; once the first is gone (killed), its leftovers are removed."""
+    import subprocess
+    import sys
+
+    from coordloader.errors import SaveError
+    from coordloader.handoff.publish import recover_save
+    plan, locs, full = make_plan_and_locals()
+    out = tmp_path / "out"
+    if step == "marked":
+        save_local(out, plan, _bump(locs))
+    child = subprocess.Popen([sys.executable, "-c", _HOLD_STAGE, str(out), step],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        doing = "writing into" if step == "staged" else "publishing into"
+        with pytest.raises(SaveError) as ei:
+            save_local(out, plan, locs, overwrite=True)
+        assert f"another save or consolidate is {doing} this directory now" in str(ei.value)
+        assert "in use by a live process" in str(ei.value)
+        assert [n for n in os.listdir(out) if n.startswith(".coordloader-staging-")]
+    finally:
+        child.kill()
+        child.wait()
+    if step == "marked":   # the killed publish is finished, then replaced
+        assert recover_save(out)
+    save_local(out, plan, locs, overwrite=True)
+    old = {n: t + 1 if t.is_floating_point() else t for n, t in full.items()}
+    assert _state(out, old, full) == "new"
+    assert not [n for n in os.listdir(out) if n.startswith(".coordloader")]
+
+
 def test_consolidate_over_same_named_shards_removes_the_old_index_first(tmp_path):
     """Consolidating over an HF checkpoint with the same shard names kept its index in
     place while the new shards moved in: a reader that ignores the marker (transformers,

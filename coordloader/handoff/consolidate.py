@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,12 +54,12 @@ from coordloader.handoff.publish import (
     check_sizes,
     companion_files,
     companion_path,
+    end_stage,
     os_error,
     output_dir,
     prepare_target,
     publish,
     publish_error,
-    publishing,
     resolve_config,
     stage_config,
     sync_companion_dirs,
@@ -530,6 +529,5 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
             digests.close()
         _close_all(srcs, described, room)
         # after the publish marker the stage holds the new files recover_save moves in
-        if not publishing(out_dir, stage):
-            shutil.rmtree(stage_dir, ignore_errors=True)
+        end_stage(out_dir, stage)
     return ConsolidateResult(out_dir, tuple(names), len(weight_map), total, time.perf_counter() - t0)

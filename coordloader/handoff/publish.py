@@ -258,6 +258,70 @@ def check_sizes(rank: int | None, **sizes: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
+# -------------------------------------------------------------- one writer at a time
+# A writer holds an exclusive flock on its staging directory's lock file while it lives
+# (the kernel drops it when the process dies): a stage whose lock is free is a killed
+# writer's leftover; one whose lock is held is another writer's, live.
+_STAGE_LOCK = ".lock"
+_HELD: dict[str, int] = {}   # stage directory (real path) -> the descriptor holding its lock
+
+
+def _lock_stage(stage_dir: str) -> None:
+    import fcntl
+    fd = os.open(os.path.join(stage_dir, _STAGE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:   # a file system without locks: writers are not told apart, as before
+        os.close(fd)
+        return
+    _HELD[os.path.realpath(stage_dir)] = fd
+
+
+def _stage_in_use(stage_dir: str) -> bool:
+    """Whether another process's live writer holds ``stage_dir`` (this process's own
+    stages are an earlier call's, left behind: not in use)."""
+    import fcntl
+    if os.path.realpath(stage_dir) in _HELD:
+        return False
+    try:
+        fd = os.open(os.path.join(stage_dir, _STAGE_LOCK), os.O_RDWR | os.O_NONBLOCK)
+    except OSError:   # no lock file: a writer killed before it took the lock, or gone
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
+def release_stage(stage_dir: str) -> None:
+    """Drop this process's lock on ``stage_dir`` (its writer is done, or gave up)."""
+    fd = _HELD.pop(os.path.realpath(stage_dir), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def end_stage(out_dir: str, stage: str) -> None:
+    """A writer that published, or failed: its stage removed unless its publish began (the
+    stage then holds what ``recover_save`` moves in), and its lock released."""
+    stage_dir = os.path.join(out_dir, stage)
+    if not publishing(out_dir, stage):
+        shutil.rmtree(stage_dir, ignore_errors=True)
+    release_stage(stage_dir)
+
+
+def _refuse_live_writer(out_dir: str, stage: str, rank: int | None, doing: str) -> None:
+    if _stage_in_use(os.path.join(out_dir, stage)):
+        raise SaveError(f"another save or consolidate is {doing} this directory now (its "
+                        f"staging directory {stage} is in use by a live process): wait for it "
+                        f"to finish, or write elsewhere; two writers into one directory would "
+                        f"replace each other's files", file=out_dir, rank=rank)
+
+
 def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str) -> str:
     """Check the target and create a fresh staging directory in it; returns its name. An
     interrupted publish found there is finished first, so the directory is one checkpoint
@@ -270,23 +334,39 @@ def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str) 
     if not os.path.isdir(out_dir):
         raise SaveError("output path exists and is not a directory", file=out_dir, rank=rank)
     rec = _read_marker(out_dir)
+    if rec is not None:   # a live writer's publish under way is not finished from here
+        _refuse_live_writer(out_dir, rec.stage, rank, "publishing into")
     # with overwrite, a publish whose new files are lost cannot be finished and need not
     # be: its marker stays, so readers refuse the directory until this save's own marker
     # replaces it
     if rec is not None and not (overwrite and _lost_files(out_dir, rec)):
         _roll_forward(out_dir, rec)
+    stages = sorted(n for n in os.listdir(out_dir) if n.startswith(STAGING_PREFIX))
+    for n in stages:
+        _refuse_live_writer(out_dir, n, rank, "writing into")
     if existing_checkpoint(out_dir) is not None and not overwrite:
         raise SaveError("a checkpoint already exists here; pass overwrite=True (--overwrite) to replace it",
                         file=out_dir, rank=rank)
     # Leftovers of a save killed before it published (never part of a checkpoint).
-    for n in os.listdir(out_dir):
-        if n.startswith(STAGING_PREFIX):
-            shutil.rmtree(os.path.join(out_dir, n), ignore_errors=True)
+    for n in stages:
+        shutil.rmtree(os.path.join(out_dir, n), ignore_errors=True)
+        release_stage(os.path.join(out_dir, n))
     stage = STAGING_PREFIX + token
+    stage_dir = os.path.join(out_dir, stage)
     try:
-        os.mkdir(os.path.join(out_dir, stage))
+        os.mkdir(stage_dir)
+        _lock_stage(stage_dir)
     except OSError as e:
-        raise os_error(e, os.path.join(out_dir, stage), rank, "creating the staging directory") from e
+        raise os_error(e, stage_dir, rank, "creating the staging directory") from e
+    # two writers that both found the directory free: each sees the other's stage now,
+    # and both give up (neither would know which publish a reader gets)
+    others = [n for n in os.listdir(out_dir) if n.startswith(STAGING_PREFIX) and n != stage]
+    for n in others:
+        try:
+            _refuse_live_writer(out_dir, n, rank, "writing into")
+        except SaveError:
+            end_stage(out_dir, stage)
+            raise
     return stage
 
 
@@ -352,6 +432,7 @@ def _roll_forward(out_dir: str, rec: PublishRecord) -> None:
         with contextlib.suppress(OSError):
             os.rmdir(os.path.join(out_dir, d))
     shutil.rmtree(stage_dir, ignore_errors=True)
+    release_stage(stage_dir)
     fsync_dir(out_dir)
     _hook("old-files-removed")
     _unlink(os.path.join(out_dir, PUBLISH_MARKER))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -59,12 +58,12 @@ from coordloader.handoff.pieces import (
 from coordloader.handoff.publish import (
     ModelConfig,
     check_sizes,
+    end_stage,
     os_error,
     output_dir,
     prepare_target,
     publish,
     publish_error,
-    publishing,
     resolve_config,
     stage_config,
     write_json_durable,
@@ -423,7 +422,7 @@ def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrit
         cfg, pieces, stage = run_phase("save-prepare", prepare, g)
     except CoordloaderError:
         if rank == 0:  # another rank refused its tensors: the stage made here can go
-            shutil.rmtree(os.path.join(out_dir, STAGING_PREFIX + token), ignore_errors=True)
+            end_stage(out_dir, STAGING_PREFIX + token)
         raise
     # Every exchange runs inside a phase: a rank that dies in one is named by the others
     # (the agreement and the heartbeat), not reported as raw gloo text or a hang.
@@ -460,7 +459,7 @@ def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrit
         recs = run_phase("save-collect", gather_object, g, g, mine)
     except CoordloaderError:
         if rank == 0:  # every rank has stopped writing: the stage can go
-            shutil.rmtree(os.path.join(out_dir, stage_here), ignore_errors=True)
+            end_stage(out_dir, stage_here)
         raise
 
     def publish_():
@@ -478,8 +477,7 @@ def _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order) -> boo
     try:
         return _publish(out_dir, stage, recs, plan, cfg, rank, names_order)
     except BaseException:
-        if not publishing(out_dir, stage):
-            shutil.rmtree(os.path.join(out_dir, stage), ignore_errors=True)
+        end_stage(out_dir, stage)
         raise
 
 
@@ -535,7 +533,7 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
                                 alone=True)
     except BaseException:
         if rank > 0:
-            shutil.rmtree(stage_dir, ignore_errors=True)
+            end_stage(out_dir, stage)
         raise
     names_order = _ckpt_order(plan, tensors)
     if rank == 0:
@@ -560,10 +558,10 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
         write_json_durable(os.path.join(stage_dir, f"rank-{rank:05d}.json"), rec,
                            capped=False)   # read back by this save only
     except OSError as e:
-        shutil.rmtree(stage_dir, ignore_errors=True)
+        end_stage(out_dir, stage)
         raise os_error(e, stage_dir, rank, "writing the rank record") from e
     except BaseException:
-        shutil.rmtree(stage_dir, ignore_errors=True)
+        end_stage(out_dir, stage)
         raise
     secs = time.perf_counter() - t0
     wrote = False
@@ -571,7 +569,7 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
         try:
             recs = earlier + [_record(stage_dir, rank, rank)]
         except BaseException:
-            shutil.rmtree(stage_dir, ignore_errors=True)
+            end_stage(out_dir, stage)
             raise
         wrote = _publish_or_clean(out_dir, stage, recs, plan, cfg, rank, names_order)
     return SaveResult(out_dir, rank, tuple(rec["files"]), rec["bytes"], secs, rank == world - 1, wrote)
