@@ -95,6 +95,16 @@ def main():
             dist.all_gather_object(out, r)   # the others' breaks when rank 2 leaves
             return r
         run_phase("verify", verify, g)
+    elif mode == "host_error_collective":
+        def verify():
+            import torch.distributed as dist
+            if r == 0:   # the store's host fails while the others wait in the collective
+                time.sleep(1)
+                raise RuntimeError("disk vanished")
+            out = [None] * g.world
+            dist.all_gather_object(out, r)
+            return r
+        run_phase("verify", verify, g)
     elif mode == "own_and_nccl":
         def load():
             if r == 1:
@@ -223,6 +233,20 @@ def test_sigint_before_a_collective_is_named_alone(tmp_path):
         line = rank_line(err, r)
         assert line == (f"coordloader: rank {r}: phase verify: rank 2: KeyboardInterrupt: "
                         f"interrupted (SIGINT / Ctrl-C)"), line
+
+
+def test_the_store_host_failing_while_the_others_wait_in_a_collective_is_named(tmp_path):
+    """Rank 0, which hosts the store, failed in a phase whose collective the others had
+    entered: it waited the grace for their statuses, left, and took the store with it;
+    the others printed "lost contact with the coordination store" and gloo's text, never
+    its error, and rank 0 said they "did not report". It now shuts its own process group
+    down (their collective breaks at once) and waits for them: every rank names it."""
+    # a timeout past the grace (5 s): the collective outlasts it
+    res, _, _ = _launch(tmp_path, "host_error_collective", range(4), timeout=20)
+    for r, (rc, out, err, *_) in res.items():
+        assert rc == 1, f"rank {r}: rc {rc}\n{err}"
+        assert rank_line(err, r) == (f"coordloader: rank {r}: phase verify: rank 0: "
+                                     f"RuntimeError: disk vanished"), err
 
 
 def test_a_collective_failure_of_its_own_is_named_beside_another_ranks_error(tmp_path):

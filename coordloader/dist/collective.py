@@ -846,7 +846,17 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
         if nfail == 0:
             _cleanup(group, seq, name)
             return
-        # A failure is known: give stragglers a short grace to report, then stop.
+        # A failure is known: no collective of this group will succeed again. A rank
+        # still inside the phase's collective with one that never comes to it (gloo: a
+        # ring; the store's host, leaving, took the board from under them) waits for the
+        # backend's timeout; a process group this rank made is shut down now, so theirs
+        # breaks at once (their connections close) and they report within the grace.
+        if local is not None and local.__traceback__ is not None:
+            # (the frames of a collective that broke hold the process group: it would
+            # outlive its shutdown, its connections open)
+            traceback.clear_frames(local.__traceback__)
+        _end_own_pg(group)
+        # Give stragglers a short grace to report, then stop.
         # Check liveness as we wait: stop early once every missing rank is dead.
         grace_end = time.monotonic() + min(group.grace_s, group.timeout_s)
         keys = [f"{seq}/s/{r}" for r in range(world)]
@@ -911,6 +921,22 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
     err = _phase_error(name, failures, notes, local, missing)
     _ack_and_linger(group, str(seq), list(statuses))
     raise err from local
+
+
+def _end_own_pg(group: Group) -> bool:
+    """Shut down the process group this Group made (``init_group``), so peers blocked in
+    a collective with this rank fail at once (their connections close) instead of at the
+    backend's timeout; never a caller's. -> whether it did."""
+    if not group.owns_pg or group.pg is None:
+        return False
+    import torch.distributed as dist
+    pg, group.pg = group.pg, None
+    with contextlib.suppress(Exception):
+        pg.shutdown()
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group(pg)
+    group.owns_pg = False   # close() has nothing left to destroy
+    return True
 
 
 # Added to a step's arrival count by a rank that gives up waiting: far above any world, so
