@@ -98,3 +98,20 @@ def write_llama4(out: str, *, seed: int = 0, shard_size: str = "150KB") -> str:
     """A tiny bf16 Llama4ForCausalLM (text, 4 experts every layer) in several shards."""
     return _write(out, "Llama4ForCausalLM", "Llama4TextConfig", LLAMA4, seed, torch.bfloat16,
                   shard_size)
+
+
+def drop_tensor(ckpt: str, name: str) -> None:
+    """Remove tensor ``name`` from the sharded checkpoint ``ckpt`` (its shard rewritten,
+    the index updated): a checkpoint missing a weight its model has."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(ckpt, "model.safetensors.index.json")
+    with open(path) as f:
+        index = json.load(f)
+    shard = os.path.join(ckpt, index["weight_map"].pop(name))
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with open(path, "w") as f:
+        json.dump(index, f)

@@ -17,6 +17,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -24,7 +25,7 @@ import pytest
 
 import coordloader as cl
 
-from hfmodels import write_llama, write_llama_tied_with_extras, write_qwen3_moe
+from hfmodels import drop_tensor, write_llama, write_llama_tied_with_extras, write_qwen3_moe
 
 
 def _plugin_installed() -> bool:
@@ -76,6 +77,10 @@ def runs(tmp_path_factory):
     for r in range(2):
         res = cl.load_detailed(tied, cl.Layout(tp=2), rank=r)
         cl.save(tied_sharded, res.tensors, res.plan, rank=r, config=tied)
+    # a checkpoint missing layer 0's k_proj (one part of vLLM's fused qkv_proj)
+    no_k = str(root / "llama-no-k")
+    shutil.copytree(ckpt["llama"], no_k)
+    drop_tensor(no_k, "model.layers.0.self_attn.k_proj.weight")
     wrong = root / "wrong_rules.json"
     wrong.write_text(json.dumps(WRONG_RULES))
     jobs = []
@@ -99,6 +104,8 @@ def runs(tmp_path_factory):
                      format="coordloader", tp=2))
     jobs.append(dict(name="llama-tp2-wrong-rules", checkpoint=ckpt["llama"], format="coordloader",
                      tp=2, generate=False, extra={"rules": str(wrong)}))
+    jobs.append(dict(name="llama-no-k-tp2-coordloader", checkpoint=no_k, format="coordloader",
+                     tp=2, generate=False))
     jobs.append(dict(name="llama-tp1-unknown-key", checkpoint=ckpt["llama"], format="coordloader",
                      tp=1, generate=False, extra={"engnie": "cpu"}))
     jobs_file, out = root / "jobs.json", root / "out.json"
@@ -219,6 +226,19 @@ def test_wrong_rule_fails_on_every_rank_naming_tensor_and_boxes(runs):
         assert "requested box [0:128,0:64] of global shape [128, 128], held boxes " \
                "{[0:64,0:128]}" in ln, ln
         assert "rank 1: FitError" in ln, ln
+
+
+def test_a_checkpoint_missing_part_of_a_fused_parameter_is_refused(runs):
+    """layer 0's k_proj missing: vLLM's own check exempts every module with a quant_method
+    (linear layers, embeddings, experts), so the format served qkv_proj's k rows as
+    uninitialised memory; vLLM's safetensors format still does."""
+    err = runs["llama-no-k-tp2-coordloader"]["error"]
+    lines = _failure_lines(err, "CollectiveError: phase vllm-fit:")
+    assert {w for w in ("Worker_TP0", "Worker_TP1") if any(w in ln for ln in lines)} == \
+        {"Worker_TP0", "Worker_TP1"}, err["log_tail"][-3000:]
+    for ln in lines:
+        assert "FitError: vLLM's parameter model.layers.0.self_attn.qkv_proj.weight got " in ln \
+            and "is missing from the checkpoint" in ln, ln
 
 
 def test_unknown_loader_option_is_refused(runs):

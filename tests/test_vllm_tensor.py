@@ -970,3 +970,73 @@ def test_random_op_chains_with_zero_match_real_tensors():
     check()
     assert sum(reached.values()) >= CHAIN_EXAMPLES * 0.9, reached
     assert reached["copied after zero_"] >= CHAIN_EXAMPLES * 0.25, reached
+
+
+class _UnquantizedMethod:
+    """A module's quant_method as vLLM's unquantized layers have one (vLLM's own check of
+    the load exempts such modules: their parameters may be computed after loading)."""
+
+
+class _VllmLikeFusedQKV(torch.nn.Module):
+    """vLLM 0.32's llama at tp=1 for layer 0: q/k/v copied into one fused qkv_proj
+    parameter and down_proj into its own, each a module with a quant_method; every other
+    weight copied whole, as ``_VllmLikeLlama``."""
+
+    def __init__(self, full: dict):
+        super().__init__()
+        at = "model.layers.0.self_attn."
+        self.parts = [full[f"{at}{p}_proj.weight"].shape for p in "qkv"]
+        rows, cols = sum(s[0] for s in self.parts), self.parts[0][1]
+        self.qkv_proj = torch.nn.Module()
+        self.qkv_proj.quant_method = _UnquantizedMethod()
+        self.qkv_proj.weight = torch.nn.Parameter(torch.empty(rows, cols), requires_grad=False)
+        self.down_proj = torch.nn.Module()
+        self.down_proj.quant_method = _UnquantizedMethod()
+        self.down_proj.weight = torch.nn.Parameter(
+            torch.empty(full["model.layers.0.mlp.down_proj.weight"].shape), requires_grad=False)
+
+    def load_weights(self, weights):
+        got = set()
+        offsets = dict(zip("qkv", [0, self.parts[0][0], self.parts[0][0] + self.parts[1][0]]))
+        for name, w in weights:
+            got.add(name)
+            if name.startswith("model.layers.0.self_attn.") and name[-13] in "qkv" \
+                    and name.endswith("_proj.weight"):
+                self.qkv_proj.weight.data.narrow(0, offsets[name[-13]], w.shape[0]).copy_(w)
+            elif name == "model.layers.0.mlp.down_proj.weight":
+                self.down_proj.weight.data.copy_(w)
+            elif "rotary_emb.inv_freq" not in name:
+                vllm_like_copy(name, w, 1, 0)
+        return got
+
+
+@pytest.mark.parametrize("missing", [None, "model.layers.0.self_attn.k_proj.weight",
+                                     "model.layers.0.mlp.down_proj.weight"])
+def test_a_parameter_a_missing_tensor_leaves_unfilled_is_refused(tmp_path, missing):
+    """A checkpoint missing k_proj (one part of the fused qkv_proj) or a layer's down_proj
+    passed the load format: vLLM's own check exempts every module with a quant_method
+    (linear layers, embeddings, experts), so the rest of the parameter was served as
+    uninitialised memory (greedy output all token 0, NaN log-probabilities)."""
+    from coordloader.integrations.vllm import LoaderOptions, VllmRank, load_into_vllm
+
+    from hfmodels import drop_tensor
+    ckpt = write_llama(str(tmp_path / "llama"))
+    full = whole(ckpt)
+    if missing is not None:
+        drop_tensor(ckpt, missing)
+    model = _VllmLikeFusedQKV(full)
+    if missing is None:
+        load_into_vllm(model, ckpt, VllmRank(cl.Layout(), 0, None), LoaderOptions())
+        at = "model.layers.0.self_attn."
+        assert torch.equal(model.qkv_proj.weight, torch.cat([full[f"{at}{p}_proj.weight"]
+                                                             for p in "qkv"]).float())
+        return
+    with pytest.raises(FitError) as e:
+        load_into_vllm(model, ckpt, VllmRank(cl.Layout(), 0, None), LoaderOptions())
+    param, n = (("qkv_proj.weight", model.qkv_proj.weight.numel()) if "k_proj" in missing
+                else ("down_proj.weight", model.down_proj.weight.numel()))
+    got = n - full[missing].numel()
+    assert str(e.value) == (
+        f"rank 0: vLLM's parameter {param} got {got} of its {n} elements from the checkpoint: "
+        f"a tensor it is built from (a fused qkv_proj's k_proj, a layer's down_proj) is missing "
+        f"from the checkpoint, and the rest would be served as uninitialised memory"), str(e.value)

@@ -29,6 +29,7 @@ element was copied out, zeroed or not).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass, field
@@ -355,7 +356,11 @@ class GlobalShapeTensor(torch.Tensor):
             dst, src = args[0], args[1]
             if isinstance(dst, GlobalShapeTensor):
                 raise dst._held.refuse("writing into a checkpoint tensor", dst._box)
-            return dst.copy_(src.materialize(), *args[2:], **kwargs)
+            out = dst.copy_(src.materialize(), *args[2:], **kwargs)
+            if _WRITES is not None:
+                key = dst.untyped_storage().data_ptr()
+                _WRITES[key] = _WRITES.get(key, 0) + dst.numel()
+            return out
         self = args[0]
         if not isinstance(self, GlobalShapeTensor):
             raise _refusal(func, args, kwargs, next(a for a in tree_leaves((args, kwargs))
@@ -421,6 +426,23 @@ class GlobalShapeTensor(torch.Tensor):
             if out is not None:
                 return out
         raise _refusal(func, args, kwargs, self)
+
+
+# elements copied out into each destination storage (by its data pointer) while
+# ``recording_writes`` is on: which of a model's parameters the loaders filled, and how much
+_WRITES: dict[int, int] | None = None
+
+
+@contextlib.contextmanager
+def recording_writes():
+    """Count, per destination storage, the elements copied out of GlobalShapeTensors in
+    the block (the dict yielded)."""
+    global _WRITES
+    before, _WRITES = _WRITES, {}
+    try:
+        yield _WRITES
+    finally:
+        _WRITES = before
 
 
 def _refusal(func, args, kwargs, view: GlobalShapeTensor) -> FitError:

@@ -8,7 +8,10 @@ so the same ``weight_loader``s place them unchanged, then checks what vLLM canno
 - exact fit: every element a loader narrowed was held (else the loader raises
   ``FitError`` at once) and every held element was copied out by some loader;
 - expert slots: the experts vLLM keeps on this rank are the experts coordloader loaded;
-- vLLM's own ``track_weights_loading`` (every parameter initialised from the checkpoint).
+- every parameter of a linear, embedding or fused-MoE module filled by the loaders
+  (``check_filled``: vLLM's own check exempts those modules);
+- vLLM's own ``track_weights_loading`` (every other parameter initialised from the
+  checkpoint).
 
 A failure on any rank fails the load on every rank (one agreed phase), naming the rank
 and tensor. Registered through the ``vllm.general_plugins`` entry point (``register``), so
@@ -296,12 +299,41 @@ class LoadReport(dict):
     ``model.coordloader_report`` for benches and tests."""
 
 
+def check_filled(model, writes: Mapping[int, int], rank: int) -> None:
+    """FitError unless the weight loaders filled every parameter of each module with an
+    unquantized method (linear, embedding, fused MoE): vLLM's own check exempts those
+    modules (a quantized method computes their parameters after loading), so a checkpoint
+    missing a weight (``down_proj``, or ``k_proj`` of a fused ``qkv_proj``) was served as
+    uninitialised memory. ``writes``: elements copied into each storage (by data pointer).
+    An embedding counts as filled once any of it is (vLLM zeroes its padding rows itself);
+    a KV-cache method's scales default when a checkpoint has none."""
+    short = []
+    for mname, module in model.named_modules():
+        qm = getattr(module, "quant_method", None)
+        if qm is None or "KVCache" in type(qm).__name__:
+            continue
+        embedding = hasattr(module, "shard_indices")   # vLLM's VocabParallelEmbedding
+        for pname, p in module.named_parameters(recurse=False):
+            n = p.numel()
+            got = writes.get(p.untyped_storage().data_ptr(), 0) if n else 0
+            if n and (got == 0 if embedding else got < n):
+                short.append((f"{mname}.{pname}" if mname else pname, got, n))
+    if short:
+        name, got, n = short[0]
+        more = f" (and {len(short) - 1} more: {', '.join(s[0] for s in short[1:4])})" \
+            if len(short) > 1 else ""
+        raise FitError(f"vLLM's parameter {name} got {got} of its {n} elements from the "
+                       f"checkpoint{more}: a tensor it is built from (a fused qkv_proj's k_proj, "
+                       f"a layer's down_proj) is missing from the checkpoint, and the rest would "
+                       f"be served as uninitialised memory", rank=rank)
+
+
 def load_into_vllm(model, ckpt: str, vr: VllmRank, opts: LoaderOptions, *,
-                   track=None) -> LoadReport:
+                   track=None, quantized: bool = False) -> LoadReport:
     """Plan, load and verify this rank's slices, feed them to ``model.load_weights``, and
     check the fit; every rank fails together if any rank fails."""
     from coordloader.dist import collective
-    from coordloader.integrations.globaltensor import global_tensor, unconsumed
+    from coordloader.integrations.globaltensor import global_tensor, recording_writes, unconsumed
     from coordloader.loader import load_detailed
 
     adopt = collective.adopted(vr.cpu_group, opts.timeout) if vr.layout.world_size > 1 \
@@ -316,7 +348,8 @@ def load_into_vllm(model, ckpt: str, vr: VllmRank, opts: LoaderOptions, *,
 
         def fit():
             wrapped = {n: global_tensor(n, t, by[n], rank=vr.rank) for n, t in res.tensors.items()}
-            loaded = model.load_weights(iter(sorted(wrapped.items())))
+            with recording_writes() as writes:
+                loaded = model.load_weights(iter(sorted(wrapped.items())))
             tied = _tied(model, res.meta.config)
             skipped = vllm_skips(res.tensors, tied)
             left = [u for u in unconsumed(wrapped) if u.name not in skipped]
@@ -335,6 +368,8 @@ def load_into_vllm(model, ckpt: str, vr: VllmRank, opts: LoaderOptions, *,
                                f"layer needs)", tensor=u.name, rank=vr.rank)
             experts = planned_experts(by)
             check_expert_slots(experts, vllm_experts(model), vr.rank)
+            if not quantized:
+                check_filled(model, writes, vr.rank)
             if track is not None:
                 track(model, loaded)
             return experts
@@ -387,7 +422,8 @@ def _loader_class():
                     DefaultModelLoader.track_weights_loading(self, m, loaded)
 
             vr = placement_vllm_used(vllm_rank(), model)
-            self.report = load_into_vllm(model, ckpt, vr, self.options, track=track)
+            self.report = load_into_vllm(model, ckpt, vr, self.options, track=track,
+                                         quantized=quantized)
             model.coordloader_report = self.report
 
     return CoordloaderModelLoader
