@@ -36,6 +36,7 @@ from coordloader.dist import collective
 from coordloader.engines import (
     LoadStats,
     check_disjoint,
+    host_default_device,
     refuse_layout,
     require_tensor,
     resolve_engine_name,
@@ -347,7 +348,7 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
     # pause narrowed to metadata + plan (torchrun, tp=2, qwen3_moe-small, medians of 5):
     # load 0.45 -> 0.56-0.59 s, digest-mode verify 0.11 -> 0.18 s, and a 0.14 s collection
     # right after load() returned
-    with gc_paused(), contextlib.ExitStack() as stack:
+    with gc_paused(), host_default_device(), contextlib.ExitStack() as stack:
         group, rank, world = _resolve_group(group, rank, layout, stack, timeout)
         if verify not in VERIFY_MODES:
             raise LoadError(f"unknown verify mode {verify!r}; expected one of "

@@ -535,3 +535,37 @@ def test_full_mode_names_a_file_changed_since_the_load_not_the_loaded_bytes(
     want = ("file changed after its header was read" if change == "rewritten"
             else "its header was read when it had")
     assert want in problems[0]["detail"], problems
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_a_load_inside_a_meta_device_context_loads_and_digests_as_outside(
+        tmp_path, tiny_checkpoint, monkeypatch, engine):
+    """Model skeletons are built under ``with torch.device("meta"):`` and loaded there too:
+    the re-read for the digest made meta tensors (a good checkpoint failed its verify),
+    the safetensors engine raised a bare NotImplementedError, and the digest self-tests,
+    run first there, failed for the whole process (every later digest took a slower
+    route, with a warning that the kernel failed its self-test)."""
+    import warnings
+
+    import shutil
+
+    import coordloader as cl
+    from coordloader.verify.digest import kernel, routes
+    ck = str(tmp_path / "ck")
+    shutil.copytree(tiny_checkpoint("llama"), ck)
+    want = cl.load(ck, Layout(tp=2), rank=0)
+    cl.write_manifest(read_checkpoint(ck))
+    monkeypatch.setattr(kernel, "_kernel_ok", None)   # the self-tests run in the context
+    monkeypatch.setattr(routes, "_mm_ok", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.device("meta"):
+            got = cl.load(ck, Layout(tp=2), rank=0, engine=engine, verify="full")
+            meta = read_checkpoint(ck)
+            plan = cl.make_plan(meta, Layout(tp=2))
+            report = vf.verify_rank(got, plan, 0, mode="digest", meta=meta,
+                                    manifest=load_manifest(ck, meta))
+    assert report["ok"] and "digest-manifest" in report["checks"], report
+    assert sorted(got) == sorted(want) and all(
+        got[n].device.type == "cpu" and torch.equal(got[n], want[n]) for n in want)
+    assert kernel._kernel_ok in (True, None) and routes._mm_ok is not False

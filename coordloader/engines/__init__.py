@@ -17,6 +17,7 @@ parameters in, so nothing is loaded twice). Engines:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from dataclasses import asdict, dataclass, field
@@ -306,6 +307,27 @@ def check_out(out: Mapping[str, torch.Tensor] | None, rank_plan, rank: int | Non
     if out:
         check_disjoint([(ts.name, out[ts.name]) for ts in rank_plan.tensors if ts.name in out],
                        rank)
+
+
+def host_default_device():
+    """A context in which torch's factory calls that name no device make CPU tensors, as
+    coordloader's own code expects: a load inside the caller's ``with
+    torch.device("meta"):`` (where model skeletons are built) re-read the checkpoint into
+    meta tensors (a good checkpoint failed its verify), and ran the digest self-tests on
+    meta tensors, failing them for the whole process. A no-op where the default is the
+    CPU already (a device mode costs every torch call)."""
+    if torch.get_default_device().type == "cpu":
+        return contextlib.nullcontext()
+    return torch.device("cpu")
+
+
+def on_host_default_device(fn: Callable) -> Callable:
+    """``fn`` run under ``host_default_device`` (an entry point that digests or reads)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with host_default_device():
+            return fn(*args, **kwargs)
+    return run
 
 
 def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | None = None,

@@ -47,7 +47,12 @@ from coordloader.checkpoint.reader import (
     refuse_interrupted,
     stat_key,
 )
-from coordloader.engines import descriptor_room, refuse_changed, refuse_changed_path
+from coordloader.engines import (
+    descriptor_room,
+    on_host_default_device,
+    refuse_changed,
+    refuse_changed_path,
+)
 from coordloader.errors import CheckpointError, LoadError, SaveError
 from coordloader.handoff.publish import (
     MAX_COMPANION_BYTES,
@@ -414,6 +419,7 @@ class _Digests:
                 file=file, tensor=name)
 
 
+@on_host_default_device
 def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
                 block_bytes: int = DEFAULT_BLOCK_BYTES, overwrite: bool = False,
                 meta: CheckpointMeta | None = None, config=None) -> ConsolidateResult:

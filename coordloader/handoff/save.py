@@ -47,7 +47,7 @@ from coordloader.checkpoint.formats import (
 )
 from coordloader.checkpoint.metadata import box_numel, box_shape, config_mismatch
 from coordloader.checkpoint.tiling import TilingKind, fmt_box, tiling_problem
-from coordloader.engines import wraps_other_tensors
+from coordloader.engines import on_host_default_device, wraps_other_tensors
 from coordloader.errors import CollectiveError, ConfigError, CoordloaderError, SaveError
 from coordloader.handoff.pieces import (
     collect_pieces,
@@ -324,6 +324,7 @@ def _ckpt_order(plan, tensors) -> list[str]:
 SAVE_USAGE = "save(out_dir, state_dict, ...)"
 
 
+@on_host_default_device
 def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan=None, *,
          rank: int | None = None, group=None, max_shard_bytes: int = 5 * 2**30,
          overwrite: bool = False, config: Mapping | str | os.PathLike | None = None,

@@ -39,6 +39,7 @@ from coordloader.engines import (
     fd_path,
     intersect,
     narrow_box,
+    on_host_default_device,
     open_checked,
     refuse_replaced,
 )
@@ -788,6 +789,7 @@ def _process_group(group):
     return pg
 
 
+@on_host_default_device
 def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str | None = None,
                 meta=None, manifest=None, group=None, plan=None, rank: int | None = None) -> dict:
     """Verify this rank's loaded ``tensors`` against ``rank_plan``; returns the report, or

@@ -29,6 +29,7 @@ from coordloader.checkpoint.formats import MANIFEST_NAME
 from coordloader.checkpoint.identity import data_sample_sha256
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
 from coordloader.checkpoint.reader import read_json_document
+from coordloader.engines import on_host_default_device
 from coordloader.errors import CheckpointError, VerifyError
 from coordloader.text import MAX_NAME_CHARS, clip
 
@@ -175,6 +176,7 @@ def write_atomic(path: str, data: bytes) -> None:
     write_file_atomic(path, data, tmp_suffix=f".tmp.{os.getpid()}")
 
 
+@on_host_default_device
 def write_manifest(meta: CheckpointMeta, *, jobs: int = 1, path: str | None = None,
                    progress=None) -> str:
     digests = compute(meta, jobs=jobs, progress=progress)
