@@ -579,3 +579,30 @@ def test_prefault_gives_up_once_the_kernel_lacks_it(monkeypatch):
     monkeypatch.setattr(memory, "_MADVISE", fake(errno.EINVAL))
     assert not memory.prefault(0, 3 * 4096) and not memory.prefault(0, 3 * 4096)
     assert len(calls) == 3 and memory._unsupported
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_a_slice_too_big_for_memory_is_named_with_its_size(tmp_path, engine):
+    """A layout too small for the model: the allocation of a rank's slice failed with
+    torch's bare "DefaultCPUAllocator: can't allocate memory", naming neither the tensor
+    nor what to do (an 8 TiB tensor, in a sparse file)."""
+    import json
+    import struct
+
+    import coordloader as cl
+    from coordloader.errors import LoadError
+    n = 2 ** 43
+    hdr = json.dumps({"w": {"dtype": "I8", "shape": [n], "data_offsets": [0, n]}}).encode()
+    hdr += b" " * (-len(hdr) % 8)
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hdr)) + hdr)
+    os.truncate(path, 8 + len(hdr) + n)
+    with pytest.raises(LoadError) as ei:
+        cl.load(str(tmp_path), cl.Layout(), rank=0, engine=engine,
+                rules=[{"pattern": "w", "strategy": "replicate"}])
+    msg = str(ei.value)
+    assert msg.startswith(f"rank 0, tensor 'w': cannot allocate this rank's slice, I8 [{n}] "
+                          f"({n} bytes) on cpu: RuntimeError: ") and msg.endswith(
+        "split the model over more ranks (a larger tp, ep or pp), or load into tensors of "
+        "your own (out=)"), msg

@@ -545,9 +545,8 @@ def test_a_load_inside_a_meta_device_context_loads_and_digests_as_outside(
     the safetensors engine raised a bare NotImplementedError, and the digest self-tests,
     run first there, failed for the whole process (every later digest took a slower
     route, with a warning that the kernel failed its self-test)."""
-    import warnings
-
     import shutil
+    import warnings
 
     import coordloader as cl
     from coordloader.verify.digest import kernel, routes

@@ -347,7 +347,16 @@ def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | Non
             raise LoadError(f"destination lives on {t.device}, the engine loads to {device}",
                             tensor=ts.name, rank=rank)
     else:
-        t = torch.empty(ts.local_shape, dtype=dt, device=device)
+        try:
+            t = torch.empty(ts.local_shape, dtype=dt, device=device)
+        except (RuntimeError, MemoryError) as e:   # torch.OutOfMemoryError is one
+            nbytes = slice_nbytes(ts)
+            raise LoadError(f"cannot allocate this rank's slice, {ts.dtype} "
+                            f"{list(ts.local_shape)} ({nbytes} bytes) on {device}: "
+                            f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}; "
+                            f"split the model over more ranks (a larger tp, ep or pp), or "
+                            f"load into tensors of your own (out=)",
+                            tensor=ts.name, rank=rank) from e
     if ts.needs_zero_fill:
         with writable(t):
             t.zero_()
