@@ -801,3 +801,38 @@ def test_dcp_extent_check_takes_the_classes_default_kv_heads():
     short = dict(shapes, **{"model.layers.0.self_attn.k_proj.weight": (16, 128)})
     assert md.extent_mismatch(meta(short)) == ("model.layers.0.self_attn.k_proj.weight",
                                         "num_key_value_heads*head_dim", 32, 16, 0)
+
+
+def test_dcp_pieces_spanning_2_63_bytes_are_refused():
+    """Each piece of a DCP tensor below 2**63 bytes (its header entry's check), their union
+    not: the reader accepted a global shape of 2**63 + 4096 I8 elements, planned it, and
+    the load ended in torch's bare allocation error. Sparse files on tmpfs (ext4 holds no
+    file this large)."""
+    import shutil
+    import struct
+    import uuid
+
+    from coordloader.errors import CheckpointError
+    shm = "/dev/shm"
+    if not (os.path.isdir(shm) and os.access(shm, os.W_OK)):
+        pytest.skip("no writable /dev/shm")
+    root = os.path.join(shm, f"coordloader-test-{uuid.uuid4().hex}")
+    os.makedirs(root)
+    try:
+        for i, (n, off) in enumerate(((2**63 - 4096, 0), (8192, 2**63 - 4096))):
+            h = {"__metadata__": {"DCP_SHARDING_INFO": json.dumps({"v": {"saved_offsets": [off]}})},
+                 "v": {"dtype": "I8", "shape": [n], "data_offsets": [0, n]}}
+            hb = json.dumps(h).encode()
+            hb += b" " * (-len(hb) % 8)
+            path = os.path.join(root, f"shard-0000{i + 1}-model-00001-of-00001.safetensors")
+            with open(path, "wb") as f:
+                f.write(struct.pack("<Q", len(hb)) + hb)
+            os.truncate(path, 8 + len(hb) + n)
+        with pytest.raises(CheckpointError) as ei:
+            cl.read_checkpoint(root)
+        assert str(ei.value) == (
+            "file shard-00001-model-00001-of-00001.safetensors, tensor 'v': pieces span shape "
+            "[9223372036854779904], I8: the tensor would be 2**63 bytes or more; expected below "
+            "2**63")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

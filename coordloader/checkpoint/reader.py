@@ -1135,6 +1135,12 @@ def _assemble_dcp(by_file, names, index: str | None = None) -> dict[str, TensorI
         if _stride_overflow(list(shape), _ITEMSIZE[parts[0][0]]):
             raise CheckpointError(f"pieces span shape {list(shape)[:8]}, whose strides overflow",
                                   file=parts[0][2].file, tensor=name)
+        if _numel(list(shape)) * _ITEMSIZE[parts[0][0]] >= _INT_LIMIT:
+            # each piece is below 2**63 bytes (its header entry's check), their union need
+            # not be: as a header's tensor, the whole must be too
+            raise CheckpointError(f"pieces span shape {list(shape)[:8]}, {parts[0][0]}: the "
+                                  f"tensor would be 2**63 bytes or more; expected below 2**63",
+                                  file=parts[0][2].file, tensor=name)
         pieces = sorted((p for _, _, p in parts), key=lambda p: p.box)
         _check_tiling(name, shape, pieces, pieces[0].file)
         first = min((p.file, p.start) for p in pieces)
