@@ -41,6 +41,11 @@ def read_json_file(path: str, what: str, limit: int = MAX_JSON_FILE) -> Any:
 def read_rules(rules: Any) -> Any:
     """``rules`` with a rule-file path replaced by the file's parsed content (the source name
     kept for messages); anything else as given."""
+    if isinstance(rules, os.PathLike):   # a path as config= and the checkpoint take it
+        rules = os.fspath(rules)
+    if isinstance(rules, (bytes, bytearray)):   # not a list of rules of one byte each
+        raise PlanError(f"rules= must be a preset name, a rule file path (str or os.PathLike) "
+                        f"or the rules themselves, got {type(rules).__name__}")
     if isinstance(rules, str) and rules not in PRESETS:
         if not os.path.lexists(rules):
             # read as a missing rule file, a preset's typo (qwen3-moe) named no preset

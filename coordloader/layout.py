@@ -60,8 +60,12 @@ class Layout:
     def __post_init__(self):
         for k in ("tp", "pp", "dp", "ep"):
             v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlanError(f"layout: {k} must be a positive integer, got {v!r}")
+            if not _is_int(v) or v < 1:
+                raise PlanError(f"layout: {k} must be a positive integer, got {clip(repr(v), 200)}"
+                                f" ({type(v).__name__})")
+            # numpy's integers are integers (a layout computed from an array); the rest of
+            # the code, JSON and the plan digest take Python ints
+            object.__setattr__(self, k, int(v))
             if v > MAX_WORLD_SIZE:
                 raise PlanError(f"layout: {k}={v} exceeds the maximum of {MAX_WORLD_SIZE} ranks")
         for k in ("ep_spans_dp", "allow_uneven", "include_mtp"):

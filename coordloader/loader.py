@@ -350,6 +350,9 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
     # right after load() returned
     with gc_paused(), host_default_device(), contextlib.ExitStack() as stack:
         group, rank, world = _resolve_group(group, rank, layout, stack, timeout)
+        bad = collective.timeout_problem(timeout) if group is None else None
+        if bad:   # (a group adopted has refused it on every rank already)
+            raise ConfigError(bad, rank=rank)
         if verify not in VERIFY_MODES:
             raise LoadError(f"unknown verify mode {verify!r}; expected one of "
                             f"{', '.join(VERIFY_MODES)}", rank=rank)
@@ -959,6 +962,11 @@ class _Targets:
         return None if tgt in self.computed and not mapped else tgt
 
 
+# load()'s keywords, which load_into passes on
+_LOAD_KEYWORDS = frozenset(("group", "rank", "device", "engine", "verify", "rules", "progress",
+                            "loader_config", "replicate_unmatched", "timeout", "config"))
+
+
 def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = True,
               **load_kw) -> LoadIntoResult:
     """Load this rank's tensors straight into existing parameters/buffers.
@@ -981,6 +989,11 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
     directly; any other through a temporary and ``copy_``. Every target is checked
     against the plan before any read: a refusal on any rank stops every rank, with no
     target written."""
+    unknown = sorted(set(load_kw) - _LOAD_KEYWORDS - {"out"})   # out=: refused below
+    if unknown:   # (was a TypeError naming a private function)
+        raise TypeError(f"load_into() got an unexpected keyword argument {unknown[0]!r}; it "
+                        f"takes name_map, strict and load()'s keywords: "
+                        f"{', '.join(sorted(_LOAD_KEYWORDS))}")
     made: list[_Targets] = []   # by prepare, once the group is adopted
 
     def prepare(rank: int, device: torch.device) -> _DirectDests:

@@ -17,6 +17,7 @@ Any set of boxes over the ranks that tiles each tensor exactly once is a checkpo
 """
 from __future__ import annotations
 
+import numbers
 from typing import Mapping, NamedTuple, Sequence
 
 import torch
@@ -163,7 +164,8 @@ def _local(name, t, rank: int, what: str = "") -> torch.Tensor:
 
 
 def _ints(v) -> bool:
-    return all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    # numpy's integers too (a shape or offset computed from an array)
+    return all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in v)
 
 
 def _piece(name, data, gshape, box, dst, decided) -> PieceOut:
@@ -267,6 +269,7 @@ def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[P
             if not (_ints(gshape) and _ints(off)):
                 raise SaveError(f"Boxed global shape {list(gshape)} and offset {list(off)} must be "
                                 f"integers", tensor=name, rank=rank)
+            gshape, off = tuple(map(int, gshape)), tuple(map(int, off))
             if len(off) != t.dim() or len(gshape) != t.dim() or any(
                     o < 0 or o + s > g for o, s, g in zip(off, t.shape, gshape)):
                 raise SaveError(f"Boxed local shape {_fmt(t.shape)} at offset {_fmt(off)} does "

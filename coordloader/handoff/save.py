@@ -345,10 +345,22 @@ def save(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], plan=N
     is written next to the index. ``timeout``: seconds a rank waits for the others at each
     phase boundary of a distributed save. Returns a :class:`SaveResult` for this rank."""
     import torch.distributed as dist
+
+    from coordloader.planning.model import Plan
+    if plan is not None and not isinstance(plan, Plan):
+        # (a rank's plan or a layout failed deep in the save with a bare AttributeError)
+        hint = " (pass the whole plan, not plan.rank(r))" if hasattr(plan, "tensors") else ""
+        raise SaveError(f"plan must be a coordloader Plan (make_plan(...), or "
+                        f"load_detailed(...).plan) or None, got {type(plan).__name__}{hint}",
+                        rank=rank if isinstance(rank, int) else None)
     if group is not None or (rank is None and dist.is_available() and dist.is_initialized()):
         return save_distributed(out_dir, tensors, plan, group=group, rank=rank,
                                 max_shard_bytes=max_shard_bytes, overwrite=overwrite,
                                 config=config, digests=digests, timeout=timeout)
+    from coordloader.dist.collective import timeout_problem
+    bad = timeout_problem(timeout)   # refused as the same call under a group refuses it
+    if bad:
+        raise ConfigError(bad, rank=rank if isinstance(rank, int) else None)
     return save_local(out_dir, tensors, plan, rank=0 if rank is None else rank,
                       max_shard_bytes=max_shard_bytes, overwrite=overwrite, config=config,
                       digests=digests)

@@ -18,7 +18,9 @@ import numpy as np
 
 from coordloader.checkpoint.dtypes import itemsize
 from coordloader.checkpoint.metadata import Box, box_numel
+from coordloader.errors import PlanError
 from coordloader.gcpause import gc_paused
+from coordloader.layout import as_rank
 
 SCHEMA_VERSION = 1
 
@@ -337,6 +339,12 @@ class Plan:
         return len(self.ranks)
 
     def rank(self, r: int) -> RankPlan:
+        """Rank ``r``'s plan; PlanError for a rank outside the world (a negative index
+        was the last rank's)."""
+        r = as_rank(r, PlanError)
+        if not 0 <= r < len(self.ranks):
+            raise PlanError(f"rank {r} outside the plan's world of {len(self.ranks)} "
+                            f"({self.layout})")
         return self.ranks[r]
 
     def to_json(self, *, with_digest: bool = True) -> dict:

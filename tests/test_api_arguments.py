@@ -1,0 +1,99 @@
+"""The public API's arguments as users pass them: numpy integers where integers go, a
+pathlib path where a path goes, and the mistakes (a rank's plan for a plan, a typo'd
+keyword, a timeout of 0 with no group) refused by name, never a bare error from deep
+inside or a value taken for another."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+import coordloader as cl
+from coordloader.errors import ConfigError, PlanError, SaveError
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+def test_numpy_integers_make_the_same_layout(llama):
+    """Layout(tp=np.int64(2)) was refused with "tp must be a positive integer, got
+    np.int64(2)", while rank=np.int64(1) and numpy expert ids were taken."""
+    got = cl.Layout(tp=np.int64(2), ep=np.int32(1), pp=np.uint8(1))
+    assert got == cl.Layout(tp=2) and type(got.tp) is int and hash(got) == hash(cl.Layout(tp=2))
+    assert cl.make_plan(llama, got).digest() == cl.make_plan(llama, cl.Layout(tp=2)).digest()
+    for bad, shown in ((2.0, "2.0 (float)"), (True, "True (bool)"), ("2", "'2' (str)")):
+        with pytest.raises(PlanError) as ei:
+            cl.Layout(tp=bad)
+        assert str(ei.value) == f"layout: tp must be a positive integer, got {shown}"
+
+
+def test_a_boxed_tensor_takes_numpy_integers(tmp_path):
+    """Boxed shapes and offsets computed with numpy were refused as not integers."""
+    w = torch.arange(12.).reshape(4, 3)
+    out = tmp_path / "out"
+    cl.save(out, {"w": cl.Boxed(w, (np.int64(4), np.int64(3)), (np.int64(0), np.int32(0)))},
+            config={"model_type": "toy"})
+    got = cl.load(str(out), cl.Layout(), rules=[{"pattern": "w", "strategy": "replicate"}])
+    assert torch.equal(got["w"], w)
+
+
+def test_a_rule_file_given_as_a_pathlib_path(tmp_path, llama):
+    """config= and the checkpoint took an os.PathLike, rules= refused one; bytes were
+    parsed as a list of rules ("rule #0: expected an object")."""
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps([{"pattern": "*.o_proj.weight", "strategy": "rowwise"}]))
+    as_str = cl.make_plan(llama, cl.Layout(tp=2), rules=str(path)).digest()
+    assert cl.make_plan(llama, cl.Layout(tp=2), rules=pathlib.Path(path)).digest() == as_str
+    with pytest.raises(PlanError, match="rules= must be a preset name, a rule file path"):
+        cl.make_plan(llama, cl.Layout(tp=2), rules=os.fsencode(path))
+
+
+@pytest.mark.parametrize("timeout", ["10", 0, -1, float("nan")])
+def test_a_timeout_that_is_none_is_refused_without_a_group_too(tmp_path, llama, timeout):
+    """Checked only when a group was adopted: alone, load(timeout=0) passed, and the same
+    call failed first under torchrun."""
+    with pytest.raises(ConfigError, match="timeout must be a"):
+        cl.load(llama, cl.Layout(), timeout=timeout)
+    with pytest.raises(ConfigError, match="timeout must be a"):
+        cl.save(tmp_path / "out", {"w": torch.ones(2)}, config={"model_type": "toy"},
+                timeout=timeout)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rank_outside_the_plan_is_named(llama):
+    plan = cl.make_plan(llama, cl.Layout(tp=2))
+    assert plan.rank(np.int64(1)) is plan.ranks[1]
+    for bad in (2, -1):   # -1 was the last rank's plan
+        with pytest.raises(PlanError) as ei:
+            plan.rank(bad)
+        assert str(ei.value) == f"rank {bad} outside the plan's world of 2 (tp=2 pp=1 dp=1 ep=1)"
+    with pytest.raises(PlanError, match="rank= must be an integer, got True"):
+        plan.rank(True)
+
+
+def test_save_refuses_what_is_not_a_plan(tmp_path, llama):
+    """A rank's plan or a layout passed as the plan failed deep in the save with a bare
+    AttributeError."""
+    res = cl.load_detailed(llama, cl.Layout(tp=2), rank=0)
+    for bad, hint in ((res.plan.rank(0), " (pass the whole plan, not plan.rank(r))"),
+                      (cl.Layout(tp=2), "")):
+        with pytest.raises(SaveError) as ei:
+            cl.save(tmp_path / "out", res.tensors, bad, rank=0, config=llama)
+        assert str(ei.value) == (f"rank 0: plan must be a coordloader Plan (make_plan(...), or "
+                                 f"load_detailed(...).plan) or None, got "
+                                 f"{type(bad).__name__}{hint}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_load_into_names_a_typod_keyword(llama):
+    """load_into(..., strcit=False) raised a TypeError naming the private _load_detailed()."""
+    with pytest.raises(TypeError) as ei:
+        cl.load_into({}, llama, cl.Layout(), strcit=False)
+    assert str(ei.value).startswith("load_into() got an unexpected keyword argument 'strcit'; "
+                                    "it takes name_map, strict and load()'s keywords: config, ")
