@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -97,3 +98,35 @@ def test_load_into_names_a_typod_keyword(llama):
         cl.load_into({}, llama, cl.Layout(), strcit=False)
     assert str(ei.value).startswith("load_into() got an unexpected keyword argument 'strcit'; "
                                     "it takes name_map, strict and load()'s keywords: config, ")
+
+
+def test_more_argument_mistakes_are_refused_by_name(tmp_path, llama):
+    """write_manifest given the checkpoint's path, verify_rank given a plan's JSON or a
+    path as meta, dump_rank given rank -1, load given group="gloo": bare AttributeError,
+    TypeError or torch's ValueError, a verify "failure" of the manifest, or a file named
+    rank--0001.safetensors."""
+    import shutil
+
+    from coordloader.errors import CollectiveError, VerifyError
+    from coordloader.handoff.dump import dump_rank
+    from coordloader.verify.checks import verify_rank
+    ck = str(tmp_path / "ck")
+    shutil.copytree(llama, ck)
+    assert cl.write_manifest(ck) == os.path.join(ck, "coordloader.manifest.json")
+    meta = cl.read_checkpoint(ck)
+    for kw, msg in (({"jobs": "2"}, "jobs must be a positive integer, got '2'"),
+                    ({"progress": True}, "progress must be a callable(bytes) or None, got bool")):
+        with pytest.raises(VerifyError, match=re.escape(msg)):
+            cl.write_manifest(meta, **kw)
+    with pytest.raises(VerifyError, match=r"meta must be a CheckpointMeta \(read_checkpoint"):
+        cl.write_manifest(3)
+    res = cl.load_detailed(ck, cl.Layout(tp=2), rank=0)
+    with pytest.raises(VerifyError, match="expected a Plan .* got dict"):
+        verify_rank(res.tensors, res.plan.to_json(), 0)
+    with pytest.raises(VerifyError, match="meta must be a CheckpointMeta .* got str"):
+        verify_rank(res.tensors, res.plan, 0, mode="digest", meta=ck)
+    with pytest.raises(SaveError, match="rank -1 outside the world of 2"):
+        dump_rank(str(tmp_path / "dump"), -1, res.tensors, plan_digest=res.plan.digest(), world=2)
+    assert not (tmp_path / "dump").exists()
+    with pytest.raises(CollectiveError, match="group= must be a torch.distributed ProcessGroup"):
+        cl.load(ck, cl.Layout(), group="gloo")

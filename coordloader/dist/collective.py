@@ -605,6 +605,11 @@ def wrap_group(pg=None, timeout_s: float | None = None, *, grace_s: float | None
     stop the heartbeat thread."""
     import torch.distributed as dist
 
+    if pg is not None and not isinstance(pg, dist.ProcessGroup):
+        # (group="gloo", group=1: torch's own ValueError from deep inside)
+        raise CollectiveError(f"group= must be a torch.distributed ProcessGroup, a "
+                              f"coordloader Group or None (the default group), got "
+                              f"{clip(repr(pg), MAX_NAME_CHARS)} ({type(pg).__name__})")
     timeout_s = float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
     grace = float(grace_s if grace_s is not None else min(DEFAULT_GRACE_S, timeout_s))
     if not (dist.is_available() and dist.is_initialized()):

@@ -14,6 +14,7 @@ from coordloader.checkpoint import dtypes
 from coordloader.checkpoint.fileio import write_safetensors
 from coordloader.checkpoint.formats import DUMP_PLAN_DIGEST, DUMP_RANK, DUMP_SOURCE
 from coordloader.errors import SaveError
+from coordloader.layout import as_rank
 
 DUMP_NAME_RE = re.compile(r"rank-(\d{5,})\.safetensors")
 
@@ -114,6 +115,17 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
     group every rank writes its own file at once: not checked, nor read world times).
     ``source``: the identity of the checkpoint's files it was loaded from, recorded and
     (``alone``) compared with the other ranks' files."""
+    rank = as_rank(rank, SaveError)
+    if rank < 0 or (world is not None and rank >= world):
+        # (rank=-1 wrote rank--0001.safetensors)
+        raise SaveError(f"dump_rank: rank {rank} outside the world of "
+                        f"{world if world is not None else 'the dump'}", rank=rank)
+    try:
+        out_dir = os.fspath(out_dir)
+    except TypeError:
+        out_dir = None
+    if not isinstance(out_dir, str):
+        raise SaveError("dump_rank: out_dir must be a str or os.PathLike path", rank=rank)
     path = dump_path(out_dir, rank)
     # Checked before any work so a refused dump costs nothing; the rename below is what
     # makes the replacement itself safe.

@@ -830,6 +830,14 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
             # a negative index was the last rank's plan, checked and named as that rank
             raise VerifyError(f"rank={rank} outside the plan's world of {plan.world_size}")
         rank_plan = plan.rank(rank)
+    if not (hasattr(rank_plan, "tensors") and hasattr(rank_plan, "by_name")):
+        # (a plan's JSON: a bare AttributeError)
+        raise VerifyError(f"verify_rank: expected a Plan (with this rank) or a rank's plan, "
+                          f"got {type(rank_plan).__name__}")
+    if meta is not None and not hasattr(meta, "tensors"):
+        # (a checkpoint path: reported as a verify failure of the manifest)
+        raise VerifyError(f"verify_rank: meta must be a CheckpointMeta (read_checkpoint(dir)), "
+                          f"got {type(meta).__name__}")
     if mode == "none":
         return {"ok": True, "mode": "none", "ranks": [rank_plan.rank], "checks": [], "notes": [],
                 "failures": [], "manifest": None, "stats": {}}

@@ -179,6 +179,20 @@ def write_atomic(path: str, data: bytes) -> None:
 @on_host_default_device
 def write_manifest(meta: CheckpointMeta, *, jobs: int = 1, path: str | None = None,
                    progress=None) -> str:
+    """Write the content manifest of the checkpoint ``meta`` (``read_checkpoint(dir)``;
+    a checkpoint directory's path is read first) to ``path`` (default: its
+    coordloader.manifest.json); returns the path written."""
+    if isinstance(meta, (str, os.PathLike)):
+        from coordloader.checkpoint.reader import read_checkpoint
+        meta = read_checkpoint(os.fspath(meta))
+    if not isinstance(meta, CheckpointMeta):
+        raise VerifyError(f"write_manifest: meta must be a CheckpointMeta (read_checkpoint(dir)) "
+                          f"or a checkpoint directory, got {type(meta).__name__}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise VerifyError(f"write_manifest: jobs must be a positive integer, got {jobs!r}")
+    if progress is not None and not callable(progress):
+        raise VerifyError(f"write_manifest: progress must be a callable(bytes) or None, got "
+                          f"{type(progress).__name__}")
     digests = compute(meta, jobs=jobs, progress=progress)
     path = path or manifest_path(meta.root)
     blob = json.dumps(to_json(meta, digests), indent=1, sort_keys=False).encode() + b"\n"
