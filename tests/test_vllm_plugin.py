@@ -39,6 +39,7 @@ def test_options_default_and_known_keys():
     ({"timeout": 0}, "timeout must be a finite number of seconds from 0.1 to"),
     ({"timeout": 10**400}, "timeout must be a finite number of seconds from 0.1 to"),
     ({"loader_config": "[1]"}, "loader_config (engine options"),
+    ({"replicate_unmatched": "yes"}, "replicate_unmatched (hold every tensor"),
     ([("engine", "cpu")], "must be a JSON object, got list"),
 ])
 def test_bad_options_are_refused_naming_the_key(extra, msg):

@@ -1040,3 +1040,46 @@ def test_a_parameter_a_missing_tensor_leaves_unfilled_is_refused(tmp_path, missi
         f"rank 0: vLLM's parameter {param} got {got} of its {n} elements from the checkpoint: "
         f"a tensor it is built from (a fused qkv_proj's k_proj, a layer's down_proj) is missing "
         f"from the checkpoint, and the rest would be served as uninitialised memory"), str(e.value)
+
+
+def test_a_tensor_no_loader_took_is_named_as_such_not_as_a_split(tmp_path):
+    """A tensor vLLM's model has no parameter for (an unused bias its own loader drops):
+    the refusal said the plan's split differed from vLLM's, which no element of it did."""
+    from coordloader.integrations.vllm import LoaderOptions, VllmRank, load_into_vllm
+
+    class SkipsOProj(_VllmLikeLlama):
+        def load_weights(self, weights):
+            return super().load_weights((n, w) for n, w in weights
+                                        if n != "model.layers.0.self_attn.o_proj.weight")
+    ckpt = write_llama(str(tmp_path / "llama"))
+    with pytest.raises(FitError) as e:
+        load_into_vllm(SkipsOProj(tied=False), ckpt, VllmRank(cl.Layout(), 0, None),
+                       LoaderOptions())
+    assert "tensor 'model.layers.0.self_attn.o_proj.weight': 1 held tensor(s) not fully used" \
+        in str(e.value) and "(no loader took any of it: vLLM's model has no parameter for it" \
+        in str(e.value), str(e.value)
+
+
+def test_replicate_unmatched_is_a_loader_option(tmp_path):
+    """The planner's refusal of an architecture with no preset advises
+    replicate_unmatched, which --model-loader-extra-config refused as an unknown key."""
+    from safetensors.torch import save_file
+
+    from coordloader.errors import PlanError
+    from coordloader.integrations.vllm import LoaderOptions, VllmRank, load_into_vllm
+    ckpt = tmp_path / "odd"
+    ckpt.mkdir()
+    w = torch.arange(6.).reshape(2, 3)
+    save_file({"w": w}, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "odd"}))
+
+    class TakesW(torch.nn.Module):
+        def load_weights(self, weights):
+            self.got = {n: t.materialize().clone() for n, t in weights}
+            return set(self.got)
+    with pytest.raises(PlanError, match="no sharding rule matches"):
+        load_into_vllm(TakesW(), str(ckpt), VllmRank(cl.Layout(), 0, None), LoaderOptions())
+    opts = LoaderOptions.parse({"replicate_unmatched": True})
+    model = TakesW()
+    load_into_vllm(model, str(ckpt), VllmRank(cl.Layout(), 0, None), opts)
+    assert torch.equal(model.got["w"], w)

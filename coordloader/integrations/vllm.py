@@ -41,6 +41,8 @@ LOADER_OPTIONS: dict[str, tuple[type | tuple[type, ...], str]] = {
                                  "config.json"),
     "timeout": ((int, float), "seconds a rank waits for the others at each phase"),
     "loader_config": (dict, "engine options (as the load CLI's --loader-config)"),
+    "replicate_unmatched": (bool, "hold every tensor no rule matches whole on every rank (the "
+                                  "planner's advice for an architecture with no preset)"),
 }
 
 
@@ -51,6 +53,7 @@ class LoaderOptions:
     rules: Any = None
     timeout: float | None = None
     loader_config: dict | None = None
+    replicate_unmatched: bool = False
 
     @staticmethod
     def parse(extra: Any) -> "LoaderOptions":
@@ -66,7 +69,7 @@ class LoaderOptions:
                               f"load format {LOAD_FORMAT!r}; known: {', '.join(LOADER_OPTIONS)}")
         for key, value in extra.items():
             kind, meaning = LOADER_OPTIONS[key]
-            if not isinstance(value, kind) or isinstance(value, bool):
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise ConfigError(f"--model-loader-extra-config: {key} ({meaning}) has the wrong "
                                   f"type: {value!r}")
         if extra.get("engine", "auto") not in ("auto", "cpu"):
@@ -342,7 +345,7 @@ def load_into_vllm(model, ckpt: str, vr: VllmRank, opts: LoaderOptions, *,
         t0 = time.perf_counter()
         res = load_detailed(ckpt, vr.layout, group=group, rank=vr.rank, engine=opts.engine,
                             verify=opts.verify, rules=opts.rules, loader_config=opts.loader_config,
-                            timeout=opts.timeout)
+                            timeout=opts.timeout, replicate_unmatched=opts.replicate_unmatched)
         t_load = time.perf_counter() - t0
         by = res.rank_plan.by_name()
 
@@ -362,10 +365,15 @@ def load_into_vllm(model, ckpt: str, vr: VllmRank, opts: LoaderOptions, *,
                                tensor=_HEAD, rank=vr.rank)
             if left:
                 u = left[0]
+                held = res.tensors[u.name].numel()
+                why = ("no loader took any of it: vLLM's model has no parameter for it (its own "
+                       "loaders drop such a tensor, an unused bias or head), or it is named "
+                       "otherwise than vLLM expects" if u.numel == held and held else
+                       "the plan's split differs from vLLM's, or the rule holds more than the "
+                       "layer needs")
                 raise FitError(f"{len(left)} held tensor(s) not fully used by vLLM's weight loaders, "
-                               f"first: {u.numel} elements in {list(map(list, u.boxes[:4]))} (the "
-                               f"plan's split differs from vLLM's, or the rule holds more than the "
-                               f"layer needs)", tensor=u.name, rank=vr.rank)
+                               f"first: {u.numel} elements in {list(map(list, u.boxes[:4]))} "
+                               f"({why})", tensor=u.name, rank=vr.rank)
             experts = planned_experts(by)
             check_expert_slots(experts, vllm_experts(model), vr.rank)
             if not quantized:
