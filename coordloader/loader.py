@@ -760,8 +760,24 @@ class _Placement(NamedTuple):
     aliases: frozenset[str]   # entries filled as the very tensor of a filled one
 
 
+def _tied_names(target) -> dict[str, str]:
+    """A module's parameter names that are another's very tensor (a tied lm_head) -> the
+    name its parameters are listed under."""
+    if not isinstance(target, torch.nn.Module):
+        return {}
+    first: dict[int, str] = {}
+    tied = {}
+    for n, p in target.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[n] = first[id(p)]
+        else:
+            first[id(p)] = n
+    return tied
+
+
 def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
-                   fusions: list[_Fusion], required: tuple[str, ...] = ()) -> _Placement:
+                   fusions: list[_Fusion], required: tuple[str, ...] = (),
+                   tied: Mapping[str, str] | None = None) -> _Placement:
     """Match every slice of ``rank_plan`` to its target: refused here (before any read, in
     a phase of its own, so every rank stops together) are, under ``strict``, a missing
     target and a ``required`` target no slice fills, and always a shape or dtype that
@@ -810,6 +826,15 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
             spec[name] = torch.empty(s.local_shape, dtype=torch_dtype(s.dtype), device="meta")
             continue
         if dst is None:
+            if strict and tgt in (tied or {}):
+                # (was: "no target entry": strict=False, the advice, kept the embedding's
+                # values as the head, where from_pretrained loads the checkpoint's)
+                raise LoadError(f"target {tgt!r} is tied to {tied[tgt]!r} (one tensor, "
+                                f"tie_word_embeddings), and the checkpoint ships its own "
+                                f"{name!r}: build the module untied (tie_word_embeddings="
+                                f"False) to load it, as from_pretrained does; strict=False "
+                                f"leaves {tgt!r} holding {tied[tgt]!r}'s values",
+                                tensor=name, rank=rank)
             if strict:
                 raise LoadError(f"no target entry {tgt!r} for this checkpoint tensor (pass "
                                 f"name_map= or strict=False)", tensor=name, rank=rank)
@@ -907,6 +932,7 @@ class _Targets:
             if lazy is not None:
                 raise LoadError(f"target {clip(repr(tgt), MAX_NAME_CHARS)} is {lazy}", rank=rank)
         self.conv = _transformers_conversion(target, rank)
+        self.tied = _tied_names(target)
         if callable(name_map):
             self.given = name_map
         elif isinstance(name_map, Mapping):
@@ -1008,7 +1034,7 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
     def check(rank_plan) -> None:
         t = made[0]
         t.placement = _place_targets(rank_plan, layout, t.dests, t.map, strict,
-                                     t.conv.fusions, t.required)
+                                     t.conv.fusions, t.required, t.tied)
 
     res = _load_detailed(ckpt, layout, prepare=prepare, check=check, call="load_into",
                          **load_kw)

@@ -584,3 +584,20 @@ def test_out_as_a_parameter_dict_is_filled(ab, engine):
     pd = torch.nn.ParameterDict({"b": torch.nn.Parameter(torch.zeros(4))})
     cl.load_detailed(ab, Layout(), engine=engine, out=pd, **ONE)
     assert pd["b"].tolist() == [100.0, 101.0, 102.0, 103.0]
+
+
+def test_a_module_tying_a_tensor_the_checkpoint_ships_twice_is_named(ab):
+    """A module whose second parameter is its first (a tied lm_head), and a checkpoint
+    holding both with other values: "no target entry 'b'" advised strict=False, which
+    left the second holding the first's values, where from_pretrained loads the
+    checkpoint's own."""
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.zeros(4))
+    m.b = m.a   # tied: named_parameters() lists it once, as 'a'
+    with pytest.raises(LoadError) as ei:
+        cl.load_into(m, ab, Layout(), **ONE)
+    assert str(ei.value) == (
+        "rank 0, tensor 'b': target 'b' is tied to 'a' (one tensor, tie_word_embeddings), and "
+        "the checkpoint ships its own 'b': build the module untied (tie_word_embeddings=False) "
+        "to load it, as from_pretrained does; strict=False leaves 'b' holding 'a''s values")
+    assert torch.equal(m.a.detach(), torch.zeros(4))   # refused before any read
