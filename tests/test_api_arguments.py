@@ -127,6 +127,12 @@ def test_more_argument_mistakes_are_refused_by_name(tmp_path, llama):
         verify_rank(res.tensors, res.plan, 0, mode="digest", meta=ck)
     with pytest.raises(SaveError, match="rank -1 outside the world of 2"):
         dump_rank(str(tmp_path / "dump"), -1, res.tensors, plan_digest=res.plan.digest(), world=2)
+    # a name no reader takes (a lone surrogate), a value that is no tensor: refused before a
+    # file is written (the first replaced a good dump with one every reader refuses)
+    with pytest.raises(SaveError, match="lone surrogate"):
+        dump_rank(str(tmp_path / "dump"), 0, {"\ud800": torch.ones(1)}, plan_digest="p")
+    with pytest.raises(SaveError, match="the value of 'w' is list; expected a tensor"):
+        dump_rank(str(tmp_path / "dump"), 0, {"w": [1.0]}, plan_digest="p")
     assert not (tmp_path / "dump").exists()
     with pytest.raises(CollectiveError, match="group= must be a torch.distributed ProcessGroup"):
         cl.load(ck, cl.Layout(), group="gloo")

@@ -14,7 +14,9 @@ from coordloader.checkpoint import dtypes
 from coordloader.checkpoint.fileio import write_safetensors
 from coordloader.checkpoint.formats import DUMP_PLAN_DIGEST, DUMP_RANK, DUMP_SOURCE
 from coordloader.errors import SaveError
+from coordloader.handoff.pieces import check_tensor_name
 from coordloader.layout import as_rank
+from coordloader.text import MAX_NAME_CHARS, clip
 
 DUMP_NAME_RE = re.compile(r"rank-(\d{5,})\.safetensors")
 
@@ -126,6 +128,11 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
         out_dir = None
     if not isinstance(out_dir, str):
         raise SaveError("dump_rank: out_dir must be a str or os.PathLike path", rank=rank)
+    for name, t in tensors.items():   # before any file is touched
+        check_tensor_name(name, rank)
+        if not isinstance(t, torch.Tensor):
+            raise SaveError(f"dump_rank: the value of {clip(repr(name), MAX_NAME_CHARS)} is "
+                            f"{type(t).__name__}; expected a tensor", tensor=name, rank=rank)
     path = dump_path(out_dir, rank)
     # Checked before any work so a refused dump costs nothing; the rename below is what
     # makes the replacement itself safe.

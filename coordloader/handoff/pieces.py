@@ -205,7 +205,7 @@ def _check_wrapper_names(names, rank: int) -> None:
                         tensor=names[0], rank=rank)
 
 
-def _check_name(name, rank: int) -> None:
+def check_tensor_name(name, rank: int | None) -> None:
     """A state dict key every reader takes as a tensor name: written, any other would be
     refused by the readers only after the save had replaced the previous checkpoint."""
     if type(name) is not str:
@@ -245,7 +245,7 @@ def collect_pieces(tensors, rank_plan, rank: int, alone: bool = False) -> list[P
         raise SaveError(f"save() needs a state dict, a mapping of names to tensors; got "
                         f"{type(tensors).__name__}{hint}", rank=rank)
     for name in tensors:
-        _check_name(name, rank)
+        check_tensor_name(name, rank)
     _check_wrapper_names(tensors, rank)
     out: list[PieceOut] = []
     planned = {ts.name: ts for ts in rank_plan.tensors} if rank_plan is not None else {}
