@@ -641,6 +641,23 @@ def test_named_chat_templates_travel_and_replace_the_old_ones_at_every_publish_s
     assert not (out / "additional_chat_templates").exists()
 
 
+def test_a_folder_inside_the_chat_templates_folder_is_left_alone(tmp_path):
+    """A folder in additional_chat_templates/ of the checkpoint being overwritten (Jupyter's
+    .ipynb_checkpoints) was listed among its files; removing it failed after the publish
+    marker, and recover_save and an overwrite failed on it again: the directory stuck."""
+    plan, locs, full = make_plan_and_locals()
+    cfg = _config_dir(tmp_path / "cfg", {"tool_use": "{{ tools }}"})
+    out = tmp_path / "out"
+    save_local(out, plan, _bump(locs), config=cfg)
+    (out / "additional_chat_templates" / ".ipynb_checkpoints").mkdir()
+    (out / "additional_chat_templates" / "notes").mkdir()
+    save_local(out, plan, locs, overwrite=True)   # brings no template
+    old = {n: t + 1 if t.is_floating_point() else t for n, t in full.items()}
+    assert _state(out, old, full) == "new"
+    assert sorted(os.listdir(out / "additional_chat_templates")) == [".ipynb_checkpoints",
+                                                                      "notes"]
+
+
 _HOLD_STAGE = """
 import sys, time
 from coordloader.handoff import publish as pub
@@ -809,9 +826,10 @@ def _dist_worker(rank, port, base, q):
                 q.put((out, rank, type(e).__name__, str(e)))
         # rank 1 given another out_dir (a node-local path), or digests=False; rank 1 not
         # seeing rank 0's staging directory (out_dir not on a shared file system)
-        for case in ("outdir", "digests", "unseen"):
+        for case in ("outdir", "symlink", "digests", "unseen"):
             kw = {"digests": rank == 0} if case == "digests" else {}
-            out = os.path.join(base, case + ("-1" if case == "outdir" and rank == 1 else ""))
+            out = os.path.join(base, case + ({"outdir": "-1", "symlink": "-link"}.get(case, "")
+                                             if rank == 1 else ""))
             real_isdir = os.path.isdir
             if case == "unseen" and rank == 1:
                 os.path.isdir = lambda p: ".coordloader-staging-" not in str(p) and real_isdir(p)
@@ -840,31 +858,32 @@ def _dist_worker(rank, port, base, q):
 def test_distributed_save_and_error_agreement(tmp_path):
     import torch.multiprocessing as mp
     q = mp.get_context("spawn").Queue()
+    os.symlink(tmp_path / "symlink", tmp_path / "symlink-link")   # rank 1's path to it
     spawn_and_wait(_dist_worker, (free_port(), str(tmp_path), q), 2, "distributed save")
     res = {}
-    for _ in range(11):
+    for _ in range(13):
         r = q.get(timeout=10)
         res[r[:2]] = r[2:]
     plan, locs, full = make_plan_and_locals()
-    # options that must agree, and an out_dir rank 1 cannot see: refused in save-assign,
-    # nothing published (was: a bare "No such file or directory" of a shard file; with
-    # digests=False on rank 1 alone, a checkpoint published without its manifest)
-    base = str(tmp_path)
+    # out_dirs that are other directories (a node-local path), or one rank 1 cannot see;
+    # digests=False on rank 1 alone: refused in save-assign, nothing published (was: a
+    # bare "No such file or directory" of a shard file; a checkpoint published without its
+    # manifest). One directory reached through a symlink on rank 1 is one directory.
     for case, why in (
-            ("outdir", f"ConfigError: ranks disagree on their save options (out_dir: rank 0 "
-                       f"{os.path.join(base, 'outdir')!r}, rank 1 "
-                       f"{os.path.join(base, 'outdir-1')!r}); give every rank the same options"),
+            ("outdir", "SaveError: rank 0's staging directory .coordloader-staging-"),
             ("digests", "ConfigError: ranks disagree on their save options (digests: rank 0 "
                         "True, rank 1 False); give every rank the same options"),
             ("unseen", "SaveError: rank 0's staging directory .coordloader-staging-")):
         for r in (0, 1):
             kind, msg = res[(case, r)]
             assert kind == "CollectiveError" and msg.startswith(
-                f"phase save-assign: rank{'s 0,1' if case != 'unseen' else ' 1'}: "
+                f"phase save-assign: rank{'s 0,1' if case == 'digests' else ' 1'}: "
                 f"{why}"), (case, r, msg)
         assert not os.path.exists(tmp_path / case / SHARDED_INDEX)
     assert "is not in out_dir" in res[("unseen", 0)][1] and "shared file system" in \
         res[("unseen", 0)][1]
+    assert res[("symlink", 0)] == ("ok", True) and res[("symlink", 1)] == ("ok", False)
+    assert_equal_ckpt(tmp_path / "symlink", full)
     assert res[("ok", 0)] == ("ok", True) and res[("ok", 1)] == ("ok", False)
     assert_equal_ckpt(tmp_path / "ok", full)
     ref = tmp_path / "ref"

@@ -159,13 +159,16 @@ def _plain_name(n: str) -> bool:
 
 
 def _companion_dir_files(root: str, names) -> set[str]:
-    """``DIR/NAME`` of every entry in the companion folders among ``names`` (a listing of
-    ``root``)."""
+    """``DIR/NAME`` of every regular file in the companion folders among ``names`` (a
+    listing of ``root``): a folder in there (Jupyter's .ipynb_checkpoints) is no file of a
+    checkpoint, and removing one with the old checkpoint's files failed after the marker."""
     out: set[str] = set()
     for d in COMPANION_DIRS:
         p = os.path.join(root, d)
         if d in names and os.path.isdir(p) and not os.path.islink(p):
-            out |= {f"{d}/{e}" for e in os.listdir(p)}
+            out |= {f"{d}/{e}" for e in os.listdir(p)
+                    if not e.startswith(".") and os.path.isfile(os.path.join(p, e))
+                    and not os.path.islink(os.path.join(p, e))}
     return out
 
 
@@ -462,6 +465,7 @@ def recover_save(out_dir: str | os.PathLike) -> bool:
     rec = _read_marker(out_dir)
     if rec is None:
         return False
+    _refuse_live_writer(out_dir, rec.stage, None, "publishing into")
     _roll_forward(out_dir, rec)
     return True
 

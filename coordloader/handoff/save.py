@@ -48,7 +48,7 @@ from coordloader.checkpoint.formats import (
 from coordloader.checkpoint.metadata import box_numel, box_shape, config_mismatch
 from coordloader.checkpoint.tiling import TilingKind, fmt_box, tiling_problem
 from coordloader.engines import on_host_default_device, wraps_other_tensors
-from coordloader.errors import CollectiveError, ConfigError, CoordloaderError, SaveError
+from coordloader.errors import CollectiveError, ConfigError, SaveError
 from coordloader.handoff.pieces import (
     collect_pieces,
     disagreement,
@@ -433,7 +433,7 @@ def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrit
         return cfg, pieces, stage
     try:
         cfg, pieces, stage = run_phase("save-prepare", prepare, g)
-    except CoordloaderError:
+    except BaseException:   # Ctrl-C too: its lock would be held while this process lives
         if rank == 0:  # another rank refused its tensors: the stage made here can go
             end_stage(out_dir, STAGING_PREFIX + token)
         raise
@@ -443,13 +443,13 @@ def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrit
     def assign():
         # rank 0's staging directory, who holds which undecided box (written once, by the
         # lowest rank holding it), each rank's options; the order of names in the checkpoint
-        opts = {"out_dir": os.path.abspath(out_dir), "digests": bool(digests),
-                "overwrite": bool(overwrite)}
+        # (out_dir is not compared: ranks may reach one directory by different paths, a
+        # symlink or another mount point; each rank seeing rank 0's stage proves it)
+        opts = {"digests": bool(digests), "overwrite": bool(overwrite)}
         held = gather_object(g, (stage, undecided(pieces), opts))
         diffs = options_disagreement([h[2] for h in held])
         if diffs:
-            # out_dir: each rank wrote into its own directory + rank 0's stage name, which
-            # failed as a bare "No such file"; digests: a manifest left out without a word
+            # digests: a manifest left out without a word
             raise ConfigError(f"ranks disagree on their save options ({diffs}); give every "
                               f"rank the same options", rank=rank)
         names = gather_object(g, _ckpt_order(plan, tensors) if rank == 0 or plan is None
@@ -470,7 +470,7 @@ def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrit
                          rank, max_shard_bytes, digests)
         secs = time.perf_counter() - t0
         recs = run_phase("save-collect", gather_object, g, g, mine)
-    except CoordloaderError:
+    except BaseException:   # Ctrl-C too (see above)
         if rank == 0:  # every rank has stopped writing: the stage can go
             end_stage(out_dir, stage_here)
         raise
