@@ -856,11 +856,7 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
         # ring; the store's host, leaving, took the board from under them) waits for the
         # backend's timeout; a process group this rank made is shut down now, so theirs
         # breaks at once (their connections close) and they report within the grace.
-        if local is not None and local.__traceback__ is not None:
-            # (the frames of a collective that broke hold the process group: it would
-            # outlive its shutdown, its connections open)
-            traceback.clear_frames(local.__traceback__)
-        _end_own_pg(group)
+        _end_own_pg(group, local)
         # Give stragglers a short grace to report, then stop.
         # Check liveness as we wait: stop early once every missing rank is dead.
         grace_end = time.monotonic() + min(group.grace_s, group.timeout_s)
@@ -928,13 +924,22 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
     raise err from local
 
 
-def _end_own_pg(group: Group) -> bool:
-    """Shut down the process group this Group made (``init_group``), so peers blocked in
-    a collective with this rank fail at once (their connections close) instead of at the
-    backend's timeout; never a caller's. -> whether it did."""
-    if not group.owns_pg or group.pg is None:
+def _end_own_pg(group: Group, local: BaseException | None = None) -> bool:
+    """Shut down the gloo process group this Group made (``init_group``), so peers blocked
+    in a collective with this rank fail at once (their connections close) instead of at
+    the backend's timeout; never a caller's, nor NCCL's (its shutdown may wait for this
+    rank's own pending work). ``local``: this rank's failure, whose frames (a collective
+    that broke holds the group in them, and so kept it, connections open) are cleared,
+    along its causes. -> whether it did."""
+    if not group.owns_pg or group.pg is None or "gloo" not in str(group.backend or ""):
         return False
     import torch.distributed as dist
+    seen: set[int] = set()
+    while local is not None and id(local) not in seen:
+        seen.add(id(local))
+        if local.__traceback__ is not None:
+            traceback.clear_frames(local.__traceback__)
+        local = local.__cause__ or local.__context__
     pg, group.pg = group.pg, None
     with contextlib.suppress(Exception):
         pg.shutdown()
