@@ -349,13 +349,17 @@ def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | Non
     else:
         try:
             t = torch.empty(ts.local_shape, dtype=dt, device=device)
-        except (RuntimeError, MemoryError) as e:   # torch.OutOfMemoryError is one
-            nbytes = slice_nbytes(ts)
+        except (RuntimeError, MemoryError) as e:
+            text = (str(e).strip().splitlines() or [""])[0][:300]
+            # torch.OutOfMemoryError on a device, a RuntimeError from the CPU allocator
+            oom = (isinstance(e, (MemoryError, torch.OutOfMemoryError))
+                   or "can't allocate memory" in text or "out of memory" in text.lower())
+            if not oom:
+                raise
             raise LoadError(f"cannot allocate this rank's slice, {ts.dtype} "
-                            f"{list(ts.local_shape)} ({nbytes} bytes) on {device}: "
-                            f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}; "
-                            f"split the model over more ranks (a larger tp, ep or pp), or "
-                            f"load into tensors of your own (out=)",
+                            f"{list(ts.local_shape)} ({slice_nbytes(ts)} bytes) on {device}: "
+                            f"{type(e).__name__}: {text}; split the model over more ranks (a "
+                            f"larger tp, ep or pp), or load into tensors of your own (out=)",
                             tensor=ts.name, rank=rank) from e
     if ts.needs_zero_fill:
         with writable(t):

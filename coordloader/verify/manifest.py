@@ -14,6 +14,7 @@ header hashes); a manifest whose fingerprint differs from the checkpoint's is re
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import re
 import threading
@@ -188,8 +189,9 @@ def write_manifest(meta: CheckpointMeta, *, jobs: int = 1, path: str | None = No
     if not isinstance(meta, CheckpointMeta):
         raise VerifyError(f"write_manifest: meta must be a CheckpointMeta (read_checkpoint(dir)) "
                           f"or a checkpoint directory, got {type(meta).__name__}")
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+    if isinstance(jobs, bool) or not isinstance(jobs, numbers.Integral) or jobs < 1:
         raise VerifyError(f"write_manifest: jobs must be a positive integer, got {jobs!r}")
+    jobs = int(jobs)
     if progress is not None and not callable(progress):
         raise VerifyError(f"write_manifest: progress must be a callable(bytes) or None, got "
                           f"{type(progress).__name__}")

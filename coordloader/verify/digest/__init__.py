@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from coordloader.checkpoint.metadata import Box, box_numel
+from coordloader.engines import on_host_default_device
 from coordloader.errors import VerifyError
 from coordloader.verify.digest import kernel, routes
 from coordloader.verify.digest.definition import (
@@ -51,6 +52,7 @@ class Route(str, Enum):
 
 
 
+@on_host_default_device
 def digest(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int], *,
            chunk_elems: int | None = None, route: Route = Route.AUTO) -> int:
     """Digest of ``tensor`` holding the box ``global_box`` of a tensor of ``global_shape``.
@@ -65,6 +67,7 @@ def digest(tensor: torch.Tensor, global_box: Box, global_shape: Sequence[int], *
 
 
 
+@on_host_default_device
 def digest_local(tensor: torch.Tensor, pieces: Sequence, global_shape: Sequence[int], *,
                  chunk_elems: int | None = None, route: Route = Route.AUTO) -> list[int]:
     """Per-piece digests of a rank's local tensor: each ``Piece`` (src box, dst offset) is
@@ -74,6 +77,7 @@ def digest_local(tensor: torch.Tensor, pieces: Sequence, global_shape: Sequence[
 
 
 
+@on_host_default_device
 def digest_many(items: Sequence, *, chunk_elems: int | None = None, threads: int = 1,
                 return_errors: bool = False, route: Route = Route.AUTO) -> list:
     """``[digest(t, box, shape) for t, box, shape in items]``, computed together: on CPU,
