@@ -982,8 +982,9 @@ class _VllmLikeFusedQKV(torch.nn.Module):
     parameter and down_proj into its own, each a module with a quant_method; every other
     weight copied whole, as ``_VllmLikeLlama``."""
 
-    def __init__(self, full: dict):
+    def __init__(self, full: dict, own_k: bool = False):
         super().__init__()
+        self.own_k = own_k   # the loader fills the k rows with zeros of its own
         at = "model.layers.0.self_attn."
         self.parts = [full[f"{at}{p}_proj.weight"].shape for p in "qkv"]
         rows, cols = sum(s[0] for s in self.parts), self.parts[0][1]
@@ -1007,6 +1008,9 @@ class _VllmLikeFusedQKV(torch.nn.Module):
                 self.down_proj.weight.data.copy_(w)
             elif "rotary_emb.inv_freq" not in name:
                 vllm_like_copy(name, w, 1, 0)
+        if self.own_k:   # as vLLM's Whisper makes a zero k_proj bias of its own
+            self.qkv_proj.weight.data.narrow(0, offsets["k"], self.parts[1][0]).copy_(
+                torch.zeros(self.parts[1]))
         return got
 
 
@@ -1031,6 +1035,10 @@ def test_a_parameter_a_missing_tensor_leaves_unfilled_is_refused(tmp_path, missi
         assert torch.equal(model.qkv_proj.weight, torch.cat([full[f"{at}{p}_proj.weight"]
                                                              for p in "qkv"]).float())
         return
+    if "k_proj" in missing:   # filled by the loader with a tensor of its own: filled
+        own = _VllmLikeFusedQKV(full, own_k=True)
+        load_into_vllm(own, ckpt, VllmRank(cl.Layout(), 0, None), LoaderOptions())
+        assert not own.qkv_proj.weight[own.parts[0][0]:own.parts[0][0] + own.parts[1][0]].any()
     with pytest.raises(FitError) as e:
         load_into_vllm(model, ckpt, VllmRank(cl.Layout(), 0, None), LoaderOptions())
     param, n = (("qkv_proj.weight", model.qkv_proj.weight.numel()) if "k_proj" in missing

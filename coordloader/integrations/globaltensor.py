@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from coordloader.checkpoint.dtypes import torch_dtype
@@ -356,11 +357,7 @@ class GlobalShapeTensor(torch.Tensor):
             dst, src = args[0], args[1]
             if isinstance(dst, GlobalShapeTensor):
                 raise dst._held.refuse("writing into a checkpoint tensor", dst._box)
-            out = dst.copy_(src.materialize(), *args[2:], **kwargs)
-            if _WRITES is not None:
-                key = dst.untyped_storage().data_ptr()
-                _WRITES[key] = _WRITES.get(key, 0) + dst.numel()
-            return out
+            return dst.copy_(src.materialize(), *args[2:], **kwargs)
         self = args[0]
         if not isinstance(self, GlobalShapeTensor):
             raise _refusal(func, args, kwargs, next(a for a in tree_leaves((args, kwargs))
@@ -428,21 +425,35 @@ class GlobalShapeTensor(torch.Tensor):
         raise _refusal(func, args, kwargs, self)
 
 
-# elements copied out into each destination storage (by its data pointer) while
-# ``recording_writes`` is on: which of a model's parameters the loaders filled, and how much
-_WRITES: dict[int, int] | None = None
+# the in-place ops that write the whole of the tensor they are given (a view of a
+# parameter): what the weight loaders fill parameters with, from a checkpoint tensor
+# (copy_ out of a GlobalShapeTensor) or of their own (vLLM zeroes a padded vocab's rows,
+# some models copy in a zero k_proj bias they make)
+_FILLS = frozenset((aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default))
+
+
+class _CountWrites(TorchDispatchMode):
+    def __init__(self, counts: dict[int, int]):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        dst = args[0] if func in _FILLS and args else None
+        if (isinstance(dst, torch.Tensor) and not isinstance(dst, GlobalShapeTensor)
+                and dst.device.type != "meta"):
+            key = dst.untyped_storage().data_ptr()
+            self.counts[key] = self.counts.get(key, 0) + dst.numel()
+        return out
 
 
 @contextlib.contextmanager
 def recording_writes():
-    """Count, per destination storage, the elements copied out of GlobalShapeTensors in
-    the block (the dict yielded)."""
-    global _WRITES
-    before, _WRITES = _WRITES, {}
-    try:
-        yield _WRITES
-    finally:
-        _WRITES = before
+    """Count, per destination storage (by its data pointer), the elements the block's
+    copy_/fill_/zero_ calls write into plain tensors (the dict yielded)."""
+    counts: dict[int, int] = {}
+    with _CountWrites(counts):
+        yield counts
 
 
 def _refusal(func, args, kwargs, view: GlobalShapeTensor) -> FitError:

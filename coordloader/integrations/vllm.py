@@ -307,9 +307,10 @@ def check_filled(model, writes: Mapping[int, int], rank: int) -> None:
     unquantized method (linear, embedding, fused MoE): vLLM's own check exempts those
     modules (a quantized method computes their parameters after loading), so a checkpoint
     missing a weight (``down_proj``, or ``k_proj`` of a fused ``qkv_proj``) was served as
-    uninitialised memory. ``writes``: elements copied into each storage (by data pointer).
-    An embedding counts as filled once any of it is (vLLM zeroes its padding rows itself);
-    a KV-cache method's scales default when a checkpoint has none."""
+    uninitialised memory. ``writes``: elements the loaders wrote into each storage (by data
+    pointer: copied out of the checkpoint, or zeroed as a padded vocab's rows). An
+    embedding counts as filled once any of it is; a KV-cache method's scales default when
+    a checkpoint has none."""
     short = []
     for mname, module in model.named_modules():
         qm = getattr(module, "quant_method", None)
