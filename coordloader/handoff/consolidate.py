@@ -2,7 +2,8 @@
 understands (coordloader's sharded format, or plain HF) into a plain HF checkpoint: one
 tensor per name, shards split by size, the standard ``model.safetensors.index.json``.
 
-Memory stays bounded whatever the tensor sizes: every output file is first created at its
+Memory stays bounded by the block size, or one row of a tensor where a row is larger
+(a block is at least one row): every output file is first created at its
 final size with a hole for the data (``write_safetensors(..., sparse=True)``), then each
 tensor is assembled one *row block* (a range of dim 0) at a time from the source pieces
 that overlap it, read with ``preadv`` and written with ``pwrite`` into its region. At most
