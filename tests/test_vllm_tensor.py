@@ -982,9 +982,11 @@ class _VllmLikeFusedQKV(torch.nn.Module):
     parameter and down_proj into its own, each a module with a quant_method; every other
     weight copied whole, as ``_VllmLikeLlama``."""
 
-    def __init__(self, full: dict, own_k: bool = False):
+    def __init__(self, full: dict, own: str | None = None):
         super().__init__()
-        self.own_k = own_k   # the loader fills the k rows with zeros of its own
+        # "zeros": the loader copies zeros of its own into the k rows; "rewrite": it then
+        # rewrites the whole parameter from itself (vLLM's composed_weight_loader)
+        self.own = own
         at = "model.layers.0.self_attn."
         self.parts = [full[f"{at}{p}_proj.weight"].shape for p in "qkv"]
         rows, cols = sum(s[0] for s in self.parts), self.parts[0][1]
@@ -1008,9 +1010,12 @@ class _VllmLikeFusedQKV(torch.nn.Module):
                 self.down_proj.weight.data.copy_(w)
             elif "rotary_emb.inv_freq" not in name:
                 vllm_like_copy(name, w, 1, 0)
-        if self.own_k:   # as vLLM's Whisper makes a zero k_proj bias of its own
+        if self.own == "zeros":
             self.qkv_proj.weight.data.narrow(0, offsets["k"], self.parts[1][0]).copy_(
                 torch.zeros(self.parts[1]))
+        if self.own == "rewrite":
+            w = self.qkv_proj.weight
+            w.data.copy_(w.data * 1)
         return got
 
 
@@ -1035,10 +1040,14 @@ def test_a_parameter_a_missing_tensor_leaves_unfilled_is_refused(tmp_path, missi
         assert torch.equal(model.qkv_proj.weight, torch.cat([full[f"{at}{p}_proj.weight"]
                                                              for p in "qkv"]).float())
         return
-    if "k_proj" in missing:   # filled by the loader with a tensor of its own: filled
-        own = _VllmLikeFusedQKV(full, own_k=True)
-        load_into_vllm(own, ckpt, VllmRank(cl.Layout(), 0, None), LoaderOptions())
-        assert not own.qkv_proj.weight[own.parts[0][0]:own.parts[0][0] + own.parts[1][0]].any()
+    if "k_proj" in missing:
+        # a copy of the loader's own counts for nothing: one computed from the parameter
+        # itself would count the rows it never filled (the first version of this check
+        # summed every copy, and passed the rewrite)
+        for own in ("zeros", "rewrite"):
+            with pytest.raises(FitError, match="qkv_proj.weight got 24576 of its 32768"):
+                load_into_vllm(_VllmLikeFusedQKV(full, own), ckpt,
+                               VllmRank(cl.Layout(), 0, None), LoaderOptions())
     with pytest.raises(FitError) as e:
         load_into_vllm(model, ckpt, VllmRank(cl.Layout(), 0, None), LoaderOptions())
     param, n = (("qkv_proj.weight", model.qkv_proj.weight.numel()) if "k_proj" in missing

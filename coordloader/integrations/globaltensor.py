@@ -427,8 +427,7 @@ class GlobalShapeTensor(torch.Tensor):
 
 # the in-place ops that write the whole of the tensor they are given (a view of a
 # parameter): what the weight loaders fill parameters with, from a checkpoint tensor
-# (copy_ out of a GlobalShapeTensor) or of their own (vLLM zeroes a padded vocab's rows,
-# some models copy in a zero k_proj bias they make)
+# (copy_ out of a GlobalShapeTensor) or a constant (vLLM zeroes a padded vocab's rows)
 _FILLS = frozenset((aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default))
 
 
@@ -440,9 +439,16 @@ class _CountWrites(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         dst = args[0] if func in _FILLS and args else None
+        # a copy counts when it is out of the checkpoint: one from a plain tensor may be
+        # computed from the parameter's own memory (vLLM's composed_weight_loader rewrites
+        # a whole parameter from itself), which would count rows never filled
         if (isinstance(dst, torch.Tensor) and not isinstance(dst, GlobalShapeTensor)
-                and dst.device.type != "meta"):
-            key = dst.untyped_storage().data_ptr()
+                and dst.device.type != "meta"
+                and (func is not aten.copy_.default or isinstance(args[1], GlobalShapeTensor))):
+            try:
+                key = dst.untyped_storage().data_ptr()
+            except RuntimeError:   # a wrapper subclass without storage of its own
+                return out
             self.counts[key] = self.counts.get(key, 0) + dst.numel()
         return out
 
@@ -450,7 +456,8 @@ class _CountWrites(TorchDispatchMode):
 @contextlib.contextmanager
 def recording_writes():
     """Count, per destination storage (by its data pointer), the elements the block's
-    copy_/fill_/zero_ calls write into plain tensors (the dict yielded)."""
+    copies out of GlobalShapeTensors and fill_/zero_ calls write into plain tensors (the
+    dict yielded)."""
     counts: dict[int, int] = {}
     with _CountWrites(counts):
         yield counts
