@@ -658,6 +658,24 @@ def test_a_folder_inside_the_chat_templates_folder_is_left_alone(tmp_path):
                                                                       "notes"]
 
 
+def test_named_chat_templates_of_a_hub_snapshot_travel(tmp_path):
+    """A config folder laid out as the HF hub cache (each file a link into blobs/): the
+    named templates, links, were dropped when folders in there were left out."""
+    plan, locs, full = make_plan_and_locals()
+    cfg = tmp_path / "snapshot"
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (blobs / "a").write_text(json.dumps(CFG))
+    (blobs / "b").write_text("{{ tools }}")
+    (cfg / "additional_chat_templates").mkdir(parents=True)
+    os.symlink(blobs / "a", cfg / "config.json")
+    os.symlink(blobs / "b", cfg / "additional_chat_templates" / "tool_use.jinja")
+    out = tmp_path / "out"
+    save_local(out, plan, locs, config=str(cfg))
+    assert _templates(out) == {"tool_use.jinja": "{{ tools }}"}
+    assert not os.path.islink(out / "additional_chat_templates" / "tool_use.jinja")
+
+
 _HOLD_STAGE = """
 import sys, time
 from coordloader.handoff import publish as pub

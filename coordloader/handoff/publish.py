@@ -166,9 +166,9 @@ def _companion_dir_files(root: str, names) -> set[str]:
     for d in COMPANION_DIRS:
         p = os.path.join(root, d)
         if d in names and os.path.isdir(p) and not os.path.islink(p):
+            # (isfile follows a link: a hub snapshot's files are links into its blobs)
             out |= {f"{d}/{e}" for e in os.listdir(p)
-                    if not e.startswith(".") and os.path.isfile(os.path.join(p, e))
-                    and not os.path.islink(os.path.join(p, e))}
+                    if not e.startswith(".") and os.path.isfile(os.path.join(p, e))}
     return out
 
 
