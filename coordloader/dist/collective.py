@@ -931,15 +931,19 @@ def _end_own_pg(group: Group, local: BaseException | None = None) -> bool:
     rank's own pending work). ``local``: this rank's failure, whose frames (a collective
     that broke holds the group in them, and so kept it, connections open) are cleared,
     along its causes. -> whether it did."""
-    if not group.owns_pg or group.pg is None or "gloo" not in str(group.backend or ""):
+    if not group.owns_pg or group.pg is None or group.backend != "gloo":
         return False
     import torch.distributed as dist
     seen: set[int] = set()
-    while local is not None and id(local) not in seen:
-        seen.add(id(local))
-        if local.__traceback__ is not None:
-            traceback.clear_frames(local.__traceback__)
-        local = local.__cause__ or local.__context__
+    todo = [local]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
     pg, group.pg = group.pg, None
     with contextlib.suppress(Exception):
         pg.shutdown()

@@ -355,7 +355,9 @@ def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | Non
             oom = (isinstance(e, (MemoryError, torch.OutOfMemoryError))
                    or "can't allocate memory" in text or "out of memory" in text.lower())
             if not oom:
-                raise
+                raise LoadError(f"cannot allocate this rank's slice, {ts.dtype} "
+                                f"{list(ts.local_shape)}, on {device}: {type(e).__name__}: "
+                                f"{text}", tensor=ts.name, rank=rank) from e
             raise LoadError(f"cannot allocate this rank's slice, {ts.dtype} "
                             f"{list(ts.local_shape)} ({slice_nbytes(ts)} bytes) on {device}: "
                             f"{type(e).__name__}: {text}; split the model over more ranks (a "
