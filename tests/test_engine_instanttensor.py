@@ -772,6 +772,20 @@ def _prepare_fails_worker(rank: int, port: int, meta, plan, out_dir: str):
 PREPARE_TIMEOUT_S = 30
 
 
+def _group_load_of_two_ranks(worker, ckpt, tmp_path) -> tuple:
+    """``worker(rank, port, meta, plan, out_dir)`` in 2 gloo processes loading both files in
+    one group; -> what each rank wrote (``rank{r}.json``)."""
+    from coordloader.dist.collective import free_port
+
+    from ranks import spawn_and_wait
+    meta, _ = ckpt
+    plan = _plan(meta, plans_for(meta), [LoadGroup(("a.safetensors", "b.safetensors"), (0, 1),
+                                                   "group")])
+    spawn_and_wait(worker, (free_port(), meta, plan, str(tmp_path)), 2, "2-rank load",
+                   hard_s=3 * PREPARE_TIMEOUT_S)
+    return tuple(json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+
+
 @pytest.mark.slow   # rank processes over gloo
 def test_a_rank_failing_before_the_first_collective_stops_every_rank_by_name(ckpt, tmp_path):
     """Rank 0 failed a rank-local step of the load (allocation out of CUDA memory, the
@@ -781,15 +795,7 @@ def test_a_rank_failing_before_the_first_collective_stops_every_rank_by_name(ckp
     a watchdog crash), the cause never named. Every rank now prepares first and the
     ranks agree before the first collective: rank 0 raises its cause, rank 1 names rank
     0, at once, and the group still loads after."""
-    from coordloader.dist.collective import free_port
-
-    from ranks import spawn_and_wait
-    meta, _ = ckpt
-    plan = _plan(meta, plans_for(meta), [LoadGroup(("a.safetensors", "b.safetensors"), (0, 1),
-                                                   "group")])
-    spawn_and_wait(_prepare_fails_worker, (free_port(), meta, plan, str(tmp_path)), 2,
-                   "2-rank load", hard_s=3 * PREPARE_TIMEOUT_S)
-    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    r0, r1 = _group_load_of_two_ranks(_prepare_fails_worker, ckpt, tmp_path)
     assert [c for c, _, _ in r0] == [c for c, _, _ in r1] == ["allocate", "check", "import",
                                                               "config", None]
     for case in (0, 1, 2, 3):
@@ -861,15 +867,9 @@ def test_a_rank_failing_mid_stream_drains_it_so_the_others_finish(ckpt, tmp_path
     waited in the stream's next collective until the group's timeout (NCCL: a watchdog
     crash). Rank 0 now drains the stream with the group and then raises its own error,
     naming the key and callback's error; rank 1 finishes the stream at once."""
-    from coordloader.dist.collective import free_port
-
-    from ranks import spawn_and_wait
     meta, _ = ckpt
-    plan = _plan(meta, plans_for(meta), [LoadGroup(("a.safetensors", "b.safetensors"), (0, 1),
-                                                   "group")])
-    spawn_and_wait(_progress_fails_worker, (free_port(), meta, plan, str(tmp_path)), 2,
-                   "2-rank load", hard_s=3 * PREPARE_TIMEOUT_S)
-    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    r0, r1 = _group_load_of_two_ranks(_progress_fails_worker, ckpt, tmp_path)
+    plan = _plan(meta, plans_for(meta))
     assert r0[0].startswith("LoadError: rank 0: taking key ") and r0[0].endswith(
         "from instanttensor's stream failed: OSError: the progress bar's terminal went "
         "away"), r0
