@@ -15,6 +15,7 @@ from coordloader.checkpoint.fileio import write_safetensors
 from coordloader.checkpoint.formats import DUMP_PLAN_DIGEST, DUMP_RANK, DUMP_SOURCE
 from coordloader.errors import SaveError
 from coordloader.handoff.pieces import check_tensor_name
+from coordloader.handoff.publish import output_dir
 from coordloader.layout import as_rank
 from coordloader.text import MAX_NAME_CHARS, clip
 
@@ -122,12 +123,7 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
         # (rank=-1 wrote rank--0001.safetensors)
         raise SaveError(f"dump_rank: rank {rank} outside the world of "
                         f"{world if world is not None else 'the dump'}", rank=rank)
-    try:
-        out_dir = os.fspath(out_dir)
-    except TypeError:
-        out_dir = None
-    if not isinstance(out_dir, str):
-        raise SaveError("dump_rank: out_dir must be a str or os.PathLike path", rank=rank)
+    out_dir = output_dir(out_dir, rank)
     for name, t in tensors.items():   # before any file is touched
         check_tensor_name(name, rank)
         if not isinstance(t, torch.Tensor):
