@@ -354,15 +354,12 @@ def allocate(ts: TensorSlice, device: Any, out: Mapping[str, torch.Tensor] | Non
             # torch.OutOfMemoryError on a device, a RuntimeError from the CPU allocator
             oom = (isinstance(e, (MemoryError, torch.OutOfMemoryError))
                    or "can't allocate memory" in text or "out of memory" in text.lower())
-            if not oom:
-                raise LoadError(f"cannot allocate this rank's slice, {ts.dtype} "
-                                f"{list(ts.local_shape)}, on {device}: {type(e).__name__}: "
-                                f"{text}", tensor=ts.name, rank=rank) from e
+            advice = ("; split the model over more ranks (a larger tp, ep or pp), or load "
+                      "into tensors of your own (out=)" if oom else "")
             raise LoadError(f"cannot allocate this rank's slice, {ts.dtype} "
                             f"{list(ts.local_shape)} ({slice_nbytes(ts)} bytes) on {device}: "
-                            f"{type(e).__name__}: {text}; split the model over more ranks (a "
-                            f"larger tp, ep or pp), or load into tensors of your own (out=)",
-                            tensor=ts.name, rank=rank) from e
+                            f"{type(e).__name__}: {text}{advice}", tensor=ts.name,
+                            rank=rank) from e
     if ts.needs_zero_fill:
         with writable(t):
             t.zero_()
