@@ -19,6 +19,7 @@ with the failing rank's message, never a hang):
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import sys
 import time
@@ -988,9 +989,9 @@ class _Targets:
         return None if tgt in self.computed and not mapped else tgt
 
 
-# load()'s keywords, which load_into passes on
-_LOAD_KEYWORDS = frozenset(("group", "rank", "device", "engine", "verify", "rules", "progress",
-                            "loader_config", "replicate_unmatched", "timeout", "config"))
+# the keywords load_into passes on: load_detailed's, less what load_into itself decides
+_LOAD_KEYWORDS = frozenset(inspect.signature(load_detailed).parameters) - {
+    "ckpt", "layout", "out", "agree"}
 
 
 def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = True,
