@@ -14,7 +14,6 @@ header hashes); a manifest whose fingerprint differs from the checkpoint's is re
 from __future__ import annotations
 
 import json
-import numbers
 import os
 import re
 import threading
@@ -32,7 +31,7 @@ from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_nume
 from coordloader.checkpoint.reader import read_json_document
 from coordloader.engines import on_host_default_device
 from coordloader.errors import CheckpointError, VerifyError
-from coordloader.text import MAX_NAME_CHARS, clip
+from coordloader.text import MAX_NAME_CHARS, clip, positive_int_problem
 
 # explicit names: the package re-exports the function `digest`, shadowing the module
 from coordloader.verify.digest import ALGORITHM, MASK64, digest, flat_offset, fmt, iter_subboxes
@@ -189,8 +188,9 @@ def write_manifest(meta: CheckpointMeta, *, jobs: int = 1, path: str | None = No
     if not isinstance(meta, CheckpointMeta):
         raise VerifyError(f"write_manifest: meta must be a CheckpointMeta (read_checkpoint(dir)) "
                           f"or a checkpoint directory, got {type(meta).__name__}")
-    if isinstance(jobs, bool) or not isinstance(jobs, numbers.Integral) or jobs < 1:
-        raise VerifyError(f"write_manifest: jobs must be a positive integer, got {jobs!r}")
+    problem = positive_int_problem("jobs", jobs)
+    if problem:
+        raise VerifyError(f"write_manifest: {problem}")
     jobs = int(jobs)
     if progress is not None and not callable(progress):
         raise VerifyError(f"write_manifest: progress must be a callable(bytes) or None, got "
