@@ -272,8 +272,9 @@ class _FullReader:
                 raise VerifyError("is not a file of the checkpoint's metadata", file=file)
             fd, _ = open_checked(path, info, self.rank, during="the load and its verify")
             try:
-                h = safe_open(fd_path(fd) or path, framework="pt")
-                if fd_path(fd) is None:
+                checked = fd_path(fd)
+                h = safe_open(checked or path, framework="pt")
+                if checked is None:
                     refuse_replaced(path, fd, info, self.rank)
             finally:
                 os.close(fd)
@@ -283,9 +284,9 @@ class _FullReader:
         self.handles[file] = h
         return h
 
-    def findings(self, rank: int | None) -> list[Finding]:
+    def findings(self) -> list[Finding]:
         """One finding per file that could not be re-read (its pieces are not compared)."""
-        return [_finding(rank, "file", f"{f}: cannot re-read it, so the pieces it stores are "
+        return [_finding(self.rank, "file", f"{f}: cannot re-read it, so the pieces it stores are "
                                        f"not checked: {why}")
                 for f, why in sorted(self.changed.items())]
 
@@ -368,7 +369,7 @@ def rest_digests(tensors: Mapping[str, torch.Tensor], rank_plan, meta) -> tuple[
             findings.append(_finding(rank_plan.rank, "digest", f"cannot re-read the rest of the "
                                      f"tensor from the checkpoint: {type(e).__name__}: {e}",
                                      ts.name))
-    return out, findings + reader.findings(rank_plan.rank)
+    return out, findings + reader.findings()
 
 
 def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, meta=None) -> Payload:
@@ -434,7 +435,7 @@ def local_payload(tensors: Mapping[str, torch.Tensor], rank_plan, mode: str, *, 
     except Exception as e:  # noqa: BLE001
         findings.append(_finding(rank, "error", f"{type(e).__name__}: {e}"))
     if full is not None:
-        findings += full.findings(rank)
+        findings += full.findings()
     if jobs:
         # no more threads than torch's intra-op pool: a rank under torchrun or the bench owns
         # one core (OMP_NUM_THREADS=1)
