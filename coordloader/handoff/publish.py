@@ -615,11 +615,10 @@ def companion_files(src_dir: str, skip: set[str]) -> list[str]:
         if os.path.getsize(p) > MAX_COMPANION_BYTES:
             continue
         out.append(entry)
+    # (regular files, no dot-names: _companion_dir_files' own filter)
     for n in sorted(_companion_dir_files(src_dir, os.listdir(src_dir))):
-        p = os.path.join(src_dir, n)
-        leaf = n.rsplit("/", 1)[1]
-        if (_plain_name(n) and not leaf.startswith(".") and not _TEMPORARY.match(leaf)
-                and os.path.isfile(p) and os.path.getsize(p) <= MAX_COMPANION_BYTES):
+        if (not _TEMPORARY.match(n.rsplit("/", 1)[1])
+                and os.path.getsize(os.path.join(src_dir, n)) <= MAX_COMPANION_BYTES):
             out.append(n)
     return out
 
