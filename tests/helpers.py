@@ -81,3 +81,31 @@ def flip_data_bytes(path, every: int, mask: int) -> None:
         data[i] ^= mask
     with open(path, "wb") as f:
         f.write(data)
+
+
+@contextlib.contextmanager
+def shm_dir():
+    """A fresh directory on tmpfs (/dev/shm), removed on the way out: sparse files there may
+    be far larger than ext4's 16 TiB. The test is skipped where there is none."""
+    import shutil
+    import uuid
+
+    import pytest
+    shm = "/dev/shm"
+    if not (os.path.isdir(shm) and os.access(shm, os.W_OK)):
+        pytest.skip("no writable /dev/shm")
+    root = os.path.join(shm, f"coordloader-test-{uuid.uuid4().hex}")
+    os.makedirs(root)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def write_sparse_st(path, header: dict) -> None:
+    """A safetensors file of ``header`` whose data is a hole as long as its offsets say."""
+    from stfiles import raw_file
+    end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    with open(path, "wb") as f:
+        f.write(raw_file(header))
+    os.truncate(path, os.path.getsize(path) + end)

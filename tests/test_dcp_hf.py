@@ -808,31 +808,18 @@ def test_dcp_pieces_spanning_2_63_bytes_are_refused():
     not: the reader accepted a global shape of 2**63 + 4096 I8 elements, planned it, and
     the load ended in torch's bare allocation error. Sparse files on tmpfs (ext4 holds no
     file this large)."""
-    import shutil
-    import struct
-    import uuid
-
     from coordloader.errors import CheckpointError
-    shm = "/dev/shm"
-    if not (os.path.isdir(shm) and os.access(shm, os.W_OK)):
-        pytest.skip("no writable /dev/shm")
-    root = os.path.join(shm, f"coordloader-test-{uuid.uuid4().hex}")
-    os.makedirs(root)
-    try:
+
+    from helpers import shm_dir, write_sparse_st
+    with shm_dir() as root:
         for i, (n, off) in enumerate(((2**63 - 4096, 0), (8192, 2**63 - 4096))):
-            h = {"__metadata__": {"DCP_SHARDING_INFO": json.dumps({"v": {"saved_offsets": [off]}})},
-                 "v": {"dtype": "I8", "shape": [n], "data_offsets": [0, n]}}
-            hb = json.dumps(h).encode()
-            hb += b" " * (-len(hb) % 8)
-            path = os.path.join(root, f"shard-0000{i + 1}-model-00001-of-00001.safetensors")
-            with open(path, "wb") as f:
-                f.write(struct.pack("<Q", len(hb)) + hb)
-            os.truncate(path, 8 + len(hb) + n)
+            write_sparse_st(
+                os.path.join(root, f"shard-0000{i + 1}-model-00001-of-00001.safetensors"),
+                {"__metadata__": {"DCP_SHARDING_INFO": json.dumps({"v": {"saved_offsets": [off]}})},
+                 "v": {"dtype": "I8", "shape": [n], "data_offsets": [0, n]}})
         with pytest.raises(CheckpointError) as ei:
             cl.read_checkpoint(root)
         assert str(ei.value) == (
             "file shard-00001-model-00001-of-00001.safetensors, tensor 'v': pieces span shape "
             "[9223372036854779904], I8: the tensor would be 2**63 bytes or more; expected below "
             "2**63")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)

@@ -588,31 +588,17 @@ def test_a_slice_too_big_for_memory_is_named_with_its_size(tmp_path, engine):
     nor what to do. A 256 TiB tensor in a sparse file on tmpfs (ext4 holds no file this
     large): past the 128 TiB of a process's address space, so no overcommit policy lets
     its allocation through."""
-    import json
-    import shutil
-    import struct
-    import uuid
-
     import coordloader as cl
     from coordloader.errors import LoadError
-    shm = "/dev/shm"
-    if not (os.path.isdir(shm) and os.access(shm, os.W_OK)):
-        pytest.skip("no writable /dev/shm")
-    root = os.path.join(shm, f"coordloader-test-{uuid.uuid4().hex}")
-    os.makedirs(root)
+
+    from helpers import shm_dir, write_sparse_st
     n = 2 ** 48
-    hdr = json.dumps({"w": {"dtype": "I8", "shape": [n], "data_offsets": [0, n]}}).encode()
-    hdr += b" " * (-len(hdr) % 8)
-    path = os.path.join(root, "model.safetensors")
-    try:
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(hdr)) + hdr)
-        os.truncate(path, 8 + len(hdr) + n)
+    with shm_dir() as root:
+        write_sparse_st(os.path.join(root, "model.safetensors"),
+                        {"w": {"dtype": "I8", "shape": [n], "data_offsets": [0, n]}})
         with pytest.raises(LoadError) as ei:
             cl.load(root, cl.Layout(), rank=0, engine=engine,
                     rules=[{"pattern": "w", "strategy": "replicate"}])
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     msg = str(ei.value)
     assert msg.startswith(f"rank 0, tensor 'w': cannot allocate this rank's slice, I8 [{n}] "
                           f"({n} bytes) on cpu: RuntimeError: ") and msg.endswith(
