@@ -243,10 +243,12 @@ def test_the_store_host_failing_while_the_others_wait_in_a_collective_is_named(t
     down (their collective breaks at once) and waits for them: every rank names it."""
     # a timeout past the grace (5 s): the collective outlasts it
     res, _, _ = _launch(tmp_path, "host_error_collective", range(4), timeout=20)
-    for r, (rc, out, err, *_) in res.items():
+    for r, (rc, out, err, end, started) in res.items():
         assert rc == 1, f"rank {r}: rc {rc}\n{err}"
         assert rank_line(err, r) == (f"coordloader: rank {r}: phase verify: rank 0: "
                                      f"RuntimeError: disk vanished"), err
+        # not at gloo's timeout of the collective (20 s)
+        assert end - started < 20, f"rank {r} took {end - started:.1f} s"
 
 
 def test_a_collective_failure_of_its_own_is_named_beside_another_ranks_error(tmp_path):
