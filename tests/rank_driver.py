@@ -1,6 +1,7 @@
 """One rank of `python -m coordloader.load`, with the fault tests' hooks injected.
 
-    python tests/rank_driver.py [--start-file F] [--hang-phase P --hang-file H] -- LOAD ARGS
+    python tests/rank_driver.py [--start-file F] [--hang-phase P --hang-file H]
+        [--rename-phase P --rename-from A --rename-to B] -- LOAD ARGS
 
 --start-file: written (with the time) once this rank is past its imports, before any group
 forms. --hang-phase: as that phase of load() starts, write --hang-file and sleep, so the

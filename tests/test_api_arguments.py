@@ -56,7 +56,7 @@ def test_a_rule_file_given_as_a_pathlib_path(tmp_path, llama):
 
 
 @pytest.mark.parametrize("timeout", ["10", 0, -1, float("nan")])
-def test_a_timeout_that_is_none_is_refused_without_a_group_too(tmp_path, llama, timeout):
+def test_a_timeout_that_is_no_timeout_is_refused_without_a_group_too(tmp_path, llama, timeout):
     """Checked only when a group was adopted: alone, load(timeout=0) passed, and the same
     call failed first under torchrun."""
     with pytest.raises(ConfigError, match="timeout must be a"):

@@ -587,7 +587,6 @@ def test_consolidate_killed_at_every_publish_step(tmp_path):
 def _config_dir(path, templates: dict) -> str:
     """A config directory as transformers writes it: config.json, the default chat
     template, and each other named one under additional_chat_templates/."""
-    import json
     os.makedirs(path / "additional_chat_templates")
     (path / "config.json").write_text(json.dumps(CFG))
     (path / "chat_template.jinja").write_text("{{ messages }}")
@@ -661,7 +660,7 @@ def test_a_folder_inside_the_chat_templates_folder_is_left_alone(tmp_path):
 def test_named_chat_templates_of_a_hub_snapshot_travel(tmp_path):
     """A config folder laid out as the HF hub cache (each file a link into blobs/): the
     named templates, links, were dropped when folders in there were left out."""
-    plan, locs, full = make_plan_and_locals()
+    plan, locs, _ = make_plan_and_locals()
     cfg = tmp_path / "snapshot"
     blobs = tmp_path / "blobs"
     blobs.mkdir()
@@ -703,10 +702,6 @@ def test_a_second_writer_into_a_directory_another_is_writing_is_refused(tmp_path
     naming only its own file), or finished the other's publish under way as an interrupted
     one and then replaced it. A live writer holds a lock on its stage: the second is
     refused, naming it; once the first is gone (killed), its leftovers are removed."""
-    import subprocess
-    import sys
-
-    from coordloader.errors import SaveError
     from coordloader.handoff.publish import recover_save
     plan, locs, full = make_plan_and_locals()
     out = tmp_path / "out"

@@ -18,7 +18,7 @@ from coordloader.planning.model import Piece, Plan, RankPlan, TensorSlice
 from coordloader.verify import checks as vf
 from coordloader.verify.manifest import load_manifest, write_manifest
 
-from helpers import flip_byte
+from helpers import flip_byte, flip_data_bytes
 
 
 def make_ckpt(root):
@@ -513,7 +513,6 @@ def test_full_mode_names_a_file_changed_since_the_load_not_the_loaded_bytes(
     import coordloader
     from coordloader import loader
 
-    from helpers import flip_data_bytes
     ck = tmp_path / "ck"
     shutil.copytree(tiny_checkpoint("llama"), ck)
     name = sorted(f for f in os.listdir(ck) if f.endswith(".safetensors"))[0]

@@ -23,7 +23,15 @@ from coordloader.errors import FitError
 from coordloader.integrations.globaltensor import global_tensor, unconsumed
 from coordloader.planning.model import Piece, TensorSlice
 
-from hfmodels import GPT_OSS, LLAMA, LLAMA4, write_gpt_oss, write_llama, write_llama4
+from hfmodels import (
+    GPT_OSS,
+    LLAMA,
+    LLAMA4,
+    drop_tensor,
+    write_gpt_oss,
+    write_llama,
+    write_llama4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -1028,7 +1036,6 @@ def test_a_parameter_a_missing_tensor_leaves_unfilled_is_refused(tmp_path, missi
     uninitialised memory (greedy output all token 0, NaN log-probabilities)."""
     from coordloader.integrations.vllm import LoaderOptions, VllmRank, load_into_vllm
 
-    from hfmodels import drop_tensor
     ckpt = write_llama(str(tmp_path / "llama"))
     full = whole(ckpt)
     if missing is not None:
