@@ -316,9 +316,25 @@ def host_default_device():
     meta tensors (a good checkpoint failed its verify), and ran the digest self-tests on
     meta tensors, failing them for the whole process. A no-op where the default is the
     CPU already (a device mode costs every torch call)."""
+    if _no_device_context():   # most calls: no torch mode at all, no default device set
+        return _NO_CONTEXT
     if torch.get_default_device().type == "cpu":
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
     return torch.device("cpu")
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def _no_device_context() -> bool:
+    """Whether no device context can be in force, read without torch.get_default_device
+    (5 us a call, per digest call once it guarded each): no torch function mode on the
+    stack and no global default device. False where torch's private names are gone."""
+    try:
+        return (torch._C._len_torch_function_stack() == 0
+                and torch.utils._device.CURRENT_DEVICE is None)
+    except AttributeError:
+        return False
 
 
 def on_host_default_device(fn: Callable) -> Callable:
