@@ -161,3 +161,61 @@ def test_names_and_shapes_of_builtin_subclasses_plan_as_before():
     plan = make_plan(sized, Layout(tp=2))
     validate_cover(plan, sized)
     assert len(plan.rank(0).tensors) == len(plain.rank(0).tensors)
+
+
+def expert_placements(monkeypatch, meta, layout):
+    """The expert tensors the planner placed through (each family's first name)."""
+    from coordloader.planning.placement import Placer
+    seen = []
+    place = Placer.place
+
+    def spy(self, n):
+        seen.append(n)
+        return place(self, n)
+
+    monkeypatch.setattr(Placer, "place", spy)
+    make_plan(meta, layout)
+    monkeypatch.undo()
+    return {n for n in seen if ".experts." in n}
+
+
+def test_the_experts_of_one_owner_set_are_placed_once(monkeypatch, dsv3):
+    # 32 experts x 3 weights (+ block scales) x 5 MoE layers: placed per owner set, not
+    # per expert (ids 0-9 and 10-31 are two digit templates, joined by their owners), so
+    # expert 0 stands for the first rank's and 16 for the second's, in layer 1 for layers
+    # 1-5 and in layer 6 for the MTP layer (left out)
+    ep2 = expert_placements(monkeypatch, dsv3, Layout(tp=2, ep=2))
+    assert {n.split(".experts.")[1].split(".")[0] for n in ep2} == {"0", "16"}
+    assert {n.split(".")[2] for n in ep2} == {"1", "6"}
+    assert len(ep2) == 2 * 3 * 2 * 2   # owner set x proj x (weight, scale) x (layers, MTP)
+    same_as_alone(monkeypatch, dsv3, Layout(tp=2, ep=2))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(tp=4, ep=4, expert_placement="round_robin"),
+    dict(tp=4, ep=4, expert_placement=tuple(tuple(range(q * 8, q * 8 + 8)) + ((q + 1) % 4 * 8,)
+                                            for q in range(4))),   # redundant experts
+    dict(tp=1, dp=3, ep=3, ep_spans_dp=True, allow_uneven=True),   # 11, 11 and 10 experts
+    dict(tp=2, ep=2, pp=2, dp=2, ep_spans_dp=True, include_mtp=True),
+], ids=["round_robin", "redundant", "uneven", "pp-mtp-spans-dp"])
+def test_expert_families_by_owner_set_give_the_plan_of_tensors_placed_alone(monkeypatch, dsv3,
+                                                                               kw):
+    same_as_alone(monkeypatch, dsv3, Layout(**kw))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_expert_families_of_other_names_give_the_plan_of_tensors_placed_alone(monkeypatch,
+                                                                               arch):
+    # Mixtral's w1/w2/w3 share one digit template: the name part keeps them apart
+    cfg, specs = arch_tensors(arch, "small")
+    meta = meta_from_specs(cfg, specs, files=3)
+    same_as_alone(monkeypatch, meta, Layout(tp=2, ep=2, pp=2))
+
+
+def test_an_expert_id_outside_the_experts_is_named_as_when_placed_alone(monkeypatch, dsv3):
+    big = dataclasses.replace(dsv3, config={**dsv3.config, "n_routed_experts": 16})
+    with pytest.raises(PlanError) as ours:
+        make_plan(big, Layout(tp=2, ep=2))
+    with pytest.raises(PlanError) as alone:
+        plan_alone(monkeypatch, big, Layout(tp=2, ep=2))
+    assert str(ours.value) == str(alone.value)

@@ -35,6 +35,7 @@ from coordloader.planning.model import (
     SliceColumns,
 )
 from coordloader.planning.placement import (
+    EXPERT_RE,
     LAYER_RE,
     SCALE_SUFFIX,
     Layers,
@@ -48,7 +49,7 @@ from coordloader.planning.rules.presets import MTP_PREFIX, missing_config_error
 from coordloader.planning.rules.ruleset import digit_template, digit_templates
 from coordloader.planning.runs import slice_runs
 from coordloader.planning.store import SliceStore
-from coordloader.planning.strategies import EXPERT_ID_REGEX
+from coordloader.planning.strategies import EXPERT_ID_REGEX, TensorShape
 from coordloader.text import MAX_NAME_CHARS, clip
 
 _REPLICATE = make_rule("*", "replicate", source="replicate_unmatched")
@@ -273,7 +274,7 @@ class _Planner:
     def _place_all(self, names: list[str], placer: Placer, families: list[list[int]]) -> Placed:
         """Pass 1: each family's classes and rank groups, placed through its first name; a
         replica table per distinct rank-groups object (selectors repeat, so there are
-        few). DeepSeek-V3's 92 k tensors are 1.6 k families."""
+        few). DeepSeek-V3's 92 k tensors are 155 families at ep=8."""
         excluded: list[str] = []
         placed = []
         table_of: dict[int, int] = {}
@@ -311,8 +312,9 @@ class _Planner:
         digits). A block scale follows its weight: its family is its weight's family
         and its own rule, shape and dtype (a rule may single out one layer's weight; a
         weight placed on its own places its scale on its own). Families are found a
-        digit template at a time (``_by_key``); a template whose names match different
-        rules (a rule that reads digits) is placed name by name."""
+        digit template at a time (``_by_key``), per-expert tensors by the ranks owning
+        their expert (``_by_owners``); a template whose names match different rules (a
+        rule that reads digits) is placed name by name."""
         match = placer.match
         nl, stage_of = layers.num_layers, layers.stage_of
         one_stage = self.L.pp == 1
@@ -344,6 +346,10 @@ class _Planner:
                     li = int(d)
                     stage_at[d] = stage_of[li] if li < nl else -1
                 stages = list(map(stage_at.__getitem__, digits))
+            if type(shapes) is not list and strategy == "expert" and self._by_owners(
+                    parts, (a, id(rule), shapes, dtypes), t, a, b, members, at, stages,
+                    placer, params):
+                continue
             rest = _name_rest(t, a, b, members)
             if type(shapes) is not list:   # one shape and dtype
                 if stages is None:
@@ -367,6 +373,55 @@ class _Planner:
         families += [[i] for i in np.flatnonzero(~in_family).tolist()]
         families.sort(key=itemgetter(0))
         return families
+
+    def _by_owners(self, parts: dict, head: tuple, t: str, a: int, b: int,
+                   members: list[str], at: list[int], stages: list[int] | None,
+                   placer: Placer, params: Mapping) -> bool:
+        """Add the places ``at`` of template ``t``'s per-expert tensors to ``parts``
+        (``_families``) keyed by ``head`` (layer index start, rule, shape, dtype) with the
+        stage, the name less its layer and expert ids, and the ranks owning the expert.
+        Experts of one owner set place alike (``ByExpertOwner``), so a family holds every
+        expert of an owner set, not one expert (DeepSeek-V3's 1.5 k expert families at ep=8
+        are 96). False (keyed by name, as any template) where an id or the expert count is
+        wrong: its placement raises there, naming the tensor."""
+        m = EXPERT_RE.search(t)
+        if m is None:
+            return False
+        ea, eb = m.span(1)
+        digits = list(map(itemgetter(slice(ea, eb)), members))
+        try:
+            E = placer.experts_count(TensorShape(members[0], self.meta.tensors.shape(members[0])),
+                                     params)
+        except PlanError:
+            return False
+        sets: dict[tuple[int, ...], int] = {}   # owner set -> its index
+        set_of = {}   # expert id digits -> its owner set's index
+        for d in set(digits):
+            e = int(d)
+            o = placer.expert_owners(e, E) if e < E else None
+            if not o:
+                return False
+            set_of[d] = sets.setdefault(o, len(sets))
+        code = np.fromiter(map(set_of.__getitem__, digits), dtype=np.intp, count=len(digits))
+        (i, j), (k, n) = sorted(((a, b), (ea, eb)))
+        if "0" in t[:i] + t[j:k] + t[n:]:   # other digits: the name part is each one's own
+            index: dict[str, int] = {}
+            code += np.array([index.setdefault(c, len(index)) for c in map(add, map(add, map(
+                itemgetter(slice(0, i)), members), map(itemgetter(slice(j, k)), members)), map(
+                itemgetter(slice(n, None)), members))], dtype=np.intp) * len(sets)
+            cut = list(index)
+        else:
+            cut = [members[0][:i] + members[0][j:k] + members[0][n:]]
+        span = len(sets) * len(cut)
+        if stages is not None:   # -1: MTP layers
+            code += (np.array(stages, dtype=np.intp) + 1) * span
+        owners = list(sets)
+        for c, got in _grouped(code, at):
+            st, c = divmod(c, span)
+            key = (_KEY_HEAD.format(*head, st - 1 if stages is not None else 0),
+                   (cut[c // len(sets)], owners[c % len(sets)]))
+            parts.setdefault(key, []).append(got)
+        return True
 
     def _shapes_dtypes(self, at: list[int]) -> tuple:
         """The shape and dtype of the tensors at places ``at`` when they share them, else
@@ -409,7 +464,9 @@ class _Planner:
             shapes, dtypes = self._shapes_dtypes(at)
             # the weight's family holds its stage and the name around its layer index
             if type(shapes) is not list:
-                keys = list(zip(repeat(_KEY_HEAD.format(a, id(rule), shapes, dtypes, "s")), wfam))
+                _by_code(parts, _KEY_HEAD.format(a, id(rule), shapes, dtypes, "s"),
+                         np.array(wfam, dtype=np.intp), at)
+                continue
             else:
                 keys = list(zip(map(_KEY_HEAD.format, repeat(a), repeat(id(rule)), shapes, dtypes,
                                     repeat("s")), wfam))
@@ -533,6 +590,21 @@ def _name_rest(template: str, a: int, b: int, members: list[str]):
         return pre + post
     return list(map(add, repeat(pre) if type(pre) is str else pre,
                     repeat(post) if type(post) is str else post))
+
+
+def _grouped(code: np.ndarray, at: list[int]):
+    """-> (code, the places of ``at`` with that code, ascending) per distinct code."""
+    order = np.argsort(code, kind="stable")
+    code = code[order]
+    edge = (np.flatnonzero(code[1:] != code[:-1]) + 1).tolist()
+    return zip(code[[0] + edge].tolist(), map(np.ndarray.tolist, np.split(np.array(at)[order], edge)))
+
+
+def _by_code(parts: dict, head: str, code: np.ndarray, at: list[int]) -> None:
+    """``_by_key`` for integer keys, grouped by numpy: the places with one code go to
+    ``parts`` under (head, code)."""
+    for c, got in _grouped(code, at):
+        parts.setdefault((head, c), []).append(got)
 
 
 # periodic runs _by_key looks for before it groups the rest by a dict: a run per stage
