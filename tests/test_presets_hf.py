@@ -1430,6 +1430,31 @@ def test_reference_catches_mxfp4_split_off_its_blocks(gpt_oss_mxfp4):
         check_family(gpt_oss_mxfp4(96), MXFP4, dict(tp=2, allow_uneven=True), rules=rules)
 
 
+
+@pytest.mark.parametrize("storage", ["mxfp4", "bf16"])
+def test_gpt_oss_config_of_the_other_storage_is_refused(gpt_oss_mxfp4, hf_checkpoint, storage,
+                                                        tmp_path):
+    """The gate/up split unit follows config.json's quant_method (as vLLM's loader choice),
+    down_proj's the tensors' shapes: MXFP4 tensors under a config without it (I = 96, tp 2,
+    allow_uneven) gave a rank gate/up of intermediate [0, 48) and down_proj of [0, 64),
+    and loaded; bf16 experts under a stale mxfp4 config the converse."""
+    import shutil
+    src = gpt_oss_mxfp4(96) if storage == "mxfp4" else hf_checkpoint("gpt_oss")
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    if storage == "mxfp4":
+        cfg.pop("quantization_config")
+    else:
+        cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(cl.errors.PlanError) as e:
+        cl.make_plan(str(ck), cl.Layout(tp=2, allow_uneven=True))
+    other = "bf16" if storage == "bf16" else "MXFP4"
+    assert e.value.file == "config.json" and ".mlp.experts." in e.value.tensor
+    assert f"is gpt-oss's {other} storage" in str(e.value)
+    assert "Give this checkpoint's own config.json" in str(e.value)
+
 # --- the new presets over real torch.distributed: 2 gloo ranks on loopback ------------------
 
 MP_CASES = ([(fam, layout) for fam in ("gpt_oss", "llama4", "qwen3_next", "qwen2_moe", "glm4_moe")

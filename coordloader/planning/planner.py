@@ -45,7 +45,7 @@ from coordloader.planning.placement import (
 )
 from coordloader.planning.rankgroups import RankGroups, dedupe, rank_classes
 from coordloader.planning.rules import Rule, RuleSet, make_rule, resolve_rules
-from coordloader.planning.rules.presets import MTP_PREFIX, missing_config_error
+from coordloader.planning.rules.presets import MTP_PREFIX, missing_config_error, storage_problem
 from coordloader.planning.rules.ruleset import digit_template, digit_templates
 from coordloader.planning.runs import slice_runs
 from coordloader.planning.store import SliceStore
@@ -165,6 +165,13 @@ class _Planner:
         tied = self._tied()
         # match rules first: unmatched names fail before any work
         match = self._match_rules(names, places, mtp if left_out else None)
+        bad = storage_problem(self.rules.preset, self.config, names)
+        if bad and match[bad[0]][0].source.startswith("preset:"):
+            raise PlanError(f"{bad[1]}: vLLM loads the experts by the config's storage, and the "
+                            f"preset splits them so; a config of the other storage would split "
+                            f"gate/up and down_proj on different intermediate ranges. Give this "
+                            f"checkpoint's own config.json (layout {self.L})",
+                            file="config.json", tensor=bad[0])
         placer = Placer(self.meta, self.L, self.config, match, layers, tied, mtp, groups,
                         left_out)
         families = self._families(names, groups, places, spans, placer, layers)

@@ -281,6 +281,31 @@ def _gpt_oss(config, R, heads: int, exp: dict) -> list[Rule]:
     ]
 
 
+_GPT_OSS_MXFP4 = ("_blocks", "_scales")
+_GPT_OSS_BF16 = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def storage_problem(preset: str | None, config: Mapping, names) -> tuple[str, str] | None:
+    """(tensor, what is wrong) where the preset's split depends on how config.json says the
+    checkpoint is stored and a tensor is stored another way. gpt-oss: the gate/up split
+    moves by 32-element MXFP4 blocks under ``quant_method: mxfp4`` (so does vLLM, by the
+    config), while down_proj's follows the tensors' shapes: a config of the other storage
+    would give a rank gate/up and down_proj of different intermediate ranges."""
+    if preset != "gpt_oss":
+        return None
+    mxfp4 = (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    for n in names:
+        if ".experts." not in n:
+            continue
+        if not mxfp4 and n.endswith(_GPT_OSS_MXFP4) and ".experts.gate_up" in n:
+            return n, ("is gpt-oss's MXFP4 storage but config.json's quantization_config does "
+                       "not say quant_method mxfp4")
+        if mxfp4 and n.endswith(_GPT_OSS_BF16):
+            return n, ("is gpt-oss's bf16 storage but config.json's quantization_config says "
+                       "quant_method mxfp4")
+    return None
+
+
 def _llama4(R, exp: dict) -> list[Rule]:
     """llama4 text (Llama 4 Scout/Maverick language model), as vLLM's llama4.py: attention
     like Llama (vLLM permutes q/k rows inside each head for its rotary, so whole heads
