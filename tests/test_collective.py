@@ -140,16 +140,18 @@ with exit_on_error():
 
 
 def _launch(tmp_path: Path, mode: str, ranks, world: int = 4, timeout: float = TIMEOUT,
-            port: int | None = None):
-    """Start `ranks` of a `world`-rank group; return ({rank: (rc, out, err, end_time,
-    start_time)}, launch time, time rank 2 killed itself or None)."""
+            port: int | None = None, env: dict | None = None):
+    """Start `ranks` of a `world`-rank group (rank r's environment updated by `env[r]`);
+    return ({rank: (rc, out, err, end_time, start_time)}, launch time, time rank 2 killed
+    itself or None)."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     mark = tmp_path / "killed_at"
     port = port or free_port()
     procs, ends, t0 = run_ranks(ranks, lambda r: subprocess.Popen(
         [sys.executable, str(script), mode, str(mark)],
-        env=rank_env(port, r, world, CL_TIMEOUT=str(timeout)), stdout=subprocess.PIPE,
+        env={**rank_env(port, r, world, CL_TIMEOUT=str(timeout)), **(env or {}).get(r, {})},
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, cwd=str(tmp_path), start_new_session=True), HARD)
     res = {}
     for r, p in procs.items():
@@ -166,6 +168,22 @@ def test_happy_path_returns_value_on_every_rank(tmp_path):
     for r, (rc, out, err, *_) in res.items():
         assert rc == 0, f"rank {r}: {err}"
         assert f"VALUE {r} {r * 10} {r * 10 + 1}" in out and "DONE" in out
+
+
+@pytest.mark.parametrize("env", [
+    {1: {"MASTER_ADDR": "localhost"}},
+    # torchrun restarts a node for another's failure without counting it
+    {0: {"TORCHELASTIC_RESTART_COUNT": "1"}, 1: {"TORCHELASTIC_RESTART_COUNT": "0"}},
+], ids=["master-addr-spelt-per-node", "restart-count-per-node"])
+def test_a_group_forms_where_nodes_see_their_launch_apart(tmp_path, env):
+    """Keys were in a namespace of MASTER_ADDR and TORCHELASTIC_RESTART_COUNT as each rank
+    saw them: one store reached as localhost and as 127.0.0.1, or a torchrun retry whose
+    nodes count their restarts apart, never formed ("rank 1 did not join", each rank
+    blaming the other) where torch's own init_process_group does."""
+    res, _, _ = _launch(tmp_path, "happy", range(2), world=2, env=env)
+    for r, (rc, out, err, *_) in res.items():
+        assert rc == 0, f"rank {r}: {err}"
+        assert "DONE" in out
 
 
 def test_error_on_one_rank_stops_every_rank_with_its_message(tmp_path):

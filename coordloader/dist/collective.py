@@ -423,9 +423,12 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
             msg = (f"group did not form: cannot reach the rendezvous store at {desc} within "
                    f"{timeout_s:g} s; {who} did not start or is unreachable ({t}: {m})")
         raise CollectiveError(msg, rank=rank) from exc
-    # A namespace per group so restarts (torchrun agent store) and repeated init never
-    # read stale keys; every rank computes the same name.
-    ns = _namespace(f"{addr}:{port}", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # A namespace per group formed over this store, so a repeated init never reads stale
+    # keys. Nothing a rank may see otherwise than the others goes in it: MASTER_ADDR may
+    # be spelled per node (localhost, a name, its IP), and TORCHELASTIC_RESTART_COUNT is
+    # not counted on a node that restarts for another's failure. A torchrun retry needs no
+    # part of its own: the agent's store is a new one each round, and rank 0's dies with it.
+    ns = _namespace(f"port{port}")
     board = DeadlineStore(dist.PrefixStore(ns, base), op_s)
     group = Group(rank=rank, world=world, store=board, timeout_s=timeout_s, grace_s=grace,
                   backend=backend, store_host=host, store_desc=desc)
@@ -555,13 +558,13 @@ def _heartbeats(group: Group, ranks) -> dict[int, int] | None:
         return None
 
 
-def _namespace(identity: str, restart: str) -> str:
+def _namespace(identity: str) -> str:
     """Keys of the n-th group this process forms over ``identity`` (a store, or an adopted
     process group by name): the identity is part of them, so two groups adopted over one
     default store (new_group([0, 1]) and new_group([2, 3])) keep separate boards."""
     n = _NAMESPACES.get(identity, 0)
     _NAMESPACES[identity] = n + 1
-    return f"coordloader/r{restart}/{identity}/g{n}"
+    return f"coordloader/{identity}/g{n}"
 
 
 def _join(group: Group) -> None:
@@ -622,7 +625,7 @@ def wrap_group(pg=None, timeout_s: float | None = None, *, grace_s: float | None
         base = dist.distributed_c10d._get_default_store()
         name = getattr(pg, "group_name", None) if pg is not None else "world"
         # the counter advances on every rank alike: nothing rank-specific before this
-        ns = _namespace(f"wrap/{name}", "0")
+        ns = _namespace(f"wrap/{name}")
         store = DeadlineStore(dist.PrefixStore(ns, base), _store_op_s(timeout_s))
     except Exception:  # noqa: BLE001 - private API gone: use the fallback exchange
         store = None
