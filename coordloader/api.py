@@ -2,7 +2,6 @@
 (the checkpoint's headers, a rule file), then hand plain data to `planning`."""
 from __future__ import annotations
 
-import difflib
 import os
 from typing import Any, Mapping
 
@@ -19,6 +18,7 @@ from coordloader.layout import Layout
 from coordloader.planning.model import Plan
 from coordloader.planning.planner import build_plan
 from coordloader.planning.rules import PRESETS
+from coordloader.planning.rules.presets import near_preset
 from coordloader.planning.rules.ruleset import parse_rule_file
 
 
@@ -49,10 +49,8 @@ def read_rules(rules: Any) -> Any:
     if isinstance(rules, str) and rules not in PRESETS:
         if not os.path.lexists(rules):
             # read as a missing rule file, a preset's typo (qwen3-moe) named no preset
-            near = difflib.get_close_matches(rules, PRESETS, n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
             raise PlanError(f"rules {rules!r} is neither a rule file nor a preset (presets: "
-                            f"{', '.join(PRESETS)}){hint}")
+                            f"{', '.join(PRESETS)}){near_preset(rules)}")
         return parse_rule_file(read_json_file(rules, "rule file"), rules)
     return rules
 

@@ -435,3 +435,122 @@ def test_a_digit_template_reads_every_ascii_digit_as_0_and_nothing_else():
         assert list(map(digit_template, names)) == want == digit_templates(names)
 
     check()
+
+
+# ---- rule values a parser would have refused
+
+def _llama(layers: int = 12):
+    cfg = dict(CFG, num_hidden_layers=layers)
+    specs = [("model.embed_tokens.weight", "BF16", (100, 8)), ("model.norm.weight", "F32", (8,))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [(p + "self_attn.q_proj.weight", "BF16", (8, 8)),
+                  (p + "self_attn.k_proj.weight", "BF16", (4, 8)),
+                  (p + "self_attn.v_proj.weight", "BF16", (4, 8)),
+                  (p + "self_attn.o_proj.weight", "BF16", (8, 8)),
+                  (p + "mlp.down_proj.weight", "BF16", (8, 16)),
+                  (p + "input_layernorm.weight", "F32", (8,))]
+    return meta_from_specs(cfg, specs)
+
+
+@pytest.mark.parametrize("regex", ["false", "no", 0, 1, [], {}])
+def test_a_regex_flag_that_is_not_a_bool_is_refused(regex):
+    """"regex": "false" read as true made the glob 1* a regular expression: layer 10's
+    down_proj (which the glob names) was split, not replicated, without a word."""
+    rule = {"pattern": "model.layers.1*.mlp.down_proj.weight", "strategy": "replicate",
+            "regex": regex}
+    with pytest.raises(PlanError, match=r"rules: rule #0 .*'regex' must be true or false"):
+        make_plan(_llama(), Layout(tp=2), [rule])
+    with pytest.raises(PlanError, match="starts with 're:'.*'regex' is false"):
+        make_plan(_llama(), Layout(tp=2), [dict(rule, pattern="re:.*down_proj.weight",
+                                                regex=False)])
+    plan = make_plan(_llama(), Layout(tp=2), [dict(rule, regex=False)])
+    assert plan.rank(1).by_name()["model.layers.10.mlp.down_proj.weight"].local_shape == (8, 16)
+
+
+@pytest.mark.parametrize("params", [False, 0, "", [], "dim=1"])
+def test_params_that_are_not_an_object_are_refused(params):
+    rule = {"pattern": "*.o_proj.weight", "strategy": "colwise", "params": params}
+    with pytest.raises(PlanError, match="params must be an object"):
+        make_plan(_llama(), Layout(tp=2), [rule])
+
+
+@pytest.mark.parametrize("strategy", [["colwise"], {"colwise": 1}, 3, None])
+def test_a_strategy_that_is_not_a_string_is_refused_naming_the_rule(strategy):
+    with pytest.raises(PlanError, match=r"rules: rule #0 .*strategy must be a string"):
+        make_plan(_llama(), Layout(tp=2), [{"pattern": "*.o_proj.weight", "strategy": strategy}])
+
+
+def test_rule_objects_are_checked_as_rules_of_a_file_are():
+    """A Rule object skipped every check: a param typo (dims) split dim 0 where the same
+    rule as a dict is refused, a missing kv raised a bare KeyError, an unknown strategy
+    too, and a re: pattern was matched as a glob."""
+    from coordloader.planning.rules import Rule
+    meta = _llama()
+    with pytest.raises(PlanError, match=r"rules: rule #0 .*does not take params \['dims'\]"):
+        make_plan(meta, Layout(tp=2), [Rule("*.o_proj.weight", "colwise", (("dims", 1),))])
+    with pytest.raises(PlanError, match="unknown strategy 'Colwise'"):
+        make_plan(meta, Layout(tp=2), [Rule("*.o_proj.weight", "Colwise")])
+    with pytest.raises(PlanError, match=r"RuleSet: rule #0 .*does not take params"):
+        make_plan(meta, Layout(tp=2), RuleSet([Rule("*.o_proj.weight", "colwise",
+                                                    (("dims", 1),))]))
+    plan = make_plan(meta, Layout(tp=2), [Rule(r"re:.*\.o_proj\.weight", "replicate")])
+    assert plan.rank(1).by_name()["model.layers.3.self_attn.o_proj.weight"].local_shape == (8, 8)
+    with pytest.warns(UserWarning, match=r"from rules\) matches no tensor"):
+        make_plan(meta, Layout(tp=2), [Rule("nothing.*", "replicate")])
+
+
+def test_a_preset_typo_in_a_rule_file_names_the_file(tmp_path):
+    f = tmp_path / "rules.json"
+    f.write_text(json.dumps({"preset": "qwen3-moe", "rules": []}))
+    with pytest.raises(PlanError, match=rf"{re.escape(str(f))}: unknown preset 'qwen3-moe' "
+                                        rf".*did you mean 'qwen3_moe'\?"):
+        read_rules(str(f))
+
+
+def test_a_layer_tensor_stays_with_its_layer_whatever_stage_a_rule_gives():
+    """A `*norm*` rule with stage last, meant for model.norm, took every layer's norms to
+    the last stage: the first stage ran layers 0-5 without them, and loaded."""
+    rules = [{"pattern": "*norm*", "strategy": "replicate", "params": {"stage": "last"}}]
+    plan = make_plan(_llama(), Layout(pp=2), rules)
+    first, last = plan.rank(0).by_name(), plan.rank(1).by_name()
+    assert "model.layers.0.input_layernorm.weight" in first
+    assert "model.layers.0.input_layernorm.weight" not in last
+    assert "model.layers.11.input_layernorm.weight" in last
+    assert "model.norm.weight" in last and "model.norm.weight" not in first
+
+
+def test_a_dense_gate_up_given_plain_colwise_is_refused():
+    """Plain colwise on a fused gate_up gave rank 0 all gate rows and rank 1 all up rows;
+    the same mistake on an expert tensor was refused already."""
+    specs = [("model.layers.0.mlp.gate_up_proj.weight", "BF16", (32, 8))]
+    meta = meta_from_specs(dict(CFG), specs)
+    rule = {"pattern": "*.gate_up_proj.weight", "strategy": "colwise"}
+    for tp in (1, 2):   # refused at every layout
+        with pytest.raises(PlanError, match="fused tensor packs gate and up.*'packed'") as e:
+            make_plan(meta, Layout(tp=tp), {"mode": "replace", "rules": [rule]})
+        assert e.value.tensor == "model.layers.0.mlp.gate_up_proj.weight"
+
+
+def test_the_expert_count_is_read_with_the_rules_own_id_regex():
+    """Without a count in config.json, the count from the names used the default pattern
+    only: names expert_N with the rule's id_regex made 0 experts ("ep=1 exceeds the
+    expert count 0") even at ep=1."""
+    specs = [(f"model.layers.0.moe.expert_{e}.w.weight", "BF16", (8, 8)) for e in range(4)]
+    meta = meta_from_specs({"num_hidden_layers": 1}, specs)
+    rules = {"mode": "replace", "rules": [{"pattern": "*.expert_*", "strategy": "expert",
+                                           "params": {"id_regex": r"expert_(\d+)\."}}]}
+    plan = make_plan(meta, Layout(tp=2, ep=2), rules)
+    assert sorted(plan.rank(1).by_name()) == [f"model.layers.0.moe.expert_{e}.w.weight"
+                                              for e in (2, 3)]
+
+
+def test_a_rule_shadowed_by_an_earlier_one_is_warned_as_such():
+    rules = [{"pattern": "*.self_attn.*", "strategy": "replicate"},
+             {"pattern": "*.self_attn.q_proj.weight", "strategy": "colwise"}]
+    with pytest.warns(UserWarning) as w:
+        make_plan(_llama(), Layout(tp=2), rules)
+    msg = " ".join(str(x.message) for x in w)
+    assert ("'*.self_attn.q_proj.weight' (colwise, from rules) takes no tensor: an earlier "
+            "rule, '*.self_attn.*' (replicate), matches the tensors it matches (e.g. "
+            "model.layers.0.self_attn.q_proj.weight) first") in msg

@@ -22,6 +22,7 @@ from coordloader.planning.strategies import (
     Everyone,
     TensorShape,
     dim_classes,
+    fused_gate_up,
 )
 
 # a block scale's default weight: its own name without this suffix
@@ -91,7 +92,7 @@ class Placer:
         self._scale_memo: dict = {}
         self._owners: dict = {}
         self._id_res: dict[str, re.Pattern] = {}
-        self._num_experts: int | None = None
+        self._named_experts: dict[str, int] = {}   # id_regex -> largest id in names + 1
         # digit template -> its names, and the names of no template (planner's groups)
         self._templates, self._untemplated = templates, untemplated
         self._checked_E: set[int] = set()
@@ -120,8 +121,13 @@ class Placer:
         li = self.layer_of(n)
         if li is not None and li >= self.num_layers and not self.L.include_mtp:
             return None   # an MTP layer, whatever stage a rule gives it
+        if li is not None and li < self.num_layers:
+            # a layer's tensors go where the layer runs, whatever stage a rule gives: a
+            # rule meant for a non-layer tensor (`*norm*` for model.norm, stage last) left
+            # the other stages without their layers' norms
+            return (self.stage_of[li],)
         if li is not None and st in (None, "layer"):
-            return (pp - 1,) if li >= self.num_layers else (self.stage_of[li],)
+            return (pp - 1,)
         if st == "all":
             return tuple(range(pp))
         if st == "layer":
@@ -216,17 +222,22 @@ class Placer:
             E = self._config_E
         if E in self._checked_E:   # every tensor of an expert rule asks: checked once per E
             return E
-        if self._num_experts is None:
-            # the largest expert id in the names + 1; one scan of all names joined (a
-            # search per name cost more than the rest of the expert placements together)
-            self._num_experts = self._largest_expert_id() + 1
+        rx = p.get("id_regex", EXPERT_ID_REGEX)
+        named = self._named_experts.get(rx)
+        if named is None:
+            # the largest expert id in the names + 1; for the default pattern one scan of
+            # all names joined (a search per name cost more than the rest of the expert
+            # placements together), for a rule's own the names that rule matches
+            named = self._named_experts[rx] = 1 + (self._largest_expert_id()
+                                                    if rx == EXPERT_ID_REGEX else
+                                                    self._largest_id_of(rx))
         if E is None:
-            E = self._num_experts
-        elif self._num_experts and E > self._num_experts:
+            E = named
+        elif named and E > named:
             # config.json (or a rule) claiming more experts than the names hold would leave
             # ranks without experts; checked before the placement tables, sized by E
             raise self.err(f"config.json / rule says {E} experts but the checkpoint's tensor "
-                            f"names hold expert ids 0..{self._num_experts - 1} only", t.name)
+                            f"names hold expert ids 0..{named - 1} only", t.name)
         if E not in self._checked_E:
             try:
                 self.L.check_experts(E)
@@ -234,6 +245,19 @@ class Placer:
                 raise self.err(e.message, t.name) from None
             self._checked_E.add(E)
         return E
+
+    def _largest_id_of(self, pattern: str) -> int:
+        """The largest expert id a rule's own ``id_regex`` reads from the names matched by
+        a rule of that pattern, -1 for none."""
+        rx = self.compiled(pattern)
+        top = -1
+        for n in self.match:
+            if self.match[n][1].get("id_regex") == pattern:
+                m = rx.search(n)
+                g = m.group(1) if m else None
+                if g is not None and g.isdigit() and g.isascii():
+                    top = max(top, int(g))
+        return top
 
     def _largest_expert_id(self) -> int:
         """The largest expert id in the checkpoint's names (EXPERT_RE, every match), -1
@@ -279,7 +303,7 @@ class Placer:
         nb = p.get("num_blocks") or 1
         k = p.get("interleaved") or 1
         unit = p.get("split_unit") or 1
-        if nb == 1 and k == 1 and any("gate_up" in c for c in t.name.split(".")[-2:]):
+        if nb == 1 and k == 1 and fused_gate_up(t.name):
             raise self.err(f"fused expert tensor packs gate and up on dim {tdim}; splitting "
                             f"it over moe_tp={self.L.moe_tp} needs the rule to declare how "
                             f"(param num_blocks=2 for halves, interleaved=2 for pairs)", t.name)

@@ -13,6 +13,7 @@ one SharedSlices: cost grows with the distinct slices, not with the world size.
 """
 from __future__ import annotations
 
+import re
 import warnings
 from itertools import accumulate, chain, compress, repeat
 from math import prod
@@ -273,9 +274,18 @@ class _Planner:
         for i in range(self.rules.user_count):
             if i not in hits:
                 r = self.rules.rules[i]
+                rx = re.compile(r.regex_text)
+                won = next(filter(rx.fullmatch, names), None)
+                if won is None:
+                    why = "matches no tensor of the checkpoint"
+                else:   # first match wins: an earlier rule took every tensor it matches
+                    w = self.rules.rules[self.rules.match(won)]
+                    why = (f"takes no tensor: an earlier rule, {clip(repr(w.pattern), MAX_NAME_CHARS)} "
+                           f"({w.strategy}), matches the tensors it matches (e.g. "
+                           f"{clip(won, MAX_NAME_CHARS)}) first")
                 warnings.warn(f"sharding rule {clip(repr(r.pattern), MAX_NAME_CHARS)} "
                               f"({r.strategy}, from {clip(str(r.source), MAX_NAME_CHARS)}) "
-                              f"matches no tensor of the checkpoint", stacklevel=4)
+                              f"{why}", stacklevel=4)
         return match
 
     def _place_all(self, names: list[str], placer: Placer, families: list[list[int]]) -> Placed:

@@ -101,7 +101,18 @@ class Strategy:
 def _place_replicate(ctx: PlacementContext, t: TensorShape, p: Mapping):
     return ctx.whole(t)
 
+def fused_gate_up(name: str) -> bool:
+    """Whether the tensor's name says it packs gate and up projections (``gate_up_proj``)."""
+    return any("gate_up" in c for c in name.split(".")[-2:])
+
+
 def _place_colwise(ctx: PlacementContext, t: TensorShape, p: Mapping, dim=None):
+    if dim is None and fused_gate_up(t.name):
+        # refused at every layout, as the expert strategy's: a plain split hands a rank
+        # gate rows only (vLLM's MergedColumnParallelLinear splits each half)
+        raise ctx.err("fused tensor packs gate and up; a plain colwise split would hand a "
+                      "rank gate rows only: give it strategy 'packed' with num_blocks=2 "
+                      "(halves, as vLLM splits them)", t.name)
     dim = p.get("dim", 0) if dim is None else dim
     if not t.shape or ctx.L.tp == 1 or (p.get("shared_expert") and ctx.L.sequence_parallel_moe):
         return ctx.whole(t)
@@ -345,7 +356,7 @@ def _is_packed(t: TensorShape, p) -> bool:
     """Whether an expert tensor's split goes through the packed ranges (declared packing,
     or a gate_up name that must be refused without one)."""
     return bool(p.get("num_blocks") or p.get("interleaved") or p.get("split_unit")
-                or any("gate_up" in c for c in t.name.split(".")[-2:]))
+                or fused_gate_up(t.name))
 
 
 # -- param checks ---------------------------------------------------------------------
@@ -479,6 +490,9 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
 
 def check_params(strategy: str, params: dict, where: str) -> dict:
     """Validate and normalise one rule's params; raise PlanError naming ``where``."""
+    if not isinstance(strategy, str):
+        raise PlanError(f"{where}: strategy must be a string, one of {', '.join(STRATEGIES)}; "
+                        f"got {type(strategy).__name__}")
     s = STRATEGIES.get(strategy)
     if s is None:
         raise PlanError(f"{where}: unknown strategy {strategy!r}; expected one of "

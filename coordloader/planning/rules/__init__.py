@@ -10,6 +10,7 @@ from coordloader.planning.rules.ruleset import (
     Rule,
     RuleFile,
     RuleSet,
+    checked_rule,
     make_rule,
     parse_rule_file,
     rule_from_dict,
@@ -28,7 +29,11 @@ def resolve_rules(config: Mapping | None, rules: Any = None) -> RuleSet:
     A rule file's path is read by ``coordloader.api.read_rules`` first: planning does no
     I/O."""
     if isinstance(rules, RuleSet):
-        return rules
+        # a RuleSet the user built holds Rule objects no parser saw
+        checked = [checked_rule(r, "RuleSet", i) for i, r in enumerate(rules.rules)]
+        if checked == list(rules.rules):
+            return rules
+        return RuleSet(checked, user_count=rules.user_count, preset=rules.preset)
     user: list[Rule] = []
     preset: str | None = "auto"
     mode = "extend"
@@ -45,7 +50,8 @@ def resolve_rules(config: Mapping | None, rules: Any = None) -> RuleSet:
         user, preset, mode = parse_rule_file(dict(rules), "rules")
     elif isinstance(rules, Sequence):
         for i, r in enumerate(rules):
-            user.append(r if isinstance(r, Rule) else rule_from_dict(r, "rules", i))
+            user.append(checked_rule(r, "rules", i) if isinstance(r, Rule)
+                        else rule_from_dict(r, "rules", i))
     else:
         raise PlanError(f"rules must be a preset name, a rule file path, a list of rules or a "
                         f"RuleSet, got {type(rules).__name__}")

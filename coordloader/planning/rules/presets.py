@@ -5,6 +5,7 @@ padded to 64 rows, ReplicatedLinear for MLA's a-projections and routers, FusedMo
 placed by EP and split by the MoE TP size). Head and expert counts come from config.json."""
 from __future__ import annotations
 
+import difflib
 from typing import Mapping
 
 from coordloader.checkpoint.metadata import EXPERT_COUNT_KEYS, config_head_dim, kv_heads_default
@@ -42,6 +43,12 @@ _MODEL_TYPES = {
     "llama4_text": "llama4",
     "qwen3_next": "qwen3_next",
 }
+
+
+def near_preset(name) -> str:
+    """"; did you mean 'x'?" for a name close to a preset's, else ""."""
+    near = difflib.get_close_matches(name, PRESETS, n=1) if isinstance(name, str) else []
+    return f"; did you mean {near[0]!r}?" if near else ""
 
 
 def detect_preset(config: Mapping | None) -> str | None:

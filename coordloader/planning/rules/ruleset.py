@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Sequence
 
 from coordloader.errors import PlanError
 from coordloader.planning.strategies import check_params
+from coordloader.text import clip
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,18 @@ def make_rule(pattern: str, strategy: str, params: dict | None = None, *, regex:
     where = where or f"rule {pattern!r} ({source})"
     if not isinstance(pattern, str) or not pattern:
         raise PlanError(f"{where}: pattern must be a non-empty string")
+    if regex is not None and not isinstance(regex, bool):
+        # a truthy string ("false") would make a glob a regular expression
+        raise PlanError(f"{where}: 'regex' must be true or false, got {clip(repr(regex), 80)}")
+    if regex is False and pattern.startswith("re:"):
+        raise PlanError(f"{where}: the pattern starts with 're:' (a regular expression) but "
+                        f"'regex' is false; drop one of them")
     if regex is None:
         regex = pattern.startswith("re:")
     if pattern.startswith("re:"):
         pattern = pattern[3:]
         regex = True
-    p = check_params(strategy, params or {}, where)
+    p = check_params(strategy, {} if params is None else params, where)
     if regex:
         try:
             re.compile(pattern)
@@ -86,8 +93,23 @@ def rule_from_dict(d: Any, source: str, index: int) -> Rule:
     for k in ("pattern", "strategy"):
         if k not in d:
             raise PlanError(f"{where}: missing {k!r}")
-    return make_rule(d["pattern"], d["strategy"], d.get("params") or {}, regex=d.get("regex"),
-                     source=source, where=f"{where} ({d['pattern']!r})")
+    params = d.get("params")
+    return make_rule(d["pattern"], d["strategy"], {} if params is None else params,
+                     regex=d.get("regex"), source=source, where=f"{where} ({d['pattern']!r})")
+
+
+def checked_rule(r: Rule, source: str, index: int) -> Rule:
+    """A Rule object of the user's made again as a rule of a file is (``make_rule``): its
+    params checked and normalised as a dict rule's are, a ``re:`` pattern a regular
+    expression, and the source its own where it names none."""
+    try:
+        params = dict(r.params)
+    except (TypeError, ValueError):
+        raise PlanError(f"{source}: rule #{index} ({clip(repr(r.pattern), 80)}): params must "
+                        f"be (name, value) pairs or a dict, got {type(r.params).__name__}") from None
+    src = source if r.source == "preset" else r.source   # the dataclass default
+    return make_rule(r.pattern, r.strategy, params, regex=r.regex or None, source=src,
+                     where=f"{source}: rule #{index} ({clip(repr(r.pattern), 80)})")
 
 
 # ASCII digits read as 0: str.translate is fast on one long (ASCII) string but pays a
@@ -278,4 +300,9 @@ def parse_rule_file(data: Any, source: str) -> RuleFile:
     if not isinstance(rules, list):
         raise PlanError(f"{source}: 'rules' must be a list")
     preset = data.get("preset", "auto")
+    if preset not in ("auto", None):
+        from coordloader.planning.rules.presets import PRESETS, near_preset
+        if not isinstance(preset, str) or preset not in PRESETS:
+            raise PlanError(f"{source}: unknown preset {clip(repr(preset), 80)} (presets: "
+                            f"{', '.join(PRESETS)}){near_preset(preset)}")
     return RuleFile([rule_from_dict(d, source, i) for i, d in enumerate(rules)], preset, mode)
