@@ -608,3 +608,78 @@ def test_only_the_rank_writing_the_report_checks_its_path(tmp_path):
         _check_arguments(args, argparse.Namespace(rank=0, world=2))
     assert str(e.value).endswith(f"--report {args.report}: its directory does not exist")
     assert _check_arguments(args, argparse.Namespace(rank=1, world=2)).world_size == 2
+
+
+def test_a_load_under_way_leaves_no_earlier_report_saying_ok(tmp_path, monkeypatch):
+    """A load killed mid-way (an OOM kill; torchrun's SIGTERM once a peer died) left the
+    earlier run's --report saying "ok": true: the report says unfinished from the start."""
+    import json
+
+    import coordloader.cli.load as load_cli
+    from coordloader.synth import synthesize
+    _no_torchrun_env(monkeypatch)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    rep = tmp_path / "rep.json"
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--report", str(rep)]) == 0
+    assert json.loads(rep.read_text())["ok"] is True
+    seen = []
+    real = load_cli.load_detailed
+
+    def loading(*a, **kw):   # what a kill at this point leaves
+        seen.append(json.loads(rep.read_text()))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(load_cli, "load_detailed", loading)
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--report", str(rep)]) == 0
+    assert seen[0]["ok"] is False and seen[0]["error"]["type"] == "Unfinished"
+    assert "killed before it could write its result" in seen[0]["error"]["message"]
+    assert json.loads(rep.read_text())["ok"] is True
+
+
+def test_outputs_are_written_through_a_link_and_into_a_fifo(tmp_path, monkeypatch):
+    """--report onto a symlink replaced the link with a file (its target kept the earlier
+    report, "ok": true); --json onto a FIFO or device (/dev/null, /dev/stdout) replaced it
+    with a regular file, as root the system's own device."""
+    import json
+    import select
+    import stat
+    import threading
+
+    import coordloader.cli.load as load_cli
+    from coordloader.cli.plan import main as plan_main
+    from coordloader.synth import synthesize
+    _no_torchrun_env(monkeypatch)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    (tmp_path / "results").mkdir()
+    target = tmp_path / "results" / "rep.json"
+    target.write_text(json.dumps({"ok": True, "stale": True}))
+    link = tmp_path / "rep.json"
+    link.symlink_to(target)
+    assert _exit_code(load_cli.main, [ck, "--quiet", "--report", str(link)]) == 0
+    assert link.is_symlink() and "stale" not in json.loads(target.read_text())
+
+    fifo = tmp_path / "plan.fifo"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)   # a reader, so the writer's open returns
+    got, stop = [], threading.Event()
+
+    def read():
+        while True:
+            if select.select([fd], [], [], 0.05)[0]:
+                chunk = os.read(fd, 1 << 16)
+                if chunk:
+                    got.append(chunk)
+                    continue
+            if stop.is_set():
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert _exit_code(plan_main, [ck, "--tp", "2", "--json", str(fifo)]) == 0
+    finally:
+        stop.set()
+        reader.join(10)
+        os.close(fd)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert json.loads(b"".join(got))["layout"]["tp"] == 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -214,6 +215,33 @@ def write_file_atomic(path: str, data: bytes, *, fsync: bool = True,
     unless ``fsync=False``): readers see the old file or the new one, never a torn one."""
     with _atomic_fd(os.fspath(path), fsync=fsync, tmp_suffix=tmp_suffix) as fd:
         _write_all(fd, memoryview(data))
+
+
+def write_output_file(path: str, data: bytes, *, fsync: bool = True) -> None:
+    """A file the user named for output (``--report``, ``--json``), as a shell's ``>``
+    would write it: a device or FIFO there (``/dev/null``, ``/dev/stdout``) is written as
+    it is, not replaced by a regular file; through a symlink the target is replaced
+    (``write_file_atomic``), not the link; else ``write_file_atomic``. Not for files of a
+    checkpoint, whose links may point into a shared cache."""
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except OSError as e:
+            raise SaveError(f"cannot open {path}: {e.strerror}", file=path) from e
+        try:
+            _write_all(fd, memoryview(data))
+        except OSError as e:
+            raise SaveError(f"write failed: {e.strerror or e}", file=path) from e
+        finally:
+            os.close(fd)
+        return
+    write_file_atomic(os.path.realpath(path) if os.path.islink(path) else path, data,
+                      fsync=fsync)
 
 
 class OpenFiles:

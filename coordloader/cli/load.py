@@ -10,7 +10,7 @@ from typing import Mapping
 
 import torch
 
-from coordloader.checkpoint.fileio import write_file_atomic
+from coordloader.checkpoint.fileio import write_output_file
 from coordloader.checkpoint.identity import checkpoint_identity
 from coordloader.checkpoint.reader import parse_strict_json
 from coordloader.cli.common import (
@@ -189,6 +189,16 @@ def _check_arguments(args, group) -> Layout:
     refuse_checkpoint_dir(args.dump, args.checkpoint, "--dump")
     if group is None or group.rank == 0:   # the one rank that writes it, on its own node
         _check_report_path(args)
+        if (args.report and args.report != "-"
+                and os.path.isdir(os.path.dirname(os.path.abspath(args.report)))):
+            # replaced by the result when the load ends: a load killed before then (an
+            # OOM kill, torchrun's SIGTERM after a peer died) left an earlier report
+            # saying ok (in a --dump directory not made yet, there is none to leave)
+            _write_report(args.report, {
+                "ok": False, "checkpoint": os.path.abspath(args.checkpoint),
+                "layout": layout.to_dict(), "verify": args.verify,
+                "error": {"type": "Unfinished", "message": "the load has not finished: it is "
+                          "running, or it was killed before it could write its result"}})
     if args.dump and os.path.lexists(args.dump) and not os.path.isdir(args.dump):
         # found when the dump is written, it cost the whole load first
         raise ConfigError(f"--dump {args.dump} exists and is not a directory; choose a "
@@ -224,7 +234,7 @@ def _failure_report(args, layout: Layout | None, e: BaseException) -> None:
 def _write_report(path: str, report: dict) -> None:
     """--report FILE, whole or not at all (a temporary renamed over it)."""
     try:
-        write_file_atomic(path, json.dumps(report, indent=2, sort_keys=True,
+        write_output_file(path, json.dumps(report, indent=2, sort_keys=True,
                                            default=str).encode())
     except SaveError as e:
         raise LoadError(f"cannot write the report: {e.message}", file=path, rank=0) from None

@@ -9,7 +9,7 @@ import json
 import sys
 
 from coordloader.api import make_plan, read_json_file
-from coordloader.checkpoint.fileio import write_file_atomic
+from coordloader.checkpoint.fileio import write_output_file
 from coordloader.checkpoint.reader import parse_strict_json, read_checkpoint
 from coordloader.cli.common import refuse_checkpoint_file, refuse_over_inputs, run_command
 from coordloader.errors import PlanError
@@ -196,7 +196,7 @@ def _run(args) -> int:
         # before the table: a reader of the table that stops early (| head) ended the
         # command at the print, the plan file never written.
         # temp file + rename: an interrupted write never leaves a torn plan file
-        write_file_atomic(args.json, json.dumps(plan.to_json()).encode(), fsync=False)
+        write_output_file(args.json, json.dumps(plan.to_json()).encode(), fsync=False)
     # with the plan on stdout the table goes to stderr, so stdout parses as JSON alone
     print(format_plan_table(plan, rank=args.rank),
           file=sys.stderr if args.json == "-" else sys.stdout)
