@@ -775,11 +775,16 @@ def _heads(path: Path) -> tuple[int, int, int]:
 
 
 def test_reference_catches_fused_blocks_split_as_one(hf_checkpoint):
-    """A planted wrong rule (gate_up_proj split as one colwise tensor instead of two
-    packed halves) gives different bytes, and the reference sees it."""
-    rules = [{"pattern": "*.mlp.gate_up_proj.weight", "strategy": "colwise"}]
+    """A planted wrong rule (gate_up_proj split as one packed block instead of two
+    halves) gives different bytes, and the reference sees it; as plain colwise the planner
+    refuses it first."""
+    rules = [{"pattern": "*.mlp.gate_up_proj.weight", "strategy": "packed",
+              "params": {"num_blocks": 1}}]
     with pytest.raises(AssertionError, match="gate_up_proj"):
         check_family(hf_checkpoint("phi3"), FAMILIES["phi3"], dict(tp=2), rules=rules)
+    with pytest.raises(cl.errors.PlanError, match="fused tensor packs gate and up"):
+        check_family(hf_checkpoint("phi3"), FAMILIES["phi3"], dict(tp=2),
+                     rules=[dict(rules[0], strategy="colwise", params={})])
 
 
 def test_gemma3_detected(hf_checkpoint):
