@@ -133,6 +133,15 @@ def test_more_argument_mistakes_are_refused_by_name(tmp_path, llama):
         dump_rank(str(tmp_path / "dump"), 0, {"\ud800": torch.ones(1)}, plan_digest="p")
     with pytest.raises(SaveError, match="the value of 'w' is list; expected a tensor"):
         dump_rank(str(tmp_path / "dump"), 0, {"w": [1.0]}, plan_digest="p")
+    with pytest.raises(SaveError, match="dump_rank: layout must be a coordloader.Layout or a dict, "
+                                        "got str"):
+        dump_rank(str(tmp_path / "dump"), 0, {"w": torch.ones(1)}, plan_digest="p", layout="tp=2")
     assert not (tmp_path / "dump").exists()
+    # a Layout, as every other entry point takes it (a bare TypeError from json before)
+    path = dump_rank(str(tmp_path / "dump2"), 0, {"w": torch.ones(1)}, plan_digest="p",
+                     layout=cl.Layout(tp=2), world=2)
+    from safetensors import safe_open
+    with safe_open(path, "pt") as f:
+        assert json.loads(f.metadata()["coordloader.layout"])["tp"] == 2
     with pytest.raises(CollectiveError, match="group= must be a torch.distributed ProcessGroup"):
         cl.load(ck, cl.Layout(), group="gloo")

@@ -346,6 +346,21 @@ def test_quiet_digest_without_a_manifest_still_says_what_was_not_proved(tmp_path
     assert main([ck, "--verify", "digest", "--quiet"]) == 0
     assert ("coordloader: verify digest: no manifest: checked replicas against primaries only"
             in capsys.readouterr().err)
+    # full compared every byte with the checkpoint: said so, not "replicas only"
+    assert main([ck, "--verify", "full", "--quiet"]) == 0
+    assert ("coordloader: verify full: no manifest: every byte compared with the checkpoint "
+            "re-read (full)" in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("argv", [["synth", "--shards", "0"], ["synth", "--shards", "-1"],
+                                  ["plan", "--tp", "0"], ["load", "--ep", "-2"]])
+def test_a_count_below_one_is_a_usage_error(tmp_path, argv, capsys):
+    """synth --shards 0 exited 1 with a bare CoordloaderError, plan/load --tp 0 as a
+    PlanError: docs/cli.md gives exit 2 for bad usage, as manifest --jobs 0."""
+    import importlib
+    main = importlib.import_module(f"coordloader.cli.{argv[0]}").main
+    assert _exit_code(main, [str(tmp_path / "ck"), *argv[1:]]) == 2
+    assert "expected a whole number of" in capsys.readouterr().err
 
 
 def test_an_output_onto_an_input_or_a_dump_file_is_refused_before_the_load(
@@ -663,15 +678,21 @@ def test_outputs_are_written_through_a_link_and_into_a_fifo(tmp_path, monkeypatc
     fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)   # a reader, so the writer's open returns
     got, stop = [], threading.Event()
 
-    def read():
+    def drain():
         while True:
-            if select.select([fd], [], [], 0.05)[0]:
+            try:
                 chunk = os.read(fd, 1 << 16)
-                if chunk:
-                    got.append(chunk)
-                    continue
-            if stop.is_set():
+            except BlockingIOError:   # a writer, nothing written yet
                 return
+            if not chunk:   # no writer
+                return
+            got.append(chunk)
+
+    def read():
+        while not stop.is_set():
+            select.select([fd], [], [], 0.05)
+            drain()
+        drain()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()

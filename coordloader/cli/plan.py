@@ -17,7 +17,7 @@ from coordloader.layout import Layout
 from coordloader.planning.cover import validate_cover
 from coordloader.planning.placement import EXPERT_RE
 from coordloader.planning.runs import groups_of
-from coordloader.text import MAX_NAME_CHARS, ArgumentParser, clip, format_ranges
+from coordloader.text import MAX_NAME_CHARS, ArgumentParser, clip, format_ranges, positive_count
 
 
 def parse_placement(v: str):
@@ -142,7 +142,8 @@ def add_layout_args(g) -> None:
     ``python -m coordloader.plan`` and ``coordloader.load`` so both CLIs take the same
     layout the same way. ``g``: a parser or an argument group."""
     for k, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data"), ("ep", "expert")):
-        g.add_argument(f"--{k}", type=int, default=1, help=f"{what}-parallel size (default 1)")
+        g.add_argument(f"--{k}", type=positive_count("ranks"), default=1,
+                       help=f"{what}-parallel size (default 1)")
     g.add_argument("--ep-spans-dp", action="store_true",
                    help="the MoE group spans TP x DP ranks (vLLM --enable-expert-parallel with DP)")
     g.add_argument("--placement", default="linear",

@@ -8,7 +8,7 @@ import time
 from coordloader.checkpoint import dtypes
 from coordloader.cli.common import run_command
 from coordloader.synth import archs, synthesize
-from coordloader.text import ArgumentParser
+from coordloader.text import ArgumentParser, positive_count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="output directory (must be empty or absent, unless --overwrite)")
     ap.add_argument("--arch", required=True, choices=archs.ARCHS)
     ap.add_argument("--size", default="tiny", choices=archs.SIZES)
-    ap.add_argument("--shards", type=int, default=None,
+    ap.add_argument("--shards", type=positive_count("shards"), default=None,
                     help="number of shard files (default: the published count for full)")
     ap.add_argument("--metadata-only", action="store_true",
                     help="real headers, data left as sparse holes (no disk used)")

@@ -16,7 +16,7 @@ from coordloader.checkpoint.formats import DUMP_PLAN_DIGEST, DUMP_RANK, DUMP_SOU
 from coordloader.errors import SaveError
 from coordloader.handoff.pieces import check_tensor_name
 from coordloader.handoff.publish import output_dir
-from coordloader.layout import as_rank
+from coordloader.layout import Layout, as_rank
 from coordloader.text import MAX_NAME_CHARS, clip
 
 DUMP_NAME_RE = re.compile(r"rank-(\d{5,})\.safetensors")
@@ -119,6 +119,12 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
     ``source``: the identity of the checkpoint's files it was loaded from, recorded and
     (``alone``) compared with the other ranks' files."""
     rank = as_rank(rank, SaveError)
+    if isinstance(layout, Layout):   # as every other entry point takes it
+        layout = layout.to_dict()
+    for what, v in (("layout", layout), ("coords", coords)):
+        if v is not None and not isinstance(v, Mapping):
+            raise SaveError(f"dump_rank: {what} must be a coordloader.Layout or a dict, got "
+                            f"{type(v).__name__}", rank=rank)
     if rank < 0 or (world is not None and rank >= world):
         # (rank=-1 wrote rank--0001.safetensors)
         raise SaveError(f"dump_rank: rank {rank} outside the world of "

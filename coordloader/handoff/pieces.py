@@ -22,7 +22,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
-from coordloader.checkpoint.dtypes import from_torch, itemsize
+from coordloader.checkpoint.dtypes import SUPPORTED, from_torch, itemsize
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape, piece_key
 from coordloader.checkpoint.reader import not_utf8
 from coordloader.engines import layout_kind, uninitialized, wraps_other_tensors
@@ -158,8 +158,9 @@ def _local(name, t, rank: int, what: str = "") -> torch.Tensor:
     try:
         from_torch(t.dtype)
     except CoordloaderError:
-        raise SaveError(f"{what}has dtype {t.dtype}, which safetensors cannot store; convert "
-                        f"it first", tensor=name, rank=rank) from None
+        raise SaveError(f"{what}has dtype {t.dtype}, which coordloader does not save (its "
+                        f"dtypes: {', '.join(SUPPORTED)}); convert it first",
+                        tensor=name, rank=rank) from None
     return t.detach()
 
 

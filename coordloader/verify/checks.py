@@ -592,8 +592,11 @@ def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None
                 notes.append(manifest_info)
         else:
             checks.append("digest-replicas")
-            manifest_info = ("no manifest: checked replicas against primaries only (create one "
-                             "with `python -m coordloader.manifest CKPT`)" if manifest is None
+            manifest_info = ((("no manifest: every byte compared with the checkpoint re-read "
+                               "(full)" if mode.level >= VerifyMode.FULL.level else
+                               "no manifest: checked replicas against primaries only")
+                              + " (create one with `python -m coordloader.manifest CKPT`)")
+                             if manifest is None
                              else f"not compared with {manifest.path}: every tensor this rank "
                                   f"holds is split over ranks (no process group)")
             notes.append(manifest_info)
