@@ -399,3 +399,40 @@ def test_failed_methods_fail_the_run_and_bad_input_is_a_usage_error(tiny_ckpt, t
                 "--out", str(tmp_path / "afile")])
     assert p.returncode == 1 and "cannot write the results to" in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
+
+
+_FLIP_SITE = '''
+import dataclasses, torch
+from coordloader.bench import methods as m
+_orig = m.METHODS["st_whole"]
+
+def _run(ctx, state, _run=_orig.run):
+    tensors, req, extra = _run(ctx, state)
+    t = tensors[sorted(tensors)[0]].view(-1).view(torch.uint8)
+    t[0] ^= 0xFF
+    return tensors, req, extra
+
+m.METHODS["st_whole"] = dataclasses.replace(_orig, run=_run)
+'''
+
+
+def test_a_method_returning_wrong_bytes_fails_the_run(tiny_ckpt, tmp_path):
+    """A row whose tensors differ from the cpu engine's was marked same_tensors false in
+    the report and the run exited 0: launch/gpu_check.sh, judging by the exit status,
+    would call a wrong-bytes instanttensor row "bench_it ok". Here st_whole stands in for
+    it, one byte of its result flipped in the bench's rank processes."""
+    import json
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FLIP_SITE)
+    out = tmp_path / "out"
+    env = {**os.environ, "COORDLOADER_BENCH_CACHE": "/nonexistent-bench-cache",
+           "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-m", "coordloader.bench", "load", "--ckpt", tiny_ckpt,
+                        "--methods", "cpu,st_whole", "--tp", "1", "--repeats", "1",
+                        "--no-cold", "--out", str(out)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    res = json.loads(next(out.glob("*.json")).read_text())
+    assert res["load"]["warm"]["st_whole"]["same_tensors"] is False
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "wrong bytes" in res["errors"]["load: st_whole"]

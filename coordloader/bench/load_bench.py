@@ -231,6 +231,14 @@ def _target(value: Paired, goal: str, ok, **more) -> dict:
             "target": goal, "ok": None if few else ok, "too_few_pairs": few, **more}
 
 
+def _wrong_bytes(rows: dict) -> dict[str, str]:
+    """The methods whose tensors differ from the reference's (``_compare``): a failed run,
+    not a row (a GPU method returning wrong bytes passed as a timing)."""
+    return {k: "its tensors' checksums differ from the cpu engine's (or are unstable "
+               "across repeats): wrong bytes"
+            for k, row in rows.items() if row.get("same_tensors") is False}
+
+
 def _compare(rows: dict) -> dict:
     """Ratios against the cpu engine, checksum agreement, the targets. Targets against
     peers and the limit are medians of paired ratios, with their min-max over pairs."""
@@ -360,11 +368,13 @@ def bench_load(ckpt: str, *, tp: int = 2, repeats: int = 3, cold: bool = True,
     out["failed"].update(failed)
     out["warm"] = warm
     out["targets"] = _compare(warm)
+    out["failed"].update(_wrong_bytes(warm))
     if cold and can_drop_caches():
         cold_rows, failed = _run_set(cpu_methods, cold_repeats, cold=True,
                                      common={**common, "device": "cpu"}, log=log)
         out["cold"] = cold_rows
         out["cold_targets"] = _compare(cold_rows)
+        failed.update(_wrong_bytes(cold_rows))
         out["failed"].update({f"{k} (cold)": v for k, v in failed.items()})
     elif cold:
         out["cold"] = None
