@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
+import os
 import re
 import sys
 import time
@@ -205,6 +207,21 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + format_ranges(ranks)
 
 
+def _tuning_seen(loader_config) -> str:
+    """``loader_config`` as the ranks compare it: parsed JSON text and a mapping alike, in
+    key order (None and "" as {}); text that is no JSON as it is (refused later)."""
+    cfg = loader_config if loader_config not in (None, "") else {}
+    if isinstance(cfg, str):
+        try:
+            cfg = checkpoint.parse_strict_json(cfg)
+        except ValueError:
+            return cfg
+    try:
+        return json.dumps(cfg, sort_keys=True, default=repr)
+    except (TypeError, ValueError):
+        return repr(cfg)
+
+
 def agree_on_plan(plan, group, rank: int, identity: CheckpointIdentity | None = None,
                   options: Mapping[str, Any] | None = None) -> None:
     """Every rank must have computed the same plan from the same checkpoint (its own
@@ -382,8 +399,15 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
         plan = _phase("plan", build_plan, group)
         # the entry point too: load_into makes a targets phase that load does not, and the
         # ranks would meet in different phases, named only after the whole timeout
+        # and the engine's tuning: instanttensor's group mode lays out its chunks and
+        # all-gathers from chunk_size x concurrency x world, so ranks tuned apart would
+        # meet in mismatched collectives
+        tuning = {"loader_config": _tuning_seen(loader_config)}
+        if eng_name == "instanttensor":
+            tuning["INSTANTTENSOR_*"] = {k: os.environ[k] for k in sorted(os.environ)
+                                         if k.startswith("INSTANTTENSOR_")}
         agree_on_plan(plan, group, rank, identity,
-                      dict(agree or {}, verify=verify, engine=eng_name, call=call))
+                      dict(agree or {}, verify=verify, engine=eng_name, call=call, **tuning))
         rank_plan = plan.rank(rank)
         if check is not None:
             _phase("targets", lambda: check(rank_plan), group)

@@ -58,8 +58,13 @@ def _run2(tmp, ckpt, extra: dict[int, list[str]], env_of=None, hooks=None):
     # (was: both exit 0, each directory holding one rank's file of the dump)
     ({0: ["--dump", "DUMP"], 1: ["--dump", "DUMP2"]}, "--dump: rank 0 'DUMP', rank 1 'DUMP2'"),
     ({1: ["--engine", "safetensors"]}, "engine: rank 0 'cpu', rank 1 'safetensors'"),
+    # instanttensor's group mode lays out chunks and all-gathers by these: tuned apart, the
+    # ranks would meet in mismatched collectives (was: both loaded)
+    ({0: ["--loader-config", '{"chunk_size": 1048576}'],
+      1: ["--loader-config", '{ "chunk_size" : 8388608 }']},
+     """loader_config: rank 0 '{"chunk_size": 1048576}', rank 1 '{"chunk_size": 8388608}'"""),
 ], ids=["verify-full-vs-shapes", "verify-none-on-one", "dump-on-one", "dump-elsewhere",
-        "engine"])
+        "engine", "loader-config"])
 def test_ranks_with_different_options_stop_before_loading(tiny_qwen3_moe, tmp_path, extra, want):
     dirs = {"DUMP": str(tmp_path / "dump"), "DUMP2": str(tmp_path / "dump2")}
     extra = {r: [dirs.get(a, a) for a in args] for r, args in extra.items()}
