@@ -1056,6 +1056,40 @@ def test_a_file_of_another_format_is_refused_before_any_read(tmp_path, fake_cuda
     assert fake_cuda == []
 
 
+@pytest.mark.parametrize("zero_first", [True, False])
+def test_a_zero_size_tensor_after_its_neighbour_in_the_header_is_refused_by_name(
+        tmp_path, zero_first):
+    """A zero-size tensor starting where a tensor of bytes does, after it in the header:
+    the cpu engine loads it, InstantTensor (ordering by start, stably in header order)
+    refuses the file as not contiguous, on CUDA only and naming no tensor. Before it in
+    the header, both load."""
+    import coordloader as cl
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.planning.model import LoadGroup, Plan
+    from stfiles import write_raw
+    w = torch.arange(16, dtype=torch.bfloat16).reshape(4, 4)
+    entries = [("a.weight", {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 32]}),
+               ("z.bias", {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]})]
+    write_raw(str(tmp_path / "model.safetensors"),
+              dict(entries[::-1] if zero_first else entries), w.view(torch.uint8).numpy().tobytes())
+    meta = read_checkpoint(str(tmp_path))
+    rp = cl.make_plan(meta, cl.Layout(), replicate_unmatched=True).rank(0)
+    plan = Plan(cl.Layout(), meta.fingerprint(), (rp,), (),
+                (LoadGroup(("model.safetensors",), (0,), "group"),))
+    with faked_instanttensor():
+        eng = select_engine("instanttensor", "cuda:0", plan=plan)
+        if zero_first:
+            got, _ = eng.load_rank(meta, rp, "cuda:0")
+            assert torch.equal(got["a.weight"].cpu(), w) and got["z.bias"].numel() == 0
+            return
+        with pytest.raises(LoadError) as e:
+            eng.load_rank(meta, rp, "cuda:0")
+    assert str(e.value) == ("rank 0, file model.safetensors: tensor 'z.bias' holds no bytes and "
+                            "starts where 'a.weight' does, after it in the header: InstantTensor "
+                            "reads the file as not contiguous and refuses it; load with "
+                            "engine='cpu' (--engine cpu)")
+
+
 @pytest.mark.parametrize("cfg, msg", [
     ('{"io_depth": 2048}', "io_depth=2048: expected at most 1024 (instanttensor's MAX_IO_DEPTH)"),
     ('{"chunk_size": "8M"}', "chunk_size='8M': expected a whole number"),

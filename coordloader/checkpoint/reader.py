@@ -436,6 +436,19 @@ def read_file_header(root: str, name: str) -> FileHeader:
     return h
 
 
+def header_order(root: str, name: str) -> list[tuple[str, int, int]]:
+    """(key, start, end) of each tensor of a file's header, in the header's own order (the
+    reader's entries are sorted by offset), data offsets as written. For a file the reader
+    validated already."""
+    fd, st = open_regular(os.path.join(_root_dir(root), name), name)
+    try:
+        raw = _pread_exact(fd, header_length(fd, st.st_size, name), 8, name)
+    finally:
+        os.close(fd)
+    hdr = _parse_json(raw, _header_decoder(), name, "header")
+    return [(k, *v["data_offsets"]) for k, v in hdr.items() if k != "__metadata__"]
+
+
 def _header_from_raw(raw: bytes, name: str, n: int, size: int) -> FileHeader:
     hdr = _parse_json(raw, _header_decoder(), name, "header")
     meta = hdr.pop("__metadata__", None)

@@ -32,11 +32,12 @@ import time
 from operator import itemgetter
 from typing import Any, Mapping, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from coordloader.checkpoint import dtypes
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorMap, box_shape, full_box
-from coordloader.checkpoint.reader import parse_strict_json
+from coordloader.checkpoint.reader import header_order, parse_strict_json
 from coordloader.engines import (
     LoadStats,
     Progress,
@@ -398,6 +399,33 @@ def _refuse_other_formats(meta: CheckpointMeta, rank: int) -> None:
                             f"engine='cpu' (--engine cpu)", file=f.name, rank=rank)
 
 
+def _refuse_zero_size_ties(meta: CheckpointMeta, rank: int) -> None:
+    """LoadError before any read where a zero-size tensor starts where a tensor of bytes
+    does and comes after it in the header: InstantTensor orders a file's tensors by start,
+    keeping the header's order among equal starts, and refuses the file as not contiguous
+    (on CUDA only, naming no tensor) where the cpu engine loads it. Only files that hold
+    such a tie have their header read again, for its order."""
+    t = meta.table()
+    tied = set()
+    zero = t.whole & (t.end == t.start)
+    if zero.any():
+        tied.update(meta.files[i].name for i in np.unique(t.file[zero]).tolist())
+    for row in np.flatnonzero(~t.whole).tolist():
+        tied.update(sp.file for sp in meta.tensors[t.names[row]].pieces if sp.start == sp.end)
+    for name in sorted(tied):
+        try:
+            order = sorted(header_order(meta.root, name), key=itemgetter(1))   # stable
+        except (CoordloaderError, OSError):
+            continue   # the file changed since: the load names it
+        for (a, _, end), (b, start, _) in zip(order, order[1:]):
+            if end != start:
+                raise LoadError(f"tensor {clip(repr(b), MAX_NAME_CHARS)} holds no bytes and "
+                                f"starts where {clip(repr(a), MAX_NAME_CHARS)} does, after it "
+                                f"in the header: InstantTensor reads the file as not "
+                                f"contiguous and refuses it; load with engine='cpu' "
+                                f"(--engine cpu)", file=name, rank=rank)
+
+
 class InstantTensorEngine:
     name = "instanttensor"
 
@@ -496,6 +524,7 @@ class InstantTensorEngine:
                 if self._config_error is not None:
                     raise self._config_error
                 _refuse_other_formats(meta, rank)
+                _refuse_zero_size_ties(meta, rank)
                 dev = check_device(device)
                 # the package imported here too: a node whose install is broken failed
                 # after the agreement, its peers left in safe_open's first collective
