@@ -436,3 +436,27 @@ def test_a_method_returning_wrong_bytes_fails_the_run(tiny_ckpt, tmp_path):
     assert res["load"]["warm"]["st_whole"]["same_tensors"] is False
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
     assert "wrong bytes" in res["errors"]["load: st_whole"]
+
+
+@pytest.mark.parametrize("swap", ["rows-0-7", "elements-3-10", "experts-0-7"])
+def test_the_checksum_sees_bytes_moved_where_their_sum_stays(swap):
+    """The "same tensors" check summed every byte and every 7th: rows, heads or experts
+    swapped 7 apart (the same bytes in each place mod 7) passed as the same tensors."""
+    import torch
+
+    from coordloader.bench.methods import checksum
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(16, 8, 4, generator=g).to(torch.bfloat16)
+    moved = t.clone()
+    if swap == "rows-0-7":
+        moved = moved.view(-1, 4)
+        moved[[0, 7]] = moved[[7, 0]]
+    elif swap == "elements-3-10":
+        moved = moved.view(-1)
+        moved[[3, 10]] = moved[[10, 3]]
+    else:
+        moved[[0, 7]] = moved[[7, 0]]
+    moved = moved.view(16, 8, 4)
+    assert not torch.equal(moved, t)
+    assert checksum({"w": t}) == checksum({"w": t.clone()})
+    assert checksum({"w": moved}) != checksum({"w": t})
