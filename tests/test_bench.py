@@ -96,13 +96,15 @@ def test_load_bench_outputs_and_headline(tiny_ckpt, tmp_path):
     assert "(`cpu_into`)" in md and "cpu_vs_whole_read_into_existing" in md
     # the limit row: per repeat, the floor plus one memcpy of the held bytes
     lim = warm["floor_memcpy"]
-    assert lim["walls_s"] == pytest.approx([a + b for a, b in zip(warm["fresh_floor"]["walls_s"],
-                                                                 warm["memcpy"]["walls_s"])])
+
+    def limit(f, m):   # rank by rank, the slowest rank's sum
+        return [max(x + y for x, y in zip(a, b)) for a, b in zip(warm[f]["rank_walls_s"],
+                                                                 warm[m]["rank_walls_s"])]
+    assert lim["walls_s"] == pytest.approx(limit("fresh_floor", "memcpy"))
     assert warm["memcpy"]["gbps_per_rank"] > 0    # the memcpy rate: bytes copied / wall
     # the same with the copy out of the page cache: (p) read as many bytes as each rank holds
     assert [r["bytes_read"] for r in warm["pcopy"]["ranks"]] == res["load"]["bytes_held_plan"]
-    assert warm["floor_pcopy"]["walls_s"] == pytest.approx(
-        [a + b for a, b in zip(warm["fresh_floor"]["walls_s"], warm["pcopy"]["walls_s"])])
+    assert warm["floor_pcopy"]["walls_s"] == pytest.approx(limit("fresh_floor", "pcopy"))
     assert targets["cpu_vs_floor_pcopy"]["ok"] is None and "(`floor_pcopy`)" in md
     assert "(`floor_memcpy`)" in md and "cpu_vs_floor_memcpy" in md and "cpu_vs_best_peer" in md
     for k in ("cpu_vs_best_peer", "cpu_vs_span", "cpu_vs_st_slice", "cpu_vs_st_mmap_narrow",
@@ -224,6 +226,7 @@ def test_compare_pairs_repeats_against_the_best_peer_and_the_limit():
         walls = list(walls)
         w = sorted(walls)[len(walls) // 2]
         return {"wall_s": w, "walls_s": walls, "label": "x", "gbps_per_rank": held / w / 1e9,
+                "rank_walls_s": [[x] * len(sums) for x in walls],
                 "ranks": [{"rank": r, "wall_s": w, "checksum": s, "checksums_stable": True,
                            "bytes_held": held, "rss_peak": 1e6} for r, s in enumerate(sums)]}
     rows = {"cpu": row([1.0, 2.0, 1.0] * 3), "span": row([1.1, 1.8, 1.2] * 3),
@@ -251,6 +254,19 @@ def test_compare_pairs_repeats_against_the_best_peer_and_the_limit():
                     for k, v in rows.items() if "walls_s" in v and not v.get("derived")})
     assert few["cpu_vs_best_peer"]["ok"] is None and few["cpu_vs_best_peer"]["too_few_pairs"]
     assert few["cpu_vs_floor_memcpy"]["ok"] is None
+
+
+def test_the_limit_sums_floor_and_copy_rank_by_rank():
+    """The limit added the slowest rank's floor to the slowest rank's copy: with the floor
+    slowest on rank 0 and the copy on rank 1 it was above every rank's own limit, and the
+    engine looked closer to it than it is."""
+    from coordloader.bench.load_bench import limit_row
+    f = {"walls_s": [0.30], "rank_walls_s": [[0.30, 0.20]],
+         "ranks": [{"rank": r, "wall_s": w, "bytes_held": 1} for r, w in enumerate((0.30, 0.20))]}
+    m = {"walls_s": [0.12], "rank_walls_s": [[0.06, 0.12]],
+         "ranks": [{"rank": r, "wall_s": w, "bytes_held": 1} for r, w in enumerate((0.06, 0.12))]}
+    lim = limit_row({"fresh_floor": f, "memcpy": m})
+    assert lim["walls_s"] == pytest.approx([0.36]) and lim["wall_s"] == pytest.approx(0.36)
 
 
 def test_the_best_peer_is_the_lowest_paired_ratio_not_the_fastest_median():

@@ -7,6 +7,7 @@ within a repeat so a noisy neighbour on a shared machine hits them all alike.
 from __future__ import annotations
 
 import time
+from operator import add
 from typing import Any, NamedTuple
 
 from coordloader.bench.common import (
@@ -118,6 +119,8 @@ def summarize(key: str, label: str, runs, *, bytes_key: str = "bytes_held") -> d
                  for p in per_rank)
     return {"key": key, "label": label, "repeats": len(runs), "wall_s": wall,
             "walls_s": [run.wall for run in runs], "ranks": per_rank,
+            # per repeat, each rank's wall (a limit row sums two methods rank by rank)
+            "rank_walls_s": [[x["wall"] for x in run.ranks] for run in runs],
             "gbps_per_rank": median(p["gbps"] for p in per_rank),
             "gbps_total": rate(useful, wall),
             "bytes_read_per_rank": max(p["bytes_read"] for p in per_rank),
@@ -205,12 +208,13 @@ def paired(num: list[float], den: list[float]) -> Paired | None:
 
 def limit_row(rows: dict, key: str = LIMIT_KEY, parts: tuple[str, str] = LIMIT_PARTS) -> dict | None:
     """The bench row of a limit: per repeat, the fresh-memory floor (f) plus one copy of
-    the held bytes (``parts[1]``: (m) between user buffers, or (p) out of the page cache);
-    per rank, the sum of their medians."""
+    the held bytes (``parts[1]``: (m) between user buffers, or (p) out of the page cache),
+    rank by rank, its slowest rank's sum (the sum of the slowest of each was above every
+    rank's own limit); per rank, the sum of their medians."""
     if not all(k in rows for k in parts):
         return None
     f, m = (rows[k] for k in parts)
-    walls = [a + b for a, b in zip(f["walls_s"], m["walls_s"])]
+    walls = [max(map(add, a, b)) for a, b in zip(f["rank_walls_s"], m["rank_walls_s"])]
     ranks = [{"rank": a["rank"], "wall_s": a["wall_s"] + b["wall_s"], "bytes_held": a["bytes_held"]}
              for a, b in zip(f["ranks"], m["ranks"])]
     label = ("(f)+(m) limit: fresh-memory floor + one memcpy of the held bytes"
