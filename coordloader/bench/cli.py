@@ -84,6 +84,9 @@ def main(argv=None) -> int:
     if repeats < 1:
         print("--repeats must be >= 1", file=sys.stderr)
         return 2
+    if a.cold_repeats < 1:   # (0 ran no cold repeat and said nothing)
+        print("--cold-repeats must be >= 1 (--no-cold skips the cold runs)", file=sys.stderr)
+        return 2
     methods = a.methods.split(",") if a.methods else None
     if methods:
         from coordloader.bench.load_bench import load_methods
@@ -92,6 +95,11 @@ def main(argv=None) -> int:
         if bad:
             print(f"unknown load method(s) {', '.join(bad)}; expected some of "
                   f"{', '.join(known)}", file=sys.stderr)
+            return 2
+        twice = sorted({m for m in methods if methods.count(m) > 1})
+        if twice:   # a method's extra walls were paired with another repeat's
+            print(f"load method(s) named twice in --methods: {', '.join(twice)}",
+                  file=sys.stderr)
             return 2
     sections = SECTIONS if a.what == "all" else (a.what,)
     results: dict = {"machine": machine_info(), "quick": a.quick, "repeats": repeats,

@@ -175,9 +175,15 @@ def _prefaulted_setup(ctx):
     return {ts.name: allocate(ts, "cpu").zero_() for ts in ctx.rank_plan.tensors}
 
 
-def _cpu_into_run(ctx, dsts):
-    tensors, stats = select_engine("cpu", "cpu", **ctx.options.get("engine_options", {})
-                                   ).load_rank(ctx.meta, ctx.rank_plan, "cpu", out=dsts)
+def _cpu_into_setup(ctx):
+    """The engine (made untimed, as ``cpu``'s: its first import was charged to this method
+    alone) and the prefaulted destinations."""
+    return _cpu_setup(ctx), _prefaulted_setup(ctx)
+
+
+def _cpu_into_run(ctx, state):
+    engine, dsts = state
+    tensors, stats = engine.load_rank(ctx.meta, ctx.rank_plan, "cpu", out=dsts)
     gap = int(stats.extra.get("gap_bytes", 0) or 0)
     return tensors, stats.bytes_read, {"page_cache_bytes": stats.bytes_read + gap}
 
@@ -238,24 +244,36 @@ def _pcopy_run(ctx, state):
     """One thread reading as many bytes as the rank holds, in 8 MiB ``preadv`` calls (the
     engine's span size), from the files in order into mapped memory: what copying the
     held bytes out of the page cache costs, the one copy a read through it cannot avoid
-    (warm; cold it includes storage). (m) is the same copy between two user buffers."""
+    (warm; cold it includes storage). Each rank starts ``rank x held`` bytes into the
+    files taken as one stream (wrapping round), so cold the ranks fetch bytes of their
+    own from storage, as a load does, not all the same first ones. (m) is the same copy
+    between two user buffers."""
     dst, files = state
     mv = memoryview(dst)
+    sizes = [os.stat(p).st_size for p in files]
+    total = sum(sizes)
+    if not total:
+        return None, 0, {}
+    skip = ctx.rank_plan.rank * len(mv) % total
     pos, chunk = 0, 8 << 20
-    for path in files:
-        if pos >= len(mv):
-            break
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            for off in range(0, size, chunk):
-                n = min(chunk, size - off, len(mv) - pos)
-                if n <= 0:
-                    break
-                _pread_full(fd, mv[pos:pos + n], off, path)
-                pos += n
-        finally:
-            os.close(fd)
+    while pos < len(mv):
+        for path, size in zip(files, sizes):
+            if skip >= size:
+                skip -= size
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for off in range(skip, size, chunk):
+                    n = min(chunk, size - off, len(mv) - pos)
+                    if n <= 0:
+                        break
+                    _pread_full(fd, mv[pos:pos + n], off, path)
+                    pos += n
+            finally:
+                os.close(fd)
+            skip = 0
+            if pos >= len(mv):
+                break
     return None, pos, {}
 
 
@@ -514,7 +532,7 @@ METHODS: dict[str, Method] = {m.key: m for m in [
            _ceiling_run, holds_slice=False),
     Method("st_whole", "(b) safetensors whole read (materialised) + narrow", _no_setup,
            _st_whole_run),
-    Method("cpu_into", "coordloader cpu engine into existing tensors (load_into)", _prefaulted_setup,
+    Method("cpu_into", "coordloader cpu engine into existing tensors (load_into)", _cpu_into_setup,
            _cpu_into_run),
     Method("st_whole_into", "(b) whole read + narrow, into existing tensors", _prefaulted_setup,
            _st_whole_into_run),

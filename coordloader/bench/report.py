@@ -40,7 +40,9 @@ def load_table(rows: dict, title: str, storage: bool = False) -> str:
     for key, r in rows.items():
         sto = ""
         if storage:
-            sto = _mb(sum(p.get("io_read_bytes", 0) for p in r["ranks"])) + " | "
+            # a limit row is a sum of two methods' walls: it read nothing of its own
+            got = [p.get("io_read_bytes") for p in r["ranks"]]
+            sto = (_mb(sum(got)) if not r.get("derived") and None not in got else _mb(None)) + " | "
         walls = ", ".join(_f(p["wall_s"]) for p in r["ranks"])
         out.append(f"| {r['label']} (`{key}`) | {_f(r['wall_s'])} | {_f(r['gbps_per_rank'], '{:.2f}')}"
                    f" | {walls} | {_mb(r['bytes_read_per_rank'])} | "
