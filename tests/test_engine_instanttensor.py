@@ -1066,6 +1066,7 @@ def test_a_zero_size_tensor_after_its_neighbour_in_the_header_is_refused_by_name
     import coordloader as cl
     from coordloader.checkpoint.reader import read_checkpoint
     from coordloader.planning.model import LoadGroup, Plan
+
     from stfiles import write_raw
     w = torch.arange(16, dtype=torch.bfloat16).reshape(4, 4)
     entries = [("a.weight", {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 32]}),
