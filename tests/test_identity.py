@@ -154,3 +154,22 @@ def test_metadata_handed_in_is_checked_against_the_files_as_they_are(two_seeds):
     assert str(e.value) == (f"file {meta.files[1].name}: file's header is not what it was when "
                             f"the metadata handed in was read: it changed since; read the "
                             f"checkpoint again")
+
+
+def test_the_record_of_headers_read_is_bounded(tmp_path, monkeypatch):
+    """A serving or RL process reading new step-N directories for ever kept one record per
+    file path ever read (about 600 B each, deleted directories too): unbounded growth.
+    The newest are kept; a file read longer ago is checked as one never read."""
+    from coordloader.checkpoint import reader
+    from coordloader.checkpoint.reader import read_checkpoint
+    from stfiles import write_st
+    monkeypatch.setattr(reader, "HEADERS_SEEN_MAX", 5)
+    monkeypatch.setattr(reader, "_HEADERS_SEEN", type(reader._HEADERS_SEEN)())
+    for step in range(12):
+        d = tmp_path / f"step-{step}"
+        d.mkdir()
+        write_st(str(d / "model.safetensors"), [("w", "F32", (4,))])
+        read_checkpoint(str(d))
+    seen = list(reader._HEADERS_SEEN)
+    assert len(seen) == 5
+    assert seen == [str(tmp_path / f"step-{s}" / "model.safetensors") for s in range(7, 12)]

@@ -27,6 +27,8 @@ import os
 import re
 import stat
 import sys
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from hashlib import sha256
 from itertools import accumulate, chain, repeat
@@ -357,7 +359,11 @@ class _HeaderSeen(NamedTuple):
 # over a process group each rank parses a share of the headers but fingerprints every
 # file (identity.py), which notes each here too: a file whose header another rank read is
 # checked alike, and a record left by an earlier read of an older version is replaced.
-_HEADERS_SEEN: dict[str, _HeaderSeen] = {}
+# The newest HEADERS_SEEN_MAX are kept (a process loading new step-N directories for
+# ever grew without bound); a file read longer ago than that is checked as one never read.
+_HEADERS_SEEN: OrderedDict[str, _HeaderSeen] = OrderedDict()
+HEADERS_SEEN_MAX = 8192
+_HEADERS_SEEN_LOCK = threading.Lock()
 
 
 def note_header_seen(path: str, st: os.stat_result, header_sha256: str, *,
@@ -366,11 +372,16 @@ def note_header_seen(path: str, st: os.stat_result, header_sha256: str, *,
     (``st``: the open file's stat), for ``changed_since_header``. ``replace=False`` keeps
     a record of the same header already there (taken when the metadata in use was read)."""
     path = os.path.abspath(path)
-    if not replace:
-        seen = _HEADERS_SEEN.get(path)
-        if seen is not None and seen.header_sha256 == header_sha256:
-            return
-    _HEADERS_SEEN[path] = _HeaderSeen(stat_key(st), header_sha256)
+    with _HEADERS_SEEN_LOCK:
+        if not replace:
+            seen = _HEADERS_SEEN.get(path)
+            if seen is not None and seen.header_sha256 == header_sha256:
+                _HEADERS_SEEN.move_to_end(path)
+                return
+        _HEADERS_SEEN[path] = _HeaderSeen(stat_key(st), header_sha256)
+        _HEADERS_SEEN.move_to_end(path)
+        while len(_HEADERS_SEEN) > HEADERS_SEEN_MAX:
+            _HEADERS_SEEN.popitem(last=False)
 
 
 STAT_KEY_FIELDS = ("device", "inode", "size", "mtime", "ctime")   # stat_key's, in order
