@@ -462,3 +462,46 @@ def test_deadline_store_names_a_request_that_never_returns_and_fails_fast_after(
         st.wait(["k"], timedelta(seconds=60))
     assert time.monotonic() - t < 0.1
     release.set()
+
+
+_RELEASE = r'''
+import os, socket, sys, threading, time
+from coordloader.dist.collective import init_group
+from coordloader.errors import CollectiveError
+port = int(os.environ["MASTER_PORT"])
+if sys.argv[1] == "bogus":
+    try:
+        init_group("bogus", timeout_s=20)
+        print("FORMED")
+    except CollectiveError as e:
+        print("REFUSED", str(e)[:200])
+else:
+    g = init_group(timeout_s=20)
+    g.close()
+time.sleep(1.0)   # the heartbeat thread ends at once when told to
+print("BEATS", sum(t.name == "coordloader-heartbeat" for t in threading.enumerate()))
+if os.environ["RANK"] == "0":
+    with socket.socket() as s:
+        print("LISTENING", s.connect_ex(("127.0.0.1", port)) == 0)
+'''
+
+
+@pytest.mark.parametrize("mode", ["bogus", "close"])
+def test_a_failed_or_closed_group_leaves_no_heartbeat_or_store_behind(tmp_path, mode):
+    """A failed init_group kept its heartbeat thread beating (the other ranks saw it as
+    alive) until a gc, through a reference cycle; a closed group kept every socket and
+    rank 0's server (the port) until the object went."""
+    script = tmp_path / "release.py"
+    script.write_text(_RELEASE)
+    port = free_port()
+    procs, _, _ = run_ranks(range(2), lambda r: subprocess.Popen(
+        [sys.executable, str(script), mode], env=rank_env(port, r, 2), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, cwd=str(tmp_path), start_new_session=True), HARD)
+    for r, p in procs.items():
+        out, err = (x.decode() for x in p.communicate())
+        assert p.returncode == 0, (r, err)
+        if mode == "bogus":
+            assert "REFUSED" in out, out
+        assert "BEATS 0" in out, (r, out)
+        if r == 0 and mode == "close":
+            assert "LISTENING False" in out, out

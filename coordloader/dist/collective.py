@@ -333,6 +333,22 @@ class Group:
             import torch.distributed as dist
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(self.pg)
+            self.pg = None   # (its object holds the store's connection and server)
+        # a failed group's store host keeps its server while the object lives, for the
+        # ranks still to read the failure; otherwise the sockets (and the port) go now
+        self.release(keep_server=self._failed and self.store_host)
+
+    def release(self, keep_server: bool = False) -> None:
+        """Stop the heartbeat and drop the store connections (and rank 0's server unless
+        ``keep_server``): what close() ends with, and what a group that never formed
+        leaves behind."""
+        self._closed = True
+        if self._hb_stop is not None:
+            self._hb_stop.set()
+        self._hb_store = None
+        if not keep_server:
+            self.store = None
+            self._base_store = None
 
 
 def env_int(name: str) -> int | None:
@@ -433,12 +449,31 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
     group = Group(rank=rank, world=world, store=board, timeout_s=timeout_s, grace_s=grace,
                   backend=backend, store_host=host, store_desc=desc)
     group._base_store = base  # keep the server (rank 0) alive as long as the group
+    try:
+        return _form(group, backend, ns, base, addr, port, world, td, timeout_s, op_s, desc)
+    except BaseException:
+        # a reference cycle through the traceback kept the group alive past the failure
+        # until a gc (paused in loads), and its heartbeat thread beating: the other ranks
+        # saw this rank as alive
+        group.release()
+        raise
+
+
+def _form(group: Group, backend: str, ns: str, base, addr: str, port: int, world: int,
+          td: timedelta, timeout_s: float, op_s: float, desc: str) -> Group:
+    """``init_group`` from the join on: the heartbeat and the process group."""
+    import torch
+    import torch.distributed as dist
+    rank = group.rank
     _join(group)
     _start_heartbeat(group, lambda: dist.PrefixStore(ns, dist.TCPStore(
         addr, port, world, is_master=False, timeout=td, wait_for_workers=False)))
     device = None
     if backend == "nccl":
         local = env_int("LOCAL_RANK")
+        if local is None and torch.cuda.device_count() == 0:   # (a bare ZeroDivisionError)
+            raise CollectiveError("backend 'nccl' needs CUDA devices and this process sees "
+                                  "none; use backend 'gloo' on CPU", rank=rank)
         device = local if local is not None else rank % torch.cuda.device_count()
         torch.cuda.set_device(device)
 
@@ -927,6 +962,22 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
     raise err from local
 
 
+def _clear_frames(exc: BaseException | None) -> None:
+    """Clear the finished frames of ``exc``'s traceback and of its causes and contexts: a
+    frame holding the group (or its store) kept it, its connections and rank 0's server
+    alive as long as the exception, and longer through a cycle."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
+
+
 def _end_own_pg(group: Group, local: BaseException | None = None) -> bool:
     """Shut down the gloo process group this Group made (``init_group``), so peers blocked
     in a collective with this rank fail at once (their connections close) instead of at
@@ -937,16 +988,7 @@ def _end_own_pg(group: Group, local: BaseException | None = None) -> bool:
     if not group.owns_pg or group.pg is None or group.backend != "gloo":
         return False
     import torch.distributed as dist
-    seen: set[int] = set()
-    todo = [local]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if e.__traceback__ is not None:
-            traceback.clear_frames(e.__traceback__)
-        todo += [e.__cause__, e.__context__]
+    _clear_frames(local)
     pg, group.pg = group.pg, None
     with contextlib.suppress(Exception):
         pg.shutdown()
