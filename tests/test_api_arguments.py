@@ -115,7 +115,7 @@ def test_more_argument_mistakes_are_refused_by_name(tmp_path, llama):
     assert cl.write_manifest(ck) == os.path.join(ck, "coordloader.manifest.json")
     meta = cl.read_checkpoint(ck)
     for kw, msg in (({"jobs": "2"}, "jobs must be a positive integer, got '2'"),
-                    ({"progress": True}, "progress must be a callable(bytes) or None, got bool")):
+                    ({"progress": True}, "progress must be a callable(name, info) or None, got bool")):
         with pytest.raises(VerifyError, match=re.escape(msg)):
             cl.write_manifest(meta, **kw)
     with pytest.raises(VerifyError, match=r"meta must be a CheckpointMeta \(read_checkpoint"):
@@ -139,9 +139,44 @@ def test_more_argument_mistakes_are_refused_by_name(tmp_path, llama):
     assert not (tmp_path / "dump").exists()
     # a Layout, as every other entry point takes it (a bare TypeError from json before)
     path = dump_rank(str(tmp_path / "dump2"), 0, {"w": torch.ones(1)}, plan_digest="p",
-                     layout=cl.Layout(tp=2), world=2)
+                     layout=cl.Layout(tp=2), world=2, coords=cl.Layout(tp=2).coords(0))
     from safetensors import safe_open
     with safe_open(path, "pt") as f:
         assert json.loads(f.metadata()["coordloader.layout"])["tp"] == 2
+        assert json.loads(f.metadata()["coordloader.coords"]) == cl.Layout(tp=2).coords(0).as_dict()
     with pytest.raises(CollectiveError, match="group= must be a torch.distributed ProcessGroup"):
         cl.load(ck, cl.Layout(), group="gloo")
+
+
+_MANY_FILES = r'''
+import os, resource, sys
+import coordloader as cl
+ck = sys.argv[1]
+used = len(os.listdir("/proc/self/fd"))
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + 40, hard))   # 80 files: past it
+seen = []
+print(cl.write_manifest(ck, progress=lambda name, info: seen.append((name, info.shape))))
+assert len(seen) == 80 and seen[0][1] == (4,), seen[:2]
+assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == used + 40   # put back
+'''
+
+
+def test_write_manifest_makes_room_for_every_file_as_loads_do(tmp_path):
+    """It held every file open with no room made: a checkpoint of more files than the
+    soft descriptor limit left failed with "Too many open files" where load and
+    consolidate raise the limit. Its progress is called (name, info), as documented."""
+    import subprocess
+    import sys
+
+    from stfiles import write_st
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for i in range(80):
+        write_st(str(ck / f"model-{i + 1:05d}-of-00080.safetensors"), [(f"w{i}", "F32", (4,))])
+    script = tmp_path / "many.py"
+    script.write_text(_MANY_FILES)
+    p = subprocess.run([sys.executable, str(script), str(ck)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (ck / "coordloader.manifest.json").exists()

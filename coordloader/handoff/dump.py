@@ -121,6 +121,8 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
     rank = as_rank(rank, SaveError)
     if isinstance(layout, Layout):   # as every other entry point takes it
         layout = layout.to_dict()
+    if hasattr(coords, "as_dict"):   # a rank plan's Coords
+        coords = coords.as_dict()
     for what, v in (("layout", layout), ("coords", coords)):
         if v is not None and not isinstance(v, Mapping):
             raise SaveError(f"dump_rank: {what} must be a coordloader.Layout or a dict, got "

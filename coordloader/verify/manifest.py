@@ -30,7 +30,7 @@ from coordloader.checkpoint.identity import data_sample_sha256
 from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_numel, box_shape
 from coordloader.checkpoint.reader import read_json_document
 from coordloader.engines import on_host_default_device
-from coordloader.errors import CheckpointError, VerifyError
+from coordloader.errors import CheckpointError, LoadError, VerifyError
 from coordloader.text import MAX_NAME_CHARS, clip, positive_int_problem
 
 # explicit names: the package re-exports the function `digest`, shadowing the module
@@ -146,11 +146,21 @@ def compute(meta: CheckpointMeta, *, jobs: int = 1, progress=None) -> dict[str, 
             progress(name, info)
         return name, TensorDigest(info.dtype, tuple(info.shape), d)
 
-    with OpenFiles(meta.root) as files:   # each shard opened once, not once per tensor
-        if jobs <= 1:
-            return dict(one(n) for n in names)
-        with ThreadPoolExecutor(max_workers=jobs) as ex:
-            return dict(ex.map(one, names))
+    from coordloader.engines import descriptor_room
+    try:
+        # every file is held open until the end, as the cpu engine holds them: a checkpoint
+        # of more files than the soft limit leaves room for failed here where loads passed
+        release = descriptor_room(len(meta.files), None)
+    except LoadError as e:
+        raise VerifyError(f"write_manifest: {e.message}") from None
+    try:
+        with OpenFiles(meta.root) as files:   # each shard opened once, not once per tensor
+            if jobs <= 1:
+                return dict(one(n) for n in names)
+            with ThreadPoolExecutor(max_workers=jobs) as ex:
+                return dict(ex.map(one, names))
+    finally:
+        release()
 
 
 def to_json(meta: CheckpointMeta, digests: Mapping[str, TensorDigest]) -> dict:
@@ -181,7 +191,8 @@ def write_manifest(meta: CheckpointMeta, *, jobs: int = 1, path: str | None = No
                    progress=None) -> str:
     """Write the content manifest of the checkpoint ``meta`` (``read_checkpoint(dir)``;
     a checkpoint directory's path is read first) to ``path`` (default: its
-    coordloader.manifest.json); returns the path written."""
+    coordloader.manifest.json); returns the path written. ``progress(name, info)`` is
+    called as each tensor (its name and TensorInfo) is digested."""
     if isinstance(meta, (str, os.PathLike)):
         from coordloader.checkpoint.reader import read_checkpoint
         meta = read_checkpoint(os.fspath(meta))
@@ -193,8 +204,8 @@ def write_manifest(meta: CheckpointMeta, *, jobs: int = 1, path: str | None = No
         raise VerifyError(f"write_manifest: {problem}")
     jobs = int(jobs)
     if progress is not None and not callable(progress):
-        raise VerifyError(f"write_manifest: progress must be a callable(bytes) or None, got "
-                          f"{type(progress).__name__}")
+        raise VerifyError(f"write_manifest: progress must be a callable(name, info) or None, "
+                          f"got {type(progress).__name__}")
     digests = compute(meta, jobs=jobs, progress=progress)
     path = path or manifest_path(meta.root)
     blob = json.dumps(to_json(meta, digests), indent=1, sort_keys=False).encode() + b"\n"
