@@ -439,12 +439,12 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
             msg = (f"group did not form: cannot reach the rendezvous store at {desc} within "
                    f"{timeout_s:g} s; {who} did not start or is unreachable ({t}: {m})")
         raise CollectiveError(msg, rank=rank) from exc
-    # A namespace per group formed over this store, so a repeated init never reads stale
-    # keys. Nothing a rank may see otherwise than the others goes in it: MASTER_ADDR may
-    # be spelled per node (localhost, a name, its IP), and TORCHELASTIC_RESTART_COUNT is
-    # not counted on a node that restarts for another's failure. A torchrun retry needs no
-    # part of its own: the agent's store is a new one each round, and rank 0's dies with it.
-    ns = _namespace(f"port{port}")
+    # A namespace per group formed over this store and per torchrun attempt, so a repeated
+    # init or a retry (torchrun keeps its store across rounds) never reads stale keys. Not
+    # MASTER_ADDR: it may be spelled per node (localhost, a name, its IP). The restart
+    # count is each node's own: a node restarted for another's failure does not count it
+    # (docs/troubleshooting.md), which no value the ranks could agree on first avoids.
+    ns = _namespace(f"r{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/port{port}")
     board = DeadlineStore(dist.PrefixStore(ns, base), op_s)
     group = Group(rank=rank, world=world, store=board, timeout_s=timeout_s, grace_s=grace,
                   backend=backend, store_host=host, store_desc=desc)
