@@ -704,3 +704,38 @@ def test_outputs_are_written_through_a_link_and_into_a_fifo(tmp_path, monkeypatc
         os.close(fd)
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert json.loads(b"".join(got))["layout"]["tp"] == 2
+
+
+def test_a_report_to_stdout_appends_to_a_redirected_log_and_a_fifo_gets_one(tmp_path):
+    """--report /dev/stdout with stdout appended to a log (>> run.log): the report went
+    through /proc/self/fd/1 to run.log and renamed a new file over it (the log's lines
+    gone, the final report in a file named 'run.log (deleted)'); onto a FIFO the reader
+    took the placeholder report (ok false, Unfinished) and the load then waited forever
+    for a reader of the final one."""
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    from coordloader.synth import synthesize
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    load = [sys.executable, "-m", "coordloader.load", ck, "--quiet", "--report"]
+    log = tmp_path / "run.log"
+    log.write_text("earlier line\n")
+    with open(log, "a") as f:
+        assert subprocess.run(load + ["/dev/stdout"], stdout=f, env=env,
+                              timeout=120).returncode == 0
+    text = log.read_text()
+    assert text.startswith("earlier line\n") and sorted(os.listdir(tmp_path)) == ["ck", "run.log"]
+    assert json.loads(text[len("earlier line\n"):])["ok"] is True
+
+    fifo = tmp_path / "rep.fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    p = subprocess.run(load + [str(fifo)], env=env, timeout=120, capture_output=True)
+    reader.join(10)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(got[0])["ok"] is True   # one document: the result

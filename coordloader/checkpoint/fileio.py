@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -217,13 +218,50 @@ def write_file_atomic(path: str, data: bytes, *, fsync: bool = True,
         _write_all(fd, memoryview(data))
 
 
+_OWN_FD_RE = re.compile(r"/(?:proc/(?:self|(\d+))/fd|dev/fd)/(\d+)")
+
+
+def own_descriptor(path: str) -> int | None:
+    """The descriptor of this process that ``path`` names through its links
+    (``/dev/stdout`` -> ``/proc/self/fd/1``), or None."""
+    p = os.path.abspath(os.fspath(path))
+    for _ in range(16):
+        m = _OWN_FD_RE.fullmatch(p)
+        if m and (m.group(1) is None or int(m.group(1)) == os.getpid()):
+            return int(m.group(2))
+        if not os.path.islink(p):
+            return None
+        p = os.path.normpath(os.path.join(os.path.dirname(p), os.readlink(p)))
+    return None
+
+
+def plain_output(path: str) -> bool:
+    """Whether an output path holds a regular file or nothing (through its links): one
+    that may be written twice (a placeholder, then the result), unlike a descriptor of
+    this process, a device or a FIFO, whose reader would take both."""
+    if own_descriptor(path) is not None:
+        return False
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return True
+
+
 def write_output_file(path: str, data: bytes, *, fsync: bool = True) -> None:
     """A file the user named for output (``--report``, ``--json``), as a shell's ``>``
-    would write it: a device or FIFO there (``/dev/null``, ``/dev/stdout``) is written as
-    it is, not replaced by a regular file; through a symlink the target is replaced
-    (``write_file_atomic``), not the link; else ``write_file_atomic``. Not for files of a
-    checkpoint, whose links may point into a shared cache."""
+    would write it: a descriptor of this process (``/dev/stdout``: written where it
+    stands, so ``>> run.log`` appends), a device or a FIFO there (``/dev/null``) is
+    written as it is, not replaced by a regular file; through a symlink the target is
+    replaced (``write_file_atomic``), not the link; else ``write_file_atomic``. Not for
+    files of a checkpoint, whose links may point into a shared cache."""
     path = os.fspath(path)
+    fd = own_descriptor(path)
+    if fd is not None:
+        try:
+            _write_all(fd, memoryview(data))
+        except OSError as e:
+            raise SaveError(f"write failed: {e.strerror or e}", file=path) from e
+        return
     try:
         st = os.stat(path)
     except OSError:

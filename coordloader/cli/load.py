@@ -10,7 +10,7 @@ from typing import Mapping
 
 import torch
 
-from coordloader.checkpoint.fileio import write_output_file
+from coordloader.checkpoint.fileio import plain_output, write_output_file
 from coordloader.checkpoint.identity import checkpoint_identity
 from coordloader.checkpoint.reader import parse_strict_json
 from coordloader.cli.common import (
@@ -189,11 +189,12 @@ def _check_arguments(args, group) -> Layout:
     refuse_checkpoint_dir(args.dump, args.checkpoint, "--dump")
     if group is None or group.rank == 0:   # the one rank that writes it, on its own node
         _check_report_path(args)
-        if (args.report and args.report != "-"
+        if (args.report and args.report != "-" and plain_output(args.report)
                 and os.path.isdir(os.path.dirname(os.path.abspath(args.report)))):
             # replaced by the result when the load ends: a load killed before then (an
             # OOM kill, torchrun's SIGTERM after a peer died) left an earlier report
-            # saying ok (in a --dump directory not made yet, there is none to leave)
+            # saying ok (in a --dump directory not made yet, there is none to leave; to a
+            # descriptor, device or FIFO its reader would take both reports)
             _write_report(args.report, {
                 "ok": False, "checkpoint": os.path.abspath(args.checkpoint),
                 "layout": layout.to_dict(), "verify": args.verify,
