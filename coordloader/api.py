@@ -18,7 +18,7 @@ from coordloader.layout import Layout
 from coordloader.planning.model import Plan
 from coordloader.planning.planner import build_plan
 from coordloader.planning.rules import PRESETS
-from coordloader.planning.rules.presets import near_preset
+from coordloader.planning.rules.names import near_preset
 from coordloader.planning.rules.ruleset import parse_rule_file
 
 

@@ -162,6 +162,7 @@ def test_the_record_of_headers_read_is_bounded(tmp_path, monkeypatch):
     The newest are kept; a file read longer ago is checked as one never read."""
     from coordloader.checkpoint import reader
     from coordloader.checkpoint.reader import read_checkpoint
+
     from stfiles import write_st
     monkeypatch.setattr(reader, "HEADERS_SEEN_MAX", 5)
     monkeypatch.setattr(reader, "_HEADERS_SEEN", type(reader._HEADERS_SEEN)())

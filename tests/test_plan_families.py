@@ -68,9 +68,10 @@ def test_a_rule_for_one_layers_weight_moves_that_layers_scale_only(monkeypatch, 
 
 def test_an_expert_id_pattern_reading_the_layer_places_each_layer_apart(monkeypatch, dsv3):
     # a (contrived) user pattern taking the expert id from the layer index: every expert
-    # of layer L goes to the owner of expert L, so the layers differ
+    # of layer L goes to the owner of expert L, so the layers differ (7 "experts": the
+    # layers the names hold, as the pattern reads them)
     rules = {"rules": [{"pattern": "model.layers.*.mlp.experts.*", "strategy": "expert",
-                        "params": {"id_regex": r"layers\.(\d+)\."}}]}
+                        "params": {"id_regex": r"layers\.(\d+)\.", "num_experts": 7}}]}
     plan = same_as_alone(monkeypatch, dsv3, Layout(tp=4, ep=4, expert_placement="round_robin"),
                          rules)
     owners = {}
@@ -88,7 +89,7 @@ def test_a_block_scale_follows_a_weight_whose_expert_id_pattern_reads_the_layer(
     # the user rule takes the weights only: their block scales keep the preset's scale rule
     # and must follow each layer's weight to the owner of expert L, not layer 1's owner
     rules = {"rules": [{"pattern": "model.layers.*.mlp.experts.*.weight", "strategy": "expert",
-                        "params": {"id_regex": r"layers\.(\d+)\."}}]}
+                        "params": {"id_regex": r"layers\.(\d+)\.", "num_experts": 7}}]}
     plan = same_as_alone(monkeypatch, dsv3, Layout(tp=4, ep=4, expert_placement="round_robin"),
                          rules)
     for layer in range(1, 6):

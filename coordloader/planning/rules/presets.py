@@ -5,17 +5,13 @@ padded to 64 rows, ReplicatedLinear for MLA's a-projections and routers, FusedMo
 placed by EP and split by the MoE TP size). Head and expert counts come from config.json."""
 from __future__ import annotations
 
-import difflib
 from typing import Mapping
 
 from coordloader.checkpoint.metadata import EXPERT_COUNT_KEYS, config_head_dim, kv_heads_default
 from coordloader.errors import PlanError
+from coordloader.planning.rules.names import PRESETS
 from coordloader.planning.rules.ruleset import Rule, make_rule
 from coordloader.text import MAX_NAME_CHARS, clip
-
-PRESETS = ("llama", "qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "bert",
-           "phi3", "gemma3", "glm4_moe",
-           "gpt_oss", "llama4", "qwen3_next")
 
 # config.json "architectures" entries -> preset
 _ARCHITECTURES = {
@@ -43,12 +39,6 @@ _MODEL_TYPES = {
     "llama4_text": "llama4",
     "qwen3_next": "qwen3_next",
 }
-
-
-def near_preset(name) -> str:
-    """"; did you mean 'x'?" for a name close to a preset's, else ""."""
-    near = difflib.get_close_matches(name, PRESETS, n=1) if isinstance(name, str) else []
-    return f"; did you mean {near[0]!r}?" if near else ""
 
 
 def detect_preset(config: Mapping | None) -> str | None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 from coordloader.errors import PlanError
+from coordloader.planning.rules.names import PRESETS, near_preset
 from coordloader.planning.strategies import check_params
 from coordloader.text import clip
 
@@ -301,7 +302,6 @@ def parse_rule_file(data: Any, source: str) -> RuleFile:
         raise PlanError(f"{source}: 'rules' must be a list")
     preset = data.get("preset", "auto")
     if preset not in ("auto", None):
-        from coordloader.planning.rules.presets import PRESETS, near_preset
         if not isinstance(preset, str) or preset not in PRESETS:
             raise PlanError(f"{source}: unknown preset {clip(repr(preset), 80)} (presets: "
                             f"{', '.join(PRESETS)}){near_preset(preset)}")
