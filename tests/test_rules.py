@@ -518,6 +518,15 @@ def test_a_layer_tensor_stays_with_its_layer_whatever_stage_a_rule_gives():
     assert "model.layers.0.input_layernorm.weight" not in last
     assert "model.layers.11.input_layernorm.weight" in last
     assert "model.norm.weight" in last and "model.norm.weight" not in first
+    # a vision tower's blocks are no decoder layers: a rule's stage keeps the tower whole
+    specs = [("model.embed_tokens.weight", "BF16", (64, 16))] + [
+        (f"model.layers.{i}.mlp.down_proj.weight", "BF16", (16, 16)) for i in range(4)] + [
+        (f"model.visual.blocks.{b}.mlp.fc1.weight", "BF16", (8, 8)) for b in range(4)]
+    meta = meta_from_specs({"num_hidden_layers": 4}, specs)
+    plan = make_plan(meta, Layout(pp=2), {"mode": "replace", "rules": [
+        {"pattern": "model.visual.*", "strategy": "replicate", "params": {"stage": "first"}},
+        {"pattern": "*", "strategy": "replicate"}]})
+    assert [sum(".visual." in t.name for t in rp.tensors) for rp in plan.ranks] == [4, 0]
 
 
 def test_a_dense_gate_up_given_plain_colwise_is_refused():

@@ -11,7 +11,7 @@ from itertools import chain
 from operator import itemgetter
 from typing import Callable, Mapping, NamedTuple
 
-from coordloader.checkpoint.metadata import CheckpointMeta, full_box
+from coordloader.checkpoint.metadata import CheckpointMeta, full_box, is_tower
 from coordloader.errors import PlanError
 from coordloader.layout import Layout
 from coordloader.planning.model import Piece
@@ -121,10 +121,12 @@ class Placer:
         li = self.layer_of(n)
         if li is not None and li >= self.num_layers and not self.L.include_mtp:
             return None   # an MTP layer, whatever stage a rule gives it
-        if li is not None and li < self.num_layers:
-            # a layer's tensors go where the layer runs, whatever stage a rule gives: a
-            # rule meant for a non-layer tensor (`*norm*` for model.norm, stage last) left
-            # the other stages without their layers' norms
+        if li is not None and li < self.num_layers and (st in (None, "layer")
+                                                         or not is_tower(n)):
+            # a decoder layer's tensors go where the layer runs, whatever stage a rule
+            # gives: a rule meant for a non-layer tensor (`*norm*` for model.norm, stage
+            # last) left the other stages without their layers' norms. A vision or audio
+            # tower's blocks are no decoder layers: a rule's stage keeps the tower whole
             return (self.stage_of[li],)
         if li is not None and st in (None, "layer"):
             return (pp - 1,)
