@@ -207,17 +207,26 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + format_ranges(ranks)
 
 
+# what lays out instanttensor's chunks, and so its collectives: as options and variables
+_COLLECTIVE_OPTIONS = ("chunk_size", "concurrency")
+_COLLECTIVE_ENV = ("INSTANTTENSOR_CHUNK_SIZE", "INSTANTTENSOR_CONCURRENCY")
+
+
 def _tuning_seen(loader_config) -> str:
-    """``loader_config`` as the ranks compare it: parsed JSON text and a mapping alike, in
-    key order (None and "" as {}); text that is no JSON as it is (refused later)."""
+    """The options of ``loader_config`` that shape the engine's collectives, as the ranks
+    compare them: parsed JSON text and a mapping alike, in key order (None and "" as {});
+    text that is no JSON object as it is (refused later)."""
     cfg = loader_config if loader_config not in (None, "") else {}
     if isinstance(cfg, str):
         try:
             cfg = checkpoint.parse_strict_json(cfg)
         except ValueError:
             return cfg
+    if not isinstance(cfg, Mapping):
+        return repr(cfg)
     try:
-        return json.dumps(cfg, sort_keys=True, default=repr)
+        return json.dumps({k: cfg[k] for k in _COLLECTIVE_OPTIONS if k in cfg},
+                          sort_keys=True, default=repr)
     except (TypeError, ValueError):
         return repr(cfg)
 
@@ -399,13 +408,13 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
         plan = _phase("plan", build_plan, group)
         # the entry point too: load_into makes a targets phase that load does not, and the
         # ranks would meet in different phases, named only after the whole timeout
-        # and the engine's tuning: instanttensor's group mode lays out its chunks and
-        # all-gathers from chunk_size x concurrency x world, so ranks tuned apart would
-        # meet in mismatched collectives
+        # and the engine's tuning that shapes its collectives: instanttensor's group mode
+        # lays out its chunks and all-gathers from chunk_size x concurrency x world, so
+        # ranks tuned apart would meet in mismatched ones (a backend, an I/O depth or
+        # debug logging of a node's own may differ)
         tuning = {"loader_config": _tuning_seen(loader_config)}
         if eng_name == "instanttensor":
-            tuning["INSTANTTENSOR_*"] = {k: os.environ[k] for k in sorted(os.environ)
-                                         if k.startswith("INSTANTTENSOR_")}
+            tuning["INSTANTTENSOR_*"] = {k: os.environ.get(k) for k in _COLLECTIVE_ENV}
         agree_on_plan(plan, group, rank, identity,
                       dict(agree or {}, verify=verify, engine=eng_name, call=call, **tuning))
         rank_plan = plan.rank(rank)

@@ -50,6 +50,17 @@ def _run2(tmp, ckpt, extra: dict[int, list[str]], env_of=None, hooks=None):
 
 
 @pytest.mark.slow   # rank processes
+def test_ranks_tuned_apart_outside_the_collectives_load(tiny_qwen3_moe, tmp_path):
+    """Only what shapes the engine's collectives (chunk_size, concurrency) is agreed: a
+    node's own I/O depth or backend, or INSTANTTENSOR_DEBUG on one rank, was refused as a
+    disagreement."""
+    out = _run2(tmp_path, tiny_qwen3_moe, {0: ["--loader-config", '{"io_depth": 4}']},
+                env_of={1: {"INSTANTTENSOR_DEBUG": "1", "INSTANTTENSOR_IO_DEPTH": "8"}})
+    for r, (rc, err, _) in out.items():
+        assert rc == 0, (r, err)
+
+
+@pytest.mark.slow   # rank processes
 @pytest.mark.parametrize("extra, want", [
     ({0: ["--verify", "full"], 1: ["--verify", "shapes"]},
      "verify: rank 0 'full', rank 1 'shapes'"),
