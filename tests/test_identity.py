@@ -174,3 +174,45 @@ def test_the_record_of_headers_read_is_bounded(tmp_path, monkeypatch):
     seen = list(reader._HEADERS_SEEN)
     assert len(seen) == 5
     assert seen == [str(tmp_path / f"step-{s}" / "model.safetensors") for s in range(7, 12)]
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-m", "--propagation", "private", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow   # rank processes
+@pytest.mark.skipif(not _unshare_works(), reason="needs mount namespaces (unshare -m, root)")
+def test_a_dump_into_node_local_directories_holding_another_dump_is_refused(two_seeds,
+                                                                            tmp_path):
+    """--dump DIR, one path on every node, each node's own disk (a mount namespace per
+    rank here): node 1's held rank-00000 of another load, which no rank of node 1 writes;
+    only rank 0 looked for other ranks' files, so the load exited 0 and node 1's
+    directory held two loads' files."""
+    a, _, _ = two_seeds
+    dump, disks = tmp_path / "dump", [tmp_path / "disk0", tmp_path / "disk1"]
+    for d in (dump, *disks):
+        d.mkdir()
+    (disks[1] / "rank-00000.safetensors").write_bytes(b"an earlier dump's file")
+    port = free_port()
+
+    def start(r):
+        env = rank_env(port, r, 2, LOCAL_RANK="0", OMP_NUM_THREADS="1")
+        cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+               'mount --bind "$0" "$1" && shift && exec "$@"', str(disks[r]), str(dump),
+               sys.executable, "-m", "coordloader.load", a, "--tp", "2", "--engine", "cpu",
+               "--timeout", "30", "--quiet", "--dump", str(dump)]
+        with open(tmp_path / f"err-{r}", "wb") as ef:
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
+                                    start_new_session=True)
+
+    procs, _, _ = run_ranks(range(2), start, 90)
+    for r, p in procs.items():
+        err = (tmp_path / f"err-{r}").read_text()
+        assert p.returncode == 1, (r, err)
+        assert "phase dump-check: rank 1: SaveError" in err and "holds rank-00000" in err, err
+    assert sorted(os.listdir(disks[0])) == [] and sorted(os.listdir(disks[1])) == [
+        "rank-00000.safetensors"]

@@ -297,7 +297,8 @@ def _load(args, group, device, layout: Layout) -> int:
             source = checkpoint_identity(res.meta.root, [f.name for f in res.meta.files],
                                          read_from=res.meta.files).digest()
             check_dump_target(args.dump, res.rank, layout.world_size, args.overwrite,
-                              res.plan.digest() if group is None else None, source)
+                              res.plan.digest() if group is None else None, source,
+                              group=group is not None)
             return source
         source = collective.run_phase("dump-check", check, group)
         mine["dump"] = collective.run_phase("dump", lambda: dump_rank(

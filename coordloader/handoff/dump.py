@@ -26,19 +26,26 @@ def dump_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank-{rank:05d}.safetensors")
 
 
-def stale_dumps(out_dir: str, world: int) -> list[str]:
-    """Dump files in ``out_dir`` of ranks a world of ``world`` does not have (a dump of
-    another layout), in rank order."""
+def _dump_names(out_dir: str) -> list[str]:
+    """The dump files' names in ``out_dir``, in rank order."""
     try:
         names = os.listdir(out_dir)
     except OSError:
         return []
     found = sorted((int(m.group(1)), n) for n in names if (m := DUMP_NAME_RE.fullmatch(n)))
-    return [n for r, n in found if r >= world]
+    return [n for _, n in found]
+
+
+def stale_dumps(out_dir: str, world: int) -> list[str]:
+    """Dump files in ``out_dir`` of ranks a world of ``world`` does not have (a dump of
+    another layout), in rank order."""
+    return [n for n in _dump_names(out_dir)
+            if int(DUMP_NAME_RE.fullmatch(n).group(1)) >= world]
 
 
 def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: bool,
-                      plan_digest: str | None = None, source: str | None = None) -> None:
+                      plan_digest: str | None = None, source: str | None = None, *,
+                      group: bool = False) -> None:
     """The refusals of ``dump_rank``, checked on every rank before any rank writes (a phase
     of its own): a rank refused while another wrote left a dump of two loads. Rank 0 also
     refuses the files of ranks past ``world`` (left by a dump of another layout) unless
@@ -47,7 +54,10 @@ def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: boo
     another rank's file there of another plan (another layout or checkpoint), or of
     another ``source`` (the checkpoint's files' identity: the same headers holding other
     data, as the next training step saved over them), is refused: the directory would
-    hold two loads' files."""
+    hold two loads' files. ``group`` (every rank of a group checking at once, before any
+    writes): without ``overwrite`` every rank refuses any dump file it sees, and the
+    files of ranks past ``world``: a directory of a node's own (node-local disk) held
+    another load's files of ranks no rank of that node writes, and kept them."""
     path = dump_path(out_dir, rank)
     if os.path.isdir(path):
         raise SaveError("the dump target is a directory, not a file; remove it or choose "
@@ -71,7 +81,17 @@ def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: boo
                             f"another --dump DIR, or dump every rank of this load with "
                             f"--overwrite (overwrite=True), each rank replacing its own file",
                             file=out_dir, rank=rank)
-    stale = stale_dumps(out_dir, world) if rank == 0 and world is not None else []
+    if group and not overwrite:
+        # (what squats on another rank's name, not a file, is that rank's to refuse)
+        found = [n for n in _dump_names(out_dir) if os.path.isfile(os.path.join(out_dir, n))]
+        if found:
+            raise SaveError(f"holds {found[0]}, the file of an earlier dump (each node's view "
+                            f"of the directory is checked: on a disk of its own, files of ranks "
+                            f"no rank there writes would stay beside this load's); pass "
+                            f"--overwrite (overwrite=True) or choose an empty --dump DIR",
+                            file=out_dir, rank=rank)
+    stale = (stale_dumps(out_dir, world) if (rank == 0 or group) and world is not None
+             else [])
     if stale and not overwrite:
         raise SaveError(f"holds the dump of ranks this layout of {world} rank(s) does not "
                         f"have ({', '.join(stale[:4])}{' ...' if len(stale) > 4 else ''}); "
@@ -147,9 +167,13 @@ def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
     except OSError as e:
         raise SaveError(f"cannot create dump directory: {e.strerror or e}", file=out_dir,
                         rank=rank) from None
-    for n in stale_dumps(out_dir, world) if rank == 0 and world is not None else ():
+    # in a group every rank removes those it sees (a node's own disk holds some of them
+    # only); on a shared one two ranks may remove one file
+    for n in stale_dumps(out_dir, world) if (rank == 0 or not alone) and world is not None else ():
         try:
             os.unlink(os.path.join(out_dir, n))
+        except FileNotFoundError:
+            pass
         except OSError as e:
             raise SaveError(f"cannot remove the dump of another layout: {e.strerror or e}",
                             file=os.path.join(out_dir, n), rank=rank) from None
