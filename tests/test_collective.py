@@ -547,3 +547,37 @@ def test_a_torchrun_retry_forms_its_group_afresh(tmp_path):
     assert "disk full on attempt 0" in out
     for r in range(2):
         assert f"attempt 1 rank {r} loaded {r}" in out, out[-3000:]
+
+
+_HOLD = r'''
+import time
+from coordloader.dist.collective import exit_on_error, init_group
+with exit_on_error():
+    g = init_group(timeout_s=20)
+    time.sleep(3)   # long enough for a second process of the same RANK to arrive
+    g.close()
+    print("DONE")
+'''
+
+
+def test_a_second_process_given_the_same_rank_is_named(tmp_path):
+    """Two processes given RANK=1 (a node launched twice): the second was told the store
+    stopped answering, or rank 0 exited or did not start, another story each run."""
+    script = tmp_path / "hold.py"
+    script.write_text(_HOLD)
+    port = free_port()
+    procs = []
+    try:
+        for r in (0, 1, 1):
+            procs.append(subprocess.Popen([sys.executable, str(script)],
+                                          env=rank_env(port, r, 2), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, start_new_session=True))
+        out = [tuple(x.decode() for x in p.communicate(timeout=HARD)) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    rcs = [p.returncode for p in procs]
+    assert sorted(rcs) == [0, 0, 1], out
+    err = out[rcs.index(1)][1]
+    assert "group did not form: RANK=1 is taken by" in err and "was given the same RANK" in err

@@ -605,10 +605,24 @@ def _namespace(identity: str) -> str:
 def _join(group: Group) -> None:
     """Every rank announces itself; wait for all, naming those that never came."""
     st, world = group.store, group.world
+    me = f"{socket.gethostname()}:{os.getpid()}"
     try:
-        st.set(f"join/{group.rank}", f"{socket.gethostname()}:{os.getpid()}")
+        # a second process given the same RANK: named here, not later as a rank "exited",
+        # "did not start" or a store that "stopped answering", one story per run
+        if st.add(f"taken/{group.rank}", 1) > 1:
+            try:
+                first = st.get(f"join/{group.rank}").decode(errors="replace")
+            except Exception:  # noqa: BLE001 - the name only adds to the message
+                first = "another process"
+            raise CollectiveError(f"group did not form: RANK={group.rank} is taken by "
+                                  f"{first} already; this process ({me}) was given the same "
+                                  f"RANK: every process needs a RANK of its own in "
+                                  f"[0, WORLD_SIZE={world})", rank=group.rank)
+        st.set(f"join/{group.rank}", me)
         st.wait([f"join/{r}" for r in range(world)], timedelta(seconds=group.timeout_s))
         return
+    except CollectiveError:
+        raise
     except Exception as exc:  # noqa: BLE001
         if _is_lost(exc):
             raise _lost(group, "group formation", exc) from exc
