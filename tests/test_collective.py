@@ -581,3 +581,18 @@ def test_a_second_process_given_the_same_rank_is_named(tmp_path):
     assert sorted(rcs) == [0, 0, 1], out
     err = out[rcs.index(1)][1]
     assert "group did not form: RANK=1 is taken by" in err and "was given the same RANK" in err
+
+
+def test_a_master_addr_that_does_not_resolve_is_named(monkeypatch):
+    """An unresolvable MASTER_ADDR (a typo; a pod name without its service) was reported,
+    after the timeout, as "rank 0 did not start or is unreachable"."""
+    from coordloader.dist.collective import init_group
+    for k, v in dict(MASTER_ADDR="no-such-host.invalid", MASTER_PORT="29511", RANK="1",
+                     WORLD_SIZE="2").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(CollectiveError) as e:
+        init_group("gloo", timeout_s=1)
+    assert ("cannot reach the rendezvous store at no-such-host.invalid:29511 (hosted by rank "
+            "0) within 1 s; the name MASTER_ADDR=no-such-host.invalid does not resolve"
+            in str(e.value)) and "check MASTER_ADDR on this node" in str(e.value)

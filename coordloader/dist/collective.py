@@ -410,10 +410,12 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
     who = "the torchrun agent" if agent else "rank 0"
     desc = f"{addr}:{port} (hosted by {who})"
     td = timedelta(seconds=timeout_s)
-    if not host and not _wait_for_port(addr, port, timeout_s):
+    why = None if host else _wait_for_port(addr, port, timeout_s)
+    if why is not None:
+        cause = (f"{why}: check MASTER_ADDR on this node" if "does not resolve" in why else
+                 f"{who} did not start or is unreachable")
         raise CollectiveError(f"group did not form: cannot reach the rendezvous store at {desc} "
-                              f"within {timeout_s:g} s; {who} did not start or is unreachable",
-                              rank=rank)
+                              f"within {timeout_s:g} s; {cause}", rank=rank)
     op_s = _store_op_s(timeout_s)
     try:
         # bounded: a listener that accepts and never answers (a foreign process on
@@ -499,20 +501,26 @@ def _form(group: Group, backend: str, ns: str, base, addr: str, port: int, world
     return group
 
 
-def _wait_for_port(addr: str, port: int, timeout_s: float) -> bool:
-    """Poll until something listens on addr:port. TCPStore's own client connect retries
-    with randomised back-off (about 13 s for a 5 s timeout here), which would break the
-    "exit within the timeout" promise; a plain socket poll keeps the bound exact."""
+def _wait_for_port(addr: str, port: int, timeout_s: float) -> str | None:
+    """Poll until something listens on addr:port; None then, else why not (the name did
+    not resolve, or nothing listened). TCPStore's own client connect retries with
+    randomised back-off (about 13 s for a 5 s timeout here), which would break the "exit
+    within the timeout" promise; a plain socket poll keeps the bound exact. A name that
+    does not resolve is tried again too (a pod's DNS entry may come after the pod)."""
     deadline = time.monotonic() + timeout_s
+    why = "nothing accepted connections there"
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            return False
+            return why
         try:
             with socket.create_connection((addr, port), timeout=min(1.0, left)):
-                return True
+                return None
+        except socket.gaierror as e:
+            why = f"the name MASTER_ADDR={addr} does not resolve ({e.strerror or e})"
         except OSError:
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            why = "nothing accepted connections there"
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
 HEARTBEAT_S = 0.5
