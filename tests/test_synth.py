@@ -798,3 +798,16 @@ def test_prefetch_closed_early_does_not_wait_on_its_producer():
         g.close()
         assert time.perf_counter() - t0 < 1.0
         assert not any(t.name == "synth-gen" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("where", [".", ".."])
+def test_synth_into_the_current_directory_is_refused(tmp_path, monkeypatch, where):
+    """`synth .` in an empty directory renamed the new checkpoint over it: the caller's
+    current directory was left deleted and empty, exit 0."""
+    from coordloader.errors import SaveError
+    here = tmp_path / "work" / "sub"
+    here.mkdir(parents=True)
+    monkeypatch.chdir(here)
+    with pytest.raises(SaveError, match="is the current directory or holds it"):
+        synth.synthesize(where, "llama", "tiny")
+    assert os.path.samefile(os.getcwd(), here) and os.listdir(here) == []

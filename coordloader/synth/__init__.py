@@ -231,6 +231,16 @@ def synthesize(out_dir: str, arch: str, size: str = "tiny", *, shards: int | Non
         # abspath("") is the current directory: an unset shell variable would name it
         raise SaveError("output directory is an empty path")
     out_dir = os.path.abspath(os.fspath(out_dir))
+    try:
+        cwd = os.path.realpath(os.getcwd())
+    except OSError:
+        cwd = None
+    real = os.path.realpath(out_dir)
+    if cwd is not None and (cwd == real or cwd.startswith(real.rstrip(os.sep) + os.sep)):
+        # the checkpoint is swapped in by renaming a directory over OUT: the caller's
+        # current directory would be the one replaced, left deleted and empty
+        raise SaveError("output directory is the current directory or holds it; name a "
+                        "directory of its own (e.g. ./ckpt)", file=out_dir)
     cfg, specs = archs.arch_tensors(arch, size)
     total = sum(math.prod(s) * dtypes.itemsize(d) for _, d, s in specs)
     count = shards if shards is not None else archs.default_shards(arch, size, total)
