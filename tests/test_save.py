@@ -1276,6 +1276,26 @@ def test_overwrite_without_a_config_drops_the_old_models_config(tmp_path):
     assert json.loads((out / "config.json").read_text()) == {"model_type": "NEW"}
 
 
+def test_a_lone_manifest_in_the_output_counts_as_a_checkpoint(tmp_path):
+    """An output directory holding only another checkpoint's manifest: consolidate of a
+    source without one published beside it, exit 0, and every digest verify of the new
+    checkpoint failed as a stale manifest. Refused now; --overwrite removes it."""
+    from safetensors.torch import save_file
+
+    from coordloader.handoff.consolidate import consolidate
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "coordloader.manifest.json").write_text('{"format": "coordloader.manifest"}')
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"b": torch.ones(3)}, str(src / "model.safetensors"))
+    with pytest.raises(SaveError, match="a checkpoint already exists here"):
+        consolidate(str(src), str(out))
+    assert sorted(os.listdir(out)) == ["coordloader.manifest.json"]
+    consolidate(str(src), str(out), overwrite=True)
+    assert "coordloader.manifest.json" not in os.listdir(out)
+
+
 def test_a_parameter_subclass_is_saved_like_a_plain_tensor(tmp_path):
     """A Parameter subclass over its own storage (vLLM's parameters are) was refused with
     the wrapper subclasses, which it is not; it is saved and loads back exactly."""

@@ -218,6 +218,10 @@ def existing_checkpoint(out_dir: str) -> Existing | None:
     # pickle (TF, Flax) weights: transformers loads them when it finds no safetensors, as
     # beside a sharded save; left there, it loaded the old weights for the new checkpoint
     entries |= {n for n in names if OTHER_HF_WEIGHTS_RE.match(n)}
+    if not entries and MANIFEST_NAME in names:
+        # a manifest without its weights is another checkpoint's: left beside a new one
+        # that brings none, every digest verify failed as a stale manifest
+        entries = {MANIFEST_NAME}
     if not entries:
         return None
     files = set(entries)
