@@ -1100,7 +1100,15 @@ def test_a_zero_size_tensor_after_its_neighbour_in_the_header_is_refused_by_name
     ('{"load_now": "no"}', "load_now='no': expected true or false"),
     ('{"chunk_size": 1073741825}', "chunk_size=1073741825: expected at most 1073741824 bytes "
                                    "once rounded up to whole pages (instanttensor's "
-                                   "MAX_CHUNK_SIZE)")])
+                                   "MAX_CHUNK_SIZE)"),
+    # each value valid, the two together refused by instanttensor's _determine_io_params
+    ('{"backend": "MMAP", "concurrency": 0}', "concurrency=0 with backend MMAP: instanttensor "
+                                             "needs concurrency >= 1 there (0 is for the "
+                                             "buffered backends)"),
+    ('{"backend": ["CUFILE", "MMAP"], "concurrency": 0}', "concurrency=0 with backend CUFILE or "
+                                                          "MMAP: instanttensor needs concurrency "
+                                                          ">= 1 there (0 is for the buffered "
+                                                          "backends)")])
 def test_loader_config_values_instanttensor_refuses_are_refused_everywhere(tmp_path, cfg, msg):
     """Option names were checked, values not: each of these passed on CPU and failed on
     the GPU machine only (instanttensor's ValueError), and load_now "no" was taken as true."""

@@ -132,6 +132,13 @@ def parse_loader_config(cfg: str | Mapping | None) -> dict:
         problem = _option_problem(k, v, getattr(it, "_impl", None))
         if problem:
             raise LoadError(f"--loader-config: {k}={clip(repr(v), MAX_NAME_CHARS)}: {problem}")
+    b = out.get("backend")
+    named = {getattr(m, "name", None) for m in (b if isinstance(b, list) else [b])}
+    if out.get("concurrency") == 0 and named and named <= {"MMAP", "CUFILE"}:
+        # (a combination instanttensor refuses on the GPU only, each value being valid)
+        raise LoadError(f"--loader-config: concurrency=0 with backend "
+                        f"{' or '.join(sorted(named))}: instanttensor needs concurrency >= 1 "
+                        f"there (0 is for the buffered backends)")
     return out
 
 
