@@ -563,3 +563,17 @@ def test_a_rule_shadowed_by_an_earlier_one_is_warned_as_such():
     assert ("'*.self_attn.q_proj.weight' (colwise, from rules) takes no tensor: an earlier "
             "rule, '*.self_attn.*' (replicate), matches the tensors it matches (e.g. "
             "model.layers.0.self_attn.q_proj.weight) first") in msg
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3", "mixtral"])
+def test_kv_cache_scales_are_held_whole_on_every_rank(arch):
+    """An FP8 kv cache's k_scale/v_scale (0-d or [1]) matched no preset rule: the plan
+    refused the checkpoint, where docs/reliability.md says vLLM's loaders get its value."""
+    from coordloader.synth.archs import arch_tensors
+    cfg, specs = arch_tensors(arch, "tiny")
+    scales = {"model.layers.0.self_attn.k_proj.k_scale": (), "model.layers.0.self_attn.attn.v_scale": (1,)}
+    meta = meta_from_specs(cfg, list(specs) + [(n, "F32", s) for n, s in scales.items()])
+    plan = make_plan(meta, Layout(tp=2, ep=2) if arch != "llama" else Layout(tp=2))
+    for rp in plan.ranks:
+        for n, s in scales.items():
+            assert rp.by_name()[n].local_shape == s and rp.by_name()[n].global_shape == s

@@ -146,6 +146,9 @@ def preset_rules(name: str, config: Mapping | None) -> list[Rule]:
 
     rules = [
         R(r".*_scale_inv", "scale", block=block_of(config)),
+        # an FP8 kv cache's per-tensor scales (k_proj.k_scale, attn.v_scale, ...): vLLM
+        # loads each whole on every rank (default_weight_loader, its kv-scale loader)
+        R(r".*\.(k|v|q|prob)_scale", "replicate"),
         # MTP layers carry their own embedding and head: same vocab split
         R(r"(?:.*\.)?embed_tokens\.weight", "vocab"),
         R(r"lm_head\.weight", "vocab", stage="last"),
