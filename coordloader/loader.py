@@ -19,6 +19,7 @@ with the failing rank's message, never a hang):
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import json
 import os
@@ -30,7 +31,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
-from coordloader.api import make_plan
+from coordloader.api import make_plan, read_config
 from coordloader.checkpoint import reader as checkpoint
 from coordloader.checkpoint.dtypes import torch_dtype
 from coordloader.checkpoint.identity import CheckpointIdentity, checkpoint_identity, identity_mismatch
@@ -232,19 +233,30 @@ def _tuning_seen(loader_config) -> str:
 
 
 def agree_on_plan(plan, group, rank: int, identity: CheckpointIdentity | None = None,
-                  options: Mapping[str, Any] | None = None) -> None:
+                  options: Mapping[str, Any] | None = None,
+                  config_of: Callable[[], Mapping | None] | None = None) -> None:
     """Every rank must have computed the same plan from the same checkpoint (its own
     fingerprint ``identity`` of the files), with the same ``options`` (settings outside
     the plan that decide which phases and collectives a rank makes: verify mode, engine,
-    entry point), before any tensor I/O."""
+    entry point), before any tensor I/O. ``config_of()``: the model config the plan was
+    made with (asked for only when the plans differ), named when it differs too."""
     if group is None:
         return
-    _phase("plan-agree", lambda: _compare_plan_digests(plan, group, rank, identity, options),
-           group)
+    _phase("plan-agree", lambda: _compare_plan_digests(plan, group, rank, identity, options,
+                                                       config_of), group)
+
+
+def _config_digest(config: Mapping | None) -> str | None:
+    try:
+        return hashlib.sha256(json.dumps(config, sort_keys=True, default=repr).encode()
+                              ).hexdigest()[:12] if config is not None else None
+    except (TypeError, ValueError):
+        return repr(config)[:40]
 
 
 def _compare_plan_digests(plan, group, rank: int, identity: CheckpointIdentity | None,
-                          options: Mapping[str, Any] | None = None) -> None:
+                          options: Mapping[str, Any] | None = None,
+                          config_of: Callable[[], Mapping | None] | None = None) -> None:
     opts = tuple(sorted((options or {}).items()))
     triples = collective.gather_object(group, (plan.digest(),
                                                identity.digest() if identity else None, opts))
@@ -269,9 +281,22 @@ def _compare_plan_digests(plan, group, rank: int, identity: CheckpointIdentity |
         major = max(by.values(), key=len)
         odd = sorted(r for x, rs in by.items() if rs is not major for r in rs)
         desc = "; ".join(f"ranks {rs} -> {x[:12]}" for x, rs in by.items())
+        # the files agree (compared above): a node's own config.json (or --config) is the
+        # likeliest cause, and not in the files' fingerprint (fields that change no
+        # weight may differ)
+        configs = collective.gather_object(
+            group, _config_digest(config_of()) if config_of is not None else None)
+        if len(set(configs)) > 1:
+            seen: dict = {}
+            for r, c in enumerate(configs):
+                seen.setdefault(c, []).append(r)
+            cause = ("the model config (config.json, or --config / config=) differs between "
+                     "ranks: " + "; ".join(f"ranks {rs} -> {c}" for c, rs in seen.items()) +
+                     "; give every node the same config")
+        else:
+            cause = "they see a different checkpoint, layout, rules or coordloader version"
         raise PlanError(f"ranks disagree on the plan digest (differing ranks {odd}: {desc}); "
-                        f"they see a different checkpoint, layout, rules or coordloader version",
-                        rank=rank)
+                        f"{cause}", rank=rank)
 
 
 def run_verify(mode: str, tensors, plan, meta, rank: int, group) -> dict:
@@ -416,7 +441,8 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
         if eng_name == "instanttensor":
             tuning["INSTANTTENSOR_*"] = {k: os.environ.get(k) for k in _COLLECTIVE_ENV}
         agree_on_plan(plan, group, rank, identity,
-                      dict(agree or {}, verify=verify, engine=eng_name, call=call, **tuning))
+                      dict(agree or {}, verify=verify, engine=eng_name, call=call, **tuning),
+                      config_of=lambda: meta.config if config is None else read_config(config))
         rank_plan = plan.rank(rank)
         if check is not None:
             _phase("targets", lambda: check(rank_plan), group)

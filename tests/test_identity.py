@@ -216,3 +216,38 @@ def test_a_dump_into_node_local_directories_holding_another_dump_is_refused(two_
         assert "phase dump-check: rank 1: SaveError" in err and "holds rank-00000" in err, err
     assert sorted(os.listdir(disks[0])) == [] and sorted(os.listdir(disks[1])) == [
         "rank-00000.safetensors"]
+
+
+@pytest.mark.slow   # rank processes
+def test_ranks_with_another_config_json_are_told_so(tmp_path):
+    """Byte-identical weights, node 1's config.json stating other head counts (still
+    consistent with the shapes): the plans differ and the message sent the user to the
+    layout, rules or coordloader version; config.json is not in the files' fingerprint
+    (fields that change no weight may differ), so it was never named."""
+    import json
+
+    from hfmodels import write_llama
+    a, b = tmp_path / "node0", tmp_path / "node1"
+    write_llama(str(a))
+    shutil.copytree(a, b)
+    cfg = json.loads((b / "config.json").read_text())
+    cfg.update(num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    (b / "config.json").write_text(json.dumps(cfg))
+    port = free_port()
+
+    def start(r):
+        env = rank_env(port, r, 2, LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "coordloader.load", str(a if r == 0 else b), "--tp", "2",
+               "--engine", "cpu", "--timeout", "20", "--quiet"]
+        with open(tmp_path / f"err-{r}", "wb") as ef:
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
+                                    cwd=str(tmp_path), start_new_session=True)
+
+    procs, _, _ = run_ranks(range(2), start, 90)
+    for r, p in procs.items():
+        err = (tmp_path / f"err-{r}").read_text()
+        assert p.returncode == 1, (r, err)
+        line = rank_line(err, r)
+        assert "phase plan-agree" in line and "ranks disagree on the plan digest" in line, line
+        assert ("the model config (config.json, or --config / config=) differs between "
+                "ranks: ranks [0] -> ") in line and "give every node the same config" in line
