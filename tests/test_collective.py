@@ -596,3 +596,13 @@ def test_a_master_addr_that_does_not_resolve_is_named(monkeypatch):
     assert ("cannot reach the rendezvous store at no-such-host.invalid:29511 (hosted by rank "
             "0) within 1 s; the name MASTER_ADDR=no-such-host.invalid does not resolve"
             in str(e.value)) and "check MASTER_ADDR on this node" in str(e.value)
+
+
+def test_ranks_given_other_world_sizes_are_told_so(tmp_path):
+    """Nodes given different WORLD_SIZE: rank 0 got torch's raw DistStoreError from the
+    rendezvous, the other "rank 2 did not join": neither named the cause."""
+    res, _, _ = _launch(tmp_path, "happy", range(2), world=2, timeout=5,
+                        env={1: {"WORLD_SIZE": "3"}})
+    assert res[0][0] == 1 and res[1][0] == 1
+    assert ("group did not form: ranks disagree on WORLD_SIZE (rank 1 says 3, this rank (0) "
+            "2); give every node the same WORLD_SIZE") in res[0][2], res[0][2]

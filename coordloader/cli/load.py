@@ -139,8 +139,10 @@ def _init_from_env(args):
     want_cuda = _want_cuda(args)
     if want_cuda and not torch.cuda.is_available():
         raise LoadError("--device cuda asked for, but CUDA is not available here")
-    local_rank = collective.env_int("LOCAL_RANK") or 0
-    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+    # read for CUDA only: a CPU run has no use for it, and a bad value refused before the
+    # group formed left the other ranks to wait out --timeout for this one
+    device = (torch.device("cuda", collective.env_int("LOCAL_RANK") or 0) if want_cuda
+              else torch.device("cpu"))
     if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
         return None, device   # one process; half of the pair is init_group's to refuse
     g = collective.init_group("nccl" if want_cuda else "gloo", timeout_s=args.timeout)

@@ -619,15 +619,20 @@ def _join(group: Group) -> None:
         # "did not start" or a store that "stopped answering", one story per run
         if st.add(f"taken/{group.rank}", 1) > 1:
             try:
-                first = st.get(f"join/{group.rank}").decode(errors="replace")
+                first = st.get(f"join/{group.rank}").decode(errors="replace").partition(
+                    " world=")[0]
             except Exception:  # noqa: BLE001 - the name only adds to the message
                 first = "another process"
             raise CollectiveError(f"group did not form: RANK={group.rank} is taken by "
                                   f"{first} already; this process ({me}) was given the same "
                                   f"RANK: every process needs a RANK of its own in "
                                   f"[0, WORLD_SIZE={world})", rank=group.rank)
-        st.set(f"join/{group.rank}", me)
+        st.set(f"join/{group.rank}", f"{me} world={world}")
         st.wait([f"join/{r}" for r in range(world)], timedelta(seconds=group.timeout_s))
+        odd = _other_worlds(group, range(world))
+        if odd:
+            raise CollectiveError(f"group did not form: ranks disagree on WORLD_SIZE ({odd}); "
+                                  f"give every node the same WORLD_SIZE", rank=group.rank)
         return
     except CollectiveError:
         raise
@@ -643,8 +648,26 @@ def _join(group: Group) -> None:
         missing = [r for r in range(world) if r not in present]
         msg = (f"group did not form within {group.timeout_s:g} s: {_rank_word(missing)} "
                f"did not join (joined: {format_ranges(present)})")
+        odd = _other_worlds(group, present)
+        if odd:   # the ranks "missing" may not exist: a node given another WORLD_SIZE
+            msg += f"; the ranks disagree on WORLD_SIZE ({odd})"
     _ack_and_linger(group, "join", present or [])
     raise CollectiveError(msg, rank=group.rank) from cause
+
+
+def _other_worlds(group: Group, ranks) -> str:
+    """"rank 1 says 3, this rank (0) 2" where ranks that joined state another WORLD_SIZE
+    than this rank's ('' when none does, or their join cannot be read)."""
+    try:
+        values = group.store.multi_get([f"join/{r}" for r in ranks])
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return ""
+    odd = []
+    for r, v in zip(ranks, values):
+        _, _, w = v.decode(errors="replace").rpartition(" world=")
+        if w.isdigit() and int(w) != group.world:
+            odd.append(f"rank {r} says {w}")
+    return (", ".join(odd) + f", this rank ({group.rank}) {group.world}") if odd else ""
 
 
 def wrap_group(pg=None, timeout_s: float | None = None, *, grace_s: float | None = None) -> Group:
