@@ -6,6 +6,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -1294,6 +1295,28 @@ def test_a_lone_manifest_in_the_output_counts_as_a_checkpoint(tmp_path):
     assert sorted(os.listdir(out)) == ["coordloader.manifest.json"]
     consolidate(str(src), str(out), overwrite=True)
     assert "coordloader.manifest.json" not in os.listdir(out)
+
+
+@pytest.mark.parametrize("cfg, what", [
+    ({"weight_map": {"a": "model.safetensors"}, "metadata": {}},
+     "a checkpoint index (it has weight_map)"),
+    ({"hidden_size": 8}, "no model config"),
+    ({"model_type": ""}, "model_type ''")])
+def test_a_config_that_is_no_model_config_is_refused(tmp_path, cfg, what):
+    """consolidate --config given the source's model.safetensors.index.json by mistake
+    published it as config.json, exit 0, and the output could not be planned ("no
+    sharding rule matches ... preset none detected")."""
+    from safetensors.torch import save_file
+
+    from coordloader.handoff.consolidate import consolidate
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"b": torch.ones(3)}, str(src / "model.safetensors"))
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    for given in (cfg, str(tmp_path / "c.json")):
+        with pytest.raises(SaveError, match=f"is {re.escape(what)}: a model config"):
+            consolidate(str(src), str(tmp_path / "out"), config=given)
+        assert not (tmp_path / "out").exists()
 
 
 def test_a_parameter_subclass_is_saved_like_a_plain_tensor(tmp_path):

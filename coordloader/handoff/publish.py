@@ -55,7 +55,7 @@ from coordloader.checkpoint.reader import (
     refuse_dense_json,
 )
 from coordloader.errors import CheckpointError, SaveError
-from coordloader.text import positive_int_problem
+from coordloader.text import clip, positive_int_problem
 from coordloader.verify.manifest import MANIFEST_NAME
 
 # Test hook: called with the name of each publish step just taken, so a test can kill the
@@ -561,6 +561,7 @@ def resolve_config(config: Any, rank: int | None) -> ModelConfig:
         except (TypeError, ValueError, RecursionError) as e:
             raise SaveError(f"config= dict is not JSON the reader accepts: {e}",
                             rank=rank) from None
+        _refuse_no_model_config(doc, None, rank)
         return ModelConfig(data, doc, None)
     if not isinstance(config, (str, os.PathLike)):
         raise SaveError(f"config= must be a dict, a path to config.json or a checkpoint "
@@ -583,7 +584,22 @@ def resolve_config(config: Any, rank: int | None) -> ModelConfig:
     if not isinstance(doc, dict):
         raise SaveError(f"config is a JSON {type(doc).__name__}, expected an object", file=path,
                         rank=rank)
+    _refuse_no_model_config(doc, path, rank)
     return ModelConfig(data, doc, src_dir)
+
+
+def _refuse_no_model_config(doc: dict, path: str | None, rank: int | None) -> None:
+    """SaveError for a JSON object that is no model config: one without transformers'
+    ``model_type`` (the source's model.safetensors.index.json given by mistake was
+    published as config.json, exit 0, and the output could not be planned)."""
+    mt = doc.get("model_type")
+    if isinstance(mt, str) and mt:
+        return
+    what = ("a checkpoint index (it has weight_map)" if "weight_map" in doc else
+            "no model config" if mt is None else f"model_type {clip(repr(mt), 80)}")
+    raise SaveError(f"the config given as config= (--config) is {what}: a model config "
+                    f"(config.json) names its model_type, as transformers needs it to load the "
+                    f"checkpoint", file=path, rank=rank)
 
 
 # --------------------------------------------------------------------- companion files
