@@ -147,9 +147,11 @@ def _phase(name: str, fn: Callable[[], Any], group):
 
 class _MetaShare(NamedTuple):
     """What a rank puts into the metadata-assemble gather: what it was handed (``"path"``
-    or ``"meta"``) and, for a path, the headers it read."""
+    or ``"meta"``) and, for a path, the headers it read and the digest of its own
+    fingerprint of every file."""
     source: str
     headers: list | None
+    identity: str | None = None
 
 
 def read_metadata(ckpt, group, rank: int, world: int) -> tuple[CheckpointMeta,
@@ -184,8 +186,16 @@ def read_metadata(ckpt, group, rank: int, world: int) -> tuple[CheckpointMeta,
     def gather_and_assemble():
         # Inside a phase: every rank finished reading (the previous phase agreed), so all
         # of them reach this all_gather; one dying in it (or in assemble) is still named.
-        gathered = collective.gather_object(group, _MetaShare("path", headers))
+        gathered = collective.gather_object(group, _MetaShare("path", headers,
+                                                              identity.digest()))
         _same_source(gathered, rank)
+        if len({part.identity for part in gathered}) > 1:
+            # nodes' copies differ (a file more or less, another split, other bytes): named
+            # by file and rank before this rank's index is checked against the others'
+            # headers, which blamed whichever copy the index disagreed with
+            mismatch = identity_mismatch(collective.gather_object(group, identity))
+            if mismatch:
+                raise CheckpointError(mismatch, rank=rank)
         return checkpoint.assemble(disc.root, disc,
                                    [h for part in gathered for h in part.headers])
     return _phase("metadata-assemble", gather_and_assemble, group), identity

@@ -131,7 +131,7 @@ def test_ranks_on_copies_with_other_data_stop_naming_the_rank_and_file(two_seeds
         err = (tmp_path / f"err-{r}").read_text()
         assert p.returncode == 1, (r, err)
         line = rank_line(err, r)
-        assert "phase plan-agree: " in line and "CheckpointError" in line, line
+        assert "phase metadata-assemble: " in line and "CheckpointError" in line, line
         assert f"file {_shards(a)[0]} differs in its data on rank 1 " in line, line
 
 
@@ -251,3 +251,35 @@ def test_ranks_with_another_config_json_are_told_so(tmp_path):
         assert "phase plan-agree" in line and "ranks disagree on the plan digest" in line, line
         assert ("the model config (config.json, or --config / config=) differs between "
                 "ranks: ranks [0] -> ") in line and "give every node the same config" in line
+
+
+@pytest.mark.slow   # rank processes
+def test_a_copy_with_a_tensor_more_names_the_file_not_the_healthy_copy(two_seeds, tmp_path):
+    """Node 1's copy holds an extra tensor in one shard: every rank said rank 0's intact
+    copy had a tensor "in the file but not in the index" (the headers were checked
+    against each rank's own index before the fingerprints were compared)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    a, _, _ = two_seeds
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    first = _shards(a)[0]
+    t = load_file(str(b / first))
+    t["extra.weight"] = torch.ones(4)
+    save_file(t, str(b / first), metadata={"format": "pt"})
+    port = free_port()
+
+    def start(r):
+        env = rank_env(port, r, 2, LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "coordloader.load", a if r == 0 else str(b), "--tp", "2",
+               "--engine", "cpu", "--timeout", "20", "--quiet"]
+        with open(tmp_path / f"err-{r}", "wb") as ef:
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
+                                    cwd=str(tmp_path), start_new_session=True)
+
+    procs, _, _ = run_ranks(range(2), start, 90)
+    for r, p in procs.items():
+        line = rank_line((tmp_path / f"err-{r}").read_text(), r)
+        assert p.returncode == 1 and "phase metadata-assemble" in line, line
+        assert f"ranks disagree on the checkpoint's identity: file {first} differs" in line
+        assert "on rank 1" in line, line
