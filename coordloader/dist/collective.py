@@ -334,14 +334,16 @@ class Group:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(self.pg)
             self.pg = None   # (its object holds the store's connection and server)
-        # a failed group's store host keeps its server while the object lives, for the
-        # ranks still to read the failure; otherwise the sockets (and the port) go now
-        self.release(keep_server=self._failed and self.store_host)
+        # the store host keeps its server while the object lives: the ranks still to read
+        # a failure, and a rank that formed the next group at once, joined it (a
+        # multi-tenant server is shared by the host's next group on the port); the
+        # other connections go now
+        self.release(keep_server=self.store_host)
 
     def release(self, keep_server: bool = False) -> None:
         """Stop the heartbeat and drop the store connections (and rank 0's server unless
-        ``keep_server``): what close() ends with, and what a group that never formed
-        leaves behind."""
+        ``keep_server``): what close() ends with (keeping the host's server), and what a
+        group that never formed leaves behind."""
         self._closed = True
         if self._hb_stop is not None:
             self._hb_stop.set()
