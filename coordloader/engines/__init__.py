@@ -524,14 +524,15 @@ class _Room:
     granted: int | None = None  # the soft limit coordloader set last
 
 
-def descriptor_room(files: int, rank: int | None) -> Callable[[], None]:
+def descriptor_room(files: int, rank: int | None, spare: int | None = None) -> Callable[[], None]:
     """Make room for ``files`` more open descriptors: the cpu engine holds every file it
     reads open for the whole load (its read threads share them), instanttensor's library
     opens them all beside the engine's checked ones, and a rank of a torch DCP checkpoint
     saved by 1024 ranks reads 1024 files, past the common soft limit of 1024.
     Raises the soft RLIMIT_NOFILE up to the hard limit when needed; returns the call that
     ends this load's hold (the limit is put back when no load holds room any more);
-    LoadError when even the hard limit is too low."""
+    LoadError when even the hard limit is too low. ``spare``: descriptors beyond the
+    files (default the engines' own, _FD_SPARE)."""
     try:
         import resource
     except ImportError:   # not POSIX
@@ -542,7 +543,7 @@ def descriptor_room(files: int, rank: int | None) -> Callable[[], None]:
             used = len(os.listdir("/proc/self/fd"))
         except OSError:   # no /proc, or no descriptor left to list it with
             used = soft if soft != resource.RLIM_INFINITY else 0
-        need = used + files + _FD_SPARE
+        need = used + files + (_FD_SPARE if spare is None else spare)
         if soft != resource.RLIM_INFINITY and need > soft:
             if hard != resource.RLIM_INFINITY and need > hard:
                 raise LoadError(f"this rank reads {files} files, holding each open, and needs "

@@ -149,10 +149,13 @@ def compute(meta: CheckpointMeta, *, jobs: int = 1, progress=None) -> dict[str, 
     from coordloader.engines import descriptor_room
     try:
         # every file is held open until the end, as the cpu engine holds them: a checkpoint
-        # of more files than the soft limit leaves room for failed here where loads passed
-        release = descriptor_room(len(meta.files), None)
-    except LoadError as e:
-        raise VerifyError(f"write_manifest: {e.message}") from None
+        # of more files than the soft limit failed here where loads passed. A few spare
+        # (the worker threads' own), not the engines': a hard limit that fits the files
+        # must do, as before
+        release = descriptor_room(len(meta.files), None, spare=8)
+    except LoadError:
+        def release() -> None:   # past even the hard limit: EMFILE names the file
+            pass
     try:
         with OpenFiles(meta.root) as files:   # each shard opened once, not once per tensor
             if jobs <= 1:
