@@ -694,6 +694,7 @@ def test_outputs_are_written_through_a_link_and_into_a_fifo(tmp_path, monkeypatc
         os.close(fd)
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert json.loads(b"".join(got))["layout"]["tp"] == 2
+    assert b"".join(got).endswith(b"}\n")   # a line of its own (the table followed on it)
 
 
 def test_a_report_to_stdout_appends_to_a_redirected_log_and_a_fifo_gets_one(tmp_path):
@@ -718,7 +719,7 @@ def test_a_report_to_stdout_appends_to_a_redirected_log_and_a_fifo_gets_one(tmp_
                               timeout=120).returncode == 0
     text = log.read_text()
     assert text.startswith("earlier line\n") and sorted(os.listdir(tmp_path)) == ["ck", "run.log"]
-    assert json.loads(text[len("earlier line\n"):])["ok"] is True
+    assert json.loads(text[len("earlier line\n"):])["ok"] is True and text.endswith("}\n")
 
     fifo = tmp_path / "rep.fifo"
     os.mkfifo(fifo)

@@ -238,7 +238,7 @@ def _write_report(path: str, report: dict) -> None:
     """--report FILE, whole or not at all (a temporary renamed over it)."""
     try:
         write_output_file(path, json.dumps(report, indent=2, sort_keys=True,
-                                           default=str).encode())
+                                           default=str).encode() + b"\n")
     except SaveError as e:
         raise LoadError(f"cannot write the report: {e.message}", file=path, rank=0) from None
 

@@ -197,7 +197,8 @@ def _run(args) -> int:
         # before the table: a reader of the table that stops early (| head) ended the
         # command at the print, the plan file never written.
         # temp file + rename: an interrupted write never leaves a torn plan file
-        write_output_file(args.json, json.dumps(plan.to_json()).encode(), fsync=False)
+        # a line of its own: through /dev/stdout the table followed on the same line
+        write_output_file(args.json, json.dumps(plan.to_json()).encode() + b"\n", fsync=False)
     # with the plan on stdout the table goes to stderr, so stdout parses as JSON alone
     print(format_plan_table(plan, rank=args.rank),
           file=sys.stderr if args.json == "-" else sys.stdout)
