@@ -186,12 +186,15 @@ def _unshare_works() -> bool:
 
 @pytest.mark.slow   # rank processes
 @pytest.mark.skipif(not _unshare_works(), reason="needs mount namespaces (unshare -m, root)")
+@pytest.mark.parametrize("overwrite", [False, True])
 def test_a_dump_into_node_local_directories_holding_another_dump_is_refused(two_seeds,
-                                                                            tmp_path):
+                                                                            tmp_path,
+                                                                            overwrite):
     """--dump DIR, one path on every node, each node's own disk (a mount namespace per
     rank here): node 1's held rank-00000 of another load, which no rank of node 1 writes;
     only rank 0 looked for other ranks' files, so the load exited 0 and node 1's
-    directory held two loads' files."""
+    directory held two loads' files. Refused now; with --overwrite (which the refusal
+    advises) the earlier load's file is removed once every rank has written its own."""
     a, _, _ = two_seeds
     dump, disks = tmp_path / "dump", [tmp_path / "disk0", tmp_path / "disk1"]
     for d in (dump, *disks):
@@ -204,12 +207,19 @@ def test_a_dump_into_node_local_directories_holding_another_dump_is_refused(two_
         cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
                'mount --bind "$0" "$1" && shift && exec "$@"', str(disks[r]), str(dump),
                sys.executable, "-m", "coordloader.load", a, "--tp", "2", "--engine", "cpu",
-               "--timeout", "30", "--quiet", "--dump", str(dump)]
+               "--timeout", "30", "--quiet", "--dump", str(dump)] + (
+                   ["--overwrite"] if overwrite else [])
         with open(tmp_path / f"err-{r}", "wb") as ef:
             return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
                                     start_new_session=True)
 
     procs, _, _ = run_ranks(range(2), start, 90)
+    if overwrite:
+        for r, p in procs.items():
+            assert p.returncode == 0, (r, (tmp_path / f"err-{r}").read_text())
+        assert os.listdir(disks[0]) == ["rank-00000.safetensors"]
+        assert os.listdir(disks[1]) == ["rank-00001.safetensors"]   # the earlier one gone
+        return
     for r, p in procs.items():
         err = (tmp_path / f"err-{r}").read_text()
         assert p.returncode == 1, (r, err)

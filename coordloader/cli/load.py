@@ -29,7 +29,7 @@ from coordloader.errors import (
     SaveError,
     VerifyError,
 )
-from coordloader.handoff.dump import DUMP_NAME_RE, check_dump_target, dump_rank
+from coordloader.handoff.dump import DUMP_NAME_RE, check_dump_target, dump_rank, remove_other_loads
 from coordloader.layout import Layout
 from coordloader.loader import VERIFY_MODES, load_detailed
 from coordloader.text import ArgumentParser, positive_number
@@ -308,6 +308,11 @@ def _load(args, group, device, layout: Layout) -> int:
             layout=layout.to_dict(), coords=dict(res.rank_plan.coords),
             overwrite=args.overwrite, world=layout.world_size, alone=False,
             source=source), group)
+        if args.overwrite and group is not None:
+            # every rank has written its own (the phase above agreed): what is not of this
+            # load now is an earlier one's, left on a disk of some node's own
+            collective.run_phase("dump-tidy", lambda: remove_other_loads(
+                args.dump, res.rank, res.plan.digest(), source), group)
     # a phase like the others: a rank dying here is named, not a bare gloo timeout
     per_rank = collective.run_phase("summary", lambda: collective.gather_object(group, mine), group)
     def finish():

@@ -99,6 +99,37 @@ def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: boo
                         file=out_dir, rank=rank)
 
 
+def remove_other_loads(out_dir: str, rank: int, plan_digest: str, source: str | None) -> list[str]:
+    """Remove the dump files in ``out_dir`` that are not of this load (another plan
+    digest or source, or unreadable as a dump); -> their names. For ``--overwrite`` in a
+    group, once every rank has written its own: on a node's own disk, an earlier load's
+    files of ranks no rank of that node writes stayed beside this load's (on a shared
+    one every file is this load's by then)."""
+    from coordloader.checkpoint.reader import read_file_header
+    from coordloader.errors import CheckpointError
+    gone = []
+    for n in _dump_names(out_dir):
+        path = os.path.join(out_dir, n)
+        if not os.path.isfile(path):
+            continue
+        try:
+            meta = dict(read_file_header(out_dir, n).info.metadata)
+        except CheckpointError:
+            meta = {}
+        if meta.get(DUMP_PLAN_DIGEST) == plan_digest and (
+                source is None or meta.get(DUMP_SOURCE) == source):
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise SaveError(f"cannot remove an earlier load's dump file: {e.strerror or e}",
+                            file=path, rank=rank) from None
+        gone.append(n)
+    return gone
+
+
 def _other_load(out_dir: str, rank: int, plan_digest: str, source: str | None
                 ) -> tuple[str, str | None] | None:
     """The first dump file of another rank in ``out_dir`` whose plan digest is not
