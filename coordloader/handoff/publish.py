@@ -589,17 +589,18 @@ def resolve_config(config: Any, rank: int | None) -> ModelConfig:
 
 
 def _refuse_no_model_config(doc: dict, path: str | None, rank: int | None) -> None:
-    """SaveError for a JSON object that is no model config: one without transformers'
-    ``model_type`` (the source's model.safetensors.index.json given by mistake was
-    published as config.json, exit 0, and the output could not be planned)."""
-    mt = doc.get("model_type")
-    if isinstance(mt, str) and mt:
+    """SaveError for a JSON object that is no model config: one naming neither
+    transformers' ``model_type`` nor its ``architectures`` (the source's
+    model.safetensors.index.json given by mistake was published as config.json, exit 0,
+    and the output could not be planned)."""
+    mt, arch = doc.get("model_type"), doc.get("architectures")
+    if (isinstance(mt, str) and mt) or (isinstance(arch, list) and arch):
         return
     what = ("a checkpoint index (it has weight_map)" if "weight_map" in doc else
             "no model config" if mt is None else f"model_type {clip(repr(mt), 80)}")
     raise SaveError(f"the config given as config= (--config) is {what}: a model config "
-                    f"(config.json) names its model_type, as transformers needs it to load the "
-                    f"checkpoint", file=path, rank=rank)
+                    f"(config.json) names its model_type or architectures, by which "
+                    f"transformers and the planner know the model", file=path, rank=rank)
 
 
 # --------------------------------------------------------------------- companion files
