@@ -164,6 +164,7 @@ assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == used + 40   # put back
 '''
 
 
+@pytest.mark.slow   # a subprocess each
 @pytest.mark.parametrize("room", ["roomy", "tight"])
 def test_write_manifest_makes_room_for_every_file_as_loads_do(tmp_path, room):
     """It held every file open with no room made: a checkpoint of more files than the

@@ -697,6 +697,7 @@ def test_outputs_are_written_through_a_link_and_into_a_fifo(tmp_path, monkeypatc
     assert b"".join(got).endswith(b"}\n")   # a line of its own (the table followed on it)
 
 
+@pytest.mark.slow   # two load subprocesses
 def test_a_report_to_stdout_appends_to_a_redirected_log_and_a_fifo_gets_one(tmp_path):
     """--report /dev/stdout with stdout appended to a log (>> run.log): the report went
     through /proc/self/fd/1 to run.log and renamed a new file over it (the log's lines
