@@ -33,6 +33,22 @@ def _shards(path):
     return sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
+def _load_two(tmp_path, ckpts) -> dict:
+    """A 2-rank tp=2 load, rank r of ``ckpts[r]``: {rank: (exit status, stderr)}."""
+    port = free_port()
+
+    def start(r):
+        env = rank_env(port, r, 2, LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "coordloader.load", str(ckpts[r]), "--tp", "2",
+               "--engine", "cpu", "--timeout", "20", "--quiet"]
+        with open(tmp_path / f"err-{r}", "wb") as ef:
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
+                                    cwd=str(tmp_path), start_new_session=True)
+
+    procs, _, _ = run_ranks(range(2), start, 90)
+    return {r: (p.returncode, (tmp_path / f"err-{r}").read_text()) for r, p in procs.items()}
+
+
 @pytest.fixture(scope="module")
 def two_seeds(tmp_path_factory):
     """(seed 0, a copy of it whose data, not headers, is seed 1's): synth records the seed
@@ -116,20 +132,8 @@ def test_manifest_present_on_one_rank_only_is_named(two_seeds, tmp_path):
 @pytest.mark.slow
 def test_ranks_on_copies_with_other_data_stop_naming_the_rank_and_file(two_seeds, tmp_path):
     a, b, _ = two_seeds
-    port = free_port()
-
-    def start(r):
-        env = rank_env(port, r, 2, LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "coordloader.load", a if r == 0 else b, "--tp", "2",
-               "--engine", "cpu", "--timeout", "20", "--quiet"]
-        with open(tmp_path / f"err-{r}", "wb") as ef:
-            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
-                                    cwd=str(tmp_path), start_new_session=True)
-
-    procs, _, _ = run_ranks(range(2), start, 90)
-    for r, p in procs.items():
-        err = (tmp_path / f"err-{r}").read_text()
-        assert p.returncode == 1, (r, err)
+    for r, (rc, err) in _load_two(tmp_path, [a, b]).items():
+        assert rc == 1, (r, err)
         line = rank_line(err, r)
         assert "phase metadata-assemble: " in line and "CheckpointError" in line, line
         assert f"file {_shards(a)[0]} differs in its data on rank 1 " in line, line
@@ -243,20 +247,8 @@ def test_ranks_with_another_config_json_are_told_so(tmp_path):
     cfg = json.loads((b / "config.json").read_text())
     cfg.update(num_attention_heads=2, num_key_value_heads=1, head_dim=64)
     (b / "config.json").write_text(json.dumps(cfg))
-    port = free_port()
-
-    def start(r):
-        env = rank_env(port, r, 2, LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "coordloader.load", str(a if r == 0 else b), "--tp", "2",
-               "--engine", "cpu", "--timeout", "20", "--quiet"]
-        with open(tmp_path / f"err-{r}", "wb") as ef:
-            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
-                                    cwd=str(tmp_path), start_new_session=True)
-
-    procs, _, _ = run_ranks(range(2), start, 90)
-    for r, p in procs.items():
-        err = (tmp_path / f"err-{r}").read_text()
-        assert p.returncode == 1, (r, err)
+    for r, (rc, err) in _load_two(tmp_path, [a, b]).items():
+        assert rc == 1, (r, err)
         line = rank_line(err, r)
         assert "phase plan-agree" in line and "ranks disagree on the plan digest" in line, line
         assert ("the model config (config.json, or --config / config=) differs between "
@@ -277,19 +269,8 @@ def test_a_copy_with_a_tensor_more_names_the_file_not_the_healthy_copy(two_seeds
     t = load_file(str(b / first))
     t["extra.weight"] = torch.ones(4)
     save_file(t, str(b / first), metadata={"format": "pt"})
-    port = free_port()
-
-    def start(r):
-        env = rank_env(port, r, 2, LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "coordloader.load", a if r == 0 else str(b), "--tp", "2",
-               "--engine", "cpu", "--timeout", "20", "--quiet"]
-        with open(tmp_path / f"err-{r}", "wb") as ef:
-            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=ef,
-                                    cwd=str(tmp_path), start_new_session=True)
-
-    procs, _, _ = run_ranks(range(2), start, 90)
-    for r, p in procs.items():
-        line = rank_line((tmp_path / f"err-{r}").read_text(), r)
-        assert p.returncode == 1 and "phase metadata-assemble" in line, line
+    for r, (rc, err) in _load_two(tmp_path, [a, b]).items():
+        line = rank_line(err, r)
+        assert rc == 1 and "phase metadata-assemble" in line, line
         assert f"ranks disagree on the checkpoint's identity: file {first} differs" in line
         assert "on rank 1" in line, line
