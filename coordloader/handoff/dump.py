@@ -66,7 +66,7 @@ def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: boo
         raise SaveError("a dump file already exists; pass --overwrite (overwrite=True) to "
                         "replace it", file=path, rank=rank)
     if plan_digest is not None and not overwrite:
-        other = _other_load(out_dir, rank, plan_digest, source)
+        other = next(_other_loads(out_dir, plan_digest, source, skip=rank), None)
         if other is not None:
             name, theirs = other
             # (a file that cannot be read as a dump has no digest to show)
@@ -99,26 +99,35 @@ def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: boo
                         file=out_dir, rank=rank)
 
 
-def remove_other_loads(out_dir: str, rank: int, plan_digest: str, source: str | None) -> list[str]:
-    """Remove the dump files in ``out_dir`` that are not of this load (another plan
-    digest or source, or unreadable as a dump); -> their names. For ``--overwrite`` in a
-    group, once every rank has written its own: on a node's own disk, an earlier load's
-    files of ranks no rank of that node writes stayed beside this load's (on a shared
-    one every file is this load's by then)."""
+def _other_loads(out_dir: str, plan_digest: str, source: str | None, skip: int | None = None):
+    """(name, its plan digest) of each dump file in ``out_dir``, in rank order, that is
+    not of this load: another plan digest, or another ``source`` (when given), or a
+    regular file unreadable as a dump (None for its digest). ``skip``: a rank whose file
+    is left out (what squats on a rank's name, not a file, is that rank's to refuse)."""
     from coordloader.checkpoint.reader import read_file_header
     from coordloader.errors import CheckpointError
-    gone = []
     for n in _dump_names(out_dir):
-        path = os.path.join(out_dir, n)
-        if not os.path.isfile(path):
+        if (skip is not None and int(DUMP_NAME_RE.fullmatch(n).group(1)) == skip
+                or not os.path.isfile(os.path.join(out_dir, n))):
             continue
         try:
             meta = dict(read_file_header(out_dir, n).info.metadata)
         except CheckpointError:
-            meta = {}
-        if meta.get(DUMP_PLAN_DIGEST) == plan_digest and (
-                source is None or meta.get(DUMP_SOURCE) == source):
+            yield n, None
             continue
+        theirs = meta.get(DUMP_PLAN_DIGEST)
+        if theirs != plan_digest or (source is not None and meta.get(DUMP_SOURCE) != source):
+            yield n, theirs
+
+
+def remove_other_loads(out_dir: str, rank: int, plan_digest: str, source: str | None) -> list[str]:
+    """Remove the dump files in ``out_dir`` that are not of this load (``_other_loads``);
+    -> their names. For ``--overwrite`` in a group, once every rank has written its own:
+    on a node's own disk, an earlier load's files of ranks no rank of that node writes
+    stayed beside this load's (on a shared one every file is this load's by then)."""
+    gone = []
+    for n, _ in list(_other_loads(out_dir, plan_digest, source)):
+        path = os.path.join(out_dir, n)
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -128,31 +137,6 @@ def remove_other_loads(out_dir: str, rank: int, plan_digest: str, source: str | 
                             file=path, rank=rank) from None
         gone.append(n)
     return gone
-
-
-def _other_load(out_dir: str, rank: int, plan_digest: str, source: str | None
-                ) -> tuple[str, str | None] | None:
-    """The first dump file of another rank in ``out_dir`` whose plan digest is not
-    ``plan_digest``, or whose source is not ``source`` (when given), with its plan digest
-    (a regular file that cannot be read as a dump counts: None for its digest)."""
-    from coordloader.checkpoint.reader import read_file_header
-    from coordloader.errors import CheckpointError
-    try:
-        names = sorted(os.listdir(out_dir))
-    except OSError:
-        return None
-    for n in names:
-        m = DUMP_NAME_RE.fullmatch(n)
-        if m is None or int(m.group(1)) == rank or not os.path.isfile(os.path.join(out_dir, n)):
-            continue   # (what squats on another rank's name is that rank's to refuse)
-        try:
-            meta = dict(read_file_header(out_dir, n).info.metadata)
-        except CheckpointError:
-            return n, None
-        theirs = meta.get(DUMP_PLAN_DIGEST)
-        if theirs != plan_digest or (source is not None and meta.get(DUMP_SOURCE) != source):
-            return n, theirs
-    return None
 
 
 def dump_rank(out_dir: str, rank: int, tensors: Mapping[str, torch.Tensor], *,
