@@ -1091,6 +1091,45 @@ def test_a_zero_size_tensor_after_its_neighbour_in_the_header_is_refused_by_name
                             "engine='cpu' (--engine cpu)")
 
 
+def test_a_tie_in_a_piece_of_a_sharded_tensor_is_refused_by_name(tmp_path):
+    """The same tie where the zero-size entry is one piece of a tensor stored in several
+    (a sharded save's empty shard): the file holding it is read again for its order, as a
+    whole tensor's is, and refused by name before any read."""
+    import dataclasses
+
+    import coordloader as cl
+    from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.planning.model import LoadGroup, Plan
+
+    from stfiles import write_raw
+    w = torch.arange(16, dtype=torch.bfloat16).reshape(4, 4)
+    headers = {"a.safetensors": {"a.weight": {"dtype": "BF16", "shape": [4, 4],
+                                              "data_offsets": [0, 32]},
+                                 "z.bias": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}},
+               "b.safetensors": {"z.bias": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}}
+    data = {"a.safetensors": w.view(torch.uint8).numpy().tobytes(),
+            "b.safetensors": torch.ones(2).view(torch.uint8).numpy().tobytes()}
+    for name in headers:   # each alone, for its records, and both together, for the load
+        (tmp_path / name[0]).mkdir()
+        for d in (tmp_path, tmp_path / name[0]):
+            write_raw(str(d / name), headers[name], data[name])
+    one, two = (read_checkpoint(str(tmp_path / d)) for d in "ab")
+    empty, full = one.tensors["z.bias"].pieces[0], two.tensors["z.bias"].pieces[0]
+    z = TensorInfo("z.bias", "F32", (2,), (dataclasses.replace(empty, box=((0, 0),)), full))
+    meta = CheckpointMeta(str(tmp_path), one.files + two.files,
+                          {"a.weight": one.tensors["a.weight"], "z.bias": z})
+    rp = cl.make_plan(meta, cl.Layout(), replicate_unmatched=True).rank(0)
+    plan = Plan(cl.Layout(), meta.fingerprint(), (rp,), (),
+                (LoadGroup(("a.safetensors", "b.safetensors"), (0,), "group"),))
+    with faked_instanttensor(), pytest.raises(LoadError) as e:
+        select_engine("instanttensor", "cuda:0", plan=plan).load_rank(meta, rp, "cuda:0")
+    assert str(e.value) == ("rank 0, file a.safetensors: tensor 'z.bias' holds no bytes and "
+                            "starts where 'a.weight' does, after it in the header: InstantTensor "
+                            "reads the file as not contiguous and refuses it; load with "
+                            "engine='cpu' (--engine cpu)")
+
+
 @pytest.mark.parametrize("cfg, msg", [
     ('{"io_depth": 2048}', "io_depth=2048: expected at most 1024 (instanttensor's MAX_IO_DEPTH)"),
     ('{"chunk_size": "8M"}', "chunk_size='8M': expected a whole number"),

@@ -319,14 +319,21 @@ def _key_files(files: Sequence[str], keys: Sequence[str] | None,
     return where, sorted(shared)
 
 
-def _stored_pieces(meta: CheckpointMeta) -> tuple[dict, dict]:
+class _Stored(NamedTuple):
+    keymap: dict        # (file, key) -> (tensor name, dtype, box)
+    file_keys: dict     # file -> its (start, key) pairs in the order of their bytes
+    empty_files: set    # files holding a piece of no bytes
+
+
+def _stored_pieces(meta: CheckpointMeta) -> _Stored:
     """(file, key) -> (tensor name, dtype, box) of every stored piece (keys are unique
-    within a file only), and per file its (start, key) pairs in the order of their bytes:
-    what each streamed tensor is attributed to and checked against. A plain checkpoint's
-    from its header entries, with no record made (a rank streams every tensor of its
-    group's files, most of them other ranks')."""
+    within a file only), per file its (start, key) pairs in the order of their bytes, and
+    the files holding a piece of no bytes: what each streamed tensor is attributed to and
+    checked against. A plain checkpoint's from its header entries, with no record made (a
+    rank streams every tensor of its group's files, most of them other ranks')."""
     got = meta.tensors.header_entries() if isinstance(meta.tensors, TensorMap) else None
     starts: dict[str, list[tuple[int, str]]] = {}
+    empty: set[str] = set()
     with gc_paused():   # ~300 k tuples, all kept: nothing to collect
         if got is None:
             keymap: dict[tuple[str, str], tuple] = {}
@@ -334,6 +341,8 @@ def _stored_pieces(meta: CheckpointMeta) -> tuple[dict, dict]:
                 for sp in info.pieces:
                     keymap[(sp.file, sp.key)] = (info.name, info.dtype, sp.box)
                     starts.setdefault(sp.file, []).append((sp.start, sp.key))
+                    if sp.start == sp.end:
+                        empty.add(sp.file)
         else:
             entries, files = got
             keys = list(map(itemgetter(0), entries))
@@ -347,8 +356,12 @@ def _stored_pieces(meta: CheckpointMeta) -> tuple[dict, dict]:
                     starts[f] = [(at, k)]
                 else:
                     p.append((at, k))
+            t = meta.table()
+            zero = t.whole & (t.end == t.start)
+            if zero.any():
+                empty.update(meta.files[i].name for i in np.unique(t.file[zero]).tolist())
         # sorted file by file (tuples: no key function per entry)
-        return keymap, {f: sorted(p) for f, p in starts.items()}
+        return _Stored(keymap, {f: sorted(p) for f, p in starts.items()}, empty)
 
 
 class _StageGroups:
@@ -406,20 +419,13 @@ def _refuse_other_formats(meta: CheckpointMeta, rank: int) -> None:
                             f"engine='cpu' (--engine cpu)", file=f.name, rank=rank)
 
 
-def _refuse_zero_size_ties(meta: CheckpointMeta, rank: int) -> None:
+def _refuse_zero_size_ties(meta: CheckpointMeta, empty_files: set[str], rank: int) -> None:
     """LoadError before any read where a zero-size tensor starts where a tensor of bytes
     does and comes after it in the header: InstantTensor orders a file's tensors by start,
     keeping the header's order among equal starts, and refuses the file as not contiguous
-    (on CUDA only, naming no tensor) where the cpu engine loads it. Only files that hold
-    such a tie have their header read again, for its order."""
-    t = meta.table()
-    tied = set()
-    zero = t.whole & (t.end == t.start)
-    if zero.any():
-        tied.update(meta.files[i].name for i in np.unique(t.file[zero]).tolist())
-    for row in np.flatnonzero(~t.whole).tolist():
-        tied.update(sp.file for sp in meta.tensors[t.names[row]].pieces if sp.start == sp.end)
-    for name in sorted(tied):
+    (on CUDA only, naming no tensor) where the cpu engine loads it. Only ``empty_files``,
+    those holding a piece of no bytes, have their header read again, for its order."""
+    for name in sorted(empty_files):
         try:
             order = sorted(header_order(meta.root, name), key=itemgetter(1))   # stable
         except (CoordloaderError, OSError):
@@ -531,7 +537,6 @@ class InstantTensorEngine:
                 if self._config_error is not None:
                     raise self._config_error
                 _refuse_other_formats(meta, rank)
-                _refuse_zero_size_ties(meta, rank)
                 dev = check_device(device)
                 # the package imported here too: a node whose install is broken failed
                 # after the agreement, its peers left in safe_open's first collective
@@ -582,7 +587,8 @@ class InstantTensorEngine:
         groups as plan ranks, ``_group_keys``), and every file of every call checked on a
         descriptor ``checked`` holds open until the load ends."""
         rank = rank_plan.rank
-        keymap, file_keys = _stored_pieces(meta)
+        keymap, file_keys, empty_files = _stored_pieces(meta)
+        _refuse_zero_size_ties(meta, empty_files, rank)
         groups = self.load_groups(meta, file_keys)
         known_files = {f.name for f in meta.files}
         for g in groups:
