@@ -529,6 +529,32 @@ def test_a_layer_tensor_stays_with_its_layer_whatever_stage_a_rule_gives():
     assert [sum(".visual." in t.name for t in rp.tensors) for rp in plan.ranks] == [4, 0]
 
 
+def test_a_vision_tower_is_no_decoder_layers():
+    """A tower's blocks were read as decoder layers: a tower deeper than the text model
+    was refused (its blocks counted against num_hidden_layers), and at pp=2 block b went
+    to the stage of decoder layer b, each stage holding part of the tower. Now the tower
+    is held whole by the first stage, whose input embeddings it makes."""
+    specs = [("model.embed_tokens.weight", "BF16", (64, 16))] + [
+        (f"model.layers.{i}.mlp.down_proj.weight", "BF16", (16, 16)) for i in range(2)] + [
+        (f"model.visual.blocks.{b}.mlp.fc1.weight", "BF16", (8, 8)) for b in range(6)] + [
+        ("model.norm.weight", "BF16", (16,))]
+    meta = meta_from_specs({"num_hidden_layers": 2}, specs)
+    plan = make_plan(meta, Layout(pp=2), {"mode": "replace", "rules": [
+        {"pattern": "*", "strategy": "replicate"}]})
+    held = [sorted(t.name for t in rp.tensors) for rp in plan.ranks]
+    assert held == [["model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"] + [
+        f"model.visual.blocks.{b}.mlp.fc1.weight" for b in range(6)],
+        ["model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight",
+         "model.norm.weight"]]
+    with pytest.raises(PlanError) as e:
+        make_plan(meta, Layout(pp=2), {"mode": "replace", "rules": [
+            {"pattern": "model.visual.*", "strategy": "replicate", "params": {"stage": "layer"}},
+            {"pattern": "*", "strategy": "replicate"}]})
+    assert e.value.tensor == "model.visual.blocks.0.mlp.fc1.weight"
+    assert ("rule says stage 'layer' but the tensor is a vision or audio tower's, whose "
+            "blocks are no decoder layers; give it 'first', 'last' or 'all'") in str(e.value)
+
+
 def test_a_dense_gate_up_given_plain_colwise_is_refused():
     """Plain colwise on a fused gate_up gave rank 0 all gate rows and rank 1 all up rows;
     the same mistake on an expert tensor was refused already."""

@@ -53,9 +53,12 @@ LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 
 
 def layer_index(name: str) -> int | None:
-    """The layer index in a tensor's name, or None for a tensor of no layer."""
+    """The decoder layer index in a tensor's name, or None for a tensor of no decoder
+    layer. A vision or audio tower's blocks (``is_tower``) are no decoder layers: they
+    are neither counted against num_hidden_layers nor spread over the pipeline stages by
+    their block index."""
     m = LAYER_RE.search(name)
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) if m and not is_tower(name) else None
 
 
 class Layers(NamedTuple):
@@ -121,24 +124,26 @@ class Placer:
         li = self.layer_of(n)
         if li is not None and li >= self.num_layers and not self.L.include_mtp:
             return None   # an MTP layer, whatever stage a rule gives it
-        if li is not None and li < self.num_layers and (st in (None, "layer")
-                                                         or not is_tower(n)):
+        if li is not None and li < self.num_layers:
             # a decoder layer's tensors go where the layer runs, whatever stage a rule
             # gives: a rule meant for a non-layer tensor (`*norm*` for model.norm, stage
-            # last) left the other stages without their layers' norms. A vision or audio
-            # tower's blocks are no decoder layers: a rule's stage keeps the tower whole
+            # last) left the other stages without their layers' norms
             return (self.stage_of[li],)
         if li is not None and st in (None, "layer"):
             return (pp - 1,)
         if st == "all":
             return tuple(range(pp))
+        tower = is_tower(n)
         if st == "layer":
             # a non-layer tensor has no layer to follow: it went to the last stage unasked
-            raise self.err("rule says stage 'layer' but the tensor's name holds no layer index "
-                           "(layers.N., layer.N., h.N. or blocks.N.); give it 'first', 'last' "
-                           "or 'all'", n)
+            raise self.err("rule says stage 'layer' but " + (
+                "the tensor is a vision or audio tower's, whose blocks are no decoder layers"
+                if tower else "the tensor's name holds no layer index (layers.N., layer.N., "
+                "h.N. or blocks.N.)") + "; give it 'first', 'last' or 'all'", n)
         if st is None:
-            st = "first" if "embed" in n else "last"
+            # a tower makes the input embeddings the first stage reads: it is kept whole
+            # there, as the embedding is
+            st = "first" if tower or "embed" in n else "last"
         if st == "first":
             if self.tied and li is None and n.endswith("embed_tokens.weight") and pp > 1:
                 return (0, pp - 1)   # tied embeddings: the last stage's lm_head reads it too

@@ -23,7 +23,13 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 
 from coordloader.checkpoint.dtypes import itemsize
-from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, check_extents, full_box
+from coordloader.checkpoint.metadata import (
+    CheckpointMeta,
+    TensorInfo,
+    check_extents,
+    full_box,
+    is_tower,
+)
 from coordloader.errors import PlanError
 from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout
@@ -193,7 +199,7 @@ class _Planner:
         max_layer = -1
         for t, members in groups.items():
             m = search(t)
-            if m:
+            if m and not is_tower(t):   # a tower's blocks are no decoder layers
                 a, b = spans[t] = m.span(1)
                 max_layer = max(max_layer, int(max(map(itemgetter(slice(a, b)), members))))
         any_layer = bool(spans)
