@@ -541,10 +541,31 @@ def test_a_limit_row_reads_no_storage_of_its_own_in_the_table():
     assert "500 MB" in table and " 0 MB" not in line and "| – |" in line
 
 
-def test_cpu_into_builds_its_engine_untimed_as_cpu_does():
+def test_cpu_into_builds_its_engine_untimed_as_cpu_does(tmp_path, monkeypatch):
     """cpu_into made its engine (and imported the engine module, 6-25 ms) inside its
-    clock, cpu in its setup."""
-    from coordloader.bench.methods import METHODS
-    assert METHODS["cpu_into"].setup is not METHODS["st_whole_into"].setup
-    src = __import__("inspect").getsource(METHODS["cpu_into"].run)
-    assert "select_engine" not in src
+    clock, cpu in its setup: the setup's state holds the engine, and the timed run makes
+    none and loads the planned bytes into the setup's destinations."""
+    import torch
+
+    import coordloader as cl
+    from coordloader.bench import methods
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.engines import select_engine
+    from coordloader.engines.cpu import CpuEngine
+    from coordloader.synth import synthesize
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny")
+    meta = read_checkpoint(ck)
+    plan = cl.make_plan(meta, cl.Layout(tp=2))
+    want, _ = select_engine("cpu", "cpu").load_rank(meta, plan.rank(1), "cpu")
+    ctx = methods.RankContext(ck, 1, 2, cl.Layout(tp=2), meta, plan, plan.rank(1))
+    state = methods.METHODS["cpu_into"].setup(ctx)
+    engine, dsts = state
+    assert isinstance(engine, CpuEngine)
+
+    def made(*a, **k):
+        raise AssertionError("the timed run made an engine")
+    monkeypatch.setattr(methods, "select_engine", made)
+    tensors, _, _ = methods.METHODS["cpu_into"].run(ctx, state)
+    assert sorted(tensors) == sorted(want)
+    assert [n for n in want if tensors[n].data_ptr() != dsts[n].data_ptr()] == []
+    assert [n for n in want if not torch.equal(dsts[n], want[n])] == []
