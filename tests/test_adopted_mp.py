@@ -374,7 +374,7 @@ def test_second_connection_sees_the_same_keys_on_its_own_socket():
     assert main.get("k") == b"v" and master.get("a/b/k") == b"v"   # same key space
     # its own connection: answers while the main client sits in a server-side wait
     waiter = threading.Thread(target=lambda: _swallow(
-        lambda: main.wait(["never"], timedelta(seconds=3))), daemon=True)
+        lambda: main.wait(["never"], timedelta(seconds=1.5))), daemon=True)
     waiter.start()
     time.sleep(0.3)
     t = time.monotonic()
@@ -447,7 +447,8 @@ def test_no_second_connection_without_a_tcpstore(tmp_path):
     assert coll._second_connection(dist.PrefixStore("p", fs), 10) is None
 
 
-def test_heartbeat_beats_and_close_stops_it():
+def test_heartbeat_beats_and_close_stops_it(monkeypatch):
+    monkeypatch.setattr(coll, "HEARTBEAT_S", 0.15)   # the same beats, scaled down
     store = dist.HashStore()
     before = {t for t in threading.enumerate() if t.name == "coordloader-heartbeat"}
     g = Group(rank=1, world=2, store=store, timeout_s=10)
@@ -487,7 +488,7 @@ def test_a_rank_that_never_beat_is_late_not_dead():
 def test_boundary_wait_does_not_cut_short_for_a_rank_that_never_beat(monkeypatch):
     # rank 1 never adopted the group (counter 0): rank 0 waits its whole timeout, it does
     # not give up after DEAD_AFTER_S as it would for a rank whose beat stopped
-    monkeypatch.setattr(coll, "DEAD_AFTER_S", 1.0)   # the same wait, scaled down
+    monkeypatch.setattr(coll, "DEAD_AFTER_S", 0.5)   # the same wait, scaled down
     store = _tcp_master()   # (HashStore.wait can hang past a fractional timeout)
     g = Group(rank=0, world=2, store=store, timeout_s=2 * coll.DEAD_AFTER_S + 1)
     g._hb_stop = threading.Event()

@@ -225,6 +225,7 @@ def _measure(ckpt: str, tmp_path, mode: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow   # a fresh measuring process
 def test_cpu_engine_peak_rss_within_bytes_held_plus_buffer(small_llama, tmp_path):
     """In a fresh process (warmed up on a tiny checkpoint, metadata and plan already in
     memory): the load's peak RSS growth is the tensors it returns, not a staging copy."""
@@ -237,6 +238,7 @@ def test_cpu_engine_peak_rss_within_bytes_held_plus_buffer(small_llama, tmp_path
     assert m["held"] * 0.9 <= growth <= m["held"] + BUFFER, m
 
 
+@pytest.mark.slow   # a fresh measuring process
 def test_load_into_fills_parameters_in_place(small_llama, tmp_path):
     """load_into a model whose parameters exist (contiguous, on the CPU, requiring grad):
     the engine reads into them, so the load's peak RSS growth is the fixed buffer only,

@@ -46,7 +46,8 @@ def same_as_alone(monkeypatch, meta, layout, rules=None):
 
 
 @pytest.mark.parametrize("kw", [dict(tp=2, ep=2, pp=2), dict(tp=2, ep=2, pp=3, include_mtp=True),
-                                dict(tp=4, ep=2, dp=2), dict(tp=1, dp=4, ep=4, ep_spans_dp=True)],
+                                pytest.param(dict(tp=4, ep=2, dp=2), marks=pytest.mark.slow),
+                                dict(tp=1, dp=4, ep=4, ep_spans_dp=True)],
                          ids=["pp2", "pp3-mtp", "moe_tp", "ep_spans_dp"])
 def test_families_give_the_plan_of_tensors_placed_alone(monkeypatch, dsv3, kw):
     same_as_alone(monkeypatch, dsv3, Layout(**kw))
@@ -197,7 +198,8 @@ def test_the_experts_of_one_owner_set_are_placed_once(monkeypatch, dsv3):
     dict(tp=4, ep=4, expert_placement=tuple(tuple(range(q * 8, q * 8 + 8)) + ((q + 1) % 4 * 8,)
                                             for q in range(4))),   # redundant experts
     dict(tp=1, dp=3, ep=3, ep_spans_dp=True, allow_uneven=True),   # 11, 11 and 10 experts
-    dict(tp=2, ep=2, pp=2, dp=2, ep_spans_dp=True, include_mtp=True),
+    pytest.param(dict(tp=2, ep=2, pp=2, dp=2, ep_spans_dp=True, include_mtp=True),
+                 marks=pytest.mark.slow),
 ], ids=["round_robin", "redundant", "uneven", "pp-mtp-spans-dp"])
 def test_expert_families_by_owner_set_give_the_plan_of_tensors_placed_alone(monkeypatch, dsv3,
                                                                                kw):
