@@ -532,20 +532,28 @@ def test_a_layer_tensor_stays_with_its_layer_whatever_stage_a_rule_gives():
 def test_a_vision_tower_is_no_decoder_layers():
     """A tower's blocks were read as decoder layers: a tower deeper than the text model
     was refused (its blocks counted against num_hidden_layers), and at pp=2 block b went
-    to the stage of decoder layer b, each stage holding part of the tower. Now the tower
-    is held whole by the first stage, whose input embeddings it makes."""
+    to the stage of decoder layer b, each stage holding part of the tower. vLLM builds the
+    tower on every stage (only the first runs it) and must fill each copy: every stage
+    holds it whole. A decoder layer's own vision weights (CogVLM's vision experts) stay
+    with their layer."""
     specs = [("model.embed_tokens.weight", "BF16", (64, 16))] + [
-        (f"model.layers.{i}.mlp.down_proj.weight", "BF16", (16, 16)) for i in range(2)] + [
+        (f"model.layers.{i}.mlp.{kind}.down_proj.weight", "BF16", (16, 16)) for i in range(2)
+        for kind in ("language_mlp", "vision_mlp")] + [
         (f"model.visual.blocks.{b}.mlp.fc1.weight", "BF16", (8, 8)) for b in range(6)] + [
-        ("model.norm.weight", "BF16", (16,))]
+        ("model.visual.merger.mlp.0.weight", "BF16", (8, 8)), ("model.norm.weight", "BF16", (16,))]
     meta = meta_from_specs({"num_hidden_layers": 2}, specs)
     plan = make_plan(meta, Layout(pp=2), {"mode": "replace", "rules": [
         {"pattern": "*", "strategy": "replicate"}]})
     held = [sorted(t.name for t in rp.tensors) for rp in plan.ranks]
-    assert held == [["model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"] + [
-        f"model.visual.blocks.{b}.mlp.fc1.weight" for b in range(6)],
-        ["model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight",
-         "model.norm.weight"]]
+    tower = [f"model.visual.blocks.{b}.mlp.fc1.weight" for b in range(6)] + [
+        "model.visual.merger.mlp.0.weight"]
+    assert held == [sorted(["model.embed_tokens.weight",
+                            "model.layers.0.mlp.language_mlp.down_proj.weight",
+                            "model.layers.0.mlp.vision_mlp.down_proj.weight"] + tower),
+                    sorted(["model.embed_tokens.weight",
+                            "model.layers.1.mlp.language_mlp.down_proj.weight",
+                            "model.layers.1.mlp.vision_mlp.down_proj.weight",
+                            "model.norm.weight"] + tower)]
     with pytest.raises(PlanError) as e:
         make_plan(meta, Layout(pp=2), {"mode": "replace", "rules": [
             {"pattern": "model.visual.*", "strategy": "replicate", "params": {"stage": "layer"}},

@@ -54,11 +54,18 @@ LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 
 def layer_index(name: str) -> int | None:
     """The decoder layer index in a tensor's name, or None for a tensor of no decoder
-    layer. A vision or audio tower's blocks (``is_tower``) are no decoder layers: they
-    are neither counted against num_hidden_layers nor spread over the pipeline stages by
-    their block index."""
+    layer. A vision or audio tower's blocks are no decoder layers: they are neither
+    counted against num_hidden_layers nor spread over the pipeline stages by their block
+    index."""
     m = LAYER_RE.search(name)
-    return int(m.group(1)) if m and not is_tower(name) else None
+    return int(m.group(1)) if m and not tower_blocks(name, m.start()) else None
+
+
+def tower_blocks(name: str, at: int) -> bool:
+    """Whether the layer index LAYER_RE found at ``at`` in ``name`` (a name or digit
+    template) numbers a tower's blocks: the tower is named before it. A decoder layer's
+    own vision weights (CogVLM's ``layers.N.mlp.vision_mlp``) are named after it."""
+    return is_tower(name[:at + 1])
 
 
 class Layers(NamedTuple):
@@ -141,9 +148,11 @@ class Placer:
                 if tower else "the tensor's name holds no layer index (layers.N., layer.N., "
                 "h.N. or blocks.N.)") + "; give it 'first', 'last' or 'all'", n)
         if st is None:
-            # a tower makes the input embeddings the first stage reads: it is kept whole
-            # there, as the embedding is
-            st = "first" if tower or "embed" in n else "last"
+            if tower:
+                # vLLM builds the tower on every stage (only the first runs it), and its
+                # loaders must fill every stage's copy
+                return tuple(range(pp))
+            st = "first" if "embed" in n else "last"
         if st == "first":
             if self.tied and li is None and n.endswith("embed_tokens.weight") and pp > 1:
                 return (0, pp - 1)   # tied embeddings: the last stage's lm_head reads it too

@@ -28,7 +28,6 @@ from coordloader.checkpoint.metadata import (
     TensorInfo,
     check_extents,
     full_box,
-    is_tower,
 )
 from coordloader.errors import PlanError
 from coordloader.gcpause import gc_paused
@@ -49,6 +48,7 @@ from coordloader.planning.placement import (
     Placer,
     layer_index,
     scaled_weight,
+    tower_blocks,
 )
 from coordloader.planning.rankgroups import RankGroups, dedupe, rank_classes
 from coordloader.planning.rules import Rule, RuleSet, make_rule, resolve_rules
@@ -199,7 +199,7 @@ class _Planner:
         max_layer = -1
         for t, members in groups.items():
             m = search(t)
-            if m and not is_tower(t):   # a tower's blocks are no decoder layers
+            if m and not tower_blocks(t, m.start()):   # no decoder layers
                 a, b = spans[t] = m.span(1)
                 max_layer = max(max_layer, int(max(map(itemgetter(slice(a, b)), members))))
         any_layer = bool(spans)
