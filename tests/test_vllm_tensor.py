@@ -1063,7 +1063,9 @@ def test_a_parameter_a_missing_tensor_leaves_unfilled_is_refused(tmp_path, missi
     assert str(e.value) == (
         f"rank 0: vLLM's parameter {param} got {got} of its {n} elements from the checkpoint: "
         f"a tensor it is built from (a fused qkv_proj's k_proj, a layer's down_proj) is missing "
-        f"from the checkpoint, and the rest would be served as uninitialised memory"), str(e.value)
+        f"from the checkpoint, or from this rank's plan (a rule's stage, where vLLM builds the "
+        f"module on every pipeline stage), and the rest would be served as uninitialised "
+        f"memory"), str(e.value)
 
 
 def test_a_tensor_no_loader_took_is_named_as_such_not_as_a_split(tmp_path):

@@ -328,8 +328,10 @@ def check_filled(model, writes: Mapping[int, int], rank: int) -> None:
             if len(short) > 1 else ""
         raise FitError(f"vLLM's parameter {name} got {got} of its {n} elements from the "
                        f"checkpoint{more}: a tensor it is built from (a fused qkv_proj's k_proj, "
-                       f"a layer's down_proj) is missing from the checkpoint, and the rest would "
-                       f"be served as uninitialised memory", rank=rank)
+                       f"a layer's down_proj) is missing from the checkpoint, or from this "
+                       f"rank's plan (a rule's stage, where vLLM builds the module on every "
+                       f"pipeline stage), and the rest would be served as uninitialised memory",
+                       rank=rank)
 
 
 def load_into_vllm(model, ckpt: str, vr: VllmRank, opts: LoaderOptions, *,
