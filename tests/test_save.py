@@ -395,6 +395,19 @@ def test_save_without_a_plan_takes_whole_and_boxed_tensors(tmp_path):
     assert_equal_ckpt(tmp_path / "boxed", dict(full, fsdp=w))
 
 
+def test_one_element_views_of_any_stride_are_saved(tmp_path):
+    """torch calls a one-element tensor contiguous whatever its stride (``b[1::2]`` of a
+    2-vector, a column of a one-row matrix): its byte view was refused with torch's raw
+    "stride(-1) must be 1" and the save failed."""
+    b = torch.arange(2, dtype=torch.float16)
+    m = torch.arange(6, dtype=torch.bfloat16).reshape(3, 2)
+    f = {"b": b[1::2], "col": m.t()[1:, :1], "ok": torch.arange(3, dtype=torch.float32)}
+    assert f["b"].stride() == (2,) and f["col"].shape == (1, 1) and f["col"].stride() != (1, 1)
+    save(tmp_path / "ck", f, config=CFG)
+    assert_equal_ckpt(tmp_path / "ck", {k: v.clone(memory_format=torch.contiguous_format)
+                                        for k, v in f.items()})
+
+
 def test_local_save_writes_a_box_several_ranks_hold_once(tmp_path):
     """Saving plan ranks in turn, a Boxed box both ranks held was refused as an overlap;
     a distributed save writes it once, from the lowest rank."""

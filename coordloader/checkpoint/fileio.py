@@ -108,6 +108,9 @@ def as_bytes(data: Any) -> memoryview:
         t = t.contiguous().reshape(-1)
         if t.numel() == 0:
             return memoryview(b"")
+        if t.stride(0) != 1:
+            # one element: torch calls any stride contiguous, and view() refuses it
+            t = t.clone(memory_format=torch.contiguous_format)
         return memoryview(t.view(torch.uint8).numpy())
     raise TypeError(f"unsupported tensor data type {type(data).__name__}")
 
