@@ -729,7 +729,7 @@ def test_a_second_writer_into_a_directory_another_is_writing_is_refused(tmp_path
         with pytest.raises(SaveError) as ei:
             save_local(out, plan, locs, overwrite=True)
         assert f"another save or consolidate is {doing} this directory now" in str(ei.value)
-        assert "in use by a live process" in str(ei.value)
+        assert "in use by a live process or thread" in str(ei.value)
         assert [n for n in os.listdir(out) if n.startswith(".coordloader-staging-")]
     finally:
         child.kill()
@@ -739,6 +739,51 @@ def test_a_second_writer_into_a_directory_another_is_writing_is_refused(tmp_path
     save_local(out, plan, locs, overwrite=True)
     old = {n: t + 1 if t.is_floating_point() else t for n, t in full.items()}
     assert _state(out, old, full) == "new"
+    assert not [n for n in os.listdir(out) if n.startswith(".coordloader")]
+
+
+@pytest.mark.parametrize("step", ["staged", "marked"])
+def test_a_second_writer_in_another_thread_of_the_process_is_refused(tmp_path, monkeypatch,
+                                                                     step):
+    """A save in a background thread and a second one into the same directory: the
+    second took the first's live stage for an earlier call's leftover (the lock tells no
+    writer of one process apart), removed it, and published; the first then either said
+    it had published though the directory held the second's tensors, or left its publish
+    marker over the second's checkpoint. The stage's thread tells them apart now."""
+    import threading
+
+    from coordloader.handoff import publish as pub
+    out = tmp_path / "out"
+    if step == "marked":
+        save(out, {"w": torch.zeros(4)}, config=CFG)
+    held, go, got = threading.Event(), threading.Event(), {}
+
+    def hook(s):
+        if s == step and threading.current_thread().name == "first":
+            held.set()
+            assert go.wait(60)
+    monkeypatch.setattr(pub, "_test_hook", hook)
+
+    def first():
+        try:
+            got["first"] = save(out, {"w": torch.ones(4)}, config=CFG, overwrite=True)
+        except Exception as e:   # noqa: BLE001 - reported by the assertion below
+            got["first"] = e
+    t = threading.Thread(target=first, name="first")
+    t.start()
+    try:
+        assert held.wait(60)
+        with pytest.raises(SaveError) as ei:
+            save(out, {"w": torch.full((4,), 2.0)}, config=CFG, overwrite=True)
+        doing = "writing into" if step == "staged" else "publishing into"
+        assert f"another save or consolidate is {doing} this directory now" in str(ei.value)
+        assert "in use by a live process or thread" in str(ei.value)
+    finally:
+        go.set()
+        t.join(60)
+    assert not isinstance(got["first"], Exception), got["first"]
+    assert got["first"].published
+    assert_equal_ckpt(out, {"w": torch.ones(4)})
     assert not [n for n in os.listdir(out) if n.startswith(".coordloader")]
 
 

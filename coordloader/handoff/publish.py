@@ -29,6 +29,7 @@ import math
 import os
 import re
 import shutil
+import threading
 from typing import Any, Callable, Mapping, NamedTuple
 
 from coordloader.checkpoint.fileio import fsync_dir, write_file_atomic
@@ -268,9 +269,17 @@ def check_sizes(rank: int | None, **sizes: Any) -> tuple[int, ...]:
 # -------------------------------------------------------------- one writer at a time
 # A writer holds an exclusive flock on its staging directory's lock file while it lives
 # (the kernel drops it when the process dies): a stage whose lock is free is a killed
-# writer's leftover; one whose lock is held is another writer's, live.
+# writer's leftover; one whose lock is held is another writer's, live. Within this process
+# the lock tells no writer apart: the thread that made the stage does.
 _STAGE_LOCK = ".lock"
-_HELD: dict[str, int] = {}   # stage directory (real path) -> the descriptor holding its lock
+
+
+class _Held(NamedTuple):
+    fd: int                     # the descriptor holding the stage's lock
+    thread: threading.Thread    # the thread whose call made the stage
+
+
+_HELD: dict[str, _Held] = {}   # stage directory (real path) -> its lock, in this process
 
 
 def _lock_stage(stage_dir: str) -> None:
@@ -281,15 +290,17 @@ def _lock_stage(stage_dir: str) -> None:
     except OSError:   # a file system without locks: writers are not told apart, as before
         os.close(fd)
         return
-    _HELD[os.path.realpath(stage_dir)] = fd
+    _HELD[os.path.realpath(stage_dir)] = _Held(fd, threading.current_thread())
 
 
 def _stage_in_use(stage_dir: str) -> bool:
-    """Whether another process's live writer holds ``stage_dir`` (this process's own
-    stages are an earlier call's, left behind: not in use)."""
+    """Whether a live writer holds ``stage_dir``: another process's, or another live
+    thread's of this one (a save in a background thread). This thread's own stages are an
+    earlier call's, left behind (a local-mode save restarted at rank 0): not in use."""
     import fcntl
-    if os.path.realpath(stage_dir) in _HELD:
-        return False
+    held = _HELD.get(os.path.realpath(stage_dir))
+    if held is not None:
+        return held.thread is not threading.current_thread() and held.thread.is_alive()
     try:
         fd = os.open(os.path.join(stage_dir, _STAGE_LOCK), os.O_RDWR | os.O_NONBLOCK)
     except OSError:   # no lock file: a writer killed before it took the lock, or gone
@@ -307,9 +318,9 @@ def _stage_in_use(stage_dir: str) -> bool:
 
 def release_stage(stage_dir: str) -> None:
     """Drop this process's lock on ``stage_dir`` (its writer is done, or gave up)."""
-    fd = _HELD.pop(os.path.realpath(stage_dir), None)
-    if fd is not None:
-        os.close(fd)
+    held = _HELD.pop(os.path.realpath(stage_dir), None)
+    if held is not None:
+        os.close(held.fd)
 
 
 def end_stage(out_dir: str, stage: str) -> None:
@@ -324,9 +335,9 @@ def end_stage(out_dir: str, stage: str) -> None:
 def _refuse_live_writer(out_dir: str, stage: str, rank: int | None, doing: str) -> None:
     if _stage_in_use(os.path.join(out_dir, stage)):
         raise SaveError(f"another save or consolidate is {doing} this directory now (its "
-                        f"staging directory {stage} is in use by a live process): wait for it "
-                        f"to finish, or write elsewhere; two writers into one directory would "
-                        f"replace each other's files", file=out_dir, rank=rank)
+                        f"staging directory {stage} is in use by a live process or thread): "
+                        f"wait for it to finish, or write elsewhere; two writers into one "
+                        f"directory would replace each other's files", file=out_dir, rank=rank)
 
 
 def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str) -> str:
