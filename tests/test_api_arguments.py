@@ -186,3 +186,12 @@ def test_write_manifest_makes_room_for_every_file_as_loads_do(tmp_path, room):
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert (ck / "coordloader.manifest.json").exists()
+
+
+def test_the_planner_given_a_path_says_it_takes_metadata():
+    """build_plan refused a path as "must be a path or CheckpointMeta, got str"."""
+    from coordloader.planning.planner import build_plan
+    with pytest.raises(PlanError) as e:
+        build_plan("/tmp", cl.Layout())
+    assert str(e.value) == ("checkpoint metadata must be a CheckpointMeta, got str "
+                            "(coordloader.make_plan takes a path)")

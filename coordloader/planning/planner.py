@@ -1,5 +1,5 @@
-"""The planner: checkpoint metadata + layout + rules -> Plan (pure; no I/O beyond reading
-the checkpoint's headers when given a path, no torch.distributed).
+"""The planner: checkpoint metadata + layout + rules -> Plan (pure: no I/O, no
+torch.distributed; ``coordloader.make_plan`` reads the headers of a path first).
 
 For each tensor the planner derives a *placement*: the pipeline stages that hold it, a
 *selector* mapping every rank of those stages to a *class* (or to nothing), and per class
@@ -75,7 +75,8 @@ def build_plan(meta: CheckpointMeta, layout: Layout, rules: Any = None, *,
     (Mapping), a list of rules, or a RuleSet. Tensors no rule matches are an error unless
     ``replicate_unmatched``. Raises PlanError naming tensor, size and layout."""
     if not isinstance(meta, CheckpointMeta):
-        raise PlanError(f"checkpoint must be a path or CheckpointMeta, got {type(meta).__name__}")
+        raise PlanError(f"checkpoint metadata must be a CheckpointMeta, got "
+                        f"{type(meta).__name__} (coordloader.make_plan takes a path)")
     if not isinstance(layout, Layout):
         raise PlanError(f"layout must be a coordloader.Layout, got {type(layout).__name__}")
     if meta.config is not None and not isinstance(meta.config, Mapping):
