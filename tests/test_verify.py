@@ -194,6 +194,51 @@ def test_one_rank_without_a_group_proves_its_pieces_of_split_tensors(setup, rank
     assert "the rest of the tensor re-read from the checkpoint" in detail
 
 
+@pytest.mark.parametrize("sides", [(("digest", True), ("digest", False)),
+                                   (("digest", True), ("shapes", True))],
+                         ids=["manifest-on-one-rank", "other-modes"])
+def test_ranks_verifying_against_other_modes_or_manifests_fail_together(setup, monkeypatch,
+                                                                        sides):
+    """verify_rank over a group, rank 1 holding a flipped byte of w_col: with the manifest
+    on rank 0 only (node-local copies), or rank 1 in mode shapes, each rank's verdict
+    rested on its own mode and manifest: rank 0 failed, rank 1 passed (or rank 0 passed,
+    noting the digests it missed). Every rank now fails, naming the difference."""
+    import torch.distributed as dist
+    root, full, meta, man, plan, loaded = setup
+    bad = [loaded[0], {k: v.clone() for k, v in loaded[1].items()}]
+    bad[1]["w_col"].view(-1)[:1].view(torch.int8)[0] ^= 0x40
+    monkeypatch.setattr(vf, "_process_group", lambda group: group)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    shared = {}
+
+    def call(rank, gather):
+        monkeypatch.setattr(dist, "all_gather_object", gather)
+        mode, has = sides[rank]
+        return vf.verify_rank(bad[rank], plan, mode, meta=meta, rank=rank, group="pg",
+                              manifest=man if has else False)
+
+    for rank in (0, 1):   # each rank's payload, as the gather would carry it
+        def keep(out, obj, group=None, rank=rank):
+            shared[rank] = pickle.loads(pickle.dumps(obj))
+            raise RuntimeError("captured")
+        with pytest.raises(Exception, match="captured"):
+            call(rank, keep)
+    reports = []
+    for rank in (0, 1):
+        def both(out, obj, group=None):
+            out[:] = [shared[0], shared[1]]
+        with pytest.raises(VerifyError) as e:
+            call(rank, both)
+        reports.append(e.value.report)
+    assert reports[0]["failures"] == reports[1]["failures"]
+    other = ("mode digest, none" if sides[1][1] is False else "mode shapes, manifest ")
+    agreement = [f for f in reports[0]["failures"] if f["check"] == "agreement"]
+    assert len(agreement) == 1 and agreement[0]["detail"].startswith(
+        "the ranks verified against different modes or manifests (rank 0: mode digest, "
+        "manifest "), agreement
+    assert f"rank 1: {other}" in agreement[0]["detail"]
+
+
 def test_load_of_one_rank_without_a_group_refuses_a_flipped_byte_it_holds(tmp_path):
     """Through the public API, as reported: load(..., rank=0, verify="digest") with no
     process group returned the flipped value of a split tensor."""

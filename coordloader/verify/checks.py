@@ -22,6 +22,7 @@ verdict and every rank raises ``VerifyError`` with the same report.
 """
 from __future__ import annotations
 
+import hashlib
 import numbers
 import os
 import time
@@ -45,7 +46,7 @@ from coordloader.engines import (
 )
 from coordloader.errors import CollectiveError, ConfigError, CoordloaderError, VerifyError
 from coordloader.layout import as_rank
-from coordloader.text import MAX_NAME_CHARS, clip
+from coordloader.text import MAX_NAME_CHARS, clip, format_ranges
 from coordloader.verify.digest import (
     Route,
     combine,
@@ -207,6 +208,48 @@ class Payload:
     findings: list[Finding]
     digests: dict[str, list[str]]
     stats: dict[str, float]
+    # what the rank verifies against (``basis``): the ranks compare it, as every rank's
+    # verdict is computed from its own mode and manifest
+    basis: Basis | None = None
+
+
+class Basis(NamedTuple):
+    mode: str
+    manifest: str    # "none", "unreadable: ..." or the sha256 of the manifest's digests
+
+
+def basis(mode: str, manifest: Manifest | None, manifest_error: str | None) -> Basis:
+    """What a rank's verdict rests on besides the gathered payloads: its mode, and the
+    manifest it compares with (its checkpoint fingerprint, algorithm and every digest)."""
+    if manifest is None:
+        return Basis(mode, "unreadable: " + manifest_error if manifest_error else "none")
+    h = hashlib.sha256(f"{manifest.fingerprint}\0{manifest.algorithm}".encode())
+    for name in sorted(manifest.tensors):
+        t = manifest.tensors[name]
+        h.update(f"\0{name}\0{t.dtype}\0{t.shape}\0{t.digest}".encode())
+    return Basis(mode, h.hexdigest())
+
+
+def _basis_findings(payloads: Sequence[Payload]) -> list[Finding]:
+    """A failure on every rank where the ranks verified against different modes or
+    manifests (``verify_rank`` called with other modes, or node-local copies holding
+    other manifests): each rank's verdict would rest on its own, and a rank without the
+    manifest would pass what another fails."""
+    by = {}
+    for p in sorted(payloads, key=lambda p: p.rank):
+        if p.basis is not None:
+            by.setdefault(p.basis, []).append(p.rank)
+    if len(by) < 2:
+        return []
+    parts = []
+    for b, ranks in by.items():
+        m = (b.manifest if b.manifest == "none" or b.manifest.startswith("unreadable")
+             else f"manifest {b.manifest[:12]}")
+        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {format_ranges(ranks)}: mode "
+                     f"{b.mode}, {clip(m, MAX_NAME_CHARS)}")
+    return [_finding(None, "agreement", "the ranks verified against different modes or "
+                     "manifests (" + "; ".join(parts) + "): every rank must verify alike, "
+                     "against the same manifest")]
 
 
 class HeldPiece(NamedTuple):
@@ -535,6 +578,8 @@ def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None
     digests of the parts the rank does not hold, re-read from the checkpoint)."""
     mode = VerifyMode(mode)
     failures = [f for p in sorted(payloads, key=lambda p: p.rank) for f in p.findings]
+    disagree = _basis_findings(payloads)
+    failures += disagree
     checks = ["local"]
     notes: list[str] = []
     bad_tensor = {f.tensor for f in failures if f.tensor is not None}
@@ -547,7 +592,10 @@ def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None
         notes.append("global cover skipped: only this rank's share was "
                      "checked (no process group)")
     manifest_info = None
-    if mode.level >= VerifyMode.DIGEST.level:
+    if disagree:   # what rests on a rank's own mode and manifest: one report everywhere
+        notes.append("digests not compared: the ranks verified against different modes or "
+                     "manifests")
+    elif mode.level >= VerifyMode.DIGEST.level:
         if manifest_error:
             failures.append(_finding(None, "manifest", manifest_error))
         digests = {p.rank: p.digests for p in payloads}
@@ -873,6 +921,7 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
     else:
         import torch.distributed as dist
         world = dist.get_world_size(pg)
+        payload.basis = basis(mode, manifest, manifest_error)
         payloads = [None] * world
         try:
             dist.all_gather_object(payloads, payload, group=pg)
