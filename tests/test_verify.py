@@ -239,6 +239,24 @@ def test_ranks_verifying_against_other_modes_or_manifests_fail_together(setup, m
     assert f"rank 1: {other}" in agreement[0]["detail"]
 
 
+def test_one_rank_alone_counts_what_it_compared(tmp_path):
+    """The note of a rank checked alone counted the split tensors re-read with their rest
+    among those it "holds whole", and a zero-element split tensor as not compared."""
+    import coordloader as cl
+    ts = {"a": torch.randn(4, 4), "b": torch.randn(4, 4), "z": torch.zeros(0, 4),
+          "r": torch.randn(4), "s": torch.randn(6, 2)}
+    save_file(ts, str(tmp_path / "model.safetensors"))
+    write_manifest(read_checkpoint(str(tmp_path)))
+    rules = [{"pattern": p, "strategy": "colwise"} for p in "abz"] + [
+        {"pattern": "r", "strategy": "replicate"},
+        {"pattern": "s", "strategy": "colwise", "params": {"dim": 1}}]
+    rep = cl.load_detailed(str(tmp_path), Layout(tp=2), rank=1, verify="digest",
+                           rules=rules).verify_report
+    assert rep["manifest"] == (f"compared with {tmp_path}/coordloader.manifest.json (4 "
+                               f"tensor(s) split over ranks with the rest of each re-read "
+                               f"from the checkpoint: no process group)")
+
+
 def test_load_of_one_rank_without_a_group_refuses_a_flipped_byte_it_holds(tmp_path):
     """Through the public API, as reported: load(..., rank=0, verify="digest") with no
     process group returned the flipped value of a split tensor."""

@@ -394,7 +394,10 @@ def rest_digests(tensors: Mapping[str, torch.Tensor], rank_plan, meta) -> tuple[
     reader = _FullReader(meta, rank_plan.rank)
     for ts in rank_plan.tensors:
         shape = tuple(ts.global_shape)
-        if ts.name not in tensors or not shape or prod(shape) == 0:
+        if ts.name not in tensors or not shape:
+            continue
+        if prod(shape) == 0:   # no elements: nothing of it to re-read
+            out[ts.name] = []
             continue
         gaps = uncovered(full_box(shape), [tuple(map(tuple, p.src)) for p in ts.pieces])
         if not gaps:
@@ -635,7 +638,8 @@ def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None
                 manifest_info += (f" ({with_rest} tensor(s) split over ranks with the rest of "
                                   f"each re-read from the checkpoint: no process group)")
             if split:
-                manifest_info += (f" for the {compared} tensor(s) this rank holds whole; "
+                manifest_info += (f" for the {compared - with_rest} tensor(s) this rank holds "
+                                  f"whole; "
                                   f"{split} split over ranks not compared (no process group)")
                 notes.append(manifest_info)
         else:
