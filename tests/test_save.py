@@ -787,6 +787,64 @@ def test_a_second_writer_in_another_thread_of_the_process_is_refused(tmp_path, m
     assert not [n for n in os.listdir(out) if n.startswith(".coordloader")]
 
 
+def test_a_local_mode_save_restarts_from_another_thread(tmp_path):
+    """A local-mode save's rank-0 call ran in a pool thread that stays alive, and the save
+    was abandoned before rank 1: restarting it from the main thread was refused as a live
+    writer for as long as the pool thread lived. A stage no call runs on is an earlier
+    call's, whichever thread made it."""
+    from concurrent.futures import ThreadPoolExecutor
+    plan, locs, full = make_plan_and_locals()
+    out = tmp_path / "ck"
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(save, out, locs[0], plan, rank=0, config=CFG).result()   # then abandoned
+        for r in range(plan.world_size):
+            save(out, locs[r], plan, rank=r, config=CFG, overwrite=True)
+    assert_equal_ckpt(out, full)
+
+
+def test_a_forked_child_does_not_take_its_parents_live_stage(tmp_path, monkeypatch):
+    """A child forked while a save ran in a thread inherited the record of the parent's
+    stage, saw no live thread of its own on it, removed it and published; the parent was
+    then told it had published, the directory holding the child's tensors. The child now
+    tests the lock as another process does, and is refused."""
+    import multiprocessing
+    import threading
+
+    from coordloader.handoff import publish as pub
+    out = tmp_path / "out"
+    held, go, got = threading.Event(), threading.Event(), {}
+
+    def hook(s):
+        if s == "staged" and threading.current_thread().name == "first":
+            held.set()
+            assert go.wait(60)
+    monkeypatch.setattr(pub, "_test_hook", hook)
+
+    def first():
+        got["first"] = save(out, {"w": torch.ones(4)}, config=CFG)
+    t = threading.Thread(target=first, name="first")
+    t.start()
+    try:
+        assert held.wait(60)
+        child = multiprocessing.get_context("fork").Process(target=_save_twos, args=(out,))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 3, child.exitcode   # refused as another writer
+    finally:
+        go.set()
+        t.join(60)
+    assert got["first"].published
+    assert_equal_ckpt(out, {"w": torch.ones(4)})
+
+
+def _save_twos(out):
+    try:
+        save(out, {"w": torch.full((4,), 2.0)}, config=CFG, overwrite=True)
+    except SaveError as e:
+        os._exit(3 if "another save or consolidate is writing into" in str(e) else 2)
+    os._exit(0)
+
+
 def test_consolidate_over_same_named_shards_removes_the_old_index_first(tmp_path):
     """Consolidating over an HF checkpoint with the same shard names kept its index in
     place while the new shards moved in: a reader that ignores the marker (transformers,

@@ -270,13 +270,16 @@ def check_sizes(rank: int | None, **sizes: Any) -> tuple[int, ...]:
 # A writer holds an exclusive flock on its staging directory's lock file while it lives
 # (the kernel drops it when the process dies): a stage whose lock is free is a killed
 # writer's leftover; one whose lock is held is another writer's, live. Within this process
-# the lock tells no writer apart: the thread that made the stage does.
+# the lock tells no writer apart: a call running on the stage does (a save in a background
+# thread), and a stage no call runs on is an earlier call's (a local-mode save between its
+# ranks' calls, or abandoned: a rank-0 call restarts it).
 _STAGE_LOCK = ".lock"
 
 
 class _Held(NamedTuple):
-    fd: int                     # the descriptor holding the stage's lock
-    thread: threading.Thread    # the thread whose call made the stage
+    fd: int                          # the descriptor holding the stage's lock
+    pid: int                         # the process that took it (a forked child inherits it)
+    thread: threading.Thread | None  # the thread of the call running on the stage, if any
 
 
 _HELD: dict[str, _Held] = {}   # stage directory (real path) -> its lock, in this process
@@ -290,17 +293,28 @@ def _lock_stage(stage_dir: str) -> None:
     except OSError:   # a file system without locks: writers are not told apart, as before
         os.close(fd)
         return
-    _HELD[os.path.realpath(stage_dir)] = _Held(fd, threading.current_thread())
+    _HELD[os.path.realpath(stage_dir)] = _Held(fd, os.getpid(), threading.current_thread())
+
+
+def stage_call(stage_dir: str, running: bool) -> None:
+    """Mark this process's ``stage_dir`` as one a call of this thread runs on now
+    (``running``), or as one no call runs on (the call returned, leaving the stage for the
+    next rank's call of a local-mode save)."""
+    key = os.path.realpath(stage_dir)
+    held = _HELD.get(key)
+    if held is not None and held.pid == os.getpid():
+        _HELD[key] = held._replace(thread=threading.current_thread() if running else None)
 
 
 def _stage_in_use(stage_dir: str) -> bool:
-    """Whether a live writer holds ``stage_dir``: another process's, or another live
-    thread's of this one (a save in a background thread). This thread's own stages are an
-    earlier call's, left behind (a local-mode save restarted at rank 0): not in use."""
+    """Whether a live writer holds ``stage_dir``: another process's (a forked child sees
+    its parent's by the lock too), or a call running on it in another live thread of this
+    process. A stage of this process no call runs on is an earlier call's: not in use."""
     import fcntl
     held = _HELD.get(os.path.realpath(stage_dir))
-    if held is not None:
-        return held.thread is not threading.current_thread() and held.thread.is_alive()
+    if held is not None and held.pid == os.getpid():
+        t = held.thread
+        return t is not None and t is not threading.current_thread() and t.is_alive()
     try:
         fd = os.open(os.path.join(stage_dir, _STAGE_LOCK), os.O_RDWR | os.O_NONBLOCK)
     except OSError:   # no lock file: a writer killed before it took the lock, or gone
@@ -319,7 +333,7 @@ def _stage_in_use(stage_dir: str) -> bool:
 def release_stage(stage_dir: str) -> None:
     """Drop this process's lock on ``stage_dir`` (its writer is done, or gave up)."""
     held = _HELD.pop(os.path.realpath(stage_dir), None)
-    if held is not None:
+    if held is not None:   # (a forked child's copy of its parent's: the parent keeps its lock)
         os.close(held.fd)
 
 

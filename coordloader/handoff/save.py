@@ -65,6 +65,7 @@ from coordloader.handoff.publish import (
     publish,
     publish_error,
     resolve_config,
+    stage_call,
     stage_config,
     write_json_durable,
     writer_error,
@@ -558,6 +559,18 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
             raise SaveError(f"local-mode save: call save() for ranks in order 0..{world - 1}; ranks "
                             f"{missing} have not been saved into this staging directory"
                             f"{_group_hint(rank)}", file=stage_dir, rank=rank)
+        stage_call(stage_dir, running=True)
+    try:
+        return _save_local_rank(out_dir, stage, stage_dir, pieces, plan, cfg, rank, world,
+                                max_shard_bytes, digests, names_order)
+    finally:
+        # the stage waits for the next rank's call, or a rank-0 call restarting the save
+        stage_call(stage_dir, running=False)
+
+
+def _save_local_rank(out_dir, stage, stage_dir, pieces, plan, cfg, rank, world,
+                     max_shard_bytes, digests, names_order) -> SaveResult:
+    """The part of a local-mode rank's call that runs on the stage."""
     t0 = time.perf_counter()
     try:
         earlier = [_record(stage_dir, r, rank) for r in range(rank)]   # once: the index uses them
