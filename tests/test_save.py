@@ -845,6 +845,30 @@ def _save_twos(out):
     os._exit(0)
 
 
+def test_a_publish_whose_stage_lost_its_files_publishes_nothing(tmp_path, monkeypatch):
+    """A stage another writer removed before the marker: the publish found the files the
+    other writer had published in place, took them for its own already moved, and
+    reported success. It is refused before anything visible changes."""
+    from coordloader.handoff import publish as pub
+    out = tmp_path / "out"
+    save(out, {"w": torch.zeros(4)}, config=CFG)
+
+    def hook(s):
+        if s == "staged":
+            for stage in (n for n in os.listdir(out) if n.startswith(".coordloader-staging-")):
+                for f in os.listdir(out / stage):
+                    if os.path.isfile(out / stage / f) and f != ".lock":
+                        os.unlink(out / stage / f)
+    monkeypatch.setattr(pub, "_test_hook", hook)
+    with pytest.raises(SaveError) as e:
+        save(out, {"w": torch.ones(4)}, config=CFG, overwrite=True)
+    assert re.search(r"the staging directory \.coordloader-staging-\S+ no longer holds "
+                     r"\S+\.coordloader-shard.*, written there for this publish: another writer "
+                     r"removed it; nothing was published$", str(e.value)), str(e.value)
+    monkeypatch.setattr(pub, "_test_hook", None)
+    assert_equal_ckpt(out, {"w": torch.zeros(4)})
+
+
 def test_consolidate_over_same_named_shards_removes_the_old_index_first(tmp_path):
     """Consolidating over an HF checkpoint with the same shard names kept its index in
     place while the new shards moved in: a reader that ignores the marker (transformers,

@@ -423,6 +423,14 @@ def publish(out_dir: str, stage: str, files: list[str], entry: str) -> None:
     rec = PublishRecord(stage, tuple(new), tuple(sorted(old.files - keep)),
                         tuple(sorted(old.entries)))
     _hook("staged")
+    stage_dir = os.path.join(out_dir, stage)
+    gone = [f for f in new if not os.path.lexists(os.path.join(stage_dir, f))]
+    if gone:
+        # nothing visible has changed yet; past the marker, files found in place would
+        # pass for moved ones, and another writer's for this one's
+        raise SaveError(f"the staging directory {stage} no longer holds {', '.join(gone[:4])}"
+                        f"{' ...' if len(gone) > 4 else ''}, written there for this publish: "
+                        f"another writer removed it; nothing was published", file=out_dir)
     write_file_atomic(os.path.join(out_dir, PUBLISH_MARKER),
                       (json.dumps(rec._asdict(), indent=1) + "\n").encode())
     _hook("marked")
