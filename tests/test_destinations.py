@@ -146,6 +146,24 @@ def test_targets_of_unusual_strides_that_do_not_overlap_load(m23, how):
     assert (base == -1).sum().item() == 12 - 6   # nothing written outside the view
 
 
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_a_one_element_target_of_any_stride_loads(tmp_path, engine):
+    """torch calls a one-element view contiguous whatever its stride (``buf[1::2]`` of a
+    2-vector, a parameter made so): the cpu engine's byte view refused it with torch's
+    raw "stride(-1) must be 1"."""
+    save_file({"b": torch.tensor([5.0], dtype=torch.float16)}, str(tmp_path / "model.safetensors"))
+    for call in ("out", "into"):
+        buf = torch.zeros(2, dtype=torch.float16)
+        dest = buf[1::2]
+        assert dest.stride() == (2,) and dest.is_contiguous()
+        if call == "out":
+            got = cl.load_detailed(str(tmp_path), Layout(), out={"b": dest}, engine=engine, **ONE)
+            assert got.tensors["b"].data_ptr() == dest.data_ptr()
+        else:
+            cl.load_into({"b": dest}, str(tmp_path), Layout(), engine=engine, **ONE)
+        assert buf.tolist() == [0.0, 5.0], (call, buf)
+
+
 def test_tied_targets_are_refused_and_load_with_one_name_dropped(ab):
     """A state_dict of tied weights names one tensor twice: the error says how to load it,
     and dropping one name loads both, as one tensor."""

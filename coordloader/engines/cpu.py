@@ -113,6 +113,9 @@ class StridedRead(NamedTuple):
 def _byte_view(t: torch.Tensor) -> tuple[np.ndarray, memoryview]:
     """Flat uint8 numpy view and writable memoryview of a contiguous CPU tensor (no copy)."""
     flat = t.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        # one element: torch calls any stride contiguous, and view() refuses it
+        flat = t.as_strided((1,), (1,), t.storage_offset())
     if flat.dtype != torch.uint8:
         # view() reinterprets the same storage; bool/fp8/bf16 all have a byte view
         flat = flat.view(torch.uint8)
