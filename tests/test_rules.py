@@ -534,19 +534,24 @@ def test_a_vision_tower_is_no_decoder_layers():
     was refused (its blocks counted against num_hidden_layers), and at pp=2 block b went
     to the stage of decoder layer b, each stage holding part of the tower. vLLM builds the
     tower on every stage (only the first runs it) and must fill each copy: every stage
-    holds it whole. A decoder layer's own vision weights (CogVLM's vision experts) stay
-    with their layer."""
+    holds it whole, with the projector into the text model (InternVL's mlp1, DeepSeek-VL2's
+    projector.layers.N, Idefics3's connector, MiniCPM-V's resampler: the review found them
+    on the last stage, or read as decoder layer 0). A decoder layer's own vision weights
+    (CogVLM's vision experts) stay with their layer."""
     specs = [("model.embed_tokens.weight", "BF16", (64, 16))] + [
         (f"model.layers.{i}.mlp.{kind}.down_proj.weight", "BF16", (16, 16)) for i in range(2)
         for kind in ("language_mlp", "vision_mlp")] + [
         (f"model.visual.blocks.{b}.mlp.fc1.weight", "BF16", (8, 8)) for b in range(6)] + [
-        ("model.visual.merger.mlp.0.weight", "BF16", (8, 8)), ("model.norm.weight", "BF16", (16,))]
+        ("model.visual.merger.mlp.0.weight", "BF16", (8, 8)), ("model.norm.weight", "BF16", (16,)),
+        ("mlp1.0.weight", "BF16", (8, 8)), ("projector.layers.0.weight", "BF16", (8, 8)),
+        ("model.connector.proj.weight", "BF16", (8, 8)), ("resampler.proj", "BF16", (8, 8))]
     meta = meta_from_specs({"num_hidden_layers": 2}, specs)
     plan = make_plan(meta, Layout(pp=2), {"mode": "replace", "rules": [
         {"pattern": "*", "strategy": "replicate"}]})
     held = [sorted(t.name for t in rp.tensors) for rp in plan.ranks]
     tower = [f"model.visual.blocks.{b}.mlp.fc1.weight" for b in range(6)] + [
-        "model.visual.merger.mlp.0.weight"]
+        "model.visual.merger.mlp.0.weight", "mlp1.0.weight", "projector.layers.0.weight",
+        "model.connector.proj.weight", "resampler.proj"]
     assert held == [sorted(["model.embed_tokens.weight",
                             "model.layers.0.mlp.language_mlp.down_proj.weight",
                             "model.layers.0.mlp.vision_mlp.down_proj.weight"] + tower),

@@ -508,10 +508,12 @@ _CONFIG_DIMS = (
 )
 _CONFIG_SUFFIXES = tuple(row[0] for row in _CONFIG_DIMS)
 # a vision or audio tower's tensors (Qwen2.5-VL's model.visual.blocks.N.mlp.*, MiniCPM-V's
-# vpm.*): config.json sizes them in a sub-config (vision_config), also where it states the
-# text model's sizes at its top level, as the Hub's flat VLM configs do
+# vpm.*), and the projector into the text model (InternVL's mlp1, Idefics3's connector,
+# MiniCPM-V's resampler, DeepSeek-VL2's projector): config.json sizes them in a sub-config
+# (vision_config), also where it states the text model's sizes at its top level, as the
+# Hub's flat VLM configs do
 _TOWER = re.compile(r"(?:^|\.)(?:visual|vision\w*|audio\w*|image_\w*|multi_modal_projector|"
-                    r"mm_projector|vpm|vit)\.")
+                    r"mm_projector|vpm|vit|mlp1|connector|resampler|projector)\.")
 
 
 def is_tower(name: str) -> bool:
