@@ -869,13 +869,20 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                             f"target {tgt!r}; expected one checkpoint tensor per target (check "
                             f"name_map)", tensor=name, rank=rank)
         source_of[tgt] = name
-    for s in rank_plan.tensors:
+    pairs = [(s, mapf(s.name)) for s in rank_plan.tensors]
+    targets = {tgt for _, tgt in pairs}
+    for s, tgt in pairs:
         name = s.name
-        tgt = mapf(name)
         if tgt is None:
             skipped.append(name)
             continue
         dst = dests.get(tgt)
+        if dst is None and tgt in (tied or {}) and tied[tgt] not in targets \
+                and tied[tgt] in dests:
+            # the checkpoint ships the one tied tensor under the alias alone (a head, no
+            # embedding): it fills the tensor, as from_pretrained fills it
+            tgt = tied[tgt]
+            dst = dests[tgt]
         if tgt in dests and not isinstance(dst, torch.Tensor):
             # an entry holding no tensor (TransformerEngine's _extra_state: None, a
             # BytesIO) is not filled; strict says so, else it is left as it is
@@ -900,11 +907,12 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                 # (was: "no target entry": strict=False, the advice, kept the embedding's
                 # values as the head, where from_pretrained loads the checkpoint's)
                 raise LoadError(f"target {tgt!r} is tied to {tied[tgt]!r} (one tensor, "
-                                f"tie_word_embeddings), and the checkpoint ships its own "
-                                f"{name!r}: build the module untied (tie_word_embeddings="
-                                f"False) to load it, as from_pretrained does; strict=False "
-                                f"leaves {tgt!r} holding {tied[tgt]!r}'s values",
-                                tensor=name, rank=rank)
+                                f"tie_word_embeddings), and the checkpoint ships {name!r} "
+                                f"beside {tied[tgt]!r}: a second copy of the tied tensor "
+                                f"(pass name_map={{{name!r}: None}} to load the one tensor "
+                                f"from {tied[tgt]!r}), or a tensor of its own (build the "
+                                f"module untied to load both); strict=False leaves {tgt!r} "
+                                f"holding {tied[tgt]!r}'s values", tensor=name, rank=rank)
             if strict:
                 raise LoadError(f"no target entry {tgt!r} for this checkpoint tensor (pass "
                                 f"name_map= or strict=False)", tensor=name, rank=rank)

@@ -616,6 +616,22 @@ def test_a_module_tying_a_tensor_the_checkpoint_ships_twice_is_named(ab):
         cl.load_into(m, ab, Layout(), **ONE)
     assert str(ei.value) == (
         "rank 0, tensor 'b': target 'b' is tied to 'a' (one tensor, tie_word_embeddings), and "
-        "the checkpoint ships its own 'b': build the module untied (tie_word_embeddings=False) "
-        "to load it, as from_pretrained does; strict=False leaves 'b' holding 'a''s values")
+        "the checkpoint ships 'b' beside 'a': a second copy of the tied tensor (pass "
+        "name_map={'b': None} to load the one tensor from 'a'), or a tensor of its own (build "
+        "the module untied to load both); strict=False leaves 'b' holding 'a''s values")
     assert torch.equal(m.a.detach(), torch.zeros(4))   # refused before any read
+    # the advice, taken (T5's encoder and decoder embed_tokens: copies of shared.weight)
+    cl.load_into(m, ab, Layout(), name_map={"b": None}, **ONE)
+    assert m.a.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_tied_tensor_shipped_under_its_alias_alone_fills_it(tmp_path):
+    """A tied model's checkpoint holding the head but no embedding: from_pretrained fills
+    the one tensor from the head; load_into refused it, advising to build the module
+    untied, which then lacked the embedding."""
+    save_file({"b": torch.arange(4.0) + 100}, str(tmp_path / "model.safetensors"))
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.zeros(4))
+    m.b = m.a
+    got = cl.load_into(m, str(tmp_path), Layout(), **ONE)
+    assert m.a.tolist() == [100.0, 101.0, 102.0, 103.0] and got.loaded == ["a"]
