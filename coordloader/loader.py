@@ -1011,10 +1011,14 @@ class _Targets:
                 raise LoadError(f"target {clip(repr(tgt), MAX_NAME_CHARS)} is {lazy}", rank=rank)
         self.conv = _transformers_conversion(target, rank)
         self.tied = _tied_names(target)
+        # given: a checkpoint name's target as the caller gives it; named: whether the
+        # caller named it (a mapping's entry, even onto the same name)
+        self.named = lambda n: False
         if callable(name_map):
             self.given = name_map
         elif isinstance(name_map, Mapping):
             self.given = lambda n: name_map.get(n, n)
+            self.named = name_map.__contains__
         else:
             self.given = lambda n: n
         if isinstance(target, torch.nn.Module):
@@ -1052,12 +1056,17 @@ class _Targets:
         transformers' renaming of it, as from_pretrained renames a checkpoint's names
         before matching them to the model (a checkpoint save_pretrained wrote holds the
         names from before the renaming)."""
-        tgt = self.given(name)
+        try:
+            tgt = self.given(name)
+        except Exception as e:
+            raise LoadError(f"name_map raised {type(e).__name__}: "
+                            f"{clip(str(e), MAX_NAME_CHARS)} for this checkpoint tensor",
+                            tensor=name, rank=self.rank) from e
         if tgt is not None and not isinstance(tgt, str):
             raise LoadError(f"name_map gave {clip(repr(tgt), MAX_NAME_CHARS)} for this "
                             f"checkpoint tensor; expected a target name (a str) or None",
                             tensor=name, rank=self.rank)
-        mapped = tgt != name   # by the caller: followed to a computed buffer too
+        mapped = tgt != name or self.named(name)   # by the caller: to a computed buffer too
         if tgt is not None and self.conv.rename is not None and not self.fits(tgt, name):
             renamed = self.conv.rename(tgt)
             if self.fits(renamed, name):

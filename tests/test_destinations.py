@@ -635,3 +635,26 @@ def test_a_tied_tensor_shipped_under_its_alias_alone_fills_it(tmp_path):
     m.b = m.a
     got = cl.load_into(m, str(tmp_path), Layout(), **ONE)
     assert m.a.tolist() == [100.0, 101.0, 102.0, 103.0] and got.loaded == ["a"]
+
+
+def test_an_identity_name_map_entry_fills_a_computed_buffer(tmp_path):
+    """docs/api.md: a checkpoint tensor named as a computed (non-persistent) buffer is
+    skipped, "a name_map entry naming one fills it"; an entry mapping it to its own name
+    was still skipped."""
+    save_file({"inv": torch.arange(4.0)}, str(tmp_path / "model.safetensors"))
+    m = torch.nn.Module()
+    m.register_buffer("inv", torch.zeros(4), persistent=False)
+    got = cl.load_into(m, str(tmp_path), Layout(), strict=False, **ONE)
+    assert m.inv.tolist() == [0.0] * 4 and got.skipped == ["inv"]
+    cl.load_into(m, str(tmp_path), Layout(), name_map={"inv": "inv"}, **ONE)
+    assert m.inv.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_name_map_that_raises_is_named_with_the_tensor(ab):
+    """A name_map callable raising came out as the bare KeyError."""
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(LoadError) as ei:
+        cl.load_into(m, ab, Layout(), name_map=lambda n: {}[n], **ONE)
+    assert str(ei.value) == ("rank 0, tensor 'a': name_map raised KeyError: 'a' for this "
+                             "checkpoint tensor")
