@@ -986,7 +986,9 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise LoadError(f"no checkpoint tensor of this rank fills the target "
                             f"{missing[0]!r}{more}: the checkpoint lacks it (a file missing?), "
-                            f"or name_map sends it elsewhere; pass strict=False to load the "
+                            f"the layout gives it to other ranks (another pipeline stage or "
+                            f"expert owner: build only this rank's part of the model), or "
+                            f"name_map sends it elsewhere; pass strict=False to load the "
                             f"rest (LoadIntoResult.not_loaded then lists them)", rank=rank)
     return _Placement(fusions, copies, fused, fused_dst, slots, skipped, aliases)
 

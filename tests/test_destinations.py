@@ -356,9 +356,11 @@ def test_strict_refuses_a_target_no_tensor_fills(ab, as_module):
     with pytest.raises(LoadError) as e:
         cl.load_into(target, ab, Layout(), name_map={"b": None}, **ONE)
     assert str(e.value) == ("rank 0: no checkpoint tensor of this rank fills the target 'c': the "
-                            "checkpoint lacks it (a file missing?), or name_map sends it "
-                            "elsewhere; pass strict=False to load the rest "
-                            "(LoadIntoResult.not_loaded then lists them)")
+                            "checkpoint lacks it (a file missing?), the layout gives it to "
+                            "other ranks (another pipeline stage or expert owner: build only "
+                            "this rank's part of the model), or name_map sends it elsewhere; "
+                            "pass strict=False to load the rest (LoadIntoResult.not_loaded "
+                            "then lists them)")
     assert a.tolist() == [-1.0] * 4          # refused before any read
     got = cl.load_into(target, ab, Layout(), name_map={"b": None}, strict=False, **ONE)
     assert got.loaded == ["a"] and "c" in got.not_loaded and a.tolist() == [0.0, 1.0, 2.0, 3.0]
