@@ -373,6 +373,24 @@ def test_a_tied_model_skipping_a_different_shipped_head_is_refused(tmp_path):
         "config.json, or pass --hf-overrides '{\"tie_word_embeddings\": false}'")
 
 
+def test_an_mtp_draft_is_refused_before_it_is_built():
+    """vLLM loads a DeepSeek MTP draft (speculative decoding) through the same format: the
+    plan left the MTP layers out, and vLLM's worker failed with "MTP speculative decoding
+    layer 2 weights missing from checkpoint", blaming a checkpoint that holds them."""
+    from types import SimpleNamespace as NS
+
+    from coordloader.errors import ConfigError
+    from coordloader.integrations.vllm import refuse_mtp_draft
+    refuse_mtp_draft(NS(hf_config=NS(model_type="deepseek_v3"), model="/ck"))
+    with pytest.raises(ConfigError) as e:
+        refuse_mtp_draft(NS(hf_config=NS(model_type="deepseek_mtp"), model="/ck"))
+    assert str(e.value) == (
+        "file /ck: load format 'coordloader' does not load a multi-token-prediction draft "
+        "(speculative decoding, model_type 'deepseek_mtp'): it plans the main model, leaving "
+        "the MTP layers out; serve without MTP speculative decoding, or with a separate draft "
+        "model")
+
+
 def test_a_head_shipped_in_any_format_unties_the_config(tmp_path):
     """What vLLM's maybe_untie_word_embeddings does for *.safetensors, the load format does
     for every checkpoint coordloader reads, before the model is built: a config saying tied

@@ -252,6 +252,22 @@ def checkpoint_ships_head(ckpt: str) -> bool:
     return any(n.endswith(_HEAD) for n in read_checkpoint(ckpt).tensors)
 
 
+def refuse_mtp_draft(model_config) -> None:
+    """ConfigError before the model is built where vLLM loads a multi-token-prediction
+    draft for speculative decoding through this format (its config's ``model_type`` ends
+    in ``_mtp``): the draft is the checkpoint's layers past num_hidden_layers, which every
+    plan of this format leaves out, so its load_weights would get none of them, and vLLM
+    would blame the checkpoint for lacking them."""
+    hf = getattr(model_config, "hf_config", None)
+    mt = getattr(hf, "model_type", None)
+    if isinstance(mt, str) and mt.endswith("_mtp"):
+        raise ConfigError(f"load format {LOAD_FORMAT!r} does not load a multi-token-prediction "
+                          f"draft (speculative decoding, model_type {mt!r}): it plans the "
+                          f"main model, leaving the MTP layers out; serve without MTP "
+                          f"speculative decoding, or with a separate draft model",
+                          file=getattr(model_config, "model", None))
+
+
 def untie_if_head_shipped(model_config, ckpt: str) -> bool:
     """vLLM's ``ModelConfig.maybe_untie_word_embeddings`` for a checkpoint vLLM cannot look
     into: a config that says the embeddings are tied, with an lm_head shipped anyway, gets
@@ -419,6 +435,7 @@ def _loader_class():
             _local_checkpoint(model_config)
 
         def load_model(self, vllm_config, model_config, *args, **kw):
+            refuse_mtp_draft(model_config)
             # before the model is built: vLLM decided on tying from *.safetensors files
             untie_if_head_shipped(model_config, _local_checkpoint(model_config))
             return super().load_model(vllm_config, model_config, *args, **kw)
