@@ -27,7 +27,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
@@ -402,7 +402,7 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
                    check: Callable[[RankPlan], None] | None = None,
                    call: str = "load") -> LoadResult:
     """load_detailed; ``prepare(rank, device) -> out`` (load_into's checks of its own
-    arguments) runs once the group is adopted, like the checks here; ``check(rank_plan)``
+    arguments) runs once the group is adopted, like the checks here; ``check(rank_plan, meta)``
     (load_into's targets against the plan) in a phase of its own before the load;
     ``call``: the entry point, agreed on with the options."""
     # no cyclic GC while loading (see coordloader.gcpause): a full collection over the
@@ -455,7 +455,7 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
                       config_of=lambda: meta.config if config is None else read_config(config))
         rank_plan = plan.rank(rank)
         if check is not None:
-            _phase("targets", lambda: check(rank_plan), group)
+            _phase("targets", lambda: check(rank_plan, meta), group)
         phases["plan"] = time.perf_counter() - t
 
         cb, bar = _progress_callback(progress, rank_plan.bytes_to_read, rank)
@@ -847,7 +847,8 @@ def _tied_names(target) -> dict[str, str]:
 
 def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                    fusions: list[_Fusion], required: tuple[str, ...] = (),
-                   tied: Mapping[str, str] | None = None) -> _Placement:
+                   tied: Mapping[str, str] | None = None,
+                   names: Iterable[str] = ()) -> _Placement:
     """Match every slice of ``rank_plan`` to its target: refused here (before any read, in
     a phase of its own, so every rank stops together) are, under ``strict``, a missing
     target and a ``required`` target no slice fills, and always a shape or dtype that
@@ -855,7 +856,9 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
     for one target, parts of a fused parameter that do not fuse to it, and targets sharing
     memory. A refusal after the load left targets filled in
     place with checkpoint bytes while the call raised, and reached only the rank that
-    raised."""
+    raised. ``names``: every tensor of the checkpoint (a tied tensor is filled from its
+    alias only where the whole checkpoint ships that alias alone, not this rank's plan:
+    a pipeline stage's plan may hold the head without the embedding)."""
     rank = rank_plan.rank
     copies, skipped = [], []
     fused: dict[tuple[int, str, str], dict[int, dict[int | None, str]]] = {}
@@ -870,19 +873,22 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
                             f"name_map)", tensor=name, rank=rank)
         source_of[tgt] = name
     pairs = [(s, mapf(s.name)) for s in rank_plan.tensors]
-    targets = {tgt for _, tgt in pairs}
+    shipped: set | None = None   # every checkpoint tensor's target, when first needed
     for s, tgt in pairs:
         name = s.name
         if tgt is None:
             skipped.append(name)
             continue
         dst = dests.get(tgt)
-        if dst is None and tgt in (tied or {}) and tied[tgt] not in targets \
-                and tied[tgt] in dests:
-            # the checkpoint ships the one tied tensor under the alias alone (a head, no
-            # embedding): it fills the tensor, as from_pretrained fills it
-            tgt = tied[tgt]
-            dst = dests[tgt]
+        if dst is None and tgt in (tied or {}) and tied[tgt] in dests:
+            if shipped is None:
+                shipped = set(map(mapf, names))
+            primary = tied[tgt]
+            if primary not in shipped and [a for a, p in tied.items()
+                                           if p == primary and a in shipped] == [tgt]:
+                # the checkpoint ships the one tied tensor under this alias alone (a head,
+                # no embedding): it fills the tensor, as from_pretrained fills it
+                tgt, dst = primary, dests[primary]
         if tgt in dests and not isinstance(dst, torch.Tensor):
             # an entry holding no tensor (TransformerEngine's _extra_state: None, a
             # BytesIO) is not filled; strict says so, else it is left as it is
@@ -903,6 +909,15 @@ def _place_targets(rank_plan, layout: Layout, dests: dict, mapf, strict: bool,
             spec[name] = torch.empty(s.local_shape, dtype=torch_dtype(s.dtype), device="meta")
             continue
         if dst is None:
+            if strict and tgt in (tied or {}) and shipped is not None \
+                    and tied[tgt] not in shipped:
+                others = sorted(a for a, p in tied.items() if p == tied[tgt] and a in shipped)
+                raise LoadError(f"target {tgt!r} is tied to {tied[tgt]!r} (one tensor, "
+                                f"tie_word_embeddings), which the checkpoint ships under "
+                                f"several names ({', '.join(map(repr, others))}), none of "
+                                f"them {tied[tgt]!r}: map all but one of them to None "
+                                f"(name_map=) to load it from the one left",
+                                tensor=name, rank=rank)
             if strict and tgt in (tied or {}):
                 # (was: "no target entry": strict=False, the advice, kept the embedding's
                 # values as the head, where from_pretrained loads the checkpoint's)
@@ -1120,10 +1135,10 @@ def load_into(target, ckpt, layout: Layout, *, name_map=None, strict: bool = Tru
         made.append(_Targets(target, name_map, rank))
         return _DirectDests(made[0].dests, made[0].map, device.type)
 
-    def check(rank_plan) -> None:
+    def check(rank_plan, meta) -> None:
         t = made[0]
         t.placement = _place_targets(rank_plan, layout, t.dests, t.map, strict,
-                                     t.conv.fusions, t.required, t.tied)
+                                     t.conv.fusions, t.required, t.tied, meta.tensors)
 
     res = _load_detailed(ckpt, layout, prepare=prepare, check=check, call="load_into",
                          **load_kw)

@@ -639,6 +639,52 @@ def test_a_tied_tensor_shipped_under_its_alias_alone_fills_it(tmp_path):
     assert m.a.tolist() == [100.0, 101.0, 102.0, 103.0] and got.loaded == ["a"]
 
 
+def test_a_tied_pair_both_shipped_is_refused_on_every_pipeline_stage(tmp_path):
+    """Review of the alias rule: at pp=2 the last stage's plan holds the head but not the
+    embedding, so the head filled the one tied tensor there (the checkpoint's embedding
+    on stage 0, its head on stage 1) where pp=1 refuses. "Ships the alias alone" is read
+    from the whole checkpoint. And two aliases shipped without the primary (T5's
+    encoder and decoder embed_tokens, no shared.weight) are named, not both redirected."""
+    import json
+    save_file({"model.embed_tokens.weight": torch.zeros(8, 4),
+               "model.layers.0.w": torch.ones(4), "model.layers.1.w": torch.ones(4),
+               "lm_head.weight": torch.full((8, 4), 7.0)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2,
+                                                      "tie_word_embeddings": True}))
+
+    def module(layer):
+        m = torch.nn.Module()
+        m.model = torch.nn.Module()
+        m.model.embed_tokens = torch.nn.Embedding(8, 4)
+        m.model.layers = torch.nn.ParameterDict({str(layer): torch.nn.Parameter(torch.zeros(4))})
+        m.lm_head = torch.nn.Linear(4, 8, bias=False)
+        m.lm_head.weight = m.model.embed_tokens.weight
+        return m
+    for rank in (0, 1):
+        m = module(rank)
+        if rank == 0:   # its stage holds the embedding alone: loaded from it
+            cl.load_into(m, str(tmp_path), Layout(pp=2), rank=0, replicate_unmatched=True,
+                         name_map=lambda n: n.replace("layers.0.w", "layers.0"))
+            assert m.model.embed_tokens.weight.eq(0).all()
+            continue
+        with pytest.raises(LoadError, match="ships 'lm_head.weight' beside "
+                                            "'model.embed_tokens.weight'"):
+            cl.load_into(m, str(tmp_path), Layout(pp=2), rank=1, replicate_unmatched=True,
+                         name_map=lambda n: n.replace("layers.1.w", "layers.1"))
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    save_file({"enc": torch.ones(4), "dec": torch.ones(4)}, str(t5 / "model.safetensors"))
+    m = torch.nn.Module()
+    m.shared = torch.nn.Parameter(torch.zeros(4))
+    m.enc = m.dec = m.shared
+    with pytest.raises(LoadError) as e:
+        cl.load_into(m, str(t5), Layout(), **ONE)
+    assert "which the checkpoint ships under several names ('dec', 'enc'), none of them " \
+           "'shared': map all but one of them to None" in str(e.value)
+    cl.load_into(m, str(t5), Layout(), name_map={"dec": None}, **ONE)
+    assert m.shared.tolist() == [1.0] * 4
+
+
 def test_an_identity_name_map_entry_fills_a_computed_buffer(tmp_path):
     """docs/api.md: a checkpoint tensor named as a computed (non-persistent) buffer is
     skipped, "a name_map entry naming one fills it"; an entry mapping it to its own name
