@@ -239,6 +239,53 @@ def test_ranks_verifying_against_other_modes_or_manifests_fail_together(setup, m
     assert f"rank 1: {other}" in agreement[0]["detail"]
 
 
+def test_node_local_copies_with_the_same_unreadable_manifest_agree(tmp_path, monkeypatch):
+    """Review of the agreement: two node-local copies at other paths, both holding the same
+    stale manifest. The error each rank read names its own path, so the ranks were called
+    to verify against different manifests and the stale manifest went unreported."""
+    import json
+
+    import torch.distributed as dist
+
+    from coordloader.errors import CollectiveError
+    metas = []
+    for node in "ab":
+        root, full = make_ckpt(tmp_path / node)
+        path = write_manifest(read_checkpoint(root))
+        doc = json.loads(open(path).read())
+        doc["fingerprint"] = "0" * 64
+        open(path, "w").write(json.dumps(doc))
+        metas.append(read_checkpoint(root))
+    plan = tp2_plan(metas[0])
+    loaded = [simulate_load(full, plan.rank(r)) for r in range(2)]
+    monkeypatch.setattr(vf, "_process_group", lambda group: group)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    shared = {}
+    for rank in (0, 1):
+        def keep(out, obj, group=None, rank=rank):
+            shared[rank] = pickle.loads(pickle.dumps(obj))
+            raise RuntimeError("captured")
+        monkeypatch.setattr(dist, "all_gather_object", keep)
+        with pytest.raises(CollectiveError, match="captured"):
+            vf.verify_rank(loaded[rank], plan, rank, mode="digest", meta=metas[rank], group="pg")
+    monkeypatch.setattr(dist, "all_gather_object",
+                        lambda out, obj, group=None: out.__setitem__(slice(None), [shared[0],
+                                                                                  shared[1]]))
+    with pytest.raises(VerifyError) as e:
+        vf.verify_rank(loaded[0], plan, 0, mode="digest", meta=metas[0], group="pg")
+    assert [f["check"] for f in e.value.report["failures"]] == ["manifest"]
+    assert "stale manifest" in e.value.report["failures"][0]["detail"]
+    # a rank that returned at once (mode none) sent no payload: named, not a bare error
+    monkeypatch.setattr(dist, "all_gather_object",
+                        lambda out, obj, group=None: out.__setitem__(slice(None), [shared[0],
+                                                                                  {"ok": True}]))
+    with pytest.raises(CollectiveError) as e:
+        vf.verify_rank(loaded[0], plan, 0, mode="digest", meta=metas[0], group="pg")
+    assert str(e.value) == ("rank 0: verify: rank 1 sent no findings to the exchange (not in "
+                            "verify_rank, or called with mode 'none', which exchanges "
+                            "nothing); every rank must verify alike")
+
+
 def test_one_rank_alone_counts_what_it_compared(tmp_path):
     """The note of a rank checked alone counted the split tensors re-read with their rest
     among those it "holds whole", and a zero-element split tensor as not compared."""

@@ -900,14 +900,16 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
     t_start = time.perf_counter()
     pg = _process_group(group)
 
-    manifest_error = None
+    manifest_error = unreadable = None   # unreadable: the error less its file's path
     if VerifyMode(mode).level >= VerifyMode.DIGEST.level and manifest is None and meta is not None:
         try:
             manifest = load_manifest(meta.root, meta)
         except CoordloaderError as e:
             manifest, manifest_error = None, str(e)
+            unreadable = e.message.replace(meta.root, "CKPT")   # its advice names the root
         except Exception as e:  # noqa: BLE001
-            manifest, manifest_error = None, f"cannot read the manifest: {type(e).__name__}: {e}"
+            manifest_error = unreadable = f"cannot read the manifest: {type(e).__name__}: {e}"
+            manifest = None
     if manifest is False:
         manifest = None
 
@@ -925,13 +927,23 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
     else:
         import torch.distributed as dist
         world = dist.get_world_size(pg)
-        payload.basis = basis(mode, manifest, manifest_error)
+        # node-local copies sit at other paths: the basis is the manifest, not where it is
+        payload.basis = basis(mode, manifest, unreadable)
         payloads = [None] * world
         try:
             dist.all_gather_object(payloads, payload, group=pg)
         except Exception as e:
-            raise CollectiveError(f"verify: exchanging findings failed (a rank died or timed out?): "
-                                  f"{type(e).__name__}: {e}", rank=rank_plan.rank) from None
+            raise CollectiveError(f"verify: exchanging findings failed (a rank died or timed out, "
+                                  f"or called verify_rank with mode 'none', which exchanges "
+                                  f"nothing?): {type(e).__name__}: {e}",
+                                  rank=rank_plan.rank) from None
+        strays = [r for r, p in enumerate(payloads) if not isinstance(p, Payload)]
+        if strays:   # another collective's object: that rank is not in verify_rank
+            raise CollectiveError(f"verify: rank{'s' if len(strays) > 1 else ''} "
+                                  f"{format_ranges(strays)} sent no findings to the exchange "
+                                  f"(not in verify_rank, or called with mode 'none', which "
+                                  f"exchanges nothing); every rank must verify alike",
+                                  rank=rank_plan.rank)
         complete = True
     report = evaluate(payloads, mode, meta=meta, manifest=manifest, manifest_error=manifest_error,
                       excluded=plan.excluded if plan is not None else (), complete=complete,
