@@ -318,8 +318,9 @@ def run_verify(mode: str, tensors, plan, meta, rank: int, group) -> dict:
     # verify_rank makes its own all_gather; inside a phase, a rank failing before it
     # (or dying in it) reaches every rank by name instead of as a bare gloo timeout.
     try:
+        # agreed: the mode at plan-agree, the manifest's bytes with the files' identity
         return _phase("verify", lambda: verify_rank(
-            tensors, plan, rank, mode=mode, meta=meta, group=group), group)
+            tensors, plan, rank, mode=mode, meta=meta, group=group, agreed=True), group)
     except CollectiveError as e:
         # verify_rank reaches one verdict on every rank; the user asked for a verify
         # result, so give them the VerifyError (with its report), not the phase wrapper.

@@ -286,6 +286,26 @@ def test_node_local_copies_with_the_same_unreadable_manifest_agree(tmp_path, mon
                             "nothing); every rank must verify alike")
 
 
+def test_a_load_agreed_on_mode_and_manifest_hashes_no_basis(setup, monkeypatch):
+    """load agrees on the mode and the manifest's bytes before the load: its verify_rank
+    (agreed=True) does not hash the manifest's digests again."""
+    import torch.distributed as dist
+    root, full, meta, man, plan, loaded = setup
+    monkeypatch.setattr(vf, "_process_group", lambda group: group)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(dist, "all_gather_object",
+                        lambda out, obj, group=None: out.__setitem__(slice(None), [obj]))
+
+    def hashed(*a):
+        raise AssertionError("hashed the manifest")
+    monkeypatch.setattr(vf, "basis", hashed)
+    one = Plan(plan.layout, plan.fingerprint, (plan.rank(0),))
+    with pytest.raises(AssertionError, match="hashed the manifest"):
+        vf.verify_rank(loaded[0], one, 0, mode="digest", meta=meta, group="pg")
+    with pytest.raises(VerifyError, match=r"\[cover\]"):   # one rank of two: not hashed
+        vf.verify_rank(loaded[0], one, 0, mode="digest", meta=meta, group="pg", agreed=True)
+
+
 def test_one_rank_alone_counts_what_it_compared(tmp_path):
     """The note of a rank checked alone counted the split tensors re-read with their rest
     among those it "holds whole", and a zero-element split tensor as not compared."""

@@ -847,7 +847,8 @@ def _process_group(group):
 
 @on_host_default_device
 def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str | None = None,
-                meta=None, manifest=None, group=None, plan=None, rank: int | None = None) -> dict:
+                meta=None, manifest=None, group=None, plan=None, rank: int | None = None,
+                agreed: bool = False) -> dict:
     """Verify this rank's loaded ``tensors`` against ``rank_plan``; returns the report, or
     raises ``VerifyError(report=...)`` on every rank when any rank found a problem.
 
@@ -858,7 +859,9 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
     ``manifest``: a ``manifest.Manifest``; None = load ``coordloader.manifest.json`` from
     ``meta.root`` when ``meta`` is given (digest/full modes); False = do not use one.
     ``group``: None = single process (no collectives); else a ProcessGroup or a
-    ``coordloader.collective.Group``; every member must call verify_rank."""
+    ``coordloader.collective.Group``; every member must call verify_rank, with the same
+    mode and manifest (compared unless ``agreed``: the caller made them agree already, as
+    ``load`` does; hashing a manifest of 92 k digests takes a tenth of a second or more)."""
     for a in args:
         if isinstance(a, str):
             mode = a
@@ -928,7 +931,7 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
         import torch.distributed as dist
         world = dist.get_world_size(pg)
         # node-local copies sit at other paths: the basis is the manifest, not where it is
-        payload.basis = basis(mode, manifest, unreadable)
+        payload.basis = None if agreed else basis(mode, manifest, unreadable)
         payloads = [None] * world
         try:
             dist.all_gather_object(payloads, payload, group=pg)
