@@ -89,6 +89,16 @@ def header_bytes(entries: Sequence[tuple], metadata: dict[str, str] | None = Non
     return _header_from_layout(_layout("<memory>", [tuple(e[:3]) for e in entries]), metadata)
 
 
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of stride 1 of a contiguous tensor, the same memory (no copy): torch
+    calls a one-element tensor contiguous whatever its stride (``b[1::2]`` of a 2-vector),
+    and its reshape keeps that stride, which ``view(torch.uint8)`` refuses."""
+    flat = t.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = t.as_strided((1,), (1,), t.storage_offset())
+    return flat
+
+
 def as_bytes(data: Any) -> memoryview:
     """A flat byte view of bytes-like, numpy or torch data (no copy when already contiguous).
 
@@ -105,12 +115,9 @@ def as_bytes(data: Any) -> memoryview:
         t = data.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        t = t.contiguous().reshape(-1)
+        t = flat_view(t.contiguous())
         if t.numel() == 0:
             return memoryview(b"")
-        if t.stride(0) != 1:
-            # one element: torch calls any stride contiguous, and view() refuses it
-            t = t.clone(memory_format=torch.contiguous_format)
         return memoryview(t.view(torch.uint8).numpy())
     raise TypeError(f"unsupported tensor data type {type(data).__name__}")
 

@@ -43,6 +43,7 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 import torch
 
+from coordloader.checkpoint.fileio import flat_view
 from coordloader.checkpoint.metadata import CheckpointMeta
 from coordloader.engines import (
     LoadStats,
@@ -112,10 +113,7 @@ class StridedRead(NamedTuple):
 
 def _byte_view(t: torch.Tensor) -> tuple[np.ndarray, memoryview]:
     """Flat uint8 numpy view and writable memoryview of a contiguous CPU tensor (no copy)."""
-    flat = t.reshape(-1)
-    if flat.numel() == 1 and flat.stride(0) != 1:
-        # one element: torch calls any stride contiguous, and view() refuses it
-        flat = t.as_strided((1,), (1,), t.storage_offset())
+    flat = flat_view(t)
     if flat.dtype != torch.uint8:
         # view() reinterprets the same storage; bool/fp8/bf16 all have a byte view
         flat = flat.view(torch.uint8)
