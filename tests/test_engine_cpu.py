@@ -604,3 +604,26 @@ def test_a_slice_too_big_for_memory_is_named_with_its_size(tmp_path, engine):
                           f"({n} bytes) on cpu: RuntimeError: ") and msg.endswith(
         "split the model over more ranks (a larger tp, ep or pp), or load into tensors of "
         "your own (out=)"), msg
+
+
+def test_byte_view_is_the_tensors_memory_and_keeps_it_alive():
+    """The engine's byte view is built from the tensor's address: it must cover exactly
+    the tensor's bytes (a one-element view of stride 2 included) and keep the tensor
+    alive as long as a read may land in it."""
+    import gc
+
+    from coordloader.engines.cpu import _byte_view
+    src = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    t = src.clone()
+    arr, mv = _byte_view(t)
+    del t
+    gc.collect()
+    torch.empty(1 << 20, dtype=torch.uint8).fill_(0xAB)   # reuse freed memory, if any
+    assert bytes(mv) == src.view(torch.uint8).numpy().tobytes()
+    pair = torch.tensor([1.5, -2.0], dtype=torch.float16)
+    one = pair[1::2]                                        # one element, stride 2
+    _, mv1 = _byte_view(one)
+    mv1[:] = torch.tensor([7.0], dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+    assert pair.tolist() == [1.5, 7.0]
+    _, empty = _byte_view(torch.empty(0, 4))
+    assert empty.nbytes == 0

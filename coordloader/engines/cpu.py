@@ -32,6 +32,8 @@ Destinations handed in (``out``) are left as they are.
 """
 from __future__ import annotations
 
+import ctypes
+import operator
 import os
 import threading
 import time
@@ -43,7 +45,6 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 import torch
 
-from coordloader.checkpoint.fileio import flat_view
 from coordloader.checkpoint.metadata import CheckpointMeta
 from coordloader.engines import (
     LoadStats,
@@ -53,11 +54,11 @@ from coordloader.engines import (
     host_out,
     refuse_changed,
     refuse_moved,
-    slice_nbytes,
     to_device,
 )
 from coordloader.engines.memory import prefault
 from coordloader.errors import LoadError
+from coordloader.gcpause import gc_paused
 from coordloader.planning.model import RankPlan
 from coordloader.planning.runs import groups_of
 
@@ -73,6 +74,16 @@ except (ValueError, OSError, AttributeError):
 # Work items. ``prefault``: (address, bytes) ranges of fresh destination memory to fault
 # in first (none for destinations handed in); ``fd``/``fname`` are set when the item is
 # queued for a file.
+
+
+class Run(NamedTuple):
+    """One run contiguous in the file and in the tensor, as queued; ``_tasks`` fuses runs
+    that follow each other in the file into one VecRead."""
+    off: int
+    nbytes: int
+    buf: memoryview
+    name: str
+    prefault: tuple
 
 
 @dataclass
@@ -111,14 +122,18 @@ class StridedRead(NamedTuple):
     fname: str = ""
 
 
-def _byte_view(t: torch.Tensor) -> tuple[np.ndarray, memoryview]:
-    """Flat uint8 numpy view and writable memoryview of a contiguous CPU tensor (no copy)."""
-    flat = flat_view(t)
-    if flat.dtype != torch.uint8:
-        # view() reinterprets the same storage; bool/fp8/bf16 all have a byte view
-        flat = flat.view(torch.uint8)
-    a = flat.numpy()
-    return a, memoryview(a).cast("B")
+_by_offset = operator.attrgetter("off")
+
+
+def _byte_view(t: torch.Tensor) -> tuple[Any, memoryview]:
+    """The bytes of a contiguous CPU tensor, no copy: a ctypes array over its memory (a
+    buffer numpy can wrap) and a writable memoryview of it. Built from the address, not
+    through torch and numpy views, which cost more than the rest of a tensor's queueing
+    (the engine makes one per tensor, thousands per rank); the array holds the tensor,
+    so neither outlives its memory."""
+    arr = (ctypes.c_ubyte * t.nbytes).from_address(t.data_ptr())
+    arr._tensor = t
+    return arr, memoryview(arr).cast("B")
 
 
 def default_threads() -> int:
@@ -142,31 +157,34 @@ class CpuEngine:
     def load_rank(self, meta: CheckpointMeta, rank_plan: RankPlan, device: Any = "cpu", *,
                   progress: Progress | None = None,
                   out: Mapping[str, torch.Tensor] | None = None):
+        # thousands of views and work items, no cycles: a collection scan over them (and
+        # the caller's objects) would cost more than queueing them (coordloader.gcpause)
+        with gc_paused():
+            return self._load_rank(meta, rank_plan, device, progress, out)
+
+    def _load_rank(self, meta, rank_plan, device, progress, out):
         t0 = time.perf_counter()
         device = torch.device(device if device is not None else "cpu")
         rank = rank_plan.rank
         files = {f.name: f for f in meta.files}
         tensors: dict[str, torch.Tensor] = {}
-        # file -> [(first offset, item)]
+        # file -> its Runs and StridedReads, in plan order
         items: dict[str, list] = {}
         held = 0
-        planned = 0
         host = host_out(out, rank_plan, device, rank=rank)
         for ts in rank_plan.tensors:
             t = allocate(ts, "cpu", host, rank=rank)
             # address of fresh memory to prefault; 0 for a destination handed in
             base = 0 if host is not None and ts.name in host else t.data_ptr()
             tensors[ts.name] = t
-            nbytes = slice_nbytes(ts)
+            nbytes = t.nbytes   # the slice's, as allocate checked
             held += nbytes
             runs = ts.byte_runs
             if not runs:
                 continue
-            groups = groups_of(runs)
-            u8, mv = _byte_view(t)
-            for g in groups:
-                planned += self._add_group(items, files, g, u8, mv, nbytes, ts.name, rank,
-                                           base)
+            view = _byte_view(t)
+            for g in groups_of(runs):
+                self._add_group(items, files, g, view, nbytes, ts.name, rank, base)
 
         fds: dict[str, int] = {}
         checked: dict[str, os.stat_result] = {}   # file -> its fstat as checked
@@ -214,7 +232,7 @@ class CpuEngine:
         return tensors, stats
 
     # -- planning the reads -----------------------------------------------------------
-    def _add_group(self, items, files, g, u8, mv, nbytes, tname, rank, base) -> int:
+    def _add_group(self, items, files, g, view, nbytes, tname, rank, base) -> None:
         """Validate one strided group (arithmetically: its runs' offsets are linear in the
         run index, so the first and last run bound them all) and queue its reads."""
         f, o, ln, d, c, ss, ds = g
@@ -224,9 +242,13 @@ class CpuEngine:
                             tensor=tname, rank=rank)
         if c < 1 or ln < 0:
             raise LoadError(f"malformed byte-run group {g!r}", tensor=tname, rank=rank)
-        ld, lo = d + (c - 1) * ds, o + (c - 1) * ss
-        dmin, omin = min(d, ld), min(o, lo)
-        dmax, omax = max(d, ld), max(o, lo)
+        if c == 1:
+            dmin = dmax = d
+            omin = omax = o
+        else:
+            ld, lo = d + (c - 1) * ds, o + (c - 1) * ss
+            dmin, omin = min(d, ld), min(o, lo)
+            dmax, omax = max(d, ld), max(o, lo)
         if dmin < 0 or dmax + ln > nbytes:
             bad = dmin if dmin < 0 else dmax
             raise LoadError(f"byte run dest [{bad}, {bad + ln}) outside the local tensor of "
@@ -236,24 +258,27 @@ class CpuEngine:
             raise LoadError(f"byte run [{bad}, {bad + ln}) outside the data section "
                             f"[{fi.data_start}, {fi.size})", file=f, tensor=tname, rank=rank)
         if ln == 0:
-            return 0
-        lst = items.setdefault(f, [])
+            return
+        lst = items.get(f)
+        if lst is None:
+            lst = items[f] = []
+        arr, mv = view
         cb = self.chunk_bytes
         if c == 1:
             pos = 0
             while pos < ln:  # big runs in chunks, so threads share one big tensor
                 n = min(ln - pos, cb)
-                lst.append(VecRead(o + pos, n, [mv[d + pos:d + pos + n]], [tname],
-                                   [(base + d + pos, n)] if base else []))
+                p = d + pos
+                lst.append(Run(o + pos, n, mv[p:p + n], tname, ((base + p, n),) if base else ()))
                 pos += n
-            return ln
+            return
         # a row longer than span_bytes is read straight into the tensor: through the bounce
         # buffer it would grow that buffer to the row, per thread, and copy the row twice
         kind = (Strided.SPAN if ds >= ln and ln <= ss <= self.span_bytes and ss - ln < _PAGE
                 else Strided.ROWS)
         # SPAN: rows in chunks of about span_bytes of file span; ROWS: chunk_bytes read
         per = max(1, self.span_bytes // ss if kind is Strided.SPAN else cb // ln)
-        buf = u8 if kind is Strided.SPAN else mv
+        buf = arr if kind is Strided.SPAN else mv
         for i in range(0, c, per):
             k = min(per, c - i)
             d0 = d + i * ds
@@ -262,7 +287,6 @@ class CpuEngine:
                 dl = d0 + (k - 1) * ds
                 pf = ((base + min(d0, dl), abs(dl - d0) + ln),)
             lst.append(StridedRead(kind, o + i * ss, k, ln, ss, buf, d0, ds, tname, pf))
-        return ln * c
 
     def _tasks(self, items: dict[str, list], fds: dict[str, int]) -> tuple[list[list], int]:
         """Sort each file's items by offset, fuse single runs that follow each other in the
@@ -273,24 +297,24 @@ class CpuEngine:
         gap = 0
         for fname, lst in items.items():
             fd = fds[fname]
-            lst.sort(key=lambda x: x.off)
+            lst.sort(key=_by_offset)
             prev = None   # the VecRead being extended
             for it in lst:
-                if isinstance(it, VecRead):
+                if type(it) is Run:
                     if (prev is not None and prev.off + prev.nbytes == it.off
                             and len(prev.bufs) < _IOV_MAX and prev.nbytes + it.nbytes <= cb):
-                        prev.bufs.extend(it.bufs)
-                        prev.names.extend(it.names)
+                        prev.bufs.append(it.buf)
+                        prev.names.append(it.name)
                         prev.prefault.extend(it.prefault)
                         prev.nbytes += it.nbytes
                     else:
-                        prev = VecRead(it.off, it.nbytes, list(it.bufs), list(it.names),
+                        prev = VecRead(it.off, it.nbytes, [it.buf], [it.name],
                                        list(it.prefault), fd, fname)
                         cur.append(prev)
                     cur_bytes += it.nbytes
                 else:
                     prev = None
-                    cur.append(it._replace(fd=fd, fname=fname))
+                    cur.append(StridedRead._make(it[:-2] + (fd, fname)))
                     cur_bytes += it.count * it.length
                     if it.kind is Strided.SPAN:
                         gap += (it.count - 1) * (it.src_stride - it.length)
