@@ -291,6 +291,23 @@ def test_a_wrapper_subclass_target_is_refused_before_any_read(ab, engine):
     assert a.tolist() == [-1.0] * 4   # refused before any read: nothing written
 
 
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_a_wrapper_subclass_out_destination_is_refused_before_any_read(ab, engine):
+    """The same through ``out=``: the cpu engine raised torch's bare '.numpy() is not
+    supported for tensor subclasses', and once it read at the tensor's address, read to
+    address 0 (a wrapper has no storage: an EFAULT, or a crash in the strided copy)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    a = torch.full((4,), -1.0)
+    b = TwoTensor(torch.zeros(4), torch.zeros(4))
+    with pytest.raises(LoadError) as e:
+        cl.load_detailed(ab, Layout(), out={"a": a, "b": b}, engine=engine, **ONE)
+    assert str(e.value) == (
+        "rank 0, tensor 'b': destination is a TwoTensor, a tensor subclass that wraps "
+        "others; expected a tensor whose own storage holds its values (its local tensor, or "
+        "a plain tensor to convert after)")
+    assert a.tolist() == [-1.0] * 4   # refused before any read: nothing written
+
+
 def test_a_wrapper_target_of_another_shape_is_named_as_a_wrapper(ab):
     """A wrapper's shape is not its storage's (a DTensor states its global shape): the
     shape refusal came first and named a shape mismatch, hiding why it cannot be filled."""

@@ -303,10 +303,19 @@ def host_out(out: Mapping[str, torch.Tensor] | None, rank_plan, device,
 
 
 def check_out(out: Mapping[str, torch.Tensor] | None, rank_plan, rank: int | None) -> None:
-    """``check_disjoint`` over the destinations ``out`` gives for this rank's slices."""
+    """``check_disjoint`` over the destinations ``out`` gives for this rank's slices, once
+    none is a wrapper subclass: it has no storage of its own (data pointer 0), so a reader
+    writing at its address writes at address 0, and a copy_ into it goes where the
+    subclass sends it."""
     if out:
-        check_disjoint([(ts.name, out[ts.name]) for ts in rank_plan.tensors if ts.name in out],
-                       rank)
+        dests = [(ts.name, out[ts.name]) for ts in rank_plan.tensors if ts.name in out]
+        for name, t in dests:
+            if isinstance(t, torch.Tensor) and wraps_other_tensors(t):
+                raise LoadError(f"destination is a {type(t).__name__}, a tensor subclass "
+                                f"that wraps others; expected a tensor whose own storage "
+                                f"holds its values (its local tensor, or a plain tensor to "
+                                f"convert after)", tensor=name, rank=rank)
+        check_disjoint(dests, rank)
 
 
 def host_default_device():
