@@ -386,6 +386,18 @@ def test_rank_ranges():
     assert format_ranges(range(0, 200, 2), max_chars=12) == "0,2,4,6,8..."
 
 
+def test_options_disagreement_by_rank_and_shown():
+    """Ranks in order, or by rank where some take no part (verify's basis of the ranks
+    that sent one); values compared whole, written by ``show``."""
+    from coordloader.dist.collective import options_disagreement
+    assert options_disagreement([{"a": 1}, {"a": [2]}, {"a": 1}]) == "a: ranks 0,2 1, rank 1 [2]"
+    assert options_disagreement({4: {"m": "x1"}, 2: {"m": "x1"}, 7: {"m": "x2"}}) == \
+        "m: ranks 2,4 'x1', rank 7 'x2'"
+    assert options_disagreement({0: {"m": "ab1"}, 1: {"m": "ab2"}}, show=lambda v: v[:2]) == \
+        "m: rank 0 ab, rank 1 ab"
+    assert options_disagreement({0: {"m": 1}, 3: {"m": 1}}) == ""
+
+
 def test_exit_on_error_prints_one_line_and_exit_codes(capsys, monkeypatch):
     monkeypatch.delenv("COORDLOADER_DEBUG", raising=False)
     with pytest.raises(SystemExit) as ei:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -231,12 +232,13 @@ def test_ranks_verifying_against_other_modes_or_manifests_fail_together(setup, m
             call(rank, both)
         reports.append(e.value.report)
     assert reports[0]["failures"] == reports[1]["failures"]
-    other = ("mode digest, none" if sides[1][1] is False else "mode shapes, manifest ")
+    # what differs, and no more
+    differs = (r"manifest: rank 0 '[0-9a-f]{12}', rank 1 'none'" if sides[1][1] is False
+               else "mode: rank 0 'digest', rank 1 'shapes'")
     agreement = [f for f in reports[0]["failures"] if f["check"] == "agreement"]
-    assert len(agreement) == 1 and agreement[0]["detail"].startswith(
-        "the ranks verified against different modes or manifests (rank 0: mode digest, "
-        "manifest "), agreement
-    assert f"rank 1: {other}" in agreement[0]["detail"]
+    assert len(agreement) == 1 and re.fullmatch(
+        rf"the ranks verified against different modes or manifests \({differs}\): every "
+        rf"rank must verify alike, against the same manifest", agreement[0]["detail"]), agreement
 
 
 def test_node_local_copies_with_the_same_unreadable_manifest_agree(tmp_path, monkeypatch):

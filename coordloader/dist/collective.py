@@ -95,7 +95,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from coordloader.text import MAX_MESSAGE_CHARS, MAX_NAME_CHARS, clip, format_ranges
 from coordloader.errors import CollectiveError, ConfigError, CoordloaderError
@@ -1347,19 +1347,20 @@ def exit_on_error(fn: Callable | None = None, *, rank=None, usage_errors=(), too
     return wrapper
 
 
-def options_disagreement(seen) -> str:
-    """Each rank's options (``seen[r]``, a mapping), the ones that differ as "key: rank 0
-    v, ranks 1-3 w; ..." ('' when every rank's agree). Values are compared by repr (they
-    need not be hashable)."""
+def options_disagreement(seen, show: Callable[[Any], str] = repr) -> str:
+    """Each rank's options (mappings: ``seen[r]``, or ``seen`` a mapping of rank to options
+    where some ranks take no part), the ones that differ as "key: rank 0 v, ranks 1-3 w;
+    ..." ('' when every rank's agree). Values are compared by repr (they need not be
+    hashable) and written by ``show``."""
+    by_rank = sorted(seen.items()) if isinstance(seen, Mapping) else list(enumerate(seen))
     diffs = []
-    for key in sorted({k for d in seen for k in d}):
-        by: dict[str, list[int]] = {}
-        for r, d in enumerate(seen):
-            by.setdefault(repr(d.get(key)), []).append(r)
+    for key in sorted({k for _, d in by_rank for k in d}):
+        by: dict[str, tuple[Any, list[int]]] = {}
+        for r, d in by_rank:
+            by.setdefault(repr(d.get(key)), (d.get(key), []))[1].append(r)
         if len(by) > 1:
-            diffs.append(f"{key}: " + ", ".join(
-                f"{'rank' if len(rs) == 1 else 'ranks'} {format_ranges(rs)} {v}"
-                for v, rs in by.items()))
+            diffs.append(f"{key}: " + ", ".join(f"{_rank_word(rs)} {show(v)}"
+                                                for v, rs in by.values()))
     return "; ".join(diffs)
 
 

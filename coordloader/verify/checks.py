@@ -36,6 +36,7 @@ import torch
 from coordloader.checkpoint.dtypes import from_torch, itemsize, torch_dtype
 from coordloader.checkpoint.metadata import Box, box_numel, box_shape, full_box
 from coordloader.checkpoint.tiling import fmt_box, tiling_problem
+from coordloader.dist.collective import options_disagreement
 from coordloader.engines import (
     fd_path,
     intersect,
@@ -235,21 +236,20 @@ def _basis_findings(payloads: Sequence[Payload]) -> list[Finding]:
     manifests (``verify_rank`` called with other modes, or node-local copies holding
     other manifests): each rank's verdict would rest on its own, and a rank without the
     manifest would pass what another fails."""
-    by = {}
-    for p in sorted(payloads, key=lambda p: p.rank):
-        if p.basis is not None:
-            by.setdefault(p.basis, []).append(p.rank)
-    if len(by) < 2:
+    diffs = options_disagreement({p.rank: p.basis._asdict() for p in payloads
+                                  if p.basis is not None}, show=_shown_basis)
+    if not diffs:
         return []
-    parts = []
-    for b, ranks in by.items():
-        m = (b.manifest if b.manifest == "none" or b.manifest.startswith("unreadable")
-             else f"manifest {b.manifest[:12]}")
-        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {format_ranges(ranks)}: mode "
-                     f"{b.mode}, {clip(m, MAX_NAME_CHARS)}")
-    return [_finding(None, "agreement", "the ranks verified against different modes or "
-                     "manifests (" + "; ".join(parts) + "): every rank must verify alike, "
-                     "against the same manifest")]
+    return [_finding(None, "agreement", f"the ranks verified against different modes or "
+                     f"manifests ({diffs}): every rank must verify alike, against the same "
+                     f"manifest")]
+
+
+def _shown_basis(value: str) -> str:
+    # a manifest by the head of its sha256 (the whole of it was compared); why one was
+    # unreadable clipped, as it quotes a file
+    is_sha = len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    return repr(value[:12] if is_sha else clip(value, MAX_NAME_CHARS))
 
 
 class HeldPiece(NamedTuple):
