@@ -290,22 +290,21 @@ def _compare_plan_digests(plan, group, rank: int, identity: CheckpointIdentity |
             by.setdefault(x, []).append(r)
         major = max(by.values(), key=len)
         odd = sorted(r for x, rs in by.items() if rs is not major for r in rs)
-        desc = "; ".join(f"ranks {rs} -> {x[:12]}" for x, rs in by.items())
+        desc = collective.options_disagreement([{"plan digest": x} for x in digests],
+                                               show=lambda x: repr(x[:12]))
         # the files agree (compared above): a node's own config.json (or --config) is the
         # likeliest cause, and not in the files' fingerprint (fields that change no
         # weight may differ)
         configs = collective.gather_object(
             group, _config_digest(config_of()) if config_of is not None else None)
         if len(set(configs)) > 1:
-            seen: dict = {}
-            for r, c in enumerate(configs):
-                seen.setdefault(c, []).append(r)
             cause = ("the model config (config.json, or --config / config=) differs between "
-                     "ranks: " + "; ".join(f"ranks {rs} -> {c}" for c, rs in seen.items()) +
-                     "; give every node the same config")
+                     "ranks (" + collective.options_disagreement(
+                         [{"config digest": c} for c in configs]) +
+                     "); give every node the same config")
         else:
             cause = "they see a different checkpoint, layout, rules or coordloader version"
-        raise PlanError(f"ranks disagree on the plan digest (differing ranks {odd}: {desc}); "
+        raise PlanError(f"ranks disagree on the plan digest (differing {_ranks(odd)}; {desc}); "
                         f"{cause}", rank=rank)
 
 

@@ -252,7 +252,7 @@ def test_ranks_with_another_config_json_are_told_so(tmp_path):
         line = rank_line(err, r)
         assert "phase plan-agree" in line and "ranks disagree on the plan digest" in line, line
         assert ("the model config (config.json, or --config / config=) differs between "
-                "ranks: ranks [0] -> ") in line and "give every node the same config" in line
+                "ranks (config digest: rank 0 '") in line and "give every node the same config" in line
 
 
 @pytest.mark.slow   # rank processes

@@ -154,6 +154,34 @@ def test_options_that_are_not_hashable_are_compared(monkeypatch):
     assert len(seen) == 1
 
 
+def test_plans_and_configs_that_differ_name_the_ranks_as_ranges(monkeypatch):
+    """The plan digests and model configs of four ranks, rank 3's other: the ranks were
+    written as Python lists, one list per value ("ranks [0, 1, 2] -> ...")."""
+    from coordloader import loader
+    from coordloader.errors import PlanError
+
+    class Plan:
+        def digest(self):
+            return "a" * 64
+    calls = []
+
+    def gather(group, value):   # the plan and the config alike: rank 3 differs
+        calls.append(value)
+        if len(calls) == 1:
+            return [value] * 3 + [("b" * 64, value[1], value[2])]
+        return [value] * 3 + ["cfg-other"]
+    monkeypatch.setattr(loader.collective, "gather_object", gather)
+    with pytest.raises(PlanError) as e:
+        loader._compare_plan_digests(Plan(), object(), 0, None, {},
+                                     config_of=lambda: {"num_attention_heads": 4})
+    want = loader._config_digest({"num_attention_heads": 4})
+    assert str(e.value) == (
+        f"rank 0: ranks disagree on the plan digest (differing rank 3; plan digest: ranks 0-2 "
+        f"'{'a' * 12}', rank 3 '{'b' * 12}'); the model config (config.json, or --config / "
+        f"config=) differs between ranks (config digest: ranks 0-2 '{want}', rank 3 "
+        f"'cfg-other'); give every node the same config")
+
+
 @pytest.mark.slow   # rank processes
 @pytest.mark.parametrize("extra, want", [
     ({1: ["--tp", "1"]}, "rank 1: LoadError: launched with 2 ranks but the layout (tp=1 pp=1 "
