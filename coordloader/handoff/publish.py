@@ -423,8 +423,7 @@ def publish(out_dir: str, stage: str, files: list[str], entry: str) -> None:
     rec = PublishRecord(stage, tuple(new), tuple(sorted(old.files - keep)),
                         tuple(sorted(old.entries)))
     _hook("staged")
-    stage_dir = os.path.join(out_dir, stage)
-    gone = [f for f in new if not os.path.lexists(os.path.join(stage_dir, f))]
+    gone = _lost_files(out_dir, rec, moved=False)
     if gone:
         # nothing visible has changed yet; past the marker, files found in place would
         # pass for moved ones, and another writer's for this one's
@@ -480,11 +479,13 @@ def _roll_forward(out_dir: str, rec: PublishRecord) -> None:
     _hook("published")
 
 
-def _lost_files(out_dir: str, rec: PublishRecord) -> list[str]:
-    """The new files of ``rec`` neither staged nor moved in already."""
+def _lost_files(out_dir: str, rec: PublishRecord, *, moved: bool = True) -> list[str]:
+    """The new files of ``rec`` not staged, nor moved in already where ``moved`` (past its
+    marker). Before the marker nothing has moved: a file of that name in place is the
+    previous checkpoint's, or another writer's."""
     stage_dir = os.path.join(out_dir, rec.stage)
     return [f for f in rec.files if not os.path.lexists(os.path.join(stage_dir, f))
-            and not os.path.lexists(os.path.join(out_dir, f))]
+            and not (moved and os.path.lexists(os.path.join(out_dir, f)))]
 
 
 def _unlink(path: str) -> None:
