@@ -567,8 +567,9 @@ def test_an_interrupted_publish_whose_new_files_are_lost_is_replaced_by_overwrit
     assert "is neither in the staging directory" in str(e.value), str(e.value)
     assert "save it again with overwrite=True" in str(e.value), str(e.value)
     assert sorted(os.listdir(out)) == before
-    with pytest.raises(SaveError, match="neither in the staging directory"):
+    with pytest.raises(SaveError, match="neither in the staging directory") as e:
         save_local(out, plan, locs)
+    assert e.value.rank == 0   # rank 0's call found the marker
     # an overwrite that fails before its own publish leaves the directory refused (it
     # dropped the marker first: the mix of files then read as a checkpoint)
     _kill_at("staged", lambda: save_local(out, plan, locs, overwrite=True))
@@ -862,9 +863,11 @@ def test_a_publish_whose_stage_lost_its_files_publishes_nothing(tmp_path, monkey
     monkeypatch.setattr(pub, "_test_hook", hook)
     with pytest.raises(SaveError) as e:
         save(out, {"w": torch.ones(4)}, config=CFG, overwrite=True)
-    assert re.search(r"the staging directory \.coordloader-staging-\S+ no longer holds "
-                     r"\S+\.coordloader-shard.*, written there for this publish: another writer "
-                     r"removed it; nothing was published$", str(e.value)), str(e.value)
+    # (the one rank of a save without a plan, named as every other refusal names it)
+    assert re.fullmatch(r"rank 0, file \S+: the staging directory \.coordloader-staging-\S+ "
+                        r"no longer holds \S+\.coordloader-shard.*, written there for this "
+                        r"publish: another writer removed it; nothing was published",
+                        str(e.value)), str(e.value)
     monkeypatch.setattr(pub, "_test_hook", None)
     assert_equal_ckpt(out, {"w": torch.zeros(4)})
 

@@ -372,7 +372,7 @@ def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str) 
     # be: its marker stays, so readers refuse the directory until this save's own marker
     # replaces it
     if rec is not None and not (overwrite and _lost_files(out_dir, rec)):
-        _roll_forward(out_dir, rec)
+        _roll_forward(out_dir, rec, rank)
     stages = sorted(n for n in os.listdir(out_dir) if n.startswith(STAGING_PREFIX))
     for n in stages:
         _refuse_live_writer(out_dir, n, rank, "writing into")
@@ -412,9 +412,11 @@ class PublishRecord(NamedTuple):
     old_entries: tuple[str, ...]
 
 
-def publish(out_dir: str, stage: str, files: list[str], entry: str) -> None:
+def publish(out_dir: str, stage: str, files: list[str], entry: str,
+            rank: int | None = None) -> None:
     """Move ``files`` and then ``entry`` (all written and fsynced in ``out_dir/stage``)
-    into ``out_dir`` under the publish marker (see the module docstring)."""
+    into ``out_dir`` under the publish marker (see the module docstring). ``rank``: the
+    publishing rank, for errors."""
     old = existing_checkpoint(out_dir) or Existing(frozenset(), frozenset())
     new = [f for f in files if f != entry] + [entry]
     keep = set(new)
@@ -429,14 +431,15 @@ def publish(out_dir: str, stage: str, files: list[str], entry: str) -> None:
         # pass for moved ones, and another writer's for this one's
         raise SaveError(f"the staging directory {stage} no longer holds {', '.join(gone[:4])}"
                         f"{' ...' if len(gone) > 4 else ''}, written there for this publish: "
-                        f"another writer removed it; nothing was published", file=out_dir)
+                        f"another writer removed it; nothing was published", file=out_dir,
+                        rank=rank)
     write_file_atomic(os.path.join(out_dir, PUBLISH_MARKER),
                       (json.dumps(rec._asdict(), indent=1) + "\n").encode())
     _hook("marked")
-    _roll_forward(out_dir, rec)
+    _roll_forward(out_dir, rec, rank)
 
 
-def _roll_forward(out_dir: str, rec: PublishRecord) -> None:
+def _roll_forward(out_dir: str, rec: PublishRecord, rank: int | None = None) -> None:
     """Steps 2-5 of a publish; every step is idempotent, so recovery re-runs them all."""
     stage_dir = os.path.join(out_dir, rec.stage)
     lost = _lost_files(out_dir, rec)
@@ -446,7 +449,7 @@ def _roll_forward(out_dir: str, rec: PublishRecord) -> None:
                         f"{' ...' if len(lost) > 4 else ''} is neither in the staging "
                         f"directory {rec.stage} nor in place, so the new checkpoint is lost; "
                         f"save it again with overwrite=True, which replaces what is left",
-                        file=out_dir)
+                        file=out_dir, rank=rank)
     for n in rec.old_entries:
         if n in rec.files and not os.path.lexists(os.path.join(stage_dir, n)):
             continue   # recovery: the new file of that name has already moved in

@@ -301,7 +301,7 @@ def _publish(out_dir: str, stage: str, records: list[dict], plan, cfg: ModelConf
         write_json_durable(ip, index)
         from coordloader.checkpoint.fileio import fsync_dir
         fsync_dir(stage_dir)
-        publish(out_dir, stage, shard_files + small, SHARDED_INDEX)
+        publish(out_dir, stage, shard_files + small, SHARDED_INDEX, rank)
     except OSError as e:
         raise publish_error(e, out_dir, stage, getattr(e, "filename", None) or ip, rank,
                             "publishing the checkpoint") from e
