@@ -311,9 +311,7 @@ class Group:
         reach close(), so nobody loses the store while still reading it."""
         if self._closed:
             return
-        self._closed = True
-        if self._hb_stop is not None:
-            self._hb_stop.set()
+        self._stop_heartbeat()
         # After a failed phase the failure path has already waited for the others' acks;
         # waiting again for close() of ranks that may be dead would break the bound.
         if self.store is not None and self.world > 1 and not self._failed:
@@ -344,13 +342,17 @@ class Group:
         """Stop the heartbeat and drop the store connections (and rank 0's server unless
         ``keep_server``): what close() ends with (keeping the host's server), and what a
         group that never formed leaves behind."""
-        self._closed = True
-        if self._hb_stop is not None:
-            self._hb_stop.set()
+        self._stop_heartbeat()
         self._hb_store = None
         if not keep_server:
             self.store = None
             self._base_store = None
+
+    def _stop_heartbeat(self) -> None:
+        # (closed from here on: a phase is refused, a linger and a second close() do nothing)
+        self._closed = True
+        if self._hb_stop is not None:
+            self._hb_stop.set()
 
 
 def env_int(name: str) -> int | None:
