@@ -60,7 +60,7 @@ from coordloader.errors import (
 from coordloader.gcpause import gc_paused
 from coordloader.layout import Layout, as_rank
 from coordloader.planning.model import RankPlan, TensorSlice
-from coordloader.text import MAX_NAME_CHARS, clip, format_ranges
+from coordloader.text import MAX_NAME_CHARS, clip, format_ranges, format_ranks
 from coordloader.verify.checks import MODES, digest_workers, verify_rank
 from coordloader.verify.manifest import MANIFEST_NAME
 
@@ -210,12 +210,8 @@ def _same_source(gathered: list[_MetaShare], rank: int) -> None:
         by.setdefault(share.source, []).append(r)
     if len(by) > 1:
         raise ConfigError(f"ranks disagree on the checkpoint they were handed: "
-                          f"{_ranks(by['path'])} passed a path, {_ranks(by['meta'])} a "
+                          f"{format_ranks(by['path'])} passed a path, {format_ranks(by['meta'])} a "
                           f"CheckpointMeta; pass the same kind on every rank", rank=rank)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + format_ranges(ranks)
 
 
 # what lays out instanttensor's chunks, and so its collectives: as options and variables
@@ -304,7 +300,7 @@ def _compare_plan_digests(plan, group, rank: int, identity: CheckpointIdentity |
                      "); give every node the same config")
         else:
             cause = "they see a different checkpoint, layout, rules or coordloader version"
-        raise PlanError(f"ranks disagree on the plan digest (differing {_ranks(odd)}; {desc}); "
+        raise PlanError(f"ranks disagree on the plan digest (differing {format_ranks(odd)}; {desc}); "
                         f"{cause}", rank=rank)
 
 

@@ -27,6 +27,12 @@ def format_ranges(ids: Iterable[int], *, empty: str = "", max_chars: int | None 
     return s
 
 
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``format_ranges`` after the word the ids take: ``rank 3``, ``ranks 0-2,5``."""
+    ranks = set(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + format_ranges(ranks)
+
+
 # Every message a user sees is bounded, whatever the input: a crafted checkpoint can name a
 # tensor with 10 MB of characters and a rank's message travels through the status board.
 MAX_MESSAGE_CHARS = 2000    # one error line, one warning, one usage error

@@ -384,6 +384,8 @@ def test_rank_ranges():
     assert format_ranges([]) == ""
     assert format_ranges([], empty="-") == "-"
     assert format_ranges(range(0, 200, 2), max_chars=12) == "0,2,4,6,8..."
+    from coordloader.text import format_ranks
+    assert (format_ranks([3]), format_ranks([3, 0, 1, 2])) == ("rank 3", "ranks 0-3")
 
 
 def test_options_disagreement_by_rank_and_shown():

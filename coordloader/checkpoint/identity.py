@@ -31,7 +31,7 @@ from coordloader.checkpoint.reader import (
     read_small_file,
 )
 from coordloader.errors import CheckpointError
-from coordloader.text import format_ranges
+from coordloader.text import format_ranks
 
 SAMPLE_BLOCKS = 16
 SAMPLE_BYTES = 4096
@@ -150,7 +150,7 @@ def identity_mismatch(identities: Sequence[CheckpointIdentity]) -> str | None:
         ref = versions[0][0]
         parts = []
         for f, ranks in versions:
-            who = ("rank " if len(ranks) == 1 else "ranks ") + format_ranges(ranks)
+            who = format_ranks(ranks)
             if f is None:
                 parts.append(f"{who}: not read")
             elif f.size == ABSENT:
@@ -164,7 +164,7 @@ def identity_mismatch(identities: Sequence[CheckpointIdentity]) -> str | None:
                      if f is not None and ref is not None and f.differs_in(ref)), "presence")
         odd = sorted(r for _, rs in versions[1:] for r in rs)
         return (f"ranks disagree on the checkpoint's identity: file {name} differs in its "
-                f"{part} on {'rank' if len(odd) == 1 else 'ranks'} {format_ranges(odd)} "
+                f"{part} on {format_ranks(odd)} "
                 f"({'; '.join(parts)}); every rank must read the same checkpoint (the same "
                 f"files, or byte-identical copies)")
     return "ranks disagree on the checkpoint's identity"   # unreachable: digests cover files

@@ -97,7 +97,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
-from coordloader.text import MAX_MESSAGE_CHARS, MAX_NAME_CHARS, clip, format_ranges
+from coordloader.text import MAX_MESSAGE_CHARS, MAX_NAME_CHARS, clip, format_ranges, format_ranks
 from coordloader.errors import CollectiveError, ConfigError, CoordloaderError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -154,10 +154,6 @@ def _one_line(text: str) -> str:
 
 
 
-def _rank_word(ranks) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + format_ranges(ranks)
-
-
 def _phase_error(phase: str, failures: dict[int, tuple[str, str]], notes: list[str],
                  local: BaseException | None = None, missing=()) -> CollectiveError:
     """One CollectiveError naming every failing rank; ``notes`` (dead / late ranks, lost
@@ -165,7 +161,7 @@ def _phase_error(phase: str, failures: dict[int, tuple[str, str]], notes: list[s
     groups: dict[tuple[str, str], list[int]] = {}
     for r, (t, m) in sorted(failures.items()):
         groups.setdefault((t, m), []).append(r)
-    parts = list(notes) + [f"{_rank_word(rs)}: {t}: {m}" for (t, m), rs in groups.items()]
+    parts = list(notes) + [f"{format_ranks(rs)}: {t}: {m}" for (t, m), rs in groups.items()]
     return CollectiveError(f"phase {phase}: " + "; ".join(parts), phase=phase, failures=failures,
                            missing=missing, local_error=local)
 
@@ -650,7 +646,7 @@ def _join(group: Group) -> None:
                f"{group.store_desc} went away")
     else:
         missing = [r for r in range(world) if r not in present]
-        msg = (f"group did not form within {group.timeout_s:g} s: {_rank_word(missing)} "
+        msg = (f"group did not form within {group.timeout_s:g} s: {format_ranks(missing)} "
                f"did not join (joined: {format_ranges(present)})")
         odd = _other_worlds(group, present)
         if odd:   # the ranks "missing" may not exist: a node given another WORLD_SIZE
@@ -993,13 +989,13 @@ def _agree_over_store(name: str, group: Group, status: tuple, local) -> None:
                     if not (comm(r) and any(t in f[1].lower() for t in _PEER_LEFT_TEXT))}
     notes = []
     if dead:
-        notes.append(f"{_rank_word(dead)} died or hung hard (no heartbeat for "
+        notes.append(f"{format_ranks(dead)} died or hung hard (no heartbeat for "
                      f"{3 * HEARTBEAT_S:g} s) before reaching the end of the phase")
     if late:
         if timed_out:
-            notes.append(f"{_rank_word(late)} did not arrive within {group.timeout_s:g} s")
+            notes.append(f"{format_ranks(late)} did not arrive within {group.timeout_s:g} s")
         else:
-            notes.append(f"{_rank_word(late)} did not report within "
+            notes.append(f"{format_ranks(late)} did not report within "
                          f"{min(group.grace_s, group.timeout_s):g} s of the failure")
     if timed_out and late:
         notes[-1] += (f" (arrived: "
@@ -1071,7 +1067,7 @@ def _give_up(group: Group, k: str, name: str, local) -> tuple[list[int], str] | 
     present = _present(group, f"{k}/s/") or []
     others = [r for r in (_present(group, f"{k}/g/") or []) if r != group.rank]
     if got >= 2 * GIVE_UP and others:
-        say = (f"{_rank_word(others)} stopped waiting (timeout {group.timeout_s:g} s) before "
+        say = (f"{format_ranks(others)} stopped waiting (timeout {group.timeout_s:g} s) before "
                f"every rank had arrived")
     else:   # a rank's status was in before its arrival was counted
         say = (f"{group.world - got % GIVE_UP} rank(s) did not arrive within "
@@ -1084,7 +1080,7 @@ def _raise_late(group: Group, k: str, name: str, status: tuple, local) -> None:
     raised (or are raising), so this one must not pass the boundary either; its own
     failure, if it had one, is named too."""
     gave = _present(group, f"{k}/g/") or []
-    who = _rank_word(gave) if gave else "another rank"
+    who = format_ranks(gave) if gave else "another rank"
     note = (f"arrived after {who} stopped waiting for it (timeout {group.timeout_s:g} s): "
             f"this rank is late, the others have stopped")
     own = {} if status[1] else {group.rank: (status[2], status[3])}
@@ -1361,7 +1357,7 @@ def options_disagreement(seen, show: Callable[[Any], str] = repr) -> str:
         for r, d in by_rank:
             by.setdefault(repr(d.get(key)), (d.get(key), []))[1].append(r)
         if len(by) > 1:
-            diffs.append(f"{key}: " + ", ".join(f"{_rank_word(rs)} {show(v)}"
+            diffs.append(f"{key}: " + ", ".join(f"{format_ranks(rs)} {show(v)}"
                                                 for v, rs in by.values()))
     return "; ".join(diffs)
 

@@ -52,7 +52,7 @@ from coordloader.engines import (
 from coordloader.errors import CoordloaderError, LoadError
 from coordloader.gcpause import gc_paused
 from coordloader.planning.model import LoadGroup, LoadGroupMode, Plan, RankPlan
-from coordloader.text import MAX_NAME_CHARS, clip, format_ranges
+from coordloader.text import MAX_NAME_CHARS, clip, format_ranks
 
 # Arguments the engine sets itself: overriding them would break correctness.
 FIXED_ARGS = ("filename", "framework", "device", "process_group", "copy")
@@ -518,7 +518,7 @@ class InstantTensorEngine:
             raise failure
         bad = [r for r, f in enumerate(failed.tolist()) if f]
         if bad:
-            raise LoadError(f"rank{'s' if len(bad) > 1 else ''} {format_ranges(bad)} failed to "
+            raise LoadError(f"{format_ranks(bad)} failed to "
                             f"prepare the instanttensor load (destinations, file checks; "
                             f"{'their' if len(bad) > 1 else 'its'} own error says why): not "
                             f"loading", rank=rank)

@@ -71,7 +71,7 @@ from coordloader.handoff.publish import (
     writer_error,
 )
 from coordloader.layout import as_rank
-from coordloader.text import format_ranges
+from coordloader.text import format_ranks
 from coordloader.verify.manifest import MANIFEST_NAME
 
 
@@ -404,7 +404,7 @@ def _absent_hint(g, e: CollectiveError) -> str:
     absent = never_adopted(g, e.missing)
     if not absent or absent != e.missing:
         return ""
-    who = ("rank " if len(absent) == 1 else "ranks ") + format_ranges(absent)
+    who = format_ranks(absent)
     hint = (f"; {who} never entered save() (no heartbeat from "
             f"{'it' if len(absent) == 1 else 'them'} in this save's group): under an "
             f"initialised process group save() is distributed mode, which every rank calls")

@@ -47,7 +47,7 @@ from coordloader.engines import (
 )
 from coordloader.errors import CollectiveError, ConfigError, CoordloaderError, VerifyError
 from coordloader.layout import as_rank
-from coordloader.text import MAX_NAME_CHARS, clip, format_ranges
+from coordloader.text import MAX_NAME_CHARS, clip, format_ranks
 from coordloader.verify.digest import (
     Route,
     combine,
@@ -942,8 +942,7 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
                                   rank=rank_plan.rank) from None
         strays = [r for r, p in enumerate(payloads) if not isinstance(p, Payload)]
         if strays:   # another collective's object: that rank is not in verify_rank
-            raise CollectiveError(f"verify: rank{'s' if len(strays) > 1 else ''} "
-                                  f"{format_ranges(strays)} sent no findings to the exchange "
+            raise CollectiveError(f"verify: {format_ranks(strays)} sent no findings to the exchange "
                                   f"(not in verify_rank, or called with mode 'none', which "
                                   f"exchanges nothing); every rank must verify alike",
                                   rank=rank_plan.rank)
