@@ -425,7 +425,7 @@ def test_local_save_writes_a_box_several_ranks_hold_once(tmp_path):
 def test_save_refuses_gaps_and_overlaps_naming_ranks(tmp_path):
     from coordloader.handoff.pieces import Boxed
     w = _full_tensors()["a.weight"]
-    with pytest.raises(SaveError, match=r"tensor 'a.weight': the pieces saved by ranks \[0\] hold "
+    with pytest.raises(SaveError, match=r"tensor 'a.weight': the pieces saved by rank 0 hold "
                                         r"18 elements of the global shape \[8, 6\]"):
         save(tmp_path / "gap", {"a.weight": Boxed(w[0:3], w.shape, (0, 0))}, config=CFG)
     assert not (tmp_path / "gap").exists() or not os.listdir(tmp_path / "gap")
@@ -1287,7 +1287,7 @@ def test_every_rank_passing_its_own_rank_under_a_group_is_told_to_leave_it_out(t
     stage = [n for n in os.listdir(out) if n.startswith(".coordloader-staging")]
     assert res[1] == (
         f"SaveError: rank 1, file {os.path.join(out, stage[0])}: local-mode save: call save() "
-        f"for ranks in order 0..1; ranks [0] have not been saved into this staging directory; "
+        f"for ranks in order 0..1; rank 0 has not been saved into this staging directory; "
         f"this process is rank 1 of an initialised process group of 2: if every rank calls "
         f"save(), leave rank= out, so that they save together (distributed mode); rank= is "
         f"local mode, one process saving the ranks in turn")

@@ -704,3 +704,11 @@ def test_a_load_inside_a_meta_device_context_loads_and_digests_as_outside(
         assert kernel._kernel_ok is (kernel._kernel_selftest() is None)
     if routes._mm_ok is not None:
         assert routes._mm_ok is routes._mm_selftest()
+
+
+def test_a_finding_of_many_ranks_names_them_as_ranges():
+    """A finding held by every rank of a large job printed the Python list of ranks (a
+    1024-rank job: six kilobytes of one line, then clipped); it reads as ranges now."""
+    f = vf.Finding(None, "digest", "wrong sum", tensor="w", ranks=tuple(range(1024)) + (2000,))
+    assert f.render() == "ranks 0-1023,2000, tensor 'w': [digest] wrong sum"
+    assert vf.Finding(None, "cover", "x", ranks=(4,)).render() == "rank 4: [cover] x"

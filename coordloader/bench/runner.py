@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from coordloader.bench.common import ckpt_files, drop_caches, evict_files
 from coordloader.dist.collective import free_port
+from coordloader.text import format_ranks
 
 
 class MethodFailed(RuntimeError):
@@ -74,7 +75,7 @@ def run_ranks(method: str, *, ckpt: str, layout, meta, plan, world: int, device:
             while len(got) < world:
                 if time.monotonic() > deadline:
                     raise MethodFailed(f"{method}: timed out after {timeout:.0f} s waiting for "
-                                       f"{tag} from ranks {sorted(set(range(world)) - set(got))}")
+                                       f"{tag} from {format_ranks(set(range(world)) - set(got))}")
                 for r, c in enumerate(conns):
                     if r in got:
                         continue

@@ -224,7 +224,7 @@ def _build_index(records: list[dict], layout_dict: dict, names_order: list[str],
                                 f"{fmt_box(boxes[prob.second])} overlap; expected every element "
                                 f"of the global shape {t['shape']} saved exactly once", tensor=name)
             got = sum(box_numel(b) for b in boxes)
-            raise SaveError(f"the pieces saved by ranks {sorted(set(who))} hold {got} elements of "
+            raise SaveError(f"the pieces saved by {format_ranks(who)} hold {got} elements of "
                             f"the global shape {t['shape']} ({prob.detail}); expected them to "
                             f"tile the tensor exactly once", tensor=name)
         numel = 1
@@ -556,8 +556,9 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
         missing = [r for r in range(rank)
                    if not os.path.exists(os.path.join(stage_dir, f"rank-{r:05d}.json"))]
         if missing:
-            raise SaveError(f"local-mode save: call save() for ranks in order 0..{world - 1}; ranks "
-                            f"{missing} have not been saved into this staging directory"
+            raise SaveError(f"local-mode save: call save() for ranks in order 0..{world - 1}; "
+                            f"{format_ranks(missing)} {'has' if len(missing) == 1 else 'have'} "
+                            f"not been saved into this staging directory"
                             f"{_group_hint(rank)}", file=stage_dir, rank=rank)
         stage_call(stage_dir, running=True)
     try:

@@ -170,7 +170,7 @@ class Finding:
         if self.rank is not None:
             parts.append(f"rank {self.rank}")
         elif self.ranks:
-            parts.append(f"ranks {sorted(self.ranks)}")
+            parts.append(format_ranks(self.ranks))
         if self.tensor is not None:
             parts.append(f"tensor {self.tensor!r}")
         if self.piece is not None:
@@ -698,15 +698,17 @@ def _cover_findings(holders: Mapping[str, Holders], meta, excluded: set[str],
             truth = (info.dtype, tuple(info.shape))
             for (dt, gs), rs in decl.items():
                 if (dt, gs) != truth:
-                    failures.append(_finding(rs[0], "cover", f"ranks {rs} plan it as {dt} {list(gs)}, "
-                                             f"the checkpoint has {truth[0]} {list(truth[1])}", name))
+                    failures.append(_finding(rs[0], "cover",
+                                             f"{format_ranks(rs)} plan it as {dt} {list(gs)}, "
+                                             f"the checkpoint has {truth[0]} {list(truth[1])}",
+                                             name))
         elif meta is not None:
             rs = sorted({r for v in decl.values() for r in v})
-            failures.append(_finding(rs[0], "cover", f"held by ranks {rs} but not in the "
+            failures.append(_finding(rs[0], "cover", f"held by {format_ranks(rs)} but not in the "
                                      "checkpoint", name))
             continue
         if len(decl) > 1:
-            desc = "; ".join(f"ranks {rs}: {dt} {list(gs)}" for (dt, gs), rs in decl.items())
+            desc = "; ".join(f"{format_ranks(rs)}: {dt} {list(gs)}" for (dt, gs), rs in decl.items())
             failures.append(_finding(min(min(v) for v in decl.values()), "cover",
                                      f"ranks disagree on dtype/shape ({desc})", name))
             continue
