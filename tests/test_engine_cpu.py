@@ -627,3 +627,23 @@ def test_byte_view_is_the_tensors_memory_and_keeps_it_alive():
     assert pair.tolist() == [1.5, 7.0]
     _, empty = _byte_view(torch.empty(0, 4))
     assert empty.nbytes == 0
+
+
+def test_byte_views_of_many_sizes_make_no_type_per_size():
+    """A ctypes byte view (``c_ubyte * n``) made a new type per tensor size: 40-70 us each,
+    more than the torch and numpy views it replaced saved, on a rank whose tensors come in
+    many sizes, and each kept (a reference cycle, promoted by the engine's GC pause) until
+    a full collection."""
+    import gc
+
+    from coordloader.engines.cpu import _byte_view
+    types = lambda: sum(1 for o in gc.get_objects() if issubclass(type(o), type))  # noqa: E731
+    ts = [torch.zeros(977_000 + i, dtype=torch.uint8) for i in range(40)]
+    gc.collect()
+    before = types()
+    views = [_byte_view(t) for t in ts]
+    assert types() == before
+    for t, (a, mv) in zip(ts, views):
+        mv[-1] = 7
+        assert t[-1].item() == 7 and mv.nbytes == t.nbytes
+    del views

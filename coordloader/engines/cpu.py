@@ -32,7 +32,6 @@ Destinations handed in (``out``) are left as they are.
 """
 from __future__ import annotations
 
-import ctypes
 import operator
 import os
 import threading
@@ -125,15 +124,25 @@ class StridedRead(NamedTuple):
 _by_offset = operator.attrgetter("off")
 
 
-def _byte_view(t: torch.Tensor) -> tuple[Any, memoryview]:
-    """The bytes of a contiguous CPU tensor, no copy: a ctypes array over its memory (a
-    buffer numpy can wrap) and a writable memoryview of it. Built from the address, not
-    through torch and numpy views, which cost more than the rest of a tensor's queueing
-    (the engine makes one per tensor, thousands per rank); the array holds the tensor,
-    so neither outlives its memory."""
-    arr = (ctypes.c_ubyte * t.nbytes).from_address(t.data_ptr())
-    arr._tensor = t
-    return arr, memoryview(arr).cast("B")
+class _Memory:
+    """A tensor's bytes as numpy sees them (``__array_interface__``), holding the tensor."""
+    __slots__ = ("__array_interface__", "tensor")
+
+
+def _byte_view(t: torch.Tensor) -> tuple[np.ndarray, memoryview]:
+    """The bytes of a contiguous CPU tensor, no copy: a flat uint8 numpy array over its
+    memory and a writable memoryview of it. Built from the address, not through torch and
+    numpy views, which cost more than the rest of a tensor's queueing (the engine makes one
+    per tensor, thousands per rank); the array's base holds the tensor, so neither
+    outlives its memory. Not a ctypes array: ``c_ubyte * n`` makes a type per size (tens
+    of us each, and kept until a full collection), which cost more than the views saved
+    where a rank's tensors come in many sizes."""
+    m = _Memory()
+    m.tensor = t
+    m.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (t.nbytes,),
+                             "typestr": "|u1", "version": 3}
+    a = np.asarray(m)
+    return a, memoryview(a)
 
 
 def default_threads() -> int:
