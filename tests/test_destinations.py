@@ -308,6 +308,25 @@ def test_a_wrapper_subclass_out_destination_is_refused_before_any_read(ab, engin
     assert a.tolist() == [-1.0] * 4   # refused before any read: nothing written
 
 
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_out_destinations_are_refused_in_plan_order_wrappers_included(ab, engine):
+    """The wrapper check ran over every destination before the others' checks: a float or
+    a sparse tensor for 'a' was named after a wrapper for 'b', unlike before it and unlike
+    load_into, which names the first bad target in plan order."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    for a, said in ((1.5, "destination is a float, not a torch.Tensor"),
+                    (torch.zeros(4).to_sparse(), "destination is a sparse_coo tensor")):
+        b = TwoTensor(torch.zeros(4), torch.zeros(4))
+        with pytest.raises(LoadError) as e:
+            cl.load_detailed(ab, Layout(), out={"a": a, "b": b}, engine=engine, **ONE)
+        assert str(e.value).startswith(f"rank 0, tensor 'a': {said}"), str(e.value)
+    with pytest.raises(LoadError) as e:
+        cl.load_detailed(ab, Layout(), out={"a": TwoTensor(torch.zeros(4), torch.zeros(4)),
+                                            "b": torch.zeros(4).to_sparse()},
+                         engine=engine, **ONE)
+    assert str(e.value).startswith("rank 0, tensor 'a': destination is a TwoTensor"), str(e.value)
+
+
 def test_a_wrapper_target_of_another_shape_is_named_as_a_wrapper(ab):
     """A wrapper's shape is not its storage's (a DTensor states its global shape): the
     shape refusal came first and named a shape mismatch, hiding why it cannot be filled."""

@@ -310,11 +310,16 @@ def check_out(out: Mapping[str, torch.Tensor] | None, rank_plan, rank: int | Non
     if out:
         dests = [(ts.name, out[ts.name]) for ts in rank_plan.tensors if ts.name in out]
         for name, t in dests:
-            if isinstance(t, torch.Tensor) and wraps_other_tensors(t):
+            # in plan order, each destination's refusals in turn: the first bad one is
+            # named, whatever is wrong with it (a float or a sparse tensor before a wrapper
+            # further on was named after it)
+            if (isinstance(t, torch.Tensor) and uninitialized(t) is None
+                    and wraps_other_tensors(t)):
                 raise LoadError(f"destination is a {type(t).__name__}, a tensor subclass "
                                 f"that wraps others; expected a tensor whose own storage "
                                 f"holds its values (its local tensor, or a plain tensor to "
                                 f"convert after)", tensor=name, rank=rank)
+            require_tensor(t, "destination", name, rank)
         check_disjoint(dests, rank)
 
 
