@@ -597,3 +597,43 @@ def test_a_tensor_of_several_files_that_differs_is_named_with_the_file_that_chan
     assert (e.value.file, e.value.tensor) == (name, "lm_head.weight")
     assert str(e.value).startswith(f"file {name}, tensor ")
     assert f"File {name} holds other data than when the manifest was written" in str(e.value)
+
+
+def test_metadata_of_another_checkpoint_than_the_source_is_refused(tmp_path):
+    # consolidate(llama, out, meta=<qwen2's>) wrote qwen2's weights, and with out == src and
+    # overwrite=True replaced the llama directory with them (the same-directory check held
+    # out against meta's root only)
+    llama = synthesize(str(tmp_path / "llama"), "llama", "tiny", seed=1)
+    qwen = synthesize(str(tmp_path / "qwen2"), "qwen2", "tiny", seed=2)
+    meta_qwen = read_checkpoint(qwen)
+    before = sorted(os.listdir(llama))
+    for out in (str(tmp_path / "out"), llama):
+        with pytest.raises(SaveError) as ei:
+            consolidate(llama, out, meta=meta_qwen, overwrite=True)
+        assert str(ei.value) == (
+            f"file {llama}: meta= is the metadata of the checkpoint in {qwen}, not of the "
+            f"source {llama}; nothing written. Pass the source's own (read_checkpoint(src)), "
+            f"or leave meta= out")
+    assert not os.path.exists(tmp_path / "out")
+    assert sorted(os.listdir(llama)) == before
+    assert json.load(open(os.path.join(llama, "config.json")))["model_type"] == "llama"
+    # out == src is refused whichever of src and meta's root it is held against
+    with pytest.raises(SaveError, match="is the source checkpoint"):
+        consolidate(llama, llama, meta=read_checkpoint(llama), overwrite=True)
+    # the source's own metadata, given as its directory or one of its files, is taken
+    meta = read_checkpoint(llama)
+    consolidate(llama, str(tmp_path / "a"), meta=meta)
+    consolidate(os.path.join(llama, meta.files[0].name), str(tmp_path / "b"), meta=meta)
+    assert set(_hf_tensors(tmp_path / "a")[0]) == set(_hf_tensors(tmp_path / "b")[0]) == set(meta.tensors)
+
+
+def test_an_output_that_reaches_the_source_by_another_path_is_refused(tmp_path, monkeypatch):
+    # a bind mount of the source: its real path is not the source's, so only the identity
+    # of the directory shows it (simulated: the real path made blind to the link)
+    src = synthesize(str(tmp_path / "src"), "llama", "tiny", seed=1)
+    os.symlink(src, tmp_path / "alias")
+    monkeypatch.setattr(os.path, "realpath", os.path.abspath)
+    before = sorted(os.listdir(src))
+    with pytest.raises(SaveError, match="output directory is the source checkpoint"):
+        consolidate(src, str(tmp_path / "alias"), overwrite=True)
+    assert sorted(os.listdir(src)) == before

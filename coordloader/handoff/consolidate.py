@@ -420,6 +420,47 @@ class _Digests:
                 file=file, tensor=name)
 
 
+def _refuse_other_meta(src, meta: CheckpointMeta) -> None:
+    """SaveError unless ``meta`` is the metadata of ``src``: the data written is meta's, so
+    the metadata of another checkpoint (kept from an earlier step) wrote that checkpoint
+    under src's name, and the same-directory check, held against meta's root, let
+    ``out == src`` replace src with another model. ``src`` a directory is meta's root (by
+    real path); a file is one of meta's data files or an index in meta's root."""
+    try:
+        path = os.path.realpath(os.fspath(src))
+    except TypeError:
+        raise SaveError(f"source {str(src)[:200]!r} is {type(src).__name__}; expected a str "
+                        f"or os.PathLike path") from None
+    root = os.path.realpath(meta.root)
+    if os.path.isdir(path):
+        ok = path == root
+    else:
+        d, base = os.path.split(path)
+        ok = d == root and (base in {f.name for f in meta.files} or base == SHARDED_INDEX
+                            or base.endswith(HF_INDEX_SUFFIX))
+    if not ok:
+        raise SaveError(f"meta= is the metadata of the checkpoint in {meta.root}, not of the "
+                        f"source {os.fspath(src)}; nothing written. Pass the source's own "
+                        f"(read_checkpoint(src)), or leave meta= out", file=os.fspath(src))
+
+
+def _refuse_out_is_source(out_dir: str, src, meta: CheckpointMeta) -> None:
+    """SaveError when the output directory is the source's (an overwrite replaced the
+    source's files): by real path (a symlink to it), and, where the output exists, by
+    identity (a bind mount of it, which the real path does not show)."""
+    sources = [meta.root, os.fspath(src)]   # (src a path: read or checked above)
+    same = any(os.path.realpath(out_dir) == os.path.realpath(s) for s in sources)
+    if not same and os.path.exists(out_dir):
+        for s in sources:
+            try:
+                same = same or os.path.samefile(out_dir, s)
+            except OSError:   # (a source gone is the reader's to report)
+                pass
+    if same:
+        raise SaveError("output directory is the source checkpoint; choose another directory",
+                        file=out_dir)
+
+
 @on_host_default_device
 def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
                 block_bytes: int = DEFAULT_BLOCK_BYTES, overwrite: bool = False,
@@ -428,7 +469,9 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     included) as a plain HF checkpoint in ``out_dir``. ``config`` (a dict, a path to
     config.json, or a checkpoint directory whose generation config, tokenizer files and
     chat template come too) is written in place of the source's own: DCP's output has
-    none, and transformers needs one. Raises SaveError / CheckpointError naming the file."""
+    none, and transformers needs one. ``meta``, the source's metadata already read, must
+    be ``src``'s own (another checkpoint's is refused); the output directory may not be the
+    source's. Raises SaveError / CheckpointError naming the file."""
     from coordloader.checkpoint.fileio import write_safetensors
     t0 = time.perf_counter()
     max_shard_bytes, block_bytes = check_sizes(None, max_shard_bytes=max_shard_bytes,
@@ -437,14 +480,13 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     if meta is None:
         from coordloader.checkpoint.reader import read_checkpoint
         meta = read_checkpoint(src)
+    else:
+        _refuse_other_meta(src, meta)
     # torch DCP's shapes are the extents of the pieces present: a missing rank's file
     # would be written out as smaller tensors under a config.json that states the sizes
     check_extents(meta, cfg.doc if cfg is not None else None)
     out_dir = output_dir(out_dir)
-    # by real path: a symlink to the source is the source (an overwrite replaced its files)
-    if os.path.realpath(out_dir) == os.path.realpath(meta.root):
-        raise SaveError("output directory is the source checkpoint; choose another directory",
-                        file=out_dir)
+    _refuse_out_is_source(out_dir, src, meta)
     # every source file opened and checked before anything is written; read only through
     # these, and the companions copied from theirs
     try:   # every source file stays open for the run, as in the cpu engine's load
