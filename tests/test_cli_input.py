@@ -143,6 +143,39 @@ def test_an_output_never_adds_a_file_the_reader_would_read(tmp_path, monkeypatch
     read_checkpoint(ck)
 
 
+def test_an_output_directory_is_never_named_as_a_file_of_the_checkpoint(tmp_path, monkeypatch,
+                                                                         capsys):
+    """`load SRC --dump SRC/model.safetensors`, `consolidate . model.safetensors` run inside
+    a sharded save: the output directory, named like a checkpoint file in the checkpoint's
+    directory, exited 0 and the source no longer loaded ("holds both ... two
+    checkpoints")."""
+    from coordloader.checkpoint.reader import read_checkpoint
+    from coordloader.cli import consolidate, load
+    from coordloader.synth import synthesize
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny", shards=2)
+    before = sorted(os.listdir(ck))
+    out = os.path.join(ck, "model.safetensors")
+    with pytest.raises(SystemExit) as ei:
+        load.main([ck, "--quiet", "--dump", out])
+    assert ei.value.code == 1
+    assert (f"ConfigError: file {out}: --dump {out} would add model.safetensors to the "
+            f"checkpoint directory {ck}, where it would be read as part of the checkpoint; "
+            f"write it elsewhere" in capsys.readouterr().err)
+    monkeypatch.chdir(ck)
+    assert consolidate.main([".", "model.safetensors"]) == 1
+    assert (f"SaveError: file model.safetensors: output directory model.safetensors would add "
+            f"model.safetensors to the source checkpoint's directory {ck}, where it would be "
+            f"read as part of the checkpoint; choose another directory"
+            in capsys.readouterr().err)
+    assert sorted(os.listdir(ck)) == before
+    read_checkpoint(ck)
+    # a directory of any other name there is not read as the checkpoint's, and allowed
+    assert consolidate.main([".", "hf"]) == 0
+    read_checkpoint(ck)
+
+
 def test_load_report_dash_is_stdout(tmp_path, monkeypatch, capsys):
     """--report - wrote a file named '-'; plan --json - means stdout, and so does it now,
     the table then on stderr."""

@@ -637,6 +637,24 @@ def is_checkpoint_file(name: str) -> bool:
             or name in (SHARDED_INDEX, CONFIG_NAME, PUBLISH_MARKER, MANIFEST_NAME))
 
 
+def checkpoint_dir(checkpoint: str) -> str:
+    """The directory of ``checkpoint`` (a checkpoint directory or a file in one), absolute."""
+    root = os.path.abspath(checkpoint)
+    return root if os.path.isdir(root) else os.path.dirname(root)
+
+
+def checkpoint_file_at(out: str, checkpoint: str) -> str | None:
+    """The name ``out`` (a file or directory an output would be written to) takes in the
+    directory of ``checkpoint`` (a checkpoint directory or a file in one) where it lands
+    directly there (by real path), else None. With ``is_checkpoint_file`` of that name:
+    whether the output would be read as part of the checkpoint (a directory named
+    ``model.safetensors`` in a sharded save makes it two checkpoints)."""
+    target = os.path.realpath(os.path.abspath(out))
+    if os.path.dirname(target) != os.path.realpath(checkpoint_dir(checkpoint)):
+        return None
+    return os.path.basename(target)
+
+
 def discover(root: str) -> Discovery:
     """Find the files of a checkpoint: a directory in HF layout (index + shards, a single
     model.safetensors, or loose *.safetensors), or a path to one .safetensors file."""

@@ -4,7 +4,11 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from coordloader.checkpoint.reader import is_checkpoint_file
+from coordloader.checkpoint.reader import (
+    checkpoint_dir,
+    checkpoint_file_at,
+    is_checkpoint_file,
+)
 from coordloader.dist.collective import exit_on_error
 from coordloader.errors import ConfigError
 
@@ -30,13 +34,10 @@ def refuse_checkpoint_file(out: str | None, checkpoint: str, flag: str) -> None:
     work."""
     if not out or out == "-":
         return
-    root = os.path.abspath(checkpoint)
-    if not os.path.isdir(root):
-        root = os.path.dirname(root)
-    target = os.path.realpath(os.path.abspath(out))
-    if os.path.dirname(target) != os.path.realpath(root):
+    name = checkpoint_file_at(out, checkpoint)
+    if name is None:
         return
-    name = os.path.basename(target)
+    root = checkpoint_dir(checkpoint)
     if os.path.lexists(out):
         raise ConfigError(f"{flag} {out} would replace {name} in the checkpoint directory "
                           f"{root}; write it elsewhere", file=out)
@@ -51,12 +52,16 @@ def refuse_checkpoint_dir(out_dir: str | None, checkpoint: str, flag: str) -> No
     written there would be read as part of the checkpoint."""
     if not out_dir:
         return
-    root = os.path.abspath(checkpoint)
-    if not os.path.isdir(root):
-        root = os.path.dirname(root)
+    root = checkpoint_dir(checkpoint)
     if os.path.realpath(out_dir) == os.path.realpath(root):
         raise ConfigError(f"{flag} {out_dir} is the checkpoint directory: its files would be "
                           f"read as part of the checkpoint; write it elsewhere", file=out_dir)
+    name = checkpoint_file_at(out_dir, checkpoint)
+    if name is not None and is_checkpoint_file(name):
+        # a directory under a checkpoint file's name makes the source two checkpoints
+        raise ConfigError(f"{flag} {out_dir} would add {name} to the checkpoint directory "
+                          f"{root}, where it would be read as part of the checkpoint; write "
+                          f"it elsewhere", file=out_dir)
 
 
 def refuse_over_inputs(out: str | None, flag: str, args) -> None:

@@ -43,6 +43,8 @@ from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shap
 from coordloader.checkpoint.reader import (
     MAX_HF_INDEX,
     MAX_JSON_FILE,
+    checkpoint_file_at,
+    is_checkpoint_file,
     open_regular,
     read_small_file,
     refuse_interrupted,
@@ -447,7 +449,8 @@ def _refuse_other_meta(src, meta: CheckpointMeta) -> None:
 def _refuse_out_is_source(out_dir: str, src, meta: CheckpointMeta) -> None:
     """SaveError when the output directory is the source's (an overwrite replaced the
     source's files): by real path (a symlink to it), and, where the output exists, by
-    identity (a bind mount of it, which the real path does not show)."""
+    identity (a bind mount of it, which the real path does not show); or sits in the
+    source's directory under a name the reader reads as part of the checkpoint."""
     sources = [meta.root, os.fspath(src)]   # (src a path: read or checked above)
     same = any(os.path.realpath(out_dir) == os.path.realpath(s) for s in sources)
     if not same and os.path.exists(out_dir):
@@ -459,6 +462,13 @@ def _refuse_out_is_source(out_dir: str, src, meta: CheckpointMeta) -> None:
     if same:
         raise SaveError("output directory is the source checkpoint; choose another directory",
                         file=out_dir)
+    name = checkpoint_file_at(out_dir, meta.root)
+    if name is not None and is_checkpoint_file(name):
+        # (`consolidate . model.safetensors` in a sharded save): the source then reads as
+        # two checkpoints, refused by every reader
+        raise SaveError(f"output directory {out_dir} would add {name} to the source checkpoint's "
+                        f"directory {meta.root}, where it would be read as part of the "
+                        f"checkpoint; choose another directory", file=out_dir)
 
 
 @on_host_default_device
