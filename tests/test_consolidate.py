@@ -637,3 +637,37 @@ def test_an_output_that_reaches_the_source_by_another_path_is_refused(tmp_path, 
     with pytest.raises(SaveError, match="output directory is the source checkpoint"):
         consolidate(src, str(tmp_path / "alias"), overwrite=True)
     assert sorted(os.listdir(src)) == before
+
+
+def test_a_config_directory_with_a_tokenizer_supplies_all_of_its_kind(tmp_path):
+    # config=DIR copied DIR's tokenizer over the source's same-named files, but every file of
+    # the source's tokenizer DIR lacks stayed (its named chat templates, generation config,
+    # sentencepiece model): the output's tokenizer mixed two models'
+    src = synthesize(str(tmp_path / "src"), "llama", "tiny", seed=1)
+    theirs = {"tokenizer.json": "A-tok", "tokenizer_config.json": "{}",
+              "tokenizer.model": "A-spm", "chat_template.jinja": "A-default",
+              "additional_chat_templates/tool_use.jinja": "A-tool",
+              "generation_config.json": '{"eos_token_id": 1}', "README.md": "A-readme"}
+    for name, text in theirs.items():
+        os.makedirs(os.path.dirname(os.path.join(src, name)), exist_ok=True)
+        open(os.path.join(src, name), "w").write(text)
+    b = tmp_path / "B"
+    b.mkdir()
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    (b / "config.json").write_text(json.dumps(cfg))
+    (b / "tokenizer.json").write_text("B-tok")
+    (b / "chat_template.jinja").write_text("B-default")
+    out = tmp_path / "out"
+    consolidate(src, str(out), config=str(b))
+    assert sorted(os.listdir(out)) == ["README.md", "chat_template.jinja", "config.json",
+                                       "model-00001-of-00001.safetensors",
+                                       "model.safetensors.index.json", "tokenizer.json"]
+    assert (out / "tokenizer.json").read_text() == "B-tok"
+    assert (out / "chat_template.jinja").read_text() == "B-default"
+    # a directory of config.json alone (DCP's missing config) leaves the source's tokenizer
+    c = tmp_path / "C"
+    c.mkdir()
+    (c / "config.json").write_text(json.dumps(cfg))
+    consolidate(src, str(out), config=str(c), overwrite=True)
+    for name, text in theirs.items():
+        assert (out / name).read_text() == text, name

@@ -19,9 +19,10 @@ def main(argv=None) -> int:
                     help="memory bound: MiB assembled at a time (default 64)")
     ap.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in OUT")
     ap.add_argument("--config", default=None, metavar="PATH",
-                    help="config.json (or a checkpoint directory: its tokenizer files and "
-                         "generation config come too) to write in place of the source's; torch "
-                         "DCP's sharded output has none")
+                    help="config.json to write in place of the source's (or a checkpoint "
+                         "directory: its tokenizer files, chat templates and generation config "
+                         "come too, replacing the source's); torch DCP's sharded output has "
+                         "none")
     a = ap.parse_args(argv)
     return run_command("consolidate", lambda: _run(a))
 

@@ -62,6 +62,7 @@ from coordloader.handoff.publish import (
     check_sizes,
     companion_files,
     companion_path,
+    config_supplies_tokenizer,
     end_stage,
     os_error,
     output_dir,
@@ -71,6 +72,7 @@ from coordloader.handoff.publish import (
     resolve_config,
     stage_config,
     sync_companion_dirs,
+    tokenizer_companion,
     write_json_durable,
     writer_error,
 )
@@ -223,7 +225,8 @@ def _fd_digest(fd: int, limit: int) -> bytes | None:
 _SIDE_FILES = 32
 
 
-def _open_described(meta: CheckpointMeta, fds: Described) -> list[str]:
+def _open_described(meta: CheckpointMeta, fds: Described,
+                    tokenizer_elsewhere: bool = False) -> list[str]:
     """Open, into ``fds`` (name: descriptor, identity, digest), every file of the source
     that is not data but is copied or read beside it: the companion files (config.json,
     tokenizer files ...), the manifest, the index. Opened with the data files, before
@@ -231,9 +234,11 @@ def _open_described(meta: CheckpointMeta, fds: Described) -> list[str]:
     ``_recheck_sources`` compares each path's identity with the one recorded here and,
     where that moved, its bytes with the digest recorded here. These files are small
     (companions at most MAX_COMPANION_BYTES, the index and manifest the reader's cap).
-    Returns the companions' names (what travels along)."""
+    Returns the companions' names (what travels along): without those of the tokenizer's
+    kind where ``tokenizer_elsewhere`` (``config=`` supplies them)."""
     data = {f.name for f in meta.files}
-    companions = companion_files(meta.root, data)
+    companions = [n for n in companion_files(meta.root, data)
+                  if not (tokenizer_elsewhere and tokenizer_companion(n))]
     names = set(companions)
     try:
         listing = os.listdir(meta.root)
@@ -479,7 +484,12 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     included) as a plain HF checkpoint in ``out_dir``. ``config`` (a dict, a path to
     config.json, or a checkpoint directory whose generation config, tokenizer files and
     chat template come too) is written in place of the source's own: DCP's output has
-    none, and transformers needs one. ``meta``, the source's metadata already read, must
+    none, and transformers needs one. A directory holding any file of the tokenizer's
+    kind (tokenizer files, chat templates, also under ``additional_chat_templates/``,
+    generation or processor config) supplies all of them: the source's files of that
+    kind are not carried, so the output never mixes two models' tokenizers; a directory
+    with none of them leaves the source's in place. The source's other companions
+    (a README, a license) travel as without ``config``. ``meta``, the source's metadata already read, must
     be ``src``'s own (another checkpoint's is refused); the output directory may not be the
     source's. Raises SaveError / CheckpointError naming the file."""
     from coordloader.checkpoint.fileio import write_safetensors
@@ -510,7 +520,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
         raise
     described: Described = {}
     try:
-        companions = _open_described(meta, described)
+        companions = _open_described(meta, described, config_supplies_tokenizer(cfg))
         stage = prepare_target(out_dir, overwrite, None, "consolidate-" + uuid.uuid4().hex[:12])
     except BaseException:
         _close_all(srcs, described, room)

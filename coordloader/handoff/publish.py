@@ -681,6 +681,29 @@ def companion_files(src_dir: str, skip: set[str]) -> list[str]:
     return out
 
 
+# The companions tied to the model's tokenizer: its files in the formats transformers
+# reads (tokenizer.json, sentencepiece and tiktoken models, vocab and merges), its chat
+# templates, and the configs that hold its token ids (generation, processor). Taken from
+# two directories they mix two models' tokenizers (one's named templates, the other's
+# vocabulary), so they come from one.
+_TOKENIZER_KIND = re.compile(
+    r"(?:tokenizer[^/]*|special_tokens_map\.json|added_tokens\.json|vocab\.[^/]+|merges\.txt"
+    r"|[^/]+\.model|[^/]+\.tiktoken|chat_template\.[^/]+|additional_chat_templates/.+"
+    r"|generation_config\.json|(?:video_)?preprocessor_config\.json|processor_config\.json)\Z")
+
+
+def tokenizer_companion(name: str) -> bool:
+    """Whether companion ``name`` is of the tokenizer's kind (``_TOKENIZER_KIND``)."""
+    return _TOKENIZER_KIND.match(name) is not None
+
+
+def config_supplies_tokenizer(cfg: ModelConfig | None) -> bool:
+    """Whether ``config=`` is a directory holding any companion of the tokenizer's kind:
+    then the output's files of that kind are the directory's alone."""
+    return (cfg is not None and cfg.src_dir is not None
+            and any(map(tokenizer_companion, companion_files(cfg.src_dir, {CONFIG_NAME}))))
+
+
 def companion_path(stage_dir: str, name: str) -> str:
     """Where companion ``name`` goes in the stage (its folder made for a ``DIR/NAME``)."""
     p = os.path.join(stage_dir, name)
