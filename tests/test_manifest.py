@@ -305,3 +305,35 @@ def test_cli_writes_then_check_names_corrupted_tensor(tmp_path, capsys):
     assert manifest_main([str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("coordloader manifest: CheckpointError: ") and err.count("\n") == 1
+
+
+def test_a_manifest_of_a_file_beside_an_indexed_checkpoint_never_replaces_the_dirs(tmp_path,
+                                                                                   capsys):
+    # `manifest DIR/consolidated.safetensors` (Mistral's repos ship one beside the index)
+    # replaced DIR's manifest with one of that file: `load DIR --verify digest` then failed,
+    # calling the untouched checkpoint changed
+    from coordloader.synth import synthesize
+    src = synthesize(str(tmp_path / "m"), "llama", "tiny", shards=2, seed=1)
+    one = os.path.join(src, "consolidated.safetensors")
+    save_file({"x": torch.ones(3)}, one)
+    assert manifest_main([src, "--quiet"]) == 0
+    path = os.path.join(src, "coordloader.manifest.json")
+    before = open(path, "rb").read()
+    assert manifest_main([one, "--quiet"]) == 1
+    assert capsys.readouterr().err == (
+        f"coordloader manifest: VerifyError: file {path}: is the manifest of "
+        f"model-00001-of-00002.safetensors, model-00002-of-00002.safetensors (2 file(s)), not "
+        f"of consolidated.safetensors, the checkpoint given; a directory holds one manifest, of "
+        f"the checkpoint the directory reads as, so nothing was written. To make a manifest of "
+        f"consolidated.safetensors, put it in a directory of its own; to regenerate this one, "
+        f"run `python -m coordloader.manifest {src}`\n")
+    assert open(path, "rb").read() == before
+    meta = read_checkpoint(src)
+    assert mf.load_manifest(src, meta) is not None
+    # the directory's own checkpoint replaces a manifest of the other file (written before)
+    os.remove(path)
+    mf.write_manifest(read_checkpoint(one))   # no manifest there: written
+    assert manifest_main([src, "--quiet"]) == 0
+    assert mf.load_manifest(src, meta) is not None
+    # elsewhere, by path=, any manifest is written
+    mf.write_manifest(read_checkpoint(one), path=str(tmp_path / "other.json"))

@@ -195,7 +195,10 @@ def write_manifest(meta: CheckpointMeta, *, jobs: int = 1, path: str | None = No
     """Write the content manifest of the checkpoint ``meta`` (``read_checkpoint(dir)``;
     a checkpoint directory's path is read first) to ``path`` (default: its
     coordloader.manifest.json); returns the path written. ``progress(name, info)`` is
-    called as each tensor (its name and TensorInfo) is digested."""
+    called as each tensor (its name and TensorInfo) is digested. A directory holds one
+    manifest, of the checkpoint the directory reads as: VerifyError, before any digest,
+    where ``meta`` is another (one file beside an indexed checkpoint) and the manifest
+    there describes other files."""
     if isinstance(meta, (str, os.PathLike)):
         from coordloader.checkpoint.reader import read_checkpoint
         meta = read_checkpoint(os.fspath(meta))
@@ -209,11 +212,45 @@ def write_manifest(meta: CheckpointMeta, *, jobs: int = 1, path: str | None = No
     if progress is not None and not callable(progress):
         raise VerifyError(f"write_manifest: progress must be a callable(name, info) or None, "
                           f"got {type(progress).__name__}")
-    digests = compute(meta, jobs=jobs, progress=progress)
     path = path or manifest_path(meta.root)
+    _refuse_replacing_anothers(path, meta)
+    digests = compute(meta, jobs=jobs, progress=progress)
     blob = json.dumps(to_json(meta, digests), indent=1, sort_keys=False).encode() + b"\n"
     write_atomic(path, blob)
     return path
+
+
+def _refuse_replacing_anothers(path: str, meta: CheckpointMeta) -> None:
+    """VerifyError, before any digest, when ``path`` is the manifest of ``meta``'s
+    directory, ``meta`` is not the checkpoint that directory reads as (one file read by its
+    path beside an indexed checkpoint: Mistral's ``consolidated.safetensors``), and the
+    manifest there describes other files: a directory holds one manifest, and replacing the
+    directory's made its loads with ``--verify digest`` fail as changed. A manifest of the
+    directory's own checkpoint replaces any (a stale one regenerated), and an unreadable one
+    is replaced as before."""
+    if os.path.realpath(path) != os.path.realpath(manifest_path(meta.root)):
+        return
+    ours = sorted(f.name for f in meta.files)
+    try:
+        doc = read_json_document(path, path, "manifest")
+        theirs = sorted(str(f["name"]) for f in doc["files"])
+    except (CheckpointError, ValueError, RecursionError, KeyError, TypeError):
+        return   # none there, or none that describes any files
+    if theirs == ours:
+        return
+    from coordloader.checkpoint.reader import discover
+    try:
+        if sorted(discover(meta.root).files) == ours:
+            return
+    except CheckpointError:
+        pass   # the directory reads as no checkpoint: meta is not its checkpoint either
+    shown = ", ".join(theirs[:3]) + (", ..." if len(theirs) > 3 else "")
+    mine = ", ".join(ours[:3]) + (", ..." if len(ours) > 3 else "")
+    raise VerifyError(
+        f"is the manifest of {shown} ({len(theirs)} file(s)), not of {mine}, the checkpoint "
+        f"given; a directory holds one manifest, of the checkpoint the directory reads as, so "
+        f"nothing was written. To make a manifest of {mine}, put it in a directory of its own; "
+        f"to regenerate this one, run `python -m coordloader.manifest {meta.root}`", file=path)
 
 
 def _staleness(doc: dict, meta: CheckpointMeta) -> str:
