@@ -671,3 +671,43 @@ def test_a_config_directory_with_a_tokenizer_supplies_all_of_its_kind(tmp_path):
     consolidate(src, str(out), config=str(c), overwrite=True)
     for name, text in theirs.items():
         assert (out / name).read_text() == text, name
+
+
+@pytest.mark.parametrize("case", ["torn", "tensor-missing", "dtype"])
+def test_a_malformed_or_mismatched_source_manifest_is_refused(tmp_path, case):
+    # dropped without a word, exit 0, the output without a manifest, where `manifest --check`
+    # and `load --verify digest` refuse it; a stale one (of other headers) is still dropped
+    from coordloader.verify import manifest as mf
+    src = synthesize(str(tmp_path / "src"), "llama", "tiny", seed=1)
+    mf.write_manifest(read_checkpoint(src))
+    path = os.path.join(src, mf.MANIFEST_NAME)
+    doc = json.load(open(path))
+    if case == "torn":
+        open(path, "w").write(json.dumps(doc)[:-200])
+    elif case == "tensor-missing":
+        del doc["tensors"]["lm_head.weight"]
+        json.dump(doc, open(path, "w"))
+    else:
+        doc["tensors"]["lm_head.weight"]["dtype"] = "F16"
+        json.dump(doc, open(path, "w"))
+    with pytest.raises(SaveError) as ei:
+        consolidate(src, str(tmp_path / "out"))
+    want = {"torn": "malformed manifest: ",
+            "tensor-missing": "manifest does not match the checkpoint's tensors (missing "
+                              "['lm_head.weight'], unexpected [])",
+            "dtype": "manifest records F16[320, 128], checkpoint has BF16[320, 128]"}[case]
+    assert str(ei.value).startswith(
+        f"file {path}" + (", tensor 'lm_head.weight'" if case == "dtype" else "")
+        + f": reading the source: {want}"), str(ei.value)
+    assert str(ei.value).endswith(
+        f"`manifest --check` and `load --verify digest` refuse it too: regenerate it (`python -m "
+        f"coordloader.manifest {src}`), or remove it to consolidate without one; the output "
+        f"directory was left as it was")
+    assert not os.path.exists(tmp_path / "out")
+    # a stale one (of other headers: the source saved again since) is not carried
+    mf.write_manifest(read_checkpoint(src))
+    doc = json.load(open(path))
+    doc["fingerprint"] = "0" * 64
+    json.dump(doc, open(path, "w"))
+    consolidate(src, str(tmp_path / "out"))
+    assert mf.MANIFEST_NAME not in os.listdir(tmp_path / "out")

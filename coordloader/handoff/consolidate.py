@@ -357,13 +357,19 @@ def _data_offsets(path: str) -> tuple[int, dict[str, tuple[int, int]]]:
 
 def _source_manifest(meta: CheckpointMeta):
     """The source's manifest where it is the manifest of these files (None where there is
-    none, or it is stale: of other headers)."""
+    none, or it is stale: of other headers). SaveError for one that is malformed or does
+    not match the checkpoint's tensors: `manifest --check` and `load --verify digest`
+    refuse it, and dropped without a word it left an output with no manifest, exit 0."""
     from coordloader.errors import VerifyError
     from coordloader.verify import manifest as mf
     try:
-        return mf.load_manifest(meta.root, meta)
-    except VerifyError:
-        return None
+        return mf.load_manifest(meta.root, meta, skip_stale=True)
+    except VerifyError as e:
+        raise SaveError(f"reading the source: {e.message}; `manifest --check` and `load "
+                        f"--verify digest` refuse it too: regenerate it (`python -m "
+                        f"coordloader.manifest {meta.root}`), or remove it to consolidate "
+                        f"without one; the output directory was left as it was",
+                        file=e.file, tensor=e.tensor) from None
 
 
 class _Digests:
@@ -521,6 +527,7 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     described: Described = {}
     try:
         companions = _open_described(meta, described, config_supplies_tokenizer(cfg))
+        manifest = _source_manifest(meta)   # (refused before anything is written)
         stage = prepare_target(out_dir, overwrite, None, "consolidate-" + uuid.uuid4().hex[:12])
     except BaseException:
         _close_all(srcs, described, room)
@@ -528,7 +535,6 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     stage_dir = os.path.join(out_dir, stage)
     digests = None
     try:
-        manifest = _source_manifest(meta)
         digests = _Digests(manifest) if manifest is not None else None
         shards = _plan_shards(meta, max_shard_bytes)
         n = len(shards)

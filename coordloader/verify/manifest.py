@@ -311,9 +311,12 @@ def _samples(doc: dict, meta: CheckpointMeta) -> dict[str, str]:
     return out
 
 
-def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) -> Manifest | None:
-    """The checkpoint's manifest, or None when there is none (unless ``required``).
-    Raises VerifyError for a malformed or stale manifest, naming what changed."""
+def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False,
+                  skip_stale: bool = False) -> Manifest | None:
+    """The checkpoint's manifest, or None when there is none (unless ``required``), or,
+    with ``skip_stale``, when it is stale (of other headers, or of another digest
+    algorithm). Raises VerifyError for a malformed or stale manifest, naming what
+    changed."""
     path = manifest_path(root)
     if not os.path.lexists(path):
         if required:
@@ -338,6 +341,8 @@ def load_manifest(root: str, meta: CheckpointMeta, *, required: bool = False) ->
         samples = _samples(doc, meta)
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
         raise VerifyError(f"malformed manifest: {e}", file=path) from None
+    if skip_stale and (doc.get("algorithm") != ALGORITHM or fp != meta.fingerprint()):
+        return None
     if doc.get("algorithm") != ALGORITHM:
         # a well-formed manifest of another coordloader version: its digests are not
         # comparable, and recomputing them is the fix
