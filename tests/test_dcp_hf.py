@@ -823,3 +823,35 @@ def test_dcp_pieces_spanning_2_63_bytes_are_refused():
             "file shard-00001-model-00001-of-00001.safetensors, tensor 'v': pieces span shape "
             "[9223372036854779904], I8: the tensor would be 2**63 bytes or more; expected below "
             "2**63")
+
+
+@pytest.mark.parametrize("rows", [136, 64])
+def test_dcp_pieces_past_the_configs_size_say_the_config_does_not_fit(tmp_path, rows):
+    """An embedding of 136 rows (a vocabulary padded in training, or a smaller model's
+    config) under vocab_size=128 was called "a missing rank's file shrinks the tensors":
+    pieces reaching past the config's size cannot come from a missing file."""
+    from safetensors.torch import save_file
+    src = tmp_path / "dcp"
+    src.mkdir()
+    emb = torch.randn(rows, 16)
+    half = rows // 2
+    for r, (a, b) in enumerate([(0, half), (half, rows)]):
+        save_file({"model.embed_tokens.weight": emb[a:b].contiguous()},
+                  str(src / f"shard-{r + 1:05d}-model-00001-of-00001.safetensors"),
+                  metadata={"DCP_SHARDING_INFO": json.dumps(
+                      {"model.embed_tokens.weight": {"saved_offsets": [a, 0]}})})
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128,
+           "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1,
+           "intermediate_size": 32}
+    with pytest.raises(CheckpointError) as ei:
+        cl.consolidate(str(src), str(tmp_path / "hf"), config=cfg)
+    head = ("file shard-00002-model-00001-of-00001.safetensors, tensor "
+            f"'model.embed_tokens.weight': torch DCP's per-rank shards reach {rows} along dim 0 "
+            "of this tensor")
+    assert str(ei.value) == head + (
+        ", past the vocab_size=128 config.json says: the config does not fit the weights "
+        "(another model's config, or a vocabulary padded in training); pass the config the "
+        "model was trained with (config= / --config)" if rows > 128 else
+        ", but config.json says vocab_size=128: DCP records no global shape, so a missing "
+        "rank's file shrinks the tensors; expected every rank's shard-*.safetensors file")
+    assert not (tmp_path / "hf").exists()

@@ -579,6 +579,15 @@ def check_extents(meta: CheckpointMeta, config: Mapping | None = None) -> None:
     bad = extent_mismatch(meta, config)
     if bad is not None:
         name, key, want, got, dim = bad
+        if got > want:
+            # pieces past the config's size: no file is missing, the config is not these
+            # weights'
+            raise CheckpointError(f"torch DCP's per-rank shards reach {got} along dim {dim} of "
+                                  f"this tensor, past the {key}={want} config.json says: the "
+                                  f"config does not fit the weights (another model's config, "
+                                  f"or a vocabulary padded in training); pass the config the "
+                                  f"model was trained with (config= / --config)",
+                                  file=meta.tensors[name].pieces[-1].file, tensor=name)
         raise CheckpointError(f"torch DCP's per-rank shards reach {got} along dim {dim} of this "
                               f"tensor, but config.json says {key}={want}: DCP records no "
                               f"global shape, so a missing rank's file shrinks the tensors; "
