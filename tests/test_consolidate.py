@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -711,3 +712,36 @@ def test_a_malformed_or_mismatched_source_manifest_is_refused(tmp_path, case):
     json.dump(doc, open(path, "w"))
     consolidate(src, str(tmp_path / "out"))
     assert mf.MANIFEST_NAME not in os.listdir(tmp_path / "out")
+
+
+def test_metadata_of_the_source_given_as_a_hub_file_or_beside_it_is_held_to_what_it_reads_as(
+        tmp_path):
+    # a hub snapshot's files are links into blobs/: the file's real path is no file of the
+    # snapshot, and consolidate(FILE, out, meta=read_checkpoint(FILE)) was refused; and a
+    # directory (or its index) with the metadata of one file beside its indexed checkpoint
+    # (Mistral's consolidated.safetensors) was taken, writing that file's model under its name
+    plain = synthesize(str(tmp_path / "plain"), "llama", "tiny", seed=1, shards=2)
+    snap, blobs = tmp_path / "hub" / "snapshots" / "abc", tmp_path / "hub" / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for n in os.listdir(plain):
+        shutil.copy(os.path.join(plain, n), blobs / ("h-" + n))
+        os.symlink(os.path.join("..", "..", "blobs", "h-" + n), snap / n)
+    index = str(snap / "model.safetensors.index.json")
+    consolidate(index, str(tmp_path / "a"), meta=read_checkpoint(index))
+    consolidate(str(snap), str(tmp_path / "b"), meta=read_checkpoint(index))
+    one = synthesize(str(tmp_path / "one"), "qwen2", "tiny", seed=2, shards=1)
+    side = os.path.join(plain, "consolidated.safetensors")
+    shutil.copy(os.path.join(one, "model.safetensors"), side)
+    consolidate(side, str(tmp_path / "c"), meta=read_checkpoint(side))
+    single = synthesize(str(tmp_path / "single"), "llama", "tiny", seed=3, shards=1)
+    consolidate(single, str(tmp_path / "d"),
+                meta=read_checkpoint(os.path.join(single, "model.safetensors")))
+    for src in (plain, os.path.join(plain, "model.safetensors.index.json")):
+        with pytest.raises(SaveError) as ei:
+            consolidate(src, str(tmp_path / "e"), meta=read_checkpoint(side))
+        assert str(ei.value) == (
+            f"file {src}: meta= is the metadata of consolidated.safetensors in {plain}, not of "
+            f"the source {src}; nothing written. Pass the source's own (read_checkpoint(src)), "
+            f"or leave meta= out")
+    assert not os.path.exists(tmp_path / "e")

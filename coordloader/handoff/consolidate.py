@@ -437,23 +437,38 @@ def _refuse_other_meta(src, meta: CheckpointMeta) -> None:
     """SaveError unless ``meta`` is the metadata of ``src``: the data written is meta's, so
     the metadata of another checkpoint (kept from an earlier step) wrote that checkpoint
     under src's name, and the same-directory check, held against meta's root, let
-    ``out == src`` replace src with another model. ``src`` a directory is meta's root (by
-    real path); a file is one of meta's data files or an index in meta's root."""
+    ``out == src`` replace src with another model. ``src``'s directory (by real path; the
+    file itself is not resolved: a hub snapshot's files are links into its blobs) is
+    meta's root, and ``src`` a directory or an index reads no fewer of the files there than
+    meta's (one file read by its path beside an indexed checkpoint is not the directory's
+    checkpoint); a data file is one of meta's."""
+    from coordloader.checkpoint.reader import discover
     try:
-        path = os.path.realpath(os.fspath(src))
+        path = os.path.abspath(os.fspath(src))
     except TypeError:
         raise SaveError(f"source {str(src)[:200]!r} is {type(src).__name__}; expected a str "
                         f"or os.PathLike path") from None
-    root = os.path.realpath(meta.root)
-    if os.path.isdir(path):
-        ok = path == root
-    else:
-        d, base = os.path.split(path)
-        ok = d == root and (base in {f.name for f in meta.files} or base == SHARDED_INDEX
-                            or base.endswith(HF_INDEX_SUFFIX))
+    ours = sorted(f.name for f in meta.files)
+    is_dir = os.path.isdir(path)
+    d, base = (path, None) if is_dir else os.path.split(path)
+    same_dir = ok = os.path.realpath(d) == os.path.realpath(meta.root)
+    if ok and not (not is_dir and base in ours):
+        ok = is_dir or base == SHARDED_INDEX or base.endswith(HF_INDEX_SUFFIX)
+        if ok:
+            try:
+                theirs = set(discover(path).files)
+            except CheckpointError:
+                theirs = None   # (a source that reads as no checkpoint: the reader's to report)
+            # a file of meta's there that the source does not read (one beside an indexed
+            # checkpoint); files of meta's gone since (metadata from before a save into the
+            # source) are the source check's to report, naming the file
+            ok = theirs is None or not any(
+                n not in theirs and os.path.lexists(os.path.join(d, n)) for n in ours)
     if not ok:
-        raise SaveError(f"meta= is the metadata of the checkpoint in {meta.root}, not of the "
-                        f"source {os.fspath(src)}; nothing written. Pass the source's own "
+        what = (f"the checkpoint in {meta.root}" if not same_dir else
+                f"{', '.join(ours[:3])}{', ...' if len(ours) > 3 else ''} in {meta.root}")
+        raise SaveError(f"meta= is the metadata of {what}, not of the source "
+                        f"{os.fspath(src)}; nothing written. Pass the source's own "
                         f"(read_checkpoint(src)), or leave meta= out", file=os.fspath(src))
 
 
