@@ -745,3 +745,21 @@ def test_metadata_of_the_source_given_as_a_hub_file_or_beside_it_is_held_to_what
             f"the source {src}; nothing written. Pass the source's own (read_checkpoint(src)), "
             f"or leave meta= out")
     assert not os.path.exists(tmp_path / "e")
+
+
+def test_a_config_directory_without_a_tokenizer_leaves_the_sources(tmp_path):
+    # model.save_pretrained(DIR) writes config.json and generation_config.json: such a
+    # config= directory counted as supplying the tokenizer, and the output had none at all
+    src = synthesize(str(tmp_path / "src"), "llama", "tiny", seed=1)
+    for name, text in {"tokenizer.json": "S-tok", "chat_template.jinja": "S-chat",
+                       "generation_config.json": '{"eos_token_id": 2}'}.items():
+        (tmp_path / "src" / name).write_text(text)
+    d = tmp_path / "saved"
+    d.mkdir()
+    (d / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    (d / "generation_config.json").write_text('{"eos_token_id": 2, "do_sample": true}')
+    out = tmp_path / "out"
+    consolidate(src, str(out), config=str(d))
+    assert (out / "tokenizer.json").read_text() == "S-tok"
+    assert (out / "chat_template.jinja").read_text() == "S-chat"
+    assert json.loads((out / "generation_config.json").read_text())["do_sample"] is True

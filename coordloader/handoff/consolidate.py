@@ -505,11 +505,11 @@ def consolidate(src: str, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
     included) as a plain HF checkpoint in ``out_dir``. ``config`` (a dict, a path to
     config.json, or a checkpoint directory whose generation config, tokenizer files and
     chat template come too) is written in place of the source's own: DCP's output has
-    none, and transformers needs one. A directory holding any file of the tokenizer's
-    kind (tokenizer files, chat templates, also under ``additional_chat_templates/``,
-    generation or processor config) supplies all of them: the source's files of that
-    kind are not carried, so the output never mixes two models' tokenizers; a directory
-    with none of them leaves the source's in place. The source's other companions
+    none, and transformers needs one. A directory holding a tokenizer (tokenizer files,
+    chat templates, also under ``additional_chat_templates/``) supplies all files of its
+    kind (generation and processor configs too): the source's are not carried, so the
+    output never mixes two models' tokenizers; a directory without one (config.json, or
+    with generation_config.json) leaves the source's in place. The source's other companions
     (a README, a license) travel as without ``config``. ``meta``, the source's metadata already read, must
     be ``src``'s own (another checkpoint's is refused); the output directory may not be the
     source's. Raises SaveError / CheckpointError naming the file."""

@@ -697,11 +697,21 @@ def tokenizer_companion(name: str) -> bool:
     return _TOKENIZER_KIND.match(name) is not None
 
 
+# The tokenizer itself (vocabulary and chat templates): a config directory holding none of
+# these (``model.save_pretrained`` writes config.json and generation_config.json) has no
+# tokenizer to supply, and its generation config goes over the source's, as before.
+_TOKENIZER_ITSELF = re.compile(
+    r"(?:tokenizer[^/]*|special_tokens_map\.json|added_tokens\.json|vocab\.[^/]+|merges\.txt"
+    r"|[^/]+\.model|[^/]+\.tiktoken|chat_template\.[^/]+|additional_chat_templates/.+)\Z")
+
+
 def config_supplies_tokenizer(cfg: ModelConfig | None) -> bool:
-    """Whether ``config=`` is a directory holding any companion of the tokenizer's kind:
-    then the output's files of that kind are the directory's alone."""
+    """Whether ``config=`` is a directory holding a tokenizer (``_TOKENIZER_ITSELF``): then
+    the output's files of the tokenizer's kind (its generation and processor configs too)
+    are the directory's alone."""
     return (cfg is not None and cfg.src_dir is not None
-            and any(map(tokenizer_companion, companion_files(cfg.src_dir, {CONFIG_NAME}))))
+            and any(_TOKENIZER_ITSELF.match(n)
+                    for n in companion_files(cfg.src_dir, {CONFIG_NAME})))
 
 
 def companion_path(stage_dir: str, name: str) -> str:
