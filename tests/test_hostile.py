@@ -546,6 +546,7 @@ except CoordloaderError as e:
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["cpu", "safetensors"])
 def test_shard_truncated_during_the_load_is_a_load_error_not_a_crash(tmp_path, engine):
     """A shard truncated between two reads of the safetensors engine killed the process

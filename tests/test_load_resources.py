@@ -75,6 +75,7 @@ def _many_files(tmp_path, n):
     return read_checkpoint(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_cpu_engine_makes_room_for_the_files_it_holds_open(tmp_path):
     """The cpu engine holds every file it reads open for the whole load: a rank reading
     more files than the soft RLIMIT_NOFILE allows (a torch DCP checkpoint of 1024 ranks

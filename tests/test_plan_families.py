@@ -53,6 +53,7 @@ def test_families_give_the_plan_of_tensors_placed_alone(monkeypatch, dsv3, kw):
     same_as_alone(monkeypatch, dsv3, Layout(**kw))
 
 
+@pytest.mark.slow
 def test_a_rule_for_one_layers_weight_moves_that_layers_scale_only(monkeypatch, dsv3):
     # o_proj is row-parallel; layer 3's alone is held whole, and so must be its block
     # scale, which matches the same (preset) scale rule as every other layer's

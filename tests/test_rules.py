@@ -360,6 +360,7 @@ def _regex_and_names(draw):
     return alts, names
 
 
+@pytest.mark.slow
 def test_match_all_equals_match_on_every_name():
     """Sound shortcut: for rule sets ``_digit_blind`` accepts, the template match picks the
     same rule as matching each name; for the others match_all matches each name."""

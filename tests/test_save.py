@@ -710,6 +710,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", ["staged", "marked"])
 def test_a_second_writer_into_a_directory_another_is_writing_is_refused(tmp_path, step):
     """A consolidate started into a directory another one was still writing removed the

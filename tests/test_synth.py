@@ -369,6 +369,7 @@ def test_qwen3_moe_full_metadata_only(tmp_path):
         assert t.shape == (2, 768) and not t.float().any()
 
 
+@pytest.mark.slow
 def test_deepseek_v3_full_metadata_only(tmp_path):
     t0 = time.perf_counter()
     root = synth.synthesize(str(tmp_path / "ds"), "deepseek_v3", "full", metadata_only=True)
