@@ -42,11 +42,11 @@ from coordloader.engines import (
     check_disjoint,
     host_default_device,
     refuse_layout,
+    refuse_wrapper,
     require_tensor,
     resolve_engine_name,
     select_engine,
     uninitialized,
-    wraps_other_tensors,
     writable,
 )
 from coordloader.errors import (
@@ -800,15 +800,9 @@ def _refuse_wrapper(dst: torch.Tensor, tgt: str, name: str | None, rank: int) ->
     refused before any read, since a failure in the
     copies into targets after the load (the last phase) reached only the rank that raised,
     the others returning as loaded."""
-    if wraps_other_tensors(dst):
-        # a wrapper subclass (DTensor, TwoTensor, a float8 weight) need not hold its values
-        # in its own storage: the engine cannot read into it, and a copy_ into it goes
-        # wherever the subclass sends it. A subclass over its own storage (a Parameter
-        # subclass, as_subclass) is filled like a plain tensor.
-        raise LoadError(f"target {tgt!r} is a {type(dst).__name__}, a tensor subclass that "
-                        f"wraps others; expected a tensor whose own storage holds its values "
-                        f"(load into a plain tensor, then convert it)",
-                        tensor=name, rank=rank)
+    # a subclass over its own storage (a Parameter subclass, as_subclass) is filled like a
+    # plain tensor
+    refuse_wrapper(dst, f"target {tgt!r}", name, rank, "load into a plain tensor, then convert it")
     refuse_layout(dst, f"target {tgt!r}", name, rank)
 
 

@@ -223,15 +223,30 @@ def layout_kind(t: torch.Tensor) -> str | None:
     return "conjugate-bit" if t.is_conj() else None
 
 
-def require_tensor(t, what: str, name: str | None, rank: int | None) -> None:
-    """LoadError unless ``t``, a destination handed in, is a torch.Tensor with a shape."""
+def require_tensor(t, what: str, name: str | None, rank: int | None,
+                   wrapper_advice: str | None = None) -> None:
+    """LoadError unless ``t``, a destination handed in, is a torch.Tensor with a shape;
+    with ``wrapper_advice``, also unless it is one a reader can write (``refuse_wrapper``)."""
     if not isinstance(t, torch.Tensor):
         raise LoadError(f"{what} is a {type(t).__name__}, not a torch.Tensor; expected a "
                         f"tensor to load into", tensor=name, rank=rank)
     lazy = uninitialized(t)
     if lazy is not None:
         raise LoadError(f"{what} is {lazy}", tensor=name, rank=rank)
+    if wrapper_advice is not None:
+        refuse_wrapper(t, what, name, rank, wrapper_advice)
     refuse_layout(t, what, name, rank)
+
+
+def refuse_wrapper(t: torch.Tensor, what: str, name: str | None, rank: int | None,
+                   advice: str) -> None:
+    """LoadError when ``t`` wraps other tensors (``wraps_other_tensors``): it has no
+    storage of its own (data pointer 0), so a reader writing at its address writes at
+    address 0, and a copy_ into it goes where the subclass sends it."""
+    if wraps_other_tensors(t):
+        raise LoadError(f"{what} is a {type(t).__name__}, a tensor subclass that wraps "
+                        f"others; expected a tensor whose own storage holds its values "
+                        f"({advice})", tensor=name, rank=rank)
 
 
 def refuse_layout(t: torch.Tensor, what: str, name: str | None, rank: int | None) -> None:
@@ -244,13 +259,15 @@ def refuse_layout(t: torch.Tensor, what: str, name: str | None, rank: int | None
                         f"into a dense one, then convert it)", tensor=name, rank=rank)
 
 
-def check_disjoint(dests, rank: int | None, what: str = "destination") -> None:
-    """LoadError unless the tensors of ``dests`` (name, tensor) pairs own their memory:
-    none shares a byte with another or has elements sharing memory (an expanded view).
-    Filling overlapping destinations leaves one with the other's bytes, unnoticed."""
+def check_disjoint(dests, rank: int | None, what: str = "destination",
+                   wrapper_advice: str | None = None) -> None:
+    """LoadError unless the tensors of ``dests`` (name, tensor) pairs, each checked in
+    turn by ``require_tensor``, own their memory: none shares a byte with another or has
+    elements sharing memory (an expanded view). Filling overlapping destinations leaves one
+    with the other's bytes, unnoticed."""
     spans = []
     for name, t in dests:
-        require_tensor(t, what, name, rank)
+        require_tensor(t, what, name, rank, wrapper_advice)
         if t.numel() == 0 or t.device.type == "meta":
             continue
         lo, hi = _extent(t)
@@ -303,24 +320,12 @@ def host_out(out: Mapping[str, torch.Tensor] | None, rank_plan, device,
 
 
 def check_out(out: Mapping[str, torch.Tensor] | None, rank_plan, rank: int | None) -> None:
-    """``check_disjoint`` over the destinations ``out`` gives for this rank's slices, once
-    none is a wrapper subclass: it has no storage of its own (data pointer 0), so a reader
-    writing at its address writes at address 0, and a copy_ into it goes where the
-    subclass sends it."""
+    """``check_disjoint`` over the destinations ``out`` gives for this rank's slices, in
+    plan order, wrapper subclasses refused among the rest (the first bad one named)."""
     if out:
-        dests = [(ts.name, out[ts.name]) for ts in rank_plan.tensors if ts.name in out]
-        for name, t in dests:
-            # in plan order, each destination's refusals in turn: the first bad one is
-            # named, whatever is wrong with it (a float or a sparse tensor before a wrapper
-            # further on was named after it)
-            if (isinstance(t, torch.Tensor) and uninitialized(t) is None
-                    and wraps_other_tensors(t)):
-                raise LoadError(f"destination is a {type(t).__name__}, a tensor subclass "
-                                f"that wraps others; expected a tensor whose own storage "
-                                f"holds its values (its local tensor, or a plain tensor to "
-                                f"convert after)", tensor=name, rank=rank)
-            require_tensor(t, "destination", name, rank)
-        check_disjoint(dests, rank)
+        check_disjoint([(ts.name, out[ts.name]) for ts in rank_plan.tensors if ts.name in out],
+                       rank, wrapper_advice="its local tensor, or a plain tensor to convert "
+                                            "after")
 
 
 def host_default_device():
@@ -692,5 +697,6 @@ def copy_overlap(dst: torch.Tensor, piece_src: Box, piece_dst: tuple[int, ...],
 __all__ = ["ENGINE_NAMES", "LoadStats", "select_engine", "resolve_engine_name", "cuda_backend",
            "allocate",
            "host_out", "check_out", "check_disjoint", "require_tensor", "copy_overlap", "intersect",
-           "uninitialized", "layout_kind", "refuse_layout", "writable", "wraps_other_tensors",
+           "uninitialized", "layout_kind", "refuse_layout", "refuse_wrapper", "writable",
+           "wraps_other_tensors",
            "to_device", "descriptor_room"]
