@@ -681,28 +681,26 @@ def companion_files(src_dir: str, skip: set[str]) -> list[str]:
     return out
 
 
-# The companions tied to the model's tokenizer: its files in the formats transformers
-# reads (tokenizer.json, sentencepiece and tiktoken models, vocab and merges), its chat
-# templates, and the configs that hold its token ids (generation, processor). Taken from
-# two directories they mix two models' tokenizers (one's named templates, the other's
-# vocabulary), so they come from one.
+# The tokenizer itself: its files in the formats transformers reads (tokenizer.json,
+# sentencepiece and tiktoken models, vocab and merges) and its chat templates. A config
+# directory holding none of these (``model.save_pretrained`` writes config.json and
+# generation_config.json) has no tokenizer to supply, and its generation config goes over
+# the source's, as before.
+_TOKENIZER_FILES = (r"tokenizer[^/]*|special_tokens_map\.json|added_tokens\.json|vocab\.[^/]+"
+                    r"|merges\.txt|[^/]+\.model|[^/]+\.tiktoken|chat_template\.[^/]+"
+                    r"|additional_chat_templates/.+")
+_TOKENIZER_ITSELF = re.compile(f"(?:{_TOKENIZER_FILES})\\Z")
+# The companions tied to the model's tokenizer: those, and the configs that hold its token
+# ids (generation, processor). Taken from two directories they mix two models' tokenizers
+# (one's named templates, the other's vocabulary), so they come from one.
 _TOKENIZER_KIND = re.compile(
-    r"(?:tokenizer[^/]*|special_tokens_map\.json|added_tokens\.json|vocab\.[^/]+|merges\.txt"
-    r"|[^/]+\.model|[^/]+\.tiktoken|chat_template\.[^/]+|additional_chat_templates/.+"
+    f"(?:{_TOKENIZER_FILES}"
     r"|generation_config\.json|(?:video_)?preprocessor_config\.json|processor_config\.json)\Z")
 
 
 def tokenizer_companion(name: str) -> bool:
     """Whether companion ``name`` is of the tokenizer's kind (``_TOKENIZER_KIND``)."""
     return _TOKENIZER_KIND.match(name) is not None
-
-
-# The tokenizer itself (vocabulary and chat templates): a config directory holding none of
-# these (``model.save_pretrained`` writes config.json and generation_config.json) has no
-# tokenizer to supply, and its generation config goes over the source's, as before.
-_TOKENIZER_ITSELF = re.compile(
-    r"(?:tokenizer[^/]*|special_tokens_map\.json|added_tokens\.json|vocab\.[^/]+|merges\.txt"
-    r"|[^/]+\.model|[^/]+\.tiktoken|chat_template\.[^/]+|additional_chat_templates/.+)\Z")
 
 
 def config_supplies_tokenizer(cfg: ModelConfig | None) -> bool:
