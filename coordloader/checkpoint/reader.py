@@ -655,6 +655,13 @@ def checkpoint_file_at(out: str, checkpoint: str) -> str | None:
     return os.path.basename(target)
 
 
+def read_with_checkpoint(out: str, checkpoint: str) -> str | None:
+    """The name of ``out`` where an output there would be read as part of ``checkpoint``
+    (``checkpoint_file_at`` a name ``is_checkpoint_file``), else None."""
+    name = checkpoint_file_at(out, checkpoint)
+    return name if name is not None and is_checkpoint_file(name) else None
+
+
 def discover(root: str) -> Discovery:
     """Find the files of a checkpoint: a directory in HF layout (index + shards, a single
     model.safetensors, or loose *.safetensors), or a path to one .safetensors file."""

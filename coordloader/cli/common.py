@@ -8,6 +8,7 @@ from coordloader.checkpoint.reader import (
     checkpoint_dir,
     checkpoint_file_at,
     is_checkpoint_file,
+    read_with_checkpoint,
 )
 from coordloader.dist.collective import exit_on_error
 from coordloader.errors import ConfigError
@@ -56,8 +57,8 @@ def refuse_checkpoint_dir(out_dir: str | None, checkpoint: str, flag: str) -> No
     if os.path.realpath(out_dir) == os.path.realpath(root):
         raise ConfigError(f"{flag} {out_dir} is the checkpoint directory: its files would be "
                           f"read as part of the checkpoint; write it elsewhere", file=out_dir)
-    name = checkpoint_file_at(out_dir, checkpoint)
-    if name is not None and is_checkpoint_file(name):
+    name = read_with_checkpoint(out_dir, checkpoint)
+    if name is not None:
         # a directory under a checkpoint file's name makes the source two checkpoints
         raise ConfigError(f"{flag} {out_dir} would add {name} to the checkpoint directory "
                           f"{root}, where it would be read as part of the checkpoint; write "

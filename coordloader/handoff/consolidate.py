@@ -43,10 +43,9 @@ from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_shap
 from coordloader.checkpoint.reader import (
     MAX_HF_INDEX,
     MAX_JSON_FILE,
-    checkpoint_file_at,
-    is_checkpoint_file,
     open_regular,
     read_small_file,
+    read_with_checkpoint,
     refuse_interrupted,
     stat_key,
 )
@@ -488,8 +487,8 @@ def _refuse_out_is_source(out_dir: str, src, meta: CheckpointMeta) -> None:
     if same:
         raise SaveError("output directory is the source checkpoint; choose another directory",
                         file=out_dir)
-    name = checkpoint_file_at(out_dir, meta.root)
-    if name is not None and is_checkpoint_file(name):
+    name = read_with_checkpoint(out_dir, meta.root)
+    if name is not None:
         # (`consolidate . model.safetensors` in a sharded save): the source then reads as
         # two checkpoints, refused by every reader
         raise SaveError(f"output directory {out_dir} would add {name} to the source checkpoint's "
