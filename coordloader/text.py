@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import numbers
 import sys
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 
 def format_ranges(ids: Iterable[int], *, empty: str = "", max_chars: int | None = None) -> str:
@@ -25,6 +25,12 @@ def format_ranges(ids: Iterable[int], *, empty: str = "", max_chars: int | None 
     if max_chars is not None and len(s) > max_chars:
         s = s[:max_chars - 3] + "..."
     return s
+
+
+def first_items(items: Sequence[str], n: int, more: str = " ...") -> str:
+    """The first ``n`` of ``items`` joined by ", ", then ``more`` where some are left out:
+    a message names a few of a long list."""
+    return ", ".join(items[:n]) + (more if len(items) > n else "")
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

@@ -76,6 +76,7 @@ from coordloader.handoff.publish import (
     writer_error,
 )
 from coordloader.handoff.save import staged_manifest
+from coordloader.text import first_items
 from coordloader.verify.manifest import MANIFEST_NAME
 
 DEFAULT_BLOCK_BYTES = 64 * 2**20
@@ -465,7 +466,7 @@ def _refuse_other_meta(src, meta: CheckpointMeta) -> None:
                 n not in theirs and os.path.lexists(os.path.join(d, n)) for n in ours)
     if not ok:
         what = (f"the checkpoint in {meta.root}" if not same_dir else
-                f"{', '.join(ours[:3])}{', ...' if len(ours) > 3 else ''} in {meta.root}")
+                f"{first_items(ours, 3, ', ...')} in {meta.root}")
         raise SaveError(f"meta= is the metadata of {what}, not of the source "
                         f"{os.fspath(src)}; nothing written. Pass the source's own "
                         f"(read_checkpoint(src)), or leave meta= out", file=os.fspath(src))

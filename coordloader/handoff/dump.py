@@ -17,7 +17,7 @@ from coordloader.errors import SaveError
 from coordloader.handoff.pieces import check_tensor_name
 from coordloader.handoff.publish import output_dir
 from coordloader.layout import Layout, as_rank
-from coordloader.text import MAX_NAME_CHARS, clip
+from coordloader.text import MAX_NAME_CHARS, clip, first_items
 
 DUMP_NAME_RE = re.compile(r"rank-(\d{5,})\.safetensors")
 
@@ -94,7 +94,7 @@ def check_dump_target(out_dir: str, rank: int, world: int | None, overwrite: boo
              else [])
     if stale and not overwrite:
         raise SaveError(f"holds the dump of ranks this layout of {world} rank(s) does not "
-                        f"have ({', '.join(stale[:4])}{' ...' if len(stale) > 4 else ''}); "
+                        f"have ({first_items(stale, 4)}); "
                         f"pass --overwrite (overwrite=True) to replace the whole dump",
                         file=out_dir, rank=rank)
 

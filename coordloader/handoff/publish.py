@@ -56,7 +56,7 @@ from coordloader.checkpoint.reader import (
     refuse_dense_json,
 )
 from coordloader.errors import CheckpointError, SaveError
-from coordloader.text import clip, positive_int_problem
+from coordloader.text import clip, first_items, positive_int_problem
 from coordloader.verify.manifest import MANIFEST_NAME
 
 # Test hook: called with the name of each publish step just taken, so a test can kill the
@@ -429,8 +429,8 @@ def publish(out_dir: str, stage: str, files: list[str], entry: str,
     if gone:
         # nothing visible has changed yet; past the marker, files found in place would
         # pass for moved ones, and another writer's for this one's
-        raise SaveError(f"the staging directory {stage} no longer holds {', '.join(gone[:4])}"
-                        f"{' ...' if len(gone) > 4 else ''}, written there for this publish: "
+        raise SaveError(f"the staging directory {stage} no longer holds {first_items(gone, 4)}, "
+                        f"written there for this publish: "
                         f"another writer removed it; nothing was published", file=out_dir,
                         rank=rank)
     write_file_atomic(os.path.join(out_dir, PUBLISH_MARKER),
@@ -445,8 +445,8 @@ def _roll_forward(out_dir: str, rec: PublishRecord, rank: int | None = None) -> 
     lost = _lost_files(out_dir, rec)
     if lost:
         # checked before anything is removed: the directory stays as the kill left it
-        raise SaveError(f"cannot finish the interrupted save: {', '.join(lost[:4])}"
-                        f"{' ...' if len(lost) > 4 else ''} is neither in the staging "
+        raise SaveError(f"cannot finish the interrupted save: {first_items(lost, 4)}"
+                        f" is neither in the staging "
                         f"directory {rec.stage} nor in place, so the new checkpoint is lost; "
                         f"save it again with overwrite=True, which replaces what is left",
                         file=out_dir, rank=rank)

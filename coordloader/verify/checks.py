@@ -47,7 +47,7 @@ from coordloader.engines import (
 )
 from coordloader.errors import CollectiveError, ConfigError, CoordloaderError, VerifyError
 from coordloader.layout import as_rank
-from coordloader.text import MAX_NAME_CHARS, clip, format_ranks
+from coordloader.text import MAX_NAME_CHARS, clip, first_items, format_ranks
 from coordloader.verify.digest import (
     Route,
     combine,
@@ -131,8 +131,7 @@ def cover_problems(name: str, shape: tuple[int, ...], primaries: Sequence[tuple[
         else:
             total = sum(box_numel(b) for b in boxes)
             gaps = uncovered(full_box(shape), boxes) if shape else None
-            where = (", ".join(fmt_box(g) for g in gaps[:4]) + (" ..." if len(gaps) > 4 else "")
-                     if gaps else "")
+            where = first_items([fmt_box(g) for g in gaps], 4) if gaps else ""
             problems.append(f"primary pieces cover {total} of {prod(shape)} elements"
                             + (f"; held by no rank: {where}" if where else ""))
     pboxes = set(boxes)

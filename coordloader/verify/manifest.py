@@ -31,7 +31,7 @@ from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_nume
 from coordloader.checkpoint.reader import read_json_document
 from coordloader.engines import on_host_default_device
 from coordloader.errors import CheckpointError, LoadError, VerifyError
-from coordloader.text import MAX_NAME_CHARS, clip, positive_int_problem
+from coordloader.text import MAX_NAME_CHARS, clip, first_items, positive_int_problem
 
 # explicit names: the package re-exports the function `digest`, shadowing the module
 from coordloader.verify.digest import ALGORITHM, MASK64, digest, flat_offset, fmt, iter_subboxes
@@ -244,8 +244,7 @@ def _refuse_replacing_anothers(path: str, meta: CheckpointMeta) -> None:
             return
     except CheckpointError:
         pass   # the directory reads as no checkpoint: meta is not its checkpoint either
-    shown = ", ".join(theirs[:3]) + (", ..." if len(theirs) > 3 else "")
-    mine = ", ".join(ours[:3]) + (", ..." if len(ours) > 3 else "")
+    shown, mine = first_items(theirs, 3, ", ..."), first_items(ours, 3, ", ...")
     raise VerifyError(
         f"is the manifest of {shown} ({len(theirs)} file(s)), not of {mine}, the checkpoint "
         f"given; a directory holds one manifest, of the checkpoint the directory reads as, so "
