@@ -251,13 +251,9 @@ class CpuEngine:
                             tensor=tname, rank=rank)
         if c < 1 or ln < 0:
             raise LoadError(f"malformed byte-run group {g!r}", tensor=tname, rank=rank)
-        if c == 1:
-            dmin = dmax = d
-            omin = omax = o
-        else:
-            ld, lo = d + (c - 1) * ds, o + (c - 1) * ss
-            dmin, omin = min(d, ld), min(o, lo)
-            dmax, omax = max(d, ld), max(o, lo)
+        ld, lo = d + (c - 1) * ds, o + (c - 1) * ss
+        dmin, omin = min(d, ld), min(o, lo)
+        dmax, omax = max(d, ld), max(o, lo)
         if dmin < 0 or dmax + ln > nbytes:
             bad = dmin if dmin < 0 else dmax
             raise LoadError(f"byte run dest [{bad}, {bad + ln}) outside the local tensor of "
@@ -268,9 +264,7 @@ class CpuEngine:
                             f"[{fi.data_start}, {fi.size})", file=f, tensor=tname, rank=rank)
         if ln == 0:
             return
-        lst = items.get(f)
-        if lst is None:
-            lst = items[f] = []
+        lst = items.setdefault(f, [])
         arr, mv = view
         cb = self.chunk_bytes
         if c == 1:
