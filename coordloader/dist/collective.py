@@ -297,6 +297,12 @@ class Group:
     store_desc: str = ""            # for messages: "127.0.0.1:29500 (hosted by rank 0)"
     owns_pg: bool = False
     _hb_stop: Any = field(default=None, repr=False)
+    # the heartbeat's own store connection, so a rank leaving can post its failure while
+    # the main one still carries the wait it left
+    _hb_store: Any = field(default=None, repr=False)
+    # the rendezvous TCPStore under ``store``: held so rank 0's server lives as long as
+    # the group
+    _base_store: Any = field(default=None, repr=False)
     _failed: bool = field(default=False, repr=False)   # a phase failed: close() must not wait
     _seq: int = field(default=0, repr=False)
     _prev: tuple[str, str] | None = field(default=None, repr=False)   # step, arrival key
@@ -450,7 +456,7 @@ def init_group(backend: str | None = None, timeout_s: float | None = None, *,
     board = DeadlineStore(dist.PrefixStore(ns, base), op_s)
     group = Group(rank=rank, world=world, store=board, timeout_s=timeout_s, grace_s=grace,
                   backend=backend, store_host=host, store_desc=desc)
-    group._base_store = base  # keep the server (rank 0) alive as long as the group
+    group._base_store = base
     try:
         return _form(group, backend, ns, base, addr, port, world, td, timeout_s, op_s, desc)
     except BaseException:
@@ -880,8 +886,7 @@ def _linger_for_readers(group: Group, tag: str) -> None:
 def _post_leaving(group: Group, exc: BaseException) -> None:
     """Best effort, bounded: report ``exc`` as this rank's failure at the next step, so
     the others name it as soon as they reach that boundary, not after their timeout."""
-    # the heartbeat's own connection: the main one may still carry the wait we left
-    st = getattr(group, "_hb_store", None) or group.store
+    st = group._hb_store or group.store
     if st is None:
         return
     seq = group._seq
