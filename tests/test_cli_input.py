@@ -166,8 +166,9 @@ def test_an_output_directory_is_never_named_as_a_file_of_the_checkpoint(tmp_path
     monkeypatch.chdir(ck)
     assert consolidate.main([".", "model.safetensors"]) == 1
     assert (f"SaveError: file model.safetensors: output directory model.safetensors would add "
-            f"model.safetensors to the source checkpoint's directory {ck}, where it would be "
-            f"read as part of the checkpoint; choose another directory"
+            f"model.safetensors to the checkpoint directory {ck} (holding config.json, "
+            f"model-00001-of-00002.safetensors, model-00002-of-00002.safetensors ...), where "
+            f"it would be read as part of that checkpoint; choose another directory"
             in capsys.readouterr().err)
     assert sorted(os.listdir(ck)) == before
     read_checkpoint(ck)

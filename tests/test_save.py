@@ -1783,3 +1783,31 @@ def test_an_unreadable_earlier_record_ends_a_local_save_naming_it(tmp_path):
         save(out, locs[1], plan, rank=1, config=CFG)
     assert ei.value.rank == 1 and ei.value.file == str(rec)
     assert not any(n.startswith(".coordloader-staging") for n in os.listdir(out))
+
+
+def test_save_refuses_a_directory_named_like_a_file_of_a_checkpoint(tmp_path):
+    """save(CKPT/model.safetensors) beside a sharded checkpoint's files wrote a directory
+    the reader takes as part of CKPT, which then no longer loaded (two checkpoints); any
+    other name there, or that name in a directory holding no checkpoint, is a save as any
+    other."""
+    from coordloader.synth import synthesize
+    ck = synthesize(str(tmp_path / "ck"), "llama", "tiny", shards=2)
+    before = sorted(os.listdir(ck))
+    out = os.path.join(ck, "model.safetensors")
+    with pytest.raises(SaveError) as ei:
+        save(out, {"w": torch.arange(4.0)}, config=CFG)
+    assert str(ei.value) == (
+        f"rank 0, file {out}: output directory {out} would add model.safetensors to the "
+        f"checkpoint directory {ck} (holding config.json, model-00001-of-00002.safetensors, "
+        f"model-00002-of-00002.safetensors ...), where it would be read as part of that "
+        f"checkpoint; choose another directory")
+    assert sorted(os.listdir(ck)) == before
+    read_checkpoint(ck)
+    save(os.path.join(ck, "saved"), {"w": torch.arange(4.0)}, config=CFG)
+    read_checkpoint(ck)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("not a checkpoint")
+    alone = tmp_path / "notes" / "model.safetensors"
+    save(alone, {"w": torch.arange(4.0)}, config=CFG)
+    assert torch.equal(cl.load_detailed(str(alone), cl.Layout(), rank=0,
+                                        replicate_unmatched=True).tensors["w"], torch.arange(4.0))

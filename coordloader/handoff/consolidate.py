@@ -45,7 +45,6 @@ from coordloader.checkpoint.reader import (
     MAX_JSON_FILE,
     open_regular,
     read_small_file,
-    read_with_checkpoint,
     refuse_interrupted,
     stat_key,
 )
@@ -475,8 +474,9 @@ def _refuse_other_meta(src, meta: CheckpointMeta) -> None:
 def _refuse_out_is_source(out_dir: str, src, meta: CheckpointMeta) -> None:
     """SaveError when the output directory is the source's (an overwrite replaced the
     source's files): by real path (a symlink to it), and, where the output exists, by
-    identity (a bind mount of it, which the real path does not show); or sits in the
-    source's directory under a name the reader reads as part of the checkpoint."""
+    identity (a bind mount of it, which the real path does not show). One in the
+    source's directory under a checkpoint file's name is ``prepare_target``'s to refuse,
+    as for every save."""
     sources = [meta.root, os.fspath(src)]   # (src a path: read or checked above)
     same = any(os.path.realpath(out_dir) == os.path.realpath(s) for s in sources)
     if not same and os.path.exists(out_dir):
@@ -488,13 +488,6 @@ def _refuse_out_is_source(out_dir: str, src, meta: CheckpointMeta) -> None:
     if same:
         raise SaveError("output directory is the source checkpoint; choose another directory",
                         file=out_dir)
-    name = read_with_checkpoint(out_dir, meta.root)
-    if name is not None:
-        # (`consolidate . model.safetensors` in a sharded save): the source then reads as
-        # two checkpoints, refused by every reader
-        raise SaveError(f"output directory {out_dir} would add {name} to the source checkpoint's "
-                        f"directory {meta.root}, where it would be read as part of the "
-                        f"checkpoint; choose another directory", file=out_dir)
 
 
 @on_host_default_device

@@ -50,6 +50,7 @@ from coordloader.checkpoint.reader import (
     MAX_CONFIG,
     MAX_JSON_FILE,
     PICKLE_SUFFIXES,
+    is_checkpoint_file,
     parse_strict_json,
     read_json_document,
     read_small_file,
@@ -354,11 +355,32 @@ def _refuse_live_writer(out_dir: str, stage: str, rank: int | None, doing: str) 
                         f"directory would replace each other's files", file=out_dir, rank=rank)
 
 
+def _refuse_inside_checkpoint(out_dir: str, rank: int | None) -> None:
+    """SaveError when ``out_dir`` is named like a checkpoint file (``model.safetensors``)
+    in a directory holding checkpoint files (files: outputs side by side under such names
+    are no checkpoint's): the reader would take it as part of that checkpoint, which then
+    no longer loads (two checkpoints in one directory)."""
+    parent, name = os.path.split(os.path.realpath(os.path.abspath(out_dir)))
+    if not is_checkpoint_file(name):
+        return
+    try:
+        beside = [n for n in os.listdir(parent) if n != name and is_checkpoint_file(n)
+                  and os.path.isfile(os.path.join(parent, n))]
+    except OSError:
+        return
+    if beside:
+        raise SaveError(f"output directory {out_dir} would add {name} to the checkpoint "
+                        f"directory {parent} (holding {first_items(sorted(beside), 3)}), where "
+                        f"it would be read as part of that checkpoint; choose another "
+                        f"directory", file=out_dir, rank=rank)
+
+
 def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str) -> str:
     """Check the target and create a fresh staging directory in it; returns its name. An
     interrupted publish found there is finished first, so the directory is one checkpoint
     again before the overwrite rule applies; with ``overwrite``, one whose new files are
     lost is left to the new publish, which replaces its marker."""
+    _refuse_inside_checkpoint(out_dir, rank)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
