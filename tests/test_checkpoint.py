@@ -1449,6 +1449,36 @@ def test_model_safetensors_beside_a_coordloader_save_is_refused(tmp_path):
                             f"to load")
 
 
+
+@pytest.mark.parametrize("other", ["numbered", "dcp"])
+def test_other_safetensors_beside_a_coordloader_save_are_refused(tmp_path, other):
+    """torch DCP's per-rank shards or a numbered set without its index written into a
+    directory holding a coordloader save: the old save loaded (its index read, the other
+    files ignored), verify included, while vLLM reads every *.safetensors there."""
+    from safetensors.torch import save_file
+
+    import coordloader as cl
+    d = str(tmp_path / "ck")
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4,
+           "num_attention_heads": 1, "num_key_value_heads": 1, "num_hidden_layers": 1,
+           "vocab_size": 8, "intermediate_size": 8}
+    cl.save(d, {"model.embed_tokens.weight": torch.zeros(8, 4)}, rank=0, config=cfg)
+    new = {"model.embed_tokens.weight": torch.full((8, 4), 7.0)}
+    names = (["shard-00001-model-00001-of-00001.safetensors"] if other == "dcp" else
+             ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
+    for n in names:
+        save_file(new, os.path.join(d, n))
+    e = bad(d)
+    readers = "vLLM reads every *.safetensors file"
+    assert str(e) == (f"file {d}: holds both a coordloader sharded save "
+                      f"(coordloader-index.json) and {', '.join(names)}: two checkpoints, "
+                      f"which readers choose between differently ({readers}); expected one "
+                      f"checkpoint per directory: remove the stale one, or pass the path of "
+                      f"the index or file to load")
+    # the save is still read where asked for by its index
+    assert list(read_checkpoint(os.path.join(d, "coordloader-index.json")).tensors) == [
+        "model.embed_tokens.weight"]
+
 def test_an_index_leaving_out_a_file_of_its_set_is_refused(tmp_path):
     """An index naming only model-00001-of-0000N loaded that file's tensors as the model
     (14 of 21, no lm_head); the set's other files were in the directory."""

@@ -75,6 +75,7 @@ from coordloader.checkpoint.metadata import (
 from coordloader.checkpoint.tiling import TilingKind, tiling_problem
 from coordloader.errors import CheckpointError
 from coordloader.gcpause import gc_paused
+from coordloader.text import first_items
 
 MAX_HEADER_LEN = 100_000_000        # the safetensors format's own limit
 MAX_JSON_FILE = 256 * 1024 * 1024   # side file cap (coordloader's index lists every piece)
@@ -713,10 +714,16 @@ def discover(root: str) -> Discovery:
             raise CheckpointError(f"holds both a coordloader sharded index ({SHARDED_INDEX}) and "
                                   f"a safetensors index {indexes[0]}; expected one checkpoint "
                                   f"per directory", file=path)
-        if SINGLE_FILE in names:
+        # a save never leaves .safetensors files beside its index: any there (another
+        # model's model.safetensors, DCP's per-rank shards, a numbered set) are another
+        # checkpoint, the one vLLM (every *.safetensors) and transformers would read
+        others = [n for n in names if n.endswith(".safetensors")]
+        if others:
+            readers = (f"transformers reads {SINGLE_FILE}" if SINGLE_FILE in others else
+                       "vLLM reads every *.safetensors file")
             raise CheckpointError(f"holds both a coordloader sharded save ({SHARDED_INDEX}) and "
-                                  f"{SINGLE_FILE}: two checkpoints, which readers choose between "
-                                  f"differently (transformers reads {SINGLE_FILE}); expected one "
+                                  f"{first_items(others, 2)}: two checkpoints, which readers "
+                                  f"choose between differently ({readers}); expected one "
                                   f"checkpoint per directory: remove the stale one, or pass the path of "
                                   f"the index or file to load", file=path)
         return _discover_sharded(path, config)
