@@ -656,6 +656,24 @@ def test_a_one_element_tensor_views_to_its_parameters_shape(gshape, to):
         param.copy_(_scalar(gshape, held=False).view(to))
 
 
+
+def test_a_copy_torch_refuses_leaves_the_elements_unconsumed():
+    """A copy_ out of a view into a parameter of another shape raises torch's error and
+    copies nothing, yet the view's box was recorded as consumed: a loader that went on
+    past the error was told every held element had been used."""
+    ts = TensorSlice("w", "f", "F32", (4, 3), (2, 3), (Piece(((2, 4), (0, 3)), (0, 0)),), 0, ())
+    t = global_tensor("w", torch.arange(6.0).reshape(2, 3), ts)
+    param = torch.zeros(3, 2)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        param.copy_(t.narrow(0, 2, 2))
+    assert torch.equal(param, torch.zeros(3, 2))
+    assert [(u.boxes, u.numel) for u in unconsumed({"w": t})] == [((((2, 4), (0, 3)),), 6)]
+    param = torch.zeros(2, 3)
+    param.copy_(t.narrow(0, 2, 2))
+    assert torch.equal(param, torch.arange(6.0).reshape(2, 3))
+    assert unconsumed({"w": t}) == []
+
+
 def test_a_row_views_to_one_by_n_and_back_element_for_element():
     full = torch.arange(6.0)
     ts = TensorSlice("b", "f", "F32", (6,), (4,), (Piece(((2, 6),), (0,)),), 0, ())

@@ -79,10 +79,12 @@ class HeldTensor:
         """Whether every element of ``box`` is held or in one of the ``zeroed`` boxes."""
         return uncovered(box, self.held_boxes + tuple(zeroed)) == []
 
-    def gather(self, box: Box, zeroed: list[Box] | None = None) -> torch.Tensor:
+    def gather(self, box: Box, zeroed: list[Box] | None = None, *,
+               record: bool = True) -> torch.Tensor:
         """The elements of global ``box`` as a tensor of ``box_shape(box)``; FitError unless
         every one is held or in a ``zeroed`` box (it reads as zero; default: the boxes
-        zeroed on the checkpoint tensor itself). Recorded as consumed."""
+        zeroed on the checkpoint tensor itself). Recorded as consumed unless ``record`` is
+        False (the caller records it once the data has gone where it was asked)."""
         zeroed = self.zeroed if zeroed is None else zeroed
         if any(a == b for a, b in box):   # an empty narrow (torch allows it) asks for nothing
             return torch.empty(box_shape(box), dtype=self.local.dtype, device=self.local.device)
@@ -101,7 +103,8 @@ class HeldTensor:
             ov = intersect(z, box)
             if ov is not None:
                 narrow_box(out, [o[0] - b[0] for o, b in zip(ov, box)], box_shape(ov)).zero_()
-        self.consumed.append(box)
+        if record:
+            self.consumed.append(box)
         return out
 
     def unconsumed(self) -> list[Box]:
@@ -187,10 +190,11 @@ class GlobalShapeTensor(torch.Tensor):
         """Per view dim, the global dim it shows (None: a dim unsqueeze added)."""
         return self._dims
 
-    def materialize(self) -> torch.Tensor:
-        """This view's data as a plain tensor (recorded as consumed): the box gathered in
-        global dim order, its dims then put in the view's order."""
-        data = self._held.gather(self._box, self._zeroed)
+    def materialize(self, *, record: bool = True) -> torch.Tensor:
+        """This view's data as a plain tensor (recorded as consumed unless ``record`` is
+        False): the box gathered in global dim order, its dims then put in the view's
+        order."""
+        data = self._held.gather(self._box, self._zeroed, record=record)
         shown = [g for g in self._dims if g is not None]
         fixed = [g for g in range(len(self._box)) if g not in shown]   # size 1: selected
         return data.permute(shown + fixed).reshape(self.shape).contiguous()
@@ -357,7 +361,11 @@ class GlobalShapeTensor(torch.Tensor):
             dst, src = args[0], args[1]
             if isinstance(dst, GlobalShapeTensor):
                 raise dst._held.refuse("writing into a checkpoint tensor", dst._box)
-            return dst.copy_(src.materialize(), *args[2:], **kwargs)
+            out = dst.copy_(src.materialize(record=False), *args[2:], **kwargs)
+            # consumed once copied: a copy torch refused (shapes that do not broadcast)
+            # used nothing, and a loader that went on past it left the elements unused
+            src._held.consumed.append(src._box)
+            return out
         self = args[0]
         if not isinstance(self, GlobalShapeTensor):
             raise _refusal(func, args, kwargs, next(a for a in tree_leaves((args, kwargs))
