@@ -674,6 +674,18 @@ def test_a_copy_torch_refuses_leaves_the_elements_unconsumed():
     assert unconsumed({"w": t}) == []
 
 
+@pytest.mark.parametrize("op", ["select", "unbind", "split"])
+def test_taking_a_0d_view_apart_is_refused_naming_the_tensor(op):
+    """select, unbind and split of a 0-d view (torch refuses each) raised a bare
+    ``IndexError: tuple index out of range`` naming no op or tensor."""
+    t = _scalar(())
+    with pytest.raises(FitError) as e:
+        {"select": lambda: t.select(0, 0), "unbind": lambda: t.unbind(0),
+         "split": lambda: t.split(1, 0)}[op]()
+    assert str(e.value) == (f"rank 1, tensor 'k_scale': {op} of a 0-d view (torch takes a "
+                            f"tensor of at least 1 dim); requested box [] of global shape [], "
+                            f"held boxes {{[]}}")
+
 def test_a_row_views_to_one_by_n_and_back_element_for_element():
     full = torch.arange(6.0)
     ts = TensorSlice("b", "f", "F32", (6,), (4,), (Piece(((2, 6),), (0,)),), 0, ())

@@ -218,6 +218,14 @@ class GlobalShapeTensor(torch.Tensor):
             raise self._held.refuse(f"dim {d} out of range for a {n}-d view", self._box)
         return d % n if n else 0
 
+    def _sized_dim(self, d: int, op: str) -> int:
+        """``_dim`` for an op that takes the dim's elements apart (select, unbind, split),
+        which a 0-d view has none of: refused as torch refuses it."""
+        if self.dim() == 0:
+            raise self._held.refuse(f"{op} of a 0-d view (torch takes a tensor of at least "
+                                    f"1 dim)", self._box)
+        return self._dim(d)
+
     def _slice(self, d: int, start, stop, step: int) -> "GlobalShapeTensor":
         d = self._dim(d)
         n = self.shape[d]
@@ -237,7 +245,7 @@ class GlobalShapeTensor(torch.Tensor):
         return self._view(self._box[:g] + ((lo + start, lo + stop),) + self._box[g + 1:], self._dims)
 
     def _select(self, d: int, index: int) -> "GlobalShapeTensor":
-        d = self._dim(d)
+        d = self._sized_dim(d, "select")
         n = self.shape[d]
         if not -n <= index < n:
             raise self._held.refuse(f"index {index} out of range for dim {d} of size {n}", self._box)
@@ -384,7 +392,7 @@ class GlobalShapeTensor(torch.Tensor):
         if pkt is aten.select:
             return self._select(arg(0, "dim", 0), arg(1, "index", 0))
         if pkt is aten.unbind:
-            d = self._dim(arg(0, "dim", 0))
+            d = self._sized_dim(arg(0, "dim", 0), "unbind")
             return tuple(self._select(d, i) for i in range(self.shape[d]))
         if pkt is aten.unsqueeze:
             return self._unsqueeze(arg(0, "dim", 0))
@@ -393,7 +401,7 @@ class GlobalShapeTensor(torch.Tensor):
             ds = range(self.dim()) if d is None else ([d] if isinstance(d, int) else d)
             return self._squeeze(ds)
         if pkt is aten.split or pkt is aten.split_with_sizes:
-            d = self._dim(arg(1, "dim", 0))
+            d = self._sized_dim(arg(1, "dim", 0), "split")
             n = self.shape[d]
             sz = arg(0, "split_size", None) if pkt is aten.split else arg(0, "split_sizes", None)
             if isinstance(sz, int):
