@@ -1530,3 +1530,18 @@ def test_an_index_naming_model_safetensors_and_more_is_one_checkpoint(tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {"a": "model.safetensors", "mtp.w": "mtp.safetensors"}}))
     assert sorted(read_checkpoint(str(d)).tensors) == ["a", "mtp.w"]
+
+
+def test_checkpoint_path_holding_a_nul_is_refused():
+    """A path with a NUL character raised os.stat's bare ``ValueError: embedded null
+    byte``, naming no path."""
+    import coordloader as cl
+    from coordloader.layout import Layout
+    want = ("checkpoint path '/tmp/ckpt\\x00x' holds a NUL character, which no file path "
+            "can")
+    for call in (lambda: read_checkpoint("/tmp/ckpt\0x"),
+                 lambda: cl.load("/tmp/ckpt\0x", Layout(), rank=0),
+                 lambda: cl.make_plan("/tmp/ckpt\0x", Layout())):
+        with pytest.raises(CheckpointError) as e:
+            call()
+        assert str(e.value) == want

@@ -625,6 +625,9 @@ def checkpoint_path(root: Any) -> str:
     if not isinstance(path, str):
         raise CheckpointError(f"checkpoint path {str(root)[:200]!r} is {type(root).__name__}; "
                               f"expected a str or os.PathLike path")
+    if "\0" in path:   # every system call refuses it, with a ValueError naming no path
+        raise CheckpointError(f"checkpoint path {path[:200]!r} holds a NUL character, which "
+                              f"no file path can")
     return os.path.abspath(path)
 
 
