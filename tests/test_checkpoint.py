@@ -1545,3 +1545,29 @@ def test_checkpoint_path_holding_a_nul_is_refused():
         with pytest.raises(CheckpointError) as e:
             call()
         assert str(e.value) == want
+
+
+@pytest.mark.parametrize("header", [
+    '{"a":{"dtype":"F32","shape":[2],"data_offsets":[-0,8]}}',
+    '{"a":{"dtype":"F32","shape":[-0],"data_offsets":[0,0]},"b":{"dtype":"F32","shape":[2],'
+    '"data_offsets":[0,8]}}',
+], ids=["offset", "shape"])
+def test_minus_zero_in_a_header_is_refused_as_safetensors_refuses_it(tmp_path, header):
+    """JSON's -0 read as 0: the file loaded (digest verify included) where the safetensors
+    library, transformers and vLLM refuse it (serde reads -0 as a float)."""
+    from safetensors import safe_open
+    path = write_raw(tmp_path / M, header, 8)
+    with pytest.raises(Exception, match="-0.0"):
+        safe_open(path, "pt")
+    bad(tmp_path, f"file {M}: header: -0 is not an unsigned integer (the safetensors "
+                  f"library reads it as the float -0.0 and refuses the file)")
+    # a "-0" inside a string is no number
+    write_raw(tmp_path / M, '{"__metadata__":{"note":"[1,-0]"},'
+                            '"a-0":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', 8)
+    assert list(read_checkpoint(str(tmp_path)).tensors) == ["a-0"]
+    safe_open(path, "pt")
+    # and a header where "-0" stands in no number position keeps the fast decoder
+    from coordloader.checkpoint import reader
+    assert reader._header_decoder(b'{"__metadata__":{"date":"2025-01-02"},"blk-0":{}}') \
+        is not reader._HEADER_DECODER_NEG0
+    assert reader._header_decoder(b'{"a":{"shape":[ -0 ]}}') is reader._HEADER_DECODER_NEG0

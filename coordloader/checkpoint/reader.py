@@ -177,7 +177,27 @@ _HEADER_DECODER_FAST = json.JSONDecoder(
     object_pairs_hook=_pairs_hook, parse_constant=_const_hook, parse_float=_float_hook_header)
 
 
-def _header_decoder() -> json.JSONDecoder:
+def _header_int_hook(s):
+    if s == "-0":
+        # JSON's -0 is an integer to Python and a float to the safetensors library (serde),
+        # which refuses it where a size or offset goes: transformers and vLLM cannot open
+        # the file (every other negative number is refused by the entry checks)
+        raise _Reject("-0 is not an unsigned integer (the safetensors library reads it as "
+                      "the float -0.0 and refuses the file)")
+    return _int_hook(s)
+
+
+# for a header where -0 may stand as a number (a string such as a date in __metadata__
+# may match too): the checked decoder, refusing it
+_HEADER_DECODER_NEG0 = json.JSONDecoder(
+    object_pairs_hook=_pairs_hook, parse_constant=_const_hook, parse_int=_header_int_hook,
+    parse_float=_float_hook_header)
+_NEG0_NUMBER = re.compile(rb"[\[,:]\s*-0\s*[,\]}]")
+
+
+def _header_decoder(raw: bytes) -> json.JSONDecoder:
+    if _NEG0_NUMBER.search(raw):
+        return _HEADER_DECODER_NEG0
     limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
     return _HEADER_DECODER_FAST if 0 < limit <= 5000 else _HEADER_DECODER_CHECKED
 
@@ -457,12 +477,12 @@ def header_order(root: str, name: str) -> list[tuple[str, int, int]]:
         raw = _pread_exact(fd, header_length(fd, st.st_size, name), 8, name)
     finally:
         os.close(fd)
-    hdr = _parse_json(raw, _header_decoder(), name, "header")
+    hdr = _parse_json(raw, _header_decoder(raw), name, "header")
     return [(k, *v["data_offsets"]) for k, v in hdr.items() if k != "__metadata__"]
 
 
 def _header_from_raw(raw: bytes, name: str, n: int, size: int) -> FileHeader:
-    hdr = _parse_json(raw, _header_decoder(), name, "header")
+    hdr = _parse_json(raw, _header_decoder(raw), name, "header")
     meta = hdr.pop("__metadata__", None)
     metadata: tuple[tuple[str, str], ...] = ()
     if meta is not None:
