@@ -30,7 +30,8 @@ from coordloader.verify.digest import (
 # (torch dtype, bytes per element); bool only takes 0/1 bytes
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn,
-          torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64]
+          torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64, torch.float8_e8m0fnu,
+          torch.complex64]
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 SETTINGS = settings(deadline=None, max_examples=60,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -1485,10 +1485,10 @@ def test_a_parameter_subclass_is_saved_like_a_plain_tensor(tmp_path):
                ".to_dense() first)"),
     (torch._neg_view(torch.ones(2)), "rank 0, tensor 'x': is a negative-bit tensor; expected a "
                                      "dense tensor (call .resolve_neg() first)"),
-    (torch.zeros(2, dtype=torch.complex64),
-     "rank 0, tensor 'x': has dtype torch.complex64, which coordloader does not save (its "
+    (torch.zeros(2, dtype=torch.complex128),
+     "rank 0, tensor 'x': has dtype torch.complex128, which coordloader does not save (its "
      "dtypes: F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, F8_E4M3, F8_E5M2, U16, U32, "
-     "U64); convert it first"),
+     "U64, F8_E8M0, C64); convert it first"),
     ("boxed-list", "rank 0, tensor 'x': the Boxed tensor is list; expected a torch.Tensor"),
     ("boxed-float", "rank 0, tensor 'x': Boxed global shape [4] and offset [1.5] must be "
                     "integers"),

@@ -22,7 +22,11 @@ _DTYPES: dict[str, tuple[int, torch.dtype]] = {
     "U16": (2, torch.uint16),
     "U32": (4, torch.uint32),
     "U64": (8, torch.uint64),
+    "F8_E8M0": (1, torch.float8_e8m0fnu),   # MX block scales
+    "C64": (8, torch.complex64),
 }
+# Not read: F4, F6_E2M3, F6_E3M2 (elements smaller than a byte, which no byte run of a
+# slice can cut) and C128 (no safetensors writer has it)
 _FROM_TORCH = {dt: name for name, (_, dt) in _DTYPES.items()}
 
 SUPPORTED = tuple(_DTYPES)
