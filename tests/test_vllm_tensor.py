@@ -1157,3 +1157,56 @@ def test_replicate_unmatched_is_a_loader_option(tmp_path):
     model = TakesW()
     load_into_vllm(model, str(ckpt), VllmRank(cl.Layout(), 0, None), opts)
     assert torch.equal(model.got["w"], w)
+
+
+def test_a_view_under_inference_mode_is_refused_naming_the_tensor():
+    """Any view (narrow, a slice) of a checkpoint tensor under torch.inference_mode()
+    raised torch's bare ``Cannot set version_counter for inference tensor``; the whole
+    tensor's copy_ works there as on a plain tensor, and views work under no_grad."""
+    ts = TensorSlice("w", "f", "F32", (4, 6), (4, 3), (Piece(((0, 4), (3, 6)), (0, 0)),), 0, ())
+    t = global_tensor("w", torch.arange(12.0).reshape(4, 3), ts, rank=1)
+    param = torch.zeros(4, 3)
+    with torch.inference_mode(), pytest.raises(FitError) as e:
+        t.narrow(1, 3, 3)
+    assert str(e.value) == (
+        "rank 1, tensor 'w': aten.narrow.default of a checkpoint tensor under "
+        "torch.inference_mode(), where its views cannot be taken; load the weights outside "
+        "inference mode (torch.no_grad() is enough); requested box [0:4,0:6] of global "
+        "shape [4, 6], held boxes {[0:4,3:6]}")
+    with torch.no_grad():
+        param.copy_(t[:, 3:])
+    assert torch.equal(param, torch.arange(12.0).reshape(4, 3))
+    # torch hands composite ops here whole under inference mode: the refusal says so
+    with torch.inference_mode(), pytest.raises(FitError) as e:
+        t.reshape(4, 6)
+    assert str(e.value).endswith(
+        "; under torch.inference_mode() torch hands composite ops (reshape, chunk, flatten, "
+        "movedim) here whole: load outside it (torch.no_grad() is enough); requested box "
+        "[0:4,0:6] of global shape [4, 6], held boxes {[0:4,3:6]}")
+    whole = TensorSlice("v", "f", "F32", (4, 3), (4, 3), (Piece(((0, 4), (0, 3)), (0, 0)),), 0,
+                        ())
+    v = global_tensor("v", torch.arange(12.0).reshape(4, 3), whole)
+    with torch.inference_mode():
+        out = torch.zeros(4, 3)
+        out.copy_(v)
+    assert torch.equal(out, torch.arange(12.0).reshape(4, 3)) and unconsumed({"v": v}) == []
+    # copies have no base to tie to (vLLM's MoE loader indexes the local experts): they
+    # work there, as on a plain tensor; and every view of a tensor made in inference mode
+    full = torch.arange(12.0).reshape(4, 3)
+    for made_inside in (False, True):
+        if made_inside:
+            with torch.inference_mode():
+                v = global_tensor("v", full.clone(), whole)
+        else:
+            v = global_tensor("v", full.clone(), whole)
+        with torch.inference_mode():
+            picked, cloned, data = torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(4, 3)
+            picked.copy_(v[torch.tensor([1, 2])])
+            cloned.copy_(v.clone())
+            data.copy_(v.data)   # detach, with a version counter of its own
+            if made_inside:
+                cols = torch.zeros(4, 2)
+                cols.copy_(v.narrow(1, 1, 2))
+                assert torch.equal(cols, full[:, 1:])
+        assert torch.equal(picked, full[1:3]) and torch.equal(cloned, full), made_inside
+        assert torch.equal(data, full), made_inside

@@ -22,6 +22,9 @@ keeps the values it had. Any other data access (a dtype conversion,
 ``repeat_interleave``, a ``view`` that regroups elements across dims, arithmetic) raises
 ``FitError`` naming the op, the tensor, the requested box and the held boxes: a loader
 that would compute on the full tensor before narrowing would otherwise load wrong values.
+Views of a tensor made outside ``torch.inference_mode()`` cannot be taken inside it
+(refused the same way; copies and a copy of the whole tensor work there, and views under
+``torch.no_grad()``).
 
 Every copied-out box is recorded, so after loading ``unconsumed`` tells which held
 elements no loader used (exact fit: each element asked for was held or zeroed, each held
@@ -354,9 +357,20 @@ class GlobalShapeTensor(torch.Tensor):
         out = cls._answer(func, args, kwargs)
         if func is aten.zero_.default or not isinstance(out, (GlobalShapeTensor, tuple, list)):
             return out
+        copy = func.overloadpacket in (aten.clone, aten.index)    # torch returns new tensors
+        # (detach too: ``.data`` dispatches it and gives the result a counter of its own)
+        if (torch.is_inference_mode_enabled() and not copy and func is not aten.detach.default
+                and not args[0].is_inference()):
+            # torch ties a view to its base's version counter after this returns, which an
+            # inference-mode view of a tensor made outside inference mode cannot take: its
+            # bare error named no tensor. A copy (clone, index) has no base to tie to, and a
+            # copy_ of the whole tensor works there, as on a plain tensor.
+            raise args[0]._held.refuse(
+                f"{func} of a checkpoint tensor under torch.inference_mode(), where its views "
+                f"cannot be taken; load the weights outside inference mode (torch.no_grad() "
+                f"is enough)", args[0]._box)
         # the same op on meta tensors: torch's own checks, strides and storage offsets
         meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
-        copy = func.overloadpacket in (aten.clone, aten.index)    # torch returns new tensors
         if isinstance(out, GlobalShapeTensor):
             return out._layout(meta, copy=copy)
         return type(out)(o._layout(m, copy=copy) for o, m in zip(out, meta, strict=True))
@@ -525,6 +539,9 @@ def refuse_op(func, t: GlobalShapeTensor, *, writes: bool) -> FitError:
         why = (f"{func} would read or compute on elements this rank does not hold: the "
                f"loader computes before narrowing the tensor to this rank's slice "
                f"(only {LAZY})")
+    if torch.is_inference_mode_enabled():
+        why += ("; under torch.inference_mode() torch hands composite ops (reshape, chunk, "
+                "flatten, movedim) here whole: load outside it (torch.no_grad() is enough)")
     return t._held.refuse(why, t._box)
 
 
