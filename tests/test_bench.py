@@ -261,6 +261,10 @@ def test_compare_pairs_repeats_against_the_best_peer_and_the_limit():
     assert rows["floor_pcopy"]["walls_s"] == pytest.approx([1.0, 2.0, 1.0] * 3)
     g = t["cpu_vs_floor_pcopy"]
     assert (g["lo"], g["value"], g["hi"], g["ok"]) == (1.0, 1.0, 1.0, None)
+    # and the page-cache limit against (f)+(m), paired per repeat, for information
+    h = t["floor_pcopy_vs_floor_memcpy"]
+    assert (h["lo"], h["value"], h["hi"], h["ok"], h["pairs"]) == pytest.approx(
+        (1.0 / 0.9, 1.25, 2.0 / 1.5, None, 9))
     # 3 pairs: shown, not judged
     few = _compare({k: row(v["walls_s"][:3], *( (("a", "b"),) if v["ranks"][0]["checksum"]
                                                  else ((None, None),)))

@@ -296,6 +296,13 @@ def _compare(rows: dict, cold: bool = False) -> dict:
     if cpu and plim is not None:
         r = paired(cpu["walls_s"], plim["walls_s"])
         targets["cpu_vs_floor_pcopy"] = _target(r, "(info) cpu wall / (f)+(p)", None)
+    if lim is not None and plim is not None:
+        # where a reader through the page cache with no cost of its own would stand
+        # against the (f)+(m) goal: (p) is the copy every read(2) makes, (m) one between
+        # mapped buffers, which only a mapping of the file gets
+        r = paired(plim["walls_s"], lim["walls_s"])
+        targets["floor_pcopy_vs_floor_memcpy"] = _target(
+            r, "(info) (f)+(p) / (f)+(m): an ideal page-cache reader against the limit", None)
     if cpu and "st_whole" in rows:
         r = paired(rows["st_whole"]["walls_s"], cpu["walls_s"])
         targets["cpu_vs_whole_read"] = _target(r, ">= 3.0", r.median >= 3.0)
