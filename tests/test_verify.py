@@ -52,8 +52,19 @@ def tp2_plan(meta) -> Plan:
             ts_("w_row", "BF16", (6, 8), (6, 4), [(((0, 6), (4 * r, 4 * r + 4)), (0, 0))],
                 strategy="rowwise"),
         )
-        ranks.append(RankPlan(r, {"tp": r, "dp": 0, "pp": 0, "ep": 0, "moe_tp": 0}, tensors))
+        ranks.append(RankPlan(r, {"tp": r, "dp": 0, "pp": 0, "ep": 0, "moe_tp": 0},
+                              tuple(with_runs(meta, t) for t in tensors)))
     return Plan(Layout(tp=2), meta.fingerprint(), tuple(ranks))
+
+
+def with_runs(meta, ts: TensorSlice) -> TensorSlice:
+    """``ts`` with the byte runs of its pieces, as the planner gives them."""
+    import dataclasses
+
+    from coordloader.checkpoint.dtypes import itemsize
+    from coordloader.planning.runs import slice_runs
+    runs = slice_runs(meta.tensors[ts.name], ts.pieces, ts.local_shape, itemsize(ts.dtype))
+    return dataclasses.replace(ts, byte_runs=runs)
 
 
 def simulate_load(full: dict, rank_plan) -> dict:
@@ -166,7 +177,7 @@ def test_one_rank_without_a_group_compares_what_it_holds_whole(setup, rank):
     rank 0, replica on rank 1) passed verify=digest."""
     root, full, meta, man, plan, loaded = setup
     rep = vf.verify_rank(loaded[rank], plan, "digest", meta=meta, manifest=man, rank=rank)
-    assert rep["checks"] == ["local", "digest-manifest"]
+    assert rep["checks"] == ["local", "plan cover", "digest-manifest"]
     assert rep["manifest"] == (f"compared with {man.path} (3 tensor(s) split over ranks with "
                                f"the rest of each re-read from the checkpoint: no process "
                                f"group)")
@@ -400,6 +411,41 @@ def test_a_rank_checked_alone_names_a_checkpoint_it_cannot_re_read(setup):
                        "checked: cannot open: No such file or directory")]
 
 
+
+@pytest.mark.parametrize("mode", ["digest", "full"])
+def test_one_rank_without_a_group_checks_the_plans_cover(setup, mode):
+    """A rank checked alone skipped the global cover: a plan giving rank 1 rank 0's rows
+    of w_col (and leaving rows 4-8 to no rank) passed digest and full, each proving only
+    that the bytes match the boxes the plan gave (the digest re-reads the complement of
+    whatever the rank holds). The content modes check the plan's cover; shapes, the
+    default, does not pay for it (seconds for an ep_spans_dp DeepSeek-V3 plan)."""
+    import dataclasses
+    root, full, meta, man, plan, loaded = setup
+    r1 = plan.rank(1)
+    wrong = dataclasses.replace(r1, tensors=tuple(
+        with_runs(meta, dataclasses.replace(t, pieces=(Piece(((0, 4), (0, 6)), (0, 0)),)))
+        if t.name == "w_col" else t for t in r1.tensors))
+    bad_plan = dataclasses.replace(plan, ranks=(plan.rank(0), wrong))
+    got = simulate_load(full, wrong)   # the bytes the wrong plan asks for, read right
+    with pytest.raises(VerifyError) as e:
+        vf.verify_rank(got, bad_plan, mode, meta=meta, manifest=man, rank=1)
+    assert checks(e.value.report) == [(1, "w_col", "cover")]
+    assert e.value.report["failures"][0]["detail"] == (
+        "the plan: duplicated primary: boxes [0:4,0:6] and [0:4,0:6] overlap (ranks 0 and 1; "
+        "tensor shape [8, 6])")
+    rep = vf.verify_rank(loaded[1], plan, mode, meta=meta, manifest=man, rank=1)
+    assert rep["ok"] and "plan cover" in rep["checks"]
+    assert rep["notes"][0] == ("the plan's cover checked, not the other ranks' tensors (no "
+                               "process group)")
+    # checked on rank 0, the fault is rank 1's slice: named so
+    with pytest.raises(VerifyError) as e:
+        vf.verify_rank(loaded[0], bad_plan, mode, meta=meta, manifest=man, rank=0)
+    assert checks(e.value.report) == [(1, "w_col", "cover")]
+    rep = vf.verify_rank(got, bad_plan, "shapes", meta=meta, rank=1)
+    assert rep["ok"] and rep["checks"] == ["local"]
+    assert rep["notes"][0] == ("global cover skipped: only this rank's share was checked (no "
+                               "process group)")
+
 def test_rank_plan_form_alone_checks_one_share_not_the_whole(setup):
     """verify_rank(tensors, rank_plan, mode) on one rank of tp=2 ran the global cover over
     that rank's share alone and failed a correct load ("held by no rank")."""
@@ -563,7 +609,8 @@ def test_verify_rank_single_process_world_one(setup):
 def test_one_rank_of_a_larger_plan_in_a_single_process(setup):
     root, full, meta, man, plan, loaded = setup
     rep = vf.verify_rank(loaded[1], plan, 1, mode="digest", meta=meta)
-    assert rep["ok"] and any("skipped" in n for n in rep["notes"])
+    assert rep["ok"] and "plan cover" in rep["checks"]
+    assert any("the other ranks' tensors" in n for n in rep["notes"])
 
 
 def test_cover_checker_finds_gaps_overlaps_and_stray_replicas():

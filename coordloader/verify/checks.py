@@ -45,8 +45,15 @@ from coordloader.engines import (
     open_checked,
     refuse_replaced,
 )
-from coordloader.errors import CollectiveError, ConfigError, CoordloaderError, VerifyError
+from coordloader.errors import (
+    CollectiveError,
+    ConfigError,
+    CoordloaderError,
+    PlanError,
+    VerifyError,
+)
 from coordloader.layout import as_rank
+from coordloader.planning.cover import validate_cover
 from coordloader.text import MAX_NAME_CHARS, clip, first_items, format_ranks
 from coordloader.verify.digest import (
     Route,
@@ -571,13 +578,16 @@ def from_torch_safe(dt: torch.dtype) -> str:
 
 def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None,
              manifest_error: str | None = None, excluded: Iterable[str] = (),
-             complete: bool = True, rest: Mapping[str, list[int]] | None = None) -> dict:
+             complete: bool = True, rest: Mapping[str, list[int]] | None = None,
+             plan_cover: bool = False) -> dict:
     """The verdict over every rank's payload (pure: every rank computes the same one).
 
     ``complete`` says the payloads are the whole world; otherwise (one rank of a larger
     plan checked in a single process) the global cover is skipped, and a tensor split
     over ranks is compared with the manifest through ``rest`` (``rest_digests``: the
-    digests of the parts the rank does not hold, re-read from the checkpoint)."""
+    digests of the parts the rank does not hold, re-read from the checkpoint);
+    ``plan_cover``: the whole plan's cover was checked instead (its findings are the
+    payload's)."""
     mode = VerifyMode(mode)
     failures = [f for p in sorted(payloads, key=lambda p: p.rank) for f in p.findings]
     disagree = _basis_findings(payloads)
@@ -590,6 +600,10 @@ def evaluate(payloads: Sequence[Payload], mode: str, *, meta=None, manifest=None
     if complete:
         checks.append("cover")
         cover_ok = _cover_findings(holders, meta, set(excluded), failures)
+    elif plan_cover:
+        checks.append("plan cover")
+        notes.append("the plan's cover checked, not the other ranks' tensors (no process "
+                     "group)")
     else:
         notes.append("global cover skipped: only this rank's share was "
                      "checked (no process group)")
@@ -919,11 +933,26 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
 
     payload = local_payload(tensors, rank_plan, mode, meta=meta)
     rest = None
+    plan_cover = False
     if pg is None:
         payloads = [payload]
         # one rank's share is the whole only in a world of one; a rank plan given alone
         # does not say its world, so its share is taken as partial
         complete = plan is not None and plan.world_size == 1
+        if (not complete and plan is not None and meta is not None
+                and VerifyMode(mode).level >= VerifyMode.DIGEST.level):
+            # the other ranks' tensors are not here, but their plans are: a plan giving
+            # this rank another rank's part passes every check of its own bytes (the
+            # digests re-read the complement of whatever it holds). The content modes
+            # only: with a rank class per rank (ep_spans_dp) it walks every rank's slices,
+            # seconds for DeepSeek-V3, which the default mode does not pay
+            plan_cover = True
+            try:
+                validate_cover(plan, meta)
+            except PlanError as e:
+                payload.findings.append(_finding(
+                    rank_plan.rank if e.rank is None else e.rank, "cover",
+                    f"the plan: {e.message}", e.tensor))
         if (not complete and manifest is not None and meta is not None
                 and VerifyMode(mode).level >= VerifyMode.DIGEST.level):
             rest, found = rest_digests(tensors, rank_plan, meta)
@@ -950,7 +979,7 @@ def verify_rank(tensors: Mapping[str, torch.Tensor], rank_plan, *args, mode: str
         complete = True
     report = evaluate(payloads, mode, meta=meta, manifest=manifest, manifest_error=manifest_error,
                       excluded=plan.excluded if plan is not None else (), complete=complete,
-                      rest=rest)
+                      rest=rest, plan_cover=plan_cover)
     report["rank"] = rank_plan.rank
     report["seconds"] = time.perf_counter() - t_start
     if not report["ok"]:
