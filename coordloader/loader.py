@@ -304,6 +304,23 @@ def _compare_plan_digests(plan, group, rank: int, identity: CheckpointIdentity |
                         f"{cause}", rank=rank)
 
 
+def _refuse_unfilled_out(tensors, out, rank_plan, engine: str, rank: int) -> None:
+    """LoadError where the engine returned, for an ``out=`` destination, a tensor that is
+    not over that destination's memory: verify checks what the engine returned, and the
+    caller's tensor would keep what it held (every engine fills ``out`` in place)."""
+    for ts in rank_plan.tensors:
+        if ts.name not in out:
+            continue
+        got, want = tensors.get(ts.name), out[ts.name]
+        if got is want:
+            continue
+        if (got is None or got.device != want.device or got.data_ptr() != want.data_ptr()
+                or got.shape != want.shape or got.stride() != want.stride()):
+            raise LoadError(f"the {engine} engine did not load into the out= destination "
+                            f"(it returned a tensor of its own), which keeps what it held",
+                            tensor=ts.name, rank=rank)
+
+
 def run_verify(mode: str, tensors, plan, meta, rank: int, group) -> dict:
     """coordloader.verify.verify_rank (it gathers and agrees itself and raises VerifyError
     with the report on every rank), inside a phase."""
@@ -459,7 +476,10 @@ def _load_detailed(ckpt, layout: Layout, *, group=None, rank: int | None = None,
         def do_load():
             eng = select_engine(eng_name, device, plan=plan, group=group.pg if group is not None else None,
                                 loader_config=loader_config)
-            return eng.load_rank(meta, rank_plan, device, progress=cb, out=out)
+            tensors, stats = eng.load_rank(meta, rank_plan, device, progress=cb, out=out)
+            if out is not None:
+                _refuse_unfilled_out(tensors, out, rank_plan, eng.name, rank)
+            return tensors, stats
 
         t = time.perf_counter()
         try:

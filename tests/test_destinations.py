@@ -742,3 +742,28 @@ def test_a_name_map_that_raises_is_named_with_the_tensor(ab):
         cl.load_into(m, ab, Layout(), name_map=lambda n: {}[n], **ONE)
     assert str(ei.value) == ("rank 0, tensor 'a': name_map raised KeyError: 'a' for this "
                              "checkpoint tensor")
+
+
+@pytest.mark.parametrize("engine", ["cpu", "safetensors"])
+def test_an_engine_that_fills_tensors_of_its_own_for_out_is_refused(ab, monkeypatch, engine):
+    """verify checks the tensors an engine returns: one that loaded into fresh tensors of
+    its own, leaving the out= destinations as they were, passed verify="full" (a fault
+    injected where the engines learn they fill the destinations themselves)."""
+    import coordloader.engines.cpu as cpu_engine
+    import coordloader.engines.safetensors_engine as st_engine
+    from coordloader.engines import host_out
+
+    def dropped(out, rank_plan, device, *, rank=None):
+        host_out(out, rank_plan, device, rank=rank)
+        return None
+    monkeypatch.setattr(cpu_engine if engine == "cpu" else st_engine, "host_out", dropped)
+    out = {"a": torch.full((4,), 7.0), "b": torch.full((4,), 7.0)}
+    with pytest.raises(LoadError) as e:
+        cl.load_detailed(ab, Layout(), out=out, engine=engine, verify="full", **ONE)
+    assert str(e.value) == (f"rank 0, tensor 'a': the {engine} engine did not load into the "
+                            f"out= destination (it returned a tensor of its own), which keeps "
+                            f"what it held")
+    monkeypatch.undo()
+    got = cl.load_detailed(ab, Layout(), out=out, engine=engine, verify="full", **ONE)
+    assert got.tensors["a"].data_ptr() == out["a"].data_ptr()
+    assert out["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
