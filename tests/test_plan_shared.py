@@ -1,6 +1,7 @@
 """Rank classes: ranks whose coordinates give the same slices share one SharedSlices, and
 the plan, its JSON, its digest and cover validation are what per-rank planning gives."""
 import dataclasses
+import re
 
 import pytest
 
@@ -98,6 +99,8 @@ def test_cover_catches_a_class_of_replicas_only(plan, meta):
     with pytest.raises(PlanError, match="missing piece") as ei:
         validate_cover(bad, meta)
     assert ei.value.tensor is not None
+    # the holders as ranges (a Python list, cut at 16, named a few of a large world)
+    assert re.search(r"; held by ranks? [0-9,-]+\)$", ei.value.message), ei.value.message
 
 
 def test_cover_catches_a_member_that_does_not_hold_its_class_slice(plan, meta):

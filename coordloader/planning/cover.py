@@ -41,6 +41,7 @@ from coordloader.planning.model import (
 )
 from coordloader.planning.runs import RunList, groups_of
 from coordloader.planning.store import SliceStore
+from coordloader.text import format_ranks
 
 Box = tuple
 
@@ -100,8 +101,8 @@ def _core(prim: Mapping[str, list], reps: Mapping[str, list], shapes: Mapping[st
                               f"{list(shape)})", tensor=name, rank=rj)
                 if kind == "outside":
                     raise err(f"piece outside the tensor: {detail}", tensor=name, rank=ri)
-                raise err(f"missing piece: {detail} (tensor shape {list(shape)}; held by ranks "
-                          f"{sorted({p[0] for p in ps})[:16]})", tensor=name)
+                raise err(f"missing piece: {detail} (tensor shape {list(shape)}; held by "
+                          f"{format_ranks(p[0] for p in ps)})", tensor=name)
             tiled.add(mk)
         rs = reps.get(name)
         if rs:
