@@ -1811,3 +1811,38 @@ def test_save_refuses_a_directory_named_like_a_file_of_a_checkpoint(tmp_path):
     save(alone, {"w": torch.arange(4.0)}, config=CFG)
     assert torch.equal(cl.load_detailed(str(alone), cl.Layout(), rank=0,
                                         replicate_unmatched=True).tensors["w"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("layout", ["index+consolidated", "single+adapter"])
+def test_overwrite_refuses_safetensors_the_old_checkpoint_does_not_list(tmp_path, layout):
+    """save(overwrite=True) over a Mistral repo (consolidated.safetensors beside the HF
+    index) or a model with a LoRA adapter left that file beside the new sharded index:
+    vLLM reads every *.safetensors there, and coordloader's reader refuses the directory
+    it had just written."""
+    from safetensors.torch import save_file
+    d = tmp_path / "model"
+    d.mkdir()
+    w = {"w": torch.arange(8.0)}
+    if layout == "index+consolidated":
+        save_file(w, str(d / "model-00001-of-00001.safetensors"))
+        (d / HF_INDEX).write_text(json.dumps(
+            {"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+        stray = "consolidated.safetensors"
+    else:
+        save_file(w, str(d / "model.safetensors"))
+        stray = "adapter_model.safetensors"
+    save_file({"lora_A": torch.zeros(2)}, str(d / stray))
+    (d / "config.json").write_text(json.dumps(CFG))
+    before = sorted(os.listdir(d))
+    with pytest.raises(SaveError) as ei:
+        save(d, {"w": torch.full((8,), 7.0)}, config=CFG, overwrite=True)
+    assert str(ei.value) == (
+        f"rank 0, file {d}: {stray} in the output directory is no part of the checkpoint the "
+        f"save replaces; beside the new sharded save it would be read as a second checkpoint "
+        f"(vLLM reads every *.safetensors file, and coordloader refuses such a directory): "
+        f"move it out first")
+    assert sorted(os.listdir(d)) == before
+    os.rename(d / stray, tmp_path / stray)
+    save(d, {"w": torch.full((8,), 7.0)}, config=CFG, overwrite=True)
+    got = cl.load_detailed(str(d), cl.Layout(), rank=0, replicate_unmatched=True).tensors["w"]
+    assert torch.equal(got, torch.full((8,), 7.0))

@@ -375,11 +375,29 @@ def _refuse_inside_checkpoint(out_dir: str, rank: int | None) -> None:
                         f"directory", file=out_dir, rank=rank)
 
 
-def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str) -> str:
+def _refuse_strays(out_dir: str, existing: Existing, rank: int | None) -> None:
+    """SaveError for .safetensors files the checkpoint a sharded save replaces does not
+    list (Mistral's consolidated.safetensors beside an HF index, an adapter): the publish
+    would leave them beside the new index, where vLLM reads every *.safetensors file as
+    the model and coordloader refuses the directory as two checkpoints. Not removed: they
+    are no part of what the save replaces."""
+    strays = sorted(n for n in os.listdir(out_dir)
+                    if n.endswith(".safetensors") and n not in existing.files)
+    if strays:
+        raise SaveError(f"{first_items(strays, 3)} in the output directory is no part of the "
+                        f"checkpoint the save replaces; beside the new sharded save it would "
+                        f"be read as a second checkpoint (vLLM reads every *.safetensors "
+                        f"file, and coordloader refuses such a directory): move it out first",
+                        file=out_dir, rank=rank)
+
+
+def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str, *,
+                   sharded: bool = False) -> str:
     """Check the target and create a fresh staging directory in it; returns its name. An
     interrupted publish found there is finished first, so the directory is one checkpoint
     again before the overwrite rule applies; with ``overwrite``, one whose new files are
-    lost is left to the new publish, which replaces its marker."""
+    lost is left to the new publish, which replaces its marker. ``sharded``: the publish is
+    a coordloader sharded save, beside whose index no .safetensors file may stay."""
     _refuse_inside_checkpoint(out_dir, rank)
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -398,9 +416,12 @@ def prepare_target(out_dir: str, overwrite: bool, rank: int | None, token: str) 
     stages = sorted(n for n in os.listdir(out_dir) if n.startswith(STAGING_PREFIX))
     for n in stages:
         _refuse_live_writer(out_dir, n, rank, "writing into")
-    if existing_checkpoint(out_dir) is not None and not overwrite:
+    existing = existing_checkpoint(out_dir)
+    if existing is not None and not overwrite:
         raise SaveError("a checkpoint already exists here; pass overwrite=True (--overwrite) to replace it",
                         file=out_dir, rank=rank)
+    if sharded and existing is not None:
+        _refuse_strays(out_dir, existing, rank)
     # Leftovers of a save killed before it published (never part of a checkpoint).
     for n in stages:
         shutil.rmtree(os.path.join(out_dir, n), ignore_errors=True)

@@ -430,7 +430,8 @@ def _save_distributed(g, out_dir, tensors, plan, rank, max_shard_bytes, overwrit
         pieces = collect_pieces(tensors, plan.rank(rank) if plan is not None else None, rank)
         if plan is None and world > 1:
             check_whole_claims(pieces, tensors, cfg, rank)
-        stage = prepare_target(out_dir, overwrite, rank, token) if rank == 0 else None
+        stage = (prepare_target(out_dir, overwrite, rank, token, sharded=True)
+                 if rank == 0 else None)
         return cfg, pieces, stage
     try:
         cfg, pieces, stage = run_phase("save-prepare", prepare, g)
@@ -551,7 +552,7 @@ def save_local(out_dir, tensors, plan=None, *, rank: int = 0, max_shard_bytes: i
         raise
     names_order = _ckpt_order(plan, tensors)
     if rank == 0:
-        prepare_target(out_dir, overwrite, rank, token)
+        prepare_target(out_dir, overwrite, rank, token, sharded=True)
     else:
         missing = [r for r in range(rank)
                    if not os.path.exists(os.path.join(stage_dir, f"rank-{r:05d}.json"))]
