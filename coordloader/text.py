@@ -33,6 +33,14 @@ def first_items(items: Sequence[str], n: int, more: str = " ...") -> str:
     return ", ".join(items[:n]) + (more if len(items) > n else "")
 
 
+def nul_problem(what: str, path: str) -> str | None:
+    """The message for a ``path`` holding a NUL character, which no file path can (every
+    system call refuses it with a ValueError naming no path), ``what`` naming it; None
+    for a path without one."""
+    return f"{what} {path[:200]!r} holds a NUL character, which no file path can" \
+        if "\0" in path else None
+
+
 def format_ranks(ranks: Iterable[int]) -> str:
     """``format_ranges`` after the word the ids take: ``rank 3``, ``ranks 0-2,5``."""
     ranks = set(ranks)

@@ -1846,3 +1846,35 @@ def test_overwrite_refuses_safetensors_the_old_checkpoint_does_not_list(tmp_path
     save(d, {"w": torch.full((8,), 7.0)}, config=CFG, overwrite=True)
     got = cl.load_detailed(str(d), cl.Layout(), rank=0, replicate_unmatched=True).tensors["w"]
     assert torch.equal(got, torch.full((8,), 7.0))
+
+
+def test_paths_holding_a_nul_are_refused_by_name(tmp_path):
+    """save's and consolidate's output directory and config= path with a NUL character
+    raised os's bare ``ValueError: embedded null byte``; load's config= called the file
+    "not valid JSON"."""
+    from coordloader.handoff.consolidate import consolidate
+    src = tmp_path / "src"
+    save(src, {"w": torch.arange(4.0)}, config=CFG)
+    out, cfg = str(tmp_path / "o\0ut"), str(tmp_path / "c\0.json")
+    with pytest.raises(SaveError) as ei:
+        save(out, {"w": torch.ones(2)}, config=CFG)
+    assert str(ei.value) == f"rank 0: output directory {out!r} holds a NUL character, which no file path can"
+    with pytest.raises(SaveError) as ei:
+        consolidate(str(src), out)
+    assert str(ei.value) == f"output directory {out!r} holds a NUL character, which no file path can"
+    with pytest.raises(SaveError) as ei:
+        save(tmp_path / "o2", {"w": torch.ones(2)}, config=cfg)
+    assert str(ei.value).endswith(f"cannot read the config given as config= (--config): path "
+                                  f"{cfg!r} holds a NUL character, which no file path can")
+    with pytest.raises(cl.PlanError) as ei:
+        cl.load(str(src), cl.Layout(), rank=0, config=cfg)
+    assert str(ei.value).endswith(f": path {cfg!r} holds a NUL character, which no file path can")
+    from coordloader.synth import synthesize
+    with pytest.raises(SaveError) as ei:
+        synthesize(out, "llama")
+    assert str(ei.value) == f"output directory {out!r} holds a NUL character, which no file path can"
+    with pytest.raises(cl.VerifyError) as ei:
+        cl.write_manifest(str(src), path=cfg)
+    assert str(ei.value) == (f"write_manifest: path {cfg!r} holds a NUL character, which no "
+                             f"file path can")
+    assert sorted(os.listdir(tmp_path)) == ["src"]

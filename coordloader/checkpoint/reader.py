@@ -75,7 +75,7 @@ from coordloader.checkpoint.metadata import (
 from coordloader.checkpoint.tiling import TilingKind, tiling_problem
 from coordloader.errors import CheckpointError
 from coordloader.gcpause import gc_paused
-from coordloader.text import first_items
+from coordloader.text import first_items, nul_problem
 
 MAX_HEADER_LEN = 100_000_000        # the safetensors format's own limit
 MAX_JSON_FILE = 256 * 1024 * 1024   # side file cap (coordloader's index lists every piece)
@@ -286,6 +286,8 @@ def _check_name(name: Any, where: str, file: str | None) -> str:
 
 def open_regular(path: str, name: str) -> tuple[int, os.stat_result]:
     """Open a regular file (following symlinks) read-only without ever blocking."""
+    if problem := nul_problem("path", path):
+        raise CheckpointError(problem)
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -645,9 +647,8 @@ def checkpoint_path(root: Any) -> str:
     if not isinstance(path, str):
         raise CheckpointError(f"checkpoint path {str(root)[:200]!r} is {type(root).__name__}; "
                               f"expected a str or os.PathLike path")
-    if "\0" in path:   # every system call refuses it, with a ValueError naming no path
-        raise CheckpointError(f"checkpoint path {path[:200]!r} holds a NUL character, which "
-                              f"no file path can")
+    if problem := nul_problem("checkpoint path", path):
+        raise CheckpointError(problem)
     return os.path.abspath(path)
 
 

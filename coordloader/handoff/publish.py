@@ -57,7 +57,7 @@ from coordloader.checkpoint.reader import (
     refuse_dense_json,
 )
 from coordloader.errors import CheckpointError, SaveError
-from coordloader.text import clip, first_items, positive_int_problem
+from coordloader.text import clip, first_items, nul_problem, positive_int_problem
 from coordloader.verify.manifest import MANIFEST_NAME
 
 # Test hook: called with the name of each publish step just taken, so a test can kill the
@@ -251,6 +251,8 @@ def output_dir(out_dir: Any, rank: int | None = None, *, usage: str = "") -> str
                 if usage and isinstance(out_dir, Mapping) else "")
         raise SaveError(f"output directory {str(out_dir)[:200]!r} is {type(out_dir).__name__}; "
                         f"expected a str or os.PathLike path{hint}", rank=rank)
+    if problem := nul_problem("output directory", path):
+        raise SaveError(problem, rank=rank)
     return path
 
 

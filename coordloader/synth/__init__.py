@@ -35,6 +35,7 @@ from coordloader.checkpoint.fileio import fsync_dir, write_file_atomic, write_sa
 from coordloader.checkpoint.reader import is_checkpoint_file
 from coordloader.errors import CoordloaderError, SaveError
 from coordloader.synth import archs
+from coordloader.text import nul_problem
 
 arch_config = archs.arch_config
 arch_tensors = archs.arch_tensors
@@ -230,6 +231,8 @@ def synthesize(out_dir: str, arch: str, size: str = "tiny", *, shards: int | Non
     if not os.fspath(out_dir):
         # abspath("") is the current directory: an unset shell variable would name it
         raise SaveError("output directory is an empty path")
+    if problem := nul_problem("output directory", os.fspath(out_dir)):
+        raise SaveError(problem)
     out_dir = os.path.abspath(os.fspath(out_dir))
     try:
         cwd = os.path.realpath(os.getcwd())

@@ -31,7 +31,7 @@ from coordloader.checkpoint.metadata import CheckpointMeta, TensorInfo, box_nume
 from coordloader.checkpoint.reader import read_json_document
 from coordloader.engines import on_host_default_device
 from coordloader.errors import CheckpointError, LoadError, VerifyError
-from coordloader.text import MAX_NAME_CHARS, clip, first_items, positive_int_problem
+from coordloader.text import MAX_NAME_CHARS, clip, first_items, nul_problem, positive_int_problem
 
 # explicit names: the package re-exports the function `digest`, shadowing the module
 from coordloader.verify.digest import ALGORITHM, MASK64, digest, flat_offset, fmt, iter_subboxes
@@ -213,6 +213,8 @@ def write_manifest(meta: CheckpointMeta, *, jobs: int = 1, path: str | None = No
         raise VerifyError(f"write_manifest: progress must be a callable(name, info) or None, "
                           f"got {type(progress).__name__}")
     path = path or manifest_path(meta.root)
+    if problem := nul_problem("write_manifest: path", os.fspath(path)):
+        raise VerifyError(problem)
     _refuse_replacing_anothers(path, meta)
     digests = compute(meta, jobs=jobs, progress=progress)
     blob = json.dumps(to_json(meta, digests), indent=1, sort_keys=False).encode() + b"\n"
