@@ -134,6 +134,96 @@ def test_check_cover_views_with_copy_pieces():
 
 
 
+
+def test_a_dp_replica_holding_another_ranks_part_is_refused():
+    """Tiny llama at tp=2 dp=2, rank 3 (tp 1 of dp replica 1) given rank 2's slices with
+    the same replica ids: replica 1 held [:, 0:64] of a split tensor twice and [:, 64:128]
+    on no rank, and the cover passed, as each replica only had to equal *some* primary."""
+    from coordloader.synth.archs import arch_tensors
+    cfg, specs = arch_tensors("llama", "tiny")
+    meta = meta_from_specs(cfg, specs)
+    plan = make_plan(meta, Layout(tp=2, dp=2))
+    validate_cover(plan, meta)
+    ranks = tuple(rp if rp.rank != 3 else RankPlan(3, dict(rp.coords), tuple(plan.rank(2).tensors))
+                  for rp in plan.ranks)
+    bad = Plan(plan.layout, plan.fingerprint, ranks, plan.excluded, plan.load_groups)
+    with pytest.raises(PlanError, match=r"replica 1 holds \[\S+\] twice \(ranks 2 and 3\) "
+                                        r"and misses \[\S+\]") as ei:
+        validate_cover(bad, meta)
+    assert ei.value.rank == 3 and ei.value.tensor in meta.tensors
+    # the same in the view form verify gathers
+    views = [(0, [("w", [[[0, 4], [0, 2]]], 0)]), (1, [("w", [[[0, 4], [2, 4]]], 0)]),
+             (2, [("w", [[[0, 4], [0, 2]]], 1)]), (3, [("w", [[[0, 4], [0, 2]]], 1)])]
+    with pytest.raises(VerifyError) as ei:
+        check_cover(views, {"w": (4, 4)}, error=VerifyError)
+    assert ei.value.rank == 3 and ei.value.message == (
+        "replica 1 holds [0:4,0:2] twice (ranks 2 and 3) and misses [0:4,2:4] (no rank holds "
+        "it as replica 1): each replica of a primary's pieces is held by one rank")
+    views[3] = (3, [("w", [[[0, 4], [2, 4]]], 1)])
+    check_cover(views, {"w": (4, 4)})
+
+
+
+def test_a_rank_class_holding_one_replica_id_twice_is_refused():
+    """The same fault inside the planner's shared structures: at tp=2 dp=3, ranks 0, 2 and
+    4 (one rank class) hold tp shard 0 as replicas 0, 1 and 2; a replica table giving
+    rank 4 id 1 too was passed by the column proof (one primary per class sufficed)."""
+    from coordloader.planning.model import SharedRankPlan, SharedSlices, share_of
+    from coordloader.synth.archs import arch_tensors
+    cfg, specs = arch_tensors("llama", "tiny")
+    meta = meta_from_specs(cfg, specs)
+    plan = make_plan(meta, Layout(tp=2, dp=3))
+    validate_cover(plan, meta)
+    sh = share_of(plan.rank(0))
+    assert sh.ranks == (0, 2, 4)
+    n = "model.layers.0.self_attn.o_proj.weight"
+    k = sh.tables[[s.name for s in sh.slices].index(n)]
+    assert [sh.replicas[k][r] for r in (0, 2, 4)] == [0, 1, 2]
+    reps = list(sh.replicas)
+    reps[k] = tuple(1 if r == 4 else i for r, i in enumerate(reps[k]))
+    bad_sh = SharedSlices(sh.slices, sh.tables, tuple(reps), sh.ranks)
+    bad = Plan(plan.layout, plan.fingerprint,
+               tuple(SharedRankPlan.make(rp.rank, rp.coords, bad_sh) if rp.rank in sh.ranks else rp
+                     for rp in plan.ranks), plan.excluded, plan.load_groups)
+    with pytest.raises(PlanError, match=r"replica 1 holds \[\S+\] twice \(ranks 2 and 4\)") as ei:
+        validate_cover(bad, meta)
+    assert ei.value.rank == 4
+
+def test_replica_ids_of_one_primary_are_one_rank_each_in_turn():
+    """A primary's pieces may have more replicas than another's (a redundant expert set,
+    an empty uneven chunk), but they are numbered 1, 2, ... with none skipped or held twice."""
+    shapes = {"x": (4,)}
+    good = [(0, [("x", [[[0, 2]]], 0)]), (1, [("x", [[[2, 4]]], 0)]), (2, [("x", [[[0, 2]]], 1)])]
+    check_cover(good, shapes)
+    with pytest.raises(PlanError) as ei:
+        check_cover(good[:2] + [(2, [("x", [[[0, 2]]], 2)])], shapes)
+    assert ei.value.message.startswith("[0:2] is held as replicas 0, 2 (ranks 0,2) but by no "
+                                       "rank as replica 1")
+    # a slice that holds no element has no part to lose: its replica ids are not checked
+    check_cover(good + [(3, [("x", [], 0)]), (4, [("x", [], 1)]), (5, [("x", [], 1)])], shapes)
+    # a redundant fused expert set: experts 0-1 on two ep ranks, 2-3 on one
+    cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 2, "hidden_size": 4,
+           "num_hidden_layers": 1, "intermediate_size": 2, "vocab_size": 10,
+           "num_local_experts": 4, "tie_word_embeddings": False}
+    p = "model.layers.0."
+    specs = [("model.embed_tokens.weight", "BF16", (10, 4)), ("model.norm.weight", "F32", (4,)),
+             ("lm_head.weight", "BF16", (10, 4)), (p + "input_layernorm.weight", "F32", (4,)),
+             (p + "self_attn.q_proj.weight", "BF16", (4, 4)),
+             (p + "self_attn.k_proj.weight", "BF16", (2, 4)),
+             (p + "self_attn.v_proj.weight", "BF16", (2, 4)),
+             (p + "self_attn.o_proj.weight", "BF16", (4, 4)),
+             (p + "self_attn.sinks", "F32", (2,)), (p + "mlp.router.weight", "BF16", (4, 4)),
+             (p + "mlp.experts.gate_up_proj", "BF16", (4, 4, 4)),
+             (p + "mlp.experts.down_proj", "BF16", (4, 2, 4))]
+    meta = meta_from_specs(cfg, specs)
+    plan = make_plan(meta, Layout(dp=3, ep=3, ep_spans_dp=True,
+                                  expert_placement=((0, 1), (0, 1), (2, 3))))
+    validate_cover(plan, meta)
+    held = {rp.rank: rp.by_name()[p + "mlp.experts.down_proj"] for rp in plan.ranks}
+    assert [(s.pieces[0].src[0][0], s.pieces[-1].src[0][1], s.replica)
+            for s in held.values()] == [(0, 2, 0), (0, 2, 1), (2, 4, 0)]
+
 def test_a_run_across_saved_pieces_back_to_back_in_a_file_is_valid(tmp_path):
     # A save at ep=2 writes each rank's fused experts as one piece per expert, back to back
     # in its file; a plan at tp=1 reads two such pieces in one run. The cover refused that

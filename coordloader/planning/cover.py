@@ -2,8 +2,11 @@
 
 For every checkpoint tensor the primary pieces (replica 0, less the pieces marked as
 copies: ``Piece.copy``) over all ranks must tile the tensor exactly once; every replica
-must hold exactly the boxes of some primary (its copies aside); every copy piece must
-equal a primary piece; every tensor is held unless excluded on purpose. For a plan we
+must hold exactly the boxes of some primary (its copies aside), and the ranks holding one
+primary's boxes hold them as replicas 0, 1, ..., n-1, one rank each (``replica_problems``:
+so where every primary has n holders, each replica id tiles the tensor once, as replica 0
+does); every copy piece must equal a primary piece; every tensor is held unless excluded
+on purpose. For a plan we
 also check each slice on its own: pieces inside the tensor and inside the local shape,
 byte runs inside the tensor's bytes in its files and adding up to the pieces' volume.
 
@@ -15,20 +18,21 @@ proved once per distinct (shape, boxes objects): the planner shares the pieces o
 same-shaped tensors, so 90 k expert tensors need a handful of proofs. Cost follows the
 distinct slices, not the ranks: a rank class is visited once, a slice object shared by
 several classes is checked once, and replicas in a class that holds the primary need no
-box match.
+box match. The replica ids are checked once per pattern of holdings (pieces objects and a
+rank class's ids per replica table), and the patterns repeat across layers.
 """
 from __future__ import annotations
 
 from itertools import chain, compress, repeat
 from math import prod
-from operator import eq, index, is_
+from operator import eq, index, is_, itemgetter
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from coordloader.checkpoint.dtypes import itemsize
-from coordloader.checkpoint.metadata import TensorTable, full_box
-from coordloader.checkpoint.tiling import tiling_problem
+from coordloader.checkpoint.metadata import TensorTable, box_numel, full_box
+from coordloader.checkpoint.tiling import fmt_box, tiling_problem
 from coordloader.errors import CheckpointError, PlanError
 from coordloader.gcpause import gc_paused
 from coordloader.planning.model import (
@@ -41,7 +45,7 @@ from coordloader.planning.model import (
 )
 from coordloader.planning.runs import RunList, groups_of
 from coordloader.planning.store import SliceStore
-from coordloader.text import format_ranks
+from coordloader.text import first_items, format_ranks
 
 Box = tuple
 
@@ -51,31 +55,42 @@ def _as_box(p) -> Box:
     return tuple((int(a), int(b)) for a, b in src)
 
 
-def _core(prim: Mapping[str, list], reps: Mapping[str, list], shapes: Mapping[str, Sequence[int]],
-          excluded: Iterable[str], err, copies: Mapping[str, list] | None = None) -> None:
-    """prim/reps: name -> [(rank, boxes tuple, key)], ``key`` an identity shortcut: a
-    replica whose key equals a primary's key holds the same boxes. copies: name ->
-    [(rank, boxes tuple)] of pieces marked as copies; each box must be a primary piece's."""
+def _core(prim: Mapping[str, list], held: Mapping[str, list], shapes: Mapping[str, Sequence[int]],
+          excluded: Iterable[str], err, copies: Mapping[str, list] | None = None,
+          boxes_of=None) -> None:
+    """prim: name -> [(rank, boxes tuple, key)] of the primaries. held: name -> [(ranks,
+    ids, key, src)], every holding of the tensor, the primaries' among them: ``ranks`` hold
+    the same boxes, ``ids[i]`` the replica id on ``ranks[i]``; ``key`` an identity
+    shortcut (a holding whose key equals a primary's key holds its boxes), ``src`` its
+    boxes, or what ``boxes_of`` turns into them. copies: name -> [(rank, boxes tuple)] of
+    pieces marked as copies; each box must be a primary piece's."""
     excluded = set(excluded)
     copies = copies or {}
     tiled: set = set()
+    replicas_ok: set = set()   # (held alive by ``prim`` and ``held``: their ids are stable)
+
+    def some_rank(name):
+        if name in prim:
+            return prim[name][0][0]
+        if name in held:
+            return held[name][0][0][0]
+        return copies[name][0][0]
+
     # in a fixed order (not a set's): the first problem named is the same in every process
-    for name in dict.fromkeys(chain(prim, reps, copies)):
+    for name in dict.fromkeys(chain(prim, held, copies)):
         if name not in shapes:
-            r = (prim.get(name) or reps.get(name) or copies.get(name))[0][0]
-            raise err("tensor is not in the checkpoint", tensor=name, rank=r)
+            raise err("tensor is not in the checkpoint", tensor=name, rank=some_rank(name))
         if name in excluded:
-            r = (prim.get(name) or reps.get(name) or copies.get(name))[0][0]
-            raise err("tensor is excluded from the plan but a rank holds it", tensor=name, rank=r)
+            raise err("tensor is excluded from the plan but a rank holds it", tensor=name,
+                      rank=some_rank(name))
     for name, shape in shapes.items():
         ps = prim.get(name)
         if not ps:
             if name in excluded:
                 continue
-            rs = reps.get(name) or copies.get(name)
-            if rs:
+            if name in held or name in copies:
                 raise err(f"only replicas of this tensor are held (no primary copy, shape "
-                          f"{list(shape)})", tensor=name, rank=rs[0][0])
+                          f"{list(shape)})", tensor=name, rank=some_rank(name))
             raise err(f"no rank holds this tensor (shape {list(shape)}) and it is not excluded",
                       tensor=name)
         # a tiling depends on the shape and the boxes only, and the planner shares boxes
@@ -104,18 +119,16 @@ def _core(prim: Mapping[str, list], reps: Mapping[str, list], shapes: Mapping[st
                 raise err(f"missing piece: {detail} (tensor shape {list(shape)}; held by "
                           f"{format_ranks(p[0] for p in ps)})", tensor=name)
             tiled.add(mk)
-        rs = reps.get(name)
-        if rs:
-            keys = {p[2] for p in ps}
-            sets = None
-            for r, bx, k in rs:
-                if k in keys:
-                    continue
-                if sets is None:
-                    sets = {tuple(p[1]) for p in ps}
-                if tuple(bx) not in sets:
-                    raise err(f"replica that equals no primary: boxes {[list(map(list, b)) for b in bx]}",
-                              tensor=name, rank=r)
+        hs = held.get(name)
+        if hs:
+            # the verdict depends on the holdings' keys and ids only (the primaries are the
+            # holdings' members with id 0, in the same order), and the planner shares both
+            # across the layers of a family (pieces objects; one ids tuple per rank class
+            # and replica table): each distinct pattern is checked once
+            sig = (tuple(map(_key, hs)), tuple(map(id, map(_ids, hs))))
+            if sig not in replicas_ok:
+                _check_replicas(name, ps, hs, boxes_of, err)
+                replicas_ok.add(sig)
         cs = copies.get(name)
         if cs:
             # the primaries tile the tensor once: a copy equal to one of their boxes
@@ -128,6 +141,130 @@ def _core(prim: Mapping[str, list], reps: Mapping[str, list], shapes: Mapping[st
                                   f"{[list(x) for x in b]}", tensor=name, rank=r)
 
 
+_RANGES: list = [()]   # _RANGES[n] == tuple(range(n))
+_key = itemgetter(2)
+_ids = itemgetter(1)
+
+
+def _check_replicas(name, ps, hs, boxes_of, err) -> None:
+    """Every holding of a tensor (``hs``, as ``_core`` takes them) holds some primary's
+    boxes, and each primary's boxes are held as replicas 0..n-1, one rank each."""
+    keys: dict = {}
+    for i, p in enumerate(ps):
+        keys.setdefault(p[2], i)
+    sets = None
+    ids_of: dict = {}   # primary's index -> the ids tuples of its holdings
+    for u in hs:
+        g = keys.get(u[2])
+        if g is None:
+            if sets is None:
+                sets = {}
+                for i, p in enumerate(ps):
+                    sets.setdefault(tuple(p[1]), i)
+            bx = u[3] if boxes_of is None else boxes_of(u[3])
+            g = sets.get(tuple(bx))
+            if g is None:
+                raise err(f"replica that equals no primary: boxes {[list(map(list, b)) for b in bx]}",
+                          tensor=name, rank=u[0][0])
+        lst = ids_of.get(g)
+        if lst is None:
+            ids_of[g] = [u[1]]
+        else:
+            lst.append(u[1])
+    for lst in ids_of.values():
+        flat = lst[0] if len(lst) == 1 else tuple(chain.from_iterable(lst))
+        n = len(flat)
+        while len(_RANGES) <= n:
+            _RANGES.append(tuple(range(len(_RANGES))))
+        try:
+            if flat != _RANGES[n] and sorted(flat) != list(_RANGES[n]):
+                break
+        except TypeError:   # an id that is no integer: named below
+            break
+    else:
+        return
+    # a problem: group every holding by its primary again, with ranks, to name it
+    groups: list = [(tuple(p[1]), []) for p in ps]
+    for u in hs:
+        g = keys.get(u[2])
+        if g is None:
+            g = sets[tuple(u[3] if boxes_of is None else boxes_of(u[3]))]
+        groups[g][1].append((u[0], u[1]))
+    probs = replica_problems(groups)
+    if probs:
+        msg, rank = probs[0]
+        raise err(msg, tensor=name, rank=rank)
+
+
+_ONE_IDS: dict = {}
+
+
+def _one_id(replica) -> tuple:
+    """(replica,), one tuple object per id: the replica check's patterns repeat across a
+    plan's tensors (``_core`` keys them by the ids tuples' identity)."""
+    try:
+        t = _ONE_IDS.get(replica)
+    except TypeError:   # unhashable: no integer, which the replica check names
+        return (replica,)
+    if t is None:
+        t = (replica,)
+        if len(_ONE_IDS) < 4096:
+            _ONE_IDS[replica] = t
+    return t
+
+
+def replica_problems(groups: Sequence[tuple[tuple, Sequence]]) -> list[tuple[str, int]]:
+    """The replica rule of one tensor, shared by the plan's cover and the verifier's: the
+    ranks holding one primary's boxes hold them as replicas 0, 1, ..., n-1, one rank each
+    (so no rank stands in for another's part under a replica id another rank holds, and
+    where every primary has n holders each replica id tiles the tensor once; a redundant
+    expert set or an empty uneven chunk has more holders than the rest). ``groups``: per
+    primary, (its boxes, [(ranks, ids)] of every holding of them, the primary's among
+    them; ``ids[i]`` the replica id on ``ranks[i]``). A primary that holds no element is
+    left alone. -> (message, the rank to name) per primary that breaks the rule."""
+    held_as = []   # per group: replica id -> the ranks holding it
+    for _, units in groups:
+        by: dict = {}
+        for ranks, ids in units:
+            for r, k in zip(ranks, ids):
+                if type(k) is not int:
+                    try:
+                        k = index(k)
+                    except TypeError:
+                        return [(f"replica id {k!r} on rank {r} is not an integer", r)]
+                by.setdefault(k, []).append(r)
+        held_as.append(by)
+    out = []
+    for (bx, _), by in zip(groups, held_as):
+        n = sum(map(len, by.values()))
+        if len(by) == n and all(0 <= k < n for k in by):
+            continue
+        if not any(box_numel(b) for b in bx):
+            continue
+        what = " + ".join(map(fmt_box, bx))
+        twice = sorted(k for k, rs in by.items() if len(rs) > 1)
+        if twice:
+            k = twice[0]
+            rs = sorted(by[k])
+            lack = [" + ".join(map(fmt_box, b2)) for (b2, _), by2 in zip(groups, held_as)
+                    if k not in by2 and any(box_numel(b) for b in b2)]
+            who = f"ranks {rs[0]} and {rs[1]}" if len(rs) == 2 else format_ranks(rs)
+            out.append((f"replica {k} holds {what} twice ({who})"
+                        + (f" and misses {first_items(lack, 4)} (no rank holds it as replica "
+                           f"{k})" if lack else "")
+                        + ": each replica of a primary's pieces is held by one rank", rs[1]))
+        else:
+            ks = sorted(by)
+            lost = sorted(set(range(n)) - set(ks))
+            rs = sorted(r for v in by.values() for r in v)
+            odd = [k for k in ks if not 0 <= k < n] or ks[-1:]
+            out.append((f"{what} is held as replicas {first_items([str(k) for k in ks], 8)} "
+                        f"({format_ranks(rs)}) but by no rank as replica {lost[0]}: the "
+                        f"replicas of a primary's pieces are numbered 1, 2, ... in turn",
+                        by[odd[0]][0]))
+    return out
+
+
 def check_cover(views: Iterable, shapes: Mapping[str, Sequence[int]], *, excluded: Iterable[str] = (),
                 error: type = PlanError) -> None:
     """Validate gathered per-rank views: ``views`` = [(rank, [(name, pieces, replica), ...])]
@@ -135,19 +272,22 @@ def check_cover(views: Iterable, shapes: Mapping[str, Sequence[int]], *, exclude
     one primary piece) or source boxes ([[start, stop], ...]); ``shapes`` = the
     checkpoint's {name: shape}. Raises ``error`` (PlanError by default; the verifier may
     pass VerifyError) naming the rank and tensor: missing piece, duplicated primary,
-    replica that equals no primary, piece outside the tensor, unknown tensor."""
+    replica that equals no primary, replica id held twice or skipped, piece outside the
+    tensor, unknown tensor."""
     prim: dict[str, list] = {}
-    reps: dict[str, list] = {}
+    held: dict[str, list] = {}
     copies: dict[str, list] = {}
     for rank, entries in views:
         for name, pieces, replica in entries:
             # (a box given as a list has a ``copy`` method: only a Piece says it is one)
             bx = tuple(_as_box(p) for p in pieces if not (type(p) is Piece and p.copy))
             cp = tuple(_as_box(p) for p in pieces if type(p) is Piece and p.copy)
-            (prim if replica == 0 else reps).setdefault(name, []).append((rank, bx, (rank, name)))
+            if replica == 0:
+                prim.setdefault(name, []).append((rank, bx, (rank, name)))
+            held.setdefault(name, []).append(((rank,), _one_id(replica), (rank, name), bx))
             if cp:
                 copies.setdefault(name, []).append((rank, cp))
-    _core(prim, reps, {k: tuple(v) for k, v in shapes.items()}, excluded, error, copies)
+    _core(prim, held, {k: tuple(v) for k, v in shapes.items()}, excluded, error, copies)
 
 
 def validate_cover(plan, meta) -> None:
@@ -159,7 +299,7 @@ def validate_cover(plan, meta) -> None:
 def _validate_cover(plan, meta) -> None:
     tensors = meta.tensors
     prim: dict[str, list] = {}
-    reps: dict[str, list] = {}
+    held: dict[str, list] = {}
     copies = _Copies({}, set(), {})
     checked: set = set()
     ranges: dict[str, dict] = {}
@@ -180,30 +320,39 @@ def _validate_cover(plan, meta) -> None:
             _add_copies(s, r, copies)
             if s.replica == 0:
                 prim.setdefault(s.name, []).append((r, primary_boxes(s.pieces), id(s.pieces)))
-            else:
-                reps.setdefault(s.name, []).append((r, s, id(s.pieces)))
-    store = _store_of(members) if not prim and not reps else None
+            held.setdefault(s.name, []).append(((r,), _one_id(s.replica), id(s.pieces), s))
+    store = _store_of(members) if not prim and not held else None
     # each rank class's sids as an array, once for both the column proof and the rest
     arrays = ({k: np.array(sh.slices.sids, dtype=np.intp) for k, (sh, _) in members.items()}
               if store else {})
     proved = _proved_by_columns(store, members, arrays, meta, plan.excluded) if store else None
+    # per table row: the tensor's replica ids proved on the columns (its holdings need not
+    # be listed one by one)
+    left = {k: ~proved.sids[a] for k, a in arrays.items()} if proved is not None else {}
+    ids_ok = _replicas_by_columns(members, arrays, left, proved) if proved is not None else None
+    all_ok = ids_ok is not None and bool(ids_ok.all())
     for k, (sh, ranks) in members.items():
+        need = None
         if proved is not None:   # the slices of the tensors left, as objects
-            keep = (~proved.sids[arrays[k]]).tolist()
+            sel = left[k]
+            keep = sel.tolist()
             sh = SharedSlices(tuple(map(store.slice, compress(sh.slices.sids, keep))),
                               tuple(compress(sh.tables, keep)), sh.replicas, sh.ranks)
-        _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done, copies)
-    # replicas whose pieces object is not shared with a primary need their boxes (the
-    # others are matched by key and their slot is never read)
-    for name, rs in reps.items():
-        keys = {p[2] for p in prim.get(name, ())}
-        for i, (r, s, k) in enumerate(rs):
-            if k not in keys:
-                rs[i] = (r, primary_boxes(s.pieces), ("rank", r))
+            if all_ok:
+                need = ()
+            else:
+                r = proved.row[arrays[k][sel]]
+                need = ((r < 0) | ~ids_ok[np.where(r < 0, 0, r)]).tolist()
+        _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, held, done, copies, need,
+                       None if proved is None else proved.zeros[k])
     # in the checkpoint's order, as without the columns: the first problem found is the same
     shapes = ({n: t.shape for n, t in tensors.items()} if proved is None else
               {n: tensors[n].shape for n in compress(proved.table.names, (~proved.tensors).tolist())})
-    _core(prim, reps, shapes, plan.excluded, PlanError, copies.of_name)
+    _core(prim, held, shapes, plan.excluded, PlanError, copies.of_name, _slice_boxes)
+
+
+def _slice_boxes(s) -> tuple:
+    return primary_boxes(s.pieces)
 
 
 def _store_of(members) -> SliceStore | None:
@@ -223,12 +372,16 @@ class _Proved(NamedTuple):
     sids: np.ndarray
     tensors: np.ndarray
     table: TensorTable
+    row: np.ndarray   # per sid: its tensor's row (-1: a name the checkpoint lacks)
+    zeros: dict       # per rank class (keyed as ``members``): ``_zero_members``
+    tables: dict      # per rank class: its slices' replica tables as an array
 
 
 def _proved_by_columns(store: SliceStore, members, arrays, meta, excluded) -> _Proved | None:
     """The slices and tensors whose cover is proved on the store's columns and the
     checkpoint's table (``TensorTable``), without an object: each tensor held whole by
-    one primary (one rank; replicas only in its own class), stored as one whole piece,
+    one rank class alone, its members holding replicas 0, 1, ..., n-1 of it, one each
+    (one primary, and the replica rule holds), stored as one whole piece,
     as one run over exactly its bytes. Their slices pass every check ``_check_slice``
     makes, and one whole box tiles a tensor. Any other slice, and every other tensor, is
     left to the checks on slice objects (which name the problem). None when the plan is
@@ -254,18 +407,23 @@ def _proved_by_columns(store: SliceStore, members, arrays, meta, excluded) -> _P
     if got is None:
         return None
     ok, row = got
-    # per tensor (row): primary slices held, over every class; held as a replica in a
-    # class without the primary
+    # per tensor (row): slices held by a class whose members hold replicas 0..n-1 of
+    # them, over every class; held by any other class
     primaries = np.zeros(rows, dtype=np.int64)
     others = np.zeros(rows, dtype=bool)
+    zeros, tables = {}, {}
     for key, (sh, ranks) in members.items():
         try:
-            zero = _zero_members(sh, ranks)
+            zero = zeros[key] = _zero_members(sh, ranks)
         except PlanError:   # raised by the object checks, in their order
             return None
-        one = np.array([k for k, z in zero.items() if len(z[0]) == 1], dtype=np.int64)
+        tables[key] = np.array(sh.tables, dtype=np.int64)
+        # a table whose members hold replicas 0..n-1, one each: its tensors' replicas
+        # are proved with it (one class holds them, see below)
+        one = np.array([k for k, z in zero.items() if sorted(z[2]) == list(range(len(z[2])))],
+                       dtype=np.int64)
         sids = arrays[key]
-        single = np.isin(np.array(sh.tables, dtype=np.int64), one)
+        single = np.isin(tables[key], one)
         r1 = row[sids[single]]
         np.add.at(primaries, r1[r1 >= 0], 1)
         r2 = row[sids[~single]]
@@ -279,7 +437,72 @@ def _proved_by_columns(store: SliceStore, members, arrays, meta, excluded) -> _P
         gone = set(excluded)
         good &= ~np.fromiter(map(gone.__contains__, table.names), dtype=bool, count=rows)
     ok &= good[np.where(ok, row, 0)]
-    return _Proved(ok, good, table)
+    return _Proved(ok, good, table, row, zeros, tables)
+
+
+def _replicas_by_columns(members, arrays, left, proved: _Proved) -> np.ndarray:
+    """Per row of the checkpoint's table: True where the replica rule holds for the
+    tensor's slices left to the object checks, proved on the sids: each such slice is
+    listed by rank classes whose members hold replicas 0, 1, ..., n-1 of it (from its
+    replica table, the same in every class listing it), one member each. Distinct slices
+    of a tensor are distinct primaries (the tiling proves their boxes apart), so the rule
+    holds for the tensor. The rest (False) is checked holding by holding in ``_core``,
+    which names the problem. A tensor replicated on 1024 ranks in 256 classes costs a
+    few array operations here, not 256 holdings: the distinct (classes, table) patterns
+    are checked once each. ``left``: per rank class, which of its sids are not proved."""
+    keys = list(members)
+    n = len(proved.sids)
+    rows = len(proved.tensors)
+    words = (len(keys) + 63) // 64
+    held_by = np.zeros((n, words), dtype=np.uint64)   # per sid: a bit per class listing it
+    listed, tables = [], []
+    for j, key in enumerate(keys):
+        sel = left[key]
+        a = arrays[key][sel]
+        held_by[a, j >> 6] |= np.uint64(1 << (j & 63))
+        listed.append(a)
+        tables.append(proved.tables[key][sel])
+    ok = np.ones(rows, dtype=bool)
+    if not listed:
+        return ok
+    a = np.concatenate(listed)
+    if not len(a):
+        return ok
+    t = np.concatenate(tables).astype(np.float64)
+    count = np.bincount(a, minlength=n)
+    at = np.flatnonzero(count)
+    cnt = count[at]
+    # one table per sid over its listings (sums of small integers: exact in float64)
+    s1 = np.bincount(a, weights=t, minlength=n)[at]
+    s2 = np.bincount(a, weights=t * t, minlength=n)[at]
+    one_table = s2 * cnt == s1 * s1
+    table = np.where(one_table, s1 // np.maximum(cnt, 1), -1).astype(np.int64)
+    pattern = np.column_stack([held_by[at], table.astype(np.uint64)])
+    uniq, inv = np.unique(pattern, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    good = np.zeros(len(uniq), dtype=bool)
+    classes = np.zeros(len(uniq), dtype=np.int64)
+    for u, pat in enumerate(uniq.tolist()):
+        k = pat[-1]
+        ids: list = []
+        m = 0
+        for w, bits in enumerate(pat[:-1]):
+            while bits:
+                low = bits & -bits
+                z = proved.zeros[keys[(w << 6) + low.bit_length() - 1]].get(k)
+                if z is None:   # (no table: ``k`` is the -1 of listings that disagree)
+                    ids = [-1]
+                    break
+                ids.extend(z[2])
+                m += 1
+                bits ^= low
+        classes[u] = m
+        good[u] = sorted(ids) == list(range(len(ids)))
+    # a class listing a sid twice lists it once in ``held_by``: the counts must agree
+    fine = good[inv] & one_table & (classes[inv] == cnt)
+    r = proved.row[at[~fine]]
+    ok[r[r >= 0]] = False
+    return ok
 
 
 def _slices_proved(store: SliceStore, table: TensorTable, files) -> tuple | None:
@@ -372,14 +595,17 @@ def _add_copies(s, rank, cp: _Copies) -> None:
             cp.of_name.setdefault(s.name, []).append((rank, boxes))
 
 
-def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done,
-                   copies: _Copies) -> None:
-    """Add the primaries and replicas of a rank class (ranks sharing ``sh``) as the per-rank
-    loop would, at the cost of one rank: each slice is checked once; per replica table,
-    the members whose replica id is 0 hold the primaries, and one member with another id
-    stands for the replicas (they share the primary's pieces, so one match proves all;
-    none is needed when the class holds the primary itself)."""
-    zero = _zero_members(sh, ranks)
+def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, held, done,
+                   copies: _Copies, need=None, zero=None) -> None:
+    """Add the primaries and holdings of a rank class (ranks sharing ``sh``) as the
+    per-rank loop would, at the cost of one rank: each slice is checked once, and is one
+    holding of the class's members, with their replica ids from its table (``need``: per
+    slice, False where its tensor's replica ids are proved already and no holding is
+    listed); the members whose replica id is 0 hold the primaries. ``zero``:
+    ``_zero_members`` of the class, when known."""
+    if zero is None:
+        zero = _zero_members(sh, ranks)
+    ranks = tuple(ranks)
     with_prims = {k for k, z in zero.items() if z[0]}
     if with_prims:
         boxes_of: dict = {}   # id(pieces) -> their source boxes (pieces objects are shared)
@@ -394,35 +620,39 @@ def _share_entries(sh, ranks, tensors, ranges, pieces_ok, prim, reps, done,
                 lst = prim[s.name] = []
             for r in zero[k][0]:
                 lst.append((r, boxes, id(pcs)))
+    for s, k in (zip(sh.slices, sh.tables) if need is None else
+                 compress(zip(sh.slices, sh.tables), need) if need else ()):
+        lst = held.get(s.name)
+        if lst is None:
+            held[s.name] = [(ranks, zero[k][2], id(s.pieces), s)]
+        else:
+            lst.append((ranks, zero[k][2], id(s.pieces), s))
     # a slice object shared by several rank classes (a tensor replicated on every rank) is
-    # checked, and stands for its replicas, once: visit only the slices not seen yet
+    # checked once: visit only the slices not seen yet
     fresh = set(map(id, sh.slices)) - done
     if not fresh:
         return
     done |= fresh
-    for s, k in compress(zip(sh.slices, sh.tables), map(fresh.__contains__, map(id, sh.slices))):
+    for s in compress(sh.slices, map(fresh.__contains__, map(id, sh.slices))):
         _check_slice(s, tensors, ranges, ranks[0], pieces_ok)
         _add_copies(s, ranks[0], copies)
-        prims, others = zero[k]
-        # replicas in a class that also holds the primary copy hold its very pieces: only
-        # a class of replicas alone must be matched against the primaries of other classes
-        if others and not prims:
-            reps.setdefault(s.name, []).append((others[0], s, id(s.pieces)))
 
 
 def _zero_members(sh, ranks) -> dict:
     """Per replica table of rank class ``sh`` (members ``ranks``): (the members holding
-    replica 0, the other members); raises if a member holds none."""
+    replica 0, the other members, every member's replica id); raises if a member holds
+    none."""
     zero: dict = {}
     for k in set(sh.tables):
         rep = sh.replicas[k]
-        held = [(r, rep[r]) for r in ranks]
-        missing = [r for r, i in held if i < 0]
+        ids = tuple([rep[r] for r in ranks])
+        missing = [r for r, i in zip(ranks, ids) if i < 0]
         if missing:
             s = sh.slices[sh.tables.index(k)]
             raise PlanError("rank class lists a slice its member does not hold",
                             tensor=s.name, rank=missing[0])
-        zero[k] = ([r for r, i in held if i == 0], [r for r, i in held if i != 0])
+        zero[k] = ([r for r, i in zip(ranks, ids) if i == 0],
+                   [r for r, i in zip(ranks, ids) if i != 0], ids)
     return zero
 
 
