@@ -4,6 +4,7 @@ asserted. A 2-rank world is simulated by running every rank's local share
 ``verify_rank`` runs around its one all_gather."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import re
@@ -562,6 +563,39 @@ def test_rank_with_a_different_plan_breaks_the_cover(setup):
     assert ("w_col", "cover") in msgs and ("embed", "cover") in msgs
     assert any("overlap" in f["detail"] for f in rep["failures"])
 
+
+
+def test_a_dp_replica_holding_another_ranks_part_breaks_the_cover(setup):
+    """tp=2 dp=2, rank 3 (tp 1 of dp replica 1) planned and loaded as rank 2, with the same
+    replica ids: each of its pieces equals a primary piece, but replica 1 holds tp shard 0
+    twice and tp shard 1 on no rank. The gathered cover passed it."""
+    root, full, meta, man, plan, loaded = setup
+    ranks = []
+    for r in range(4):
+        tp, dp = r % 2, r // 2
+        rp = plan.rank(tp)
+        ranks.append(RankPlan(r, dict(rp.coords, dp=dp), tuple(
+            dataclasses.replace(t, replica=r if t.name == "norm" else dp) for t in rp.tensors)))
+    good = Plan(Layout(tp=2, dp=2), plan.fingerprint, tuple(ranks))
+    rep = world([simulate_load(full, good.rank(r)) for r in range(4)], good, "digest", meta=meta,
+                manifest=man)
+    assert rep["ok"], rep["failures"]
+    bad = Plan(good.layout, good.fingerprint,
+               good.ranks[:3] + (RankPlan(3, good.rank(3).coords, good.rank(2).tensors),))
+    rep = world([simulate_load(full, bad.rank(r)) for r in range(4)], bad, "digest", meta=meta,
+                manifest=man)
+    got = {f["tensor"]: f["detail"] for f in rep["failures"] if f["check"] == "cover"}
+    assert got["w_col"] == ("replica 1 holds [0:4,0:6] twice (ranks 2 and 3) and misses [4:8,0:6] "
+                            "(no rank holds it as replica 1): each replica of a primary's pieces "
+                            "is held by one rank")
+    assert got["norm"].startswith("replica 2 holds [0:8] twice (ranks 2 and 3)")
+    assert set(got) == {"embed", "norm", "w_col", "w_row"}
+    # a replica slice whose pieces are each a primary piece, but not one rank's together
+    top, low = ((0, 4), (0, 6)), ((4, 8), (0, 6))
+    probs = vf.cover_problems("w_col", (8, 6), [(0, top), (1, low)], [(2, top), (2, low)],
+                              [(0, (top,), 0), (1, (low,), 0), (2, (top, low), 1)])
+    assert probs == ["rank 2 holds replica pieces [0:4,0:6] + [4:8,0:6] that equal no one "
+                     "rank's primary pieces"]
 
 def test_stale_manifest_in_digest_mode(setup):
     root, full, meta, man, plan, loaded = setup

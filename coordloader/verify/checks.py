@@ -7,7 +7,10 @@ Modes (each includes the ones before it):
   Global: ranks all-gather a compact view (names, piece boxes, replica ids and copy
   pieces — no data) and every rank checks the exact cover on it: primary pieces tile each
   tensor once, every replica piece (a piece of a replica slice, or a piece the plan marks
-  as a copy: ``Piece.copy``) equals a primary piece, no checkpoint tensor is held by nobody.
+  as a copy: ``Piece.copy``) equals a primary piece, a replica slice holds one primary's
+  pieces and the ranks holding them hold replicas 0, 1, ..., n-1 of them, one rank each
+  (as the plan's cover: ``planning.cover.replica_problems``), no checkpoint tensor is held
+  by nobody.
 * ``digest`` — each rank digests its pieces (``coordloader.digest``, on the tensors' own
   device); per tensor the primary digests must sum to the manifest's digest and each
   replica's digest must equal its primary's. Without a manifest only the replica check
@@ -53,7 +56,7 @@ from coordloader.errors import (
     VerifyError,
 )
 from coordloader.layout import as_rank
-from coordloader.planning.cover import validate_cover
+from coordloader.planning.cover import replica_problems, validate_cover
 from coordloader.text import MAX_NAME_CHARS, clip, first_items, format_ranks
 from coordloader.verify.digest import (
     Route,
@@ -117,10 +120,14 @@ def uncovered(whole: Box, pieces: Iterable[Box], limit: int = 4096) -> list[Box]
 
 
 def cover_problems(name: str, shape: tuple[int, ...], primaries: Sequence[tuple[int, Box]],
-                   replicas: Sequence[tuple[int, Box]]) -> list[str]:
+                   replicas: Sequence[tuple[int, Box]],
+                   slices: Sequence[tuple[int, tuple[Box, ...], int]] = ()) -> list[str]:
     """Exact-cover problems of one tensor, given (rank, box) of its primary and replica
-    pieces over all ranks. The tiling test is the one every stage uses (``tiling_problem``:
-    sort/sweep, n log n for a valid tiling); this adds rank names, the uncovered regions
+    pieces over all ranks, and (rank, its non-copy boxes, replica id) of every rank's slice
+    of it. The tiling test is the one every stage uses (``tiling_problem``: sort/sweep,
+    n log n for a valid tiling), and the replica rule the plan's cover's
+    (``planning.cover.replica_problems``: the ranks holding one primary's boxes hold them
+    as replicas 0, 1, ..., n-1, one rank each); this adds rank names, the uncovered regions
     of a gap, and a per-piece replica check."""
     shape = tuple(shape)
     boxes = [tuple(tuple(x) for x in b) for _, b in primaries]
@@ -142,12 +149,57 @@ def cover_problems(name: str, shape: tuple[int, ...], primaries: Sequence[tuple[
             problems.append(f"primary pieces cover {total} of {prod(shape)} elements"
                             + (f"; held by no rank: {where}" if where else ""))
     pboxes = set(boxes)
+    stray = set()
     for r, b in replicas:
         b = tuple(tuple(x) for x in b)
         if b not in pboxes:
+            stray.add(r)
             problems.append(f"rank {r} holds replica piece {fmt_box(b)} that matches no "
                             f"primary piece")
+    if prob is None and slices and (len(slices) > 1 or slices[0][2] != 0):
+        problems.extend(_replica_findings(slices, stray))
     return problems
+
+
+def _replica_findings(slices: Sequence[tuple[int, tuple[Box, ...], int]], stray: set) -> list[str]:
+    """The replica rule over one tensor's slices (rank, non-copy boxes as tuples, replica
+    id), once its primaries tile it (no two hold the same boxes, but for empty ones): each
+    replica slice holds one primary slice's boxes (``stray``: ranks whose replica pieces
+    were named already), and ``planning.cover.replica_problems`` on the ids."""
+    b0 = slices[0][1]
+    ks = [k for _, bx, k in slices if bx == b0]
+    if len(ks) == len(slices):   # every holder holds the same boxes (experts, replicated)
+        try:
+            if sorted(ks) == list(range(len(ks))):
+                return []
+        except TypeError:   # an id that is no integer: named below
+            pass
+    ids_of: dict = {}   # a primary slice's boxes -> the replica ids held of them
+    for r, bx, k in slices:
+        if k == 0:
+            ids_of.setdefault(bx, [])
+    problems = []
+    for r, bx, k in slices:
+        lst = ids_of.get(bx)
+        if lst is None:
+            if r not in stray:
+                problems.append(f"rank {r} holds replica pieces {' + '.join(map(fmt_box, bx)) or '(none)'} "
+                                f"that equal no one rank's primary pieces")
+            continue
+        lst.append(k)
+    for lst in ids_of.values():
+        try:
+            if sorted(lst) != list(range(len(lst))):
+                break
+        except TypeError:   # an id that is no integer: named below
+            break
+    else:
+        return problems
+    groups = {bx: (bx, []) for bx in ids_of}
+    for r, bx, k in slices:
+        if bx in groups:
+            groups[bx][1].append(((r,), (k,)))
+    return problems + [msg for msg, _ in replica_problems(list(groups.values()))]
 
 
 # --------------------------------------------------------------------------- local work
@@ -270,6 +322,8 @@ class Holders:
     decl: dict[tuple[str, tuple[int, ...]], list[int]] = field(default_factory=dict)
     prim: list[HeldPiece] = field(default_factory=list)
     repl: list[HeldPiece] = field(default_factory=list)
+    # per rank's slice: (rank, the boxes of its pieces that are no copies, replica id)
+    slices: list[tuple[int, tuple[Box, ...], int]] = field(default_factory=list)
 
 
 def _check_padding(t: torch.Tensor, ts) -> str | None:
@@ -696,6 +750,9 @@ def _holders(payloads: Sequence[Payload]) -> dict[str, Holders]:
             for i, b in enumerate(v.boxes):
                 (h.prim if v.replica == 0 and i not in copies else h.repl).append(
                     HeldPiece(p.rank, i, tuple(b)))
+            # (local_payload's boxes are tuples, and stay tuples through the gather)
+            h.slices.append((p.rank, v.boxes if not copies else
+                             tuple(b for i, b in enumerate(v.boxes) if i not in copies), v.replica))
     return holders
 
 
@@ -727,7 +784,7 @@ def _cover_findings(holders: Mapping[str, Holders], meta, excluded: set[str],
             continue
         (_, gshape), = decl.keys()
         probs = cover_problems(name, gshape, [(p.rank, p.box) for p in h.prim],
-                               [(p.rank, p.box) for p in h.repl])
+                               [(p.rank, p.box) for p in h.repl], h.slices)
         for msg in probs:
             rs = sorted({p.rank for p in h.prim + h.repl})
             failures.append(_finding(rs[0] if len(rs) == 1 else None, "cover", msg, name,
