@@ -518,6 +518,7 @@ def test_a_failed_or_closed_group_leaves_no_heartbeat_or_store_behind(tmp_path, 
 
 _RETRY = r'''
 import os
+import sys
 from coordloader.dist.collective import exit_on_error, init_group, run_phase
 from coordloader.errors import SaveError
 
@@ -531,7 +532,9 @@ def main():
             if r == 1:
                 raise SaveError("disk full on attempt 0", file="/out/x")
         run_phase("dump", dump, g)
-    print(f"attempt {attempt} rank {r} loaded", run_phase("load", lambda: r, g), flush=True)
+    # one write a line: print's separate writes of its parts interleaved between the ranks
+    sys.stdout.write(f"attempt {attempt} rank {r} loaded {run_phase('load', lambda: r, g)}\n")
+    sys.stdout.flush()
     g.close()
 
 with exit_on_error():
