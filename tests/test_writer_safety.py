@@ -411,3 +411,21 @@ def test_a_failure_after_publishing_began_says_how_to_finish(tmp_path, monkeypat
     assert cl.recover_save(str(out))
     assert torch.equal(cl.load(str(out), Layout(), rank=0, rules=[
         {"pattern": "*", "strategy": "replicate"}])["w"], new["w"])
+
+
+def test_an_atomic_write_never_writes_through_a_link_at_its_temporary(tmp_path):
+    """The temporary (``path + ".tmp"``) was opened with O_TRUNC: a symlink planted at
+    that name had its target truncated and overwritten, and a killed writer's leftover was
+    written over in place. Whatever is there is removed, and the new file made afresh."""
+    from coordloader.checkpoint.fileio import write_file_atomic
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "report.json"
+    os.symlink(victim, str(out) + ".tmp")
+    write_file_atomic(str(out), b'{"ok": 1}\n')
+    assert victim.read_text() == "keep me"
+    assert out.read_bytes() == b'{"ok": 1}\n' and not out.is_symlink()
+    assert not os.path.lexists(str(out) + ".tmp")
+    (tmp_path / "report.json.tmp").write_text("half writ")   # a killed writer's
+    write_file_atomic(str(out), b"new\n")
+    assert out.read_bytes() == b"new\n" and not os.path.lexists(str(out) + ".tmp")

@@ -10,8 +10,9 @@ Two writers share one core:
 - ``write_safetensors_stream(path, specs, chunks, ...)`` takes an iterator of byte chunks
   covering the whole data region in order, so callers (synth) can generate data lazily and
   never hold a large file in memory.
-Both write to ``path + ".tmp"``, fsync, and rename (``_atomic_fd``, also behind
-``write_file_atomic`` for small files): a reader never sees a half-written file.
+Both write to ``path + ".tmp"`` (made afresh: whatever is there, a link too, is removed
+first), fsync, and rename (``_atomic_fd``, also behind ``write_file_atomic`` for small
+files): a reader never sees a half-written file.
 """
 from __future__ import annotations
 
@@ -195,6 +196,20 @@ def _abort(tmp: str, fd: int | None) -> None:
         pass
 
 
+def _create_new(tmp: str) -> int:
+    """A new file at ``tmp`` for writing. Whatever is there (a killed writer's leftover,
+    a symlink) is removed first, never written through: opened with O_TRUNC, a link
+    planted at the temporary's name had its target overwritten."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        return os.open(tmp, flags, 0o644)
+    except FileExistsError:
+        if stat.S_ISDIR(os.lstat(tmp).st_mode):
+            raise
+        os.unlink(tmp)
+        return os.open(tmp, flags, 0o644)
+
+
 @contextmanager
 def _atomic_fd(path: str, *, fsync: bool = True, tmp_suffix: str = ".tmp") -> Iterator[int]:
     """A write fd on ``path + tmp_suffix``; on a clean exit it is fsynced (if ``fsync``),
@@ -202,7 +217,7 @@ def _atomic_fd(path: str, *, fsync: bool = True, tmp_suffix: str = ".tmp") -> It
     becomes a SaveError naming ``path``."""
     tmp = path + tmp_suffix
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = _create_new(tmp)
     except OSError as e:
         raise SaveError(f"cannot create {tmp}: {e.strerror}", file=path) from e
     try:
