@@ -1785,6 +1785,15 @@ def test_an_unreadable_earlier_record_ends_a_local_save_naming_it(tmp_path):
     assert not any(n.startswith(".coordloader-staging") for n in os.listdir(out))
 
 
+
+def _refused_leaving(d, call) -> str:
+    """The SaveError message of ``call``, which must leave directory ``d`` as it was."""
+    before = sorted(os.listdir(d))
+    with pytest.raises(SaveError) as ei:
+        call()
+    assert sorted(os.listdir(d)) == before
+    return str(ei.value)
+
 def test_save_refuses_a_directory_named_like_a_file_of_a_checkpoint(tmp_path):
     """save(CKPT/model.safetensors) beside a sharded checkpoint's files wrote a directory
     the reader takes as part of CKPT, which then no longer loaded (two checkpoints); any
@@ -1792,16 +1801,12 @@ def test_save_refuses_a_directory_named_like_a_file_of_a_checkpoint(tmp_path):
     other."""
     from coordloader.synth import synthesize
     ck = synthesize(str(tmp_path / "ck"), "llama", "tiny", shards=2)
-    before = sorted(os.listdir(ck))
     out = os.path.join(ck, "model.safetensors")
-    with pytest.raises(SaveError) as ei:
-        save(out, {"w": torch.arange(4.0)}, config=CFG)
-    assert str(ei.value) == (
+    assert _refused_leaving(ck, lambda: save(out, {"w": torch.arange(4.0)}, config=CFG)) == (
         f"rank 0, file {out}: output directory {out} would add model.safetensors to the "
         f"checkpoint directory {ck} (holding config.json, model-00001-of-00002.safetensors, "
         f"model-00002-of-00002.safetensors ...), where it would be read as part of that "
         f"checkpoint; choose another directory")
-    assert sorted(os.listdir(ck)) == before
     read_checkpoint(ck)
     save(os.path.join(ck, "saved"), {"w": torch.arange(4.0)}, config=CFG)
     read_checkpoint(ck)
@@ -1833,15 +1838,12 @@ def test_overwrite_refuses_safetensors_the_old_checkpoint_does_not_list(tmp_path
         stray = "adapter_model.safetensors"
     save_file({"lora_A": torch.zeros(2)}, str(d / stray))
     (d / "config.json").write_text(json.dumps(CFG))
-    before = sorted(os.listdir(d))
-    with pytest.raises(SaveError) as ei:
-        save(d, {"w": torch.full((8,), 7.0)}, config=CFG, overwrite=True)
-    assert str(ei.value) == (
+    assert _refused_leaving(d, lambda: save(d, {"w": torch.full((8,), 7.0)}, config=CFG,
+                                            overwrite=True)) == (
         f"rank 0, file {d}: {stray} in the output directory is no part of the checkpoint the "
         f"save replaces; beside the new sharded save it would be read as a second checkpoint "
         f"(vLLM reads every *.safetensors file, and coordloader refuses such a directory): "
         f"move it out first")
-    assert sorted(os.listdir(d)) == before
     os.rename(d / stray, tmp_path / stray)
     save(d, {"w": torch.full((8,), 7.0)}, config=CFG, overwrite=True)
     got = cl.load_detailed(str(d), cl.Layout(), rank=0, replicate_unmatched=True).tensors["w"]
