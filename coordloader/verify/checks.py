@@ -168,38 +168,30 @@ def _replica_findings(slices: Sequence[tuple[int, tuple[Box, ...], int]], stray:
     were named already), and ``planning.cover.replica_problems`` on the ids."""
     b0 = slices[0][1]
     ks = [k for _, bx, k in slices if bx == b0]
-    if len(ks) == len(slices):   # every holder holds the same boxes (experts, replicated)
-        try:
-            if sorted(ks) == list(range(len(ks))):
-                return []
-        except TypeError:   # an id that is no integer: named below
-            pass
-    ids_of: dict = {}   # a primary slice's boxes -> the replica ids held of them
-    for r, bx, k in slices:
-        if k == 0:
-            ids_of.setdefault(bx, [])
+    if len(ks) == len(slices) and _numbered(ks):   # one boxes held by all (experts, replicated)
+        return []
+    # per primary slice's boxes: every holding of them, as replica_problems takes them
+    groups = {bx: (bx, []) for _, bx, k in slices if k == 0}
     problems = []
     for r, bx, k in slices:
-        lst = ids_of.get(bx)
-        if lst is None:
+        g = groups.get(bx)
+        if g is None:
             if r not in stray:
                 problems.append(f"rank {r} holds replica pieces {' + '.join(map(fmt_box, bx)) or '(none)'} "
                                 f"that equal no one rank's primary pieces")
             continue
-        lst.append(k)
-    for lst in ids_of.values():
-        try:
-            if sorted(lst) != list(range(len(lst))):
-                break
-        except TypeError:   # an id that is no integer: named below
-            break
-    else:
-        return problems
-    groups = {bx: (bx, []) for bx in ids_of}
-    for r, bx, k in slices:
-        if bx in groups:
-            groups[bx][1].append(((r,), (k,)))
+        g[1].append(((r,), (k,)))
+    if all(_numbered([ids[0] for _, ids in g[1]]) for g in groups.values()):
+        return problems   # (the common case, without building replica_problems' messages)
     return problems + [msg for msg, _ in replica_problems(list(groups.values()))]
+
+
+def _numbered(ids: Sequence) -> bool:
+    """Whether ``ids`` are the integers 0, 1, ..., n-1 in some order."""
+    try:
+        return sorted(ids) == list(range(len(ids)))
+    except TypeError:   # an id that is no integer: replica_problems names it
+        return False
 
 
 # --------------------------------------------------------------------------- local work
