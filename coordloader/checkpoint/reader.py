@@ -167,16 +167,6 @@ def _float_hook_lenient(s):
     return v
 
 
-_HEADER_DECODER_CHECKED = json.JSONDecoder(
-    object_pairs_hook=_pairs_hook, parse_constant=_const_hook, parse_int=_int_hook,
-    parse_float=_float_hook_header)
-# Without parse_int the C scanner builds ints itself (~15% of header time saved); that is
-# safe only while Python's int digit limit (default 4300) bounds the cost of a crafted
-# 100 MB integer. Values >= 2**63 are then refused by the entry validation.
-_HEADER_DECODER_FAST = json.JSONDecoder(
-    object_pairs_hook=_pairs_hook, parse_constant=_const_hook, parse_float=_float_hook_header)
-
-
 def _header_int_hook(s):
     if s == "-0":
         # JSON's -0 is an integer to Python and a float to the safetensors library (serde),
@@ -187,19 +177,24 @@ def _header_int_hook(s):
     return _int_hook(s)
 
 
-# for a header where -0 may stand as a number (a string such as a date in __metadata__
-# may match too): the checked decoder, refusing it
-_HEADER_DECODER_NEG0 = json.JSONDecoder(
+_HEADER_DECODER_CHECKED = json.JSONDecoder(
     object_pairs_hook=_pairs_hook, parse_constant=_const_hook, parse_int=_header_int_hook,
     parse_float=_float_hook_header)
+# Without parse_int the C scanner builds ints itself (~15% of header time saved); that is
+# safe only while Python's int digit limit (default 4300) bounds the cost of a crafted
+# 100 MB integer. Values >= 2**63 are then refused by the entry validation, and a -0 in a
+# number's place (a string such as a date in __metadata__ may match too) sends the header
+# to the checked decoder, which refuses it.
+_HEADER_DECODER_FAST = json.JSONDecoder(
+    object_pairs_hook=_pairs_hook, parse_constant=_const_hook, parse_float=_float_hook_header)
 _NEG0_NUMBER = re.compile(rb"[\[,:]\s*-0\s*[,\]}]")
 
 
 def _header_decoder(raw: bytes) -> json.JSONDecoder:
-    if _NEG0_NUMBER.search(raw):
-        return _HEADER_DECODER_NEG0
     limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
-    return _HEADER_DECODER_FAST if 0 < limit <= 5000 else _HEADER_DECODER_CHECKED
+    if 0 < limit <= 5000 and not _NEG0_NUMBER.search(raw):
+        return _HEADER_DECODER_FAST
+    return _HEADER_DECODER_CHECKED
 
 _INDEX_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_hook, parse_constant=_const_hook,
                                   parse_int=_int_hook, parse_float=_float_hook_lenient)
