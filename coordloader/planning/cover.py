@@ -141,9 +141,17 @@ def _core(prim: Mapping[str, list], held: Mapping[str, list], shapes: Mapping[st
                                   f"{[list(x) for x in b]}", tensor=name, rank=r)
 
 
-_RANGES: list = [()]   # _RANGES[n] == tuple(range(n))
 _key = itemgetter(2)
 _ids = itemgetter(1)
+
+
+def numbered(ids: Sequence) -> bool:
+    """Whether ``ids`` are the integers 0, 1, ..., n-1 in some order (the replica ids the
+    holders of one primary's boxes must have)."""
+    try:
+        return sorted(ids) == list(range(len(ids)))
+    except TypeError:   # an id that is no integer: replica_problems names it
+        return False
 
 
 def _check_replicas(name, ps, hs, boxes_of, err) -> None:
@@ -171,17 +179,8 @@ def _check_replicas(name, ps, hs, boxes_of, err) -> None:
             ids_of[g] = [u[1]]
         else:
             lst.append(u[1])
-    for lst in ids_of.values():
-        flat = lst[0] if len(lst) == 1 else tuple(chain.from_iterable(lst))
-        n = len(flat)
-        while len(_RANGES) <= n:
-            _RANGES.append(tuple(range(len(_RANGES))))
-        try:
-            if flat != _RANGES[n] and sorted(flat) != list(_RANGES[n]):
-                break
-        except TypeError:   # an id that is no integer: named below
-            break
-    else:
+    if all(numbered(lst[0] if len(lst) == 1 else tuple(chain.from_iterable(lst)))
+           for lst in ids_of.values()):
         return
     # a problem: group every holding by its primary again, with ranks, to name it
     groups: list = [(tuple(p[1]), []) for p in ps]
@@ -420,8 +419,7 @@ def _proved_by_columns(store: SliceStore, members, arrays, meta, excluded) -> _P
         tables[key] = np.array(sh.tables, dtype=np.int64)
         # a table whose members hold replicas 0..n-1, one each: its tensors' replicas
         # are proved with it (one class holds them, see below)
-        one = np.array([k for k, z in zero.items() if sorted(z[2]) == list(range(len(z[2])))],
-                       dtype=np.int64)
+        one = np.array([k for k, z in zero.items() if numbered(z[2])], dtype=np.int64)
         sids = arrays[key]
         single = np.isin(tables[key], one)
         r1 = row[sids[single]]
@@ -497,7 +495,7 @@ def _replicas_by_columns(members, arrays, left, proved: _Proved) -> np.ndarray:
                 m += 1
                 bits ^= low
         classes[u] = m
-        good[u] = sorted(ids) == list(range(len(ids)))
+        good[u] = numbered(ids)
     # a class listing a sid twice lists it once in ``held_by``: the counts must agree
     fine = good[inv] & one_table & (classes[inv] == cnt)
     r = proved.row[at[~fine]]

@@ -56,7 +56,7 @@ from coordloader.errors import (
     VerifyError,
 )
 from coordloader.layout import as_rank
-from coordloader.planning.cover import replica_problems, validate_cover
+from coordloader.planning.cover import numbered, replica_problems, validate_cover
 from coordloader.text import MAX_NAME_CHARS, clip, first_items, format_ranks
 from coordloader.verify.digest import (
     Route,
@@ -168,7 +168,7 @@ def _replica_findings(slices: Sequence[tuple[int, tuple[Box, ...], int]], stray:
     were named already), and ``planning.cover.replica_problems`` on the ids."""
     b0 = slices[0][1]
     ks = [k for _, bx, k in slices if bx == b0]
-    if len(ks) == len(slices) and _numbered(ks):   # one boxes held by all (experts, replicated)
+    if len(ks) == len(slices) and numbered(ks):   # one boxes held by all (experts, replicated)
         return []
     # per primary slice's boxes: every holding of them, as replica_problems takes them
     groups = {bx: (bx, []) for _, bx, k in slices if k == 0}
@@ -181,17 +181,10 @@ def _replica_findings(slices: Sequence[tuple[int, tuple[Box, ...], int]], stray:
                                 f"that equal no one rank's primary pieces")
             continue
         g[1].append(((r,), (k,)))
-    if all(_numbered([ids[0] for _, ids in g[1]]) for g in groups.values()):
+    if all(numbered([ids[0] for _, ids in g[1]]) for g in groups.values()):
         return problems   # (the common case, without building replica_problems' messages)
     return problems + [msg for msg, _ in replica_problems(list(groups.values()))]
 
-
-def _numbered(ids: Sequence) -> bool:
-    """Whether ``ids`` are the integers 0, 1, ..., n-1 in some order."""
-    try:
-        return sorted(ids) == list(range(len(ids)))
-    except TypeError:   # an id that is no integer: replica_problems names it
-        return False
 
 
 # --------------------------------------------------------------------------- local work
